@@ -1,0 +1,1 @@
+"""The library: backends, tensors and graphs, autodiff, optimizers, models, the training loop."""

@@ -1,0 +1,85 @@
+"""Backend interface (layer 2): device buffers, copies, and running compiled plans.
+
+A backend knows bytes and kernels, not graphs: layer 3 lowers a graph into a list
+of KernelCall (kernel name, tensor references into buffers, parameters) and the
+backend compiles that list into a native plan it can run many times.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import numpy as np
+
+DTYPES = {"f32": np.dtype(np.float32), "f16": np.dtype(np.float16),
+          "bf16": np.dtype(np.uint16), "i32": np.dtype(np.int32)}
+DTYPE_SIZE = {"f32": 4, "f16": 2, "bf16": 2, "i32": 4}
+MAX_DIMS = 6
+
+
+class Buffer(ABC):
+    """A block of bytes on a backend's device."""
+
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    """Where a tensor's elements lie: buffer, byte offset, dtype, shape, strides (elements)."""
+
+    buffer: Buffer
+    offset: int
+    dtype: str
+    shape: tuple
+    strides: tuple
+
+
+@dataclass(frozen=True)
+class KernelCall:
+    """One node of a lowered graph: `kernel` is the op name plus direction and dtype,
+    e.g. "rms_norm_fwd_f32"; ip/fp are the kernel's integer/float parameters;
+    scratch is node-private memory shared by its threads."""
+
+    kernel: str
+    dst: TensorRef
+    srcs: tuple
+    ip: tuple = ()
+    fp: tuple = ()
+    scratch: TensorRef | None = None
+    work_bytes: int = 0
+    label: str = ""
+
+
+class Plan(ABC):
+    """A compiled list of kernel calls, run by Backend.run."""
+
+
+class Backend(ABC):
+    """Allocation, copies and plan execution on one device."""
+
+    name: str
+
+    @abstractmethod
+    def alloc(self, nbytes: int) -> Buffer: ...
+
+    @abstractmethod
+    def free(self, buffer: Buffer) -> None: ...
+
+    @abstractmethod
+    def copy_in(self, buffer: Buffer, offset: int, array: np.ndarray) -> None: ...
+
+    @abstractmethod
+    def copy_out(self, buffer: Buffer, offset: int, out: np.ndarray) -> np.ndarray: ...
+
+    @abstractmethod
+    def supports(self, kernel: str) -> bool:
+        """Whether this backend has the kernel `<op>_<fwd|bwd>_<dtype>`."""
+
+    @abstractmethod
+    def compile(self, calls: list, n_threads: int) -> Plan: ...
+
+    @abstractmethod
+    def run(self, plan: Plan, n_threads: int | None = None) -> None: ...
+
+    def sync(self) -> None:
+        """Wait for queued work (the CPU backend runs synchronously)."""

@@ -1,0 +1,206 @@
+"""CPU backend (layer 2): numpy-owned aligned buffers and native plans on a thread pool."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from ggtrain.core.backend import MAX_DIMS, Backend, Buffer, KernelCall, Plan, TensorRef
+from ggtrain.errors import ShapeError, UnsupportedOpError
+from ggtrain.native import _check, ffi, lib
+
+_GT_DTYPE = {"f32": lib.GT_F32, "f16": lib.GT_F16, "bf16": lib.GT_BF16, "i32": lib.GT_I32}
+_ALIGN = 64
+
+
+def default_threads() -> int:
+    """GGTRAIN_THREADS, else the number of CPUs this process may use."""
+    env = os.environ.get("GGTRAIN_THREADS")
+    if env:
+        return max(1, int(env))
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # pragma: no cover - non-Linux
+        return max(1, os.cpu_count() or 1)
+
+
+class CpuBuffer(Buffer):
+    """Host memory, 64-byte aligned, owned by a numpy uint8 array."""
+
+    def __init__(self, nbytes: int):
+        self.nbytes = int(nbytes)
+        raw = np.zeros(self.nbytes + _ALIGN, dtype=np.uint8)
+        start = (-raw.ctypes.data) % _ALIGN
+        self._raw = raw
+        self.bytes = raw[start:start + self.nbytes]
+        self.address = self.bytes.ctypes.data
+
+    def view(self, offset: int, dtype: str, shape: tuple, strides: tuple | None = None) -> np.ndarray:
+        """A numpy view of elements in this buffer (strides in elements)."""
+        np_dtype = _np_dtype(dtype)
+        size = np_dtype.itemsize
+        if strides is None:
+            n = int(np.prod(shape, dtype=np.int64)) if shape else 1
+            return self.bytes[offset:offset + n * size].view(np_dtype).reshape(shape)
+        return np.lib.stride_tricks.as_strided(
+            self.bytes[offset:].view(np_dtype), shape=shape,
+            strides=tuple(s * size for s in strides))
+
+
+def _np_dtype(dtype: str) -> np.dtype:
+    return {"f32": np.dtype(np.float32), "f16": np.dtype(np.float16),
+            "bf16": np.dtype(np.uint16), "i32": np.dtype(np.int32)}[dtype]
+
+
+class CpuPlan(Plan):
+    """Native nodes plus the memory they point into; freed with the object."""
+
+    def __init__(self, backend: "CpuBackend", calls: list, n_threads: int):
+        self.calls = calls
+        self.n_threads = n_threads
+        self.nodes = ffi.new("gt_node[]", max(1, len(calls)))
+        keep = []
+        work = max([c.work_bytes for c in calls] + [0])
+        work = (work + _ALIGN - 1) // _ALIGN * _ALIGN
+        self.work = CpuBuffer(work * n_threads) if work else None
+        for i, call in enumerate(calls):
+            _fill_node(self.nodes[i], call, backend.kernel_pointer(call.kernel), keep)
+        self._keep = keep
+        out = ffi.new("gt_plan **")
+        work_ptr = ffi.cast("void *", self.work.address) if self.work else ffi.NULL
+        _check(lib.gt_plan_new(out, backend.pool(n_threads), self.nodes, len(calls), work_ptr, work),
+               "compiling plan")
+        self.ptr = ffi.gc(out[0], lib.gt_plan_free)
+
+
+def _fill_tensor(desc, ref: TensorRef) -> None:
+    if len(ref.shape) > MAX_DIMS:
+        raise ShapeError(f"tensor of shape {ref.shape} has more than {MAX_DIMS} dims")
+    desc.data = ffi.cast("void *", ref.buffer.address + ref.offset)
+    desc.dtype = _GT_DTYPE[ref.dtype]
+    desc.ndim = len(ref.shape)
+    for i in range(MAX_DIMS):
+        desc.shape[i] = ref.shape[i] if i < len(ref.shape) else 1
+        desc.strides[i] = ref.strides[i] if i < len(ref.strides) else 0
+
+
+def _fill_node(node, call: KernelCall, fn, keep: list) -> None:
+    if len(call.srcs) > 6 or len(call.ip) > 8 or len(call.fp) > 8:
+        raise ShapeError(f"{call.kernel}: too many inputs or parameters")
+    node.fn = fn
+    node.n_src = len(call.srcs)
+    _fill_tensor(node.dst, call.dst)
+    for i, src in enumerate(call.srcs):
+        _fill_tensor(node.src[i], src)
+    for i, v in enumerate(call.ip):
+        node.ip[i] = int(v)
+    for i, v in enumerate(call.fp):
+        node.fp[i] = float(v)
+    if call.scratch is not None:
+        node.scratch = ffi.cast("void *", call.scratch.buffer.address + call.scratch.offset)
+        node.scratch_size = call.scratch.shape[0]
+    keep.append(call)
+
+
+class CpuBackend(Backend):
+    """Runs plans on the native CPU core with a persistent thread pool."""
+
+    name = "cpu"
+
+    def __init__(self, n_threads: int | None = None):
+        self.n_threads = n_threads or default_threads()
+        self._pool = None
+        self._pool_size = 0
+
+    def pool(self, n_threads: int):
+        """The thread pool, grown to at least n_threads."""
+        if self._pool is None or self._pool_size < n_threads:
+            out = ffi.new("gt_pool **")
+            _check(lib.gt_pool_new(out, n_threads), "starting thread pool")
+            self._pool = ffi.gc(out[0], lib.gt_pool_free)
+            self._pool_size = n_threads
+        return self._pool
+
+    def alloc(self, nbytes: int) -> CpuBuffer:
+        return CpuBuffer(nbytes)
+
+    def free(self, buffer: Buffer) -> None:
+        buffer.bytes = None  # memory goes with the last reference
+
+    def copy_in(self, buffer: CpuBuffer, offset: int, array: np.ndarray) -> None:
+        data = np.ascontiguousarray(array).view(np.uint8).reshape(-1)
+        if offset < 0 or offset + data.size > buffer.nbytes:
+            raise ShapeError(f"copy_in of {data.size} bytes at {offset} overflows a {buffer.nbytes}-byte buffer")
+        buffer.bytes[offset:offset + data.size] = data
+
+    def copy_out(self, buffer: CpuBuffer, offset: int, out: np.ndarray) -> np.ndarray:
+        flat = out.reshape(-1).view(np.uint8)
+        if offset < 0 or offset + flat.size > buffer.nbytes:
+            raise ShapeError(f"copy_out of {flat.size} bytes at {offset} overflows a {buffer.nbytes}-byte buffer")
+        flat[:] = buffer.bytes[offset:offset + flat.size]
+        return out
+
+    def supports(self, kernel: str) -> bool:
+        return hasattr(lib, "gt_" + kernel)
+
+    def kernel_pointer(self, kernel: str):
+        """The native function pointer of kernel `gt_<kernel>`, looked up by name."""
+        if not self.supports(kernel):
+            raise UnsupportedOpError(f"cpu backend has no kernel gt_{kernel}")
+        return ffi.cast("gt_kernel", ffi.addressof(lib, "gt_" + kernel))
+
+    def compile(self, calls: list, n_threads: int | None = None) -> CpuPlan:
+        return CpuPlan(self, list(calls), n_threads or self.n_threads)
+
+    def run(self, plan: CpuPlan, n_threads: int | None = None) -> None:
+        n = n_threads or plan.n_threads
+        rc = lib.gt_plan_compute(plan.ptr, n)
+        if rc != 0:
+            idx = lib.gt_plan_failed_node(plan.ptr)
+            label = plan.calls[idx].label or plan.calls[idx].kernel if 0 <= idx < len(plan.calls) else "?"
+            _check(rc, f"running {label}")
+
+
+def run_kernel(kernel: str, dst: np.ndarray, srcs: list, ip=(), fp=(), n_threads: int = 1,
+               scratch_bytes: int = 0, work_bytes: int = 0, backend: CpuBackend | None = None) -> np.ndarray:
+    """Run one kernel on numpy arrays (tests and direct use); dst is filled in place.
+
+    Arrays may be strided views of contiguous buffers; bf16 arrays are uint16 with
+    dtype given by a tuple (array, "bf16").
+    """
+    backend = backend or CpuBackend(n_threads)
+    bufs = []
+
+    def ref(a):
+        dtype = None
+        if isinstance(a, tuple):
+            a, dtype = a
+        if dtype is None:
+            dtype = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16",
+                     np.dtype(np.int32): "i32", np.dtype(np.uint16): "bf16"}[a.dtype]
+        base = a
+        while base.base is not None and isinstance(base.base, np.ndarray):
+            base = base.base
+        buf = _ArrayBuffer(a)
+        bufs.append(buf)
+        item = a.dtype.itemsize
+        return TensorRef(buf, 0, dtype, tuple(a.shape), tuple(s // item for s in a.strides))
+
+    scratch = None
+    if scratch_bytes:
+        sb = CpuBuffer(scratch_bytes)
+        scratch = TensorRef(sb, 0, "f32", (scratch_bytes,), (1,))
+    call = KernelCall(kernel, ref(dst), tuple(ref(s) for s in srcs), tuple(ip), tuple(fp),
+                      scratch, work_bytes)
+    plan = backend.compile([call], n_threads)
+    backend.run(plan, n_threads)
+    return dst[0] if isinstance(dst, tuple) else dst
+
+
+class _ArrayBuffer(Buffer):
+    """Wraps an existing numpy array's memory (direct kernel runs)."""
+
+    def __init__(self, array: np.ndarray):
+        self.array = array
+        self.nbytes = array.nbytes
+        self.address = array.ctypes.data

@@ -1,0 +1,167 @@
+/* copy.c: cast/cont (strided copy with dtype conversion), view_bwd, and the
+ * direct f16/bf16 conversion helpers. */
+#include <math.h>
+
+#include "internal.h"
+
+/* IEEE half <-> float, round to nearest even; NaN stays NaN, overflow -> inf. */
+float gt_f16_to_f32_1(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16;
+    uint32_t exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+    if (exp == 0) {
+        if (man == 0) bits = sign;
+        else {  /* subnormal: normalise */
+            int e = -1;
+            do { e++; man <<= 1; } while (!(man & 0x400));
+            bits = sign | ((uint32_t)(112 - e) << 23) | ((man & 0x3ff) << 13);
+        }
+    } else if (exp == 31) bits = sign | 0x7f800000u | (man << 13);
+    else bits = sign | ((exp + 112) << 23) | (man << 13);
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+uint16_t gt_f32_to_f16_1(float f) {
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    uint32_t sign = (x >> 16) & 0x8000;
+    uint32_t absx = x & 0x7fffffffu;
+    if (absx >= 0x7f800000u) return (uint16_t)(sign | 0x7c00 | (absx > 0x7f800000u ? 0x200 : 0));
+    if (absx >= 0x477ff000u) return (uint16_t)(sign | 0x7c00);   /* rounds to inf */
+    if (absx < 0x38800000u) {                                     /* subnormal half or zero */
+        if (absx < 0x33000000u) return (uint16_t)sign;            /* below half of the smallest */
+        uint32_t man = (absx & 0x7fffff) | 0x800000;
+        int shift = 113 - (int)(absx >> 23) + 13;                 /* 14..24 */
+        uint32_t r = man >> shift, rem = man & ((1u << shift) - 1), halfway = 1u << (shift - 1);
+        if (rem > halfway || (rem == halfway && (r & 1))) r++;
+        return (uint16_t)(sign | r);
+    }
+    uint32_t r = ((absx >> 13) - (112u << 10));
+    uint32_t rem = absx & 0x1fff;
+    if (rem > 0x1000 || (rem == 0x1000 && (r & 1))) r++;
+    return (uint16_t)(sign | r);
+}
+
+float gt_bf16_to_f32_1(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+uint16_t gt_f32_to_bf16_1(float f) {
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    if ((x & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((x >> 16) | 0x40);  /* quiet NaN */
+    x += 0x7fff + ((x >> 16) & 1);
+    return (uint16_t)(x >> 16);
+}
+
+static inline float load_as_f32(const void *base, int dtype, int64_t i) {
+    switch (dtype) {
+    case GT_F16: return gt_f16_to_f32_1(((const uint16_t *)base)[i]);
+    case GT_BF16: return gt_bf16_to_f32_1(((const uint16_t *)base)[i]);
+    default: return ((const float *)base)[i];
+    }
+}
+
+/* dst (contiguous, dtype `to`) = src (any strides, f32/f16/bf16) converted. */
+static int cast(const gt_node *node, const gt_ctx *ctx, int to, const char *op) {
+    const gt_tensor *d = &node->dst, *a = &node->src[0];
+    if (!d->data || !a->data) return GT_FAIL(GT_ERR_INVALID, "%s: missing data pointer", op);
+    if (d->dtype != to) return GT_FAIL(GT_ERR_DTYPE, "%s: dst dtype %d, kernel writes %d", op, d->dtype, to);
+    if (a->dtype != GT_F32 && a->dtype != GT_F16 && a->dtype != GT_BF16)
+        return GT_FAIL(GT_ERR_DTYPE, "%s: cannot convert from dtype %d", op, a->dtype);
+    if (!gt_is_contiguous(d)) return GT_FAIL(GT_ERR_INVALID, "%s: dst must be contiguous", op);
+    if (gt_numel(a) != gt_numel(d) || a->ndim != d->ndim)
+        return GT_FAIL(GT_ERR_SHAPE, "%s: src and dst shapes differ", op);
+    for (int i = 0; i < a->ndim; i++)
+        if (a->shape[i] != d->shape[i]) return GT_FAIL(GT_ERR_SHAPE, "%s: src and dst shapes differ", op);
+    const int64_t ncols = gt_ncols(d), nrows = gt_nrows(d);
+    const int64_t sa = a->ndim ? a->strides[a->ndim - 1] : 1;
+    int64_t lo, hi;
+    gt_split(nrows, ctx, &lo, &hi);
+    for (int64_t r = lo; r < hi; r++) {
+        const int64_t so = gt_row_offset(a, r);
+        const int64_t dof = r * ncols;
+        if (a->dtype == to && sa == 1) {
+            size_t esz = to == GT_F32 ? 4 : 2;
+            memcpy((char *)d->data + dof * esz, (const char *)a->data + so * esz, (size_t)ncols * esz);
+            continue;
+        }
+        for (int64_t i = 0; i < ncols; i++) {
+            const float v = load_as_f32(a->data, a->dtype, so + i * sa);
+            switch (to) {
+            case GT_F16: ((uint16_t *)d->data)[dof + i] = gt_f32_to_f16_1(v); break;
+            case GT_BF16: ((uint16_t *)d->data)[dof + i] = gt_f32_to_bf16_1(v); break;
+            default: ((float *)d->data)[dof + i] = v; break;
+            }
+        }
+    }
+    return GT_OK;
+}
+
+int gt_cast_fwd_f32(const gt_node *n, const gt_ctx *c) { return cast(n, c, GT_F32, "cast"); }
+int gt_cast_fwd_f16(const gt_node *n, const gt_ctx *c) { return cast(n, c, GT_F16, "cast"); }
+int gt_cast_fwd_bf16(const gt_node *n, const gt_ctx *c) { return cast(n, c, GT_BF16, "cast"); }
+
+/* view_bwd: dst (contiguous f32, the base's shape) = 0 everywhere, then src (the
+ * gradient of a view, contiguous) is written where the view lies: element
+ * ip[0] + sum_i idx_i * ip[1 + i] of dst for view index idx. Two phases. */
+int gt_view_bwd_f32(const gt_node *node, const gt_ctx *ctx) {
+    const gt_tensor *d = &node->dst, *g = &node->src[0];
+    GT_CHECK_F32(d, "view_bwd", "dst");
+    GT_CHECK_F32(g, "view_bwd", "src0");
+    if (!gt_is_contiguous(d) || !gt_is_contiguous(g))
+        return GT_FAIL(GT_ERR_INVALID, "view_bwd: tensors must be contiguous");
+    const int64_t nd = gt_numel(d), ng = gt_numel(g);
+    /* bounds: the furthest element the view reaches must lie inside dst */
+    int64_t reach = node->ip[0];
+    for (int i = 0; i < g->ndim; i++) {
+        if (node->ip[1 + i] < 0) return GT_FAIL(GT_ERR_INVALID, "view_bwd: negative view stride");
+        reach += (g->shape[i] - 1) * node->ip[1 + i];
+    }
+    if (ng > 0 && (node->ip[0] < 0 || reach >= nd))
+        return GT_FAIL(GT_ERR_SHAPE, "view_bwd: view reaches element %lld of a %lld-element base",
+                       (long long)reach, (long long)nd);
+    float *dd = d->data;
+    const float *gd = g->data;
+    int64_t lo, hi;
+    gt_split(nd, ctx, &lo, &hi);
+    if (hi > lo) memset(dd + lo, 0, (size_t)(hi - lo) * sizeof(float));
+    gt_barrier(ctx);
+    const int64_t ncols = gt_ncols(g), nrows = gt_nrows(g);
+    const int64_t sc = g->ndim ? node->ip[g->ndim] : 1;
+    gt_split(nrows, ctx, &lo, &hi);
+    for (int64_t r = lo; r < hi; r++) {
+        int64_t off = node->ip[0], rem = r;
+        for (int i = g->ndim - 2; i >= 0; i--) {
+            off += (rem % g->shape[i]) * node->ip[1 + i];
+            rem /= g->shape[i];
+        }
+        for (int64_t i = 0; i < ncols; i++) dd[off + i * sc] = gd[r * ncols + i];
+    }
+    return GT_OK;
+}
+
+int gt_f32_to_f16(uint16_t *dst, const float *src, int64_t n) {
+    if ((!dst || !src) && n > 0) return GT_FAIL(GT_ERR_INVALID, "gt_f32_to_f16: null pointer");
+    for (int64_t i = 0; i < n; i++) dst[i] = gt_f32_to_f16_1(src[i]);
+    return GT_OK;
+}
+int gt_f16_to_f32(float *dst, const uint16_t *src, int64_t n) {
+    if ((!dst || !src) && n > 0) return GT_FAIL(GT_ERR_INVALID, "gt_f16_to_f32: null pointer");
+    for (int64_t i = 0; i < n; i++) dst[i] = gt_f16_to_f32_1(src[i]);
+    return GT_OK;
+}
+int gt_f32_to_bf16(uint16_t *dst, const float *src, int64_t n) {
+    if ((!dst || !src) && n > 0) return GT_FAIL(GT_ERR_INVALID, "gt_f32_to_bf16: null pointer");
+    for (int64_t i = 0; i < n; i++) dst[i] = gt_f32_to_bf16_1(src[i]);
+    return GT_OK;
+}
+int gt_bf16_to_f32(float *dst, const uint16_t *src, int64_t n) {
+    if ((!dst || !src) && n > 0) return GT_FAIL(GT_ERR_INVALID, "gt_bf16_to_f32: null pointer");
+    for (int64_t i = 0; i < n; i++) dst[i] = gt_bf16_to_f32_1(src[i]);
+    return GT_OK;
+}

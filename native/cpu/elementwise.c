@@ -1,0 +1,186 @@
+/* elementwise.c: binary ops with broadcasting, unary ops, fill, and the fused
+ * backward kernels of relu and silu. Rows of dst are split across threads. */
+#include <math.h>
+
+#include "internal.h"
+#include "simd.h"
+
+/* ---- binary: dst (contiguous) = src0 OP src1, numpy broadcasting ---------- */
+
+#define BINARY_ROW(name, OP)                                                          \
+    GT_CLONES static void name##_row(float *d, const float *a, int64_t sa,             \
+                                     const float *b, int64_t sb, int64_t n) {          \
+        if (sa == 1 && sb == 1) {                                                      \
+            for (int64_t i = 0; i < n; i++) d[i] = a[i] OP b[i];                       \
+        } else if (sa == 1 && sb == 0) {                                               \
+            const float y = b[0];                                                      \
+            for (int64_t i = 0; i < n; i++) d[i] = a[i] OP y;                          \
+        } else if (sa == 0 && sb == 1) {                                               \
+            const float x = a[0];                                                      \
+            for (int64_t i = 0; i < n; i++) d[i] = x OP b[i];                          \
+        } else {                                                                       \
+            for (int64_t i = 0; i < n; i++) d[i] = a[i * sa] OP b[i * sb];             \
+        }                                                                              \
+    }
+
+BINARY_ROW(add, +)
+BINARY_ROW(sub, -)
+BINARY_ROW(mul, *)
+BINARY_ROW(div, /)
+
+typedef void (*binary_row_fn)(float *, const float *, int64_t, const float *, int64_t, int64_t);
+
+/* Stride of t's last dim when broadcast to like's last dim. */
+static int64_t inner_stride(const gt_tensor *t) {
+    if (t->ndim == 0 || t->shape[t->ndim - 1] == 1) return 0;
+    return t->strides[t->ndim - 1];
+}
+
+static int check_bcast(const gt_tensor *t, const gt_tensor *d, const char *op, const char *what) {
+    if (t->ndim > d->ndim) return GT_FAIL(GT_ERR_SHAPE, "%s: %s has more dims than dst", op, what);
+    for (int i = 0; i < t->ndim; i++) {
+        int64_t n = t->shape[t->ndim - 1 - i], m = d->shape[d->ndim - 1 - i];
+        if (n != 1 && n != m)
+            return GT_FAIL(GT_ERR_SHAPE, "%s: %s dim %d is %lld, cannot broadcast to %lld", op,
+                           what, t->ndim - 1 - i, (long long)n, (long long)m);
+    }
+    return GT_OK;
+}
+
+static int binary(const gt_node *node, const gt_ctx *ctx, binary_row_fn fn, const char *op) {
+    const gt_tensor *d = &node->dst, *a = &node->src[0], *b = &node->src[1];
+    GT_CHECK_F32(d, op, "dst");
+    GT_CHECK_F32(a, op, "src0");
+    GT_CHECK_F32(b, op, "src1");
+    if (node->n_src != 2) return GT_FAIL(GT_ERR_INVALID, "%s: needs 2 inputs", op);
+    if (!gt_is_contiguous(d)) return GT_FAIL(GT_ERR_INVALID, "%s: dst must be contiguous", op);
+    int rc = check_bcast(a, d, op, "src0");
+    if (!rc) rc = check_bcast(b, d, op, "src1");
+    if (rc) return rc;
+    const int64_t ncols = gt_ncols(d), nrows = gt_nrows(d);
+    const int64_t sa = inner_stride(a), sb = inner_stride(b);
+    float *dd = d->data;
+    const float *ad = a->data, *bd = b->data;
+    int64_t lo, hi;
+    gt_split(nrows, ctx, &lo, &hi);
+    for (int64_t r = lo; r < hi; r++) {
+        fn(dd + r * ncols, ad + gt_row_offset_bcast(a, d, r), sa, bd + gt_row_offset_bcast(b, d, r),
+           sb, ncols);
+    }
+    return GT_OK;
+}
+
+int gt_add_fwd_f32(const gt_node *node, const gt_ctx *ctx) { return binary(node, ctx, add_row, "add"); }
+int gt_sub_fwd_f32(const gt_node *node, const gt_ctx *ctx) { return binary(node, ctx, sub_row, "sub"); }
+int gt_mul_fwd_f32(const gt_node *node, const gt_ctx *ctx) { return binary(node, ctx, mul_row, "mul"); }
+int gt_div_fwd_f32(const gt_node *node, const gt_ctx *ctx) { return binary(node, ctx, div_row, "div"); }
+
+/* ---- unary: dst (contiguous) = f(src), src any strides, same shape ---------- */
+
+typedef void (*unary_row_fn)(float *, const float *, int64_t, float, int64_t);
+
+#define UNARY_ROW(name, EXPR)                                                            \
+    GT_CLONES static void name##_row(float *d, const float *a, int64_t sa, float p,       \
+                                     int64_t n) {                                         \
+        (void)p;                                                                          \
+        if (sa == 1) {                                                                    \
+            for (int64_t i = 0; i < n; i++) { const float x = a[i]; d[i] = (EXPR); }      \
+        } else {                                                                          \
+            for (int64_t i = 0; i < n; i++) { const float x = a[i * sa]; d[i] = (EXPR); } \
+        }                                                                                 \
+    }
+
+UNARY_ROW(scale, x * p)
+UNARY_ROW(relu, x > 0.0f ? x : 0.0f)
+UNARY_ROW(silu, x / (1.0f + expf(-x)))
+UNARY_ROW(exp, expf(x))
+UNARY_ROW(log, logf(x))
+UNARY_ROW(sqrt, sqrtf(x))
+UNARY_ROW(sqr, x * x)
+
+static int check_same_shape(const gt_tensor *a, const gt_tensor *b, const char *op) {
+    if (a->ndim != b->ndim) goto bad;
+    for (int i = 0; i < a->ndim; i++)
+        if (a->shape[i] != b->shape[i]) goto bad;
+    return GT_OK;
+bad:
+    return GT_FAIL(GT_ERR_SHAPE, "%s: input and output shapes differ", op);
+}
+
+static int unary(const gt_node *node, const gt_ctx *ctx, unary_row_fn fn, const char *op) {
+    const gt_tensor *d = &node->dst, *a = &node->src[0];
+    GT_CHECK_F32(d, op, "dst");
+    GT_CHECK_F32(a, op, "src0");
+    if (!gt_is_contiguous(d)) return GT_FAIL(GT_ERR_INVALID, "%s: dst must be contiguous", op);
+    int rc = check_same_shape(a, d, op);
+    if (rc) return rc;
+    const int64_t ncols = gt_ncols(d), nrows = gt_nrows(d);
+    const int64_t sa = a->ndim ? a->strides[a->ndim - 1] : 1;
+    float *dd = d->data;
+    const float *ad = a->data;
+    if (gt_is_contiguous(a)) {
+        /* one flat range: better thread balance for few long rows */
+        int64_t lo, hi, n = nrows * ncols;
+        gt_split(n, ctx, &lo, &hi);
+        if (hi > lo) fn(dd + lo, ad + lo, 1, node->fp[0], hi - lo);
+        return GT_OK;
+    }
+    int64_t lo, hi;
+    gt_split(nrows, ctx, &lo, &hi);
+    for (int64_t r = lo; r < hi; r++) fn(dd + r * ncols, ad + gt_row_offset(a, r), sa, node->fp[0], ncols);
+    return GT_OK;
+}
+
+int gt_scale_fwd_f32(const gt_node *n, const gt_ctx *c) { return unary(n, c, scale_row, "scale"); }
+int gt_relu_fwd_f32(const gt_node *n, const gt_ctx *c) { return unary(n, c, relu_row, "relu"); }
+int gt_silu_fwd_f32(const gt_node *n, const gt_ctx *c) { return unary(n, c, silu_row, "silu"); }
+int gt_exp_fwd_f32(const gt_node *n, const gt_ctx *c) { return unary(n, c, exp_row, "exp"); }
+int gt_log_fwd_f32(const gt_node *n, const gt_ctx *c) { return unary(n, c, log_row, "log"); }
+int gt_sqrt_fwd_f32(const gt_node *n, const gt_ctx *c) { return unary(n, c, sqrt_row, "sqrt"); }
+int gt_sqr_fwd_f32(const gt_node *n, const gt_ctx *c) { return unary(n, c, sqr_row, "sqr"); }
+
+/* fill: every element of dst (contiguous) = fp[0]. */
+int gt_fill_fwd_f32(const gt_node *node, const gt_ctx *ctx) {
+    const gt_tensor *d = &node->dst;
+    GT_CHECK_F32(d, "fill", "dst");
+    if (!gt_is_contiguous(d)) return GT_FAIL(GT_ERR_INVALID, "fill: dst must be contiguous");
+    int64_t lo, hi;
+    gt_split(gt_numel(d), ctx, &lo, &hi);
+    float *dd = d->data;
+    const float v = node->fp[0];
+    for (int64_t i = lo; i < hi; i++) dd[i] = v;
+    return GT_OK;
+}
+
+/* ---- fused backward kernels: dst = dx from x (src0) and g (src1), contiguous -- */
+
+GT_CLONES static void relu_bwd_row(float *d, const float *x, const float *g, int64_t n) {
+    for (int64_t i = 0; i < n; i++) d[i] = x[i] > 0.0f ? g[i] : 0.0f;
+}
+
+GT_CLONES static void silu_bwd_row(float *d, const float *x, const float *g, int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        const float s = 1.0f / (1.0f + expf(-x[i]));
+        d[i] = g[i] * s * (1.0f + x[i] * (1.0f - s));
+    }
+}
+
+static int unary_bwd(const gt_node *node, const gt_ctx *ctx,
+                     void (*fn)(float *, const float *, const float *, int64_t), const char *op) {
+    const gt_tensor *d = &node->dst, *x = &node->src[0], *g = &node->src[1];
+    GT_CHECK_F32(d, op, "dst");
+    GT_CHECK_F32(x, op, "x");
+    GT_CHECK_F32(g, op, "g");
+    int rc = check_same_shape(x, d, op);
+    if (!rc) rc = check_same_shape(g, d, op);
+    if (rc) return rc;
+    if (!gt_is_contiguous(d) || !gt_is_contiguous(x) || !gt_is_contiguous(g))
+        return GT_FAIL(GT_ERR_INVALID, "%s: tensors must be contiguous", op);
+    int64_t lo, hi;
+    gt_split(gt_numel(d), ctx, &lo, &hi);
+    if (hi > lo) fn((float *)d->data + lo, (const float *)x->data + lo, (const float *)g->data + lo, hi - lo);
+    return GT_OK;
+}
+
+int gt_relu_bwd_f32(const gt_node *n, const gt_ctx *c) { return unary_bwd(n, c, relu_bwd_row, "relu_bwd"); }
+int gt_silu_bwd_f32(const gt_node *n, const gt_ctx *c) { return unary_bwd(n, c, silu_bwd_row, "silu_bwd"); }

@@ -1,0 +1,89 @@
+/* optim.c: optimizer steps as plan kernels (in place on the parameter and its
+ * state). The hyper vector layout matches core/optim.py's HYPER_* indices. */
+#include <math.h>
+
+#include "internal.h"
+
+enum {
+    H_LR = 0, H_BETA1 = 1, H_BETA2 = 2, H_EPS = 3, H_WD = 4,
+    H_BC1 = 5,   /* 1 - beta1^t, computed on the host from the step count */
+    H_BC2 = 6,   /* 1 - beta2^t */
+    H_MAX_NORM = 7, H_MOMENTUM = 8, H_COUNT = 9
+};
+
+static int check_step(const gt_node *node, int n_src, const char *op) {
+    if (node->n_src != n_src) return GT_FAIL(GT_ERR_INVALID, "%s: needs %d inputs", op, n_src);
+    const int64_t n = gt_numel(&node->src[0]);
+    for (int i = 0; i < n_src; i++) {
+        const gt_tensor *t = &node->src[i];
+        GT_CHECK_F32(t, op, "input");
+        if (!gt_is_contiguous(t)) return GT_FAIL(GT_ERR_INVALID, "%s: input %d not contiguous", op, i);
+        if (i == 2) {
+            if (gt_numel(t) < H_COUNT) return GT_FAIL(GT_ERR_SHAPE, "%s: hyper vector too short", op);
+        } else if (i == 3) {
+            if (gt_numel(t) != 1) return GT_FAIL(GT_ERR_SHAPE, "%s: grad norm must be a scalar", op);
+        } else if (gt_numel(t) != n) {
+            return GT_FAIL(GT_ERR_SHAPE, "%s: input %d has %lld elements, param has %lld", op, i,
+                           (long long)gt_numel(t), (long long)n);
+        }
+    }
+    if (node->dst.data != node->src[0].data)
+        return GT_FAIL(GT_ERR_INVALID, "%s: dst must alias the parameter (in-place step)", op);
+    return GT_OK;
+}
+
+/* Global-norm clipping factor: min(1, max_norm / norm), 1 when disabled. */
+static float clip_scale(const float *h, float norm) {
+    const float max_norm = h[H_MAX_NORM];
+    if (max_norm > 0.0f && norm > max_norm) return max_norm / (norm + 1e-6f);
+    return 1.0f;
+}
+
+/* AdamW with decoupled weight decay (Loshchilov & Hutter), bias-corrected:
+ *   g = clip * grad;  m = b1 m + (1-b1) g;  v = b2 v + (1-b2) g^2
+ *   p -= lr * (m / bc1) / (sqrt(v / bc2) + eps) + lr * wd * fp[0] * p      */
+int gt_adamw_step_fwd_f32(const gt_node *node, const gt_ctx *ctx) {
+    int rc = check_step(node, 6, "adamw_step");
+    if (rc) return rc;
+    float *p = node->src[0].data, *m = node->src[4].data, *v = node->src[5].data;
+    const float *g = node->src[1].data, *h = node->src[2].data;
+    const float scale = clip_scale(h, *(const float *)node->src[3].data);
+    const float lr = h[H_LR], b1 = h[H_BETA1], b2 = h[H_BETA2], eps = h[H_EPS];
+    const float decay = lr * h[H_WD] * node->fp[0];
+    const float bc1 = h[H_BC1], bc2 = h[H_BC2];
+    if (!(bc1 > 0.0f) || !(bc2 > 0.0f)) return GT_FAIL(GT_ERR_INVALID, "adamw_step: bias corrections must be > 0 (step count 0?)");
+    int64_t lo, hi;
+    gt_split(gt_numel(&node->src[0]), ctx, &lo, &hi);
+    for (int64_t i = lo; i < hi; i++) {
+        const float gi = g[i] * scale;
+        const float mi = b1 * m[i] + (1.0f - b1) * gi;
+        const float vi = b2 * v[i] + (1.0f - b2) * gi * gi;
+        m[i] = mi;
+        v[i] = vi;
+        const float mhat = mi / bc1, vhat = vi / bc2;
+        p[i] = p[i] - decay * p[i] - lr * mhat / (sqrtf(vhat) + eps);
+    }
+    return GT_OK;
+}
+
+/* SGD with optional momentum and coupled (L2) weight decay, as PyTorch:
+ *   g = clip * grad + wd * fp[0] * p;  buf = mu buf + g (if mu > 0);  p -= lr * buf */
+int gt_sgd_step_fwd_f32(const gt_node *node, const gt_ctx *ctx) {
+    int rc = check_step(node, 5, "sgd_step");
+    if (rc) return rc;
+    float *p = node->src[0].data, *buf = node->src[4].data;
+    const float *g = node->src[1].data, *h = node->src[2].data;
+    const float scale = clip_scale(h, *(const float *)node->src[3].data);
+    const float lr = h[H_LR], wd = h[H_WD] * node->fp[0], mu = h[H_MOMENTUM];
+    int64_t lo, hi;
+    gt_split(gt_numel(&node->src[0]), ctx, &lo, &hi);
+    for (int64_t i = lo; i < hi; i++) {
+        float gi = g[i] * scale + wd * p[i];
+        if (mu != 0.0f) {
+            gi = mu * buf[i] + gi;
+            buf[i] = gi;
+        }
+        p[i] -= lr * gi;
+    }
+    return GT_OK;
+}

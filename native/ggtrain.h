@@ -1,0 +1,220 @@
+/* ggtrain.h: the whole C API of ggtrain's native core (layer 1).
+ *
+ * Read by the C files (which include it once) and by cffi's cdef, so it holds
+ * plain declarations only: no #include, no #define, no #ifdef.
+ *
+ * Model: Python builds a graph and lowers it into an array of gt_node. Each node
+ * names its kernel by pointer, carries tensor descriptors for its output (dst) and
+ * inputs (src), and small integer/float parameters. gt_plan_compute runs every
+ * node in order on a persistent thread pool: each thread calls the kernel with
+ * its index (ctx->ith of ctx->nth) and the pool waits on a barrier between nodes.
+ *
+ * Worked example (what core/backend_cpu.py does):
+ *     gt_pool *pool;  gt_pool_new(&pool, 2);
+ *     gt_node nodes[1] = {{ .fn = gt_add_fwd_f32, .n_src = 2, .dst = c, .src = {a, b} }};
+ *     gt_plan *plan;  gt_plan_new(&plan, pool, nodes, 1, work, work_per_thread);
+ *     gt_plan_compute(plan, 2);     // c = a + b, split across 2 threads
+ *
+ * Tensors: shapes and strides in numpy order (outermost first), strides counted
+ * in elements (not bytes). A stride of 0 broadcasts. Kernels document which
+ * inputs must be contiguous; Python inserts `cont` nodes where needed.
+ *
+ * Errors: every function returns GT_OK (0) or a negative gt_status; a message
+ * (with the C file and line) is then available from gt_last_error() on the
+ * calling thread. Nothing here aborts, exits or prints.
+ *
+ * Determinism: every kernel gives bit-identical results for any thread count:
+ * work is split so that each output element is computed by exactly one thread
+ * in a fixed order, and cross-row reductions go through per-row scratch summed
+ * in a fixed order.
+ */
+
+typedef enum gt_status {
+    GT_OK = 0,
+    GT_ERR_INVALID = -1,      /* bad argument: null pointer, bad parameter */
+    GT_ERR_SHAPE = -2,        /* shapes do not fit together */
+    GT_ERR_DTYPE = -3,        /* dtype not supported by this kernel */
+    GT_ERR_NOMEM = -4,        /* allocation failed (pool, plan) */
+    GT_ERR_THREAD = -5,       /* thread creation or synchronisation failed */
+    GT_ERR_UNSUPPORTED = -6   /* valid request this build cannot serve */
+} gt_status;
+
+typedef enum gt_dtype {
+    GT_F32 = 0,
+    GT_F16 = 1,
+    GT_BF16 = 2,
+    GT_I32 = 3
+} gt_dtype;
+
+/* GT_MAX_DIMS is 6: shape and strides arrays below have that many slots. */
+typedef struct gt_tensor {
+    void *data;              /* first element */
+    int32_t dtype;           /* gt_dtype */
+    int32_t ndim;            /* 0..6; 0 is a scalar */
+    int64_t shape[6];        /* numpy order, unused slots 1 */
+    int64_t strides[6];      /* in elements, unused slots 0 */
+} gt_tensor;
+
+/* What a kernel sees of the thread running it. */
+typedef struct gt_ctx {
+    int32_t ith;             /* this thread, 0..nth-1 */
+    int32_t nth;             /* threads working on this node */
+    void *wdata;             /* this thread's private scratch */
+    int64_t wsize;           /* its size in bytes */
+    void *pool;              /* for gt_barrier */
+} gt_ctx;
+
+struct gt_node;
+typedef int (*gt_kernel)(const struct gt_node *node, const gt_ctx *ctx);
+
+/* One step of a plan. Kernels read src[0..n_src-1] and fill dst; `scratch`
+ * is node-private memory shared by all threads (size given by Python). */
+typedef struct gt_node {
+    gt_kernel fn;
+    int32_t n_src;
+    int32_t pad_;
+    gt_tensor dst;
+    gt_tensor src[6];
+    int64_t ip[8];           /* integer parameters, meaning per kernel */
+    float fp[8];             /* float parameters, meaning per kernel */
+    void *scratch;
+    int64_t scratch_size;
+} gt_node;
+
+typedef struct gt_pool gt_pool;
+typedef struct gt_plan gt_plan;
+
+const char *gt_last_error(void);
+void gt_clear_error(void);
+int gt_cpu_features(void);   /* bit 0: AVX2+FMA, bit 1: AVX-512F (what dispatch uses) */
+int gt_set_simd_level(int level);  /* cap dispatch: 0 scalar, 1 AVX2, 2 AVX-512 (tests) */
+
+/* Persistent thread pool: n_threads - 1 workers plus the calling thread. */
+int gt_pool_new(gt_pool **out, int32_t n_threads);
+void gt_pool_free(gt_pool *pool);
+
+/* A plan references `nodes` (owned by the caller, kept alive while the plan
+ * lives) and per-thread scratch `work` of n_threads * work_per_thread bytes. */
+int gt_plan_new(gt_plan **out, gt_pool *pool, const struct gt_node *nodes, int64_t n_nodes,
+                void *work, int64_t work_per_thread);
+void gt_plan_free(gt_plan *plan);
+int gt_plan_compute(gt_plan *plan, int32_t n_threads);
+int64_t gt_plan_failed_node(const gt_plan *plan);   /* index of the node that failed, or -1 */
+
+/* Waits for all threads of the current node. Only for kernels with phases. */
+int gt_barrier(const gt_ctx *ctx);
+
+/* Runs a single node outside any plan (tests, direct kernels). */
+int gt_node_compute(gt_pool *pool, const struct gt_node *node, int32_t n_threads,
+                    void *work, int64_t work_per_thread);
+
+/* ---- kernels (plan signature). Params are listed as ip[i] / fp[i]. ---------
+ * Elementwise binary, numpy broadcasting through zero strides; any strides.
+ * dst: contiguous f32, src0/src1: f32 views broadcast to dst's shape. */
+int gt_add_fwd_f32(const struct gt_node *node, const gt_ctx *ctx);
+int gt_sub_fwd_f32(const struct gt_node *node, const gt_ctx *ctx);
+int gt_mul_fwd_f32(const struct gt_node *node, const gt_ctx *ctx);
+int gt_div_fwd_f32(const struct gt_node *node, const gt_ctx *ctx);
+
+/* Elementwise unary, src any strides, dst contiguous f32, same shape.
+ * scale: dst = fp[0] * src.  fill: dst = fp[0] (no src). */
+int gt_scale_fwd_f32(const struct gt_node *node, const gt_ctx *ctx);
+int gt_fill_fwd_f32(const struct gt_node *node, const gt_ctx *ctx);
+int gt_relu_fwd_f32(const struct gt_node *node, const gt_ctx *ctx);
+int gt_silu_fwd_f32(const struct gt_node *node, const gt_ctx *ctx);
+int gt_exp_fwd_f32(const struct gt_node *node, const gt_ctx *ctx);
+int gt_log_fwd_f32(const struct gt_node *node, const gt_ctx *ctx);
+int gt_sqrt_fwd_f32(const struct gt_node *node, const gt_ctx *ctx);
+int gt_sqr_fwd_f32(const struct gt_node *node, const gt_ctx *ctx);
+/* dx = g * (x > 0); src0 = x, src1 = g (same shape), dst = dx. */
+int gt_relu_bwd_f32(const struct gt_node *node, const gt_ctx *ctx);
+/* dx = g * s(x) * (1 + x * (1 - s(x))); src0 = x, src1 = g. */
+int gt_silu_bwd_f32(const struct gt_node *node, const gt_ctx *ctx);
+
+/* Reductions. sum: dst scalar = sum of all of src (any strides), fixed order.
+ * sum_rows: dst (..., 1) = sum over the last dim of src (..., N).
+ * repeat: dst = src broadcast to dst's shape (src dims 1 or equal).
+ * repeat_bwd: dst (shape with 1s) = src summed over the dims where dst is 1. */
+int gt_sum_fwd_f32(const struct gt_node *node, const gt_ctx *ctx);
+int gt_sum_rows_fwd_f32(const struct gt_node *node, const gt_ctx *ctx);
+int gt_repeat_fwd_f32(const struct gt_node *node, const gt_ctx *ctx);
+int gt_repeat_bwd_f32(const struct gt_node *node, const gt_ctx *ctx);
+
+/* Matrix product dst (..., M, N) = src0 (..., M, K) @ src1 (..., K, N).
+ * Each operand's last two dims may have any strides with either the row or the
+ * column stride equal to 1 (so a transposed view costs nothing). Batch dims
+ * broadcast numpy-style (a size-1 batch dim of src1 is reused). dst contiguous.
+ * wdata: packing buffers, gt_matmul_work_size bytes per thread. */
+int gt_matmul_fwd_f32(const struct gt_node *node, const gt_ctx *ctx);
+int64_t gt_matmul_work_size(void);
+
+/* rms_norm: dst = src / sqrt(mean(src^2, last dim) + fp[0]); src contiguous.
+ * rms_norm_bwd: src0 = x, src1 = g, dst = dx (eps fp[0]). */
+int gt_rms_norm_fwd_f32(const struct gt_node *node, const gt_ctx *ctx);
+int gt_rms_norm_bwd_f32(const struct gt_node *node, const gt_ctx *ctx);
+
+/* softmax over the last dim of src (..., T_q, T_k) after scaling by fp[0];
+ * ip[0] = 1 adds a causal mask: row i of the last-but-one dim sees columns
+ * j <= i + (T_k - T_q). softmax_bwd: src0 = y (softmax output), src1 = g,
+ * dst = dx = fp[0] * y * (g - sum(g * y)). Contiguous inputs. */
+int gt_softmax_fwd_f32(const struct gt_node *node, const gt_ctx *ctx);
+int gt_softmax_bwd_f32(const struct gt_node *node, const gt_ctx *ctx);
+
+/* cross_entropy: dst scalar = mean over rows of -log softmax(src0)[row, src1[row]];
+ * src0 logits (N, V) f32 contiguous, src1 targets (N,) i32; rows whose target
+ * is negative are ignored (ip[0] = number of counted rows, set by Python, or 0
+ * for all rows). scratch: N floats.
+ * cross_entropy_bwd: src0 logits, src1 targets, src2 g (scalar); dst = dlogits. */
+int gt_cross_entropy_fwd_f32(const struct gt_node *node, const gt_ctx *ctx);
+int gt_cross_entropy_bwd_f32(const struct gt_node *node, const gt_ctx *ctx);
+
+/* rope, llama.cpp mode 0 (adjacent pairs): src0 x (..., T, H, D) contiguous,
+ * src1 positions (T,) i32; ip[0] = n_dims (rotated leading dims of D, even),
+ * fp[0] = freq_base. theta_i = pos * freq_base^(-2i/n_dims) rotates (x[2i],
+ * x[2i+1]). rope_bwd rotates by -theta (src0 = g). */
+int gt_rope_fwd_f32(const struct gt_node *node, const gt_ctx *ctx);
+int gt_rope_bwd_f32(const struct gt_node *node, const gt_ctx *ctx);
+
+/* get_rows: dst (N..., C) = src0 (V, C)[src1 (N...) i32]; src0 contiguous rows.
+ * get_rows_bwd: src0 g (N..., C), src1 idx; dst (V, C) = scatter-add of g. */
+int gt_get_rows_fwd_f32(const struct gt_node *node, const gt_ctx *ctx);
+int gt_get_rows_bwd_f32(const struct gt_node *node, const gt_ctx *ctx);
+
+/* im2col over NHWC: src (N, H, W, C) contiguous -> dst (N, OH, OW, C*KH*KW),
+ * column index c*KH*KW + kh*KW + kw; ip = {KH, KW, stride, pad}.
+ * im2col_bwd: src g (N, OH, OW, C*KH*KW) -> dst dx (N, H, W, C). */
+int gt_im2col_fwd_f32(const struct gt_node *node, const gt_ctx *ctx);
+int gt_im2col_bwd_f32(const struct gt_node *node, const gt_ctx *ctx);
+
+/* max_pool2d over NHWC, window and stride ip[0], no padding (floor):
+ * src (N, H, W, C) -> dst (N, H/k, W/k, C). max_pool2d_bwd: src0 x, src1 g ->
+ * dst dx; the gradient goes to the first maximum of each window. */
+int gt_max_pool2d_fwd_f32(const struct gt_node *node, const gt_ctx *ctx);
+int gt_max_pool2d_bwd_f32(const struct gt_node *node, const gt_ctx *ctx);
+
+/* Copy with conversion to the dst dtype (named by the suffix); src any dtype
+ * among f32/f16/bf16 and any strides, dst contiguous. f32 -> f16/bf16 rounds to
+ * nearest even. Also serves `cont` (same dtype). */
+int gt_cast_fwd_f32(const struct gt_node *node, const gt_ctx *ctx);
+int gt_cast_fwd_f16(const struct gt_node *node, const gt_ctx *ctx);
+int gt_cast_fwd_bf16(const struct gt_node *node, const gt_ctx *ctx);
+/* view_bwd: dst = zeros of the base shape, with src (g of a view) copied into
+ * the view's place: ip[0] = element offset, view strides = dst strides given in
+ * ip[1..6] over src's shape. */
+int gt_view_bwd_f32(const struct gt_node *node, const gt_ctx *ctx);
+
+/* Optimizer steps, in place: dst aliases src0 (the parameter), and the state
+ * tensors are updated too (the one exception to "kernels fill only dst").
+ * src0 param, src1 grad, src2 hyper (f32 vector, indices in core/optim.py),
+ * src3 grad norm (f32 scalar; clipping when hyper[max_norm] > 0), then state:
+ * adamw_step: src4 m, src5 v.  sgd_step: src4 momentum buffer (unused when
+ * hyper[momentum] == 0). fp[0] = weight-decay multiplier of this tensor (0/1).
+ * All the same shape, contiguous f32. */
+int gt_adamw_step_fwd_f32(const struct gt_node *node, const gt_ctx *ctx);
+int gt_sgd_step_fwd_f32(const struct gt_node *node, const gt_ctx *ctx);
+
+/* Direct (non-plan) helpers: element conversions, contiguous, n elements. */
+int gt_f32_to_f16(uint16_t *dst, const float *src, int64_t n);
+int gt_f16_to_f32(float *dst, const uint16_t *src, int64_t n);
+int gt_f32_to_bf16(uint16_t *dst, const float *src, int64_t n);
+int gt_bf16_to_f32(float *dst, const uint16_t *src, int64_t n);
