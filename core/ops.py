@@ -1,0 +1,842 @@
+"""The op registry (layer 3): shape/dtype inference, kernel parameters and backward rules.
+
+Each op is one `OpDef` in OPS, registered next to its public function and its backward
+rule. A rule receives the forward node `y` (with y.srcs and y.params) and the upstream
+gradient `g` (same shape as y) and returns one gradient (or None) per input, written
+with the ops of this module, so it runs on every backend that has them.
+
+Kernel names: an op `foo` runs `gt_foo_fwd_<dtype>`; an op named `foo_bwd` runs
+`gt_foo_bwd_<dtype>`. Composite ops (mean, transpose, conv2d, linear) build other ops
+and have no kernel. View ops (reshape, permute, view) have no kernel either: they
+alias their input's memory with other strides.
+
+Shapes are numpy order everywhere: x: (B, T, C) means batch, time, channels.
+"""
+from __future__ import annotations
+
+import builtins
+from dataclasses import dataclass, field
+from typing import Callable
+
+from ggtrain.core.tensor import Tensor, contiguous_strides, numel
+from ggtrain.errors import DTypeError, ShapeError
+
+
+@dataclass(frozen=True)
+class OpDef:
+    """How the graph treats one op (see the module docstring)."""
+
+    name: str
+    infer: Callable                     # (srcs, params) -> (shape, dtype)
+    kernel: str | None = None           # e.g. "add_fwd"; None for views and composites
+    backward: Callable | None = None    # (y, g) -> list of grads, one per src
+    lower: Callable | None = None       # (y) -> (ip tuple, fp tuple)
+    contiguous: tuple = ()              # srcs the kernel needs contiguous (cont inserted)
+    unit_stride_2d: tuple = ()          # srcs whose last 2 dims need one unit stride
+    scratch: Callable | None = None     # (y) -> bytes of node scratch
+    work: int | Callable = 0            # bytes of per-thread scratch
+    view: Callable | None = None        # (y) -> (offset, strides) into the src's root
+    composite: bool = False
+    differentiable: tuple = field(default=(0, 1, 2, 3))
+
+
+OPS: dict = {}
+
+
+def register(op: OpDef) -> OpDef:
+    if op.name in OPS:
+        raise ValueError(f"op {op.name} registered twice")
+    OPS[op.name] = op
+    return op
+
+
+# ---- graph plumbing ---------------------------------------------------------------
+
+
+def _graph_of(*xs):
+    for x in xs:
+        if isinstance(x, Tensor):
+            return x.graph
+    raise TypeError("an op needs at least one Tensor input")
+
+
+def apply(name: str, srcs: list, **params) -> Tensor:
+    """Create the node of op `name` on `srcs` (inserting `cont` where a kernel needs it)."""
+    op = OPS[name]
+    graph = _graph_of(*srcs)
+    for s in srcs:
+        if not isinstance(s, Tensor):
+            raise TypeError(f"{name}: inputs must be Tensors, got {type(s).__name__}")
+        if s.graph is not graph:
+            raise ValueError(f"{name}: inputs belong to different graphs")
+    srcs = list(srcs)
+    for i in op.contiguous:
+        if i < len(srcs) and not srcs[i].is_contiguous():
+            srcs[i] = cont(srcs[i])
+    for i in op.unit_stride_2d:
+        s = srcs[i]
+        if s.ndim >= 2 and s.strides[-1] != 1 and s.strides[-2] != 1 and s.shape[-1] > 1 and s.shape[-2] > 1:
+            srcs[i] = cont(s)
+    shape, dtype = op.infer(srcs, params)
+    y = Tensor(graph, shape, dtype, op=name, srcs=srcs, params=params)
+    if op.view is not None:
+        root = srcs[0].root
+        y.root = root
+        y.offset, y.strides = op.view(y)
+    y.requires_grad = any(s.requires_grad for s in srcs)
+    return y
+
+
+def _scalar_tensor(graph, value: float) -> Tensor:
+    return graph.const(float(value), name=f"const {value:g}")
+
+
+def _need(cond: bool, msg: str, exc=ShapeError):
+    if not cond:
+        raise exc(msg)
+
+
+def _f32(op, *xs):
+    for x in xs:
+        if x.dtype != "f32":
+            raise DTypeError(f"{op}: expected f32 input, got {x.dtype} ({x!r})")
+
+
+def broadcast_shape(op: str, a: tuple, b: tuple) -> tuple:
+    """numpy broadcasting of two shapes; ShapeError naming the op otherwise."""
+    out = []
+    for i in range(1, max(len(a), len(b)) + 1):
+        da = a[-i] if i <= len(a) else 1
+        db = b[-i] if i <= len(b) else 1
+        if da != db and da != 1 and db != 1:
+            raise ShapeError(f"{op}: shapes {a} and {b} do not broadcast (dim -{i}: {da} vs {db})")
+        out.append(db if da == 1 else da)
+    return tuple(reversed(out))
+
+
+def sum_to(g: Tensor, shape: tuple) -> Tensor:
+    """Sum g over the dims that were broadcast to reach g.shape from `shape`."""
+    shape = tuple(shape)
+    if g.shape == shape:
+        return g
+    if numel(shape) == numel(g.shape) and len(shape) < len(g.shape) and \
+            g.shape[len(g.shape) - len(shape):] == shape:
+        return reshape(g, shape)  # only leading size-1 dims were added
+    return repeat_bwd(g, shape)
+
+
+# ---- elementwise binary --------------------------------------------------------
+
+
+def _infer_binary(name):
+    def infer(srcs, params):
+        a, b = srcs
+        _f32(name, a, b)
+        return broadcast_shape(name, a.shape, b.shape), "f32"
+    return infer
+
+
+def _as_tensors(a, b, name):
+    if not isinstance(a, Tensor) and not isinstance(b, Tensor):
+        raise TypeError(f"{name}: one input must be a Tensor")
+    graph = _graph_of(a, b)
+    if not isinstance(a, Tensor):
+        a = _scalar_tensor(graph, a)
+    if not isinstance(b, Tensor):
+        b = _scalar_tensor(graph, b)
+    return a, b
+
+
+def add(a, b) -> Tensor:
+    """a + b with numpy broadcasting. (f32)"""
+    a, b = _as_tensors(a, b, "add")
+    return apply("add", [a, b])
+
+
+def sub(a, b) -> Tensor:
+    """a - b with numpy broadcasting. (f32)"""
+    if isinstance(a, Tensor) and not isinstance(b, Tensor):
+        return add(a, -float(b))
+    a, b = _as_tensors(a, b, "sub")
+    return apply("sub", [a, b])
+
+
+def mul(a, b) -> Tensor:
+    """a * b with numpy broadcasting; a Python number becomes `scale`. (f32)"""
+    if isinstance(a, Tensor) and not isinstance(b, Tensor):
+        return scale(a, float(b))
+    if isinstance(b, Tensor) and not isinstance(a, Tensor):
+        return scale(b, float(a))
+    return apply("mul", [a, b])
+
+
+def div(a, b) -> Tensor:
+    """a / b with numpy broadcasting; division by a number becomes `scale`. (f32)"""
+    if isinstance(a, Tensor) and not isinstance(b, Tensor):
+        return scale(a, 1.0 / float(b))
+    a, b = _as_tensors(a, b, "div")
+    return apply("div", [a, b])
+
+
+register(OpDef("add", _infer_binary("add"), "add_fwd",
+               backward=lambda y, g: [sum_to(g, y.srcs[0].shape), sum_to(g, y.srcs[1].shape)]))
+register(OpDef("sub", _infer_binary("sub"), "sub_fwd",
+               backward=lambda y, g: [sum_to(g, y.srcs[0].shape),
+                                      sum_to(scale(g, -1.0), y.srcs[1].shape)]))
+register(OpDef("mul", _infer_binary("mul"), "mul_fwd",
+               backward=lambda y, g: [sum_to(mul(g, y.srcs[1]), y.srcs[0].shape),
+                                      sum_to(mul(g, y.srcs[0]), y.srcs[1].shape)]))
+
+
+def _div_bwd(y, g):
+    a, b = y.srcs
+    ga = sum_to(div(g, b), a.shape) if a.requires_grad else None
+    gb = sum_to(scale(mul(g, div(y, b)), -1.0), b.shape) if b.requires_grad else None
+    return [ga, gb]
+
+
+register(OpDef("div", _infer_binary("div"), "div_fwd", backward=_div_bwd))
+
+
+# ---- elementwise unary -----------------------------------------------------------
+
+
+def _infer_same(name):
+    def infer(srcs, params):
+        _f32(name, *srcs)
+        for s in srcs[1:]:
+            _need(s.shape == srcs[0].shape, f"{name}: shapes {srcs[0].shape} and {s.shape} differ")
+        return srcs[0].shape, "f32"
+    return infer
+
+
+def scale(x: Tensor, s: float) -> Tensor:
+    """s * x for a Python number s. (f32)"""
+    return apply("scale", [x], s=float(s))
+
+
+def relu(x: Tensor) -> Tensor:
+    """max(x, 0). (f32)"""
+    return apply("relu", [x])
+
+
+def relu_bwd(x: Tensor, g: Tensor) -> Tensor:
+    """g * (x > 0). (f32)"""
+    return apply("relu_bwd", [x, g])
+
+
+def silu(x: Tensor) -> Tensor:
+    """x * sigmoid(x). (f32)"""
+    return apply("silu", [x])
+
+
+def silu_bwd(x: Tensor, g: Tensor) -> Tensor:
+    """g * d silu(x) / dx. (f32)"""
+    return apply("silu_bwd", [x, g])
+
+
+def exp(x: Tensor) -> Tensor:
+    return apply("exp", [x])
+
+
+def log(x: Tensor) -> Tensor:
+    return apply("log", [x])
+
+
+def sqrt(x: Tensor) -> Tensor:
+    return apply("sqrt", [x])
+
+
+def sqr(x: Tensor) -> Tensor:
+    return apply("sqr", [x])
+
+
+def fill(graph, shape: tuple, value: float) -> Tensor:
+    """A tensor of `shape` with every element `value` (no inputs)."""
+    shape = tuple(shape)
+    return Tensor(graph, shape, "f32", op="fill", params={"value": float(value)})
+
+
+def _fill_infer(srcs, params):  # fill nodes are made directly by fill()
+    raise AssertionError("fill has no inputs")
+
+
+register(OpDef("scale", _infer_same("scale"), "scale_fwd",
+               backward=lambda y, g: [scale(g, y.params["s"])],
+               lower=lambda y: ((), (y.params["s"],))))
+register(OpDef("fill", _fill_infer, "fill_fwd", lower=lambda y: ((), (y.params["value"],))))
+register(OpDef("relu", _infer_same("relu"), "relu_fwd",
+               backward=lambda y, g: [relu_bwd(y.srcs[0], g)]))
+register(OpDef("relu_bwd", _infer_same("relu_bwd"), "relu_bwd", contiguous=(0, 1)))
+register(OpDef("silu", _infer_same("silu"), "silu_fwd",
+               backward=lambda y, g: [silu_bwd(y.srcs[0], g)]))
+register(OpDef("silu_bwd", _infer_same("silu_bwd"), "silu_bwd", contiguous=(0, 1)))
+register(OpDef("exp", _infer_same("exp"), "exp_fwd", backward=lambda y, g: [mul(g, y)]))
+register(OpDef("log", _infer_same("log"), "log_fwd", backward=lambda y, g: [div(g, y.srcs[0])]))
+register(OpDef("sqrt", _infer_same("sqrt"), "sqrt_fwd",
+               backward=lambda y, g: [scale(div(g, y), 0.5)]))
+register(OpDef("sqr", _infer_same("sqr"), "sqr_fwd",
+               backward=lambda y, g: [mul(g, scale(y.srcs[0], 2.0))]))
+
+
+# ---- reductions and broadcasting -----------------------------------------------
+
+SUM_CHUNK = 4096  # matches SUM_CHUNK in native/cpu/reduce.c
+
+
+def sum(x: Tensor) -> Tensor:  # noqa: A001 - the op's name
+    """Sum of all elements, a scalar (shape ()). (f32)"""
+    return apply("sum", [x])
+
+
+def mean(x: Tensor) -> Tensor:
+    """Mean of all elements, a scalar (composite: sum then scale)."""
+    return scale(sum(x), 1.0 / max(1, x.size))
+
+
+def sum_rows(x: Tensor) -> Tensor:
+    """Sum over the last dim, kept as size 1: (..., N) -> (..., 1). (f32)"""
+    return apply("sum_rows", [x])
+
+
+def repeat(x: Tensor, shape: tuple) -> Tensor:
+    """x broadcast (copied) to `shape`, numpy rules. (f32)"""
+    return apply("repeat", [x], shape=tuple(shape))
+
+
+def repeat_bwd(g: Tensor, shape: tuple) -> Tensor:
+    """g summed down to `shape` over the broadcast dims (the backward of repeat)."""
+    return apply("repeat_bwd", [g], shape=tuple(shape))
+
+
+def _sum_scratch(y):
+    x = y.srcs[0]
+    contiguous = x.is_contiguous()
+    rows = numel(x.shape[:-1]) if x.ndim else 1
+    parts = -(-x.size // SUM_CHUNK) if contiguous else rows
+    return 8 * max(1, parts)
+
+
+def _infer_sum(srcs, params):
+    _f32("sum", srcs[0])
+    return (), "f32"
+
+
+def _infer_sum_rows(srcs, params):
+    _f32("sum_rows", srcs[0])
+    x = srcs[0]
+    _need(x.ndim >= 1, "sum_rows: input must have at least 1 dim")
+    return x.shape[:-1] + (1,), "f32"
+
+
+def _infer_repeat(srcs, params):
+    x = srcs[0]
+    _f32("repeat", x)
+    shape = params["shape"]
+    _need(broadcast_shape("repeat", x.shape, shape) == shape and len(shape) >= x.ndim,
+          f"repeat: {x.shape} does not broadcast to {shape}")
+    return shape, "f32"
+
+
+def _infer_repeat_bwd(srcs, params):
+    g = srcs[0]
+    _f32("repeat_bwd", g)
+    shape = params["shape"]
+    _need(len(shape) <= g.ndim and broadcast_shape("repeat_bwd", shape, g.shape) == g.shape,
+          f"repeat_bwd: {shape} does not broadcast to {g.shape}")
+    return shape, "f32"
+
+
+register(OpDef("sum", _infer_sum, "sum_fwd", scratch=_sum_scratch,
+               backward=lambda y, g: [repeat(g, y.srcs[0].shape)]))
+register(OpDef("sum_rows", _infer_sum_rows, "sum_rows_fwd",
+               backward=lambda y, g: [repeat(g, y.srcs[0].shape)]))
+register(OpDef("repeat", _infer_repeat, "repeat_fwd",
+               backward=lambda y, g: [repeat_bwd(g, y.srcs[0].shape)]))
+register(OpDef("repeat_bwd", _infer_repeat_bwd, "repeat_bwd",
+               backward=lambda y, g: [repeat(g, y.srcs[0].shape)]))
+
+
+# ---- matmul -------------------------------------------------------------------------
+
+
+def _matmul_work(y):
+    from ggtrain.native import lib  # layer 1: kernel facts only
+    return int(lib.gt_matmul_work_size())
+
+
+def matmul(a: Tensor, b: Tensor) -> Tensor:
+    """a (..., M, K) @ b (..., K, N) -> (..., M, N), batch dims broadcast. (f32)
+
+    Transposed operands (views from .T) cost nothing: the kernel packs either layout.
+    """
+    return apply("matmul", [a, b])
+
+
+def _infer_matmul(srcs, params):
+    a, b = srcs
+    _f32("matmul", a, b)
+    _need(a.ndim >= 2 and b.ndim >= 2, f"matmul: inputs need >= 2 dims, got {a.shape} and {b.shape}")
+    _need(a.shape[-1] == b.shape[-2],
+          f"matmul: inner dims differ: {a.shape} @ {b.shape} ({a.shape[-1]} vs {b.shape[-2]})")
+    batch = broadcast_shape("matmul", a.shape[:-2], b.shape[:-2])
+    return batch + (a.shape[-2], b.shape[-1]), "f32"
+
+
+def _matmul_bwd(y, g):
+    a, b = y.srcs
+    ga = gb = None
+    if a.requires_grad:
+        ga = sum_to(matmul(g, transpose(b, -1, -2)), a.shape)
+    if b.requires_grad:
+        if b.ndim == 2 and a.ndim > 2:
+            # b shared across the batch: one (K, B*M) @ (B*M, N) product, no batch sum
+            a2 = reshape(a if a.is_contiguous() else cont(a), (numel(a.shape[:-1]), a.shape[-1]))
+            g2 = reshape(g if g.is_contiguous() else cont(g), (numel(g.shape[:-1]), g.shape[-1]))
+            gb = matmul(transpose(a2, 0, 1), g2)
+        else:
+            gb = sum_to(matmul(transpose(a, -1, -2), g), b.shape)
+    return [ga, gb]
+
+
+register(OpDef("matmul", _infer_matmul, "matmul_fwd", backward=_matmul_bwd,
+               unit_stride_2d=(0, 1), work=_matmul_work))
+
+
+def linear(x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
+    """x (..., K) @ w.T + b for a weight w (N, K) stored like ggml/PyTorch (composite)."""
+    y = matmul(x, transpose(w, -1, -2))
+    return add(y, b) if b is not None else y
+
+
+# ---- normalisation, softmax, loss ---------------------------------------------------
+
+
+def rms_norm(x: Tensor, eps: float = 1e-5) -> Tensor:
+    """x / sqrt(mean(x^2, last dim) + eps); no weight (multiply it after). (f32)"""
+    return apply("rms_norm", [x], eps=float(eps))
+
+
+def rms_norm_bwd(x: Tensor, g: Tensor, eps: float) -> Tensor:
+    return apply("rms_norm_bwd", [x, g], eps=float(eps))
+
+
+def softmax(x: Tensor, scale: float = 1.0, causal: bool = False) -> Tensor:
+    """softmax(scale * x (+ causal mask)) over the last dim of x (..., Tq, Tk). (f32)"""
+    return apply("softmax", [x], scale=float(scale), causal=bool(causal))
+
+
+def softmax_bwd(y: Tensor, g: Tensor, scale: float) -> Tensor:
+    return apply("softmax_bwd", [y, g], scale=float(scale))
+
+
+def cross_entropy(logits: Tensor, targets: Tensor) -> Tensor:
+    """Mean over rows of -log softmax(logits)[row, target]; logits (N, V) f32, targets (N,) i32.
+
+    Rows with a negative target are ignored. Returns a scalar.
+    """
+    return apply("cross_entropy", [logits, targets])
+
+
+def cross_entropy_bwd(logits: Tensor, targets: Tensor, g: Tensor) -> Tensor:
+    return apply("cross_entropy_bwd", [logits, targets, g])
+
+
+def _infer_ce(srcs, params):
+    logits, targets = srcs[0], srcs[1]
+    _f32("cross_entropy", logits)
+    _need(logits.ndim == 2, f"cross_entropy: logits must be (N, V), got {logits.shape}")
+    if targets.dtype != "i32":
+        raise DTypeError(f"cross_entropy: targets must be i32, got {targets.dtype}")
+    _need(targets.shape == logits.shape[:1],
+          f"cross_entropy: targets {targets.shape} do not match logits {logits.shape}")
+    if len(srcs) == 3:
+        _need(srcs[2].size == 1, "cross_entropy_bwd: g must be a scalar")
+        return logits.shape, "f32"
+    return (), "f32"
+
+
+def _infer_softmax_bwd(srcs, params):
+    y, g = srcs
+    _f32("softmax_bwd", y, g)
+    _need(y.shape == g.shape, f"softmax_bwd: shapes {y.shape} and {g.shape} differ")
+    return y.shape, "f32"
+
+
+def _infer_softmax(srcs, params):
+    x = srcs[0]
+    _f32("softmax", x)
+    _need(x.ndim >= 1, "softmax: input must have at least 1 dim")
+    if params.get("causal"):
+        _need(x.ndim >= 2, f"softmax: causal mask needs (..., Tq, Tk), got {x.shape}")
+        _need(x.shape[-2] <= x.shape[-1], f"softmax: causal mask needs Tq <= Tk, got {x.shape}")
+    return x.shape, "f32"
+
+
+def _infer_rms_norm(srcs, params):
+    _f32("rms_norm", *srcs)
+    for s in srcs[1:]:
+        _need(s.shape == srcs[0].shape, f"rms_norm_bwd: shapes {srcs[0].shape} and {s.shape} differ")
+    _need(srcs[0].ndim >= 1, "rms_norm: input must have at least 1 dim")
+    return srcs[0].shape, "f32"
+
+
+register(OpDef("rms_norm", _infer_rms_norm, "rms_norm_fwd", contiguous=(0,),
+               backward=lambda y, g: [rms_norm_bwd(y.srcs[0], g, y.params["eps"])],
+               lower=lambda y: ((), (y.params["eps"],))))
+register(OpDef("rms_norm_bwd", _infer_rms_norm, "rms_norm_bwd", contiguous=(0, 1),
+               lower=lambda y: ((), (y.params["eps"],))))
+register(OpDef("softmax", _infer_softmax, "softmax_fwd", contiguous=(0,),
+               backward=lambda y, g: [softmax_bwd(y, g, y.params["scale"])],
+               lower=lambda y: ((int(y.params["causal"]),), (y.params["scale"],))))
+register(OpDef("softmax_bwd", _infer_softmax_bwd, "softmax_bwd", contiguous=(0, 1),
+               lower=lambda y: ((), (y.params["scale"],))))
+register(OpDef("cross_entropy", _infer_ce, "cross_entropy_fwd", contiguous=(0, 1),
+               backward=lambda y, g: [cross_entropy_bwd(y.srcs[0], y.srcs[1], g), None],
+               scratch=lambda y: 8 * max(1, y.srcs[0].shape[0]) + 64,
+               lower=lambda y: ((0,), ()), differentiable=(0,)))
+register(OpDef("cross_entropy_bwd", _infer_ce, "cross_entropy_bwd", contiguous=(0, 1, 2),
+               lower=lambda y: ((0,), ())))
+
+
+# ---- rope, embeddings -------------------------------------------------------------
+
+
+def rope(x: Tensor, pos: Tensor, n_dims: int | None = None, freq_base: float = 10000.0) -> Tensor:
+    """Rotary embedding, llama.cpp mode 0 (adjacent pairs): x (..., T, H, D), pos (T,) i32."""
+    n_dims = x.shape[-1] if n_dims is None else int(n_dims)
+    return apply("rope", [x, pos], n_dims=n_dims, freq_base=float(freq_base))
+
+
+def rope_bwd(g: Tensor, pos: Tensor, n_dims: int, freq_base: float) -> Tensor:
+    return apply("rope_bwd", [g, pos], n_dims=n_dims, freq_base=float(freq_base))
+
+
+def _infer_rope(srcs, params):
+    x, pos = srcs
+    _f32("rope", x)
+    if pos.dtype != "i32":
+        raise DTypeError(f"rope: positions must be i32, got {pos.dtype}")
+    _need(x.ndim >= 3, f"rope: x must be (..., T, H, D), got {x.shape}")
+    _need(pos.shape == (x.shape[-3],), f"rope: positions {pos.shape} do not match T={x.shape[-3]} of {x.shape}")
+    nd = params["n_dims"]
+    _need(0 < nd <= x.shape[-1] and nd % 2 == 0, f"rope: n_dims {nd} must be even and <= D={x.shape[-1]}")
+    return x.shape, "f32"
+
+
+_rope_lower = lambda y: ((y.params["n_dims"],), (y.params["freq_base"],))  # noqa: E731
+register(OpDef("rope", _infer_rope, "rope_fwd", contiguous=(0, 1), lower=_rope_lower,
+               backward=lambda y, g: [rope_bwd(g, y.srcs[1], y.params["n_dims"], y.params["freq_base"]), None],
+               differentiable=(0,)))
+register(OpDef("rope_bwd", _infer_rope, "rope_bwd", contiguous=(0, 1), lower=_rope_lower))
+
+
+def get_rows(table: Tensor, idx: Tensor) -> Tensor:
+    """table (V, C)[idx] -> idx.shape + (C,); idx i32 (embedding lookup)."""
+    return apply("get_rows", [table, idx])
+
+
+def get_rows_bwd(g: Tensor, idx: Tensor, n_rows: int) -> Tensor:
+    """Scatter-add of g's rows into a (n_rows, C) zero tensor at idx."""
+    return apply("get_rows_bwd", [g, idx], n_rows=int(n_rows))
+
+
+def _infer_get_rows(srcs, params):
+    table, idx = srcs
+    _f32("get_rows", table)
+    if idx.dtype != "i32":
+        raise DTypeError(f"get_rows: indices must be i32, got {idx.dtype}")
+    _need(table.ndim == 2, f"get_rows: table must be (V, C), got {table.shape}")
+    return idx.shape + (table.shape[1],), "f32"
+
+
+def _infer_get_rows_bwd(srcs, params):
+    g, idx = srcs
+    _f32("get_rows_bwd", g)
+    if idx.dtype != "i32":
+        raise DTypeError(f"get_rows_bwd: indices must be i32, got {idx.dtype}")
+    _need(g.shape[:-1] == idx.shape, f"get_rows_bwd: g {g.shape} does not match indices {idx.shape}")
+    return (params["n_rows"], g.shape[-1]), "f32"
+
+
+register(OpDef("get_rows", _infer_get_rows, "get_rows_fwd", contiguous=(0, 1),
+               backward=lambda y, g: [get_rows_bwd(g, y.srcs[1], y.srcs[0].shape[0]), None],
+               differentiable=(0,)))
+register(OpDef("get_rows_bwd", _infer_get_rows_bwd, "get_rows_bwd", contiguous=(0, 1)))
+
+
+# ---- convolution and pooling (NHWC) -------------------------------------------------
+
+
+def _conv_out(n, k, stride, pad):
+    return (n + 2 * pad - k) // stride + 1
+
+
+def im2col(x: Tensor, kh: int, kw: int, stride: int = 1, pad: int = 0) -> Tensor:
+    """x (N, H, W, C) -> patches (N, OH, OW, C*KH*KW), column c*KH*KW + kh*KW + kw."""
+    return apply("im2col", [x], kh=int(kh), kw=int(kw), stride=int(stride), pad=int(pad))
+
+
+def im2col_bwd(g: Tensor, x_shape: tuple, kh: int, kw: int, stride: int, pad: int) -> Tensor:
+    return apply("im2col_bwd", [g], x_shape=tuple(x_shape), kh=kh, kw=kw, stride=stride, pad=pad)
+
+
+def _infer_im2col(srcs, params):
+    x = srcs[0]
+    _f32("im2col", x)
+    kh, kw, st, pad = params["kh"], params["kw"], params["stride"], params["pad"]
+    _need(x.ndim == 4, f"im2col: x must be (N, H, W, C), got {x.shape}")
+    _need(kh > 0 and kw > 0 and st > 0 and pad >= 0, f"im2col: bad kernel/stride/pad {kh, kw, st, pad}")
+    n, h, w, c = x.shape
+    oh, ow = _conv_out(h, kh, st, pad), _conv_out(w, kw, st, pad)
+    _need(oh > 0 and ow > 0, f"im2col: kernel {kh}x{kw} larger than padded input {x.shape}")
+    return (n, oh, ow, c * kh * kw), "f32"
+
+
+def _infer_im2col_bwd(srcs, params):
+    g = srcs[0]
+    _f32("im2col_bwd", g)
+    n, h, w, c = params["x_shape"]
+    kh, kw, st, pad = params["kh"], params["kw"], params["stride"], params["pad"]
+    expect = (n, _conv_out(h, kh, st, pad), _conv_out(w, kw, st, pad), c * kh * kw)
+    _need(g.shape == expect, f"im2col_bwd: g {g.shape} does not match patches {expect}")
+    return (n, h, w, c), "f32"
+
+
+_conv_lower = lambda y: ((y.params["kh"], y.params["kw"], y.params["stride"], y.params["pad"]), ())  # noqa: E731
+register(OpDef("im2col", _infer_im2col, "im2col_fwd", contiguous=(0,), lower=_conv_lower,
+               backward=lambda y, g: [im2col_bwd(g, y.srcs[0].shape, y.params["kh"], y.params["kw"],
+                                                 y.params["stride"], y.params["pad"])]))
+register(OpDef("im2col_bwd", _infer_im2col_bwd, "im2col_bwd", contiguous=(0,), lower=_conv_lower))
+
+
+def conv2d(x: Tensor, kernel: Tensor, bias: Tensor | None = None, stride: int = 1, pad: int = 0) -> Tensor:
+    """2-D convolution over NHWC (composite: im2col then matmul).
+
+    x (N, H, W, Cin), kernel (Cout, Cin, KH, KW) as ggml stores it, bias broadcastable
+    to (N, OH, OW, Cout). Returns (N, OH, OW, Cout).
+    """
+    cout, cin, kh, kw = kernel.shape
+    if x.ndim != 4 or x.shape[3] != cin:
+        raise ShapeError(f"conv2d: x {x.shape} must be (N, H, W, {cin}) for kernel {kernel.shape}")
+    cols = im2col(x, kh, kw, stride, pad)                       # (N, OH, OW, Cin*KH*KW)
+    n, oh, ow, ckk = cols.shape
+    w2 = reshape(kernel, (cout, ckk))
+    y = matmul(reshape(cols, (n * oh * ow, ckk)), transpose(w2, 0, 1))   # (N*OH*OW, Cout)
+    y = reshape(y, (n, oh, ow, cout))
+    return add(y, bias) if bias is not None else y
+
+
+def max_pool2d(x: Tensor, k: int = 2) -> Tensor:
+    """Max over k x k windows with stride k (floor): (N, H, W, C) -> (N, H//k, W//k, C)."""
+    return apply("max_pool2d", [x], k=int(k))
+
+
+def max_pool2d_bwd(x: Tensor, g: Tensor, k: int) -> Tensor:
+    return apply("max_pool2d_bwd", [x, g], k=int(k))
+
+
+def _infer_pool(srcs, params):
+    x = srcs[0]
+    _f32("max_pool2d", x)
+    k = params["k"]
+    _need(x.ndim == 4, f"max_pool2d: x must be (N, H, W, C), got {x.shape}")
+    _need(0 < k <= min(x.shape[1], x.shape[2]), f"max_pool2d: window {k} does not fit {x.shape}")
+    n, h, w, c = x.shape
+    out = (n, h // k, w // k, c)
+    if len(srcs) == 2:
+        _need(srcs[1].shape == out, f"max_pool2d_bwd: g {srcs[1].shape} does not match {out}")
+        return x.shape, "f32"
+    return out, "f32"
+
+
+register(OpDef("max_pool2d", _infer_pool, "max_pool2d_fwd", contiguous=(0,),
+               lower=lambda y: ((y.params["k"],), ()),
+               backward=lambda y, g: [max_pool2d_bwd(y.srcs[0], g, y.params["k"])]))
+register(OpDef("max_pool2d_bwd", _infer_pool, "max_pool2d_bwd", contiguous=(0, 1),
+               lower=lambda y: ((y.params["k"],), ())))
+
+
+# ---- views and copies ------------------------------------------------------------------
+
+
+def reshape(x: Tensor, shape: tuple) -> Tensor:
+    """Same elements, new shape (a view; a non-contiguous x is copied first). One dim may be -1."""
+    shape = tuple(int(d) for d in shape)
+    if shape.count(-1) == 1:
+        known = numel(tuple(d for d in shape if d != -1))
+        if known == 0 or x.size % known:
+            raise ShapeError(f"reshape: cannot infer -1 in {shape} for {x.size} elements")
+        shape = tuple(x.size // known if d == -1 else d for d in shape)
+    if numel(shape) != x.size or any(d < 0 for d in shape):
+        raise ShapeError(f"reshape: {x.shape} ({x.size} elements) cannot become {shape}")
+    if shape == x.shape:
+        return x
+    return apply("reshape", [x], shape=shape)
+
+
+def _infer_reshape(srcs, params):
+    return params["shape"], srcs[0].dtype
+
+
+def _view_reshape(y):
+    return y.srcs[0].offset, contiguous_strides(y.shape)
+
+
+register(OpDef("reshape", _infer_reshape, contiguous=(0,), view=_view_reshape,
+               backward=lambda y, g: [reshape(g, y.srcs[0].shape)]))
+
+
+def permute(x: Tensor, axes: tuple) -> Tensor:
+    """Reorder dims: output dim i is input dim axes[i] (a view, numpy's transpose)."""
+    axes = tuple(int(a) % max(1, x.ndim) for a in axes)
+    if sorted(axes) != list(range(x.ndim)):
+        raise ShapeError(f"permute: {axes} is not a permutation of {x.ndim} dims")
+    if axes == tuple(range(x.ndim)):
+        return x
+    return apply("permute", [x], axes=axes)
+
+
+def transpose(x: Tensor, a: int = -1, b: int = -2) -> Tensor:
+    """Swap two dims (a view; composite of permute)."""
+    if x.ndim < 2:
+        raise ShapeError(f"transpose: needs >= 2 dims, got {x.shape}")
+    axes = list(range(x.ndim))
+    a, b = a % x.ndim, b % x.ndim
+    axes[a], axes[b] = axes[b], axes[a]
+    return permute(x, tuple(axes))
+
+
+def _infer_permute(srcs, params):
+    x = srcs[0]
+    return tuple(x.shape[a] for a in params["axes"]), x.dtype
+
+
+def _view_permute(y):
+    x = y.srcs[0]
+    return x.offset, tuple(x.strides[a] for a in y.params["axes"])
+
+
+def _permute_bwd(y, g):
+    axes = y.params["axes"]
+    inverse = [0] * len(axes)
+    for i, a in enumerate(axes):
+        inverse[a] = i
+    return [permute(g, tuple(inverse))]
+
+
+register(OpDef("permute", _infer_permute, view=_view_permute, backward=_permute_bwd))
+
+
+def view(x: Tensor, shape: tuple, strides: tuple | None = None, offset: int = 0) -> Tensor:
+    """A window into contiguous x: `shape`, element `strides` and `offset` in x's layout.
+
+    E.g. the k part of a fused qkv projection. Checked to stay inside x.
+    """
+    shape = tuple(int(d) for d in shape)
+    strides = contiguous_strides(shape) if strides is None else tuple(int(s) for s in strides)
+    if len(strides) != len(shape) or any(s < 0 for s in strides) or offset < 0:
+        raise ShapeError(f"view: bad strides {strides} / offset {offset} for shape {shape}")
+    reach = offset + builtins.sum((d - 1) * s for d, s in zip(shape, strides)) if numel(shape) else offset
+    if numel(shape) and reach >= x.size:
+        raise ShapeError(f"view: shape {shape} strides {strides} offset {offset} reaches element "
+                         f"{reach} of a {x.size}-element tensor {x.shape}")
+    return apply("view", [x], shape=shape, vstrides=strides, voffset=int(offset))
+
+
+def _infer_view(srcs, params):
+    return params["shape"], srcs[0].dtype
+
+
+def _view_view(y):
+    return y.srcs[0].offset + y.params["voffset"], y.params["vstrides"]
+
+
+def view_bwd(g: Tensor, base_shape: tuple, strides: tuple, offset: int) -> Tensor:
+    """Zeros of base_shape with g written where the view lay (the backward of view)."""
+    return apply("view_bwd", [g], base_shape=tuple(base_shape), vstrides=tuple(strides), voffset=int(offset))
+
+
+def _infer_view_bwd(srcs, params):
+    _f32("view_bwd", srcs[0])
+    return params["base_shape"], "f32"
+
+
+register(OpDef("view", _infer_view, contiguous=(0,), view=_view_view,
+               backward=lambda y, g: [view_bwd(g, y.srcs[0].shape, y.params["vstrides"], y.params["voffset"])]))
+register(OpDef("view_bwd", _infer_view_bwd, "view_bwd", contiguous=(0,),
+               lower=lambda y: ((y.params["voffset"],) + y.params["vstrides"], ())))
+
+
+def cont(x: Tensor) -> Tensor:
+    """A contiguous copy of x (any strides)."""
+    return apply("cont", [x])
+
+
+def cast(x: Tensor, dtype: str) -> Tensor:
+    """x converted to dtype (f32, f16 or bf16), contiguous; f32 -> f16/bf16 rounds to nearest even."""
+    if dtype == x.dtype and x.is_contiguous():
+        return x
+    return apply("cast", [x], dtype=dtype)
+
+
+def _infer_cont(srcs, params):
+    x = srcs[0]
+    if x.dtype == "i32":
+        raise DTypeError(f"cont: i32 tensors are not copied by kernels yet ({x!r})")
+    return x.shape, x.dtype
+
+
+def _infer_cast(srcs, params):
+    x = srcs[0]
+    dtype = params["dtype"]
+    if dtype not in ("f32", "f16", "bf16") or x.dtype not in ("f32", "f16", "bf16"):
+        raise DTypeError(f"cast: cannot convert {x.dtype} to {dtype}")
+    return x.shape, dtype
+
+
+register(OpDef("cont", _infer_cont, "cast_fwd", backward=lambda y, g: [g]))
+register(OpDef("cast", _infer_cast, "cast_fwd",
+               backward=lambda y, g: [cast(g, y.srcs[0].dtype)]))
+
+
+# ---- optimizer steps (in place; built by core/optim.py) -----------------------------------
+
+
+def _infer_step(name, n_src):
+    def infer(srcs, params):
+        _need(len(srcs) == n_src, f"{name}: needs {n_src} inputs")
+        _f32(name, *srcs)
+        p = srcs[0]
+        for i, s in enumerate(srcs):
+            if i == 2:
+                _need(s.shape == (HYPER_COUNT,), f"{name}: hyper must be ({HYPER_COUNT},), got {s.shape}")
+            elif i == 3:
+                _need(s.size == 1, f"{name}: grad norm must be a scalar, got {s.shape}")
+            else:
+                _need(s.shape == p.shape, f"{name}: input {i} {s.shape} does not match param {p.shape}")
+        return p.shape, "f32"
+    return infer
+
+
+# Layout of the hyper vector read by the step kernels (native/cpu/optim.c).
+HYPER_LR, HYPER_BETA1, HYPER_BETA2, HYPER_EPS, HYPER_WD = 0, 1, 2, 3, 4
+HYPER_BC1, HYPER_BC2, HYPER_MAX_NORM, HYPER_MOMENTUM = 5, 6, 7, 8
+HYPER_COUNT = 9
+
+
+def adamw_step(p, grad, hyper, grad_norm, m, v, decay: bool) -> Tensor:
+    """AdamW update of p in place (and of m, v); decay: apply weight decay to p."""
+    return apply("adamw_step", [p, grad, hyper, grad_norm, m, v], decay=bool(decay))
+
+
+def sgd_step(p, grad, hyper, grad_norm, buf, decay: bool) -> Tensor:
+    """SGD (momentum optional) update of p in place (and of buf)."""
+    return apply("sgd_step", [p, grad, hyper, grad_norm, buf], decay=bool(decay))
+
+
+_step_lower = lambda y: ((), (1.0 if y.params["decay"] else 0.0,))  # noqa: E731
+register(OpDef("adamw_step", _infer_step("adamw_step", 6), "adamw_step_fwd",
+               contiguous=(0, 1, 2, 3, 4, 5), lower=_step_lower, differentiable=()))
+register(OpDef("sgd_step", _infer_step("sgd_step", 5), "sgd_step_fwd",
+               contiguous=(0, 1, 2, 3, 4), lower=_step_lower, differentiable=()))

@@ -1,0 +1,240 @@
+"""Test cases for every op: inputs, a float64 numpy reference, and tolerances (STYLE §8).
+
+A case builds its op from graph inputs with `build(*tensors)` and computes the same
+thing in numpy with `ref(*arrays)`. Inputs are drawn from `lo..hi` (kept away from
+kinks and singularities); integer inputs come from `ints`. `view` cases reach the op
+through a non-contiguous view (transpose, slice) to test strided inputs.
+tests/test_ops.py runs every case forward, and backward against finite differences.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from ggtrain.core import ops
+from tests import refs
+
+
+@dataclass
+class In:
+    shape: tuple
+    lo: float = -1.0
+    hi: float = 1.0
+    ints: tuple | None = None       # (low, high) for an i32 input (not differentiated)
+    grad: bool = True
+    values: np.ndarray | None = None  # fixed values (e.g. distinct for max_pool)
+
+
+@dataclass
+class Case:
+    op: str
+    inputs: list
+    build: Callable
+    ref: Callable
+    name: str = ""
+    rtol: float = 1e-4
+    atol: float = 1e-5
+    grad_rtol: float = 1e-3
+    grad_atol: float = 1e-4
+    backward: bool = True
+    ops_covered: tuple = field(default=())  # registry ops this case exercises besides `op`
+
+    @property
+    def id(self) -> str:
+        return f"{self.op}-{self.name}" if self.name else self.op
+
+
+def _distinct(shape, seed=7):
+    """Values with no ties (max_pool2d's gradient is only defined without ties)."""
+    rng = np.random.default_rng(seed)
+    n = int(np.prod(shape))
+    return (rng.permutation(n).astype(np.float64) / n * 2 - 1).reshape(shape)
+
+
+def _sum_to(g, shape):
+    while g.ndim > len(shape):
+        g = g.sum(axis=0)
+    for i, n in enumerate(shape):
+        if n == 1 and g.shape[i] != 1:
+            g = g.sum(axis=i, keepdims=True)
+    return g
+
+
+def _sig(x):
+    return 1.0 / (1.0 + np.exp(-x))
+
+
+CASES: list = []
+
+
+def case(*args, **kwargs):
+    CASES.append(Case(*args, **kwargs))
+
+
+# ---- elementwise binary: broadcasting, size-1 dims, odd sizes, strided views -----------
+for name, fn, npf, lo_b in [("add", ops.add, np.add, -1.0), ("sub", ops.sub, np.subtract, -1.0),
+                            ("mul", ops.mul, np.multiply, -1.0), ("div", ops.div, np.divide, 0.5)]:
+    case(name, [In((3, 7)), In((3, 7), lo_b, 2.0)], fn, npf, name="same")
+    case(name, [In((2, 3, 33)), In((33,), lo_b, 2.0)], fn, npf, name="bcast-row")
+    case(name, [In((1, 7)), In((5, 1), lo_b, 2.0)], fn, npf, name="bcast-both")
+    case(name, [In((4, 1, 3)), In((1, 5, 1), lo_b, 2.0)], fn, npf, name="bcast-3d")
+    case(name, [In((7, 3)), In((3, 7), lo_b, 2.0)], lambda a, b, fn=fn: fn(ops.transpose(a), b),
+         lambda a, b, npf=npf: npf(a.T, b), name="strided", ops_covered=("permute",))
+    case(name, [In(()), In((3,), lo_b, 2.0)], fn, npf, name="scalar")
+
+# ---- unary ---------------------------------------------------------------------------------
+case("scale", [In((3, 5))], lambda x: ops.scale(x, -2.5), lambda x: -2.5 * x)
+case("scale", [In((5, 3))], lambda x: ops.scale(ops.transpose(x), 0.5), lambda x: 0.5 * x.T, name="strided")
+case("relu", [In((7, 9))], ops.relu, lambda x: np.maximum(x, 0))
+case("relu", [In((9, 7))], lambda x: ops.relu(ops.transpose(x)), lambda x: np.maximum(x.T, 0), name="strided")
+case("silu", [In((3, 33), -4, 4)], ops.silu, lambda x: x * _sig(x))
+case("exp", [In((2, 7), -2, 2)], ops.exp, np.exp)
+case("log", [In((2, 7), 0.5, 3)], ops.log, np.log)
+case("sqrt", [In((2, 7), 0.5, 3)], ops.sqrt, np.sqrt)
+case("sqr", [In((1, 257))], ops.sqr, np.square)
+case("relu_bwd", [In((3, 7)), In((3, 7))], ops.relu_bwd, lambda x, g: g * (x > 0), backward=False)
+case("silu_bwd", [In((3, 7), -4, 4), In((3, 7))], ops.silu_bwd,
+     lambda x, g: g * _sig(x) * (1 + x * (1 - _sig(x))), backward=False)
+CASES.append(Case("fill", [In((3,))], lambda x: ops.add(x, ops.fill(x.graph, (2, 3), 1.5)),
+                  lambda x: np.broadcast_to(x + 1.5, (2, 3)), ops_covered=("add",)))
+
+# ---- reductions ------------------------------------------------------------------------------
+case("sum", [In((3, 7))], ops.sum, np.sum)
+case("sum", [In((5000,))], ops.sum, np.sum, name="chunks", backward=False)
+case("sum", [In((7, 3))], lambda x: ops.sum(ops.transpose(x)), lambda x: x.T.sum(), name="strided")
+case("mean", [In((4, 5))], ops.mean, np.mean, ops_covered=("sum", "scale"))
+case("sum_rows", [In((2, 3, 33))], ops.sum_rows, lambda x: x.sum(-1, keepdims=True))
+case("sum_rows", [In((5, 3))], lambda x: ops.sum_rows(ops.transpose(x)),
+     lambda x: x.T.sum(-1, keepdims=True), name="strided")
+case("repeat", [In((1, 3))], lambda x: ops.repeat(x, (4, 3)), lambda x: np.broadcast_to(x, (4, 3)))
+case("repeat", [In((2, 1, 3))], lambda x: ops.repeat(x, (5, 2, 4, 3)),
+     lambda x: np.broadcast_to(x, (5, 2, 4, 3)), name="3d")
+case("repeat_bwd", [In((6, 33))], lambda g: ops.repeat_bwd(g, (33,)), lambda g: _sum_to(g, (33,)))
+case("repeat_bwd", [In((4, 3, 5))], lambda g: ops.repeat_bwd(g, (4, 1, 5)),
+     lambda g: _sum_to(g, (4, 1, 5)), name="middle")
+case("repeat_bwd", [In((2, 3, 4))], lambda g: ops.repeat_bwd(g, (1, 3, 1)),
+     lambda g: _sum_to(g, (1, 3, 1)), name="outer")
+case("repeat_bwd", [In((5, 3))], lambda g: ops.repeat_bwd(ops.transpose(g), (1, 5)),
+     lambda g: _sum_to(g.T, (1, 5)), name="strided")
+
+# ---- matmul in every layout training uses ---------------------------------------------------
+case("matmul", [In((3, 7)), In((7, 5))], ops.matmul, np.matmul, name="nn")
+case("matmul", [In((3, 7)), In((5, 7))], lambda a, w: ops.matmul(a, ops.transpose(w)),
+     lambda a, w: a @ w.T, name="nt")
+case("matmul", [In((7, 3)), In((7, 5))], lambda a, b: ops.matmul(ops.transpose(a), b),
+     lambda a, b: a.T @ b, name="tn")
+case("matmul", [In((2, 3, 4, 7)), In((1, 3, 7, 5))], ops.matmul, np.matmul, name="batch-bcast")
+case("matmul", [In((2, 3, 7)), In((5, 7))], lambda x, w: ops.linear(x, w), lambda x, w: x @ w.T,
+     name="linear-3d", ops_covered=("permute", "reshape"))
+case("matmul", [In((1, 1)), In((1, 33))], ops.matmul, np.matmul, name="k1")
+case("matmul", [In((33, 65)), In((65, 17))], ops.matmul, np.matmul, name="odd", atol=1e-4)
+
+# ---- normalisation, softmax, loss ------------------------------------------------------------
+case("rms_norm", [In((3, 33))], lambda x: ops.rms_norm(x, 1e-5), lambda x: refs.rms_norm(x, 1e-5))
+case("rms_norm", [In((1, 2, 7))], lambda x: ops.rms_norm(x, 1e-6), lambda x: refs.rms_norm(x, 1e-6), name="3d")
+case("rms_norm_bwd", [In((3, 33)), In((3, 33))], lambda x, g: ops.rms_norm_bwd(x, g, 1e-5),
+     lambda x, g: refs.rms_norm_bwd(x, g, 1e-5), backward=False)
+case("softmax", [In((3, 7), -3, 3)], ops.softmax, lambda x: refs.softmax(x, 1.0, False))
+case("softmax", [In((2, 5, 5), -3, 3)], lambda x: ops.softmax(x, 0.7, causal=True),
+     lambda x: refs.softmax(x, 0.7, True), name="causal")
+case("softmax", [In((2, 3, 6), -3, 3)], lambda x: ops.softmax(x, 1.3, causal=True),
+     lambda x: refs.softmax(x, 1.3, True), name="causal-tq<tk")
+case("softmax_bwd", [In((3, 7), 0.05, 1), In((3, 7))], lambda y, g: ops.softmax_bwd(y, g, 0.5),
+     lambda y, g: refs.softmax_bwd(y, g, 0.5), backward=False)
+case("cross_entropy", [In((5, 7), -3, 3), In((5,), ints=(0, 7))], ops.cross_entropy,
+     refs.cross_entropy)
+case("cross_entropy", [In((6, 33), -3, 3), In((6,), values=np.array([3, -1, 0, 32, -1, 5]))],
+     ops.cross_entropy, refs.cross_entropy, name="ignore")
+case("cross_entropy_bwd", [In((5, 7), -3, 3), In((5,), ints=(0, 7)), In((), 0.5, 2)],
+     ops.cross_entropy_bwd, refs.cross_entropy_bwd, backward=False)
+
+# ---- rope, rows ------------------------------------------------------------------------------
+case("rope", [In((2, 5, 3, 8)), In((5,), values=np.array([0, 1, 2, 7, 40]))],
+     lambda x, p: ops.rope(x, p, 8, 10000.0), lambda x, p: refs.rope(x, p, 8, 10000.0))
+case("rope", [In((3, 2, 6)), In((3,), values=np.array([5, 100, 2047]))],
+     lambda x, p: ops.rope(x, p, 4, 500.0), lambda x, p: refs.rope(x, p, 4, 500.0), name="partial")
+case("rope_bwd", [In((2, 5, 3, 8)), In((5,), ints=(0, 64))], lambda g, p: ops.rope_bwd(g, p, 8, 10000.0),
+     lambda g, p: refs.rope_bwd(g, p, 8, 10000.0), backward=False)
+case("get_rows", [In((7, 5)), In((2, 3), ints=(0, 7))], ops.get_rows, refs.get_rows)
+case("get_rows_bwd", [In((4, 5)), In((4,), values=np.array([1, 6, 1, 0]))],
+     lambda g, i: ops.get_rows_bwd(g, i, 7), lambda g, i: refs.get_rows_bwd(g, i, 7), backward=False)
+
+# ---- convolution, pooling (NHWC) ------------------------------------------------------------
+case("im2col", [In((2, 5, 4, 3))], lambda x: ops.im2col(x, 3, 3, 1, 1),
+     lambda x: refs.im2col(x, 3, 3, 1, 1))
+case("im2col", [In((1, 7, 6, 2))], lambda x: ops.im2col(x, 3, 2, 2, 0),
+     lambda x: refs.im2col(x, 3, 2, 2, 0), name="stride2")
+case("im2col_bwd", [In((2, 5, 4, 27))], lambda g: ops.im2col_bwd(g, (2, 5, 4, 3), 3, 3, 1, 1),
+     lambda g: refs.im2col_bwd(g, (2, 5, 4, 3), 3, 3, 1, 1), backward=False)
+case("im2col", [In((2, 6, 5, 2)), In((3, 2, 3, 3)), In((3,))],
+     lambda x, k, b: ops.conv2d(x, k, b, 1, 1),
+     lambda x, k, b: refs.im2col(x, 3, 3, 1, 1) @ k.reshape(3, -1).T + b, name="conv2d",
+     ops_covered=("matmul", "reshape", "permute", "add"))
+case("max_pool2d", [In((2, 4, 6, 3), values=_distinct((2, 4, 6, 3)))], lambda x: ops.max_pool2d(x, 2),
+     lambda x: refs.max_pool2d(x, 2))
+case("max_pool2d", [In((1, 7, 5, 2), values=_distinct((1, 7, 5, 2), 3))], lambda x: ops.max_pool2d(x, 2),
+     lambda x: refs.max_pool2d(x, 2), name="floor")
+case("max_pool2d_bwd", [In((1, 4, 4, 2), values=_distinct((1, 4, 4, 2))), In((1, 2, 2, 2))],
+     lambda x, g: ops.max_pool2d_bwd(x, g, 2), lambda x, g: refs.max_pool2d_bwd(x, g, 2), backward=False)
+
+# ---- views and copies ------------------------------------------------------------------------
+case("reshape", [In((3, 4))], lambda x: ops.reshape(x, (2, 6)), lambda x: x.reshape(2, 6))
+case("reshape", [In((4, 3))], lambda x: ops.reshape(ops.transpose(x), (12,)), lambda x: x.T.reshape(12),
+     name="strided", ops_covered=("cont",))
+case("permute", [In((2, 3, 4))], lambda x: ops.mul(ops.permute(x, (2, 0, 1)), 1.0),
+     lambda x: x.transpose(2, 0, 1), ops_covered=("scale",))
+case("view", [In((4, 6))], lambda x: ops.view(x, (3, 2), (6, 2), 7), 
+     lambda x: np.lib.stride_tricks.as_strided(x.reshape(-1)[7:], (3, 2), (48, 16)))
+case("view_bwd", [In((3, 2))], lambda g: ops.view_bwd(g, (4, 6), (6, 2), 7),
+     lambda g: _view_bwd_ref(g, (4, 6), (6, 2), 7), backward=False)
+case("cont", [In((3, 5))], lambda x: ops.cont(ops.transpose(x)), lambda x: x.T)
+case("cast", [In((3, 5), -100, 100)], lambda x: ops.cast(ops.cast(x, "f16"), "f32"),
+     lambda x: x.astype(np.float16).astype(np.float64), name="f16", rtol=1e-3, atol=1e-3,
+     backward=False)  # rounding: finite differences are 0 or huge; cont covers the rule
+case("cast", [In((3, 5), -100, 100)], lambda x: ops.cast(ops.cast(ops.transpose(x), "bf16"), "f32"),
+     lambda x: _bf16_round(x.T), name="bf16", rtol=8e-3, atol=1e-3,
+     backward=False)
+
+
+def _view_bwd_ref(g, base_shape, strides, offset):
+    out = np.zeros(int(np.prod(base_shape)))
+    v = np.lib.stride_tricks.as_strided(out[offset:], g.shape, tuple(s * 8 for s in strides))
+    v[...] = g
+    return out.reshape(base_shape)
+
+
+def _bf16_round(x):
+    f = x.astype(np.float32)
+    u = f.view(np.uint32)
+    u = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) << 16
+    return u.astype(np.uint32).view(np.float32).astype(np.float64)
+
+
+# ---- optimizer steps: one update from given state, against the closed form -------------------
+_H_ADAM = np.array([0.01, 0.9, 0.99, 1e-8, 0.1, 1 - 0.9 ** 3, 1 - 0.99 ** 3, 0.0, 0.0])
+_H_SGD = np.array([0.1, 0, 0, 0, 0.05, 1, 1, 0.0, 0.9])
+
+
+def _in_place(step):
+    step.out = step.srcs[0]  # the step kernels update the parameter where it lies
+    return step
+
+
+def _adamw_ref(p, g, h, norm, m, v):
+    m = h[1] * m + (1 - h[1]) * g
+    v = h[2] * v + (1 - h[2]) * g * g
+    return p - h[0] * h[4] * p - h[0] * (m / h[5]) / (np.sqrt(v / h[6]) + h[3])
+
+
+def _sgd_ref(p, g, h, norm, buf):
+    g = g + h[4] * p
+    buf = h[8] * buf + g
+    return p - h[0] * buf
+
+
+case("adamw_step", [In((3, 4)), In((3, 4)), In((9,), values=_H_ADAM), In((), 1, 2), In((3, 4)), In((3, 4), 0.01, 1)],
+     lambda p, g, h, n, m, v: _in_place(ops.adamw_step(p, g, h, n, m, v, True)), _adamw_ref, backward=False)
+case("sgd_step", [In((5,)), In((5,)), In((9,), values=_H_SGD), In((), 1, 2), In((5,))],
+     lambda p, g, h, n, b: _in_place(ops.sgd_step(p, g, h, n, b, True)), _sgd_ref, backward=False)

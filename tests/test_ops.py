@@ -1,0 +1,151 @@
+"""Every registry op forward against float64 numpy, backward against finite differences."""
+import re
+
+import numpy as np
+import pytest
+
+from ggtrain.core import ops
+from ggtrain.core.autograd import backward
+from ggtrain.core.graph import Graph, Runtime
+from tests.op_cases import CASES
+
+HEADER = __import__("pathlib").Path(__file__).resolve().parents[1] / "native" / "ggtrain.h"
+
+
+def _inputs(case, seed):
+    rng = np.random.default_rng(seed)
+    arrays = []
+    for spec in case.inputs:
+        if spec.values is not None:
+            arrays.append(np.asarray(spec.values))
+        elif spec.ints is not None:
+            arrays.append(rng.integers(spec.ints[0], spec.ints[1], spec.shape).astype(np.int32))
+        else:
+            arrays.append(rng.uniform(spec.lo, spec.hi, spec.shape))
+    return arrays
+
+
+def _is_int(spec, arr):
+    return spec.ints is not None or arr.dtype.kind in "iu"
+
+
+def _build(case, arrays):
+    g = Graph()
+    tensors = []
+    for spec, arr in zip(case.inputs, arrays):
+        if _is_int(spec, arr):
+            tensors.append(g.const(arr.astype(np.int32), dtype="i32"))
+        else:
+            tensors.append(g.param(arr.shape, arr.astype(np.float32), trainable=spec.grad))
+    return g, tensors, case.build(*tensors)
+
+
+def _f32_inputs(case, arrays):
+    # the reference sees exactly the float32 values the kernels see
+    return [a if _is_int(s, a) else a.astype(np.float32).astype(np.float64)
+            for s, a in zip(case.inputs, arrays)]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+@pytest.mark.parametrize("n_threads", [1, 2])
+def test_forward(case, n_threads, backend):
+    arrays = _f32_inputs(case, _inputs(case, 0))
+    g, tensors, out = _build(case, arrays)
+    rt = Runtime(g, backend)
+    plan = rt.compile([out], n_threads)
+    rt.run(plan, n_threads)
+    got = plan.read(out)
+    want = case.ref(*arrays)
+    assert got.shape == np.shape(want), f"shape {got.shape} vs reference {np.shape(want)}"
+    np.testing.assert_allclose(got, want, rtol=case.rtol, atol=case.atol)
+
+
+def _numeric_grad(f, x, h=1e-6):
+    grad = np.zeros_like(x)
+    flat, gflat = x.reshape(-1), grad.reshape(-1)
+    for i in range(flat.size):
+        old = flat[i]
+        flat[i] = old + h
+        fp = f()
+        flat[i] = old - h
+        fm = f()
+        flat[i] = old
+        gflat[i] = (fp - fm) / (2 * h)
+    return grad
+
+
+BACKWARD = [c for c in CASES if c.backward]
+
+
+@pytest.mark.parametrize("case", BACKWARD, ids=[c.id for c in BACKWARD])
+def test_backward(case, backend):
+    arrays = _f32_inputs(case, _inputs(case, 1))
+    g, tensors, out = _build(case, arrays)
+    rng = np.random.default_rng(2)
+    upstream = rng.uniform(0.5, 1.5, out.shape) * rng.choice([-1, 1], out.shape)  # never all ones
+    loss = ops.sum(ops.mul(out, g.const(upstream))) if out.shape else ops.mul(out, g.const(upstream))
+    wrt = [t for t, s, a in zip(tensors, case.inputs, arrays) if s.grad and not _is_int(s, a)]
+    grads = backward(loss, wrt, checkpointing=False)
+    rt = Runtime(g, backend)
+    plan = rt.compile([grads[t] for t in wrt], 2)
+    rt.run(plan)
+    for t in wrt:
+        i = tensors.index(t)
+        x = arrays[i].astype(np.float64)
+        args = list(arrays)
+        args[i] = x
+        numeric = _numeric_grad(lambda: float(np.sum(case.ref(*args) * upstream)), x)
+        np.testing.assert_allclose(plan.read(grads[t]), numeric, rtol=case.grad_rtol, atol=case.grad_atol,
+                                   err_msg=f"gradient of input {i}")
+
+
+SMALL = [c for c in BACKWARD if sum(int(np.prod(s.shape)) for s in c.inputs) <= 48]
+
+
+@pytest.mark.parametrize("case", SMALL, ids=[c.id for c in SMALL])
+def test_backward_matches_own_forward(case, backend):
+    """Finite differences of ggtrain's own float32 forward agree with its backward."""
+    arrays = _f32_inputs(case, _inputs(case, 3))
+    g, tensors, out = _build(case, arrays)
+    upstream = np.random.default_rng(4).uniform(-1.5, 1.5, out.shape)
+    loss = ops.sum(ops.mul(out, g.const(upstream))) if out.shape else ops.mul(out, g.const(upstream))
+    wrt = [t for t, s, a in zip(tensors, case.inputs, arrays) if s.grad and not _is_int(s, a)]
+    grads = backward(loss, wrt, checkpointing=False)
+    rt = Runtime(g, backend)
+    fwd = rt.compile([loss], 1)
+    bwd = rt.compile([grads[t] for t in wrt], 1)
+    rt.run(bwd)
+    for t in wrt:
+        analytic = bwd.read(grads[t])
+        x = rt.get(t).astype(np.float64)
+        h = 1e-2
+
+        def f():
+            rt.set(t, x.astype(np.float32))
+            rt.run(fwd)
+            return float(fwd.read(loss))
+
+        numeric = _numeric_grad(f, x, h)
+        rt.set(t, x.astype(np.float32))
+        np.testing.assert_allclose(analytic, numeric, rtol=2e-2, atol=2e-2)
+
+
+def test_every_registry_op_has_a_case():
+    covered = {c.op for c in CASES}
+    for c in CASES:
+        covered.update(c.ops_covered)
+    missing = sorted(set(ops.OPS) - covered)
+    assert not missing, f"registry ops without a test case: {missing}"
+
+
+def test_every_kernel_in_header_is_used_by_an_op():
+    text = HEADER.read_text()
+    kernels = set(re.findall(r"int gt_(\w+)\(const struct gt_node \*node, const gt_ctx \*ctx\);", text))
+    used = set()
+    for op in ops.OPS.values():
+        if op.kernel:
+            for dtype in ("f32", "f16", "bf16"):
+                used.add(f"{op.kernel}_{dtype}")
+    unused = sorted(kernels - used)
+    assert kernels, "no kernels found in ggtrain.h"
+    assert not unused, f"kernels in ggtrain.h that no op uses: {unused}"
