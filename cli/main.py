@@ -1,7 +1,7 @@
 """The `ggtrain` command line (layer 6): the Typer app, error mapping and exit codes.
 
 Each command lives in its own module and registers itself on `app` in `_register`.
-Errors: a GgtrainError prints one line on stderr and exits 1 (`--debug` or
+Errors: a GgtrainError (or a missing/unreadable file) prints one line on stderr and exits 1 (`--debug` or
 GGTRAIN_DEBUG=1 adds the traceback); usage errors exit 2 as Typer does; any other
 exception is a bug and shows its traceback.
 """
@@ -45,7 +45,7 @@ def _root(
 
 def _register() -> None:
     """Import the command modules; each adds its commands to `app`."""
-    # Commands are added here as they are built (one module per command).
+    from ggtrain.cli import mnist  # noqa: F401
 
 
 def main(argv: list | None = None) -> None:
@@ -55,7 +55,7 @@ def main(argv: list | None = None) -> None:
         app(args=argv, standalone_mode=True)
     except SystemExit:
         raise
-    except GgtrainError as exc:
+    except (GgtrainError, FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError) as exc:
         if _state["debug"] or os.environ.get("GGTRAIN_DEBUG") == "1":
             traceback.print_exc()
         print(f"error: {exc}", file=sys.stderr)

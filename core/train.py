@@ -8,15 +8,18 @@ loss and gradient norm back.
 """
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
+
 import numpy as np
 
 from ggtrain.core import ops
 from ggtrain.core.autograd import backward
-from ggtrain.core.graph import Runtime, assign
-from ggtrain.core.optim import global_norm
+from ggtrain.core.graph import Graph, Runtime, assign
+from ggtrain.core.optim import AdamW, global_norm
 from ggtrain.core.ops import HYPER_COUNT
 from ggtrain.core.tensor import Tensor
-from ggtrain.errors import ConfigError, ShapeError
+from ggtrain.errors import ConfigError, NumericError, ShapeError
 
 
 class TrainStep:
@@ -70,6 +73,8 @@ class TrainStep:
                 zeros.append(z)
             # steps must read the norm before zeroing: creation order guarantees it
             self._update = self.runtime.compile(steps + zeros + [self.grad_norm], self.n_threads)
+        self.extra_outputs = list(extra_outputs)
+        self.last_outputs = []   # per physical batch: [value of each extra output]
         self.last_grad_norm = float("nan")
 
     @property
@@ -94,16 +99,19 @@ class TrainStep:
         self.updates += 1
         self.runtime.set(self.hyper, self.optimizer.hyper(self.updates, lr))
         losses = []
+        self.last_outputs = []
         if self._micro is None:
             self._set_inputs(batches[0])
             self.runtime.run(self._update, self.n_threads)
             losses.append(float(self._update.read(self.loss)))
+            self.last_outputs.append([self._update.read(t) for t in self.extra_outputs])
             self.last_grad_norm = float(self._update.read(self.grad_norm))
         else:
             for batch in batches:
                 self._set_inputs(batch)
                 self.runtime.run(self._micro, self.n_threads)
                 losses.append(float(self._micro.read(self.loss)))
+                self.last_outputs.append([self._micro.read(t) for t in self.extra_outputs])
             self.runtime.run(self._update, self.n_threads)
             self.last_grad_norm = float(self._update.read(self.grad_norm))
         return float(np.mean(losses))
@@ -114,3 +122,163 @@ class TrainStep:
 
     def set(self, t: Tensor, value) -> None:
         self.runtime.set(t, value)
+
+
+# ---- classifier training (MNIST) ---------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ClassifierConfig:
+    """Hyperparameters of a classifier run (defaults: ggml's MNIST trainer)."""
+
+    epochs: int = 30
+    batch: int = 1000           # logical batch (one optimizer update)
+    physical_batch: int = 500   # rows per native run; batch must be a multiple
+    lr: float = 1e-3
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    val_split: float = 0.05
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.epochs < 0:
+            raise ConfigError(f"--epochs must be >= 0, got {self.epochs}")
+        if self.physical_batch < 1 or self.batch < 1 or self.batch % self.physical_batch:
+            raise ConfigError(f"--batch ({self.batch}) must be a positive multiple of "
+                              f"--physical-batch ({self.physical_batch})")
+        if not 0.0 <= self.val_split < 1.0:
+            raise ConfigError(f"--val-split must be in [0, 1), got {self.val_split}")
+        if self.lr <= 0:
+            raise ConfigError(f"--lr must be > 0, got {self.lr}")
+
+
+def split_train_val(n: int, val_split: float, seed: int) -> tuple:
+    """A fixed random split of range(n): (train indices, validation indices)."""
+    perm = np.random.default_rng(seed).permutation(n)
+    n_val = int(round(n * val_split))
+    return perm[n_val:], perm[:n_val]
+
+
+def _log_softmax_loss(logits: np.ndarray, labels: np.ndarray) -> np.ndarray:
+    z = logits.astype(np.float64)
+    z = z - z.max(axis=1, keepdims=True)
+    logp = z - np.log(np.exp(z).sum(axis=1, keepdims=True))
+    return -logp[np.arange(len(labels)), labels]
+
+
+class ClassifierRun:
+    """Trains a classifier graph built by `forward(params, x) -> logits` on arrays.
+
+    Reports through callbacks: on_step({"step", "epoch", "loss", "lr", "grad_norm",
+    "samples_per_s", "elapsed_s"}) after each update and on_epoch({...train/val
+    loss and accuracy...}) after each epoch. `stop()` may be called from a callback
+    (or a signal handler) to end after the current update.
+    """
+
+    def __init__(self, forward, init: dict, input_shape: tuple, config: ClassifierConfig, backend,
+                 n_threads: int | None = None):
+        self.config = config
+        grad_acc = config.batch // config.physical_batch
+        g = Graph()
+        self.graph = g
+        self.x = g.input((config.physical_batch,) + tuple(input_shape), name="x")
+        self.y = g.input((config.physical_batch,), "i32", name="y")
+        self.params = {name: g.param(value.shape, value, name=name) for name, value in init.items()}
+        self.logits = forward(self.params, self.x)
+        self.loss = ops.cross_entropy(self.logits, self.y)
+        self.optimizer = AdamW(lr=config.lr, beta1=config.beta1, beta2=config.beta2, eps=config.eps,
+                               weight_decay=config.weight_decay)
+        self.step = TrainStep(self.loss, list(self.params.values()), self.optimizer, backend,
+                              grad_acc=grad_acc, checkpointing=False, n_threads=n_threads,
+                              extra_outputs=[self.logits])
+        self._eval = self.step.runtime.compile([self.logits], self.step.n_threads)
+        self._stop = False
+
+    def stop(self) -> None:
+        self._stop = True
+
+    @property
+    def stopped(self) -> bool:
+        return self._stop
+
+    def param_values(self) -> dict:
+        return {name: self.step.get(t) for name, t in self.params.items()}
+
+    def evaluate(self, images: np.ndarray, labels: np.ndarray) -> dict:
+        """Loss and accuracy with standard errors: {"loss", "loss_se", "accuracy", "accuracy_se", "n"}."""
+        p = self.config.physical_batch
+        rt = self.step.runtime
+        losses, correct = [], []
+        for start in range(0, len(labels), p):
+            xb = images[start:start + p]
+            n = len(xb)
+            if n < p:  # pad the last batch; padded rows are not scored
+                xb = np.concatenate([xb, np.zeros((p - n,) + xb.shape[1:], xb.dtype)])
+            rt.set(self.x, xb)
+            rt.run(self._eval, self.step.n_threads)
+            logits = self._eval.read(self.logits)[:n]
+            yb = labels[start:start + n]
+            losses.append(_log_softmax_loss(logits, yb))
+            correct.append(logits.argmax(axis=1) == yb)
+        loss = np.concatenate(losses) if losses else np.zeros(0)
+        hits = np.concatenate(correct) if correct else np.zeros(0, bool)
+        n = max(1, len(loss))
+        acc = float(hits.mean()) if len(hits) else float("nan")
+        return {"loss": float(loss.mean()) if len(loss) else float("nan"),
+                "loss_se": float(loss.std(ddof=1) / np.sqrt(n)) if len(loss) > 1 else float("nan"),
+                "accuracy": acc,
+                "accuracy_se": float(np.sqrt(acc * (1 - acc) / n)) if len(hits) else float("nan"),
+                "n": len(loss)}
+
+    def fit(self, images: np.ndarray, labels: np.ndarray, on_step=None, on_epoch=None) -> list:
+        """Train for config.epochs on (images, labels); returns the per-epoch summaries."""
+        cfg = self.config
+        train_idx, val_idx = split_train_val(len(labels), cfg.val_split, cfg.seed)
+        if len(train_idx) < cfg.batch:
+            raise ConfigError(f"{len(train_idx)} training samples is fewer than one batch ({cfg.batch})")
+        rng = np.random.default_rng(cfg.seed + 1)
+        p, k = cfg.physical_batch, cfg.batch // cfg.physical_batch
+        n_updates = len(train_idx) // cfg.batch
+        history = []
+        t0 = time.perf_counter()
+        step_no = 0
+        for epoch in range(cfg.epochs):
+            order = train_idx[rng.permutation(len(train_idx))]
+            epoch_loss, epoch_hits, epoch_n = 0.0, 0, 0
+            t_epoch = time.perf_counter()
+            for u in range(n_updates):
+                t_step = time.perf_counter()
+                batches = []
+                for j in range(k):
+                    idx = order[(u * k + j) * p:(u * k + j + 1) * p]
+                    batches.append({self.x: images[idx], self.y: labels[idx]})
+                loss = self.step.step(batches, cfg.lr)
+                for (logits,), b in zip(self.step.last_outputs, batches):
+                    epoch_hits += int((logits.argmax(axis=1) == b[self.y]).sum())
+                epoch_loss += loss * cfg.batch
+                epoch_n += cfg.batch
+                step_no += 1
+                if not np.isfinite(loss):
+                    raise NumericError(f"loss became {loss} at update {step_no} (epoch {epoch + 1})")
+                if on_step is not None:
+                    now = time.perf_counter()
+                    on_step({"step": step_no, "epoch": epoch + 1, "loss": loss, "lr": cfg.lr,
+                             "grad_norm": self.step.last_grad_norm,
+                             "samples_per_s": cfg.batch / max(now - t_step, 1e-9),
+                             "elapsed_s": now - t0, "update_in_epoch": u + 1, "updates_per_epoch": n_updates})
+                if self._stop:
+                    break
+            summary = {"epoch": epoch + 1, "step": step_no, "train_loss": epoch_loss / max(1, epoch_n),
+                       "train_accuracy": epoch_hits / max(1, epoch_n),
+                       "epoch_s": time.perf_counter() - t_epoch}
+            if len(val_idx):
+                ev = self.evaluate(images[val_idx], labels[val_idx])
+                summary.update(val_loss=ev["loss"], val_accuracy=ev["accuracy"])
+            history.append(summary)
+            if on_epoch is not None:
+                on_epoch(summary)
+            if self._stop:
+                break
+        return history

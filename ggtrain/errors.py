@@ -43,3 +43,7 @@ class FormatError(GgtrainError, ValueError):
 
 class ConfigError(GgtrainError, ValueError):
     """A bad option value or combination of options."""
+
+
+class NumericError(GgtrainError, ArithmeticError):
+    """Training diverged: a loss or gradient became NaN or infinite."""

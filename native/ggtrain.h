@@ -149,46 +149,59 @@ int gt_matmul_fwd_f32(const struct gt_node *node, const gt_ctx *ctx);
 int64_t gt_matmul_work_size(void);
 
 /* rms_norm: dst = src / sqrt(mean(src^2, last dim) + fp[0]); src contiguous.
- * rms_norm_bwd: src0 = x, src1 = g, dst = dx (eps fp[0]). */
+ * rms_norm_bwd: src0 = x, src1 = g, dst = dx (eps fp[0]); no weight (the weight
+ * multiply is a separate broadcast mul). All contiguous, same shape. */
 int gt_rms_norm_fwd_f32(const struct gt_node *node, const gt_ctx *ctx);
 int gt_rms_norm_bwd_f32(const struct gt_node *node, const gt_ctx *ctx);
 
 /* softmax over the last dim of src (..., T_q, T_k) after scaling by fp[0];
  * ip[0] = 1 adds a causal mask: row i of the last-but-one dim sees columns
- * j <= i + (T_k - T_q). softmax_bwd: src0 = y (softmax output), src1 = g,
- * dst = dx = fp[0] * y * (g - sum(g * y)). Contiguous inputs. */
+ * j <= i + (T_k - T_q); masked entries are exactly 0 (a row seeing no column,
+ * possible only when T_q > T_k, is all 0). softmax_bwd: src0 = y (softmax
+ * output), src1 = g, dst = dx = fp[0] * y * (g - sum(g * y)). Contiguous inputs. */
 int gt_softmax_fwd_f32(const struct gt_node *node, const gt_ctx *ctx);
 int gt_softmax_bwd_f32(const struct gt_node *node, const gt_ctx *ctx);
 
-/* cross_entropy: dst scalar = mean over rows of -log softmax(src0)[row, src1[row]];
+/* cross_entropy: dst scalar = mean over counted rows of -log softmax(src0)[row, src1[row]];
  * src0 logits (N, V) f32 contiguous, src1 targets (N,) i32; rows whose target
- * is negative are ignored (ip[0] = number of counted rows, set by Python, or 0
- * for all rows). scratch: N floats.
- * cross_entropy_bwd: src0 logits, src1 targets, src2 g (scalar); dst = dlogits. */
+ * is negative are ignored (no loss, not counted); a target >= V is
+ * GT_ERR_INVALID. ip[0] = count to divide by, or 0: the kernel counts the
+ * targets >= 0. A count of 0 gives loss 0 (and zero dlogits), not NaN.
+ * scratch: 4 * N bytes (N floats, per-row losses; summed by thread 0 in row order).
+ * cross_entropy_bwd: src0 logits, src1 targets, src2 g (one f32); dst (N, V) =
+ * dlogits = g * (softmax(logits) - onehot(target)) / count, 0 on ignored rows;
+ * ip[0] as in the forward; no scratch. */
 int gt_cross_entropy_fwd_f32(const struct gt_node *node, const gt_ctx *ctx);
 int gt_cross_entropy_bwd_f32(const struct gt_node *node, const gt_ctx *ctx);
 
 /* rope, llama.cpp mode 0 (adjacent pairs): src0 x (..., T, H, D) contiguous,
- * src1 positions (T,) i32; ip[0] = n_dims (rotated leading dims of D, even),
- * fp[0] = freq_base. theta_i = pos * freq_base^(-2i/n_dims) rotates (x[2i],
- * x[2i+1]). rope_bwd rotates by -theta (src0 = g). */
+ * src1 positions (T,) i32; ip[0] = n_dims (rotated leading dims of D, even,
+ * 2..D; the rest pass through), fp[0] = freq_base (> 0). theta_i = pos *
+ * freq_base^(-2i/n_dims) rotates (x[2i], x[2i+1]) to (x0 cos - x1 sin,
+ * x0 sin + x1 cos); theta, cos, sin computed in double. rope_bwd rotates by
+ * -theta (src0 = g). */
 int gt_rope_fwd_f32(const struct gt_node *node, const gt_ctx *ctx);
 int gt_rope_bwd_f32(const struct gt_node *node, const gt_ctx *ctx);
 
-/* get_rows: dst (N..., C) = src0 (V, C)[src1 (N...) i32]; src0 contiguous rows.
- * get_rows_bwd: src0 g (N..., C), src1 idx; dst (V, C) = scatter-add of g. */
+/* get_rows: dst (N..., C) = src0 (V, C)[src1 (N...) i32]; src0 rows of stride 1
+ * (any row stride), src1 contiguous. An index outside [0, V) is GT_ERR_INVALID.
+ * get_rows_bwd: src0 g (N..., C), src1 idx, both contiguous; dst (V, C) =
+ * scatter-add of g (rows no index points to are 0). Deterministic. */
 int gt_get_rows_fwd_f32(const struct gt_node *node, const gt_ctx *ctx);
 int gt_get_rows_bwd_f32(const struct gt_node *node, const gt_ctx *ctx);
 
 /* im2col over NHWC: src (N, H, W, C) contiguous -> dst (N, OH, OW, C*KH*KW),
- * column index c*KH*KW + kh*KW + kw; ip = {KH, KW, stride, pad}.
- * im2col_bwd: src g (N, OH, OW, C*KH*KW) -> dst dx (N, H, W, C). */
+ * column index c*KH*KW + kh*KW + kw; ip = {KH, KW, stride, pad}; zero padding;
+ * OH = (H + 2 pad - KH) / stride + 1 (floor), OW alike.
+ * im2col_bwd: src g (N, OH, OW, C*KH*KW) -> dst dx (N, H, W, C) (dst's shape
+ * gives H, W, C); writes every element of dx. */
 int gt_im2col_fwd_f32(const struct gt_node *node, const gt_ctx *ctx);
 int gt_im2col_bwd_f32(const struct gt_node *node, const gt_ctx *ctx);
 
 /* max_pool2d over NHWC, window and stride ip[0], no padding (floor):
  * src (N, H, W, C) -> dst (N, H/k, W/k, C). max_pool2d_bwd: src0 x, src1 g ->
- * dst dx; the gradient goes to the first maximum of each window. */
+ * dst dx; the gradient goes to the first maximum of each window (row-major
+ * order), every other element of dx is 0. All contiguous. */
 int gt_max_pool2d_fwd_f32(const struct gt_node *node, const gt_ctx *ctx);
 int gt_max_pool2d_bwd_f32(const struct gt_node *node, const gt_ctx *ctx);
 

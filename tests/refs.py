@@ -1,5 +1,181 @@
-"""Temporary: the helper's version replaces this."""
-def __getattr__(name):
-    def missing(*a, **k):
-        raise NotImplementedError(name)
-    return missing
+"""float64 numpy references of the fused kernels (norm, softmax, cross_entropy,
+rope, get_rows, im2col, max_pool2d), forward and backward.
+
+Plain loops and formulas, written to be obviously right rather than fast; the
+op tests compare the native kernels against them, and tests/test_kernels.py
+checks every backward here against finite differences of its forward.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+
+def _f64(a):
+    return np.asarray(a, dtype=np.float64)
+
+
+def rms_norm(x, eps):
+    """x / sqrt(mean(x^2, last dim) + eps)."""
+    x = _f64(x)
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
+
+
+def rms_norm_bwd(x, g, eps):
+    """dx of rms_norm for upstream gradient g."""
+    x, g = _f64(x), _f64(g)
+    r = 1.0 / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
+    c = x.shape[-1]
+    return r * g - x * r**3 * np.sum(x * g, axis=-1, keepdims=True) / c
+
+
+def _causal_mask(tq, tk):
+    """(tq, tk) bool, True where row i sees column j <= i + (tk - tq)."""
+    return np.arange(tk)[None, :] <= np.arange(tq)[:, None] + (tk - tq)
+
+
+def softmax(x, scale=1.0, causal=False):
+    """softmax(scale * x) over the last dim; causal masks (..., T_q, T_k) to 0.
+    A row that sees no column is all 0."""
+    z = _f64(x) * scale
+    if causal:
+        mask = _causal_mask(z.shape[-2], z.shape[-1])
+        z = np.where(mask, z, -np.inf)
+    m = np.max(z, axis=-1, keepdims=True)
+    m = np.where(np.isfinite(m), m, 0.0)
+    e = np.exp(z - m)
+    s = np.sum(e, axis=-1, keepdims=True)
+    return np.divide(e, s, out=np.zeros_like(e), where=s > 0)
+
+
+def softmax_bwd(y, g, scale=1.0):
+    """dx of softmax(scale * x) given its output y and upstream gradient g."""
+    y, g = _f64(y), _f64(g)
+    return scale * y * (g - np.sum(g * y, axis=-1, keepdims=True))
+
+
+def _ce_count(targets):
+    return int(np.sum(np.asarray(targets) >= 0))
+
+
+def cross_entropy(logits, targets):
+    """Mean over rows with target >= 0 of -log softmax(logits)[target]; 0 if none."""
+    x = _f64(logits)
+    t = np.asarray(targets)
+    keep = t >= 0
+    if not keep.any():
+        return np.float64(0.0)
+    m = np.max(x, axis=-1, keepdims=True)
+    logp = x - m - np.log(np.sum(np.exp(x - m), axis=-1, keepdims=True))
+    rows = np.nonzero(keep)[0]
+    return -np.sum(logp[rows, t[rows]]) / len(rows)
+
+
+def cross_entropy_bwd(logits, targets, g):
+    """d cross_entropy / d logits times the scalar g; ignored rows are 0."""
+    x = _f64(logits)
+    t = np.asarray(targets)
+    count = _ce_count(t)
+    out = np.zeros_like(x)
+    if count == 0:
+        return out
+    p = softmax(x)
+    for r in np.nonzero(t >= 0)[0]:
+        out[r] = p[r]
+        out[r, t[r]] -= 1.0
+    return out * (float(g) / count)
+
+
+def _rope_angles(pos, n_dims, base):
+    """(T, n_dims/2) angles pos[t] * base^(-2i/n_dims)."""
+    i = np.arange(n_dims // 2, dtype=np.float64)
+    return np.asarray(pos, dtype=np.float64)[:, None] * base ** (-2.0 * i / n_dims)
+
+
+def _rotate(x, theta, n_dims):
+    """Rotate adjacent pairs (x[2i], x[2i+1]) of x (..., T, H, D) by theta (T, n_dims/2)."""
+    x = _f64(x)
+    out = x.copy()
+    c = np.cos(theta)[:, None, :]   # (T, 1, n_dims/2), broadcast over heads
+    s = np.sin(theta)[:, None, :]
+    x0, x1 = x[..., 0:n_dims:2], x[..., 1:n_dims:2]
+    out[..., 0:n_dims:2] = x0 * c - x1 * s
+    out[..., 1:n_dims:2] = x0 * s + x1 * c
+    return out
+
+
+def rope(x, pos, n_dims, base):
+    """llama.cpp rope mode 0 on x (..., T, H, D); dims >= n_dims unchanged."""
+    return _rotate(x, _rope_angles(pos, n_dims, base), n_dims)
+
+
+def rope_bwd(g, pos, n_dims, base):
+    """dx of rope: g rotated by -theta."""
+    return _rotate(g, -_rope_angles(pos, n_dims, base), n_dims)
+
+
+def get_rows(table, idx):
+    """table (V, C)[idx] -> idx.shape + (C,)."""
+    return _f64(table)[np.asarray(idx)]
+
+
+def get_rows_bwd(g, idx, V):
+    """(V, C) scatter-add of g (idx.shape + (C,)) into rows idx."""
+    g = _f64(g)
+    out = np.zeros((V, g.shape[-1]))
+    np.add.at(out, np.asarray(idx).reshape(-1), g.reshape(-1, g.shape[-1]))
+    return out
+
+
+def _out_size(n, k, stride, pad):
+    return (n + 2 * pad - k) // stride + 1
+
+
+def im2col(x, kh, kw, stride, pad):
+    """x (N, H, W, C) -> (N, OH, OW, C*kh*kw), column c*kh*kw + i*kw + j, zero padding."""
+    x = _f64(x)
+    n, h, w, c = x.shape
+    oh, ow = _out_size(h, kh, stride, pad), _out_size(w, kw, stride, pad)
+    xp = np.pad(x, ((0, 0), (pad, pad), (pad, pad), (0, 0)))
+    out = np.zeros((n, oh, ow, c, kh, kw))
+    for i in range(kh):
+        for j in range(kw):
+            out[:, :, :, :, i, j] = xp[:, i:i + stride * oh:stride, j:j + stride * ow:stride, :]
+    return out.reshape(n, oh, ow, c * kh * kw)
+
+
+def im2col_bwd(g, x_shape, kh, kw, stride, pad):
+    """dx (x_shape = (N, H, W, C)) of im2col for upstream gradient g."""
+    n, h, w, c = x_shape
+    oh, ow = _out_size(h, kh, stride, pad), _out_size(w, kw, stride, pad)
+    g = _f64(g).reshape(n, oh, ow, c, kh, kw)
+    dxp = np.zeros((n, h + 2 * pad, w + 2 * pad, c))
+    for i in range(kh):
+        for j in range(kw):
+            dxp[:, i:i + stride * oh:stride, j:j + stride * ow:stride, :] += g[:, :, :, :, i, j]
+    return dxp[:, pad:pad + h, pad:pad + w, :]
+
+
+def _windows(x, k):
+    """x (N, H, W, C) -> (N, H//k, W//k, C, k*k) windows in row-major (kh, kw) order."""
+    n, h, w, c = x.shape
+    oh, ow = h // k, w // k
+    v = x[:, :oh * k, :ow * k, :].reshape(n, oh, k, ow, k, c)
+    return v.transpose(0, 1, 3, 5, 2, 4).reshape(n, oh, ow, c, k * k)
+
+
+def max_pool2d(x, k):
+    """Max over k x k windows with stride k (floor), NHWC."""
+    return _windows(_f64(x), k).max(axis=-1)
+
+
+def max_pool2d_bwd(x, g, k):
+    """dx of max_pool2d: g to the first maximum of each window, 0 elsewhere."""
+    x, g = _f64(x), _f64(g)
+    n, h, w, c = x.shape
+    oh, ow = h // k, w // k
+    first = _windows(x, k).argmax(axis=-1)          # (N, OH, OW, C), first max
+    onehot = np.arange(k * k) == first[..., None]   # (N, OH, OW, C, k*k)
+    win = (onehot * g[..., None]).reshape(n, oh, ow, c, k, k).transpose(0, 1, 4, 2, 5, 3)
+    dx = np.zeros_like(x)
+    dx[:, :oh * k, :ow * k, :] = win.reshape(n, oh * k, ow * k, c)
+    return dx

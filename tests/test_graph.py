@@ -35,9 +35,13 @@ def _mlp(rng, batch=16, d_in=12, hidden=(24, 24), n_out=5, segments=True):
     return g, x, y, params, loss
 
 
+_TEACHER = np.random.default_rng(123).normal(size=(12, 5))
+
+
 def _data(rng, n, d_in=12, n_out=5):
+    """Inputs and the labels a fixed linear teacher gives them (learnable)."""
     X = rng.normal(size=(n, d_in)).astype(np.float32)
-    Y = (X @ rng.normal(size=(d_in, n_out))).argmax(1).astype(np.int32)
+    Y = (X @ _TEACHER[:d_in, :n_out]).argmax(1).astype(np.int32)
     return X, Y
 
 
@@ -92,7 +96,7 @@ def test_checkpointing_lowers_planned_memory():
     def arena(checkpointing):
         rng = np.random.default_rng(0)
         g = Graph()
-        x = g.input((64, 256))
+        x = g.input((512, 256))  # activations must dominate the (output) weight gradients
         params, h = [], x
         for i in range(8):
             w = g.param((256, 256), rng.normal(0, 0.06, (256, 256)), name=f"w{i}")

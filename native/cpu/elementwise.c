@@ -92,7 +92,7 @@ typedef void (*unary_row_fn)(float *, const float *, int64_t, float, int64_t);
 
 UNARY_ROW(scale, x * p)
 UNARY_ROW(relu, x > 0.0f ? x : 0.0f)
-UNARY_ROW(silu, x / (1.0f + expf(-x)))
+UNARY_ROW(silu, x / (1.0f + gt_expf_(-x)))
 UNARY_ROW(exp, expf(x))
 UNARY_ROW(log, logf(x))
 UNARY_ROW(sqrt, sqrtf(x))
@@ -160,7 +160,7 @@ GT_CLONES static void relu_bwd_row(float *d, const float *x, const float *g, int
 
 GT_CLONES static void silu_bwd_row(float *d, const float *x, const float *g, int64_t n) {
     for (int64_t i = 0; i < n; i++) {
-        const float s = 1.0f / (1.0f + expf(-x[i]));
+        const float s = 1.0f / (1.0f + gt_expf_(-x[i]));
         d[i] = g[i] * s * (1.0f + x[i] * (1.0f - s));
     }
 }

@@ -132,7 +132,7 @@ static void record_failure(gt_pool *pool, int rc, int64_t node) {
     if (atomic_compare_exchange_strong(&pool->failed, &expected, 1)) {
         pool->fail_code = rc;
         pool->fail_node = node;
-        snprintf(pool->fail_msg, sizeof pool->fail_msg, "node %lld: %s", (long long)node, err_msg);
+        snprintf(pool->fail_msg, sizeof pool->fail_msg, "node %lld: %.960s", (long long)node, err_msg);
     }
 }
 

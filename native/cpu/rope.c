@@ -1,4 +1,110 @@
-/* rope.c: placeholder, being written. */
+/* rope.c: rotary position embedding, llama.cpp/ggml rope mode 0 (NORMAL:
+ * adjacent pairs), and its backward (the inverse rotation). Rows (b, t) are
+ * split across threads in t-major order, so a thread computes the cos/sin of
+ * one position once and reuses them over the batch and the heads. */
+#include <math.h>
+
 #include "internal.h"
-int gt_rope_fwd_f32(const gt_node *n, const gt_ctx *c) { (void)n; (void)c; return GT_FAIL(GT_ERR_UNSUPPORTED, "rope: not implemented yet"); }
-int gt_rope_bwd_f32(const gt_node *n, const gt_ctx *c) { (void)n; (void)c; return GT_FAIL(GT_ERR_UNSUPPORTED, "rope: not implemented yet"); }
+#include "shape.h"
+#include "simd.h"
+
+#define PAIRS 8     /* block of pairs per vector step */
+#define CHUNK 256   /* pairs whose cos/sin are cached on the stack */
+
+/* d[2i], d[2i+1] = (x0 c - x1 s, x0 s + x1 c) for i < n, with (x0, x1) = x[2i], x[2i+1] */
+GT_CLONES static void rotate_pairs(float *restrict d, const float *restrict x, const float *restrict c,
+                                   const float *restrict s, int64_t n) {
+    int64_t i = 0;
+    for (; i + PAIRS <= n; i += PAIRS)
+        for (int k = 0; k < PAIRS; k++) {
+            const float x0 = x[2 * (i + k)], x1 = x[2 * (i + k) + 1];
+            d[2 * (i + k)] = x0 * c[i + k] - x1 * s[i + k];
+            d[2 * (i + k) + 1] = x0 * s[i + k] + x1 * c[i + k];
+        }
+    for (; i < n; i++) {
+        const float x0 = x[2 * i], x1 = x[2 * i + 1];
+        d[2 * i] = x0 * c[i] - x1 * s[i];
+        d[2 * i + 1] = x0 * s[i] + x1 * c[i];
+    }
+}
+
+static int rope(const gt_node *node, const gt_ctx *ctx, const char *op, double sign) {
+    const gt_tensor *d = &node->dst, *x = &node->src[0], *p = &node->src[1];
+    const char *xname = sign > 0 ? "x" : "g";
+    char a[128];
+    GT_TRY(gt_check_n_src(node, 2, op));
+    GT_CHECK_F32(d, op, "dst");
+    GT_CHECK_F32(x, op, xname);
+    GT_TRY(gt_check_i32(p, op, "positions"));
+    if (x->ndim < 3)
+        return GT_FAIL(GT_ERR_SHAPE, "%s: expected %s (..., T, H, D), got %s", op, xname, gt_shape_str(x, a, sizeof a));
+    GT_TRY(gt_check_same_shape(x, d, op, xname, "dst"));
+    GT_TRY(gt_check_contig(x, op, xname));
+    GT_TRY(gt_check_contig(d, op, "dst"));
+    const int64_t D = x->shape[x->ndim - 1], H = x->shape[x->ndim - 2], T = x->shape[x->ndim - 3];
+    const int64_t B = gt_numel(x) / (T * H * D > 0 ? T * H * D : 1);
+    if (p->ndim != 1 || p->shape[0] != T) {
+        char b[128];
+        return GT_FAIL(GT_ERR_SHAPE, "%s: expected positions (%lld,) for %s %s, got %s", op, (long long)T,
+                       xname, gt_shape_str(x, a, sizeof a), gt_shape_str(p, b, sizeof b));
+    }
+    const int64_t n_dims = node->ip[0];
+    if (n_dims < 2 || n_dims % 2 || n_dims > D)
+        return GT_FAIL(GT_ERR_INVALID, "%s: expected n_dims (ip[0]) even and in 2..D = %lld, got %lld", op,
+                       (long long)D, (long long)n_dims);
+    const float base = node->fp[0];
+    if (!(base > 0.0f) || isinf(base))
+        return GT_FAIL(GT_ERR_INVALID, "%s: expected freq_base (fp[0]) > 0 and finite, got %g", op, (double)base);
+    if (gt_numel(x) == 0) return GT_OK;
+
+    const int64_t half = n_dims / 2;
+    const int32_t *pos = p->data;
+    const int64_t ps = p->strides[0];
+    float *dd = d->data;
+    const float *xd = x->data;
+    double freq[CHUNK];
+    float cs[CHUNK], sn[CHUNK];
+    int64_t lo, hi;
+    gt_split(T * B, ctx, &lo, &hi);   /* unit u: t = u / B, b = u % B */
+    for (int64_t i0 = 0; i0 < half; i0 += CHUNK) {
+        const int64_t ni = half - i0 < CHUNK ? half - i0 : CHUNK;
+        for (int64_t i = 0; i < ni; i++) freq[i] = pow((double)base, -2.0 * (double)(i0 + i) / (double)n_dims);
+        int64_t t_cached = -1;
+        for (int64_t u = lo; u < hi; u++) {
+            const int64_t t = u / B, b = u - t * B;
+            if (t != t_cached) {
+                const double pt = (double)pos[t * ps];
+                for (int64_t i = 0; i < ni; i++) {
+                    const double th = pt * freq[i];
+                    cs[i] = (float)cos(th);
+                    sn[i] = (float)(sign * sin(th));
+                }
+                t_cached = t;
+            }
+            const int64_t row = (b * T + t) * H * D;
+            for (int64_t h = 0; h < H; h++) {
+                const int64_t off = row + h * D;
+                rotate_pairs(dd + off + 2 * i0, xd + off + 2 * i0, cs, sn, ni);
+                if (i0 == 0 && n_dims < D)
+                    memcpy(dd + off + n_dims, xd + off + n_dims, (size_t)(D - n_dims) * sizeof(float));
+            }
+        }
+    }
+    return GT_OK;
+}
+
+/* rope: x (..., T, H, D) f32 contiguous, positions (T,) i32 (any stride),
+ * dst same shape as x, contiguous. ip[0] = n_dims (even, 2..D), fp[0] = freq_base.
+ * For i < n_dims/2: theta = pos[t] * freq_base^(-2i/n_dims) rotates the pair
+ *     (x[2i], x[2i+1]) -> (x0 cos - x1 sin, x0 sin + x1 cos);
+ * dims n_dims..D-1 pass through unchanged.
+ * NOTE: theta, cos and sin are computed in double (pow, cos, sin of libm), then
+ * rounded to float. ggml computes theta in float (theta *= powf(base, -2/n_dims)
+ * per pair), whose angle error grows with the position (about 1e-4 rad at
+ * position 2048); this kernel matches a float64 reference to float rounding
+ * at any position. */
+int gt_rope_fwd_f32(const gt_node *node, const gt_ctx *ctx) { return rope(node, ctx, "rope", 1.0); }
+
+/* rope_bwd: dx = rotation of g by -theta (the transpose of the forward);
+ * src0 g, src1 positions, the rest as in rope. */
+int gt_rope_bwd_f32(const gt_node *node, const gt_ctx *ctx) { return rope(node, ctx, "rope_bwd", -1.0); }

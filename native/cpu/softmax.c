@@ -1,6 +1,291 @@
-/* softmax.c: placeholder, being written. */
+/* softmax.c: softmax (scaled, optionally causal) and its backward, and
+ * cross_entropy with its backward. Rows are split across threads; every row is
+ * reduced in a fixed order, and cross_entropy's mean over rows goes through
+ * per-row scratch summed by thread 0, so results do not depend on the thread
+ * count or the SIMD level. */
+#include <math.h>
+
 #include "internal.h"
-int gt_softmax_fwd_f32(const gt_node *n, const gt_ctx *c) { (void)n; (void)c; return GT_FAIL(GT_ERR_UNSUPPORTED, "softmax: not implemented yet"); }
-int gt_softmax_bwd_f32(const gt_node *n, const gt_ctx *c) { (void)n; (void)c; return GT_FAIL(GT_ERR_UNSUPPORTED, "softmax: not implemented yet"); }
-int gt_cross_entropy_fwd_f32(const gt_node *n, const gt_ctx *c) { (void)n; (void)c; return GT_FAIL(GT_ERR_UNSUPPORTED, "cross_entropy: not implemented yet"); }
-int gt_cross_entropy_bwd_f32(const gt_node *n, const gt_ctx *c) { (void)n; (void)c; return GT_FAIL(GT_ERR_UNSUPPORTED, "cross_entropy: not implemented yet"); }
+#include "shape.h"
+#include "simd.h"
+
+#define LANES 16
+
+/* ---- row helpers (contiguous rows) --------------------------------------- */
+
+/* max over j of s * x[j]; n >= 1 */
+GT_CLONES static float scaled_max_row(const float *x, float s, int64_t n) {
+    float acc[LANES];
+    for (int k = 0; k < LANES; k++) acc[k] = s * x[0];
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES)
+        for (int k = 0; k < LANES; k++) {
+            const float v = s * x[i + k];
+            acc[k] = v > acc[k] ? v : acc[k];
+        }
+    float m = acc[0];
+    for (int k = 1; k < LANES; k++) m = acc[k] > m ? acc[k] : m;
+    for (; i < n; i++) {
+        const float v = s * x[i];
+        m = v > m ? v : m;
+    }
+    return m;
+}
+
+/* d[j] = exp(s * x[j] - m); returns sum of d in a fixed order */
+GT_CLONES static float exp_row(float *restrict d, const float *restrict x, float s, float m, int64_t n) {
+    float acc[LANES] = {0};
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES)
+        for (int k = 0; k < LANES; k++) {
+            const float e = gt_expf_(s * x[i + k] - m);
+            d[i + k] = e;
+            acc[k] += e;
+        }
+    float sum = 0.0f;
+    for (int k = 0; k < LANES; k++) sum += acc[k];
+    for (; i < n; i++) {
+        const float e = gt_expf_(s * x[i] - m);
+        d[i] = e;
+        sum += e;
+    }
+    return sum;
+}
+
+/* sum of exp(x[j] - m), x not written anywhere */
+GT_CLONES static float sumexp_row(const float *x, float m, int64_t n) {
+    float acc[LANES] = {0};
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES)
+        for (int k = 0; k < LANES; k++) acc[k] += gt_expf_(x[i + k] - m);
+    float sum = 0.0f;
+    for (int k = 0; k < LANES; k++) sum += acc[k];
+    for (; i < n; i++) sum += gt_expf_(x[i] - m);
+    return sum;
+}
+
+GT_CLONES static float dot_row(const float *a, const float *b, int64_t n) {
+    float acc[LANES] = {0};
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES)
+        for (int k = 0; k < LANES; k++) acc[k] += a[i + k] * b[i + k];
+    float s = 0.0f;
+    for (int k = 0; k < LANES; k++) s += acc[k];
+    for (; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+/* NOTE: plain `for i < n` loops are not vectorized at -O2 by GCC 12 (its "very
+ * cheap" cost model refuses loops that need a scalar epilogue), so hot loops
+ * run in blocks of LANES plus a scalar tail, on restrict pointers. */
+GT_CLONES static void mul_row(float *restrict d, float c, int64_t n) {
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES)
+        for (int k = 0; k < LANES; k++) d[i + k] *= c;
+    for (; i < n; i++) d[i] *= c;
+}
+
+/* d = c * y * (g - t) */
+GT_CLONES static void softmax_bwd_row(float *restrict d, const float *restrict y, const float *restrict g,
+                                      float c, float t, int64_t n) {
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES)
+        for (int k = 0; k < LANES; k++) d[i + k] = c * y[i + k] * (g[i + k] - t);
+    for (; i < n; i++) d[i] = c * y[i] * (g[i] - t);
+}
+
+/* ---- softmax --------------------------------------------------------------- */
+
+/* softmax: dst = softmax(fp[0] * src) over the last dim.
+ * src (..., T_q, T_k) f32 contiguous, dst same shape contiguous; scale fp[0].
+ * ip[0] = 1: causal mask, row i (of the T_q dim) sees columns j <= i + (T_k - T_q);
+ * masked entries are exactly 0, and a row that sees no column (only when
+ * T_q > T_k) is all 0. Needs ndim >= 2 when causal (ndim >= 1 otherwise).
+ * NOTE: the row max of the scaled values is subtracted before exp, so large
+ * inputs do not overflow; the sum of exps is in float, 16 lanes, fixed order. */
+int gt_softmax_fwd_f32(const gt_node *node, const gt_ctx *ctx) {
+    const char *op = "softmax";
+    const gt_tensor *d = &node->dst, *x = &node->src[0];
+    GT_TRY(gt_check_n_src(node, 1, op));
+    GT_CHECK_F32(d, op, "dst");
+    GT_CHECK_F32(x, op, "src");
+    GT_TRY(gt_check_same_shape(x, d, op, "src", "dst"));
+    GT_TRY(gt_check_contig(x, op, "src"));
+    GT_TRY(gt_check_contig(d, op, "dst"));
+    const int64_t causal = node->ip[0];
+    if (causal != 0 && causal != 1)
+        return GT_FAIL(GT_ERR_INVALID, "%s: expected causal flag ip[0] 0 or 1, got %lld", op, (long long)causal);
+    if (x->ndim < (causal ? 2 : 1)) {
+        char a[128];
+        return GT_FAIL(GT_ERR_SHAPE, "%s: expected src (..., T_q, T_k)%s, got %s", op,
+                       causal ? " with 2+ dims for the causal mask" : "", gt_shape_str(x, a, sizeof a));
+    }
+    const int64_t tk = gt_ncols(x), nrows = gt_nrows(x);
+    const int64_t tq = causal ? x->shape[x->ndim - 2] : 1;
+    const float s = node->fp[0];
+    float *dd = d->data;
+    const float *xd = x->data;
+    int64_t lo, hi;
+    gt_split(nrows, ctx, &lo, &hi);
+    for (int64_t r = lo; r < hi; r++) {
+        float *y = dd + r * tk;
+        const float *xr = xd + r * tk;
+        int64_t n = tk;
+        if (causal) {
+            const int64_t i = r % tq;
+            n = i + (tk - tq) + 1;
+            n = n < 0 ? 0 : n > tk ? tk : n;
+        }
+        if (n > 0) {
+            const float m = scaled_max_row(xr, s, n);
+            const float sum = exp_row(y, xr, s, m, n);
+            mul_row(y, 1.0f / sum, n);
+        }
+        if (n < tk) memset(y + n, 0, (size_t)(tk - n) * sizeof(float));
+    }
+    return GT_OK;
+}
+
+/* softmax_bwd: dx = scale * y * (g - sum(g * y)) per row of the last dim.
+ * src0 y (softmax output), src1 g, dst dx: (..., T_k) f32 contiguous, same
+ * shape; scale fp[0]. Masked entries (y = 0) get 0, so no causal flag. */
+int gt_softmax_bwd_f32(const gt_node *node, const gt_ctx *ctx) {
+    const char *op = "softmax_bwd";
+    const gt_tensor *d = &node->dst, *y = &node->src[0], *g = &node->src[1];
+    GT_TRY(gt_check_n_src(node, 2, op));
+    GT_CHECK_F32(d, op, "dst");
+    GT_CHECK_F32(y, op, "y");
+    GT_CHECK_F32(g, op, "g");
+    GT_TRY(gt_check_same_shape(y, d, op, "y", "dst"));
+    GT_TRY(gt_check_same_shape(g, d, op, "g", "dst"));
+    GT_TRY(gt_check_contig(d, op, "dst"));
+    GT_TRY(gt_check_contig(y, op, "y"));
+    GT_TRY(gt_check_contig(g, op, "g"));
+    const int64_t n = gt_ncols(d), nrows = gt_nrows(d);
+    const float s = node->fp[0];
+    float *dd = d->data;
+    const float *yd = y->data, *gd = g->data;
+    int64_t lo, hi;
+    gt_split(nrows, ctx, &lo, &hi);
+    for (int64_t r = lo; r < hi; r++) {
+        const float *yr = yd + r * n, *gr = gd + r * n;
+        softmax_bwd_row(dd + r * n, yr, gr, s, dot_row(gr, yr, n), n);
+    }
+    return GT_OK;
+}
+
+/* ---- cross_entropy ---------------------------------------------------------- */
+
+/* Checks shared by forward and backward (the same on every thread, so either
+ * every thread fails before the forward's barrier or none does). Validates
+ * every target and returns the number of counted rows in *count. */
+static int check_ce(const gt_node *node, const char *op, int n_src, int64_t *count) {
+    const gt_tensor *x = &node->src[0], *t = &node->src[1];
+    char a[128], b[128];
+    GT_TRY(gt_check_n_src(node, n_src, op));
+    GT_CHECK_F32(&node->dst, op, "dst");
+    GT_CHECK_F32(x, op, "logits");
+    GT_TRY(gt_check_i32(t, op, "targets"));
+    if (x->ndim != 2)
+        return GT_FAIL(GT_ERR_SHAPE, "%s: expected logits (N, V), got %s", op, gt_shape_str(x, a, sizeof a));
+    if (t->ndim != 1 || t->shape[0] != x->shape[0])
+        return GT_FAIL(GT_ERR_SHAPE, "%s: expected targets (%lld,) for logits %s, got %s", op,
+                       (long long)x->shape[0], gt_shape_str(x, a, sizeof a), gt_shape_str(t, b, sizeof b));
+    GT_TRY(gt_check_contig(x, op, "logits"));
+    const int64_t nrows = x->shape[0], v = x->shape[1];
+    const int32_t *td = t->data;
+    const int64_t ts = t->strides[0];
+    int64_t cnt = 0;
+    for (int64_t r = 0; r < nrows; r++) {
+        const int32_t tr = td[r * ts];
+        if (tr >= v)
+            return GT_FAIL(GT_ERR_INVALID, "%s: target of row %lld is %d, expected < V = %lld (or < 0 to ignore the row)",
+                           op, (long long)r, (int)tr, (long long)v);
+        cnt += tr >= 0;
+    }
+    if (node->ip[0] < 0)
+        return GT_FAIL(GT_ERR_INVALID, "%s: expected row count ip[0] >= 0, got %lld", op, (long long)node->ip[0]);
+    *count = node->ip[0] ? node->ip[0] : cnt;
+    return GT_OK;
+}
+
+/* cross_entropy: dst scalar = sum over counted rows of
+ *     -log softmax(logits[r])[targets[r]] = max + log(sum exp(logits[r] - max)) - logits[r, t]
+ * divided by count. logits (N, V) f32 contiguous; targets (N,) i32 (any stride).
+ * A negative target ignores its row (no loss, not counted); a target >= V is
+ * GT_ERR_INVALID. count = ip[0] if > 0, else the number of targets >= 0; when
+ * count is 0 the loss is 0. scratch: N floats (4 * N bytes), per-row losses;
+ * after a barrier thread 0 adds them in row order (in double), so the result is
+ * the same for any thread count. */
+int gt_cross_entropy_fwd_f32(const gt_node *node, const gt_ctx *ctx) {
+    const char *op = "cross_entropy";
+    int64_t count;
+    GT_TRY(check_ce(node, op, 2, &count));
+    const gt_tensor *d = &node->dst, *x = &node->src[0], *t = &node->src[1];
+    if (gt_numel(d) != 1) {
+        char a[128];
+        return GT_FAIL(GT_ERR_SHAPE, "%s: expected dst of one element, got %s", op, gt_shape_str(d, a, sizeof a));
+    }
+    const int64_t nrows = x->shape[0], v = x->shape[1];
+    float *loss = node->scratch;
+    if (nrows > 0 && (!loss || node->scratch_size < nrows * (int64_t)sizeof(float)))
+        return GT_FAIL(GT_ERR_INVALID, "%s: expected scratch of %lld bytes (4 * N), got %lld", op,
+                       (long long)(nrows * (int64_t)sizeof(float)), (long long)node->scratch_size);
+    const float *xd = x->data;
+    const int32_t *td = t->data;
+    const int64_t ts = t->strides[0];
+    int64_t lo, hi;
+    gt_split(nrows, ctx, &lo, &hi);
+    for (int64_t r = lo; r < hi; r++) {
+        const int32_t tr = td[r * ts];
+        if (tr < 0 || v == 0) { loss[r] = 0.0f; continue; }
+        const float *xr = xd + r * v;
+        const float m = scaled_max_row(xr, 1.0f, v);
+        const double se = sumexp_row(xr, m, v);
+        loss[r] = (float)((double)m + log(se) - (double)xr[tr]);
+    }
+    gt_barrier(ctx);
+    if (ctx->ith == 0) {
+        double s = 0.0;
+        for (int64_t r = 0; r < nrows; r++) s += loss[r];
+        *(float *)d->data = count ? (float)(s / (double)count) : 0.0f;
+    }
+    return GT_OK;
+}
+
+/* cross_entropy_bwd: dlogits = g * (softmax(logits) - onehot(target)) / count,
+ * zero rows for ignored (negative) targets. src0 logits (N, V) f32 contiguous,
+ * src1 targets (N,) i32, src2 g f32 (one element); dst (N, V) contiguous.
+ * ip[0] and count as in the forward (count 0: all zeros). */
+int gt_cross_entropy_bwd_f32(const gt_node *node, const gt_ctx *ctx) {
+    const char *op = "cross_entropy_bwd";
+    int64_t count;
+    GT_TRY(check_ce(node, op, 3, &count));
+    const gt_tensor *d = &node->dst, *x = &node->src[0], *t = &node->src[1], *g = &node->src[2];
+    GT_CHECK_F32(g, op, "g");
+    if (gt_numel(g) != 1) {
+        char a[128];
+        return GT_FAIL(GT_ERR_SHAPE, "%s: expected g of one element, got %s", op, gt_shape_str(g, a, sizeof a));
+    }
+    GT_TRY(gt_check_same_shape(d, x, op, "dst", "logits"));
+    GT_TRY(gt_check_contig(d, op, "dst"));
+    const int64_t nrows = x->shape[0], v = x->shape[1];
+    const float gc = count ? *(const float *)g->data / (float)count : 0.0f;
+    float *dd = d->data;
+    const float *xd = x->data;
+    const int32_t *td = t->data;
+    const int64_t ts = t->strides[0];
+    int64_t lo, hi;
+    gt_split(nrows, ctx, &lo, &hi);
+    for (int64_t r = lo; r < hi; r++) {
+        const int32_t tr = td[r * ts];
+        float *dr = dd + r * v;
+        if (tr < 0 || v == 0) { memset(dr, 0, (size_t)v * sizeof(float)); continue; }
+        const float *xr = xd + r * v;
+        const float m = scaled_max_row(xr, 1.0f, v);
+        const float sum = exp_row(dr, xr, 1.0f, m, v);
+        mul_row(dr, gc / sum, v);
+        dr[tr] -= gc;
+    }
+    return GT_OK;
+}

@@ -1,0 +1,158 @@
+"""`ggtrain mnist train|eval`: ggml's MNIST classifiers (layer 6)."""
+from __future__ import annotations
+
+import json
+import pathlib
+import signal
+import sys
+import time
+
+import typer
+from tqdm import tqdm
+
+from ggtrain.cli.main import app
+from ggtrain.core.backend_cpu import CpuBackend, default_threads
+from ggtrain.core.models import mnist as model
+from ggtrain.core.train import ClassifierConfig, ClassifierRun
+from ggtrain.errors import ConfigError
+from ggtrain.formats.idx import load_mnist
+from ggtrain.formats.mnist import load_mnist_model, save_mnist_model
+
+mnist_app = typer.Typer(help="Train and evaluate ggml's MNIST classifiers (mnist-fc, mnist-cnn).",
+                        no_args_is_help=True)
+app.add_typer(mnist_app, name="mnist")
+
+
+def _backend(name: str, threads: int | None):
+    if name != "cpu":
+        raise ConfigError(f"--backend {name}: only the cpu backend is available in this build")
+    if threads is not None and threads < 1:
+        raise ConfigError(f"--threads must be >= 1, got {threads}")
+    return CpuBackend(threads or default_threads())
+
+
+class _Log:
+    """--log RUN.jsonl: one JSON object per line, flushed as written."""
+
+    def __init__(self, path: pathlib.Path | None):
+        self.file = open(path, "w", encoding="utf-8") if path else None
+
+    def write(self, obj: dict) -> None:
+        if self.file:
+            self.file.write(json.dumps(obj) + "\n")
+            self.file.flush()
+
+    def close(self) -> None:
+        if self.file:
+            self.file.close()
+
+
+@mnist_app.command("train")
+def train(
+    arch: str = typer.Option("fc", "--arch", help="Model: fc (784-500-10) or cnn (two 3x3 convs)."),
+    data: pathlib.Path = typer.Option(..., "--data", help="Folder with the MNIST IDX files (.gz or raw)."),
+    out: pathlib.Path = typer.Option(..., "--out", help="Where to write the model (GGUF)."),
+    epochs: int = typer.Option(30, "--epochs", help="Passes over the training split."),
+    batch: int = typer.Option(1000, "--batch", help="Logical batch: samples per optimizer update."),
+    physical_batch: int = typer.Option(500, "--physical-batch",
+                                       help="Samples per native run; gradients accumulate over batch/physical."),
+    lr: float = typer.Option(1e-3, "--lr", help="AdamW learning rate."),
+    val_split: float = typer.Option(0.05, "--val-split", help="Fraction of training data held out for validation."),
+    seed: int = typer.Option(0, "--seed", help="Seed of initialisation, split and shuffling."),
+    threads: int = typer.Option(None, "--threads", help="CPU threads (default: all available)."),
+    backend: str = typer.Option("cpu", "--backend", help="cpu (cuda in builds that have it)."),
+    log: pathlib.Path = typer.Option(None, "--log", help="Write per-step and per-epoch JSON lines here."),
+    limit: int = typer.Option(0, "--limit", help="Use only the first N training images (0: all)."),
+    quiet: bool = typer.Option(False, "--quiet", help="No progress bar."),
+):
+    """Train an MNIST classifier with ggml's defaults and write it as GGUF."""
+    if arch not in model.ARCHS:
+        raise ConfigError(f"--arch {arch!r}: expected one of {', '.join(model.ARCHS)}")
+    config = ClassifierConfig(epochs=epochs, batch=batch, physical_batch=physical_batch, lr=lr,
+                              val_split=val_split, seed=seed)
+    if out.parent and not out.parent.is_dir():
+        raise ConfigError(f"--out {out}: folder {out.parent} does not exist")
+    images, labels = load_mnist(data, "train")
+    if limit:
+        images, labels = images[:limit], labels[:limit]
+    be = _backend(backend, threads)
+    run = ClassifierRun(lambda p, x: model.forward(arch, p, x), model.init_params(arch, seed),
+                        (28, 28), config, be)
+    mem = run.step.memory
+    typer.echo(f"mnist-{arch}: {sum(v.size for v in model.init_params(arch, seed).values())} parameters, "
+               f"{len(labels)} images, planned memory {mem.peak / 2**20:.1f} MiB "
+               f"(arena {mem.arena / 2**20:.1f} MiB), {be.n_threads} threads", err=True)
+    logf = _Log(log)
+    bar = None
+    state = {"interrupted": False}
+
+    def on_sigint(signum, frame):
+        state["interrupted"] = True
+        run.stop()
+
+    old = signal.signal(signal.SIGINT, on_sigint)
+
+    def on_step(info):
+        logf.write({k: info[k] for k in ("step", "epoch", "loss", "lr", "grad_norm", "samples_per_s", "elapsed_s")})
+        nonlocal bar
+        if quiet:
+            return
+        if bar is None or info["update_in_epoch"] == 1:
+            if bar is not None:
+                bar.close()
+            bar = tqdm(total=info["updates_per_epoch"], desc=f"epoch {info['epoch']}/{epochs}", unit="step",
+                       file=sys.stderr, leave=False)
+        bar.set_postfix(loss=f"{info['loss']:.4f}", speed=f"{info['samples_per_s']:.0f}/s")
+        bar.update(1)
+
+    def on_epoch(s):
+        if bar is not None:
+            bar.close()
+        logf.write({"step": s["step"], "epoch": s["epoch"], "val_loss": s.get("val_loss"),
+                    "val_accuracy": s.get("val_accuracy"), "train_loss": s["train_loss"],
+                    "train_accuracy": s["train_accuracy"]})
+        val = (f", val loss {s['val_loss']:.4f} acc {100 * s['val_accuracy']:.2f}%"
+               if "val_loss" in s else "")
+        typer.echo(f"epoch {s['epoch']}: train loss {s['train_loss']:.4f} acc "
+                   f"{100 * s['train_accuracy']:.2f}%{val} ({s['epoch_s']:.2f} s)", err=True)
+
+    t0 = time.perf_counter()
+    try:
+        history = run.fit(images, labels, on_step, on_epoch)
+    finally:
+        signal.signal(signal.SIGINT, old)
+        if bar is not None:
+            bar.close()
+    save_mnist_model(out, arch, run.param_values(), model.PARAM_SHAPES[arch])
+    done = {"event": "done", "epochs": len(history), "elapsed_s": time.perf_counter() - t0,
+            "interrupted": state["interrupted"], "out": str(out)}
+    if history:
+        done.update({k: history[-1].get(k) for k in ("val_loss", "val_accuracy", "train_loss", "train_accuracy")})
+    logf.write(done)
+    logf.close()
+    typer.echo(f"wrote {out}" + (" (interrupted)" if state["interrupted"] else ""), err=True)
+    if state["interrupted"]:
+        raise typer.Exit(130)
+
+
+@mnist_app.command("eval")
+def evaluate(
+    model_path: pathlib.Path = typer.Option(..., "--model", help="An MNIST model GGUF (mnist-fc or mnist-cnn)."),
+    data: pathlib.Path = typer.Option(..., "--data", help="Folder with the MNIST IDX files."),
+    as_json: bool = typer.Option(False, "--json", help='Print {"loss": .., "accuracy": ..} as JSON.'),
+    threads: int = typer.Option(None, "--threads", help="CPU threads (default: all available)."),
+    backend: str = typer.Option("cpu", "--backend", help="cpu (cuda in builds that have it)."),
+):
+    """Test loss and accuracy (with standard errors) of an MNIST model on the t10k set."""
+    arch, params = load_mnist_model(model_path, model.PARAM_SHAPES)
+    images, labels = load_mnist(data, "test")
+    be = _backend(backend, threads)
+    config = ClassifierConfig(epochs=0, batch=500, physical_batch=500)
+    run = ClassifierRun(lambda p, x: model.forward(arch, p, x), params, (28, 28), config, be)
+    ev = run.evaluate(images, labels)
+    if as_json:
+        typer.echo(json.dumps({"loss": ev["loss"], "loss_se": ev["loss_se"], "accuracy": ev["accuracy"],
+                               "accuracy_se": ev["accuracy_se"], "n": ev["n"], "arch": f"mnist-{arch}"}))
+    else:
+        typer.echo(f"mnist-{arch} on {ev['n']} test images: loss {ev['loss']:.4f} ± {ev['loss_se']:.4f}, "
+                   f"accuracy {100 * ev['accuracy']:.2f} ± {100 * ev['accuracy_se']:.2f}%")
