@@ -1,38 +1,546 @@
-/* matmul.c: placeholder plain triple loop until the packed kernel lands. */
+/* matmul.c: batched f32 matrix product, a packed cache-blocked GEMM in the
+ * BLIS/GotoBLAS layout.
+ *
+ * For each batch matrix: loop over NC-wide column panels of B, KC-deep slices
+ * of K and MC-tall row blocks of A; pack the B panel (KC x NC) and the A block
+ * (MC x KC) into this thread's scratch as micro-panels (NR columns of B, MR rows
+ * of A, k-major, zero-padded at the edges, whatever the source strides), then
+ * run an MR x NR register micro-kernel over every tile. Edge tiles go through a
+ * small tile on the stack. Micro-kernels: AVX-512F 12 x 32 (or 6 x 64 where that
+ * pads less, e.g. M <= 6), AVX2+FMA 6 x 16, plain C 4 x 8 (gt_simd_level_).
+ *
+ * Numerics: the micro-kernel starts the first K slice from zero and every later
+ * slice from the partial result in dst, so each output element is one unbroken
+ * chain acc = fma(a[i,k], b[k,j], acc) for k = 0..K-1 (multiply-then-add in the
+ * scalar fallback). That chain does not depend on the tiling, on KC, on the
+ * thread split or on which tile an element falls in: results are bit-identical
+ * for any thread count, and the AVX2 and AVX-512 paths agree bit for bit.
+ * (dst is read back only for partial sums this same call wrote, never for what
+ * it held before: the kernel still just fills its output.)
+ *
+ * Threading: no shared scratch and no barrier. Many small matrices are split
+ * by batch; otherwise each matrix is split along M or N (the longer one, in
+ * units of MR or NR), every thread packing its own panels.
+ */
 #include "internal.h"
 
-int64_t gt_matmul_work_size(void) { return 0; }
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
+/* Blocking. MC is a multiple of every MR below, NC of every NR. KC is fixed
+ * (never derived from the thread count or the shape). */
+#define KC 256
+#define MC 144
+#define NC 1024
+#define MR_MAX 12
+#define NR_MAX 64
+#define ALIGN 64
+
+#define A_FLOATS ((int64_t)MC * KC)
+#define B_FLOATS ((int64_t)KC * NC)
+
+int64_t gt_matmul_work_size(void) { return (A_FLOATS + B_FLOATS) * (int64_t)sizeof(float) + ALIGN; }
+
+typedef void (*ukernel_fn)(int64_t kc, const float *a, const float *b, float *c, int64_t ldc, int acc);
+typedef void (*pack_fn)(float *dst, const float *src, int64_t rs, int64_t cs, int64_t n, int64_t kc);
+
+typedef struct impl {
+    int mr, nr;
+    ukernel_fn kernel;
+    pack_fn pack_a, pack_b;
+} impl;
+
+/* ---- packing --------------------------------------------------------------- */
+
+/* Both operands pack to the same layout: n "lines" (rows of A, columns of B)
+ * over kc values of k, in panels of w lines; in panel p, element (line i, k)
+ * sits at [k*w + i - p*w], and lines past n are zeros. Two source layouts:
+ *   pack_lines: line i is contiguous along k, element at src[i*ls + k]
+ *               (plain A, transposed B): a transpose, done in 8x8 blocks;
+ *   pack_cols:  the lines of one k are contiguous, element at src[k*ks + i]
+ *               (transposed A, plain B): w-long copies. */
+
+static inline __attribute__((always_inline)) void pack_lines_gen(float *restrict dst, const float *src,
+                                                                 int64_t ls, int64_t n, int64_t kc,
+                                                                 const int w) {
+    for (int64_t i0 = 0; i0 < n; i0 += w, dst += (int64_t)w * kc) {
+        const int lines = n - i0 < w ? (int)(n - i0) : w;
+        const float *s0 = src + i0 * ls;
+        int64_t k = 0;
+        for (; k + 8 <= kc; k += 8) {
+            float *d = dst + k * w;
+            for (int i = 0; i < lines; i++) {
+                const float *s = s0 + i * ls + k;
+                for (int q = 0; q < 8; q++) d[q * w + i] = s[q];
+            }
+            for (int i = lines; i < w; i++)
+                for (int q = 0; q < 8; q++) d[q * w + i] = 0.0f;
+        }
+        for (; k < kc; k++) {
+            float *d = dst + k * w;
+            for (int i = 0; i < lines; i++) d[i] = s0[i * ls + k];
+            for (int i = lines; i < w; i++) d[i] = 0.0f;
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void pack_cols_gen(float *restrict dst, const float *src,
+                                                                int64_t ks, int64_t n, int64_t kc,
+                                                                const int w) {
+    /* one sweep along each source row (one k), scattering w-long pieces */
+    const int64_t full = n / w, rest = n - full * w, pstride = (int64_t)w * kc;
+    for (int64_t k = 0; k < kc; k++) {
+        const float *s = src + k * ks;
+        float *d = dst + k * w;
+        for (int64_t p = 0; p < full; p++, s += w, d += pstride) memcpy(d, s, (size_t)w * sizeof(float));
+        if (rest) {
+            for (int i = 0; i < rest; i++) d[i] = s[i];
+            for (int i = (int)rest; i < w; i++) d[i] = 0.0f;
+        }
+    }
+}
+
+/* pack_W: lines i < n of src, element (i,k) at src[i*ls + k*ks], one of ls/ks
+ * being 1 (for A: ls, ks = its row, column strides; for B: column, row). */
+#define PACKER(W, LINES)                                                                       \
+    static void pack_##W(float *d, const float *s, int64_t ls, int64_t ks, int64_t n,          \
+                         int64_t kc) {                                                         \
+        if (ls == 1) pack_cols_gen(d, s, ks, n, kc, W);                                        \
+        else LINES(d, s, ls, n, kc, W);                                                        \
+    }
+
+#if defined(__x86_64__)
+/* r[q][i] <- r[i][q] for an 8x8 block of floats. */
+#define TRANSPOSE8(r)                                                                          \
+    do {                                                                                       \
+        const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]); \
+        const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]); \
+        const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]); \
+        const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]); \
+        const __m256 s0 = _mm256_shuffle_ps(t0, t2, 0x44), s1 = _mm256_shuffle_ps(t0, t2, 0xEE); \
+        const __m256 s2 = _mm256_shuffle_ps(t1, t3, 0x44), s3 = _mm256_shuffle_ps(t1, t3, 0xEE); \
+        const __m256 s4 = _mm256_shuffle_ps(t4, t6, 0x44), s5 = _mm256_shuffle_ps(t4, t6, 0xEE); \
+        const __m256 s6 = _mm256_shuffle_ps(t5, t7, 0x44), s7 = _mm256_shuffle_ps(t5, t7, 0xEE); \
+        r[0] = _mm256_permute2f128_ps(s0, s4, 0x20);                                           \
+        r[1] = _mm256_permute2f128_ps(s1, s5, 0x20);                                           \
+        r[2] = _mm256_permute2f128_ps(s2, s6, 0x20);                                           \
+        r[3] = _mm256_permute2f128_ps(s3, s7, 0x20);                                           \
+        r[4] = _mm256_permute2f128_ps(s0, s4, 0x31);                                           \
+        r[5] = _mm256_permute2f128_ps(s1, s5, 0x31);                                           \
+        r[6] = _mm256_permute2f128_ps(s2, s6, 0x31);                                           \
+        r[7] = _mm256_permute2f128_ps(s3, s7, 0x31);                                           \
+    } while (0)
+
+/* pack_lines with 8x8 AVX transposes: 8 loads, 24 shuffles, 8 stores per 64
+ * values. w is 6, 12 or a multiple of 8 (groups of 8 lines, the last 4 or 6). */
+static inline __attribute__((always_inline, target("avx2"))) void
+pack_lines_avx2(float *restrict dst, const float *src, int64_t ls, int64_t n, int64_t kc, const int w) {
+    const __m256i mask6 = _mm256_setr_epi32(-1, -1, -1, -1, -1, -1, 0, 0);
+    for (int64_t i0 = 0; i0 < n; i0 += w, dst += (int64_t)w * kc) {
+        const int lines = n - i0 < w ? (int)(n - i0) : w;
+        const float *s0 = src + i0 * ls;
+        int64_t k = 0;
+        for (; k + 8 <= kc; k += 8) {
+            for (int g = 0; g < w; g += 8) {
+                const int gl = w - g < 8 ? w - g : 8;
+                __m256 r[8];
+#pragma GCC unroll 8
+                for (int i = 0; i < 8; i++)
+                    r[i] = i < gl && g + i < lines ? _mm256_loadu_ps(s0 + (g + i) * ls + k)
+                                                   : _mm256_setzero_ps();
+                TRANSPOSE8(r);
+                float *d = dst + k * w + g;
+#pragma GCC unroll 8
+                for (int q = 0; q < 8; q++) {
+                    if (gl == 8) _mm256_storeu_ps(d + q * w, r[q]);
+                    else if (gl == 4) _mm_storeu_ps(d + q * w, _mm256_castps256_ps128(r[q]));
+                    else _mm256_maskstore_ps(d + q * w, mask6, r[q]);
+                }
+            }
+        }
+        for (; k < kc; k++) {
+            float *d = dst + k * w;
+            for (int i = 0; i < lines; i++) d[i] = s0[i * ls + k];
+            for (int i = lines; i < w; i++) d[i] = 0.0f;
+        }
+    }
+}
+#define PACKER_AVX2(W)                                                                        \
+    __attribute__((target("avx2"))) static void pack_lines_avx2_##W(                          \
+        float *d, const float *s, int64_t ls, int64_t n, int64_t kc, int w) {                 \
+        (void)w;                                                                               \
+        pack_lines_avx2(d, s, ls, n, kc, W);                                                   \
+    }                                                                                          \
+    PACKER(W, pack_lines_avx2_##W)
+#endif
+
+/* ---- scalar micro-kernel (4 x 8), plain C ------------------------------------ */
+
+PACKER(4, pack_lines_gen)
+PACKER(8, pack_lines_gen)
+
+/* c[4 x 8] (row stride ldc) = (acc ? c : 0) + a-panel x b-panel over kc, one
+ * multiply-then-add per k in order. */
+static void ukernel_scalar(int64_t kc, const float *restrict a, const float *restrict b,
+                           float *restrict c, int64_t ldc, int acc) {
+    float t[4][8];
+    for (int r = 0; r < 4; r++)
+        for (int j = 0; j < 8; j++) t[r][j] = acc ? c[r * ldc + j] : 0.0f;
+    for (int64_t k = 0; k < kc; k++, a += 4, b += 8)
+        for (int r = 0; r < 4; r++)
+            for (int j = 0; j < 8; j++) t[r][j] = t[r][j] + a[r] * b[j];
+    for (int r = 0; r < 4; r++)
+        for (int j = 0; j < 8; j++) c[r * ldc + j] = t[r][j];
+}
+
+static const impl impl_scalar = {4, 8, ukernel_scalar, pack_4, pack_8};
+
+#if defined(__x86_64__)
+
+/* ---- AVX2+FMA micro-kernel (6 x 16): 12 ymm accumulators ------------------- */
+
+PACKER_AVX2(6)
+PACKER_AVX2(16)
+
+#define AVX2_ROW(r)                                                       \
+    {                                                                     \
+        const __m256 t = _mm256_broadcast_ss(a + (r));                    \
+        c##r##0 = _mm256_fmadd_ps(t, b0, c##r##0);                        \
+        c##r##1 = _mm256_fmadd_ps(t, b1, c##r##1);                        \
+    }
+#define AVX2_LOAD(r)                                                      \
+    c##r##0 = _mm256_loadu_ps(c + (r) * ldc);                             \
+    c##r##1 = _mm256_loadu_ps(c + (r) * ldc + 8);
+#define AVX2_STORE(r)                                                     \
+    _mm256_storeu_ps(c + (r) * ldc, c##r##0);                             \
+    _mm256_storeu_ps(c + (r) * ldc + 8, c##r##1);
+
+/* c[6 x 16] = (acc ? c : 0) + a-panel x b-panel, one FMA chain per element. */
+__attribute__((target("avx2,fma"))) static void ukernel_avx2(int64_t kc, const float *restrict a,
+                                                             const float *restrict b,
+                                                             float *restrict c, int64_t ldc,
+                                                             int acc) {
+    __m256 c00, c01, c10, c11, c20, c21, c30, c31, c40, c41, c50, c51;
+    if (acc) {
+        AVX2_LOAD(0) AVX2_LOAD(1) AVX2_LOAD(2) AVX2_LOAD(3) AVX2_LOAD(4) AVX2_LOAD(5)
+    } else {
+        c00 = c01 = c10 = c11 = c20 = c21 = _mm256_setzero_ps();
+        c30 = c31 = c40 = c41 = c50 = c51 = _mm256_setzero_ps();
+    }
+    for (int64_t k = 0; k < kc; k++, a += 6, b += 16) {
+        _mm_prefetch((const char *)(b + 16 * 8), _MM_HINT_T0);
+        const __m256 b0 = _mm256_load_ps(b), b1 = _mm256_load_ps(b + 8);
+        AVX2_ROW(0) AVX2_ROW(1) AVX2_ROW(2) AVX2_ROW(3) AVX2_ROW(4) AVX2_ROW(5)
+    }
+    AVX2_STORE(0) AVX2_STORE(1) AVX2_STORE(2) AVX2_STORE(3) AVX2_STORE(4) AVX2_STORE(5)
+}
+
+static const impl impl_avx2 = {6, 16, ukernel_avx2, pack_6, pack_16};
+
+/* ---- AVX-512F micro-kernels: 6 x 64 and 12 x 32, 24 zmm accumulators each ---- */
+
+PACKER_AVX2(64)
+
+#define Z_ROW(r)                                                          \
+    {                                                                     \
+        const __m512 t = _mm512_set1_ps(a[r]);                            \
+        c##r##0 = _mm512_fmadd_ps(t, b0, c##r##0);                        \
+        c##r##1 = _mm512_fmadd_ps(t, b1, c##r##1);                        \
+        c##r##2 = _mm512_fmadd_ps(t, b2, c##r##2);                        \
+        c##r##3 = _mm512_fmadd_ps(t, b3, c##r##3);                        \
+    }
+#define Z_LOAD(r)                                                         \
+    c##r##0 = _mm512_loadu_ps(c + (r) * ldc);                             \
+    c##r##1 = _mm512_loadu_ps(c + (r) * ldc + 16);                        \
+    c##r##2 = _mm512_loadu_ps(c + (r) * ldc + 32);                        \
+    c##r##3 = _mm512_loadu_ps(c + (r) * ldc + 48);
+#define Z_STORE(r)                                                        \
+    _mm512_storeu_ps(c + (r) * ldc, c##r##0);                             \
+    _mm512_storeu_ps(c + (r) * ldc + 16, c##r##1);                        \
+    _mm512_storeu_ps(c + (r) * ldc + 32, c##r##2);                        \
+    _mm512_storeu_ps(c + (r) * ldc + 48, c##r##3);
+#define Z_ZERO(r) c##r##0 = c##r##1 = c##r##2 = c##r##3 = _mm512_setzero_ps();
+
+/* c[6 x 64] = (acc ? c : 0) + a-panel x b-panel, one FMA chain per element. */
+__attribute__((target("avx512f"))) static void ukernel_avx512_6x64(int64_t kc, const float *restrict a,
+                                                              const float *restrict b,
+                                                              float *restrict c, int64_t ldc,
+                                                              int acc) {
+    __m512 c00, c01, c02, c03, c10, c11, c12, c13, c20, c21, c22, c23;
+    __m512 c30, c31, c32, c33, c40, c41, c42, c43, c50, c51, c52, c53;
+    if (acc) {
+        Z_LOAD(0) Z_LOAD(1) Z_LOAD(2) Z_LOAD(3) Z_LOAD(4) Z_LOAD(5)
+    } else {
+        Z_ZERO(0) Z_ZERO(1) Z_ZERO(2) Z_ZERO(3) Z_ZERO(4) Z_ZERO(5)
+    }
+    for (int64_t k = 0; k < kc; k++, a += 6, b += 64) {
+        const __m512 b0 = _mm512_load_ps(b), b1 = _mm512_load_ps(b + 16);
+        const __m512 b2 = _mm512_load_ps(b + 32), b3 = _mm512_load_ps(b + 48);
+        Z_ROW(0) Z_ROW(1) Z_ROW(2) Z_ROW(3) Z_ROW(4) Z_ROW(5)
+    }
+    Z_STORE(0) Z_STORE(1) Z_STORE(2) Z_STORE(3) Z_STORE(4) Z_STORE(5)
+}
+
+static const impl impl_avx512_6x64 = {6, 64, ukernel_avx512_6x64, pack_6, pack_64};
+
+/* ---- AVX-512F micro-kernel (12 x 32): 24 zmm accumulators ------------------- */
+
+PACKER_AVX2(12)
+PACKER_AVX2(32)
+
+#define Y_ROW(r)                                                          \
+    {                                                                     \
+        const __m512 t = _mm512_set1_ps(a[r]);                            \
+        c##r##0 = _mm512_fmadd_ps(t, b0, c##r##0);                        \
+        c##r##1 = _mm512_fmadd_ps(t, b1, c##r##1);                        \
+    }
+#define Y_LOAD(r)                                                         \
+    c##r##0 = _mm512_loadu_ps(c + (r) * ldc);                             \
+    c##r##1 = _mm512_loadu_ps(c + (r) * ldc + 16);
+#define Y_STORE(r)                                                        \
+    _mm512_storeu_ps(c + (r) * ldc, c##r##0);                             \
+    _mm512_storeu_ps(c + (r) * ldc + 16, c##r##1);
+#define Y_ZERO(r) c##r##0 = c##r##1 = _mm512_setzero_ps();
+
+/* c[12 x 32] = (acc ? c : 0) + a-panel x b-panel, one FMA chain per element. */
+__attribute__((target("avx512f"))) static void ukernel_avx512_12x32(int64_t kc, const float *restrict a,
+                                                                    const float *restrict b,
+                                                                    float *restrict c, int64_t ldc,
+                                                                    int acc) {
+    __m512 c00, c01, c10, c11, c20, c21, c30, c31, c40, c41, c50, c51;
+    __m512 c60, c61, c70, c71, c80, c81, c90, c91;
+    __m512 c100, c101, c110, c111;
+    if (acc) {
+        Y_LOAD(0) Y_LOAD(1) Y_LOAD(2) Y_LOAD(3) Y_LOAD(4) Y_LOAD(5)
+        Y_LOAD(6) Y_LOAD(7) Y_LOAD(8) Y_LOAD(9) Y_LOAD(10) Y_LOAD(11)
+    } else {
+        Y_ZERO(0) Y_ZERO(1) Y_ZERO(2) Y_ZERO(3) Y_ZERO(4) Y_ZERO(5)
+        Y_ZERO(6) Y_ZERO(7) Y_ZERO(8) Y_ZERO(9) Y_ZERO(10) Y_ZERO(11)
+    }
+    for (int64_t k = 0; k < kc; k++, a += 12, b += 32) {
+        const __m512 b0 = _mm512_load_ps(b), b1 = _mm512_load_ps(b + 16);
+        Y_ROW(0) Y_ROW(1) Y_ROW(2) Y_ROW(3) Y_ROW(4) Y_ROW(5)
+        Y_ROW(6) Y_ROW(7) Y_ROW(8) Y_ROW(9) Y_ROW(10) Y_ROW(11)
+    }
+    Y_STORE(0) Y_STORE(1) Y_STORE(2) Y_STORE(3) Y_STORE(4) Y_STORE(5)
+    Y_STORE(6) Y_STORE(7) Y_STORE(8) Y_STORE(9) Y_STORE(10) Y_STORE(11)
+}
+
+static const impl impl_avx512_12x32 = {12, 32, ukernel_avx512_12x32, pack_12, pack_32};
+
+/* Padded area of an m x n product in mr x nr tiles. */
+static int64_t padded(int64_t m, int64_t n, int mr, int nr) {
+    return (m + mr - 1) / mr * mr * ((n + nr - 1) / nr * nr);
+}
+
+#endif /* __x86_64__ */
+
+/* The micro-kernel for this CPU (capped by gt_set_simd_level) and shape. The
+ * two AVX-512 kernels give identical results (same FMA chain per element), so
+ * the choice, made from the shape alone, only affects speed: the one wasting
+ * less work on zero padding, 12 x 32 on a tie (measured a little faster). */
+static const impl *pick_impl(int64_t m, int64_t n) {
+#if defined(__x86_64__)
+    const int level = gt_simd_level_();
+    if (level >= 2) {
+        return padded(m, n, 6, 64) < padded(m, n, 12, 32) ? &impl_avx512_6x64 : &impl_avx512_12x32;
+    }
+    if (level >= 1) return &impl_avx2;
+#endif
+    (void)m;
+    (void)n;
+    return &impl_scalar;
+}
+
+/* ---- blocked driver ------------------------------------------------------------ */
+
+typedef struct operand {
+    const float *p;
+    int64_t rs, cs;  /* strides of the last two dims, one of them 1 */
+} operand;
+
+/* C[m0:m1, n0:n1] (row stride ldc) = A[m0:m1, :K] @ B[:K, n0:n1]. m0 is a
+ * multiple of mr and n0 of nr (thread splits), K > 0. */
+static void gemm(const impl *im, int64_t m0, int64_t m1, int64_t n0, int64_t n1, int64_t K,
+                 operand A, operand B, float *C, int64_t ldc, float *ap, float *bp) {
+    const int mr = im->mr, nr = im->nr;
+    _Alignas(ALIGN) float tile[MR_MAX * NR_MAX];
+    for (int64_t jc = n0; jc < n1; jc += NC) {
+        const int64_t nc = n1 - jc < NC ? n1 - jc : NC;
+        for (int64_t pc = 0; pc < K; pc += KC) {
+            const int64_t kc = K - pc < KC ? K - pc : KC;
+            const int acc = pc > 0;
+            im->pack_b(bp, B.p + pc * B.rs + jc * B.cs, B.cs, B.rs, nc, kc);
+            for (int64_t ic = m0; ic < m1; ic += MC) {
+                const int64_t mc = m1 - ic < MC ? m1 - ic : MC;
+                im->pack_a(ap, A.p + ic * A.rs + pc * A.cs, A.rs, A.cs, mc, kc);
+                for (int64_t jr = 0; jr < nc; jr += nr) {
+                    const int nn = nc - jr < nr ? (int)(nc - jr) : nr;
+                    const float *bq = bp + jr * kc;
+                    for (int64_t ir = 0; ir < mc; ir += mr) {
+                        const int mm = mc - ir < mr ? (int)(mc - ir) : mr;
+                        const float *aq = ap + ir * kc;
+                        float *cq = C + (ic + ir) * ldc + jc + jr;
+                        if (mm == mr && nn == nr) {
+                            im->kernel(kc, aq, bq, cq, ldc, acc);
+                            continue;
+                        }
+                        if (acc)
+                            for (int r = 0; r < mm; r++)
+                                for (int j = 0; j < nn; j++) tile[r * nr + j] = cq[r * ldc + j];
+                        im->kernel(kc, aq, bq, tile, nr, acc);
+                        for (int r = 0; r < mm; r++)
+                            for (int j = 0; j < nn; j++) cq[r * ldc + j] = tile[r * nr + j];
+                    }
+                }
+            }
+        }
+    }
+}
+
+/* ---- the kernel ------------------------------------------------------------------ */
+
+/* Strides of t's last two dims, with the stride of a size-1 dim replaced by 1
+ * (it is never stepped), so a (M, 1) or (1, K) view of anything qualifies. */
+static operand last2(const gt_tensor *t) {
+    operand o;
+    o.p = t->data;
+    o.rs = t->shape[t->ndim - 2] == 1 ? 1 : t->strides[t->ndim - 2];
+    o.cs = t->shape[t->ndim - 1] == 1 ? 1 : t->strides[t->ndim - 1];
+    return o;
+}
+
+/* Matrix product, f32: dst (..., M, N) = src0 (..., M, K) @ src1 (..., K, N).
+ * dst contiguous; src0 and src1 any strides as long as, in each, the last or
+ * the last-but-one dim has stride 1 (transposed views need no copy). Batch dims
+ * (up to 4) broadcast numpy-style: a size-1 or missing batch dim of either input
+ * is reused. K = 0 gives zeros. Exact per-element FMA chain over k in order
+ * (see the top of the file), so results do not depend on the thread count.
+ * wdata: gt_matmul_work_size() bytes per thread. */
 int gt_matmul_fwd_f32(const gt_node *node, const gt_ctx *ctx) {
     const gt_tensor *d = &node->dst, *a = &node->src[0], *b = &node->src[1];
+    if (node->n_src != 2) return GT_FAIL(GT_ERR_INVALID, "matmul: expected 2 inputs, got %d", node->n_src);
     GT_CHECK_F32(d, "matmul", "dst");
     GT_CHECK_F32(a, "matmul", "src0");
     GT_CHECK_F32(b, "matmul", "src1");
-    if (a->ndim < 2 || b->ndim < 2 || d->ndim < 2) return GT_FAIL(GT_ERR_SHAPE, "matmul: need 2 dims");
-    const int64_t M = a->shape[a->ndim - 2], K = a->shape[a->ndim - 1], N = b->shape[b->ndim - 1];
-    if (b->shape[b->ndim - 2] != K) return GT_FAIL(GT_ERR_SHAPE, "matmul: inner dims %lld vs %lld", (long long)K, (long long)b->shape[b->ndim - 2]);
-    const int64_t nb = gt_numel(d) / (M * N > 0 ? M * N : 1);
-    const int64_t as0 = a->strides[a->ndim - 2], as1 = a->strides[a->ndim - 1];
-    const int64_t bs0 = b->strides[b->ndim - 2], bs1 = b->strides[b->ndim - 1];
-    float *dd = d->data;
+    if (a->ndim < 2 || b->ndim < 2 || d->ndim < 2)
+        return GT_FAIL(GT_ERR_SHAPE, "matmul: expected inputs and output with at least 2 dims, got "
+                       "src0 %d, src1 %d, dst %d", a->ndim, b->ndim, d->ndim);
+    const int64_t M = a->shape[a->ndim - 2], K = a->shape[a->ndim - 1];
+    const int64_t N = b->shape[b->ndim - 1];
+    if (b->shape[b->ndim - 2] != K)
+        return GT_FAIL(GT_ERR_SHAPE, "matmul: src1 must have K = %lld rows to match src0 (M=%lld, K=%lld), "
+                       "got %lld", (long long)K, (long long)M, (long long)K,
+                       (long long)b->shape[b->ndim - 2]);
+    if (d->shape[d->ndim - 2] != M || d->shape[d->ndim - 1] != N)
+        return GT_FAIL(GT_ERR_SHAPE, "matmul: dst must end in (M=%lld, N=%lld), got (%lld, %lld)",
+                       (long long)M, (long long)N, (long long)d->shape[d->ndim - 2],
+                       (long long)d->shape[d->ndim - 1]);
+    const int nb = d->ndim - 2;
+    if (a->ndim > d->ndim || b->ndim > d->ndim)
+        return GT_FAIL(GT_ERR_SHAPE, "matmul: dst must have at least as many dims as the inputs, "
+                       "got dst %d, src0 %d, src1 %d", d->ndim, a->ndim, b->ndim);
+    /* batch strides of a and b aligned to dst's batch dims, 0 where broadcast */
+    int64_t sa[4] = {0, 0, 0, 0}, sb[4] = {0, 0, 0, 0};
+    int64_t nbatch = 1;
+    for (int i = 0; i < nb; i++) {
+        const int ia = i - (d->ndim - a->ndim), ib = i - (d->ndim - b->ndim);
+        const int64_t n = d->shape[i];
+        const int64_t na = ia >= 0 ? a->shape[ia] : 1, nbb = ib >= 0 ? b->shape[ib] : 1;
+        if (na != 1 && nbb != 1 && na != nbb)
+            return GT_FAIL(GT_ERR_SHAPE, "matmul: batch dim %d does not broadcast: src0 has %lld, "
+                           "src1 has %lld (expected equal or 1)", i, (long long)na, (long long)nbb);
+        const int64_t want = na != 1 ? na : nbb;
+        if (n != want)
+            return GT_FAIL(GT_ERR_SHAPE, "matmul: batch dim %d of dst must be %lld (src0 %lld, "
+                           "src1 %lld), got %lld", i, (long long)want, (long long)na,
+                           (long long)nbb, (long long)n);
+        sa[i] = na != 1 ? a->strides[ia] : 0;
+        sb[i] = nbb != 1 ? b->strides[ib] : 0;
+        nbatch *= n;
+    }
+    float *C = d->data;
+    if (M == 0 || N == 0 || nbatch == 0) return GT_OK;  /* nothing to fill, strides moot */
+    if (!gt_is_contiguous(d)) return GT_FAIL(GT_ERR_INVALID, "matmul: dst must be contiguous");
+    if (K == 0) {  /* empty sums; the inputs' strides are moot */
+        int64_t lo, hi;
+        gt_split(nbatch * M * N, ctx, &lo, &hi);
+        for (int64_t i = lo; i < hi; i++) C[i] = 0.0f;
+        return GT_OK;
+    }
+    operand A = last2(a), B = last2(b);
+    if (A.rs != 1 && A.cs != 1)
+        return GT_FAIL(GT_ERR_INVALID, "matmul: src0 must have row or column stride 1, got strides "
+                       "(%lld, %lld)", (long long)A.rs, (long long)A.cs);
+    if (B.rs != 1 && B.cs != 1)
+        return GT_FAIL(GT_ERR_INVALID, "matmul: src1 must have row or column stride 1, got strides "
+                       "(%lld, %lld)", (long long)B.rs, (long long)B.cs);
+    const int64_t need = gt_matmul_work_size();
+    if (!ctx->wdata || ctx->wsize < need)
+        return GT_FAIL(GT_ERR_INVALID, "matmul: needs %lld bytes of per-thread scratch, got %lld",
+                       (long long)need, (long long)(ctx->wdata ? ctx->wsize : 0));
+    float *ap = (float *)(((uintptr_t)ctx->wdata + ALIGN - 1) & ~(uintptr_t)(ALIGN - 1));
+    float *bp = ap + A_FLOATS;
+
+    /* Fold the batch into M when B is the same for every batch and A's batch
+     * rows continue its row stride (e.g. (B, T, C) @ (C, N)). */
+    int64_t Mx = M;
+    {
+        int fold = nbatch > 1 && M > 1 && A.cs == 1;
+        int64_t expect = M * A.rs;
+        for (int i = nb - 1; i >= 0 && fold; i--) {
+            if (sb[i] != 0 || (d->shape[i] != 1 && sa[i] != expect)) fold = 0;
+            expect *= d->shape[i];
+        }
+        if (fold) {
+            Mx = M * nbatch;
+            nbatch = 1;
+        }
+    }
+
+    const impl *im = pick_impl(Mx, N);
+    const int64_t mn = Mx * N;
+    if (nbatch > 1 && (nbatch % ctx->nth == 0 || nbatch >= 4 * ctx->nth)) {
+        int64_t lo, hi;
+        gt_split(nbatch, ctx, &lo, &hi);
+        for (int64_t t = lo; t < hi; t++) {
+            operand At = A, Bt = B;
+            int64_t rem = t;
+            for (int i = nb - 1; i >= 0; i--) {
+                const int64_t idx = rem % d->shape[i];
+                rem /= d->shape[i];
+                At.p += idx * sa[i];
+                Bt.p += idx * sb[i];
+            }
+            gemm(im, 0, Mx, 0, N, K, At, Bt, C + t * mn, N, ap, bp);
+        }
+        return GT_OK;
+    }
+    /* split each matrix along the longer of M and N, in whole micro-tiles */
+    const int64_t um = (Mx + im->mr - 1) / im->mr, un = (N + im->nr - 1) / im->nr;
+    const int split_m = Mx >= N;
     int64_t lo, hi;
-    gt_split(nb * M, ctx, &lo, &hi);
-    for (int64_t r = lo; r < hi; r++) {
-        int64_t bi = r / M, i = r % M, rem = bi, aoff = 0, boff = 0;
-        for (int k = d->ndim - 3; k >= 0; k--) {
-            int64_t idx = rem % d->shape[k];
-            rem /= d->shape[k];
-            int ka = k - (d->ndim - a->ndim), kb = k - (d->ndim - b->ndim);
-            if (ka >= 0 && a->shape[ka] != 1) aoff += idx * a->strides[ka];
-            if (kb >= 0 && b->shape[kb] != 1) boff += idx * b->strides[kb];
+    gt_split(split_m ? um : un, ctx, &lo, &hi);
+    if (lo >= hi) return GT_OK;
+    int64_t m0 = 0, m1 = Mx, n0 = 0, n1 = N;
+    if (split_m) {
+        m0 = lo * im->mr;
+        m1 = hi * im->mr < Mx ? hi * im->mr : Mx;
+    } else {
+        n0 = lo * im->nr;
+        n1 = hi * im->nr < N ? hi * im->nr : N;
+    }
+    for (int64_t t = 0; t < nbatch; t++) {
+        operand At = A, Bt = B;
+        int64_t rem = t;
+        for (int i = nb - 1; i >= 0; i--) {
+            const int64_t idx = rem % d->shape[i];
+            rem /= d->shape[i];
+            At.p += idx * sa[i];
+            Bt.p += idx * sb[i];
         }
-        const float *ap = (const float *)a->data + aoff + i * as0;
-        const float *bp = (const float *)b->data + boff;
-        for (int64_t j = 0; j < N; j++) {
-            float s = 0.0f;
-            for (int64_t k = 0; k < K; k++) s += ap[k * as1] * bp[k * bs0 + j * bs1];
-            dd[(bi * M + i) * N + j] = s;
-        }
+        gemm(im, m0, m1, n0, n1, K, At, Bt, C + t * mn, N, ap, bp);
     }
     return GT_OK;
 }
