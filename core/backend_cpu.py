@@ -71,6 +71,22 @@ class CpuPlan(Plan):
         _check(lib.gt_plan_new(out, backend.pool(n_threads), self.nodes, len(calls), work_ptr, work),
                "compiling plan")
         self.ptr = ffi.gc(out[0], lib.gt_plan_free)
+        self._profile = None
+
+    def profile(self, enable: bool = True) -> None:
+        """Start (or stop) adding each node's wall time into `node_seconds()`."""
+        if enable:
+            self._profile = ffi.new("int64_t[]", max(1, len(self.calls)))
+            _check(lib.gt_plan_set_profile(self.ptr, self._profile))
+        else:
+            _check(lib.gt_plan_set_profile(self.ptr, ffi.NULL))
+            self._profile = None
+
+    def node_seconds(self) -> list:
+        """Accumulated wall time per node (seconds) since profile() was enabled."""
+        if self._profile is None:
+            return []
+        return [self._profile[i] * 1e-9 for i in range(len(self.calls))]
 
 
 def _fill_tensor(desc, ref: TensorRef) -> None:

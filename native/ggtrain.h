@@ -100,6 +100,9 @@ int gt_plan_new(gt_plan **out, gt_pool *pool, const struct gt_node *nodes, int64
 void gt_plan_free(gt_plan *plan);
 int gt_plan_compute(gt_plan *plan, int32_t n_threads);
 int64_t gt_plan_failed_node(const gt_plan *plan);   /* index of the node that failed, or -1 */
+/* Profiling: when node_ns is not NULL, each compute adds every node's wall time
+ * (nanoseconds, measured by thread 0 from barrier to barrier) into node_ns[i]. */
+int gt_plan_set_profile(gt_plan *plan, int64_t *node_ns);
 
 /* Waits for all threads of the current node. Only for kernels with phases. */
 int gt_barrier(const gt_ctx *ctx);

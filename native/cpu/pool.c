@@ -2,12 +2,14 @@
  * executor. One gt_plan_compute call runs every node of a plan; each node is
  * split across threads and a barrier separates consecutive nodes. */
 #define _GNU_SOURCE
+#define _POSIX_C_SOURCE 200809L
 #include <pthread.h>
 #include <sched.h>
 #include <stdarg.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <time.h>
 
 #include "internal.h"
 
@@ -75,6 +77,7 @@ struct gt_plan {
     char *work;
     int64_t work_per_thread;
     int64_t failed_node;
+    int64_t *node_ns;
 };
 
 typedef struct worker {
@@ -136,6 +139,12 @@ static void record_failure(gt_pool *pool, int rc, int64_t node) {
     }
 }
 
+static int64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
 static void run_plan(gt_pool *pool, gt_plan *plan, int ith, int nth) {
     gt_ctx ctx;
     ctx.ith = ith;
@@ -143,12 +152,19 @@ static void run_plan(gt_pool *pool, gt_plan *plan, int ith, int nth) {
     ctx.wdata = plan->work ? plan->work + (int64_t)ith * plan->work_per_thread : NULL;
     ctx.wsize = plan->work_per_thread;
     ctx.pool = pool;
+    int64_t *prof = ith == 0 ? plan->node_ns : NULL;
+    int64_t t_prev = prof ? now_ns() : 0;
     for (int64_t i = 0; i < plan->n_nodes; i++) {
         const gt_node *node = &plan->nodes[i];
         int rc = node->fn ? node->fn(node, &ctx)
                           : GT_FAIL(GT_ERR_INVALID, "node has no kernel");
         if (rc != GT_OK) record_failure(pool, rc, i);
         barrier_wait(pool, nth);
+        if (prof) {
+            int64_t t = now_ns();
+            prof[i] += t - t_prev;
+            t_prev = t;
+        }
         if (atomic_load_explicit(&pool->failed, memory_order_acquire)) break;
     }
 }
@@ -242,6 +258,12 @@ int gt_plan_new(gt_plan **out, gt_pool *pool, const gt_node *nodes, int64_t n_no
 
 void gt_plan_free(gt_plan *plan) { free(plan); }
 
+int gt_plan_set_profile(gt_plan *plan, int64_t *node_ns) {
+    if (!plan) return GT_FAIL(GT_ERR_INVALID, "gt_plan_set_profile: null plan");
+    plan->node_ns = node_ns;
+    return GT_OK;
+}
+
 int64_t gt_plan_failed_node(const gt_plan *plan) { return plan ? plan->failed_node : -1; }
 
 int gt_plan_compute(gt_plan *plan, int32_t n_threads) {
@@ -275,7 +297,7 @@ int gt_plan_compute(gt_plan *plan, int32_t n_threads) {
 
 int gt_node_compute(gt_pool *pool, const gt_node *node, int32_t n_threads, void *work,
                     int64_t work_per_thread) {
-    gt_plan plan = {pool, node, 1, work, work ? work_per_thread : 0, -1};
+    gt_plan plan = {pool, node, 1, work, work ? work_per_thread : 0, -1, NULL};
     if (!pool || !node) return GT_FAIL(GT_ERR_INVALID, "gt_node_compute: bad arguments");
     return gt_plan_compute(&plan, n_threads);
 }
