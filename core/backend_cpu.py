@@ -68,7 +68,8 @@ class CpuPlan(Plan):
         self._keep = keep
         out = ffi.new("gt_plan **")
         work_ptr = ffi.cast("void *", self.work.address) if self.work else ffi.NULL
-        _check(lib.gt_plan_new(out, backend.pool(n_threads), self.nodes, len(calls), work_ptr, work),
+        self.pool = backend.pool(n_threads)  # the plan keeps its pool alive
+        _check(lib.gt_plan_new(out, self.pool, self.nodes, len(calls), work_ptr, work),
                "compiling plan")
         self.ptr = ffi.gc(out[0], lib.gt_plan_free)
         self._profile = None
@@ -129,12 +130,14 @@ class CpuBackend(Backend):
         self._pool_size = 0
 
     def pool(self, n_threads: int):
-        """The thread pool, grown to at least n_threads."""
+        """The thread pool (at least n_threads). A bigger request starts a new pool;
+        plans made on the old one keep it alive until they are freed."""
         if self._pool is None or self._pool_size < n_threads:
+            size = max(n_threads, self.n_threads)
             out = ffi.new("gt_pool **")
-            _check(lib.gt_pool_new(out, n_threads), "starting thread pool")
+            _check(lib.gt_pool_new(out, size), "starting thread pool")
             self._pool = ffi.gc(out[0], lib.gt_pool_free)
-            self._pool_size = n_threads
+            self._pool_size = size
         return self._pool
 
     def alloc(self, nbytes: int) -> CpuBuffer:

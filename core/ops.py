@@ -353,7 +353,19 @@ register(OpDef("sum_rows", _infer_sum_rows, "sum_rows_fwd",
                backward=lambda y, g: [repeat(g, y.srcs[0].shape)]))
 register(OpDef("repeat", _infer_repeat, "repeat_fwd",
                backward=lambda y, g: [repeat_bwd(g, y.srcs[0].shape)]))
-register(OpDef("repeat_bwd", _infer_repeat_bwd, "repeat_bwd",
+REDUCE_BLOCK = 256  # matches REDUCE_BLOCK in native/cpu/reduce.c
+
+
+def _repeat_bwd_scratch(y):
+    """Partial sums of the blocked bias-gradient path (all leading dims reduced)."""
+    g = y.srcs[0]
+    if g.ndim == 0:
+        return 0
+    rows = numel(g.shape[:-1])
+    return 4 * -(-rows // REDUCE_BLOCK) * g.shape[-1]
+
+
+register(OpDef("repeat_bwd", _infer_repeat_bwd, "repeat_bwd", scratch=_repeat_bwd_scratch,
                backward=lambda y, g: [repeat(g, y.srcs[0].shape)]))
 
 

@@ -91,3 +91,32 @@ def test_bf16_round_trip_and_rounding():
 def test_cpu_features_reported():
     f = lib.gt_cpu_features()
     assert f in (0, 1, 3)
+
+
+def test_plans_freed_right_after_running_and_failures_do_not_desync_the_pool():
+    """Regression: a worker leaving a finished plan read the (already freed) plan, and a
+    failure could leave a worker running the old plan when the next compute began."""
+    backend = CpuBackend(2)
+    ok_in = np.ones(4096, np.float32)
+    for i in range(300):
+        out = np.zeros(4096, np.float32)
+        if i % 3 == 0:
+            with pytest.raises(ShapeError):
+                run_kernel("add_fwd_f32", out, [np.zeros(5, np.float32), ok_in], n_threads=2, backend=backend)
+        else:
+            run_kernel("add_fwd_f32", out, [ok_in, ok_in], n_threads=2, backend=backend)
+            assert out.sum() == 2 * 4096
+
+
+def test_a_bigger_pool_keeps_old_plans_working():
+    backend = CpuBackend(1)
+    a = np.ones(64, np.float32)
+    out1 = np.zeros(64, np.float32)
+    buf_calls = []
+    from ggtrain.core.backend_cpu import _ArrayBuffer
+    ref = lambda arr: TensorRef(_ArrayBuffer(arr), 0, "f32", arr.shape, (1,))  # noqa: E731
+    old = backend.compile([KernelCall("add_fwd_f32", ref(out1), (ref(a), ref(a)))], 1)
+    backend.pool(3)  # grows: a new pool replaces the backend's
+    backend.run(old, 1)
+    assert out1.sum() == 128
+    assert not buf_calls

@@ -36,6 +36,24 @@ static int64_t inner_stride(const gt_tensor *t) {
     return t->strides[t->ndim - 1];
 }
 
+#define ROW_TILE 1024
+
+/* t has dst's shape and is contiguous. */
+static int same_layout(const gt_tensor *t, const gt_tensor *d) {
+    if (t->ndim != d->ndim) return 0;
+    for (int i = 0; i < d->ndim; i++)
+        if (t->shape[i] != d->shape[i]) return 0;
+    return gt_is_contiguous(t);
+}
+
+/* t is a contiguous row of n elements, every other dim 1. */
+static int is_row_vector(const gt_tensor *t, int64_t n) {
+    if (t->ndim < 1 || t->shape[t->ndim - 1] != n || (n > 1 && t->strides[t->ndim - 1] != 1)) return 0;
+    for (int i = 0; i + 1 < t->ndim; i++)
+        if (t->shape[i] != 1) return 0;
+    return 1;
+}
+
 static int check_bcast(const gt_tensor *t, const gt_tensor *d, const char *op, const char *what) {
     if (t->ndim > d->ndim) return GT_FAIL(GT_ERR_SHAPE, "%s: %s has more dims than dst", op, what);
     for (int i = 0; i < t->ndim; i++) {
@@ -62,6 +80,27 @@ static int binary(const gt_node *node, const gt_ctx *ctx, binary_row_fn fn, cons
     float *dd = d->data;
     const float *ad = a->data, *bd = b->data;
     int64_t lo, hi;
+    /* Fast path for short rows: one operand is the full contiguous tensor, the
+     * other a row vector broadcast over every leading dim (a bias). The row is
+     * tiled on the stack so each call covers many rows at once. */
+    if (ncols <= ROW_TILE / 4 && nrows > 1) {
+        const int a_full = same_layout(a, d), b_full = same_layout(b, d);
+        const int a_row = is_row_vector(a, ncols), b_row = is_row_vector(b, ncols);
+        if ((a_full && b_row) || (a_row && b_full)) {
+            float tile[ROW_TILE];
+            const float *row = a_full ? bd : ad;
+            const int64_t reps = ROW_TILE / ncols;
+            for (int64_t r = 0; r < reps; r++) memcpy(tile + r * ncols, row, (size_t)ncols * sizeof(float));
+            gt_split((nrows + reps - 1) / reps, ctx, &lo, &hi);
+            for (int64_t blk = lo; blk < hi; blk++) {
+                const int64_t r0 = blk * reps, nr = r0 + reps <= nrows ? reps : nrows - r0;
+                const int64_t off = r0 * ncols, n = nr * ncols;
+                if (a_full) fn(dd + off, ad + off, 1, tile, 1, n);
+                else fn(dd + off, tile, 1, bd + off, 1, n);
+            }
+            return GT_OK;
+        }
+    }
     gt_split(nrows, ctx, &lo, &hi);
     for (int64_t r = lo; r < hi; r++) {
         fn(dd + r * ncols, ad + gt_row_offset_bcast(a, d, r), sa, bd + gt_row_offset_bcast(b, d, r),

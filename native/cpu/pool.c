@@ -145,17 +145,23 @@ static int64_t now_ns(void) {
     return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
 }
 
+/* Every thread runs every node of the plan (its share of each), with a barrier
+ * after each node. NOTE: the plan's fields are copied first: once the last
+ * barrier is passed the caller may return and free the plan while a worker is
+ * still leaving this function, so nothing may read *plan after that barrier. */
 static void run_plan(gt_pool *pool, gt_plan *plan, int ith, int nth) {
+    const gt_node *nodes = plan->nodes;
+    const int64_t n_nodes = plan->n_nodes;
+    int64_t *prof = ith == 0 ? plan->node_ns : NULL;
     gt_ctx ctx;
     ctx.ith = ith;
     ctx.nth = nth;
     ctx.wdata = plan->work ? plan->work + (int64_t)ith * plan->work_per_thread : NULL;
     ctx.wsize = plan->work_per_thread;
     ctx.pool = pool;
-    int64_t *prof = ith == 0 ? plan->node_ns : NULL;
     int64_t t_prev = prof ? now_ns() : 0;
-    for (int64_t i = 0; i < plan->n_nodes; i++) {
-        const gt_node *node = &plan->nodes[i];
+    for (int64_t i = 0; i < n_nodes; i++) {
+        const gt_node *node = &nodes[i];
         int rc = node->fn ? node->fn(node, &ctx)
                           : GT_FAIL(GT_ERR_INVALID, "node has no kernel");
         if (rc != GT_OK) record_failure(pool, rc, i);
@@ -165,7 +171,13 @@ static void run_plan(gt_pool *pool, gt_plan *plan, int ith, int nth) {
             prof[i] += t - t_prev;
             t_prev = t;
         }
-        if (atomic_load_explicit(&pool->failed, memory_order_acquire)) break;
+        if (atomic_load_explicit(&pool->failed, memory_order_acquire)) {
+            /* Every thread saw the failure after the same barrier; one more
+             * barrier so none is still to read `failed` when the caller
+             * returns and the next compute resets it. */
+            barrier_wait(pool, nth);
+            break;
+        }
     }
 }
 

@@ -5,6 +5,7 @@
 #include "simd.h"
 
 #define SUM_CHUNK 4096
+#define REDUCE_BLOCK 256   /* rows per partial sum in repeat_bwd; core/ops.py knows it */
 
 /* sum: dst scalar = sum of every element of src0 (any strides). Contiguous src
  * is cut into SUM_CHUNK-element chunks, non-contiguous into rows; threads fill
@@ -121,6 +122,35 @@ int gt_repeat_bwd_f32(const gt_node *node, const gt_ctx *ctx) {
     float *dd = d->data;
     const float *ad = a->data;
     const int64_t ncols = gt_ncols(a);
+    /* Every leading dim reduced, last dim kept (a bias gradient): rows are cut in
+     * fixed blocks of REDUCE_BLOCK (not per thread), each block's column sums go
+     * to node scratch, and the blocks are added in order: the same result for any
+     * thread count. scratch: ceil(rows / REDUCE_BLOCK) * ncols floats. */
+    const int64_t nrows_all = gt_nrows(a);
+    const int64_t nblk = (nrows_all + REDUCE_BLOCK - 1) / REDUCE_BLOCK;
+    int all_leading = nd > 0 && dshape[nd - 1] == ncols && gt_is_contiguous(a);
+    for (int i = 0; i + 1 < nd && all_leading; i++)
+        if (dshape[i] != 1) all_leading = 0;
+    if (all_leading && nrows_all > 1 && node->scratch &&
+        node->scratch_size >= nblk * ncols * (int64_t)sizeof(float)) {
+        float *part = node->scratch;
+        int64_t lo, hi;
+        gt_split(nblk, ctx, &lo, &hi);
+        for (int64_t b = lo; b < hi; b++) {
+            const int64_t r0 = b * REDUCE_BLOCK;
+            const int64_t r1 = r0 + REDUCE_BLOCK < nrows_all ? r0 + REDUCE_BLOCK : nrows_all;
+            float *out = part + b * ncols;
+            memcpy(out, ad + r0 * ncols, (size_t)ncols * sizeof(float));
+            for (int64_t r = r0 + 1; r < r1; r++) add_into(out, ad + r * ncols, ncols);
+        }
+        gt_barrier(ctx);
+        gt_split(ncols, ctx, &lo, &hi);
+        if (hi > lo) {
+            memcpy(dd + lo, part + lo, (size_t)(hi - lo) * sizeof(float));
+            for (int64_t b = 1; b < nblk; b++) add_into(dd + lo, part + b * ncols + lo, hi - lo);
+        }
+        return GT_OK;
+    }
     int leading_only = nd > 0 && dshape[nd - 1] == ncols;
     for (int i = 0; i + 1 < nd && leading_only; i++)
         if (dshape[i] != 1 && dshape[i] != a->shape[i]) leading_only = 0;
