@@ -45,7 +45,8 @@ def _root(
 
 def _register() -> None:
     """Import the command modules; each adds its commands to `app`."""
-    from ggtrain.cli import mnist  # noqa: F401
+    from ggtrain.cli import info  # noqa: F401  (ggtrain info)
+    from ggtrain.cli import mnist  # noqa: F401  (ggtrain mnist train|eval)
 
 
 def main(argv: list | None = None) -> None:

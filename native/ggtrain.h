@@ -234,3 +234,22 @@ int gt_f32_to_f16(uint16_t *dst, const float *src, int64_t n);
 int gt_f16_to_f32(float *dst, const uint16_t *src, int64_t n);
 int gt_f32_to_bf16(uint16_t *dst, const float *src, int64_t n);
 int gt_bf16_to_f32(float *dst, const uint16_t *src, int64_t n);
+
+/* ggml block formats (quant.c). ggml_type is the GGUF tensor type id
+ * (gguf.GGMLQuantizationType). dequantize_row: dst (n f32) = src (n elements
+ * of F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K or
+ * Q6_K); n a multiple of the block size (32, or 256 for the K types).
+ * GT_ERR_UNSUPPORTED for other types. Bit-identical to gguf.quants.
+ * quantize_q8_0 / quantize_q4_0: dst (n / 32 blocks of 34 / 18 bytes) = src
+ * (n f32) rounded as ggml's reference quantizer does. */
+int gt_dequantize_row(float *dst, const void *src, int32_t ggml_type, int64_t n);
+int gt_quantize_q8_0(void *dst, const float *src, int64_t n);
+int gt_quantize_q4_0(void *dst, const float *src, int64_t n);
+
+/* scan_strings (strings.c): walks n length-prefixed strings (u64 little-endian
+ * length, then the bytes) in data[0..size). Fills bounds[2i], bounds[2i+1]
+ * with the [start, stop) byte range of string i (bounds may be NULL: check
+ * only) and *end with the byte after the last one. Fails (GT_ERR_INVALID,
+ * *end = index of the bad string) on a length past the end or a string that
+ * is not valid UTF-8 (overlongs, surrogates, > U+10FFFF rejected as Python does). */
+int gt_scan_strings(int64_t *bounds, const uint8_t *data, int64_t size, int64_t n, int64_t *end);

@@ -1,0 +1,131 @@
+"""`ggtrain info FILE [--json]` (layer 6): what a GGUF file holds.
+
+Text: version, key/value pairs (long arrays summarised: item type, length, first
+items), tensors (name, type, shape in numpy order, bytes) and totals.
+--json: one object {"version", "alignment", "data_offset", "kv", "tensors",
+"n_tensors", "tensor_bytes"}; "kv" maps each key to its value, except arrays
+longer than --max-items, which become {"type": "array", "item_type", "length",
+"head"} (use --max-items 0 for every array in full); "tensors" is a list of
+{"name", "type", "shape", "nbytes", "offset"}.
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import typer
+
+from ggtrain.cli.main import app
+from ggtrain.errors import ConfigError
+from ggtrain.formats.gguf import GGUFValue, StringArray, read_gguf
+
+_HEAD = 6            # items shown of a long array
+
+
+def _scalar(v, vtype_name: str):
+    """JSON-able scalar; float32 values as their shortest float32 repr (1e-05, not 9.99e-06)."""
+    if isinstance(v, (np.generic,)):
+        v = v.item()
+    if vtype_name == "FLOAT32" and isinstance(v, float) and math.isfinite(v):
+        return float(str(np.float32(v)))
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)
+    return v
+
+
+def _items(v: GGUFValue, start: int, stop: int) -> list:
+    if isinstance(v.value, StringArray):
+        return v.value[start:stop]
+    if isinstance(v.value, np.ndarray):
+        return [_scalar(x, v.item_type.name) for x in v.value[start:stop].tolist()]
+    return [_json_value(x, 0) for x in v.value[start:stop]]
+
+
+def _json_value(v: GGUFValue, max_items: int):
+    if v.type.name != "ARRAY":
+        return _scalar(v.value, v.type.name)
+    n = len(v.value)
+    if max_items and n > max_items:
+        return {"type": "array", "item_type": v.item_type.name, "length": n, "head": _items(v, 0, _HEAD)}
+    return _items(v, 0, n)
+
+
+def _text_value(v: GGUFValue, width: int = 100) -> str:
+    if v.type.name != "ARRAY":
+        s = json.dumps(_scalar(v.value, v.type.name), ensure_ascii=False)
+        return s if len(s) <= width else s[:width - 3] + "..."
+    n = len(v.value)
+    head = ", ".join(json.dumps(x, ensure_ascii=False) for x in _items(v, 0, min(n, _HEAD)))
+    more = ", ..." if n > _HEAD else ""
+    s = f"[{head}{more}]"
+    if len(s) > width:
+        s = s[:width - 4] + "...]"
+    return s
+
+
+def _type_label(v: GGUFValue) -> str:
+    if v.type.name == "ARRAY":
+        return f"{v.item_type.name}[{len(v.value)}]"
+    return v.type.name
+
+
+@app.command("info")
+def info(
+    file: Path = typer.Argument(..., help="A GGUF file.", show_default=False),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of text."),
+    max_items: int = typer.Option(64, "--max-items", min=0,
+                                  help="With --json, arrays longer than this are summarised (0: never)."),
+):
+    """Show what a GGUF file holds: version, key/value pairs, tensors, data size."""
+    try:
+        f = read_gguf(file)
+    except FileNotFoundError:
+        raise ConfigError(f"{file}: no such file") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{file}: is a directory, not a GGUF file") from None
+    except OSError as exc:
+        raise ConfigError(f"{file}: cannot read: {exc.strerror or exc}") from None
+
+    tensors = list(f.tensors.values())
+    total = f.tensor_bytes
+    if as_json:
+        out = {
+            "file": str(file),
+            "version": f.version,
+            "alignment": f.alignment,
+            "data_offset": f.data_offset,
+            "kv": {k: _json_value(v, max_items) for k, v in f.kv.items()},
+            "tensors": [{"name": t.name, "type": t.type.name, "shape": list(t.shape),
+                         "nbytes": t.nbytes, "offset": t.offset} for t in tensors],
+            "n_tensors": len(tensors),
+            "tensor_bytes": total,
+        }
+        typer.echo(json.dumps(out, ensure_ascii=False))
+        return
+
+    typer.echo(f"{file}: GGUF v{f.version}, {len(f.kv)} key/value pairs, {len(tensors)} tensors, "
+               f"alignment {f.alignment}, {f.file_size} bytes")
+    if f.kv:
+        typer.echo("key/value pairs:")
+        kw = max(len(k) for k in f.kv)
+        tw = max(len(_type_label(v)) for v in f.kv.values())
+        for k, v in f.kv.items():
+            typer.echo(f"  {k:<{kw}}  {_type_label(v):<{tw}}  {_text_value(v)}")
+    if tensors:
+        typer.echo("tensors:")
+        nw = max(len(t.name) for t in tensors)
+        yw = max(len(t.type.name) for t in tensors)
+        sw = max(len(str(t.shape)) for t in tensors)
+        for t in tensors:
+            typer.echo(f"  {t.name:<{nw}}  {t.type.name:<{yw}}  {str(t.shape):<{sw}}  {t.nbytes:>12,} bytes")
+        n_el = sum(t.n_elements for t in tensors)
+        by_type = {}
+        for t in tensors:
+            by_type[t.type.name] = by_type.get(t.type.name, 0) + 1
+        kinds = ", ".join(f"{n} {k}" for k, n in by_type.items())
+        typer.echo(f"total: {len(tensors)} tensors ({kinds}), {n_el:,} elements, {total:,} bytes of data "
+                   f"from byte {f.data_offset}")
+    else:
+        typer.echo("no tensors (a vocabulary-only file)")

@@ -1,0 +1,962 @@
+"""GGUF files (layer 5): a bounds-checked, no-alloc reader and a streaming atomic writer.
+
+Reading (`read_gguf`) parses the header, the key/value pairs and the tensor infos
+from a read-only map of the file, checking every count, length, offset and size
+against the file before using it: a damaged or foreign file raises FormatError
+naming what is wrong and where (byte offset, key or tensor name). Tensor bytes are
+not touched until asked for: `GGUFFile.load_tensors(names, backend)` allocates one
+backend buffer per wanted tensor and reads its bytes straight into it.
+
+Writing (`GGUFWriter`, `write_gguf`) declares the key/values and tensor infos first,
+then streams tensor data one tensor at a time into a temporary file in the target's
+directory; the file is flushed, fsynced and renamed over the final name only when
+every tensor has been written. On an exception the temporary file is removed.
+
+Shapes are numpy order (outermost first) everywhere outside this module; GGUF's
+innermost-first `ne` order exists only in `_read_tensor_infos` and `_tensor_info_bytes`.
+Constants (type ids, block sizes, value types) come from the `gguf` package.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import secrets
+import struct
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Iterable, Iterator, Sequence
+
+import numpy as np
+from gguf.constants import (
+    GGML_QUANT_SIZES,
+    GGUF_DEFAULT_ALIGNMENT,
+    GGMLQuantizationType,
+    GGUFValueType,
+)
+
+from ggtrain.errors import FormatError, UnsupportedOpError
+from ggtrain.native import _check, ffi, lib
+
+GGUF_MAGIC = b"GGUF"
+READ_VERSIONS = (2, 3)
+WRITE_VERSION = 3
+HEADER_BYTES = 24            # magic, version, tensor count, kv count
+MAX_DIMS = 4                 # ggml's GGML_MAX_DIMS
+MAX_NAME_BYTES = 65536       # sane limit on key and tensor-name lengths when reading
+MAX_TENSOR_NAME = 63         # llama.cpp's limit (GGML_MAX_NAME - 1), enforced when writing
+MAX_ARRAY_DEPTH = 4          # arrays of arrays of ...
+_READ_CHUNK = 1 << 30        # largest single read (Linux caps one read near 2 GiB)
+_PIECE = 64 << 20            # load_tensors reads in pieces of this size ...
+_READ_THREADS = min(4, os.cpu_count() or 1)   # ... on this many threads
+
+VT = GGUFValueType
+_SCALAR = {  # value type -> (struct code, numpy dtype)
+    VT.UINT8: ("B", np.uint8), VT.INT8: ("b", np.int8), VT.UINT16: ("H", np.uint16),
+    VT.INT16: ("h", np.int16), VT.UINT32: ("I", np.uint32), VT.INT32: ("i", np.int32),
+    VT.FLOAT32: ("f", np.float32), VT.BOOL: ("B", np.uint8), VT.UINT64: ("Q", np.uint64),
+    VT.INT64: ("q", np.int64), VT.FLOAT64: ("d", np.float64),
+}
+_INT_RANGE = {
+    VT.UINT8: (0, 2**8 - 1), VT.INT8: (-2**7, 2**7 - 1), VT.UINT16: (0, 2**16 - 1),
+    VT.INT16: (-2**15, 2**15 - 1), VT.UINT32: (0, 2**32 - 1), VT.INT32: (-2**31, 2**31 - 1),
+    VT.UINT64: (0, 2**64 - 1), VT.INT64: (-2**63, 2**63 - 1),
+}
+_NP_TO_VT = {np.dtype(v[1]): k for k, v in _SCALAR.items() if k != VT.BOOL}
+_NP_TO_VT[np.dtype(np.bool_)] = VT.BOOL
+
+# numpy dtype of the elements of the plain (non-block) ggml types
+_PLAIN_DTYPE = {
+    GGMLQuantizationType.F32: np.dtype(np.float32), GGMLQuantizationType.F16: np.dtype(np.float16),
+    GGMLQuantizationType.BF16: np.dtype(np.uint16), GGMLQuantizationType.F64: np.dtype(np.float64),
+    GGMLQuantizationType.I8: np.dtype(np.int8), GGMLQuantizationType.I16: np.dtype(np.int16),
+    GGMLQuantizationType.I32: np.dtype(np.int32), GGMLQuantizationType.I64: np.dtype(np.int64),
+}
+# types gt_dequantize_row turns into f32
+DEQUANTIZABLE = frozenset(GGMLQuantizationType[n] for n in (
+    "F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"))
+# types the writer can produce from f32 data
+QUANTIZABLE = frozenset(GGMLQuantizationType[n] for n in ("F32", "F16", "BF16", "Q8_0", "Q4_0"))
+
+
+# ---- values -----------------------------------------------------------------
+
+class StringArray(Sequence):
+    """A GGUF array of strings, decoded on access.
+
+    Holds the raw array bytes (length prefixes included) and each string's byte
+    range, found and UTF-8-checked in one native call, so reading a 150k-token
+    vocabulary costs no Python loop; `list(arr)` decodes everything.
+    """
+
+    def __init__(self, raw: bytes, bounds: np.ndarray):
+        self.raw = raw
+        self.bounds = bounds          # (n, 2) int64: [start, stop) of each string in raw
+
+    @classmethod
+    def from_strings(cls, items: Iterable[str]) -> "StringArray":
+        parts, bounds, pos = [], [], 0
+        for s in items:
+            b = s.encode("utf-8")
+            parts.append(struct.pack("<Q", len(b)))
+            parts.append(b)
+            bounds.append((pos + 8, pos + 8 + len(b)))
+            pos += 8 + len(b)
+        arr = np.array(bounds, dtype=np.int64).reshape(-1, 2)
+        return cls(b"".join(parts), arr)
+
+    def __len__(self) -> int:
+        return len(self.bounds)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        start, stop = self.bounds[i]
+        return self.raw[start:stop].decode("utf-8")
+
+    def __iter__(self) -> Iterator[str]:
+        raw = self.raw
+        for start, stop in self.bounds.tolist():
+            yield raw[start:stop].decode("utf-8")
+
+    def tolist(self) -> list:
+        return list(self)
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, StringArray):
+            return self.raw == other.raw
+        if isinstance(other, (list, tuple)):
+            return len(other) == len(self) and all(a == b for a, b in zip(self, other))
+        return NotImplemented
+
+    __hash__ = None
+
+    def __repr__(self) -> str:
+        head = ", ".join(repr(s) for s in self[:4])
+        return f"StringArray([{head}{', ...' if len(self) > 4 else ''}], n={len(self)})"
+
+
+@dataclass(frozen=True)
+class GGUFValue:
+    """A key's value with its exact GGUF type.
+
+    value: int/float/bool/str for scalars; for arrays a numpy array (numbers,
+    bools), a StringArray (strings) or a list of GGUFValue (arrays of arrays).
+    item_type: the element type of an array (None for scalars).
+    """
+
+    value: Any
+    type: GGUFValueType
+    item_type: GGUFValueType | None = None
+
+    def to_python(self) -> Any:
+        """Plain Python value: numbers, str, bool, or (nested) lists."""
+        v = self.value
+        if self.type != VT.ARRAY:
+            return v
+        if isinstance(v, np.ndarray):
+            return v.tolist()
+        if isinstance(v, StringArray):
+            return v.tolist()
+        return [x.to_python() for x in v]
+
+
+def make_value(value: Any, type: GGUFValueType | None = None,
+               item_type: GGUFValueType | None = None) -> GGUFValue:
+    """A GGUFValue from a Python value, checking it fits `type`.
+
+    Types are inferred only where unambiguous: str -> STRING, bool -> BOOL,
+    float -> FLOAT32, a numpy array -> ARRAY of its dtype, a list of str ->
+    ARRAY of STRING. Integers need an explicit type (llama.cpp checks u32 vs
+    i32), e.g. make_value(32, VT.UINT32), make_value(ids, VT.ARRAY, VT.INT32).
+    """
+    if isinstance(value, GGUFValue):
+        return value
+    if type is None:
+        if isinstance(value, bool):
+            type = VT.BOOL
+        elif isinstance(value, str):
+            type = VT.STRING
+        elif isinstance(value, float):
+            type = VT.FLOAT32
+        elif isinstance(value, (list, tuple, np.ndarray, StringArray)):
+            type = VT.ARRAY
+        else:
+            raise TypeError(f"GGUF value {value!r}: give its type (integers are ambiguous)")
+    type = VT(type)
+    if type == VT.ARRAY:
+        return _make_array(value, item_type)
+    if type == VT.STRING:
+        if not isinstance(value, str):
+            raise TypeError(f"GGUF STRING value must be str, got {value!r}")
+        return GGUFValue(value, type)
+    if type == VT.BOOL:
+        return GGUFValue(bool(value), type)
+    if type in (VT.FLOAT32, VT.FLOAT64):
+        return GGUFValue(float(value), type)
+    if type in _INT_RANGE:
+        if isinstance(value, float) or int(value) != value:
+            raise TypeError(f"GGUF {type.name} value must be an integer, got {value!r}")
+        lo, hi = _INT_RANGE[type]
+        if not lo <= int(value) <= hi:
+            raise ValueError(f"GGUF value {value} does not fit {type.name}")
+        return GGUFValue(int(value), type)
+    raise TypeError(f"unknown GGUF value type {type!r}")
+
+
+def _make_array(value: Any, item_type: GGUFValueType | None) -> GGUFValue:
+    if isinstance(value, StringArray):
+        return GGUFValue(value, VT.ARRAY, VT.STRING)
+    if item_type is None:
+        if isinstance(value, np.ndarray):
+            if value.dtype not in _NP_TO_VT:
+                raise TypeError(f"GGUF array of dtype {value.dtype} is not supported")
+            item_type = _NP_TO_VT[value.dtype]
+        elif len(value) and all(isinstance(v, str) for v in value):
+            item_type = VT.STRING
+        elif len(value) and all(isinstance(v, bool) for v in value):
+            item_type = VT.BOOL
+        elif len(value) and all(isinstance(v, float) for v in value):
+            item_type = VT.FLOAT32
+        else:
+            raise TypeError("GGUF array: give its item_type (integers and empty arrays are ambiguous)")
+    item_type = VT(item_type)
+    if item_type == VT.STRING:
+        return GGUFValue(StringArray.from_strings(value), VT.ARRAY, VT.STRING)
+    if item_type == VT.ARRAY:
+        items = [v if isinstance(v, GGUFValue) else make_value(v, VT.ARRAY) for v in value]
+        return GGUFValue(items, VT.ARRAY, VT.ARRAY)
+    if item_type == VT.BOOL:
+        return GGUFValue(np.asarray(value, dtype=np.bool_).reshape(-1), VT.ARRAY, VT.BOOL)
+    dtype = np.dtype(_SCALAR[item_type][1])
+    if isinstance(value, (list, tuple)) and dtype.kind in "iu":
+        if not all(isinstance(v, (int, np.integer)) for v in value):
+            raise TypeError(f"GGUF {item_type.name} array must hold integers")
+        lo, hi = _INT_RANGE[item_type]
+        if value and (min(value) < lo or max(value) > hi):
+            raise ValueError(f"GGUF array values do not fit {item_type.name}")
+        value = np.array(value, dtype=dtype)
+    arr = np.asarray(value)
+    if arr.size and arr.dtype.kind in "iub" and dtype.kind in "iu":
+        lo, hi = _INT_RANGE[item_type]
+        if arr.min() < lo or arr.max() > hi:
+            raise ValueError(f"GGUF array values do not fit {item_type.name}")
+    elif arr.size and arr.dtype.kind == "f" and dtype.kind in "iu":
+        raise TypeError(f"GGUF {item_type.name} array given floats")
+    return GGUFValue(arr.astype(dtype).reshape(-1), VT.ARRAY, item_type)
+
+
+# ---- tensor types -------------------------------------------------------------
+
+def ggml_type(t) -> GGMLQuantizationType:
+    """A GGMLQuantizationType from an enum member, its id or its name ("Q8_0")."""
+    if isinstance(t, str):
+        try:
+            return GGMLQuantizationType[t.upper()]
+        except KeyError:
+            raise ValueError(f"unknown ggml type {t!r}") from None
+    return GGMLQuantizationType(t)
+
+
+def tensor_nbytes(shape: Sequence[int], type_) -> int:
+    """Bytes of a tensor of `shape` (numpy order) stored as ggml type `type_`."""
+    t = ggml_type(type_)
+    block, size = GGML_QUANT_SIZES[t]
+    inner = shape[-1] if len(shape) else 1
+    if inner % block:
+        raise ValueError(f"{t.name} needs the last dim to be a multiple of {block}, got shape {tuple(shape)}")
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n // block * size
+
+
+def _numpy_view(raw: np.ndarray, shape: tuple, t: GGMLQuantizationType) -> np.ndarray:
+    """Raw tensor bytes as numpy: elements for plain types (bf16 as uint16), else
+    uint8 (..., bytes per row) for block types."""
+    dtype = _PLAIN_DTYPE.get(t)
+    if dtype is not None:
+        return raw.view(dtype).reshape(shape)
+    if not shape:
+        return raw
+    block, size = GGML_QUANT_SIZES[t]
+    return raw.reshape(tuple(shape[:-1]) + (shape[-1] // block * size,))
+
+
+def dequantize(raw: np.ndarray, type_, shape: Sequence[int]) -> np.ndarray:
+    """f32 array of `shape` from the raw bytes of a tensor of ggml type `type_`."""
+    t = ggml_type(type_)
+    if t not in DEQUANTIZABLE:
+        raise UnsupportedOpError(f"no dequantize kernel for ggml type {t.name}")
+    shape = tuple(int(s) for s in shape)
+    n = int(np.prod(shape, dtype=np.int64)) if shape else 1
+    src = np.ascontiguousarray(raw).view(np.uint8).reshape(-1)
+    if src.size != tensor_nbytes(shape, t):
+        raise ValueError(f"{src.size} bytes do not hold a {t.name} tensor of shape {shape}")
+    out = np.empty(shape, dtype=np.float32)
+    _check(lib.gt_dequantize_row(ffi.cast("float *", out.ctypes.data),
+                                 ffi.cast("void *", src.ctypes.data), int(t), n),
+           f"dequantize {t.name}")
+    return out
+
+
+def quantize(x: np.ndarray, type_) -> np.ndarray:
+    """Raw bytes (uint8, (..., bytes per row)) of f32 `x` stored as F32, F16, BF16, Q8_0 or Q4_0."""
+    t = ggml_type(type_)
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if t not in QUANTIZABLE:
+        raise UnsupportedOpError(f"cannot quantize to ggml type {t.name} (F32, F16, BF16, Q8_0, Q4_0 can)")
+    nbytes = tensor_nbytes(x.shape, t)
+    out = np.empty(nbytes, dtype=np.uint8)
+    dst, src, n = ffi.cast("void *", out.ctypes.data), ffi.cast("float *", x.ctypes.data), x.size
+    if t == GGMLQuantizationType.F32:
+        out[:] = x.reshape(-1).view(np.uint8)
+    elif t == GGMLQuantizationType.F16:
+        _check(lib.gt_f32_to_f16(ffi.cast("uint16_t *", dst), src, n), "quantize F16")
+    elif t == GGMLQuantizationType.BF16:
+        _check(lib.gt_f32_to_bf16(ffi.cast("uint16_t *", dst), src, n), "quantize BF16")
+    elif t == GGMLQuantizationType.Q8_0:
+        _check(lib.gt_quantize_q8_0(dst, src, n), "quantize Q8_0")
+    else:
+        _check(lib.gt_quantize_q4_0(dst, src, n), "quantize Q4_0")
+    return out.reshape(x.shape[:-1] + (-1,)) if x.ndim else out
+
+
+# ---- reading ------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor of a GGUF file: shape in numpy order, offset from the data section."""
+
+    name: str
+    type: GGMLQuantizationType
+    shape: tuple
+    offset: int
+    nbytes: int
+
+    @property
+    def n_elements(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+
+@dataclass
+class LoadedTensor:
+    """A tensor read into a backend buffer: its raw file bytes, starting at byte 0."""
+
+    info: TensorInfo
+    buffer: Any
+
+    def array(self) -> np.ndarray:
+        """Numpy view of the buffer (CPU buffers): see GGUFFile.read_tensor."""
+        return _numpy_view(self.buffer.bytes[:self.info.nbytes], self.info.shape, self.info.type)
+
+
+class _Parser:
+    """Bounds-checked little-endian reads from a buffer; errors name the byte offset."""
+
+    def __init__(self, buf, size: int, path: str):
+        self.buf = buf
+        self.size = size
+        self.pos = 0
+        self.path = path
+
+    def fail(self, msg: str, at: int | None = None) -> FormatError:
+        return FormatError(f"{self.path}: {msg} (at byte {self.pos if at is None else at})")
+
+    def need(self, n: int, what: str) -> None:
+        if n < 0 or n > self.size - self.pos:
+            raise self.fail(f"{what} needs {n} bytes but only {self.size - self.pos} remain; "
+                            f"the file is truncated or damaged")
+
+    def scalar(self, code: str, what: str):
+        n = struct.calcsize("<" + code)
+        self.need(n, what)
+        v = struct.unpack_from("<" + code, self.buf, self.pos)[0]
+        self.pos += n
+        return v
+
+    def u32(self, what: str) -> int:
+        return self.scalar("I", what)
+
+    def u64(self, what: str) -> int:
+        return self.scalar("Q", what)
+
+    def string(self, what: str, limit: int | None = None) -> str:
+        start = self.pos
+        n = self.u64(f"length of {what}")
+        if limit is not None and n > limit:
+            raise self.fail(f"{what} is {n} bytes long, more than the limit of {limit}", start)
+        self.need(n, what)
+        raw = bytes(self.buf[self.pos:self.pos + n])
+        try:
+            s = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise self.fail(f"{what} is not valid UTF-8", self.pos) from None
+        self.pos += n
+        return s
+
+
+class GGUFFile:
+    """The parsed metadata of a GGUF file; tensor bytes are read on request.
+
+    path, version, alignment, data_offset (absolute), file_size;
+    kv: {key: GGUFValue} in file order; tensors: {name: TensorInfo} in file order.
+    """
+
+    def __init__(self, path, version, alignment, data_offset, file_size, kv, tensors):
+        self.path = os.fspath(path)
+        self.version = version
+        self.alignment = alignment
+        self.data_offset = data_offset
+        self.file_size = file_size
+        self.kv: dict[str, GGUFValue] = kv
+        self.tensors: dict[str, TensorInfo] = tensors
+
+    def __repr__(self) -> str:
+        return (f"GGUFFile({self.path!r}, v{self.version}, {len(self.kv)} KV, "
+                f"{len(self.tensors)} tensors)")
+
+    def value(self, key: str, default: Any = KeyError) -> Any:
+        """The plain Python value of `key` (see GGUFValue.to_python), or `default`."""
+        v = self.kv.get(key)
+        if v is None:
+            if default is KeyError:
+                raise FormatError(f"{self.path}: key {key!r} is missing")
+            return default
+        return v.to_python()
+
+    @property
+    def tensor_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())
+
+    def info(self, name: str) -> TensorInfo:
+        try:
+            return self.tensors[name]
+        except KeyError:
+            raise FormatError(f"{self.path}: no tensor named {name!r}") from None
+
+    # -- tensor data --
+    def _read_into(self, fd: int, info: TensorInfo, view: memoryview) -> None:
+        pos = self.data_offset + info.offset
+        done = 0
+        while done < info.nbytes:
+            n = os.preadv(fd, [view[done:done + min(_READ_CHUNK, info.nbytes - done)]], pos + done)
+            if n <= 0:
+                raise FormatError(f"{self.path}: tensor {info.name!r}: file ended after "
+                                  f"{done} of {info.nbytes} bytes (was it truncated since it was opened?)")
+            done += n
+
+    def _read_many(self, fd: int, jobs: list) -> None:
+        """Read (info, memoryview) jobs; big ones in 64 MiB pieces on a few threads
+        (the reads release the GIL, and filling fresh pages is what costs)."""
+        pieces = []
+        for info, view in jobs:
+            for start in range(0, max(info.nbytes, 1), _PIECE):
+                n = min(_PIECE, info.nbytes - start)
+                if n > 0:
+                    pieces.append((info, view, start, n))
+        total = sum(p[3] for p in pieces)
+        n_threads = min(_READ_THREADS, len(pieces), max(1, total // _PIECE))
+
+        def read(piece):
+            info, view, start, n = piece
+            sub = TensorInfo(info.name, info.type, info.shape, info.offset + start, n)
+            self._read_into(fd, sub, view[start:start + n])
+
+        if n_threads <= 1:
+            for piece in pieces:
+                read(piece)
+            return
+        with ThreadPoolExecutor(n_threads) as pool:
+            for _ in pool.map(read, pieces):
+                pass
+
+    def read_tensor(self, name: str) -> np.ndarray:
+        """A tensor's raw data as a new numpy array in numpy order: elements for
+        F32/F16/F64/I8..I64 (BF16 as uint16), else uint8 (..., bytes per row)."""
+        info = self.info(name)
+        raw = np.empty(info.nbytes, dtype=np.uint8)
+        with open(self.path, "rb", buffering=0) as f:
+            self._read_into(f.fileno(), info, memoryview(raw))
+        return _numpy_view(raw, info.shape, info.type)
+
+    def tensor_f32(self, name: str) -> np.ndarray:
+        """A tensor converted to f32 by the native dequantize kernels."""
+        info = self.info(name)
+        return dequantize(self.read_tensor(name), info.type, info.shape)
+
+    def load_tensors(self, names: Iterable[str] | None, backend) -> dict:
+        """Allocate a backend buffer for each wanted tensor (all when names is None)
+        and read its bytes straight into it: {name: LoadedTensor}.
+
+        Bytes go from the file into the buffer's memory (one read per tensor, no
+        intermediate copy); backends without host-visible buffers get them through
+        copy_in of one tensor at a time.
+        """
+        infos = [self.info(n) for n in (self.tensors if names is None else names)]
+        out = {}
+        with open(self.path, "rb", buffering=0) as f:
+            fd = f.fileno()
+            if os.fstat(fd).st_size < self.file_size:
+                raise FormatError(f"{self.path}: the file shrank since it was opened")
+            jobs = []
+            for info in infos:
+                buf = backend.alloc(max(info.nbytes, 1))
+                host = getattr(buf, "bytes", None)
+                if host is not None:
+                    jobs.append((info, memoryview(host)[:info.nbytes]))
+                else:  # device memory: stage through host, one tensor at a time
+                    tmp = np.empty(info.nbytes, dtype=np.uint8)
+                    self._read_many(fd, [(info, memoryview(tmp))])
+                    backend.copy_in(buf, 0, tmp)
+                    del tmp
+                out[info.name] = LoadedTensor(info, buf)
+            self._read_many(fd, jobs)
+        return out
+
+
+def read_gguf(path) -> GGUFFile:
+    """Parse a GGUF file's header, key/values and tensor infos (no tensor data).
+
+    Raises FormatError for anything that is not a well-formed GGUF v2/v3 file,
+    OSError (FileNotFoundError, ...) when the file cannot be opened.
+    """
+    path = os.fspath(path)
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size < HEADER_BYTES:
+            head = f.read(4)
+            if head[:4] != GGUF_MAGIC[:len(head)] or len(head) < 4:
+                raise FormatError(f"{path}: not a GGUF file ({size} bytes, no GGUF magic)")
+            raise FormatError(f"{path}: truncated GGUF file: {size} bytes, "
+                              f"the header alone is {HEADER_BYTES}")
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    try:
+        return _parse(mm, size, path)
+    finally:
+        try:
+            mm.close()
+        except BufferError:  # a view is still alive (e.g. in a traceback): unmapped when collected
+            pass
+
+
+def _parse(mm, size: int, path: str) -> GGUFFile:
+    p = _Parser(mm, size, path)
+    magic = bytes(mm[0:4])
+    if magic != GGUF_MAGIC:
+        raise FormatError(f"{path}: not a GGUF file (magic {magic!r}, expected {GGUF_MAGIC!r})")
+    p.pos = 4
+    version = p.u32("version")
+    if version not in READ_VERSIONS:
+        swapped = struct.unpack("<I", struct.pack(">I", version))[0]
+        if swapped in READ_VERSIONS:
+            raise FormatError(f"{path}: big-endian GGUF (version {swapped}) is not supported")
+        if version == 1:
+            raise FormatError(f"{path}: GGUF version 1 is obsolete and not supported; "
+                              f"re-convert the model (versions 2 and 3 are read)")
+        raise FormatError(f"{path}: unknown GGUF version {version} (versions 2 and 3 are read)")
+    n_tensors = p.u64("tensor count")
+    n_kv = p.u64("key/value count")
+    # each KV needs >= 13 bytes (key length, type, a u8), each tensor info >= 24
+    if n_kv > (size - p.pos) // 13:
+        raise p.fail(f"key/value count {n_kv} cannot fit in a {size}-byte file", 16)
+    if n_tensors > (size - p.pos) // 24:
+        raise p.fail(f"tensor count {n_tensors} cannot fit in a {size}-byte file", 8)
+
+    kv: dict[str, GGUFValue] = {}
+    for i in range(n_kv):
+        at = p.pos
+        key = p.string(f"key of key/value pair {i}", MAX_NAME_BYTES)
+        if key in kv:
+            raise p.fail(f"duplicate key {key!r}", at)
+        vtype = p.u32(f"value type of {key!r}")
+        kv[key] = _read_value(p, vtype, key, 0)
+
+    alignment = GGUF_DEFAULT_ALIGNMENT
+    if "general.alignment" in kv:
+        a = kv["general.alignment"]
+        if a.type != VT.UINT32:
+            raise FormatError(f"{path}: general.alignment has type {a.type.name}, expected UINT32")
+        alignment = a.value
+        if alignment == 0 or alignment & (alignment - 1):
+            raise FormatError(f"{path}: general.alignment {alignment} is not a power of two")
+
+    tensors = _read_tensor_infos(p, n_tensors)
+    data_offset = -(-p.pos // alignment) * alignment
+    if tensors:
+        if data_offset > size:
+            raise FormatError(f"{path}: the data section would start at byte {data_offset}, "
+                              f"past the end of the {size}-byte file")
+        _check_tensor_layout(tensors, data_offset, size, alignment, path)
+    return GGUFFile(path, version, alignment, data_offset, size, kv, tensors)
+
+
+def _read_value(p: _Parser, vtype: int, key: str, depth: int) -> GGUFValue:
+    at = p.pos
+    try:
+        t = VT(vtype)
+    except ValueError:
+        raise p.fail(f"key {key!r}: unknown value type {vtype}", at - 4) from None
+    if t == VT.STRING:
+        return GGUFValue(p.string(f"value of {key!r}"), t)
+    if t != VT.ARRAY:
+        code, _ = _SCALAR[t]
+        v = p.scalar(code, f"value of {key!r}")
+        return GGUFValue(bool(v) if t == VT.BOOL else v, t)
+    # arrays
+    if depth >= MAX_ARRAY_DEPTH:
+        raise p.fail(f"key {key!r}: arrays nested more than {MAX_ARRAY_DEPTH} deep", at)
+    raw_item = p.u32(f"item type of array {key!r}")
+    try:
+        it = VT(raw_item)
+    except ValueError:
+        raise p.fail(f"key {key!r}: unknown array item type {raw_item}", p.pos - 4) from None
+    n = p.u64(f"length of array {key!r}")
+    remain = p.size - p.pos
+    if it == VT.STRING:
+        if n > remain // 8:
+            raise p.fail(f"key {key!r}: array of {n} strings cannot fit in the {remain} bytes left", p.pos - 8)
+        start = p.pos
+        end = ffi.new("int64_t *")
+        view = ffi.from_buffer(p.buf)
+        try:
+            data = ffi.cast("uint8_t *", view) + start
+            # first pass validates (so a damaged count cannot make us allocate), second records
+            rc = lib.gt_scan_strings(ffi.NULL, data, remain, n, end)
+            if rc == 0:
+                bounds = np.empty((n, 2), dtype=np.int64)
+                rc = lib.gt_scan_strings(ffi.cast("int64_t *", bounds.ctypes.data), data, remain, n, end)
+        finally:
+            ffi.release(view)
+        if rc:
+            try:
+                _check(rc)
+            except ValueError as exc:
+                raise p.fail(f"key {key!r}: {exc}", start) from None
+        stop = start + end[0]
+        p.pos = stop
+        return GGUFValue(StringArray(bytes(p.buf[start:stop]), bounds), VT.ARRAY, it)
+    if it == VT.ARRAY:
+        if n > remain // 12:
+            raise p.fail(f"key {key!r}: array of {n} arrays cannot fit in the {remain} bytes left", p.pos - 8)
+        items = []
+        for _ in range(n):
+            items.append(_read_value(p, VT.ARRAY, key, depth + 1))
+        return GGUFValue(items, VT.ARRAY, it)
+    _, dtype = _SCALAR[it]
+    isz = np.dtype(dtype).itemsize
+    if n > remain // isz:
+        raise p.fail(f"key {key!r}: array of {n} {it.name} values cannot fit in the {remain} bytes left",
+                     p.pos - 8)
+    arr = np.frombuffer(p.buf, dtype=np.dtype(dtype).newbyteorder("<"), count=n, offset=p.pos)
+    arr = arr.astype(np.dtype(dtype)) if it != VT.BOOL else arr != 0
+    p.pos += n * isz
+    return GGUFValue(arr, VT.ARRAY, it)
+
+
+def _read_tensor_infos(p: _Parser, n: int) -> dict:
+    tensors: dict[str, TensorInfo] = {}
+    for i in range(n):
+        at = p.pos
+        name = p.string(f"name of tensor {i}", MAX_NAME_BYTES)
+        if name in tensors:
+            raise p.fail(f"duplicate tensor name {name!r}", at)
+        n_dims = p.u32(f"dimension count of tensor {name!r}")
+        if n_dims > MAX_DIMS:
+            raise p.fail(f"tensor {name!r} has {n_dims} dimensions (at most {MAX_DIMS})", p.pos - 4)
+        p.need(8 * n_dims, f"dimensions of tensor {name!r}")
+        ne = struct.unpack_from(f"<{n_dims}Q", p.buf, p.pos)
+        p.pos += 8 * n_dims
+        numel = 1
+        for d in ne:
+            if d >= 2**63:
+                raise p.fail(f"tensor {name!r} has a dimension of {d}", at)
+            numel *= d
+        raw_type = p.u32(f"type of tensor {name!r}")
+        try:
+            t = GGMLQuantizationType(raw_type)
+            block, tsize = GGML_QUANT_SIZES[t]
+        except (ValueError, KeyError):
+            raise p.fail(f"tensor {name!r} has unknown ggml type {raw_type}", p.pos - 4) from None
+        inner = ne[0] if n_dims else 1
+        if inner % block:
+            raise p.fail(f"tensor {name!r}: its first dimension {inner} is not a multiple of "
+                         f"the {t.name} block size {block}", at)
+        offset = p.u64(f"offset of tensor {name!r}")
+        shape = tuple(reversed(ne))             # ggml ne (innermost first) -> numpy order
+        tensors[name] = TensorInfo(name, t, shape, offset, numel // block * tsize)
+    return tensors
+
+
+def _check_tensor_layout(tensors: dict, data_offset: int, size: int, alignment: int, path: str) -> None:
+    data_size = size - data_offset
+    for t in tensors.values():
+        if t.offset % alignment:
+            raise FormatError(f"{path}: tensor {t.name!r}: offset {t.offset} is not a multiple "
+                              f"of the alignment {alignment}")
+        if t.nbytes > data_size or t.offset > data_size - t.nbytes:
+            raise FormatError(f"{path}: tensor {t.name!r}: its {t.nbytes} bytes at data offset "
+                              f"{t.offset} (byte {data_offset + t.offset}) run past the end of the "
+                              f"{size}-byte file")
+    ordered = sorted(tensors.values(), key=lambda t: t.offset)
+    for a, b in zip(ordered, ordered[1:]):
+        if a.offset + a.nbytes > b.offset and a.nbytes and b.nbytes:
+            raise FormatError(f"{path}: tensors {a.name!r} (bytes {a.offset}..{a.offset + a.nbytes}) "
+                              f"and {b.name!r} (from {b.offset}) overlap")
+
+
+# ---- writing ------------------------------------------------------------------
+
+def _value_bytes(v: GGUFValue) -> bytes:
+    t = v.type
+    if t == VT.STRING:
+        b = v.value.encode("utf-8")
+        return struct.pack("<Q", len(b)) + b
+    if t != VT.ARRAY:
+        code, _ = _SCALAR[t]
+        return struct.pack("<" + code, int(v.value) if t == VT.BOOL else v.value)
+    it = v.item_type
+    n = len(v.value)
+    head = struct.pack("<IQ", int(it), n)
+    if it == VT.STRING:
+        return head + v.value.raw
+    if it == VT.ARRAY:
+        return head + b"".join(_value_bytes(x) for x in v.value)
+    _, dtype = _SCALAR[it]
+    arr = np.asarray(v.value)
+    arr = arr.astype(np.uint8) if it == VT.BOOL else arr.astype(np.dtype(dtype).newbyteorder("<"))
+    return head + arr.tobytes()
+
+
+def _string_bytes(s: str) -> bytes:
+    b = s.encode("utf-8")
+    return struct.pack("<Q", len(b)) + b
+
+
+def _tensor_info_bytes(name: str, shape: tuple, t: GGMLQuantizationType, offset: int) -> bytes:
+    ne = tuple(reversed(shape))                 # numpy order -> ggml ne (innermost first)
+    return (_string_bytes(name) + struct.pack("<I", len(ne)) + struct.pack(f"<{len(ne)}Q", *ne)
+            + struct.pack("<IQ", int(t), offset))
+
+
+class GGUFWriter:
+    """Streams a GGUF file to `path` atomically.
+
+        with GGUFWriter(path) as w:
+            w.add_kv("general.architecture", "llama")
+            w.add_kv("llama.block_count", 5, VT.UINT32)
+            w.add_tensor_info("token_embd.weight", (512, 64), "Q8_0")
+            w.write_tensor("token_embd.weight", emb)      # f32 -> quantized here
+        # now the file exists under `path`; on an exception nothing replaced it
+
+    Tensors are written in the order they were declared, each as soon as it is
+    given (f32 data is converted to the declared type in chunks), so a model
+    never needs to be in memory twice. The header is written when the first
+    tensor arrives (or at the end when there are none).
+    """
+
+    def __init__(self, path, alignment: int = GGUF_DEFAULT_ALIGNMENT):
+        if alignment <= 0 or alignment & (alignment - 1):
+            raise ValueError(f"alignment {alignment} is not a power of two")
+        self.path = os.fspath(path)
+        self.alignment = alignment
+        self.kv: dict[str, GGUFValue] = {}
+        self.infos: list[TensorInfo] = []
+        self._next = 0            # index of the next tensor to write
+        self._file = None
+        self._tmp = None
+        self._done = False
+        if alignment != GGUF_DEFAULT_ALIGNMENT:
+            self.add_kv("general.alignment", alignment, VT.UINT32)
+
+    # -- declaring --
+    def add_kv(self, key: str, value: Any, type: GGUFValueType | None = None,
+               item_type: GGUFValueType | None = None) -> None:
+        """Add a key/value pair (see make_value for types); keys are unique."""
+        if self._file is not None:
+            raise RuntimeError("add_kv after tensor data has started")
+        if key in self.kv:
+            raise ValueError(f"duplicate GGUF key {key!r}")
+        self.kv[key] = make_value(value, type, item_type)
+
+    def add_tensor_info(self, name: str, shape: Sequence[int], type_="F32") -> TensorInfo:
+        """Declare a tensor (numpy-order shape, ggml type); its data comes later."""
+        if self._file is not None:
+            raise RuntimeError("add_tensor_info after tensor data has started")
+        if any(i.name == name for i in self.infos):
+            raise ValueError(f"duplicate tensor name {name!r}")
+        if len(name.encode("utf-8")) > MAX_TENSOR_NAME:
+            raise ValueError(f"tensor name {name!r} is longer than {MAX_TENSOR_NAME} bytes (llama.cpp's limit)")
+        shape = tuple(int(s) for s in shape)
+        if len(shape) > MAX_DIMS or any(s < 0 for s in shape):
+            raise ValueError(f"tensor {name!r}: bad shape {shape} (at most {MAX_DIMS} dims)")
+        t = ggml_type(type_)
+        nbytes = tensor_nbytes(shape, t)
+        offset = 0
+        if self.infos:
+            last = self.infos[-1]
+            offset = -(-(last.offset + last.nbytes) // self.alignment) * self.alignment
+        info = TensorInfo(name, t, shape, offset, nbytes)
+        self.infos.append(info)
+        return info
+
+    # -- writing --
+    def _open(self) -> None:
+        directory = os.path.dirname(os.path.abspath(self.path))
+        base = os.path.basename(self.path)
+        for _ in range(100):
+            tmp = os.path.join(directory, f".{base}.{secrets.token_hex(4)}.tmp")
+            try:
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+                break
+            except FileExistsError:
+                continue
+        else:  # pragma: no cover
+            raise FileExistsError(f"cannot create a temporary file beside {self.path}")
+        self._tmp = tmp
+        self._file = os.fdopen(fd, "wb", buffering=1 << 20)
+
+    def _write_header(self) -> None:
+        self._open()
+        f = self._file
+        f.write(GGUF_MAGIC + struct.pack("<IQQ", WRITE_VERSION, len(self.infos), len(self.kv)))
+        for key, v in self.kv.items():
+            f.write(_string_bytes(key) + struct.pack("<I", int(v.type)) + _value_bytes(v))
+        for info in self.infos:
+            f.write(_tensor_info_bytes(info.name, info.shape, info.type, info.offset))
+        if self.infos:  # a file without tensors ends right after its metadata (as gguf-py writes it)
+            self._pad()
+        self._data_start = f.tell()
+
+    def _pad(self) -> None:
+        pos = self._file.tell()
+        self._file.write(b"\0" * (-pos % self.alignment))
+
+    def write_tensor(self, name: str, data) -> None:
+        """Write the next declared tensor's data: raw bytes of the declared type
+        (any array/bytes of exactly nbytes), or a float32 array of its shape to be
+        converted (F16, BF16, Q8_0, Q4_0 natively)."""
+        if self._done:
+            raise RuntimeError("the writer is closed")
+        if self._next >= len(self.infos):
+            raise ValueError(f"tensor {name!r} was not declared (or was already written)")
+        info = self.infos[self._next]
+        if info.name != name:
+            raise ValueError(f"tensors are written in declaration order: expected {info.name!r}, got {name!r}")
+        if self._file is None:
+            self._write_header()
+        f = self._file
+        assert f.tell() - self._data_start == info.offset
+        arr = data if isinstance(data, np.ndarray) else np.frombuffer(memoryview(data), dtype=np.uint8)
+        if arr.dtype == np.float32 and info.type != GGMLQuantizationType.F32 and arr.size == info.n_elements:
+            if tuple(arr.shape) != info.shape:
+                raise ValueError(f"tensor {name!r}: data of shape {arr.shape}, declared {info.shape}")
+            rows = arr.reshape(-1, info.shape[-1] if info.shape else 1)
+            step = max(1, (16 << 20) // max(1, rows.shape[1] * 4))
+            for r in range(0, rows.shape[0], step):
+                f.write(quantize(rows[r:r + step], info.type).reshape(-1).data)
+        else:
+            if arr.dtype == np.float32 and info.type == GGMLQuantizationType.F32 and arr.size == info.n_elements \
+                    and tuple(arr.shape) != info.shape:
+                raise ValueError(f"tensor {name!r}: data of shape {arr.shape}, declared {info.shape}")
+            arr = np.ascontiguousarray(arr)
+            if arr.nbytes != info.nbytes:
+                raise ValueError(f"tensor {name!r}: {arr.nbytes} bytes given, {info.type.name} "
+                                 f"{info.shape} needs {info.nbytes}")
+            if arr.dtype.byteorder == ">":
+                raise ValueError(f"tensor {name!r}: big-endian data")
+            f.write(arr.reshape(-1).view(np.uint8).data)
+        self._pad()
+        self._next += 1
+
+    def close(self) -> None:
+        """Finish: every declared tensor must have been written; fsync and rename."""
+        if self._done:
+            return
+        if self._next != len(self.infos):
+            missing = [i.name for i in self.infos[self._next:]]
+            raise ValueError(f"{len(missing)} declared tensors were not written: {missing[:5]}")
+        if self._file is None:
+            self._write_header()
+        f = self._file
+        f.flush()
+        os.fsync(f.fileno())
+        f.close()
+        os.replace(self._tmp, self.path)
+        self._done = True
+        try:  # make the rename itself durable
+            dfd = os.open(os.path.dirname(os.path.abspath(self.path)), os.O_RDONLY)
+            try:
+                os.fsync(dfd)
+            finally:
+                os.close(dfd)
+        except OSError:  # pragma: no cover - some filesystems refuse directory fsync
+            pass
+
+    def abort(self) -> None:
+        """Drop the temporary file; the final name is left as it was."""
+        self._done = True
+        if self._file is not None:
+            try:
+                self._file.close()
+            except OSError:  # pragma: no cover
+                pass
+        if self._tmp is not None:
+            try:
+                os.unlink(self._tmp)
+            except FileNotFoundError:
+                pass
+
+    def __enter__(self) -> "GGUFWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            try:
+                self.close()
+            except BaseException:
+                self.abort()
+                raise
+        else:
+            self.abort()
+
+
+def write_gguf(path, kv: dict | Iterable, tensors: Iterable, alignment: int = GGUF_DEFAULT_ALIGNMENT) -> None:
+    """Write a whole GGUF file atomically.
+
+    kv: {key: value or GGUFValue} or (key, value[, type[, item_type]]) tuples.
+    tensors: (name, data[, type]) tuples; data is a numpy array (f32 data is
+    converted to `type`, default its own: F32/F16/...) or a zero-argument callable
+    returning one, called only when that tensor is written (so a model need not
+    be in memory at once); for a callable give (name, fn, type, shape).
+    """
+    items = kv.items() if isinstance(kv, dict) else kv
+    specs = list(tensors)
+    with GGUFWriter(path, alignment) as w:
+        for item in items:
+            if isinstance(item, tuple) and len(item) > 2:
+                w.add_kv(*item)
+            else:
+                key, value = item
+                w.add_kv(key, value)
+        plan = []
+        for spec in specs:
+            name, data = spec[0], spec[1]
+            if callable(data):
+                t, shape = spec[2], spec[3]
+            else:
+                t = spec[2] if len(spec) > 2 else _default_type(data)
+                shape = data.shape
+            w.add_tensor_info(name, shape, t)
+            plan.append((name, data))
+        for name, data in plan:
+            w.write_tensor(name, data() if callable(data) else data)
+
+
+def _default_type(arr: np.ndarray) -> GGMLQuantizationType:
+    for t, dt in _PLAIN_DTYPE.items():
+        if arr.dtype == dt and t != GGMLQuantizationType.BF16:
+            return t
+    raise TypeError(f"no ggml type for dtype {arr.dtype}; give the type")

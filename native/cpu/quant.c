@@ -1,0 +1,308 @@
+/* quant.c: ggml block formats. Dequantize any of F32, F16, BF16, Q4_0, Q4_1,
+ * Q5_0, Q5_1, Q8_0, Q2_K..Q6_K to f32, and quantize f32 to Q8_0 and Q4_0 the
+ * way ggml's reference quantizer does (round to nearest, no importance matrix).
+ *
+ * Block layouts (little-endian, `half` is an IEEE f16, QK = elements per block):
+ *   Q4_0 (32, 18 B):  half d; u8 qs[16]          x = d * (q - 8)
+ *   Q4_1 (32, 20 B):  half d, m; u8 qs[16]       x = d * q + m
+ *   Q5_0 (32, 22 B):  half d; u8 qh[4]; qs[16]   x = d * (q - 16), bit 4 of q in qh
+ *   Q5_1 (32, 24 B):  half d, m; qh[4]; qs[16]   x = d * q + m
+ *   Q8_0 (32, 34 B):  half d; i8 qs[32]          x = d * q
+ *   In the 4/5-bit formats, byte j holds element j (low nibble) and j + 16 (high).
+ *   Q2_K (256, 84 B):  u8 scales[16]; u8 qs[64]; half d, dmin
+ *   Q3_K (256, 110 B): u8 hmask[32]; u8 qs[64]; u8 scales[12]; half d
+ *   Q4_K (256, 144 B): half d, dmin; u8 scales[12]; u8 qs[128]
+ *   Q5_K (256, 176 B): half d, dmin; u8 scales[12]; u8 qh[32]; u8 qs[128]
+ *   Q6_K (256, 210 B): u8 ql[128]; u8 qh[64]; i8 scales[16]; half d
+ *
+ * The arithmetic is written in the same order as ggml's reference code (and
+ * gguf-py's numpy port), one rounding per operation (C11 mode: no FMA
+ * contraction), so the results are bit-identical to gguf.quants.
+ */
+#include <math.h>
+
+#include "internal.h"
+
+/* ggml type ids (gguf.GGMLQuantizationType) */
+enum {
+    T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8,
+    T_Q2_K = 10, T_Q3_K = 11, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_BF16 = 30
+};
+
+#define QK 32
+#define QK_K 256
+
+static inline float half_at(const uint8_t *p) {
+    return gt_f16_to_f32_1((uint16_t)(p[0] | (p[1] << 8)));
+}
+
+static inline uint32_t u32_at(const uint8_t *p) {
+    return (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16) | ((uint32_t)p[3] << 24);
+}
+
+static void dequant_q4_0(float *y, const uint8_t *b, int64_t nb) {
+    for (int64_t i = 0; i < nb; i++, b += 18, y += QK) {
+        const float d = half_at(b);
+        const uint8_t *qs = b + 2;
+        for (int j = 0; j < QK / 2; j++) {
+            y[j] = (float)((qs[j] & 0x0f) - 8) * d;
+            y[j + QK / 2] = (float)((qs[j] >> 4) - 8) * d;
+        }
+    }
+}
+
+static void dequant_q4_1(float *y, const uint8_t *b, int64_t nb) {
+    for (int64_t i = 0; i < nb; i++, b += 20, y += QK) {
+        const float d = half_at(b), m = half_at(b + 2);
+        const uint8_t *qs = b + 4;
+        for (int j = 0; j < QK / 2; j++) {
+            y[j] = (float)(qs[j] & 0x0f) * d + m;
+            y[j + QK / 2] = (float)(qs[j] >> 4) * d + m;
+        }
+    }
+}
+
+static void dequant_q5_0(float *y, const uint8_t *b, int64_t nb) {
+    for (int64_t i = 0; i < nb; i++, b += 22, y += QK) {
+        const float d = half_at(b);
+        const uint32_t qh = u32_at(b + 2);
+        const uint8_t *qs = b + 6;
+        for (int j = 0; j < QK / 2; j++) {
+            const int h0 = (int)((qh >> j) & 1) << 4, h1 = (int)((qh >> (j + 16)) & 1) << 4;
+            y[j] = (float)(((qs[j] & 0x0f) | h0) - 16) * d;
+            y[j + QK / 2] = (float)(((qs[j] >> 4) | h1) - 16) * d;
+        }
+    }
+}
+
+static void dequant_q5_1(float *y, const uint8_t *b, int64_t nb) {
+    for (int64_t i = 0; i < nb; i++, b += 24, y += QK) {
+        const float d = half_at(b), m = half_at(b + 2);
+        const uint32_t qh = u32_at(b + 4);
+        const uint8_t *qs = b + 8;
+        for (int j = 0; j < QK / 2; j++) {
+            const int h0 = (int)((qh >> j) & 1) << 4, h1 = (int)((qh >> (j + 16)) & 1) << 4;
+            y[j] = (float)((qs[j] & 0x0f) | h0) * d + m;
+            y[j + QK / 2] = (float)((qs[j] >> 4) | h1) * d + m;
+        }
+    }
+}
+
+static void dequant_q8_0(float *y, const uint8_t *b, int64_t nb) {
+    for (int64_t i = 0; i < nb; i++, b += 34, y += QK) {
+        const float d = half_at(b);
+        const int8_t *qs = (const int8_t *)(b + 2);
+        for (int j = 0; j < QK; j++) y[j] = (float)qs[j] * d;
+    }
+}
+
+static void dequant_q2_k(float *y, const uint8_t *b, int64_t nb) {
+    for (int64_t i = 0; i < nb; i++, b += 84) {
+        const uint8_t *scales = b, *q = b + 16;
+        const float d = half_at(b + 80), dmin = half_at(b + 82);
+        int is = 0;
+        for (int n = 0; n < QK_K; n += 128, q += 32) {
+            for (int shift = 0; shift < 8; shift += 2) {
+                for (int half = 0; half < 2; half++) {   /* 16 elements from q[0..15] or q[16..31] */
+                    const uint8_t sc = scales[is++];
+                    const float dl = d * (float)(sc & 0x0f), ml = dmin * (float)(sc >> 4);
+                    for (int l = 0; l < 16; l++) *y++ = dl * (float)((q[l + 16 * half] >> shift) & 3) - ml;
+                }
+            }
+        }
+    }
+}
+
+/* Q3_K's sixteen 6-bit scales: low 4 bits in bytes 0..7 (both nibbles), high
+ * 2 bits in bytes 8..11; scale i is stored plus 32. */
+static inline int q3_k_scale(const uint8_t *s, int i) {
+    const int lo = i < 8 ? (s[i] & 0x0f) : (s[i - 8] >> 4);
+    const int hi = (s[8 + (i & 3)] >> (2 * (i >> 2))) & 3;
+    return (lo | (hi << 4)) - 32;
+}
+
+static void dequant_q3_k(float *y, const uint8_t *b, int64_t nb) {
+    for (int64_t i = 0; i < nb; i++, b += 110) {
+        const uint8_t *hm = b, *q = b + 32, *scales = b + 96;
+        const float d = half_at(b + 108);
+        int is = 0;
+        uint8_t m = 1;
+        for (int n = 0; n < QK_K; n += 128, q += 32) {
+            for (int shift = 0; shift < 8; shift += 2, m <<= 1) {
+                for (int half = 0; half < 2; half++) {
+                    const float dl = d * (float)q3_k_scale(scales, is++);
+                    for (int l = 16 * half; l < 16 * half + 16; l++) {
+                        const int v = ((q[l] >> shift) & 3) - ((hm[l] & m) ? 0 : 4);
+                        *y++ = dl * (float)v;
+                    }
+                }
+            }
+        }
+    }
+}
+
+/* Q4_K/Q5_K: eight 6-bit (scale, min) pairs packed in 12 bytes. */
+static inline void k4_scale_min(const uint8_t *q, int j, int *sc, int *mn) {
+    if (j < 4) {
+        *sc = q[j] & 63;
+        *mn = q[j + 4] & 63;
+    } else {
+        *sc = (q[j + 4] & 0x0f) | ((q[j - 4] >> 6) << 4);
+        *mn = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+}
+
+static void dequant_q4_k(float *y, const uint8_t *b, int64_t nb) {
+    for (int64_t i = 0; i < nb; i++, b += 144) {
+        const float d = half_at(b), dmin = half_at(b + 2);
+        const uint8_t *scales = b + 4, *q = b + 16;
+        for (int j = 0, is = 0; j < QK_K; j += 64, q += 32, is += 2) {
+            int sc, mn;
+            k4_scale_min(scales, is, &sc, &mn);
+            const float d1 = d * (float)sc, m1 = dmin * (float)mn;
+            k4_scale_min(scales, is + 1, &sc, &mn);
+            const float d2 = d * (float)sc, m2 = dmin * (float)mn;
+            for (int l = 0; l < 32; l++) *y++ = d1 * (float)(q[l] & 0x0f) - m1;
+            for (int l = 0; l < 32; l++) *y++ = d2 * (float)(q[l] >> 4) - m2;
+        }
+    }
+}
+
+static void dequant_q5_k(float *y, const uint8_t *b, int64_t nb) {
+    for (int64_t i = 0; i < nb; i++, b += 176) {
+        const float d = half_at(b), dmin = half_at(b + 2);
+        const uint8_t *scales = b + 4, *qh = b + 16, *ql = b + 48;
+        uint8_t u1 = 1, u2 = 2;
+        for (int j = 0, is = 0; j < QK_K; j += 64, ql += 32, is += 2, u1 <<= 2, u2 <<= 2) {
+            int sc, mn;
+            k4_scale_min(scales, is, &sc, &mn);
+            const float d1 = d * (float)sc, m1 = dmin * (float)mn;
+            k4_scale_min(scales, is + 1, &sc, &mn);
+            const float d2 = d * (float)sc, m2 = dmin * (float)mn;
+            for (int l = 0; l < 32; l++) *y++ = d1 * (float)((ql[l] & 0x0f) + ((qh[l] & u1) ? 16 : 0)) - m1;
+            for (int l = 0; l < 32; l++) *y++ = d2 * (float)((ql[l] >> 4) + ((qh[l] & u2) ? 16 : 0)) - m2;
+        }
+    }
+}
+
+static void dequant_q6_k(float *y, const uint8_t *b, int64_t nb) {
+    for (int64_t i = 0; i < nb; i++, b += 210) {
+        const uint8_t *ql = b, *qh = b + 128;
+        const int8_t *sc = (const int8_t *)(b + 192);
+        const float d = half_at(b + 208);
+        for (int n = 0; n < QK_K; n += 128, y += 128, ql += 64, qh += 32, sc += 8) {
+            for (int l = 0; l < 32; l++) {
+                const int is = l / 16;
+                const int q1 = ((ql[l] & 0x0f) | (((qh[l] >> 0) & 3) << 4)) - 32;
+                const int q2 = ((ql[l + 32] & 0x0f) | (((qh[l] >> 2) & 3) << 4)) - 32;
+                const int q3 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
+                const int q4 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
+                y[l] = d * (float)sc[is] * (float)q1;
+                y[l + 32] = d * (float)sc[is + 2] * (float)q2;
+                y[l + 64] = d * (float)sc[is + 4] * (float)q3;
+                y[l + 96] = d * (float)sc[is + 6] * (float)q4;
+            }
+        }
+    }
+}
+
+int gt_dequantize_row(float *dst, const void *src, int32_t ggml_type, int64_t n) {
+    if (n < 0) return GT_FAIL(GT_ERR_INVALID, "dequantize: negative element count %lld", (long long)n);
+    if (n == 0) return GT_OK;
+    if (!dst || !src) return GT_FAIL(GT_ERR_INVALID, "dequantize: null pointer");
+    const uint8_t *b = src;
+    int64_t block;
+    switch (ggml_type) {
+    case T_F32: memcpy(dst, src, (size_t)n * sizeof(float)); return GT_OK;
+    case T_F16: return gt_f16_to_f32(dst, src, n);
+    case T_BF16: return gt_bf16_to_f32(dst, src, n);
+    case T_Q4_0: case T_Q4_1: case T_Q5_0: case T_Q5_1: case T_Q8_0: block = QK; break;
+    case T_Q2_K: case T_Q3_K: case T_Q4_K: case T_Q5_K: case T_Q6_K: block = QK_K; break;
+    default:
+        return GT_FAIL(GT_ERR_UNSUPPORTED, "dequantize: ggml type %d has no dequantize kernel", (int)ggml_type);
+    }
+    if (n % block)
+        return GT_FAIL(GT_ERR_SHAPE, "dequantize: %lld elements are not a whole number of %lld-element blocks",
+                       (long long)n, (long long)block);
+    const int64_t nb = n / block;
+    switch (ggml_type) {
+    case T_Q4_0: dequant_q4_0(dst, b, nb); break;
+    case T_Q4_1: dequant_q4_1(dst, b, nb); break;
+    case T_Q5_0: dequant_q5_0(dst, b, nb); break;
+    case T_Q5_1: dequant_q5_1(dst, b, nb); break;
+    case T_Q8_0: dequant_q8_0(dst, b, nb); break;
+    case T_Q2_K: dequant_q2_k(dst, b, nb); break;
+    case T_Q3_K: dequant_q3_k(dst, b, nb); break;
+    case T_Q4_K: dequant_q4_k(dst, b, nb); break;
+    case T_Q5_K: dequant_q5_k(dst, b, nb); break;
+    default: dequant_q6_k(dst, b, nb); break;
+    }
+    return GT_OK;
+}
+
+static inline void put_half(uint8_t *p, float f) {
+    const uint16_t h = gt_f32_to_f16_1(f);
+    p[0] = (uint8_t)(h & 0xff);
+    p[1] = (uint8_t)(h >> 8);
+}
+
+static int quant_check(void *dst, const float *src, int64_t n, const char *what) {
+    if (n < 0) return GT_FAIL(GT_ERR_INVALID, "%s: negative element count %lld", what, (long long)n);
+    if (n % QK)
+        return GT_FAIL(GT_ERR_SHAPE, "%s: %lld elements are not a whole number of %d-element blocks",
+                       what, (long long)n, QK);
+    if (n && (!dst || !src)) return GT_FAIL(GT_ERR_INVALID, "%s: null pointer", what);
+    return GT_OK;
+}
+
+/* ggml's quantize_row_q8_0_ref: d = max|x| / 127, q = round(x / d) (half away
+ * from zero). A NaN maps to 0 instead of being undefined behaviour. */
+int gt_quantize_q8_0(void *dst, const float *src, int64_t n) {
+    int rc = quant_check(dst, src, n, "quantize_q8_0");
+    if (rc) return rc;
+    uint8_t *b = dst;
+    for (int64_t i = 0; i < n / QK; i++, b += 34, src += QK) {
+        float amax = 0.0f;
+        for (int j = 0; j < QK; j++) {
+            const float a = fabsf(src[j]);
+            if (a > amax) amax = a;
+        }
+        const float d = amax / 127.0f;
+        const float id = d != 0.0f ? 1.0f / d : 0.0f;
+        put_half(b, d);
+        int8_t *qs = (int8_t *)(b + 2);
+        for (int j = 0; j < QK; j++) {
+            const float r = roundf(src[j] * id);
+            qs[j] = (int8_t)(r > 127.0f ? 127 : r < -128.0f ? -128 : r == r ? (int)r : 0);
+        }
+    }
+    return GT_OK;
+}
+
+/* ggml's quantize_row_q4_0_ref: d = m / -8 where m is the element of largest
+ * magnitude (the first such), q = min(15, trunc(x / d + 8.5)). */
+int gt_quantize_q4_0(void *dst, const float *src, int64_t n) {
+    int rc = quant_check(dst, src, n, "quantize_q4_0");
+    if (rc) return rc;
+    uint8_t *b = dst;
+    for (int64_t i = 0; i < n / QK; i++, b += 18, src += QK) {
+        float amax = 0.0f, max = 0.0f;
+        for (int j = 0; j < QK; j++) {
+            if (amax < fabsf(src[j])) {
+                amax = fabsf(src[j]);
+                max = src[j];
+            }
+        }
+        const float d = max / -8.0f;
+        const float id = d != 0.0f ? 1.0f / d : 0.0f;
+        put_half(b, d);
+        uint8_t *qs = b + 2;
+        for (int j = 0; j < QK / 2; j++) {
+            const float t0 = src[j] * id + 8.5f, t1 = src[j + QK / 2] * id + 8.5f;
+            const int q0 = t0 >= 15.0f ? 15 : t0 > 0.0f ? (int)t0 : 0;
+            const int q1 = t1 >= 15.0f ? 15 : t1 > 0.0f ? (int)t1 : 0;
+            qs[j] = (uint8_t)(q0 | (q1 << 4));
+        }
+    }
+    return GT_OK;
+}
