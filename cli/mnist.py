@@ -18,6 +18,8 @@ from ggtrain.errors import ConfigError
 from ggtrain.formats.idx import load_mnist
 from ggtrain.formats.mnist import load_mnist_model, save_mnist_model
 
+BUNDLED = pathlib.Path(__file__).resolve().parent / "data" / "mnist"
+
 mnist_app = typer.Typer(help="Train and evaluate ggml's MNIST classifiers (mnist-fc, mnist-cnn).",
                         no_args_is_help=True)
 app.add_typer(mnist_app, name="mnist")
@@ -50,7 +52,8 @@ class _Log:
 @mnist_app.command("train")
 def train(
     arch: str = typer.Option("fc", "--arch", help="Model: fc (784-500-10) or cnn (two 3x3 convs)."),
-    data: pathlib.Path = typer.Option(..., "--data", help="Folder with the MNIST IDX files (.gz or raw)."),
+    data: pathlib.Path = typer.Option(None, "--data", help="Folder with the MNIST IDX files (.gz or raw); "
+                                      "default: a bundled 5000-image subset."),
     out: pathlib.Path = typer.Option(..., "--out", help="Where to write the model (GGUF)."),
     epochs: int = typer.Option(30, "--epochs", help="Passes over the training split."),
     batch: int = typer.Option(1000, "--batch", help="Logical batch: samples per optimizer update."),
@@ -72,7 +75,7 @@ def train(
                               val_split=val_split, seed=seed)
     if out.parent and not out.parent.is_dir():
         raise ConfigError(f"--out {out}: folder {out.parent} does not exist")
-    images, labels = load_mnist(data, "train")
+    images, labels = load_mnist(data or BUNDLED, "train")
     if limit:
         images, labels = images[:limit], labels[:limit]
     be = _backend(backend, threads)
@@ -138,14 +141,15 @@ def train(
 @mnist_app.command("eval")
 def evaluate(
     model_path: pathlib.Path = typer.Option(..., "--model", help="An MNIST model GGUF (mnist-fc or mnist-cnn)."),
-    data: pathlib.Path = typer.Option(..., "--data", help="Folder with the MNIST IDX files."),
+    data: pathlib.Path = typer.Option(None, "--data", help="Folder with the MNIST IDX files; "
+                                      "default: the bundled 1000-image test subset."),
     as_json: bool = typer.Option(False, "--json", help='Print {"loss": .., "accuracy": ..} as JSON.'),
     threads: int = typer.Option(None, "--threads", help="CPU threads (default: all available)."),
     backend: str = typer.Option("cpu", "--backend", help="cpu (cuda in builds that have it)."),
 ):
     """Test loss and accuracy (with standard errors) of an MNIST model on the t10k set."""
     arch, params = load_mnist_model(model_path, model.PARAM_SHAPES)
-    images, labels = load_mnist(data, "test")
+    images, labels = load_mnist(data or BUNDLED, "test")
     be = _backend(backend, threads)
     config = ClassifierConfig(epochs=0, batch=500, physical_batch=500)
     run = ClassifierRun(lambda p, x: model.forward(arch, p, x), params, (28, 28), config, be)

@@ -165,3 +165,13 @@ def test_cli_rejects_bad_input(mnist, tmp_path, shared_data):
              "--physical-batch", "200")
     assert r.returncode == 1 and "--physical-batch" in r.stderr
     assert not (tmp_path / "m.gguf").exists()
+
+
+def test_cli_runs_on_the_bundled_subset_without_data(tmp_path):
+    out = tmp_path / "m.gguf"
+    r = _cli("mnist", "train", "--out", str(out), "--limit", "1000", "--epochs", "1", "--batch", "100",
+             "--physical-batch", "100", "--quiet")
+    assert r.returncode == 0, r.stderr
+    r = _cli("mnist", "eval", "--model", str(out), "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["n"] == 1000
