@@ -1,0 +1,708 @@
+"""Tokenizers and their GGUF vocabularies (layer 5), encoding text exactly as llama.cpp does.
+
+Three kinds, all made by `load_tokenizer(spec, text)`:
+
+    "byte"       ByteTokenizer: every UTF-8 byte is a token (stored as an SPM vocabulary)
+    "bpe:N"      BpeTokenizer: byte-level BPE of at most N tokens trained on `text`
+                 with the `tokenizers` library (stored as a GPT-2 vocabulary with merges)
+    "PATH.gguf"  the vocabulary of an existing GGUF, rebuilt from its tokenizer.ggml.* keys:
+                 SpmTokenizer ("llama" model, encoded through `sentencepiece`) or
+                 BpeTokenizer ("gpt2" model, encoded through `tokenizers`)
+
+Every tokenizer has `encode(text, add_bos=False) -> (n,) int32`, `encode_bytes(data)`,
+`decode(ids) -> str`, `decode_bytes(ids) -> bytes` (for streaming: feed it to an
+incremental UTF-8 decoder), `bos_id`, `eos_id`, `n_vocab`, `add_bos` (what llama.cpp does
+by default) and `gguf_kv()`, the tokenizer.ggml.* keys that make llama.cpp tokenize text
+into the same ids. Encoding reproduces llama.cpp's `llama_tokenize(text, add_special,
+parse_special=False)`; decoding is the concatenation of llama.cpp's `token_to_piece(id,
+special=False)`: control and unknown tokens decode to nothing, and no leading space is
+removed (an SPM vocabulary with add_space_prefix gives " " + text back).
+
+Byte id layout (n_vocab 260; the layout of llama2.c / stories260K vocabularies):
+
+    0 "<unk>" UNKNOWN   1 "<s>" BOS, CONTROL   2 "</s>" EOS, CONTROL
+    3 + b  "<0xBB>" BYTE for every byte b (0..255)
+    259 "\u2581" NORMAL: the space
+    llama.cpp's SPM tokenizer turns every " " into U+2581 before it looks tokens up, so a
+    space can only come out as this token, never as byte 0x20: `encode` maps " " (and a
+    literal U+2581, which llama.cpp cannot tell from a space) to 259 and every other byte b
+    to 3 + b. With only byte tokens and "\u2581", no two symbols ever merge, so llama.cpp
+    falls back to one byte token per byte. tokenizer.ggml.add_space_prefix is false, so no
+    space is put before the text. Id 35 (<0x20>) is never produced; decode maps it to " ".
+
+BPE id layout (bpe:N): 0 "<s>" BOS, 1 "</s>" EOS (CONTROL), 2..257 the 256 byte-level
+characters (GPT-2's byte-to-unicode map, sorted), then one token per merge in merge order;
+n_vocab <= N (fewer when the text has too few distinct pairs). The pre-tokenizer is GPT-2's
+regex ('s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)|\\s+),
+stored as tokenizer.ggml.pre "gpt-2", which llama.cpp maps to the same regex. Training is
+deterministic (the trainer breaks ties by pair order; checked in the tests).
+
+Keys written by gguf_kv() and the types llama.cpp (src/llama-vocab.cpp) requires:
+
+    tokenizer.ggml.model            STRING   "llama" (SPM, byte) or "gpt2" (BPE); required
+    tokenizer.ggml.pre              STRING   "default" (SPM) / "gpt-2" (BPE); BPE without it
+                                             falls back to llama.cpp's "default" regex
+    tokenizer.ggml.tokens           ARRAY[STRING]   required; unique, non-empty strings
+    tokenizer.ggml.scores           ARRAY[FLOAT32]  SPM merge priority (read as float*)
+    tokenizer.ggml.token_type       ARRAY[INT32]    1 normal, 2 unknown, 3 control,
+                                                    4 user-defined, 5 unused, 6 byte (int*)
+    tokenizer.ggml.merges           ARRAY[STRING]   BPE only, "left right" in rank order;
+                                                    a gpt2 model without it fails to load
+    tokenizer.ggml.bos_token_id     UINT32   (get_key<uint32_t> checks the type; an id
+    tokenizer.ggml.eos_token_id     UINT32    >= n_vocab is ignored with a warning)
+    tokenizer.ggml.unknown_token_id UINT32   when the vocabulary has one (byte: 0; bpe:N: none)
+    tokenizer.ggml.padding_token_id UINT32   when the vocabulary has one (byte, bpe:N: none)
+    tokenizer.ggml.add_bos_token    BOOL     llama.cpp prepends BOS when asked for specials
+    tokenizer.ggml.add_eos_token    BOOL
+    tokenizer.ggml.add_space_prefix BOOL     SPM only: false for byte, as read for GGUFs
+                                             (llama.cpp's SPM default is true)
+
+Text that is not valid UTF-8: the text API is `str`. ByteTokenizer.encode_bytes takes any
+bytes and maps each byte to its token (spaces and U+2581 sequences as above), and
+ByteTokenizer.encode encodes str with errors="surrogateescape", so a file read with
+errors="surrogateescape" gets its exact bytes back. The other kinds decode bytes with
+errors="replace" (each invalid sequence becomes U+FFFD) in encode_bytes, and treat
+surrogateescape'd bytes in str the same way (other lone surrogates become "?", in every
+kind). decode() always decodes with errors="replace". llama.cpp itself only ever sees
+valid UTF-8 prompts; for invalid bytes the ids are this module's definition.
+
+Matching llama.cpp beyond plain text: `encode(..., parse_special=True)` also splits control
+tokens written in the text (llama-cpp-python tokenizes completion prompts that way), as
+llama.cpp's tokenizer_st_partition does; user-defined tokens are always split out.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import struct
+from typing import Iterable, Sequence
+
+import numpy as np
+from gguf.constants import GGUFValueType
+
+from ggtrain.errors import ConfigError, FormatError
+from ggtrain.formats.gguf import GGUFFile, StringArray, read_gguf
+
+VT = GGUFValueType
+
+# llama.cpp's LLAMA_TOKEN_TYPE_* (the same numbers as sentencepiece's piece types)
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
+SPACE = "\u2581"                     # sentencepiece's escaped space, "▁"
+BOS_TEXT, EOS_TEXT, UNK_TEXT = "<s>", "</s>", "<unk>"
+MIN_BPE_VOCAB = 256 + 2              # the byte alphabet plus BOS and EOS
+SPECS = "'byte', 'bpe:N' (N >= 258, a byte-level BPE trained on the text) or a path to a .gguf file"
+
+K = "tokenizer.ggml."
+
+
+# ---- the interface ------------------------------------------------------------------
+
+class Tokenizer:
+    """Text <-> token ids. Subclasses fill the vocabulary and implement `_encode_raw`.
+
+    tokens: list[str] (n_vocab,); token_type: (n_vocab,) int32 (llama.cpp token types);
+    bos_id, eos_id: int; unk_id, pad_id: int | None; add_bos, add_eos: llama.cpp's
+    defaults for this vocabulary (tokenizer.ggml.add_bos_token / add_eos_token).
+    """
+
+    kind = "?"
+
+    def __init__(self, tokens: Sequence[str], token_type: np.ndarray, bos_id: int, eos_id: int,
+                 unk_id: int | None = None, pad_id: int | None = None,
+                 add_bos: bool = True, add_eos: bool = False):
+        self.tokens = list(tokens)
+        self.token_type = np.asarray(token_type, dtype=np.int32).reshape(-1)
+        self.bos_id, self.eos_id, self.unk_id, self.pad_id = bos_id, eos_id, unk_id, pad_id
+        self.add_bos, self.add_eos = bool(add_bos), bool(add_eos)
+        self._pieces: list[bytes] = []      # (n_vocab,) what each id decodes to
+        # parse_special -> (regex of the special tokens split out of text, text -> id)
+        self._specials: dict[bool, tuple] = {}
+
+    @property
+    def n_vocab(self) -> int:
+        return len(self.tokens)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(n_vocab={self.n_vocab}, bos={self.bos_id}, eos={self.eos_id})"
+
+    # -- encoding --
+    def encode(self, text: str, add_bos: bool = False, parse_special: bool = False) -> np.ndarray:
+        """Token ids of `text`: (n,) int32, BOS first when add_bos.
+
+        Exactly llama.cpp's llama_tokenize(text, add_special=add_bos, parse_special) for this
+        vocabulary (add_special also appends EOS there when add_eos is set; call sites that
+        want that append eos_id themselves).
+        """
+        text = self._clean(text)
+        parts: list[np.ndarray] = []
+        if add_bos:
+            parts.append(np.array([self.bos_id], dtype=np.int32))
+        after_special = True
+        for frag in self._partition(text, parse_special):
+            if isinstance(frag, int):
+                parts.append(np.array([frag], dtype=np.int32))
+                after_special = True
+            else:
+                parts.append(np.asarray(self._encode_raw(frag, after_special), dtype=np.int32))
+                after_special = False
+        if not parts:
+            return np.zeros(0, dtype=np.int32)
+        return np.concatenate(parts) if len(parts) > 1 else parts[0]
+
+    def encode_bytes(self, data: bytes, add_bos: bool = False) -> np.ndarray:
+        """Token ids of raw bytes; invalid UTF-8 becomes U+FFFD (ByteTokenizer keeps every byte)."""
+        return self.encode(bytes(data).decode("utf-8", errors="replace"), add_bos)
+
+    def _clean(self, text: str) -> str:
+        """`text` made encodable: lone surrogates (not text) are replaced like bad bytes."""
+        _check_str(text)
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            text = _utf8(text).decode("utf-8", "replace")
+        return text
+
+    def _partition(self, text: str, parse_special: bool) -> list:
+        """Split `text` at special tokens as llama.cpp's tokenizer_st_partition does.
+
+        User-defined tokens are always split out; control and unknown tokens only with
+        parse_special. Returns str fragments (non-empty) and int ids.
+        """
+        if not text:
+            return []
+        if parse_special not in self._specials:
+            types = (USER_DEFINED, CONTROL, UNKNOWN) if parse_special else (USER_DEFINED,)
+            ids = np.flatnonzero(np.isin(self.token_type, types)).tolist()
+            # llama.cpp tries longer tokens first
+            ids.sort(key=lambda i: -len(self.tokens[i].encode("utf-8")))
+            pattern = re.compile("|".join(re.escape(self.tokens[i]) for i in ids)) if ids else None
+            self._specials[parse_special] = (pattern, {self.tokens[i]: i for i in ids})
+        pattern, lookup = self._specials[parse_special]
+        if pattern is None:
+            return [text]
+        out: list = []
+        pos = 0
+        for m in pattern.finditer(text):
+            if m.start() > pos:
+                out.append(text[pos:m.start()])
+            out.append(lookup[m.group()])
+            pos = m.end()
+        if pos < len(text):
+            out.append(text[pos:])
+        return out
+
+    def _encode_raw(self, text: str, after_special: bool) -> Sequence[int]:
+        raise NotImplementedError
+
+    # -- decoding --
+    def decode_bytes(self, ids: Iterable[int]) -> bytes:
+        """The bytes of the tokens `ids`, as llama.cpp's token_to_piece(special=False) gives them."""
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        n = len(self._pieces)
+        if ids.size and (ids.min() < 0 or ids.max() >= n):
+            bad = ids[(ids < 0) | (ids >= n)][0]
+            raise ValueError(f"token id {bad} is out of range for a vocabulary of {n}")
+        return b"".join(map(self._pieces.__getitem__, ids.tolist()))
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Text of the tokens `ids`; bytes that are not UTF-8 become U+FFFD."""
+        return self.decode_bytes(ids).decode("utf-8", errors="replace")
+
+    def piece(self, i: int) -> bytes:
+        """The bytes token `i` decodes to (b"" for control tokens)."""
+        return self._pieces[i]
+
+    # -- GGUF --
+    def gguf_kv(self) -> list[tuple]:
+        """The tokenizer.ggml.* keys: [(key, value, type[, item_type]), ...] for GGUFWriter.add_kv."""
+        raise NotImplementedError
+
+    def _special_kv(self, with_unk: bool) -> list[tuple]:
+        kv = [(K + "bos_token_id", self.bos_id, VT.UINT32),
+              (K + "eos_token_id", self.eos_id, VT.UINT32)]
+        if with_unk and self.unk_id is not None:
+            kv.append((K + "unknown_token_id", self.unk_id, VT.UINT32))
+        if self.pad_id is not None:
+            kv.append((K + "padding_token_id", self.pad_id, VT.UINT32))
+        kv += [(K + "add_bos_token", self.add_bos, VT.BOOL),
+               (K + "add_eos_token", self.add_eos, VT.BOOL)]
+        return kv
+
+
+def _check_str(text) -> None:
+    if not isinstance(text, str):
+        raise TypeError(f"encode takes str, got {type(text).__name__} (use encode_bytes for bytes)")
+
+
+def _utf8(text: str) -> bytes:
+    """UTF-8 of `text`; surrogateescape'd bytes (U+DC80..U+DCFF) become their bytes again,
+    other lone surrogates "?"."""
+    try:
+        return text.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "replace")
+
+
+# ---- byte ---------------------------------------------------------------------------------
+
+class ByteTokenizer(Tokenizer):
+    """One token per byte (see the module docstring for the id layout and why)."""
+
+    kind = "byte"
+    BYTE0 = 3                       # id of byte 0x00
+    SPACE_ID = 259                  # "\u2581"
+
+    def __init__(self):
+        tokens = [UNK_TEXT, BOS_TEXT, EOS_TEXT] + [f"<0x{b:02X}>" for b in range(256)] + [SPACE]
+        types = np.array([UNKNOWN, CONTROL, CONTROL] + [BYTE] * 256 + [NORMAL], dtype=np.int32)
+        super().__init__(tokens, types, bos_id=1, eos_id=2, unk_id=0, add_bos=True)
+        self._pieces = [b"", b"", b""] + [bytes([b]) for b in range(256)] + [b" "]
+        # byte value -> token id
+        self._lut = np.arange(256, dtype=np.int32) + self.BYTE0
+        self._lut[0x20] = self.SPACE_ID
+
+    def encode(self, text: str, add_bos: bool = False, parse_special: bool = False) -> np.ndarray:
+        _check_str(text)
+        if parse_special:
+            return super().encode(text, add_bos, parse_special)
+        return self.encode_bytes(_utf8(text), add_bos)
+
+    def encode_bytes(self, data: bytes, add_bos: bool = False) -> np.ndarray:
+        """Any bytes -> ids: byte b -> 3 + b, except " " and the UTF-8 of U+2581 -> 259."""
+        data = bytes(data).replace(SPACE.encode("utf-8"), b" ")
+        ids = self._lut[np.frombuffer(data, dtype=np.uint8)]
+        if add_bos:
+            ids = np.concatenate([np.array([self.bos_id], dtype=np.int32), ids])
+        return ids
+
+    def _encode_raw(self, text: str, after_special: bool) -> np.ndarray:
+        return self.encode_bytes(text.encode("utf-8"))
+
+    def gguf_kv(self) -> list[tuple]:
+        return [
+            (K + "model", "llama", VT.STRING),
+            (K + "pre", "default", VT.STRING),
+            (K + "tokens", self.tokens, VT.ARRAY, VT.STRING),
+            (K + "scores", np.zeros(self.n_vocab, dtype=np.float32), VT.ARRAY, VT.FLOAT32),
+            (K + "token_type", self.token_type, VT.ARRAY, VT.INT32),
+            *self._special_kv(with_unk=True),
+            (K + "add_space_prefix", False, VT.BOOL),
+        ]
+
+
+# ---- SPM (llama.cpp's "llama" vocabularies) through sentencepiece -------------------------
+
+class SpmTokenizer(Tokenizer):
+    """A llama.cpp SPM vocabulary (tokens, scores, types), encoded with sentencepiece.
+
+    llama.cpp's SPM tokenizer is sentencepiece's BPE algorithm: symbols are UTF-8
+    characters, the adjacent pair whose concatenation is the best-scoring token merges
+    first (ties: leftmost), symbols that are not tokens fall back to <0xXX> byte tokens.
+    The model given to sentencepiece is built so its choices are llama.cpp's: identity
+    normalization, spaces escaped to U+2581, no dummy prefix (the space prefix is added
+    here, per fragment, as llama.cpp does), unused and undefined tokens as normal pieces
+    (llama.cpp emits them like any token), one unknown piece (the unknown id).
+    """
+
+    kind = "spm"
+
+    def __init__(self, tokens: Sequence[str], scores: np.ndarray, token_type: np.ndarray,
+                 bos_id: int, eos_id: int, unk_id: int | None, pad_id: int | None = None,
+                 add_bos: bool = True, add_eos: bool = False, add_space_prefix: bool = True,
+                 pre: str | None = None, source: str = "vocabulary"):
+        super().__init__(tokens, token_type, bos_id, eos_id, unk_id, pad_id, add_bos, add_eos)
+        self.scores = np.asarray(scores, dtype=np.float32).reshape(-1)
+        self.add_space_prefix = bool(add_space_prefix)
+        self.pre = pre
+        self._pieces = _spm_pieces(self.tokens, self.token_type)
+        self._sp = _sentencepiece(self.tokens, self.scores, self.token_type, unk_id, source)
+
+    def _encode_raw(self, text: str, after_special: bool) -> list:
+        if self.add_space_prefix and after_special:
+            text = " " + text
+        return self._sp.encode(text)
+
+    def gguf_kv(self) -> list[tuple]:
+        return [
+            (K + "model", "llama", VT.STRING),
+            (K + "pre", self.pre or "default", VT.STRING),
+            (K + "tokens", self.tokens, VT.ARRAY, VT.STRING),
+            (K + "scores", self.scores, VT.ARRAY, VT.FLOAT32),
+            (K + "token_type", self.token_type, VT.ARRAY, VT.INT32),
+            *self._special_kv(with_unk=True),
+            (K + "add_space_prefix", self.add_space_prefix, VT.BOOL),
+        ]
+
+
+def _spm_pieces(tokens: list[str], types: np.ndarray) -> list[bytes]:
+    """What llama.cpp's token_to_piece(special=False) gives for each SPM token."""
+    pieces = []
+    for text, t in zip(tokens, types.tolist()):
+        if t == NORMAL:
+            pieces.append(text.replace(SPACE, " ").encode("utf-8"))
+        elif t == USER_DEFINED:
+            pieces.append(text.encode("utf-8"))
+        elif t == BYTE and _is_byte_token(text):
+            pieces.append(bytes([int(text[3:5], 16)]))
+        else:                        # control, unknown, unused, undefined: nothing
+            pieces.append(b"")
+    return pieces
+
+
+def _is_byte_token(text: str) -> bool:
+    return len(text) == 6 and text.startswith("<0x") and text.endswith(">") and \
+        all(c in "0123456789ABCDEFabcdef" for c in text[3:5])
+
+
+def _sentencepiece(tokens, scores, types, unk_id, source):
+    """A sentencepiece processor for an SPM vocabulary (see SpmTokenizer)."""
+    import sentencepiece as spm
+
+    proto = _spm_model_proto(tokens, scores, types, unk_id)
+    sp = spm.SentencePieceProcessor()
+    try:
+        sp.LoadFromSerializedProto(proto)
+    except (RuntimeError, OSError) as e:
+        raise FormatError(f"{source}: sentencepiece rejects the SPM vocabulary: {e}") from None
+    return sp
+
+
+def _spm_model_proto(tokens, scores, types, unk_id) -> bytes:
+    """A serialized sentencepiece ModelProto (sentencepiece_model.proto), written by hand.
+
+    ModelProto: 1 pieces {1 piece, 2 score (float), 3 type}, 2 trainer_spec {3 model_type
+    (2 = BPE), 35 byte_fallback, 40 unk_id}, 3 normalizer_spec {1 name, 3 add_dummy_prefix,
+    4 remove_extra_whitespaces, 5 escape_whitespaces}.
+    """
+    n = len(tokens)
+    all_bytes = {f"<0x{b:02X}>" for b in range(256)}
+    byte_fallback = all_bytes <= {t for t, ty in zip(tokens, types.tolist()) if ty == BYTE}
+    if unk_id is None or not 0 <= unk_id < n:
+        unk_id = int(np.flatnonzero(types == UNKNOWN)[0]) if (types == UNKNOWN).any() else None
+    out = bytearray()
+    for i, (text, score, t) in enumerate(zip(tokens, scores.tolist(), types.tolist())):
+        if i == unk_id:
+            t = UNKNOWN
+        elif t == UNKNOWN:
+            t = CONTROL                 # sentencepiece allows one; others are never matched
+        elif t == BYTE and not (byte_fallback and text in all_bytes):
+            t = NORMAL
+        elif t not in (NORMAL, CONTROL, USER_DEFINED, BYTE):
+            t = NORMAL                  # unused, undefined: llama.cpp treats them as tokens
+        body = _pb_bytes(1, text.encode("utf-8")) + _pb_key(2, 5) + struct.pack("<f", score)
+        body += _pb_varint_field(3, t)
+        out += _pb_bytes(1, body)
+    extra = b""
+    if unk_id is None:                   # sentencepiece needs an unknown piece: one past the end
+        body = _pb_bytes(1, b"<ggtrain-unk>") + _pb_key(2, 5) + struct.pack("<f", 0.0)
+        extra = _pb_bytes(1, body + _pb_varint_field(3, UNKNOWN))
+        unk_id = n
+    trainer = _pb_varint_field(3, 2) + _pb_varint_field(35, int(byte_fallback)) + \
+        _pb_varint_field(40, unk_id)
+    normalizer = _pb_bytes(1, b"identity") + _pb_varint_field(3, 0) + _pb_varint_field(4, 0) + \
+        _pb_varint_field(5, 1)
+    return bytes(out) + extra + _pb_bytes(2, trainer) + _pb_bytes(3, normalizer)
+
+
+def _pb_varint(v: int) -> bytes:
+    v &= (1 << 64) - 1
+    out = bytearray()
+    while True:
+        b = v & 0x7F
+        v >>= 7
+        if v:
+            out.append(b | 0x80)
+        else:
+            out.append(b)
+            return bytes(out)
+
+
+def _pb_key(field: int, wire: int) -> bytes:
+    return _pb_varint(field << 3 | wire)
+
+
+def _pb_varint_field(field: int, v: int) -> bytes:
+    return _pb_key(field, 0) + _pb_varint(v)
+
+
+def _pb_bytes(field: int, data: bytes) -> bytes:
+    return _pb_key(field, 2) + _pb_varint(len(data)) + data
+
+
+# ---- byte-level BPE (llama.cpp's "gpt2" vocabularies) through tokenizers --------------------
+
+# tokenizer.ggml.pre values llama.cpp maps to GPT-2's pre-tokenizer regex (LLAMA_VOCAB_PRE_TYPE_GPT2)
+GPT2_PRE = frozenset({"gpt-2", "phi-2", "jina-es", "jina-de", "gigachat", "jina-v2-es",
+                      "jina-v2-de", "a.x-4.0", "mellum", "exaone4", "mpt", "olmo", "jais"})
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's map of the 256 bytes to printable characters (byte-level BPE's alphabet)."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
+        list(range(ord("®"), ord("ÿ") + 1))
+    mapping, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            mapping[b] = chr(b)
+        else:
+            mapping[b] = chr(256 + extra)
+            extra += 1
+    return mapping
+
+
+_BYTE_CHAR = _bytes_to_unicode()
+_CHAR_BYTE = {c: b for b, c in _BYTE_CHAR.items()}
+
+
+class BpeTokenizer(Tokenizer):
+    """A byte-level BPE vocabulary (tokens + merges, GPT-2 pre-tokenizer), encoded with `tokenizers`."""
+
+    kind = "bpe"
+
+    def __init__(self, tokens: Sequence[str], token_type: np.ndarray, merges: Sequence[str],
+                 bos_id: int, eos_id: int, unk_id: int | None = None, pad_id: int | None = None,
+                 add_bos: bool = True, add_eos: bool = False, pre: str = "gpt-2",
+                 source: str = "vocabulary"):
+        super().__init__(tokens, token_type, bos_id, eos_id, unk_id, pad_id, add_bos, add_eos)
+        self.merges = list(merges)
+        self.pre = pre
+        self._pieces = _bpe_pieces(self.tokens, self.token_type)
+        self._tok = _hf_bpe(self.tokens, self.merges, source)
+
+    def _encode_raw(self, text: str, after_special: bool) -> list:
+        if len(text) <= _BPE_CHUNK:
+            return self._tok.encode(text, add_special_tokens=False).ids
+        # long texts: pieces encoded in parallel; cut only where the pre-tokenizer cuts anyway
+        out = []
+        for enc in self._tok.encode_batch(list(_bpe_chunks(text)), add_special_tokens=False):
+            out.extend(enc.ids)
+        return out
+
+    def gguf_kv(self) -> list[tuple]:
+        kv = [
+            (K + "model", "gpt2", VT.STRING),
+            (K + "pre", self.pre, VT.STRING),
+            (K + "tokens", self.tokens, VT.ARRAY, VT.STRING),
+            (K + "token_type", self.token_type, VT.ARRAY, VT.INT32),
+            (K + "merges", self.merges, VT.ARRAY, VT.STRING),
+            *self._special_kv(with_unk=True),
+        ]
+        return kv
+
+
+_BPE_CHUNK = 1 << 15
+_PRETOKEN_CUT = re.compile(r"(?<=[!-~])\n(?=[!-~])")   # printable ASCII is surely not \s
+
+
+def _bpe_chunks(text: str) -> Iterable[str]:
+    """`text` cut into pieces of about _BPE_CHUNK characters, each cut right after a lone
+    "\\n" between two printable ASCII characters. GPT-2's regex makes that newline a
+    pre-token of its own whether or not the text goes on (a whitespace run of one "\\n",
+    which " ?" cannot join to the next word), and matching restarts after it, so encoding
+    the pieces gives the ids of the whole text. (A cut after "\\n\\n" would not: at the
+    end of a piece the run would be one pre-token, inside the text two.)
+    """
+    pos = 0
+    while pos < len(text):
+        m = _PRETOKEN_CUT.search(text, pos + _BPE_CHUNK) if pos + _BPE_CHUNK < len(text) else None
+        end = m.end() if m else len(text)
+        yield text[pos:end]
+        pos = end
+
+
+def _bpe_pieces(tokens: list[str], types: np.ndarray) -> list[bytes]:
+    """What llama.cpp's token_to_piece(special=False) gives for each byte-level BPE token."""
+    pieces = []
+    for text, t in zip(tokens, types.tolist()):
+        if t == NORMAL:
+            pieces.append(b"".join(bytes([_CHAR_BYTE[c]]) if c in _CHAR_BYTE else c.encode("utf-8")
+                                   for c in text))
+        elif t == USER_DEFINED:
+            pieces.append(text.encode("utf-8"))
+        else:
+            pieces.append(b"")
+    return pieces
+
+
+def _hf_bpe(tokens: list[str], merges: list[str], source: str):
+    """A `tokenizers` BPE with GPT-2's byte-level pre-tokenizer, from tokens and merges."""
+    from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
+
+    vocab = {t: i for i, t in enumerate(tokens)}
+    pairs = []
+    for m in merges:
+        # llama.cpp splits at the first space after the first character
+        pos = m.find(" ", 1)
+        if pos < 0:
+            raise FormatError(f"{source}: BPE merge {m!r} is not 'left right'")
+        pairs.append((m[:pos], m[pos + 1:]))
+    try:
+        tok = HFTokenizer(models.BPE(vocab=vocab, merges=pairs))
+    except Exception as e:  # tokenizers raises plain Exception for a bad vocabulary/merges
+        raise FormatError(f"{source}: the BPE vocabulary and merges do not fit together: {e}") from None
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def train_bpe(text: str, vocab_size: int) -> BpeTokenizer:
+    """Train a byte-level BPE of at most `vocab_size` tokens on `text` (deterministic).
+
+    Raises ConfigError for a vocab_size below 258 or an empty text.
+    """
+    from tokenizers import Tokenizer as HFTokenizer, models, pre_tokenizers, trainers
+
+    if vocab_size < MIN_BPE_VOCAB:
+        raise ConfigError(f"--tokenizer bpe:{vocab_size}: the vocabulary needs at least "
+                          f"{MIN_BPE_VOCAB} tokens (256 bytes + BOS + EOS)")
+    if not text:
+        raise ConfigError(f"--tokenizer bpe:{vocab_size}: the training text is empty")
+    hf = HFTokenizer(models.BPE())
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[BOS_TEXT, EOS_TEXT],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    # word counts are what training needs, so line-sized pieces (parallel) are as good as
+    # the whole text; encoding is exact regardless
+    hf.train_from_iterator(_chunks(text), trainer)
+    model = json.loads(hf.to_str())["model"]
+    vocab = model["vocab"]
+    tokens = [None] * len(vocab)
+    for t, i in vocab.items():
+        tokens[i] = t
+    if any(t is None for t in tokens):
+        raise RuntimeError("tokenizers returned a vocabulary with gaps in its ids")
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
+    types = np.full(len(tokens), NORMAL, dtype=np.int32)
+    bos, eos = vocab[BOS_TEXT], vocab[EOS_TEXT]
+    types[[bos, eos]] = CONTROL
+    return BpeTokenizer(tokens, types, merges, bos_id=bos, eos_id=eos, add_bos=True,
+                        source=f"bpe:{vocab_size}")
+
+
+def _chunks(text: str, size: int = 1 << 16) -> Iterable[str]:
+    """`text` in pieces of about `size` characters, cut after a newline where there is one."""
+    pos = 0
+    while pos < len(text):
+        end = min(len(text), pos + size)
+        if end < len(text):
+            nl = text.rfind("\n", pos, end)
+            if nl > pos:
+                end = nl + 1
+        yield text[pos:end]
+        pos = end
+
+
+# ---- from GGUF ----------------------------------------------------------------------------
+
+def tokenizer_from_gguf(gguf: GGUFFile | str | os.PathLike) -> Tokenizer:
+    """The tokenizer of a GGUF file's tokenizer.ggml.* keys, with llama.cpp's defaults.
+
+    Raises FormatError naming the file when it has no vocabulary or an unsupported
+    tokenizer.ggml.model ("llama" and "gpt2" are supported) or tokenizer.ggml.pre.
+    """
+    f = gguf if isinstance(gguf, GGUFFile) else read_gguf(gguf)
+    src = f.path
+    model = f.value(K + "model", None)
+    if model is None or K + "tokens" not in f.kv:
+        raise FormatError(f"{src}: no tokenizer vocabulary (tokenizer.ggml.model and "
+                          f"tokenizer.ggml.tokens are needed)")
+    if model not in ("llama", "gpt2"):
+        raise FormatError(f"{src}: tokenizer.ggml.model {model!r} is not supported "
+                          f"(supported: 'llama' (SPM) and 'gpt2' (BPE))")
+    tokens = _strings(f, K + "tokens")
+    n = len(tokens)
+    for i, t in enumerate(tokens):       # llama.cpp renames empty tokens
+        if not t:
+            tokens[i] = f"[EMPTY_{i}]"
+    if len(set(tokens)) != n:
+        raise FormatError(f"{src}: tokenizer.ggml.tokens holds duplicate tokens "
+                          f"(llama.cpp refuses such a vocabulary)")
+    types = _array(f, K + "token_type", n, np.int32, NORMAL)
+    pre = f.value(K + "pre", None)
+    if model == "llama":
+        ids = _special_ids(f, n, bos=1, eos=2, unk=0, pad=None)
+        return SpmTokenizer(tokens, _array(f, K + "scores", n, np.float32, 0.0), types,
+                            ids["bos"], ids["eos"], ids["unk"], ids["pad"],
+                            add_bos=_flag(f, K + "add_bos_token", True),
+                            add_eos=_flag(f, K + "add_eos_token", False),
+                            add_space_prefix=_flag(f, K + "add_space_prefix", True),
+                            pre=pre, source=src)
+    if pre not in GPT2_PRE:
+        raise FormatError(f"{src}: tokenizer.ggml.pre {pre!r} is not supported for gpt2 "
+                          f"vocabularies (supported: {', '.join(sorted(GPT2_PRE))})")
+    if K + "merges" not in f.kv:
+        raise FormatError(f"{src}: gpt2 vocabulary without tokenizer.ggml.merges")
+    ids = _special_ids(f, n, bos=11, eos=11, unk=None, pad=None)
+    return BpeTokenizer(tokens, types, _strings(f, K + "merges"), ids["bos"], ids["eos"],
+                        ids["unk"], ids["pad"], add_bos=_flag(f, K + "add_bos_token", False),
+                        add_eos=_flag(f, K + "add_eos_token", False), pre=pre, source=src)
+
+
+def _strings(f: GGUFFile, key: str) -> list[str]:
+    v = f.kv[key]
+    if v.type != VT.ARRAY or v.item_type != VT.STRING:
+        raise FormatError(f"{f.path}: {key} must be an array of strings")
+    return list(v.value) if isinstance(v.value, StringArray) else v.to_python()
+
+
+def _array(f: GGUFFile, key: str, n: int, dtype, default) -> np.ndarray:
+    v = f.kv.get(key)
+    if v is None:
+        return np.full(n, default, dtype=dtype)
+    if v.type != VT.ARRAY or not isinstance(v.value, np.ndarray):
+        raise FormatError(f"{f.path}: {key} must be a numeric array")
+    arr = v.value.astype(dtype)
+    if len(arr) < n:                     # llama.cpp reads past the end; we pad with the default
+        arr = np.concatenate([arr, np.full(n - len(arr), default, dtype=dtype)])
+    return arr[:n]
+
+
+def _flag(f: GGUFFile, key: str, default: bool) -> bool:
+    v = f.kv.get(key)
+    if v is None:
+        return default
+    if v.type != VT.BOOL:
+        raise FormatError(f"{f.path}: {key} must be BOOL, not {v.type.name}")
+    return bool(v.value)
+
+
+def _special_ids(f: GGUFFile, n: int, **defaults) -> dict:
+    """Special ids as llama.cpp sets them: the default unless the key holds an id < n."""
+    keys = {"bos": "bos_token_id", "eos": "eos_token_id", "unk": "unknown_token_id",
+            "pad": "padding_token_id"}
+    out = {}
+    for name, default in defaults.items():
+        v = f.value(K + keys[name], None)
+        ok = isinstance(v, int) and not isinstance(v, bool) and 0 <= v < n
+        out[name] = int(v) if ok else default if default is None or default < n else None
+    return out
+
+
+# ---- the factory ------------------------------------------------------------------------
+
+def load_tokenizer(spec: str, text: str | None = None) -> Tokenizer:
+    """The tokenizer named by `spec` (the --tokenizer option): "byte", "bpe:N" or "PATH.gguf".
+
+    text: the training text, needed (non-empty) for bpe:N only.
+    Raises ConfigError for an unknown spec, a bad N, a missing file or an empty text;
+    FormatError for a GGUF without a supported vocabulary.
+    """
+    if not isinstance(spec, str) or not spec:
+        raise ConfigError(f"--tokenizer {spec!r}: expected {SPECS}")
+    if spec == "byte":
+        return ByteTokenizer()
+    if spec.startswith("bpe:"):
+        n = spec[4:]
+        if not re.fullmatch(r"[0-9]+", n):
+            raise ConfigError(f"--tokenizer {spec!r}: N must be an integer >= {MIN_BPE_VOCAB}")
+        if text is None:
+            raise ConfigError(f"--tokenizer {spec!r}: a BPE vocabulary is trained on the "
+                              f"training text, and none was given")
+        return train_bpe(text, int(n))
+    if spec.lower().endswith(".gguf") or os.path.isfile(spec):
+        if not os.path.isfile(spec):
+            raise ConfigError(f"--tokenizer {spec!r}: no such file")
+        return tokenizer_from_gguf(spec)
+    raise ConfigError(f"--tokenizer {spec!r}: expected {SPECS}")
