@@ -5,6 +5,8 @@ For each shape M x K . K x N and each operand layout used in training
     At.B   src0 a transposed view of a (K, M) array   (dW = g.T @ x)
     A.Bt   src1 a transposed view of an (N, K) array  (y = x @ W.T)
 it prints our GFLOP/s and numpy's at 1 and 2 threads and the ratio ours/numpy.
+Extra lines (not in the worst ratio): attention-like batches, and the skinny
+products of the MNIST CNN with the time per call of both sides.
 
 Ours runs through a plan compiled once (CpuBackend.compile / run), numpy through
 np.matmul(a, b, out=c) on the very same arrays, so neither side pays Python
@@ -36,6 +38,10 @@ SHAPES = [(500, 784, 500), (2048, 256, 768), (2048, 768, 256)]
 # extra lines, for information (not part of the worst ratio): attention-like
 # batches of small products, (batch, M, K, N), plain layout
 BATCHED = [(64, 128, 32, 128), (64, 128, 128, 32)]
+# extra lines: the skinny products of the MNIST CNN (2 x 500 images), (M, K, N, layout):
+# conv1 weight grad, conv2 weight grad, conv2 forward, conv2 input grad, conv1 forward
+SKINNY = [(9, 392000, 8, "At.B"), (72, 98000, 16, "At.B"), (98000, 72, 16, "A.Bt"),
+          (98000, 16, 72, "A.B"), (392000, 9, 8, "A.Bt")]
 LAYOUTS = ["A.B", "At.B", "A.Bt"]
 _OPENBLAS_SPIN_S = 0.15
 _POOL_SPIN_S = 0.02
@@ -151,6 +157,13 @@ def main() -> None:
             ours, ref, err = bench_line(backend, M, K, N, "A.B", nt, rounds, reps, rng, batch=B)
             print(f"{f'{B}x({M}x{K}.{K}x{N})':<18} {'batch':<6} {nt:>3} {ours:>10.1f} {ref:>11.1f} "
                   f"{ours / ref:>6.2f} {err:>8.1e}  (extra)", flush=True)
+    for M, K, N, layout in SKINNY:
+        for nt in threads:
+            ours, ref, err = bench_line(backend, M, K, N, layout, nt, rounds, reps, rng)
+            ms = 2.0 * M * N * K / 1e6
+            print(f"{f'{M}x{K}.{K}x{N}':<18} {layout:<6} {nt:>3} {ours:>10.1f} {ref:>11.1f} "
+                  f"{ours / ref:>6.2f} {err:>8.1e}  (extra: {ms / ours:.2f} ms vs {ms / ref:.2f} ms)",
+                  flush=True)
 
 
 if __name__ == "__main__":

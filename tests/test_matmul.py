@@ -203,3 +203,94 @@ def test_missing_scratch():
     with pytest.raises(ValueError, match="matmul.*scratch"):
         run_kernel("matmul_fwd_f32", dst, [np.ones((3, 4), np.float32), np.ones((4, 2), np.float32)],
                    work_bytes=64)
+
+
+# ---- skinny path (N <= 80 at AVX-512, <= 32 at AVX2, <= 8 ymm at either) ----------
+
+def at_levels(fn):
+    """fn() at every SIMD level this CPU has, as {level: result}."""
+    out = {}
+    for level in LEVELS:
+        lib.gt_set_simd_level(level)
+        try:
+            out[level] = fn()
+        finally:
+            lib.gt_set_simd_level(2)
+    return out
+
+
+# The CNN's products (MNIST, 2 x 500 images) at reduced K or M: conv1 weight grad,
+# conv2 weight grad, conv2 forward, conv2 input grad, conv1 forward.
+CNN_SKINNY = [(9, 40000, 8, "At.B"), (72, 40000, 16, "At.B"), (5000, 72, 16, "A.Bt"),
+              (5000, 16, 72, "A.B"), (20000, 9, 8, "A.Bt")]
+
+
+@pytest.mark.parametrize("mknl", CNN_SKINNY, ids=lambda s: "x".join(map(str, s[:3])) + s[3])
+def test_skinny_cnn_shapes(mknl):
+    m, k, n, layout = mknl
+    rng = np.random.default_rng(m + k + n)
+    a = operand(rng, m, k, layout.startswith("At"))
+    b = operand(rng, k, n, layout.endswith("Bt"))
+    res = at_levels(lambda: [mm(a, b, n_threads=t) for t in (1, 2, 3)])
+    for level, (one, two, three) in res.items():
+        check(one, a, b)
+        assert np.array_equal(one, two), level
+        assert np.array_equal(one, three), level
+    if 1 in res and 2 in res:  # same FMA chain per element on both
+        assert np.array_equal(res[1][0], res[2][0])
+
+
+# every vector count and tail width; row counts giving every kind of edge tile
+# (MR = 12, 8, 6, 5, 3); K crossing the 256-deep slices
+SKINNY_N = [1, 8, 9, 16, 17, 31, 33, 48, 63, 65, 79, 80, 81]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("n", SKINNY_N)
+def test_skinny_widths(n, layout):
+    rng = np.random.default_rng(n * 4 + len(layout))
+    for m in (1, 5, 7, 11, 12, 13, 29):
+        k = 300 if m in (7, 29) else 5
+        a = operand(rng, m, k, layout.startswith("At"))
+        b = operand(rng, k, n, layout.endswith("Bt"))
+        res = at_levels(lambda: (mm(a, b), mm(a, b, n_threads=3) if m in (13, 29) else None))
+        for level, (one, three) in res.items():
+            check(one, a, b)
+            assert three is None or np.array_equal(one, three), (m, level)
+        if 1 in res and 2 in res:
+            assert np.array_equal(res[1][0], res[2][0]), m
+
+
+def test_skinny_strided_rows_and_k1():
+    rng = np.random.default_rng(9)
+    big = rng.standard_normal((700, 300), dtype=np.float32)
+    a = big[5:605, 3:263]             # (600, 260), row stride 300
+    b = big[11:271, 100:123]          # (260, 23), row stride 300: read in place
+    check(mm(a, b, n_threads=2), a, b)
+    bt = big[40:63, 7:267].T          # (260, 23), column stride 300: copied per slice
+    check(mm(a, bt, n_threads=2), a, bt)
+    a1 = rng.standard_normal((50, 1), dtype=np.float32)
+    b1 = rng.standard_normal((1, 40), dtype=np.float32)
+    check(mm(a1, b1), a1, b1)
+
+
+def test_skinny_nonfinite_stays_in_its_row():
+    # masked tail lanes compute inf * 0 = nan but are never stored
+    rng = np.random.default_rng(10)
+    a = rng.standard_normal((30, 20), dtype=np.float32)
+    b = rng.standard_normal((20, 19), dtype=np.float32)
+    a[4, 3] = np.inf
+    for level, got in at_levels(lambda: mm(a, b)).items():
+        assert not np.isfinite(got[4]).all(), level
+        rows = np.arange(30) != 4
+        check(got[rows], a[rows], b)
+
+
+def test_skinny_batched():
+    rng = np.random.default_rng(11)
+    a = rng.standard_normal((6, 37, 50), dtype=np.float32)
+    b = rng.standard_normal((6, 50, 24), dtype=np.float32)
+    for threads in (1, 2, 4):
+        check(mm(a, b, n_threads=threads), a, b)
+    bt = rng.standard_normal((1, 24, 50), dtype=np.float32).transpose(0, 2, 1)
+    assert np.array_equal(mm(a, bt, n_threads=1), mm(a, bt, n_threads=3))

@@ -9,6 +9,11 @@
  * small tile on the stack. Micro-kernels: AVX-512F 12 x 32 (or 6 x 64 where that
  * pads less, e.g. M <= 6), AVX2+FMA 6 x 16, plain C 4 x 8 (gt_simd_level_).
  *
+ * Narrow products (N <= 80 with AVX-512, N <= 32 with AVX2; the im2col convolutions'
+ * x @ W^T, g @ W and g^T @ x, with N = channels) take the skinny path instead:
+ * one register tile spans all N columns, so nothing is packed but a transposed
+ * B's K slice; A is read in place (see "skinny path" below).
+ *
  * Numerics: the micro-kernel starts the first K slice from zero and every later
  * slice from the partial result in dst, so each output element is one unbroken
  * chain acc = fma(a[i,k], b[k,j], acc) for k = 0..K-1 (multiply-then-add in the
@@ -20,7 +25,8 @@
  *
  * Threading: no shared scratch and no barrier. Many small matrices are split
  * by batch; otherwise each matrix is split along M or N (the longer one, in
- * units of MR or NR), every thread packing its own panels.
+ * units of MR or NR; always M on the skinny path, in single rows when there are
+ * fewer tiles than threads), every thread packing its own panels.
  */
 #include "internal.h"
 
@@ -353,6 +359,217 @@ static const impl *pick_impl(int64_t m, int64_t n) {
     return &impl_scalar;
 }
 
+/* ---- skinny path: N <= 80, A read in place ---------------------------------------- */
+
+/* For a narrow product (N up to 5 vectors) the whole row of C fits in one
+ * register tile, so A needs no packing: the micro-kernel broadcasts A[i, k]
+ * straight from the source (any strides) and multiplies it by the row k of B,
+ * read in place when B's rows are contiguous (cs == 1) or else from a copy of
+ * the current K slice. The last vector of a row is masked (no padding, no edge
+ * tiles along N); rows at the edge run a kernel instantiated for that many rows.
+ * Tiles (rows x vectors, 12 to 25 accumulators): AVX-512 12x1, 12x2, 8x3, 6x4,
+ * 5x5 zmm; AVX2 12x1, 6x2, 4x3, 3x4 ymm (N <= 8 takes the ymm 12x1 at either
+ * level: a zmm would be half empty). K is cut in SK_KC slices, the first
+ * starting from zero and the others from dst, as in the packed path: the same
+ * FMA chain per element, so the two paths, and the AVX2 and AVX-512 kernels,
+ * agree bit for bit.
+ * Why: for the CNN's shapes (N = 8 or 16 channels, K = 9 or 16, or K = 392000
+ * for a 9 x 8 weight gradient) the packed path spent more time packing, and
+ * multiplying zero padding of its 32- or 64-wide tiles, than on the product. */
+#define SK_KC 256          /* K slice: B slice of <= 256 x 80 floats stays in L2 */
+#define SK_MR_CAP 12
+#define SK_NV_CAP 5
+
+/* c[mm x n] (row stride ldc) = (acc ? c : 0) + A[mm x kc] @ B[kc x n], with
+ * A[r, k] = a[r*ars + k*acs], row k of B at b + k*ldb, n = (nv - 1) * vw + nlast. */
+typedef void (*sk_fn)(int mm, int64_t kc, const float *a, int64_t ars, int64_t acs, const float *b,
+                      int64_t ldb, float *c, int64_t ldc, int acc, int nlast);
+
+typedef struct skimpl {
+    int vw, nv, mr;  /* vector width, vectors per row, rows per tile */
+    sk_fn fn;
+} skimpl;
+
+#if defined(__x86_64__)
+
+/* A with ars == 1 (a transposed view: the MR values of one k together, rows of
+ * A^T far apart) defeats the hardware prefetcher when rows of A^T are long,
+ * each k touching a new line: fetch the tile's part of row k + SK_PF ahead. */
+#define SK_PF 256
+#define SK_PREFETCH(a, acs, MR)                                                              \
+    do {                                                                                     \
+        _mm_prefetch((const char *)((a) + SK_PF * (acs)), _MM_HINT_T0);                      \
+        _mm_prefetch((const char *)((a) + SK_PF * (acs) + (MR) - 1), _MM_HINT_T0);           \
+    } while (0)
+
+/* A with acs == 1 (plain, rows >= 128 bytes): MR row streams, each advancing
+ * by a float per k; fetch the next tile's rows meanwhile, line by line (line
+ * k / MR of row k % MR: with MR <= 16 that covers rows of kc floats). */
+#define SK_PREFETCH_NEXT(pn, pr, ars, MR)                                                    \
+    do {                                                                                     \
+        _mm_prefetch((const char *)((pn) + (pr) * (ars)), _MM_HINT_T0);                      \
+        if (++(pr) == (MR)) {                                                                \
+            (pr) = 0;                                                                        \
+            (pn) += 16;                                                                      \
+        }                                                                                    \
+    } while (0)
+
+/* One MR x NV-vector tile; MR and NV are constants after inlining, so the
+ * accumulator arrays live in registers. */
+static inline __attribute__((always_inline, target("avx512f"))) void
+sk512_body(int64_t kc, const float *a, int64_t ars, int64_t acs, const float *b, int64_t ldb,
+           float *c, int64_t ldc, int acc, __mmask16 lm, const int MR, const int NV) {
+    __m512 t[SK_MR_CAP][SK_NV_CAP];
+#pragma GCC unroll 16
+    for (int r = 0; r < MR; r++)
+#pragma GCC unroll 8
+        for (int v = 0; v < NV; v++)
+            t[r][v] = !acc ? _mm512_setzero_ps()
+                      : v + 1 < NV ? _mm512_loadu_ps(c + r * ldc + v * 16)
+                                   : _mm512_maskz_loadu_ps(lm, c + r * ldc + v * 16);
+    const int pf = ars == 1 && acs >= 32, pfrows = acs == 1 && ars >= 32;
+    const float *pn = a + MR * ars;  /* the next tile's rows */
+    int pr = 0;
+    for (int64_t k = 0; k < kc; k++, a += acs, b += ldb) {
+        if (pf) SK_PREFETCH(a, acs, MR);
+        if (pfrows) SK_PREFETCH_NEXT(pn, pr, ars, MR);
+        __m512 bv[SK_NV_CAP];
+#pragma GCC unroll 8
+        for (int v = 0; v < NV; v++)
+            bv[v] = v + 1 < NV ? _mm512_loadu_ps(b + v * 16) : _mm512_maskz_loadu_ps(lm, b + v * 16);
+#pragma GCC unroll 16
+        for (int r = 0; r < MR; r++) {
+            const __m512 s = _mm512_set1_ps(a[r * ars]);
+#pragma GCC unroll 8
+            for (int v = 0; v < NV; v++) t[r][v] = _mm512_fmadd_ps(s, bv[v], t[r][v]);
+        }
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < MR; r++)
+#pragma GCC unroll 8
+        for (int v = 0; v < NV; v++) {
+            if (v + 1 < NV) _mm512_storeu_ps(c + r * ldc + v * 16, t[r][v]);
+            else _mm512_mask_storeu_ps(c + r * ldc + v * 16, lm, t[r][v]);
+        }
+}
+
+/* Same with ymm vectors (16 registers: MR * NV <= 12). The tail vector uses
+ * vmaskmov only when it is partial (the masked store is slow on AMD). */
+static inline __attribute__((always_inline, target("avx2,fma"))) void
+sk256_body(int64_t kc, const float *a, int64_t ars, int64_t acs, const float *b, int64_t ldb,
+           float *c, int64_t ldc, int acc, int nlast, const int MR, const int NV) {
+    const __m256i lm = _mm256_cmpgt_epi32(_mm256_set1_epi32(nlast), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    const int full = nlast == 8, pf = ars == 1 && acs >= 32, pfrows = acs == 1 && ars >= 32;
+    const float *pn = a + MR * ars;
+    int pr = 0;
+    __m256 t[SK_MR_CAP][SK_NV_CAP];
+#pragma GCC unroll 16
+    for (int r = 0; r < MR; r++)
+#pragma GCC unroll 8
+        for (int v = 0; v < NV; v++)
+            t[r][v] = !acc ? _mm256_setzero_ps()
+                      : v + 1 < NV || full ? _mm256_loadu_ps(c + r * ldc + v * 8)
+                                           : _mm256_maskload_ps(c + r * ldc + v * 8, lm);
+    if (full) {
+        for (int64_t k = 0; k < kc; k++, a += acs, b += ldb) {
+            if (pf) SK_PREFETCH(a, acs, MR);
+            if (pfrows) SK_PREFETCH_NEXT(pn, pr, ars, MR);
+            __m256 bv[SK_NV_CAP];
+#pragma GCC unroll 8
+            for (int v = 0; v < NV; v++) bv[v] = _mm256_loadu_ps(b + v * 8);
+#pragma GCC unroll 16
+            for (int r = 0; r < MR; r++) {
+                const __m256 s = _mm256_broadcast_ss(a + r * ars);
+#pragma GCC unroll 8
+                for (int v = 0; v < NV; v++) t[r][v] = _mm256_fmadd_ps(s, bv[v], t[r][v]);
+            }
+        }
+    } else {
+        for (int64_t k = 0; k < kc; k++, a += acs, b += ldb) {
+            if (pf) SK_PREFETCH(a, acs, MR);
+            if (pfrows) SK_PREFETCH_NEXT(pn, pr, ars, MR);
+            __m256 bv[SK_NV_CAP];
+#pragma GCC unroll 8
+            for (int v = 0; v < NV; v++)
+                bv[v] = v + 1 < NV ? _mm256_loadu_ps(b + v * 8) : _mm256_maskload_ps(b + v * 8, lm);
+#pragma GCC unroll 16
+            for (int r = 0; r < MR; r++) {
+                const __m256 s = _mm256_broadcast_ss(a + r * ars);
+#pragma GCC unroll 8
+                for (int v = 0; v < NV; v++) t[r][v] = _mm256_fmadd_ps(s, bv[v], t[r][v]);
+            }
+        }
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < MR; r++)
+#pragma GCC unroll 8
+        for (int v = 0; v < NV; v++) {
+            if (v + 1 < NV || full) _mm256_storeu_ps(c + r * ldc + v * 8, t[r][v]);
+            else _mm256_maskstore_ps(c + r * ldc + v * 8, lm, t[r][v]);
+        }
+}
+
+/* sk<bits>_<NV>: the kernel for any mm in 1..MR, each row count instantiated. */
+#define SK_ROWS(R, CALL)                                                                      \
+    case R:                                                                                  \
+        if (R <= MR) CALL(R);                                                                 \
+        break;
+#define SK_SWITCH(CALL)                                                                       \
+    switch (mm) {                                                                            \
+        SK_ROWS(1, CALL) SK_ROWS(2, CALL) SK_ROWS(3, CALL) SK_ROWS(4, CALL)                   \
+        SK_ROWS(5, CALL) SK_ROWS(6, CALL) SK_ROWS(7, CALL) SK_ROWS(8, CALL)                   \
+        SK_ROWS(9, CALL) SK_ROWS(10, CALL) SK_ROWS(11, CALL) SK_ROWS(12, CALL)                \
+        default: break;                                                                      \
+    }
+#define SK_FN(BITS, TARGET, NV, MR_)                                                    \
+    __attribute__((target(TARGET))) static void sk##BITS##_##NV(                              \
+        int mm, int64_t kc, const float *a, int64_t ars, int64_t acs, const float *b,         \
+        int64_t ldb, float *c, int64_t ldc, int acc, int nlast) {                             \
+        enum { MR = MR_ };                                                                    \
+        (void)nlast;                                                                          \
+        SK_SWITCH(SK_CALL_##BITS##_##NV)                                                      \
+    }
+#define SK_CALL_512(R, NV) sk512_body(kc, a, ars, acs, b, ldb, c, ldc, acc, (__mmask16)((1u << nlast) - 1u), R, NV)
+#define SK_CALL_256(R, NV) sk256_body(kc, a, ars, acs, b, ldb, c, ldc, acc, nlast, R, NV)
+#define SK_CALL_512_1(R) SK_CALL_512(R, 1)
+#define SK_CALL_512_2(R) SK_CALL_512(R, 2)
+#define SK_CALL_512_3(R) SK_CALL_512(R, 3)
+#define SK_CALL_512_4(R) SK_CALL_512(R, 4)
+#define SK_CALL_512_5(R) SK_CALL_512(R, 5)
+#define SK_CALL_256_1(R) SK_CALL_256(R, 1)
+#define SK_CALL_256_2(R) SK_CALL_256(R, 2)
+#define SK_CALL_256_3(R) SK_CALL_256(R, 3)
+#define SK_CALL_256_4(R) SK_CALL_256(R, 4)
+
+SK_FN(512, "avx512f", 1, 12)
+SK_FN(512, "avx512f", 2, 12)
+SK_FN(512, "avx512f", 3, 8)
+SK_FN(512, "avx512f", 4, 6)
+SK_FN(512, "avx512f", 5, 5)
+SK_FN(256, "avx2,fma", 1, 12)
+SK_FN(256, "avx2,fma", 2, 6)
+SK_FN(256, "avx2,fma", 3, 4)
+SK_FN(256, "avx2,fma", 4, 3)
+
+static const skimpl sk_avx512[SK_NV_CAP] = {
+    {16, 1, 12, sk512_1}, {16, 2, 12, sk512_2}, {16, 3, 8, sk512_3}, {16, 4, 6, sk512_4}, {16, 5, 5, sk512_5}};
+static const skimpl sk_avx2[4] = {{8, 1, 12, sk256_1}, {8, 2, 6, sk256_2}, {8, 3, 4, sk256_3}, {8, 4, 3, sk256_4}};
+
+#endif /* __x86_64__ */
+
+/* The skinny kernel for n columns at this SIMD level, or NULL (packed path).
+ * N <= 8 takes the ymm kernel at either level (a zmm would be half empty). */
+static const skimpl *pick_skinny(int64_t n) {
+#if defined(__x86_64__)
+    const int level = gt_simd_level_();
+    if (level >= 1 && n <= 8) return &sk_avx2[0];
+    if (level >= 2 && n <= 16 * SK_NV_CAP) return &sk_avx512[(n + 15) / 16 - 1];
+    if (level == 1 && n <= 32) return &sk_avx2[(n + 7) / 8 - 1];
+#endif
+    (void)n;
+    return NULL;
+}
+
 /* ---- blocked driver ------------------------------------------------------------ */
 
 typedef struct operand {
@@ -395,6 +612,31 @@ static void gemm(const impl *im, int64_t m0, int64_t m1, int64_t n0, int64_t n1,
                     }
                 }
             }
+        }
+    }
+}
+
+/* C[m0:m1, :N] (row stride ldc) = A[m0:m1, :K] @ B[:K, :N] through a skinny
+ * kernel (N <= s->nv * s->vw), K > 0. bp: room for SK_KC x s->nv * s->vw floats. */
+static void gemm_skinny(const skimpl *s, int64_t m0, int64_t m1, int64_t N, int64_t K, operand A,
+                        operand B, float *C, int64_t ldc, float *bp) {
+    const int nlast = (int)(N - (int64_t)(s->nv - 1) * s->vw);
+    const int64_t ldp = (int64_t)s->nv * s->vw;
+    for (int64_t pc = 0; pc < K; pc += SK_KC) {
+        const int64_t kc = K - pc < SK_KC ? K - pc : SK_KC;
+        const float *b = B.p + pc * B.rs;
+        int64_t ldb = B.rs;
+        if (B.cs != 1) {  /* columns contiguous along k: copy the slice row-major */
+            for (int64_t j = 0; j < N; j++) {
+                const float *src = b + j * B.cs;
+                for (int64_t k = 0; k < kc; k++) bp[k * ldp + j] = src[k];
+            }
+            b = bp;
+            ldb = ldp;
+        }
+        for (int64_t i = m0; i < m1; i += s->mr) {
+            const int mm = m1 - i < s->mr ? (int)(m1 - i) : s->mr;
+            s->fn(mm, kc, A.p + i * A.rs + pc * A.cs, A.rs, A.cs, b, ldb, C + i * ldc, ldc, pc > 0, nlast);
         }
     }
 }
@@ -499,39 +741,31 @@ int gt_matmul_fwd_f32(const gt_node *node, const gt_ctx *ctx) {
         }
     }
 
-    const impl *im = pick_impl(Mx, N);
+    /* the skinny kernels when N is narrow enough, else the packed ones */
+    const skimpl *sk = pick_skinny(N);
+    const impl *im = sk ? NULL : pick_impl(Mx, N);
     const int64_t mn = Mx * N;
+    /* This thread's share: whole matrices when there are enough of them, else
+     * a block of every matrix along M (always, for the skinny kernels) or along
+     * the longer of M and N, in whole micro-tiles (single rows when the skinny
+     * tiles are fewer than the threads). */
+    int64_t t0 = 0, t1 = nbatch, m0 = 0, m1 = Mx, n0 = 0, n1 = N;
     if (nbatch > 1 && (nbatch % ctx->nth == 0 || nbatch >= 4 * ctx->nth)) {
-        int64_t lo, hi;
-        gt_split(nbatch, ctx, &lo, &hi);
-        for (int64_t t = lo; t < hi; t++) {
-            operand At = A, Bt = B;
-            int64_t rem = t;
-            for (int i = nb - 1; i >= 0; i--) {
-                const int64_t idx = rem % d->shape[i];
-                rem /= d->shape[i];
-                At.p += idx * sa[i];
-                Bt.p += idx * sb[i];
-            }
-            gemm(im, 0, Mx, 0, N, K, At, Bt, C + t * mn, N, ap, bp);
-        }
-        return GT_OK;
-    }
-    /* split each matrix along the longer of M and N, in whole micro-tiles */
-    const int64_t um = (Mx + im->mr - 1) / im->mr, un = (N + im->nr - 1) / im->nr;
-    const int split_m = Mx >= N;
-    int64_t lo, hi;
-    gt_split(split_m ? um : un, ctx, &lo, &hi);
-    if (lo >= hi) return GT_OK;
-    int64_t m0 = 0, m1 = Mx, n0 = 0, n1 = N;
-    if (split_m) {
-        m0 = lo * im->mr;
-        m1 = hi * im->mr < Mx ? hi * im->mr : Mx;
+        gt_split(nbatch, ctx, &t0, &t1);
+    } else if (sk || Mx >= N) {
+        int64_t unit = sk ? sk->mr : im->mr, lo, hi;
+        if (sk && (Mx + unit - 1) / unit < ctx->nth) unit = 1;
+        gt_split((Mx + unit - 1) / unit, ctx, &lo, &hi);
+        m0 = lo * unit;
+        m1 = hi * unit < Mx ? hi * unit : Mx;
     } else {
+        int64_t lo, hi;
+        gt_split((N + im->nr - 1) / im->nr, ctx, &lo, &hi);
         n0 = lo * im->nr;
         n1 = hi * im->nr < N ? hi * im->nr : N;
     }
-    for (int64_t t = 0; t < nbatch; t++) {
+    if (m0 >= m1 || n0 >= n1) return GT_OK;
+    for (int64_t t = t0; t < t1; t++) {
         operand At = A, Bt = B;
         int64_t rem = t;
         for (int i = nb - 1; i >= 0; i--) {
@@ -540,7 +774,8 @@ int gt_matmul_fwd_f32(const gt_node *node, const gt_ctx *ctx) {
             At.p += idx * sa[i];
             Bt.p += idx * sb[i];
         }
-        gemm(im, m0, m1, n0, n1, K, At, Bt, C + t * mn, N, ap, bp);
+        if (sk) gemm_skinny(sk, m0, m1, N, K, At, Bt, C + t * mn, N, bp);
+        else gemm(im, m0, m1, n0, n1, K, At, Bt, C + t * mn, N, ap, bp);
     }
     return GT_OK;
 }
