@@ -146,3 +146,88 @@ def loss(logits, targets):
     """Mean cross-entropy of logits (B, T, V) against targets (B, T) i32 (negative: ignored)."""
     b, t, v = logits.shape
     return ops.cross_entropy(ops.reshape(logits, (b * t, v)), ops.reshape(targets, (b * t,)))
+
+
+class LlamaRunner:
+    """Forward-only runs of a llama with fixed weights: logits for generation, losses
+    for evaluation. Compiled once for (batch, length); shorter inputs are padded
+    (causal attention: padding after a position never changes its logits)."""
+
+    def __init__(self, cfg: LlamaConfig, weights: dict, backend, batch: int = 1, length: int | None = None,
+                 n_threads: int | None = None):
+        from ggtrain.core.graph import Graph, Runtime  # same layer 3/4 boundary, no cycle
+
+        self.cfg = cfg
+        self.batch, self.length = batch, min(length or cfg.ctx, cfg.ctx)
+        g = Graph()
+        params = {k: g.param(v.shape, v, name=k, trainable=False) for k, v in weights.items()}
+        self.tokens = g.input((batch, self.length), "i32", name="tokens")
+        self.targets = g.input((batch, self.length), "i32", name="targets")
+        self.pos = g.input((self.length,), "i32", name="pos")
+        self.logits_t = forward(cfg, params, self.tokens, self.pos)
+        self.loss_t = loss(self.logits_t, self.targets)
+        self.runtime = Runtime(g, backend)
+        self.n_threads = n_threads
+        self._plan_logits = self.runtime.compile([self.logits_t], n_threads)
+        self._plan_loss = None
+        self.runtime.set(self.pos, np.arange(self.length, dtype=np.int32))
+
+    def _fill(self, tokens: np.ndarray) -> np.ndarray:
+        tokens = np.asarray(tokens, dtype=np.int32)
+        if tokens.ndim != 2 or tokens.shape[0] != self.batch or tokens.shape[1] > self.length:
+            raise ConfigError(f"llama runner: tokens {tokens.shape} do not fit ({self.batch}, <= {self.length})")
+        if tokens.size and (tokens.min() < 0 or tokens.max() >= self.cfg.vocab):
+            raise ConfigError(f"llama runner: token id outside 0..{self.cfg.vocab - 1}")
+        full = np.zeros((self.batch, self.length), np.int32)
+        full[:, :tokens.shape[1]] = tokens
+        return full
+
+    def logits(self, tokens: np.ndarray) -> np.ndarray:
+        """Logits (batch, length, V) for tokens (batch, <= length); rows past the input are padding."""
+        self.runtime.set(self.tokens, self._fill(tokens))
+        self.runtime.run(self._plan_logits, self.n_threads)
+        return self._plan_logits.read(self.logits_t)
+
+    def nll(self, tokens: np.ndarray, targets: np.ndarray) -> float:
+        """Summed negative log-likelihood of targets (negative ids ignored) given tokens."""
+        if self._plan_loss is None:
+            self._plan_loss = self.runtime.compile([self.loss_t], self.n_threads)
+        tgt = np.full((self.batch, self.length), -1, np.int32)
+        targets = np.asarray(targets, np.int32)
+        tgt[:, :targets.shape[1]] = targets
+        self.runtime.set(self.tokens, self._fill(tokens))
+        self.runtime.set(self.targets, tgt)
+        self.runtime.run(self._plan_loss, self.n_threads)
+        return float(self._plan_loss.read(self.loss_t)) * int((tgt >= 0).sum())
+
+
+def sample(logits: np.ndarray, temp: float, top_k: int, rng: np.random.Generator) -> int:
+    """The next token from logits (V,): greedy (argmax) when temp is 0, else softmax
+    sampling at temperature temp over the top_k largest (0: all)."""
+    if temp <= 0:
+        return int(np.argmax(logits))
+    z = logits.astype(np.float64) / temp
+    if 0 < top_k < z.size:
+        cut = np.partition(z, -top_k)[-top_k]
+        z = np.where(z >= cut, z, -np.inf)
+    p = np.exp(z - z.max())
+    p /= p.sum()
+    return int(rng.choice(z.size, p=p))
+
+
+def generate(runner: LlamaRunner, prompt: list, n: int, temp: float = 0.0, top_k: int = 0, seed: int = 0,
+             eos: int | None = None):
+    """Yield up to n new token ids after `prompt` (stops after eos or at the context)."""
+    rng = np.random.default_rng(seed)
+    ids = list(prompt)
+    if not ids:
+        raise ConfigError("generate: the prompt has no tokens")
+    for _ in range(n):
+        if len(ids) >= runner.length:
+            return
+        logits = runner.logits(np.array([ids], np.int32))[0, len(ids) - 1]
+        nxt = sample(logits, temp, top_k, rng)
+        ids.append(nxt)
+        yield nxt
+        if eos is not None and nxt == eos:
+            return

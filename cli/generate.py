@@ -1,0 +1,85 @@
+"""`ggtrain generate` and `ggtrain eval`: run a llama GGUF model (layer 6)."""
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+import sys
+
+import numpy as np
+import typer
+
+from ggtrain.cli.main import app
+from ggtrain.core.backend_cpu import CpuBackend, default_threads
+from ggtrain.core.models.llama import LlamaConfig, LlamaRunner, generate
+from ggtrain.errors import ConfigError
+from ggtrain.formats.llama_model import load_llama
+
+
+def _backend(threads):
+    if threads is not None and threads < 1:
+        raise ConfigError(f"--threads must be >= 1, got {threads}")
+    return CpuBackend(threads or default_threads())
+
+
+@app.command("generate")
+def generate_cmd(
+    model: pathlib.Path = typer.Option(..., "--model", help="A llama GGUF model (F32, F16, Q8_0, Q4_0, ...)."),
+    prompt: str = typer.Option(..., "--prompt", help="Text to continue."),
+    n: int = typer.Option(64, "-n", "--n-tokens", help="Tokens to generate (fewer if EOS comes first)."),
+    temp: float = typer.Option(0.0, "--temp", help="Sampling temperature; 0 is greedy (llama.cpp's greedy tokens)."),
+    top_k: int = typer.Option(0, "--top-k", help="Sample among the K most likely tokens (0: all)."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the sampler."),
+    threads: int = typer.Option(None, "--threads", help="CPU threads (default: all available)."),
+):
+    """Continue a prompt with a llama model; prints only the continuation."""
+    if n < 0 or temp < 0 or top_k < 0:
+        raise ConfigError("-n, --temp and --top-k must be >= 0")
+    config, weights, tok = load_llama(model)
+    cfg = LlamaConfig(**config)
+    ids = tok.encode(prompt, add_bos=tok.add_bos).tolist()
+    if len(ids) >= cfg.ctx:
+        raise ConfigError(f"--prompt has {len(ids)} tokens; the model's context is {cfg.ctx}")
+    runner = LlamaRunner(cfg, weights, _backend(threads), length=min(cfg.ctx, len(ids) + n))
+    out = []
+    for t in generate(runner, ids, n, temp, top_k, seed, eos=tok.eos_id):
+        if t == tok.eos_id:
+            break
+        out.append(t)
+    sys.stdout.write(tok.decode(out))
+    sys.stdout.write("\n")
+
+
+@app.command("eval")
+def eval_cmd(
+    model: pathlib.Path = typer.Option(..., "--model", help="A llama GGUF model."),
+    data: pathlib.Path = typer.Option(..., "--data", help="A UTF-8 text file."),
+    ctx: int = typer.Option(0, "--ctx", help="Window length (default: min(model context, 512))."),
+    as_json: bool = typer.Option(False, "--json", help='Print {"perplexity", "nll", "tokens"} as JSON.'),
+    threads: int = typer.Option(None, "--threads", help="CPU threads (default: all available)."),
+):
+    """Perplexity of a llama model on a text: non-overlapping windows, every token scored once."""
+    config, weights, tok = load_llama(model)
+    cfg = LlamaConfig(**config)
+    length = ctx or min(cfg.ctx, 512)
+    if not 1 <= length <= cfg.ctx:
+        raise ConfigError(f"--ctx {ctx}: must be in 1..{cfg.ctx} (the model's context)")
+    try:
+        text = data.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"--data {data}: not UTF-8 text ({exc})") from None
+    ids = tok.encode(text, add_bos=tok.add_bos)
+    if len(ids) < 2:
+        raise ConfigError(f"--data {data}: fewer than 2 tokens to score")
+    runner = LlamaRunner(cfg, weights, _backend(threads), length=length)
+    total, count = 0.0, 0
+    for start in range(0, len(ids) - 1, length):
+        window = ids[start:start + length + 1]
+        x, y = window[:-1][None, :], window[1:][None, :]
+        total += runner.nll(x, y)
+        count += y.size
+    result = {"perplexity": math.exp(total / count), "nll": total / count, "tokens": count}
+    if as_json:
+        typer.echo(json.dumps(result))
+    else:
+        typer.echo(f"perplexity {result['perplexity']:.4f} (mean NLL {result['nll']:.4f} over {count} tokens)")
