@@ -194,6 +194,42 @@ def test_im2col(shape, p):
     close(run("im2col_bwd_f32", shape, [g], ip=p), refs.im2col_bwd(g, shape, *p))
 
 
+IM2COL_FAST_CASES = [  # interior windows unrolled (3x3) or generic, border windows zeroed then filled
+    ((2, 6, 7, c), (kh, kw, s, pad))
+    for c in (1, 3, 8, 16)
+    for (kh, kw, s, pad) in ((3, 3, 1, 1), (3, 3, 2, 1), (3, 3, 1, 0), (3, 3, 1, 2), (3, 3, 2, 2), (2, 3, 1, 1),
+                             (1, 1, 1, 0), (5, 5, 2, 3))
+]
+
+
+def _im2col_bwd_ordered(g, shape, kh, kw, s, pad):
+    """dx in float32, summed from 0 in order of increasing (oh, ow) as the kernel documents."""
+    n, h, w, c = shape
+    _, oh, ow, _ = g.shape
+    dxp = np.zeros((n, h + 2 * pad + kh, w + 2 * pad + kw, c), np.float32)
+    gp = g.reshape(n, oh, ow, c, kh, kw).transpose(0, 1, 2, 4, 5, 3)   # (n, oh, ow, kh, kw, c)
+    for i in range(oh):
+        for j in range(ow):
+            dxp[:, i * s:i * s + kh, j * s:j * s + kw, :] += gp[:, i, j]
+    return dxp[:, pad:pad + h, pad:pad + w, :]
+
+
+@pytest.mark.parametrize("shape,p", IM2COL_FAST_CASES)
+def test_im2col_exact(shape, p):
+    rng = np.random.default_rng(13)
+    x = f32(rng, *shape)
+    want = refs.im2col(x, *p).astype(np.float32)
+    got = run("im2col_fwd_f32", want.shape, [x], ip=p)
+    np.testing.assert_array_equal(got, want)   # a pure copy
+    g = f32(rng, *want.shape)
+    dx = run("im2col_bwd_f32", shape, [g], ip=p)
+    np.testing.assert_array_equal(dx, _im2col_bwd_ordered(g, shape, *p))
+    close(dx, refs.im2col_bwd(g, shape, *p))
+    for nt in (2, 3):
+        assert np.array_equal(got, run("im2col_fwd_f32", want.shape, [x], ip=p, n_threads=nt))
+        assert np.array_equal(dx, run("im2col_bwd_f32", shape, [g], ip=p, n_threads=nt))
+
+
 # ---- max_pool2d ------------------------------------------------------------------------
 
 @pytest.mark.parametrize("shape,k", [((1, 1, 1, 1), 1), ((2, 4, 4, 3), 2), ((1, 7, 5, 33), 2),
@@ -216,6 +252,33 @@ def test_max_pool2d_ties_go_to_first(c):
     np.testing.assert_array_equal(dx, refs.max_pool2d_bwd(x, g, 3).astype(np.float32))
 
 
+@pytest.mark.parametrize("shape,k", [((2, 6, 6, 8), 2), ((2, 7, 9, 16), 2), ((1, 9, 8, 24), 3), ((3, 5, 5, 8), 1),
+                                     ((1, 2, 5, 8), 3)])
+def test_max_pool2d_blocks_of_8(shape, k):
+    """C a multiple of 8 (vector path, tail rows/columns) against the reference and,
+    bit for bit with ties and NaNs, against the same data with one channel fewer
+    (the per-channel or max_into paths)."""
+    rng = np.random.default_rng(14)
+    x = rng.integers(0, 3, size=shape).astype(np.float32)
+    x[..., 1::3] = f32(rng, *x[..., 1::3].shape)
+    want = refs.max_pool2d(x, k)
+    got = run("max_pool2d_fwd_f32", want.shape, [x], ip=(k,))
+    np.testing.assert_array_equal(got, want.astype(np.float32))
+    g = f32(rng, *want.shape)
+    dx = run("max_pool2d_bwd_f32", shape, [x, g], ip=(k,))
+    np.testing.assert_array_equal(dx, refs.max_pool2d_bwd(x, g, k).astype(np.float32))
+    x.reshape(-1)[rng.integers(0, x.size, size=x.size // 7)] = np.nan   # NaN first in a window, or later
+    x[:, ::k, ::k, 0] = np.nan
+    got = run("max_pool2d_fwd_f32", want.shape, [x], ip=(k,))
+    dx = run("max_pool2d_bwd_f32", shape, [x, g], ip=(k,))
+    xs, gs = np.ascontiguousarray(x[..., :-1]), np.ascontiguousarray(g[..., :-1])
+    assert np.array_equal(got[..., :-1], run("max_pool2d_fwd_f32", gs.shape, [xs], ip=(k,)), equal_nan=True)
+    assert np.array_equal(dx[..., :-1], run("max_pool2d_bwd_f32", xs.shape, [xs, gs], ip=(k,)), equal_nan=True)
+    for nt in (2, 3):
+        assert np.array_equal(got, run("max_pool2d_fwd_f32", want.shape, [x], ip=(k,), n_threads=nt), equal_nan=True)
+        assert np.array_equal(dx, run("max_pool2d_bwd_f32", shape, [x, g], ip=(k,), n_threads=nt))
+
+
 # ---- thread counts: bit-identical ----------------------------------------------------------
 
 def _thread_cases():
@@ -231,6 +294,7 @@ def _thread_cases():
     img = f32(rng, 3, 9, 8, 5)
     cols = f32(rng, 3, 5, 4, 45)
     pooled = f32(rng, 3, 4, 4, 5)
+    img8, cols8, pooled8 = f32(rng, 3, 9, 7, 8), f32(rng, 3, 9, 7, 72), f32(rng, 3, 4, 3, 8)
     return [
         ("rms_norm_fwd_f32", x.shape, [x], (), (1e-5,), 0),
         ("rms_norm_bwd_f32", x.shape, [x, g], (), (1e-5,), 0),
@@ -246,6 +310,10 @@ def _thread_cases():
         ("im2col_bwd_f32", img.shape, [cols], (3, 3, 2, 1), (), 0),
         ("max_pool2d_fwd_f32", pooled.shape, [img], (2,), (), 0),
         ("max_pool2d_bwd_f32", img.shape, [img, pooled], (2,), (), 0),
+        ("im2col_fwd_f32", cols8.shape, [img8], (3, 3, 1, 1), (), 0),
+        ("im2col_bwd_f32", img8.shape, [cols8], (3, 3, 1, 1), (), 0),
+        ("max_pool2d_fwd_f32", pooled8.shape, [img8], (2,), (), 0),
+        ("max_pool2d_bwd_f32", img8.shape, [img8, pooled8], (2,), (), 0),
     ]
 
 
