@@ -19,8 +19,7 @@ Usage (repo root, after `pip install -e .`):
 from __future__ import annotations
 
 import argparse
-import contextlib
-import os
+import sys
 import time
 
 import numpy as np
@@ -31,8 +30,9 @@ from ggtrain.native import lib
 
 try:
     from threadpoolctl import threadpool_limits
-except ImportError:  # pragma: no cover - optional
-    threadpool_limits = None
+except ImportError:  # no silent fallback: numpy would use every core on the 1-thread lines
+    sys.exit("bench_matmul needs threadpoolctl to pin numpy's BLAS threads: "
+             "pip install threadpoolctl (or pip install -e '.[bench]')")
 
 SHAPES = [(500, 784, 500), (2048, 256, 768), (2048, 768, 256)]
 # extra lines, for information (not part of the worst ratio): attention-like
@@ -48,8 +48,6 @@ _POOL_SPIN_S = 0.02
 
 
 def _blas_threads(n: int):
-    if threadpool_limits is None:
-        return contextlib.nullcontext()
     return threadpool_limits(limits=n, user_api="blas")
 
 
@@ -136,7 +134,7 @@ def main() -> None:
     backend = CpuBackend(max(threads))
     feats = lib.gt_cpu_features()
     level = "avx512" if feats & 2 else "avx2" if feats & 1 else "scalar"
-    blas = "threadpoolctl" if threadpool_limits else f"OPENBLAS_NUM_THREADS={os.environ.get('OPENBLAS_NUM_THREADS', 'default')} (threadpoolctl missing)"
+    blas = "threadpoolctl"
     print(f"matmul f32, ggtrain ({level}) vs numpy {np.__version__} (BLAS threads via {blas}); "
           f"best of {rounds}x{reps}")
     print(f"{'shape MxK.KxN':<18} {'layout':<6} {'thr':>3} {'ours GF/s':>10} {'numpy GF/s':>11} "
