@@ -137,7 +137,7 @@ def test_stories260k(shared_data):
 
 
 def test_stories260k_matches_sentencepiece(shared_data, shakespeare):
-    spm = pytest.importorskip("sentencepiece")
+    import sentencepiece as spm  # a dependency: a missing install must fail, not skip
     sp = spm.SentencePieceProcessor(model_file=str(shared_data / "llama2c" / "tok512.model"))
     tok = _tok(shared_data / "gguf" / "stories260K.gguf")
     for s in ROUND_TRIP + [TEXT_SAMPLE, shakespeare[:20_000]]:
