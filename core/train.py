@@ -16,7 +16,7 @@ import numpy as np
 from ggtrain.core import ops
 from ggtrain.core.autograd import backward
 from ggtrain.core.graph import Graph, Runtime, assign
-from ggtrain.core.optim import AdamW, global_norm
+from ggtrain.core.optim import AdamW, CosineLR, global_norm
 from ggtrain.core.ops import HYPER_COUNT
 from ggtrain.core.tensor import Tensor
 from ggtrain.errors import ConfigError, NumericError, ShapeError
@@ -282,3 +282,127 @@ class ClassifierRun:
             if self._stop:
                 break
         return history
+
+
+# ---- language-model training (llama) -------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TextConfig:
+    """Hyperparameters of a language-model run (see `ggtrain train --help`)."""
+
+    steps: int
+    batch: int = 8
+    grad_acc: int = 1
+    lr: float = 1e-3
+    lr_min: float = 1e-4
+    warmup: int = 100
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    checkpointing: bool = True
+    eval_every: int = 0
+    eval_batches: int = 8
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.steps < 1:
+            raise ConfigError(f"--steps must be >= 1, got {self.steps}")
+        if self.batch < 1 or self.grad_acc < 1:
+            raise ConfigError(f"--batch and --grad-acc must be >= 1, got {self.batch}, {self.grad_acc}")
+        if self.lr <= 0 or self.lr_min < 0 or self.lr_min > self.lr:
+            raise ConfigError(f"need 0 <= --lr-min <= --lr and --lr > 0, got {self.lr_min}, {self.lr}")
+        if self.warmup < 0 or self.weight_decay < 0 or self.grad_clip < 0 or self.eval_every < 0:
+            raise ConfigError("--warmup, --weight-decay, --grad-clip and --eval-every must be >= 0")
+
+
+class TextRun:
+    """Trains a llama on token windows. Reports through callbacks: on_step(info) after
+    each update, on_eval(info) after each evaluation; `stop()` ends after the current
+    update. `state()` / `load_state()` carry everything a bit-identical resume needs."""
+
+    def __init__(self, model, init: dict, config: TextConfig, backend, n_threads: int | None = None):
+        from ggtrain.core.models import llama  # layer 4 sibling
+
+        self.model, self.config = model, config
+        g = Graph()
+        self.graph = g
+        ctx, b = model.ctx, config.batch
+        self.params = {k: g.param(v.shape, v, name=k) for k, v in init.items()}
+        self.tokens = g.input((b, ctx), "i32", name="tokens")
+        self.targets = g.input((b, ctx), "i32", name="targets")
+        self.pos = g.input((ctx,), "i32", name="pos")
+        logits = llama.forward(model, self.params, self.tokens, self.pos, g, checkpoint=config.checkpointing)
+        self.loss = llama.loss(logits, self.targets)
+        self.optimizer = AdamW(lr=config.lr, weight_decay=config.weight_decay, max_grad_norm=config.grad_clip)
+        self.schedule = CosineLR(config.lr, config.lr_min, min(config.warmup, config.steps), config.steps)
+        self.step = TrainStep(self.loss, list(self.params.values()), self.optimizer, backend,
+                              grad_acc=config.grad_acc, checkpointing=config.checkpointing, n_threads=n_threads)
+        self.step.runtime.set(self.pos, np.arange(ctx, dtype=np.int32))
+        self._eval = self.step.runtime.compile([self.loss], self.step.n_threads)
+        self.tokens_seen = 0
+        self._stop = False
+
+    def stop(self) -> None:
+        self._stop = True
+
+    @property
+    def updates(self) -> int:
+        return self.step.updates
+
+    def param_values(self) -> dict:
+        return {k: self.step.get(t) for k, t in self.params.items()}
+
+    def state(self) -> dict:
+        """{"params", "optimizer" ({state name: array}), "updates", "tokens_seen"}."""
+        return {"params": self.param_values(),
+                "optimizer": {name: self.step.get(t) for name, t in self.step.state.items()},
+                "updates": self.step.updates, "tokens_seen": self.tokens_seen}
+
+    def load_state(self, state: dict) -> None:
+        for k, t in self.params.items():
+            self.step.set(t, state["params"][k])
+        for name, t in self.step.state.items():
+            if name not in state["optimizer"]:
+                raise ConfigError(f"checkpoint has no optimizer state {name}")
+            self.step.set(t, state["optimizer"][name])
+        self.step.updates = int(state["updates"])
+        self.tokens_seen = int(state["tokens_seen"])
+
+    def evaluate(self, batches: list) -> float:
+        """Mean validation loss over batches of windows (batch, ctx + 1)."""
+        rt = self.step.runtime
+        losses = []
+        for w in batches:
+            rt.set(self.tokens, w[:, :-1])
+            rt.set(self.targets, w[:, 1:])
+            rt.run(self._eval, self.step.n_threads)
+            losses.append(float(self._eval.read(self.loss)))
+        return float(np.mean(losses)) if losses else float("nan")
+
+    def fit(self, windows, val_batches: list, on_step=None, on_eval=None) -> None:
+        """Run updates until config.steps (continuing from self.updates)."""
+        cfg = self.config
+        t0 = time.perf_counter()
+        per_update = cfg.batch * cfg.grad_acc * self.model.ctx
+        while self.step.updates < cfg.steps and not self._stop:
+            t_step = time.perf_counter()
+            lr = self.schedule(self.step.updates)
+            batches = []
+            for _ in range(cfg.grad_acc):
+                w = windows.next()
+                batches.append({self.tokens: w[:, :-1], self.targets: w[:, 1:]})
+            loss = self.step.step(batches, lr)
+            if not np.isfinite(loss) or not np.isfinite(self.step.last_grad_norm):
+                raise NumericError(f"loss {loss}, gradient norm {self.step.last_grad_norm} at update "
+                                   f"{self.step.updates}: training diverged (try a lower --lr)")
+            self.tokens_seen += per_update
+            now = time.perf_counter()
+            info = {"step": self.step.updates, "epoch": self.tokens_seen / max(1, len(windows.ids)),
+                    "loss": loss, "lr": lr, "grad_norm": self.step.last_grad_norm,
+                    "tokens_per_s": per_update / max(now - t_step, 1e-9), "elapsed_s": now - t0}
+            if on_step is not None:
+                on_step(info)
+            if cfg.eval_every and val_batches and self.step.updates % cfg.eval_every == 0:
+                ev = {"step": self.step.updates, "val_loss": self.evaluate(val_batches)}
+                if on_eval is not None:
+                    on_eval(ev)

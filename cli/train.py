@@ -1,0 +1,189 @@
+"""`ggtrain train`: a llama from scratch on a text file, with checkpoints and resume (layer 6)."""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import pathlib
+import signal
+import sys
+import time
+
+import numpy as np
+import typer
+from tqdm import tqdm
+
+from ggtrain.cli.main import app
+from ggtrain.core.backend_cpu import CpuBackend, default_threads
+from ggtrain.core.data import TokenWindows, eval_windows, split_tokens
+from ggtrain.core.models.llama import LlamaConfig, init_params
+from ggtrain.core.train import TextConfig, TextRun
+from ggtrain.errors import ConfigError, FormatError
+from ggtrain.formats.checkpoint import load_checkpoint, save_checkpoint
+from ggtrain.formats.llama_model import save_llama
+from ggtrain.formats.tokenizer import load_tokenizer
+
+BUNDLED_TEXT = pathlib.Path(__file__).resolve().parent / "data" / "tinyshakespeare.txt"
+
+
+def _read_text(path: pathlib.Path) -> str:
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise FileNotFoundError(f"--data {path}: no such file") from None
+    if not raw.strip():
+        raise ConfigError(f"--data {path}: the file is empty")
+    # undecodable bytes survive as surrogates; each tokenizer documents what it does with them
+    return raw.decode("utf-8", errors="surrogateescape")
+
+
+def _fingerprint(ids: np.ndarray) -> str:
+    return hashlib.sha256(np.ascontiguousarray(ids, np.int32).tobytes()).hexdigest()
+
+
+@app.command("train")
+def train(
+    data: pathlib.Path = typer.Option(None, "--data", help="UTF-8 text to train on (default: bundled tiny shakespeare)."),
+    out: pathlib.Path = typer.Option(..., "--out", help="Where to write the trained model (GGUF llama.cpp loads)."),
+    tokenizer: str = typer.Option("byte", "--tokenizer", help="byte, bpe:N (trained on --data) or VOCAB.gguf."),
+    dim: int = typer.Option(256, "--dim", help="Embedding width."),
+    layers: int = typer.Option(4, "--layers", help="Transformer blocks."),
+    heads: int = typer.Option(8, "--heads", help="Attention heads."),
+    kv_heads: int = typer.Option(8, "--kv-heads", help="Key/value heads (fewer than --heads: grouped-query attention)."),
+    ff: int = typer.Option(768, "--ff", help="Feed-forward width."),
+    ctx: int = typer.Option(128, "--ctx", help="Context length (tokens per window)."),
+    batch: int = typer.Option(8, "--batch", help="Windows per physical batch."),
+    grad_acc: int = typer.Option(1, "--grad-acc", help="Physical batches per optimizer update."),
+    steps: int = typer.Option(None, "--steps", help="Optimizer updates (default 1000)."),
+    epochs: float = typer.Option(None, "--epochs", help="Instead of --steps: passes over the training tokens."),
+    lr: float = typer.Option(1e-3, "--lr", help="Peak learning rate."),
+    lr_min: float = typer.Option(1e-4, "--lr-min", help="Floor of the cosine schedule."),
+    warmup: int = typer.Option(100, "--warmup", help="Linear warmup updates."),
+    weight_decay: float = typer.Option(0.1, "--weight-decay", help="AdamW decay (matrices only)."),
+    grad_clip: float = typer.Option(1.0, "--grad-clip", help="Global gradient-norm clip (0: off)."),
+    checkpointing: bool = typer.Option(True, "--checkpointing/--no-checkpointing",
+                                       help="Recompute each block in backward to save memory."),
+    checkpoint_dir: pathlib.Path = typer.Option(None, "--checkpoint-dir", help="Folder for resumable checkpoints."),
+    save_every: int = typer.Option(0, "--save-every", help="Save a checkpoint every N updates (needs --checkpoint-dir)."),
+    resume: pathlib.Path = typer.Option(None, "--resume", help="Continue from a checkpoint (same --data)."),
+    eval_every: int = typer.Option(0, "--eval-every", help="Validation loss every N updates (0: at the end only)."),
+    val_split: float = typer.Option(0.05, "--val-split", help="Fraction of the text (its end) held out."),
+    seed: int = typer.Option(0, "--seed", help="Seed of initialisation and window sampling."),
+    threads: int = typer.Option(None, "--threads", help="CPU threads (default: all available)."),
+    backend: str = typer.Option("cpu", "--backend", help="cpu (cuda in builds that have it)."),
+    log: pathlib.Path = typer.Option(None, "--log", help="JSON lines: steps, evaluations, and a final summary."),
+    quiet: bool = typer.Option(False, "--quiet", help="No progress bar."),
+):
+    """Train a llama-architecture model from scratch on a text file."""
+    if backend != "cpu":
+        raise ConfigError(f"--backend {backend}: only the cpu backend is available in this build")
+    if threads is not None and threads < 1:
+        raise ConfigError(f"--threads must be >= 1, got {threads}")
+    if save_every and checkpoint_dir is None:
+        raise ConfigError("--save-every needs --checkpoint-dir")
+    if save_every < 0:
+        raise ConfigError(f"--save-every must be >= 0, got {save_every}")
+    if not out.parent.is_dir():
+        raise ConfigError(f"--out {out}: folder {out.parent} does not exist")
+    if checkpoint_dir is not None:
+        checkpoint_dir.mkdir(parents=True, exist_ok=True)
+    text = _read_text(data or BUNDLED_TEXT)
+    ckpt = load_checkpoint(resume) if resume else None
+    tok = ckpt["tokenizer"] if ckpt else load_tokenizer(tokenizer, text)
+    ids = tok.encode(text)
+    if ckpt:
+        model_cfg = LlamaConfig(**ckpt["model_config"])
+        tc = dict(ckpt["train_config"])
+        val_split = tc.pop("val_split")  # the split must be the one the run started with
+        if steps is not None:
+            tc["steps"] = steps  # extend (or shorten) a run; everything else as saved
+        train_cfg = TextConfig(**tc)
+        if ckpt["data_fingerprint"] != _fingerprint(ids):
+            raise ConfigError(f"--resume {resume}: --data is not the text this checkpoint was trained on")
+    else:
+        model_cfg = LlamaConfig(vocab=tok.n_vocab, dim=dim, layers=layers, heads=heads, kv_heads=kv_heads,
+                                ff=ff, ctx=ctx)
+        train_cfg = None
+    train_ids, val_ids = split_tokens(ids, val_split, model_cfg.ctx)
+    if ckpt is None:
+        windows_probe = TokenWindows(train_ids, model_cfg.ctx, batch, seed)
+        if steps is not None and epochs is not None:
+            raise ConfigError("give --steps or --epochs, not both")
+        n_steps = steps if steps is not None else (
+            max(1, round(epochs * windows_probe.windows_per_epoch / grad_acc)) if epochs is not None else 1000)
+        train_cfg = TextConfig(steps=n_steps, batch=batch, grad_acc=grad_acc, lr=lr, lr_min=lr_min, warmup=warmup,
+                               weight_decay=weight_decay, grad_clip=grad_clip, checkpointing=checkpointing,
+                               eval_every=eval_every, seed=seed)
+    be = CpuBackend(threads or default_threads())
+    init = ckpt["state"]["params"] if ckpt else init_params(model_cfg, train_cfg.seed)
+    run = TextRun(model_cfg, init, train_cfg, be)
+    windows = TokenWindows(train_ids, model_cfg.ctx, train_cfg.batch, train_cfg.seed + 1)
+    if ckpt:
+        run.load_state(ckpt["state"])
+        windows.set_state(ckpt["data_rng"])
+    val_batches = eval_windows(val_ids, model_cfg.ctx, train_cfg.batch, train_cfg.eval_batches) if len(val_ids) else []
+    mem = run.step.memory
+    n_params = sum(v.size for v in init.values())
+    typer.echo(f"llama: {n_params} parameters, vocab {tok.n_vocab} ({tokenizer if not ckpt else 'from checkpoint'}), "
+               f"{len(train_ids)} training / {len(val_ids)} validation tokens; planned memory "
+               f"{mem.peak / 2**20:.1f} MiB (arena {mem.arena / 2**20:.1f} MiB); {be.n_threads} threads", err=True)
+
+    model_json = dataclasses.asdict(model_cfg)
+    train_json = dict(dataclasses.asdict(train_cfg), val_split=val_split)
+    fingerprint = _fingerprint(ids)
+
+    def checkpoint(path: pathlib.Path) -> None:
+        save_checkpoint(path, model_json, train_json, run.state(), tok, windows.state(), fingerprint)
+
+    logf = open(log, "w", encoding="utf-8") if log else None
+
+    def write(obj):
+        if logf:
+            logf.write(json.dumps(obj) + "\n")
+            logf.flush()
+
+    bar = None if quiet else tqdm(total=train_cfg.steps, initial=run.updates, unit="step", file=sys.stderr)
+    interrupted = {"flag": False}
+
+    def on_sigint(signum, frame):
+        interrupted["flag"] = True
+        run.stop()
+
+    old = signal.signal(signal.SIGINT, on_sigint)
+
+    def on_step(info):
+        write({k: info[k] for k in ("step", "epoch", "loss", "lr", "grad_norm", "tokens_per_s", "elapsed_s")})
+        if bar is not None:
+            bar.set_postfix(loss=f"{info['loss']:.4f}", lr=f"{info['lr']:.2e}", tok_s=f"{info['tokens_per_s']:.0f}")
+            bar.update(1)
+        if save_every and info["step"] % save_every == 0:
+            checkpoint(checkpoint_dir / f"ckpt-{info['step']:06d}.gguf")
+
+    def on_eval(ev):
+        write(ev)
+        if bar is not None:
+            bar.write(f"step {ev['step']}: validation loss {ev['val_loss']:.4f}")
+
+    t0 = time.perf_counter()
+    try:
+        run.fit(windows, val_batches, on_step, on_eval)
+    finally:
+        signal.signal(signal.SIGINT, old)
+        if bar is not None:
+            bar.close()
+    if interrupted["flag"]:
+        path = (checkpoint_dir or out.parent) / (f"ckpt-{run.updates:06d}.gguf" if checkpoint_dir else out.name + ".ckpt.gguf")
+        checkpoint(path)
+        write({"event": "interrupted", "step": run.updates, "checkpoint": str(path)})
+        typer.echo(f"interrupted at update {run.updates}: checkpoint {path} (resume with --resume {path})", err=True)
+        raise typer.Exit(130)
+    val_loss = run.evaluate(val_batches) if val_batches else float("nan")
+    save_llama(out, model_json, run.param_values(), tok)
+    if checkpoint_dir is not None:
+        checkpoint(checkpoint_dir / f"ckpt-{run.updates:06d}.gguf")
+    summary = {"event": "done", "step": run.updates, "val_loss": val_loss, "tokens_seen": run.tokens_seen,
+               "elapsed_s": time.perf_counter() - t0, "out": str(out)}
+    write(summary)
+    if logf:
+        logf.close()
+    typer.echo(f"done: {run.updates} updates, validation loss {val_loss:.4f}, wrote {out}", err=True)

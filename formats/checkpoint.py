@@ -1,0 +1,89 @@
+"""Training checkpoints as GGUF (layer 5): everything a bit-identical resume needs.
+
+A checkpoint is a llama model file plus training state, so `ggtrain info` and gguf-py
+read it, but llama.cpp refuses it (extra tensors): `ggtrain train --out` writes the
+clean model, and `convert-checkpoint` turns a checkpoint into one.
+
+Keys (besides llama.cpp's llama.* / general.* / tokenizer.ggml.* keys):
+    ggtrain.checkpoint.version   UINT32   1
+    ggtrain.model_config         STRING   JSON of the LlamaConfig fields
+    ggtrain.train_config         STRING   JSON of the TextConfig fields
+    ggtrain.updates              UINT64   optimizer updates done
+    ggtrain.tokens_seen          UINT64   training tokens consumed
+    ggtrain.data_rng             STRING   JSON of the window sampler's numpy PCG64 state
+    ggtrain.data_fingerprint     STRING   sha256 of the training token stream
+Tensors: the model's (llama.cpp names, F32), then for each parameter its AdamW
+moments `adam_m.<name>` and `adam_v.<name>` (F32, same shape). All bit-exact.
+"""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+from gguf import GGUFValueType as VT
+
+from ggtrain.errors import FormatError
+from ggtrain.formats.gguf import read_gguf, write_gguf
+from ggtrain.formats.llama import hparams_to_kv
+from ggtrain.formats.llama_model import config_to_hparams
+from ggtrain.formats.tokenizer import tokenizer_from_gguf
+
+VERSION = 1
+_MOMENTS = {".adam_m": "adam_m.", ".adam_v": "adam_v."}
+
+
+def save_checkpoint(path, model_config: dict, train_config: dict, state: dict, tokenizer,
+                    data_rng: str, data_fingerprint: str) -> None:
+    """Write a checkpoint atomically. state: TextRun.state() ({"params", "optimizer",
+    "updates", "tokens_seen"}); optimizer names are "<param>.adam_m" / "<param>.adam_v"."""
+    kv = hparams_to_kv(config_to_hparams(model_config), "ggtrain checkpoint", file_type=0)
+    kv += list(tokenizer.gguf_kv())
+    kv += [("ggtrain.checkpoint.version", VERSION, VT.UINT32),
+           ("ggtrain.model_config", json.dumps(model_config, sort_keys=True), VT.STRING),
+           ("ggtrain.train_config", json.dumps(train_config, sort_keys=True), VT.STRING),
+           ("ggtrain.updates", int(state["updates"]), VT.UINT64),
+           ("ggtrain.tokens_seen", int(state["tokens_seen"]), VT.UINT64),
+           ("ggtrain.data_rng", data_rng, VT.STRING),
+           ("ggtrain.data_fingerprint", data_fingerprint, VT.STRING)]
+    tensors = [(name, np.ascontiguousarray(v, np.float32), "F32") for name, v in state["params"].items()]
+    for name, v in state["optimizer"].items():
+        for suffix, prefix in _MOMENTS.items():
+            if name.endswith(suffix):
+                tensors.append((prefix + name[:-len(suffix)], np.ascontiguousarray(v, np.float32), "F32"))
+                break
+        else:
+            raise FormatError(f"{path}: optimizer state {name!r} has no checkpoint name")
+    write_gguf(path, kv, tensors)
+
+
+def load_checkpoint(path) -> dict:
+    """{"model_config", "train_config", "state", "tokenizer", "data_rng", "data_fingerprint"}.
+
+    Raises FormatError when the file is not a ggtrain checkpoint (e.g. a plain model).
+    """
+    f = read_gguf(path)
+    version = f.value("ggtrain.checkpoint.version", None)
+    if version is None:
+        raise FormatError(f"{path}: not a ggtrain checkpoint (no ggtrain.checkpoint.version key); "
+                          "a plain model can be converted with `ggtrain convert-checkpoint`")
+    if version != VERSION:
+        raise FormatError(f"{path}: checkpoint version {version}, this ggtrain reads {VERSION}")
+    try:
+        model_config = json.loads(f.value("ggtrain.model_config"))
+        train_config = json.loads(f.value("ggtrain.train_config"))
+    except json.JSONDecodeError as exc:
+        raise FormatError(f"{path}: damaged ggtrain config ({exc})") from None
+    params, optimizer = {}, {}
+    for name in f.tensors:
+        arr = f.read_tensor(name)
+        for suffix, prefix in _MOMENTS.items():
+            if name.startswith(prefix):
+                optimizer[name[len(prefix):] + suffix] = arr
+                break
+        else:
+            params[name] = arr
+    state = {"params": params, "optimizer": optimizer, "updates": int(f.value("ggtrain.updates")),
+             "tokens_seen": int(f.value("ggtrain.tokens_seen"))}
+    return {"model_config": model_config, "train_config": train_config, "state": state,
+            "tokenizer": tokenizer_from_gguf(f), "data_rng": f.value("ggtrain.data_rng"),
+            "data_fingerprint": f.value("ggtrain.data_fingerprint")}
