@@ -91,13 +91,21 @@ class Graph:
 
 
 def assign(value: Tensor, target: Tensor) -> Tensor:
-    """Make `value` be written into persistent `target` (same shape), copying if needed."""
+    """Make `value` be written into persistent `target` (same shape), copying if needed.
+
+    When value is computed by a kernel (or is a contiguous view covering all of such a
+    result), that kernel writes straight into target; otherwise a copy node is added.
+    """
     if value.shape != target.shape:
         raise ShapeError(f"assign: value {value.shape} does not fit target {target.shape}")
-    can_retarget = (value.kind == "op" and not value.is_view and value.out is None
-                    and _ops.OPS[value.op].kernel is not None and value.dtype == target.dtype)
-    if not can_retarget:
-        value = _ops.apply("cont", [value])
+    root = value.root
+    whole = (value.is_contiguous() and value.offset == root.offset == 0 and value.size == root.size)
+    if (whole and root.kind == "op" and not root.is_view and root.out is None
+            and _ops.OPS[root.op].kernel is not None and root.dtype == target.dtype
+            and target.is_contiguous()):
+        root.out = target
+        return value
+    value = _ops.apply("cont", [value])
     value.out = target
     return value
 

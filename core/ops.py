@@ -405,7 +405,9 @@ def _matmul_bwd(y, g):
             # b shared across the batch: one (K, B*M) @ (B*M, N) product, no batch sum
             a2 = reshape(a if a.is_contiguous() else cont(a), (numel(a.shape[:-1]), a.shape[-1]))
             g2 = reshape(g if g.is_contiguous() else cont(g), (numel(g.shape[:-1]), g.shape[-1]))
-            gb = matmul(transpose(a2, 0, 1), g2)
+            # computed as (g2.T @ a2).T: when b is a transposed weight (x @ W.T), W's
+            # gradient then lands in W's own layout, with no transposing copy
+            gb = transpose(matmul(transpose(g2, 0, 1), a2), 0, 1)
         else:
             gb = sum_to(matmul(transpose(a, -1, -2), g), b.shape)
     return [ga, gb]

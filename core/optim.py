@@ -24,15 +24,6 @@ def decays(p: Tensor) -> bool:
     return p.weight_decay if p.weight_decay is not None else p.ndim >= 2
 
 
-def global_norm(grads: list) -> Tensor:
-    """sqrt(sum over all gradients of sum(g^2)), a scalar."""
-    total = None
-    for g in grads:
-        s = ops.sum(ops.sqr(g))
-        total = s if total is None else ops.add(total, s)
-    return ops.sqrt(total)
-
-
 @dataclass(frozen=True)
 class AdamW:
     """AdamW with decoupled weight decay and optional global-norm gradient clipping."""

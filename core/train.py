@@ -16,7 +16,7 @@ import numpy as np
 from ggtrain.core import ops
 from ggtrain.core.autograd import backward
 from ggtrain.core.graph import Graph, Runtime, assign
-from ggtrain.core.optim import AdamW, CosineLR, global_norm
+from ggtrain.core.optim import AdamW, CosineLR
 from ggtrain.core.ops import HYPER_COUNT
 from ggtrain.core.tensor import Tensor
 from ggtrain.errors import ConfigError, NumericError, ShapeError
@@ -44,14 +44,21 @@ class TrainStep:
         self.updates = 0  # optimizer updates done
 
         grads = backward(loss, self.params, seed=1.0 / grad_acc, checkpointing=checkpointing)
-        self.grad_bufs = {p.id: graph.state(p.shape, name=f"{p.name}.grad") for p in self.params}
+        # One flat persistent buffer holds every gradient (each parameter's is a view
+        # into it): the global norm is one reduction and zeroing is one fill.
+        total = sum(p.size for p in self.params)
+        self.grad_flat = graph.state((total,), name="grads")
+        self.grad_bufs, offset = {}, 0
+        for p in self.params:
+            self.grad_bufs[p.id] = ops.view(self.grad_flat, p.shape, None, offset)
+            offset += p.size
+        bufs = [self.grad_bufs[p.id] for p in self.params]
         self.hyper = graph.input((HYPER_COUNT,), name="hyper")
         outs = [loss] + list(extra_outputs)
         if grad_acc == 1:
             written = [assign(grads[p], self.grad_bufs[p.id]) for p in self.params]
-            bufs = [self.grad_bufs[p.id] for p in self.params]
-            # the update reads the persistent buffers the gradients were written to
-            self.grad_norm = global_norm(written)
+            # created after every gradient is written, so it reads the finished buffer
+            self.grad_norm = ops.sqrt(ops.sum(ops.sqr(self.grad_flat)))
             steps, self.state = optimizer.build(graph, self.params, bufs, self.hyper, self.grad_norm)
             self._micro = None
             self._update = self.runtime.compile(outs + written + steps + [self.grad_norm], self.n_threads)
@@ -63,16 +70,12 @@ class TrainStep:
                 a.out = buf
                 acc.append(a)
             self._micro = self.runtime.compile(outs + acc, self.n_threads)
-            bufs = [self.grad_bufs[p.id] for p in self.params]
-            self.grad_norm = global_norm(bufs)
+            self.grad_norm = ops.sqrt(ops.sum(ops.sqr(self.grad_flat)))
             steps, self.state = optimizer.build(graph, self.params, bufs, self.hyper, self.grad_norm)
-            zeros = []
-            for p in self.params:
-                z = ops.fill(graph, p.shape, 0.0)
-                z.out = self.grad_bufs[p.id]
-                zeros.append(z)
-            # steps must read the norm before zeroing: creation order guarantees it
-            self._update = self.runtime.compile(steps + zeros + [self.grad_norm], self.n_threads)
+            zero = ops.fill(graph, self.grad_flat.shape, 0.0)
+            zero.out = self.grad_flat
+            # the steps read the norm and gradients before the fill: creation order
+            self._update = self.runtime.compile(steps + [zero, self.grad_norm], self.n_threads)
         self.extra_outputs = list(extra_outputs)
         self.last_outputs = []   # per physical batch: [value of each extra output]
         self.last_grad_norm = float("nan")
