@@ -1,0 +1,159 @@
+"""Llama training speed: ggtrain vs an equivalent PyTorch CPU model, measured in one run.
+
+Same architecture (RMSNorm, RoPE on adjacent pairs, causal attention, SwiGLU, untied
+output), same initial weights (ours, copied into PyTorch), same batches, AdamW with
+weight decay 0.1 on matrices and global-norm clipping 1.0, 2 threads. PyTorch runs in
+its own venv (bench/.venv-torch, torch==2.13.0; never a ggtrain dependency).
+Prints tokens/s and the ratio ours/PyTorch (higher is better), with gradient
+checkpointing off and on (torch.utils.checkpoint per block on the PyTorch side).
+
+    python bench/bench_llama.py [--steps 6] [--threads 2] [--configs a,b]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+TORCH_VENV = ROOT / "bench" / ".venv-torch"
+CONFIGS = {
+    "a": dict(vocab=256, dim=256, layers=4, heads=8, kv_heads=8, ff=768, ctx=128, batch=8),
+    "b": dict(vocab=256, dim=512, layers=8, heads=8, kv_heads=8, ff=1376, ctx=256, batch=4),
+}
+
+TORCH_SCRIPT = r"""
+import json, sys, time, math
+import numpy as np, torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint as ckpt
+a = json.loads(sys.argv[1])
+torch.set_num_threads(a["threads"])
+d = np.load(a["data"])
+c = a["config"]; C, H, Hkv, L = c["dim"], c["heads"], c["kv_heads"], c["layers"]; D = C // H
+P = {k[2:]: torch.nn.Parameter(torch.from_numpy(d[k].copy())) for k in d.files if k.startswith("w:")}
+windows = torch.from_numpy(d["windows"]).long()
+T = c["ctx"]
+i = torch.arange(D // 2, dtype=torch.float64)
+theta = torch.arange(T, dtype=torch.float64)[:, None] * 10000.0 ** (-2 * i / D)
+cos, sin = torch.cos(theta).float()[None, :, None, :], torch.sin(theta).float()[None, :, None, :]
+
+def rms(x, w):
+    return x * torch.rsqrt((x * x).mean(-1, keepdim=True) + 1e-5) * w
+
+def rope(x):
+    x0, x1 = x[..., 0::2], x[..., 1::2]
+    return torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), -1).flatten(-2)
+
+def block(x, l):
+    p = f"blk.{l}."
+    b, t, _ = x.shape
+    h = rms(x, P[p + "attn_norm.weight"])
+    q = rope((h @ P[p + "attn_q.weight"].T).view(b, t, H, D)).transpose(1, 2)
+    k = rope((h @ P[p + "attn_k.weight"].T).view(b, t, Hkv, D)).transpose(1, 2)
+    v = (h @ P[p + "attn_v.weight"].T).view(b, t, Hkv, D).transpose(1, 2)
+    if Hkv != H:
+        k, v = k.repeat_interleave(H // Hkv, 1), v.repeat_interleave(H // Hkv, 1)
+    o = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, C)
+    x = x + o @ P[p + "attn_output.weight"].T
+    h = rms(x, P[p + "ffn_norm.weight"])
+    return x + (F.silu(h @ P[p + "ffn_gate.weight"].T) * (h @ P[p + "ffn_up.weight"].T)) @ P[p + "ffn_down.weight"].T
+
+def loss_fn(w):
+    x = P["token_embd.weight"][w[:, :-1]]
+    for l in range(L):
+        x = ckpt(block, x, l, use_reentrant=False) if a["checkpointing"] else block(x, l)
+    logits = rms(x, P["output_norm.weight"]) @ P["output.weight"].T
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), w[:, 1:].reshape(-1))
+
+decay = [p for n, p in P.items() if p.ndim >= 2]; rest = [p for n, p in P.items() if p.ndim < 2]
+opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
+                        lr=1e-3, betas=(0.9, 0.999), eps=1e-8)
+losses, times = [], []
+for s in range(len(windows)):
+    t0 = time.perf_counter()
+    opt.zero_grad(set_to_none=False)
+    loss = loss_fn(windows[s])
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(list(P.values()), 1.0)
+    opt.step()
+    times.append(time.perf_counter() - t0)
+    losses.append(float(loss))
+print(json.dumps({"times": times, "losses": losses}))
+"""
+
+
+def ensure_torch() -> pathlib.Path:
+    py = TORCH_VENV / "bin" / "python"
+    if not py.exists():
+        subprocess.run([sys.executable, "-m", "venv", str(TORCH_VENV)], check=True)
+        subprocess.run([str(py), "-m", "pip", "install", "-q", "torch==2.13.0", "numpy"], check=True)
+    return py
+
+
+def run_ours(cfg: dict, init: dict, windows: np.ndarray, threads: int, checkpointing: bool) -> dict:
+    from ggtrain.core.backend_cpu import CpuBackend
+    from ggtrain.core.models.llama import LlamaConfig
+    from ggtrain.core.train import TextConfig, TextRun
+
+    model = LlamaConfig(**{k: v for k, v in cfg.items() if k != "batch"})
+    tc = TextConfig(steps=10**6, batch=cfg["batch"], lr=1e-3, lr_min=1e-3, warmup=0, weight_decay=0.1,
+                    grad_clip=1.0, checkpointing=checkpointing)
+    run = TextRun(model, init, tc, CpuBackend(threads), n_threads=threads)
+    times, losses = [], []
+    for w in windows:
+        t0 = time.perf_counter()
+        losses.append(run.step.step([{run.tokens: w[:, :-1], run.targets: w[:, 1:]}], 1e-3))
+        times.append(time.perf_counter() - t0)
+    return {"times": times, "losses": losses, "arena": run.step.memory.arena}
+
+
+def run_torch(cfg, init, windows, threads, checkpointing, tmp):
+    path = os.path.join(tmp, "data.npz")
+    np.savez(path, windows=windows, **{f"w:{k}": v for k, v in init.items()})
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+    args = {"threads": threads, "data": path, "config": cfg, "checkpointing": checkpointing}
+    out = subprocess.run([str(ensure_torch()), "-c", TORCH_SCRIPT, json.dumps(args)], capture_output=True,
+                         text=True, env=env)
+    if out.returncode != 0:
+        raise SystemExit(f"PyTorch side failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=6, help="timed steps (after 2 warm-up steps)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--configs", default="a,b")
+    args = ap.parse_args()
+    from ggtrain.core.models.llama import LlamaConfig, init_params
+
+    print(f"{'config':<7} {'ckpt':<5} {'ours tok/s':>11} {'torch tok/s':>12} {'ratio':>6}  first losses ours / torch")
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.configs.split(","):
+            cfg = CONFIGS[name]
+            model = LlamaConfig(**{k: v for k, v in cfg.items() if k != "batch"})
+            init = init_params(model, 0)
+            rng = np.random.default_rng(0)
+            windows = rng.integers(0, cfg["vocab"], (args.steps + 2, cfg["batch"], cfg["ctx"] + 1)).astype(np.int32)
+            tokens = cfg["batch"] * cfg["ctx"]
+            for checkpointing in (False, True):
+                ours = run_ours(cfg, init, windows, args.threads, checkpointing)
+                theirs = run_torch(cfg, init, windows, args.threads, checkpointing, tmp)
+                t_ours = float(np.median(ours["times"][2:]))
+                t_torch = float(np.median(theirs["times"][2:]))
+                print(f"{name:<7} {'on' if checkpointing else 'off':<5} {tokens / t_ours:>11.0f} "
+                      f"{tokens / t_torch:>12.0f} {t_torch / t_ours:>6.2f}  "
+                      f"{ours['losses'][0]:.4f} / {theirs['losses'][0]:.4f}", flush=True)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    main()
