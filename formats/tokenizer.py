@@ -558,6 +558,11 @@ def train_bpe(text: str, vocab_size: int) -> BpeTokenizer:
                           f"{MIN_BPE_VOCAB} tokens (256 bytes + BOS + EOS)")
     if not text:
         raise ConfigError(f"--tokenizer bpe:{vocab_size}: the training text is empty")
+    _check_str(text)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:  # undecodable input bytes: trained on as U+FFFD, as encode() sees them
+        text = _utf8(text).decode("utf-8", "replace")
     hf = HFTokenizer(models.BPE())
     hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[BOS_TEXT, EOS_TEXT],
@@ -623,6 +628,13 @@ def tokenizer_from_gguf(gguf: GGUFFile | str | os.PathLike) -> Tokenizer:
     pre = f.value(K + "pre", None)
     if model == "llama":
         ids = _special_ids(f, n, bos=1, eos=2, unk=0, pad=None)
+        byte = ByteTokenizer()
+        if (tokens == list(byte.tokens) and np.array_equal(types, byte.token_type)
+                and not _flag(f, K + "add_space_prefix", True)
+                and (ids["bos"], ids["eos"], ids["unk"]) == (byte.bos_id, byte.eos_id, byte.unk_id)):
+            # our own byte vocabulary: the same ids for valid UTF-8 (llama.cpp agrees), and
+            # arbitrary bytes keep their byte ids, so a resumed run sees the same tokens
+            return byte
         return SpmTokenizer(tokens, _array(f, K + "scores", n, np.float32, 0.0), types,
                             ids["bos"], ids["eos"], ids["unk"], ids["pad"],
                             add_bos=_flag(f, K + "add_bos_token", True),

@@ -119,3 +119,21 @@ def test_bad_input(tmp_path, text):
     assert r.returncode == 1 and "not the text" in r.stderr
     r = _cli("train", "--data", text, "--out", out, "--resume", out, *TINY)
     assert r.returncode == 1 and "not a ggtrain checkpoint" in r.stderr
+
+
+@pytest.mark.parametrize("tokenizer", ["byte", "bpe:300"])
+def test_undecodable_bytes_are_handled_as_the_tokenizer_defines(tmp_path, text, tokenizer):
+    """byte keeps every byte (surrogateescape); the others replace invalid UTF-8 (U+FFFD)."""
+    raw = tmp_path / "raw.txt"
+    raw.write_bytes(text.read_bytes()[:20000] + b"\xff\xfe broken \xc3( utf-8 \x80" * 50)
+    out = tmp_path / "m.gguf"
+    r = _cli("train", "--data", raw, "--out", out, "--steps", 3, "--tokenizer", tokenizer, *TINY)
+    assert r.returncode == 0, r.stderr
+    config, weights, tok = load_llama(out)
+    if tokenizer == "byte":  # the reloaded byte vocabulary still keeps every byte
+        assert tok.decode_bytes(tok.encode_bytes(b"\xff\xfe broken")) == b"\xff\xfe broken"
+    ck = tmp_path / "ck"  # and resuming on that text is accepted (same token stream)
+    r = _cli("train", "--data", raw, "--out", out, "--steps", 2, "--checkpoint-dir", ck, "--tokenizer", tokenizer, *TINY)
+    assert r.returncode == 0, r.stderr
+    r = _cli("train", "--data", raw, "--out", out, "--steps", 3, "--resume", ck / "ckpt-000002.gguf", *TINY)
+    assert r.returncode == 0, r.stderr
