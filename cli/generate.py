@@ -14,6 +14,15 @@ from ggtrain.core.backend_cpu import CpuBackend, default_threads
 from ggtrain.core.models.llama import LlamaConfig, LlamaRunner, generate
 from ggtrain.errors import ConfigError
 from ggtrain.formats.llama_model import load_llama
+from ggtrain.formats.lora import merge_lora
+
+
+def _load(model, lora, lora_scale):
+    """Config, f32 weights (with the adapter merged in, if any) and tokenizer of a model."""
+    config, weights, tok = load_llama(model)
+    if lora is not None:
+        weights = merge_lora(weights, lora, lora_scale)
+    return config, weights, tok
 
 
 def _backend(threads):
@@ -25,6 +34,8 @@ def _backend(threads):
 @app.command("generate")
 def generate_cmd(
     model: pathlib.Path = typer.Option(..., "--model", help="A llama GGUF model (F32, F16, Q8_0, Q4_0, ...)."),
+    lora: pathlib.Path = typer.Option(None, "--lora", help="A LoRA adapter GGUF (llama.cpp's format) to apply."),
+    lora_scale: float = typer.Option(1.0, "--lora-scale", help="Scale of the adapter (as llama.cpp's --lora-scaled)."),
     prompt: str = typer.Option(..., "--prompt", help="Text to continue."),
     n: int = typer.Option(64, "-n", "--n-tokens", help="Tokens to generate (fewer if EOS comes first)."),
     temp: float = typer.Option(0.0, "--temp", help="Sampling temperature; 0 is greedy (llama.cpp's greedy tokens)."),
@@ -35,7 +46,7 @@ def generate_cmd(
     """Continue a prompt with a llama model; prints only the continuation."""
     if n < 0 or temp < 0 or top_k < 0:
         raise ConfigError("-n, --temp and --top-k must be >= 0")
-    config, weights, tok = load_llama(model)
+    config, weights, tok = _load(model, lora, lora_scale)
     cfg = LlamaConfig(**config)
     ids = tok.encode(prompt, add_bos=tok.add_bos).tolist()
     if len(ids) >= cfg.ctx:
@@ -53,13 +64,15 @@ def generate_cmd(
 @app.command("eval")
 def eval_cmd(
     model: pathlib.Path = typer.Option(..., "--model", help="A llama GGUF model."),
+    lora: pathlib.Path = typer.Option(None, "--lora", help="A LoRA adapter GGUF (llama.cpp's format) to apply."),
+    lora_scale: float = typer.Option(1.0, "--lora-scale", help="Scale of the adapter."),
     data: pathlib.Path = typer.Option(..., "--data", help="A UTF-8 text file."),
     ctx: int = typer.Option(0, "--ctx", help="Window length (default: min(model context, 512))."),
     as_json: bool = typer.Option(False, "--json", help='Print {"perplexity", "nll", "tokens"} as JSON.'),
     threads: int = typer.Option(None, "--threads", help="CPU threads (default: all available)."),
 ):
     """Perplexity of a llama model on a text: non-overlapping windows, every token scored once."""
-    config, weights, tok = load_llama(model)
+    config, weights, tok = _load(model, lora, lora_scale)
     cfg = LlamaConfig(**config)
     length = ctx or min(cfg.ctx, 512)
     if not 1 <= length <= cfg.ctx:

@@ -70,3 +70,18 @@ def test_bad_input(shared_data, tmp_path):
     (tmp_path / "bin.txt").write_bytes(b"\xff\xfe\x00bad")
     r = _cli("eval", "--model", str(shared_data / "gguf" / "stories260K.gguf"), "--data", str(tmp_path / "bin.txt"))
     assert r.returncode == 1 and "UTF-8" in r.stderr
+
+
+def test_lora_bad_input(shared_data, tmp_path):
+    from ggtrain.formats.lora import write_lora
+    model = shared_data / "gguf" / "stories260K.gguf"
+    r = _cli("generate", "--model", str(model), "--lora", str(model), "--prompt", "hi", "-n", "2")
+    assert r.returncode == 1 and "not a LoRA adapter" in r.stderr
+    bad = tmp_path / "bad.gguf"
+    write_lora(bad, "llama", 4.0, {"blk.0.attn_q.weight": (np.zeros((2, 32)), np.zeros((64, 2)))})
+    r = _cli("generate", "--model", str(model), "--lora", str(bad), "--prompt", "hi", "-n", "2")
+    assert r.returncode == 1 and "blk.0.attn_q.weight" in r.stderr
+    missing = tmp_path / "m.gguf"
+    write_lora(missing, "llama", 4.0, {"blk.9.attn_q.weight": (np.zeros((2, 64)), np.zeros((64, 2)))})
+    r = _cli("generate", "--model", str(model), "--lora", str(missing), "--prompt", "hi", "-n", "2")
+    assert r.returncode == 1 and "does not have" in r.stderr

@@ -216,3 +216,39 @@ def test_logits_of_written_model_equal_llama_cpp(llama, written_model):
     theirs = _their_logits(_open(llama, path, logits_all=True, f32_cache=True), ids)
     ours = _our_logits(config, weights, ids)
     np.testing.assert_allclose(ours, theirs, rtol=0, atol=LOGITS_ATOL)
+
+
+
+def test_lora_adapter_applies_as_in_llama_cpp(llama, shared_data, tmp_path):
+    """An adapter we write in llama.cpp's format: llama.cpp applies it (lora_path, lora_scale)
+    as our --lora does: logits within LOGITS_ATOL, the same greedy ids, and the CLI agrees."""
+    import subprocess
+    import sys
+
+    from ggtrain.formats.lora import merge_lora, write_lora
+
+    path = shared_data / "gguf" / "stories260K.gguf"
+    config, weights, tok = load_llama(path)
+    rng = np.random.default_rng(5)
+    pairs = {}
+    for i in range(config["layers"]):
+        for t in ("attn_q", "attn_v", "ffn_up"):
+            name = f"blk.{i}.{t}.weight"
+            n_out, n_in = weights[name].shape
+            pairs[name] = (rng.normal(0, 0.3, (4, n_in)), rng.normal(0, 0.3, (n_out, 4)))
+    adapter = tmp_path / "adapter.gguf"
+    write_lora(adapter, "llama", 8.0, pairs)
+    merged = merge_lora(weights, adapter, 0.5)
+    ids = tok.encode(PROMPT, add_bos=True).tolist()
+    llm = llama.Llama(model_path=str(path), lora_path=str(adapter), lora_scale=0.5, n_ctx=128, n_threads=2,
+                      n_threads_batch=2, seed=0, logits_all=True, verbose=False,
+                      type_k=llama.GGML_TYPE_F32, type_v=llama.GGML_TYPE_F32, flash_attn=False)
+    np.testing.assert_allclose(_our_logits(config, merged, ids), _their_logits(llm, ids), atol=LOGITS_ATOL)
+    runner = LlamaRunner(LlamaConfig(**config), merged, CpuBackend(2), length=len(ids) + 24)
+    ours = list(generate(runner, ids, 24, eos=tok.eos_id))
+    assert _their_greedy_ids(llm, ids, 24, tok.eos_id) == ours
+    base = LlamaRunner(LlamaConfig(**config), weights, CpuBackend(2), length=len(ids) + 24)
+    assert list(generate(base, ids, 24, eos=tok.eos_id)) != ours  # the adapter changed the model
+    r = subprocess.run([sys.executable, "-m", "ggtrain", "generate", "--model", str(path), "--lora", str(adapter),
+                        "--lora-scale", "0.5", "--prompt", PROMPT, "-n", "24"], capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout.rstrip("\n") == tok.decode([t for t in ours if t != tok.eos_id])

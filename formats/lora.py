@@ -1,0 +1,70 @@
+"""LoRA adapters in llama.cpp's format (layer 5).
+
+An adapter GGUF has general.type "adapter", adapter.type "lora", adapter.lora.alpha
+(FLOAT32), general.architecture of its base model, and per adapted weight W (numpy
+shape (n_out, n_in)) two tensors: `<W name>.lora_a` of numpy shape (r, n_in) and
+`<W name>.lora_b` of shape (n_out, r) (ggml ne [n_in, r] and [r, n_out]). llama.cpp
+adds scale * alpha / r * B @ (A @ x) to W @ x, so the merged weight is
+W + scale * alpha / r * B @ A.
+"""
+from __future__ import annotations
+
+import numpy as np
+from gguf import GGUFValueType as VT
+
+from ggtrain.errors import FormatError
+from ggtrain.formats.gguf import read_gguf, write_gguf
+
+
+def read_lora(path) -> tuple:
+    """(alpha, architecture, {weight name: (A (r, n_in), B (n_out, r))}) of an adapter file."""
+    f = read_gguf(path)
+    if f.value("general.type", None) != "adapter" or f.value("adapter.type", None) != "lora":
+        raise FormatError(f"{path}: not a LoRA adapter (general.type {f.value('general.type', None)!r}, "
+                          f"adapter.type {f.value('adapter.type', None)!r})")
+    alpha = float(f.value("adapter.lora.alpha", 0.0))
+    pairs = {}
+    for name in f.tensors:
+        if name.endswith(".lora_a"):
+            base = name[:-len(".lora_a")]
+            if base + ".lora_b" not in f.tensors:
+                raise FormatError(f"{path}: {name} has no matching {base}.lora_b")
+            a, b = f.tensor_f32(name), f.tensor_f32(base + ".lora_b")
+            if a.ndim != 2 or b.ndim != 2 or a.shape[0] != b.shape[1]:
+                raise FormatError(f"{path}: {base}: lora_a {a.shape} and lora_b {b.shape} do not share a rank")
+            pairs[base] = (a, b)
+        elif not name.endswith(".lora_b"):
+            raise FormatError(f"{path}: unexpected tensor {name!r} in a LoRA adapter")
+    if not pairs:
+        raise FormatError(f"{path}: the adapter holds no lora_a/lora_b pairs")
+    return alpha, f.value("general.architecture", None), pairs
+
+
+def write_lora(path, arch: str, alpha: float, pairs: dict) -> None:
+    """Write an adapter atomically: pairs {weight name: (A (r, n_in), B (n_out, r))}."""
+    kv = [("general.architecture", arch, VT.STRING), ("general.type", "adapter", VT.STRING),
+          ("adapter.type", "lora", VT.STRING), ("adapter.lora.alpha", float(alpha), VT.FLOAT32)]
+    tensors = []
+    for name, (a, b) in pairs.items():
+        tensors.append((name + ".lora_a", np.ascontiguousarray(a, np.float32), "F32"))
+        tensors.append((name + ".lora_b", np.ascontiguousarray(b, np.float32), "F32"))
+    write_gguf(path, kv, tensors)
+
+
+def merge_lora(weights: dict, path, scale: float = 1.0, arch: str = "llama") -> dict:
+    """weights with the adapter at `path` merged in (W + scale * alpha / r * B @ A), in float64
+    then rounded to f32. Raises FormatError for a foreign adapter or mismatched shapes."""
+    alpha, adapter_arch, pairs = read_lora(path)
+    if adapter_arch not in (None, arch):
+        raise FormatError(f"{path}: adapter for architecture {adapter_arch!r}, the model is {arch!r}")
+    out = dict(weights)
+    for name, (a, b) in pairs.items():
+        w = weights.get(name)
+        if w is None:
+            raise FormatError(f"{path}: adapter targets {name!r}, which the model does not have")
+        if (b.shape[0], a.shape[1]) != w.shape:
+            raise FormatError(f"{path}: {name}: adapter gives {(b.shape[0], a.shape[1])}, the weight is {w.shape}")
+        r = a.shape[0]
+        s = scale * (alpha / r if alpha else 1.0)
+        out[name] = (w.astype(np.float64) + s * (b.astype(np.float64) @ a.astype(np.float64))).astype(np.float32)
+    return out
