@@ -252,3 +252,28 @@ def test_lora_adapter_applies_as_in_llama_cpp(llama, shared_data, tmp_path):
     r = subprocess.run([sys.executable, "-m", "ggtrain", "generate", "--model", str(path), "--lora", str(adapter),
                         "--lora-scale", "0.5", "--prompt", PROMPT, "-n", "24"], capture_output=True, text=True)
     assert r.returncode == 0 and r.stdout.rstrip("\n") == tok.decode([t for t in ours if t != tok.eos_id])
+
+
+@pytest.mark.parametrize("kind", ["byte", "bpe:300", "stories260K.gguf"])
+def test_model_trained_by_the_cli_runs_identically_in_llama_cpp(llama, shared_data, tmp_path, kind):
+    """`ggtrain train` with each tokenizer kind, then llama.cpp: same prompt ids, same greedy ids."""
+    import subprocess
+    import sys
+
+    text = tmp_path / "t.txt"
+    text.write_text((shared_data / "text" / "tinyshakespeare.txt").read_text()[:40000])
+    spec = str(shared_data / "gguf" / kind) if kind.endswith(".gguf") else kind
+    out = tmp_path / "m.gguf"
+    r = subprocess.run([sys.executable, "-m", "ggtrain", "train", "--data", str(text), "--out", str(out),
+                        "--tokenizer", spec, "--dim", "64", "--layers", "2", "--heads", "4", "--kv-heads", "2",
+                        "--ff", "128", "--ctx", "64", "--batch", "4", "--steps", "30", "--warmup", "3",
+                        "--lr", "5e-3", "--quiet"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    config, weights, tok = load_llama(out)
+    prompt = "KING RICHARD:\nWhat say you, my lords?"
+    ids = tok.encode(prompt, add_bos=True).tolist()
+    llm = _open(llama, out, n_ctx=256, f32_cache=True)
+    assert llm.tokenize(prompt.encode(), add_bos=True, special=False) == ids
+    runner = LlamaRunner(LlamaConfig(**config), weights, CpuBackend(2), length=min(config["ctx"], len(ids) + 24))
+    ours = list(generate(runner, ids, 24, eos=tok.eos_id))
+    assert _their_greedy_ids(llm, ids, len(ours), tok.eos_id) == ours
