@@ -6,11 +6,10 @@ import math
 import pathlib
 import sys
 
-import numpy as np
 import typer
 
+from ggtrain.cli.common import cpu_backend
 from ggtrain.cli.main import app
-from ggtrain.core.backend_cpu import CpuBackend, default_threads
 from ggtrain.core.models.llama import LlamaConfig, LlamaRunner, generate
 from ggtrain.errors import ConfigError
 from ggtrain.formats.llama_model import load_llama
@@ -23,12 +22,6 @@ def _load(model, lora, lora_scale):
     if lora is not None:
         weights = merge_lora(weights, lora, lora_scale)
     return config, weights, tok
-
-
-def _backend(threads):
-    if threads is not None and threads < 1:
-        raise ConfigError(f"--threads must be >= 1, got {threads}")
-    return CpuBackend(threads or default_threads())
 
 
 @app.command("generate")
@@ -51,7 +44,7 @@ def generate_cmd(
     ids = tok.encode(prompt, add_bos=tok.add_bos).tolist()
     if len(ids) >= cfg.ctx:
         raise ConfigError(f"--prompt has {len(ids)} tokens; the model's context is {cfg.ctx}")
-    runner = LlamaRunner(cfg, weights, _backend(threads), length=min(cfg.ctx, len(ids) + n))
+    runner = LlamaRunner(cfg, weights, cpu_backend("cpu", threads), length=min(cfg.ctx, len(ids) + n))
     out = []
     for t in generate(runner, ids, n, temp, top_k, seed, eos=tok.eos_id):
         if t == tok.eos_id:
@@ -84,7 +77,7 @@ def eval_cmd(
     ids = tok.encode(text, add_bos=tok.add_bos)
     if len(ids) < 2:
         raise ConfigError(f"--data {data}: fewer than 2 tokens to score")
-    runner = LlamaRunner(cfg, weights, _backend(threads), length=length)
+    runner = LlamaRunner(cfg, weights, cpu_backend("cpu", threads), length=length)
     total, count = 0.0, 0
     for start in range(0, len(ids) - 1, length):
         window = ids[start:start + length + 1]

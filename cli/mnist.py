@@ -3,15 +3,14 @@ from __future__ import annotations
 
 import json
 import pathlib
-import signal
 import sys
 import time
 
 import typer
 from tqdm import tqdm
 
+from ggtrain.cli.common import JsonLog, cpu_backend, stop_on_ctrl_c
 from ggtrain.cli.main import app
-from ggtrain.core.backend_cpu import CpuBackend, default_threads
 from ggtrain.core.models import mnist as model
 from ggtrain.core.train import ClassifierConfig, ClassifierRun
 from ggtrain.errors import ConfigError
@@ -23,30 +22,6 @@ BUNDLED = pathlib.Path(__file__).resolve().parent / "data" / "mnist"
 mnist_app = typer.Typer(help="Train and evaluate ggml's MNIST classifiers (mnist-fc, mnist-cnn).",
                         no_args_is_help=True)
 app.add_typer(mnist_app, name="mnist")
-
-
-def _backend(name: str, threads: int | None):
-    if name != "cpu":
-        raise ConfigError(f"--backend {name}: only the cpu backend is available in this build")
-    if threads is not None and threads < 1:
-        raise ConfigError(f"--threads must be >= 1, got {threads}")
-    return CpuBackend(threads or default_threads())
-
-
-class _Log:
-    """--log RUN.jsonl: one JSON object per line, flushed as written."""
-
-    def __init__(self, path: pathlib.Path | None):
-        self.file = open(path, "w", encoding="utf-8") if path else None
-
-    def write(self, obj: dict) -> None:
-        if self.file:
-            self.file.write(json.dumps(obj) + "\n")
-            self.file.flush()
-
-    def close(self) -> None:
-        if self.file:
-            self.file.close()
 
 
 @mnist_app.command("train")
@@ -78,22 +53,15 @@ def train(
     images, labels = load_mnist(data or BUNDLED, "train")
     if limit:
         images, labels = images[:limit], labels[:limit]
-    be = _backend(backend, threads)
+    be = cpu_backend(backend, threads)
     run = ClassifierRun(lambda p, x: model.forward(arch, p, x), model.init_params(arch, seed),
                         (28, 28), config, be)
     mem = run.step.memory
     typer.echo(f"mnist-{arch}: {sum(v.size for v in model.init_params(arch, seed).values())} parameters, "
                f"{len(labels)} images, planned memory {mem.peak / 2**20:.1f} MiB "
                f"(arena {mem.arena / 2**20:.1f} MiB), {be.n_threads} threads", err=True)
-    logf = _Log(log)
+    logf = JsonLog(log)
     bar = None
-    state = {"interrupted": False}
-
-    def on_sigint(signum, frame):
-        state["interrupted"] = True
-        run.stop()
-
-    old = signal.signal(signal.SIGINT, on_sigint)
 
     def on_step(info):
         logf.write({k: info[k] for k in ("step", "epoch", "loss", "lr", "grad_norm", "samples_per_s", "elapsed_s")})
@@ -121,9 +89,9 @@ def train(
 
     t0 = time.perf_counter()
     try:
-        history = run.fit(images, labels, on_step, on_epoch)
+        with stop_on_ctrl_c(run) as state:
+            history = run.fit(images, labels, on_step, on_epoch)
     finally:
-        signal.signal(signal.SIGINT, old)
         if bar is not None:
             bar.close()
     save_mnist_model(out, arch, run.param_values(), model.PARAM_SHAPES[arch])
@@ -150,7 +118,7 @@ def evaluate(
     """Test loss and accuracy (with standard errors) of an MNIST model on the t10k set."""
     arch, params = load_mnist_model(model_path, model.PARAM_SHAPES)
     images, labels = load_mnist(data or BUNDLED, "test")
-    be = _backend(backend, threads)
+    be = cpu_backend(backend, threads)
     config = ClassifierConfig(epochs=0, batch=500, physical_batch=500)
     run = ClassifierRun(lambda p, x: model.forward(arch, p, x), params, (28, 28), config, be)
     ev = run.evaluate(images, labels)

@@ -3,9 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import pathlib
-import signal
 import sys
 import time
 
@@ -13,12 +11,12 @@ import numpy as np
 import typer
 from tqdm import tqdm
 
+from ggtrain.cli.common import JsonLog, cpu_backend, stop_on_ctrl_c
 from ggtrain.cli.main import app
-from ggtrain.core.backend_cpu import CpuBackend, default_threads
 from ggtrain.core.data import TokenWindows, eval_windows, split_tokens
 from ggtrain.core.models.llama import LlamaConfig, init_params
 from ggtrain.core.train import TextConfig, TextRun
-from ggtrain.errors import ConfigError, FormatError
+from ggtrain.errors import ConfigError
 from ggtrain.formats.checkpoint import load_checkpoint, save_checkpoint
 from ggtrain.formats.llama_model import save_llama
 from ggtrain.formats.tokenizer import load_tokenizer
@@ -75,10 +73,7 @@ def train(
     quiet: bool = typer.Option(False, "--quiet", help="No progress bar."),
 ):
     """Train a llama-architecture model from scratch on a text file."""
-    if backend != "cpu":
-        raise ConfigError(f"--backend {backend}: only the cpu backend is available in this build")
-    if threads is not None and threads < 1:
-        raise ConfigError(f"--threads must be >= 1, got {threads}")
+    be = cpu_backend(backend, threads)
     if save_every and checkpoint_dir is None:
         raise ConfigError("--save-every needs --checkpoint-dir")
     if save_every < 0:
@@ -114,7 +109,6 @@ def train(
         train_cfg = TextConfig(steps=n_steps, batch=batch, grad_acc=grad_acc, lr=lr, lr_min=lr_min, warmup=warmup,
                                weight_decay=weight_decay, grad_clip=grad_clip, checkpointing=checkpointing,
                                eval_every=eval_every, seed=seed)
-    be = CpuBackend(threads or default_threads())
     init = ckpt["state"]["params"] if ckpt else init_params(model_cfg, train_cfg.seed)
     run = TextRun(model_cfg, init, train_cfg, be)
     windows = TokenWindows(train_ids, model_cfg.ctx, train_cfg.batch, train_cfg.seed + 1)
@@ -135,21 +129,9 @@ def train(
     def checkpoint(path: pathlib.Path) -> None:
         save_checkpoint(path, model_json, train_json, run.state(), tok, windows.state(), fingerprint)
 
-    logf = open(log, "w", encoding="utf-8") if log else None
-
-    def write(obj):
-        if logf:
-            logf.write(json.dumps(obj) + "\n")
-            logf.flush()
-
+    logf = JsonLog(log)
+    write = logf.write
     bar = None if quiet else tqdm(total=train_cfg.steps, initial=run.updates, unit="step", file=sys.stderr)
-    interrupted = {"flag": False}
-
-    def on_sigint(signum, frame):
-        interrupted["flag"] = True
-        run.stop()
-
-    old = signal.signal(signal.SIGINT, on_sigint)
 
     def on_step(info):
         write({k: info[k] for k in ("step", "epoch", "loss", "lr", "grad_norm", "tokens_per_s", "elapsed_s")})
@@ -166,12 +148,12 @@ def train(
 
     t0 = time.perf_counter()
     try:
-        run.fit(windows, val_batches, on_step, on_eval)
+        with stop_on_ctrl_c(run) as state:
+            run.fit(windows, val_batches, on_step, on_eval)
     finally:
-        signal.signal(signal.SIGINT, old)
         if bar is not None:
             bar.close()
-    if interrupted["flag"]:
+    if state["interrupted"]:
         path = (checkpoint_dir or out.parent) / (f"ckpt-{run.updates:06d}.gguf" if checkpoint_dir else out.name + ".ckpt.gguf")
         checkpoint(path)
         write({"event": "interrupted", "step": run.updates, "checkpoint": str(path)})
@@ -184,6 +166,5 @@ def train(
     summary = {"event": "done", "step": run.updates, "val_loss": val_loss, "tokens_seen": run.tokens_seen,
                "elapsed_s": time.perf_counter() - t0, "out": str(out)}
     write(summary)
-    if logf:
-        logf.close()
+    logf.close()
     typer.echo(f"done: {run.updates} updates, validation loss {val_loss:.4f}, wrote {out}", err=True)

@@ -223,7 +223,6 @@ class Runtime:
             if t.out is not None:
                 self.buffer(t.out)
         # live ranges of arena roots
-        index = {t.id: i for i, t in enumerate(execs)}
         start, end, size = {}, {}, {}
         for i, t in enumerate(execs):
             if t.out is None:

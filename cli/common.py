@@ -1,0 +1,53 @@
+"""Pieces the training and inference commands share (layer 6): backend choice, the
+--log JSON-lines writer, and Ctrl-C handling that lets a run stop cleanly."""
+from __future__ import annotations
+
+import contextlib
+import json
+import pathlib
+import signal
+
+from ggtrain.core.backend_cpu import CpuBackend, default_threads
+from ggtrain.errors import ConfigError
+
+
+def cpu_backend(backend: str = "cpu", threads: int | None = None) -> CpuBackend:
+    """The backend for --backend/--threads; ConfigError naming the bad value."""
+    if backend != "cpu":
+        raise ConfigError(f"--backend {backend}: only the cpu backend is available in this build")
+    if threads is not None and threads < 1:
+        raise ConfigError(f"--threads must be >= 1, got {threads}")
+    return CpuBackend(threads or default_threads())
+
+
+class JsonLog:
+    """--log RUN.jsonl: one JSON object per line, flushed as written (no file: no-op)."""
+
+    def __init__(self, path: pathlib.Path | None):
+        self.file = open(path, "w", encoding="utf-8") if path else None
+
+    def write(self, obj: dict) -> None:
+        if self.file:
+            self.file.write(json.dumps(obj) + "\n")
+            self.file.flush()
+
+    def close(self) -> None:
+        if self.file:
+            self.file.close()
+
+
+@contextlib.contextmanager
+def stop_on_ctrl_c(run):
+    """While active, Ctrl-C calls run.stop() (the run ends after its current update) instead
+    of raising; yields a dict whose "interrupted" entry says whether it happened."""
+    state = {"interrupted": False}
+
+    def handler(signum, frame):
+        state["interrupted"] = True
+        run.stop()
+
+    old = signal.signal(signal.SIGINT, handler)
+    try:
+        yield state
+    finally:
+        signal.signal(signal.SIGINT, old)
