@@ -22,8 +22,10 @@ import time
 
 import numpy as np
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from torch_venv import ensure_torch  # noqa: E402
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-TORCH_VENV = ROOT / "bench" / ".venv-torch"
 CONFIGS = {
     "a": dict(vocab=256, dim=256, layers=4, heads=8, kv_heads=8, ff=768, ctx=128, batch=8),
     "b": dict(vocab=256, dim=512, layers=8, heads=8, kv_heads=8, ff=1376, ctx=256, batch=4),
@@ -88,14 +90,6 @@ for s in range(len(windows)):
     losses.append(float(loss))
 print(json.dumps({"times": times, "losses": losses}))
 """
-
-
-def ensure_torch() -> pathlib.Path:
-    py = TORCH_VENV / "bin" / "python"
-    if not py.exists():
-        subprocess.run([sys.executable, "-m", "venv", str(TORCH_VENV)], check=True)
-        subprocess.run([str(py), "-m", "pip", "install", "-q", "torch==2.13.0", "numpy"], check=True)
-    return py
 
 
 def run_ours(cfg: dict, init: dict, windows: np.ndarray, threads: int, checkpointing: bool) -> dict:

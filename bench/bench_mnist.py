@@ -20,9 +20,11 @@ import time
 
 import numpy as np
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from torch_venv import ensure_torch  # noqa: E402
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DATA = ROOT.parent / "shared" / "data" / "mnist"
-TORCH_VENV = ROOT / "bench" / ".venv-torch"
 
 TORCH_SCRIPT = r"""
 import json, sys, time
@@ -61,14 +63,6 @@ for _ in range(args["epochs"]):
     t = time.perf_counter(); epoch(n // 1000); times.append(time.perf_counter() - t)
 print(json.dumps({"epoch_s": min(times), "all": times}))
 """
-
-
-def ensure_torch() -> pathlib.Path:
-    py = TORCH_VENV / "bin" / "python"
-    if not py.exists():
-        subprocess.run([sys.executable, "-m", "venv", str(TORCH_VENV)], check=True)
-        subprocess.run([str(py), "-m", "pip", "install", "-q", "torch==2.13.0", "numpy"], check=True)
-    return py
 
 
 def run_torch(arch, threads, epochs, data_file):
