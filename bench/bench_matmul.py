@@ -99,7 +99,8 @@ def _best(fn, reps: int) -> float:
 
 def bench_line(backend, M, K, N, layout, n_threads, rounds, reps, rng, batch=0):
     a, b, c, aref, bref, cref, _keep = _operands(backend, M, K, N, layout, rng, batch)
-    call = KernelCall("matmul_fwd_f32", cref, (aref, bref), work_bytes=lib.gt_matmul_work_size())
+    call = KernelCall("matmul_fwd_f32", cref, (aref, bref))
+    call = KernelCall(call.kernel, cref, (aref, bref), work_bytes=backend.kernel_sizes(call)[1])
     plan = backend.compile([call], n_threads)
     ref = np.empty_like(c)
     with _blas_threads(n_threads):

@@ -11,9 +11,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-DTYPES = {"f32": np.dtype(np.float32), "f16": np.dtype(np.float16),
-          "bf16": np.dtype(np.uint16), "i32": np.dtype(np.int32)}
-DTYPE_SIZE = {"f32": 4, "f16": 2, "bf16": 2, "i32": 4}
 MAX_DIMS = 6
 
 
@@ -25,9 +22,14 @@ class Buffer(ABC):
 
 @dataclass(frozen=True)
 class TensorRef:
-    """Where a tensor's elements lie: buffer, byte offset, dtype, shape, strides (elements)."""
+    """Where a tensor's elements lie: buffer, byte offset, dtype, shape, strides (elements).
 
-    buffer: Buffer
+    A block-typed tensor (ggtrain.native.dtypes) is rows of whole blocks along its
+    stride-1 dim; its strides count elements as if it were unpacked. buffer None
+    describes a tensor without memory yet (what Backend.kernel_sizes looks at).
+    """
+
+    buffer: Buffer | None
     offset: int
     dtype: str
     shape: tuple
@@ -73,7 +75,12 @@ class Backend(ABC):
 
     @abstractmethod
     def supports(self, kernel: str) -> bool:
-        """Whether this backend has the kernel `<op>_<fwd|bwd>_<dtype>`."""
+        """Whether this backend has the kernel `<op>_<fwd|bwd>_<dtypes>`."""
+
+    @abstractmethod
+    def kernel_sizes(self, call: KernelCall) -> tuple:
+        """(node scratch bytes, per-thread work bytes) the kernel of `call` needs for its
+        tensors' dtypes, shapes and strides and its params (buffers may be None)."""
 
     @abstractmethod
     def compile(self, calls: list, n_threads: int) -> Plan: ...

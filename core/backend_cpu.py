@@ -8,8 +8,8 @@ import numpy as np
 from ggtrain.core.backend import MAX_DIMS, Backend, Buffer, KernelCall, Plan, TensorRef
 from ggtrain.errors import ShapeError, UnsupportedOpError
 from ggtrain.native import _check, ffi, lib
+from ggtrain.native.dtypes import dtype as _dtype
 
-_GT_DTYPE = {"f32": lib.GT_F32, "f16": lib.GT_F16, "bf16": lib.GT_BF16, "i32": lib.GT_I32}
 _ALIGN = 64
 
 
@@ -36,20 +36,15 @@ class CpuBuffer(Buffer):
         self.address = self.bytes.ctypes.data
 
     def view(self, offset: int, dtype: str, shape: tuple, strides: tuple | None = None) -> np.ndarray:
-        """A numpy view of elements in this buffer (strides in elements)."""
-        np_dtype = _np_dtype(dtype)
-        size = np_dtype.itemsize
+        """A numpy view of elements of an element dtype in this buffer (strides in elements)."""
+        np_dtype = _dtype(dtype).numpy
+        size = _dtype(dtype).itemsize
         if strides is None:
             n = int(np.prod(shape, dtype=np.int64)) if shape else 1
             return self.bytes[offset:offset + n * size].view(np_dtype).reshape(shape)
         return np.lib.stride_tricks.as_strided(
             self.bytes[offset:].view(np_dtype), shape=shape,
             strides=tuple(s * size for s in strides))
-
-
-def _np_dtype(dtype: str) -> np.dtype:
-    return {"f32": np.dtype(np.float32), "f16": np.dtype(np.float16),
-            "bf16": np.dtype(np.uint16), "i32": np.dtype(np.int32)}[dtype]
 
 
 class CpuPlan(Plan):
@@ -93,8 +88,8 @@ class CpuPlan(Plan):
 def _fill_tensor(desc, ref: TensorRef) -> None:
     if len(ref.shape) > MAX_DIMS:
         raise ShapeError(f"tensor of shape {ref.shape} has more than {MAX_DIMS} dims")
-    desc.data = ffi.cast("void *", ref.buffer.address + ref.offset)
-    desc.dtype = _GT_DTYPE[ref.dtype]
+    desc.data = ffi.NULL if ref.buffer is None else ffi.cast("void *", ref.buffer.address + ref.offset)
+    desc.dtype = _dtype(ref.dtype).id
     desc.ndim = len(ref.shape)
     for i in range(MAX_DIMS):
         desc.shape[i] = ref.shape[i] if i < len(ref.shape) else 1
@@ -104,7 +99,7 @@ def _fill_tensor(desc, ref: TensorRef) -> None:
 def _fill_node(node, call: KernelCall, fn, keep: list) -> None:
     if len(call.srcs) > 6 or len(call.ip) > 8 or len(call.fp) > 8:
         raise ShapeError(f"{call.kernel}: too many inputs or parameters")
-    node.fn = fn
+    node.fn = ffi.NULL if fn is None else fn
     node.n_src = len(call.srcs)
     _fill_tensor(node.dst, call.dst)
     for i, src in enumerate(call.srcs):
@@ -162,6 +157,16 @@ class CpuBackend(Backend):
     def supports(self, kernel: str) -> bool:
         return hasattr(lib, "gt_" + kernel)
 
+    def kernel_sizes(self, call: KernelCall) -> tuple:
+        sizer = getattr(lib, f"gt_{call.kernel}_sizes", None)
+        if sizer is None:
+            return 0, 0
+        node = ffi.new("gt_node *")
+        _fill_node(node, call, None, [])
+        scratch, work = ffi.new("int64_t *"), ffi.new("int64_t *")
+        _check(sizer(node, scratch, work), f"sizing {call.label or call.kernel}")
+        return int(scratch[0]), int(work[0])
+
     def kernel_pointer(self, kernel: str):
         """The native function pointer of kernel `gt_<kernel>`, looked up by name."""
         if not self.supports(kernel):
@@ -181,36 +186,45 @@ class CpuBackend(Backend):
 
 
 def run_kernel(kernel: str, dst: np.ndarray, srcs: list, ip=(), fp=(), n_threads: int = 1,
-               scratch_bytes: int = 0, work_bytes: int = 0, backend: CpuBackend | None = None) -> np.ndarray:
+               scratch_bytes: int | None = None, work_bytes: int | None = None,
+               backend: CpuBackend | None = None) -> np.ndarray:
     """Run one kernel on numpy arrays (tests and direct use); dst is filled in place.
 
-    Arrays may be strided views of contiguous buffers; bf16 arrays are uint16 with
-    dtype given by a tuple (array, "bf16").
+    Arrays may be strided views of contiguous buffers. A tuple (array, dtype) names the
+    dtype where numpy cannot (bf16 as uint16); (array, dtype, shape, strides) also gives
+    the logical shape and element strides, as block types need (array: their raw bytes).
+    Scratch and work sizes default to what the kernel asks for (Backend.kernel_sizes).
     """
     backend = backend or CpuBackend(n_threads)
     bufs = []
 
     def ref(a):
-        dtype = None
+        dtype = shape = strides = None
         if isinstance(a, tuple):
-            a, dtype = a
+            a, dtype, *rest = a
+            if rest:
+                shape, strides = rest
         if dtype is None:
             dtype = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16",
                      np.dtype(np.int32): "i32", np.dtype(np.uint16): "bf16"}[a.dtype]
-        base = a
-        while base.base is not None and isinstance(base.base, np.ndarray):
-            base = base.base
         buf = _ArrayBuffer(a)
         bufs.append(buf)
-        item = a.dtype.itemsize
-        return TensorRef(buf, 0, dtype, tuple(a.shape), tuple(s // item for s in a.strides))
+        if shape is None:
+            item = a.dtype.itemsize
+            shape, strides = tuple(a.shape), tuple(s // item for s in a.strides)
+        return TensorRef(buf, 0, dtype, tuple(shape), tuple(strides))
 
+    call = KernelCall(kernel, ref(dst), tuple(ref(s) for s in srcs), tuple(ip), tuple(fp))
+    if scratch_bytes is None or work_bytes is None:
+        need_scratch, need_work = backend.kernel_sizes(call)
+        scratch_bytes = need_scratch if scratch_bytes is None else scratch_bytes
+        work_bytes = need_work if work_bytes is None else work_bytes
     scratch = None
     if scratch_bytes:
         sb = CpuBuffer(scratch_bytes)
+        bufs.append(sb)
         scratch = TensorRef(sb, 0, "f32", (scratch_bytes,), (1,))
-    call = KernelCall(kernel, ref(dst), tuple(ref(s) for s in srcs), tuple(ip), tuple(fp),
-                      scratch, work_bytes)
+    call = KernelCall(kernel, call.dst, call.srcs, call.ip, call.fp, scratch, work_bytes)
     plan = backend.compile([call], n_threads)
     backend.run(plan, n_threads)
     return dst[0] if isinstance(dst, tuple) else dst

@@ -15,14 +15,16 @@ Running a plan is one native call; Python only copies inputs in and results out.
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
 
 from ggtrain.core import ops as _ops
-from ggtrain.core.backend import DTYPE_SIZE, Backend, KernelCall, TensorRef
-from ggtrain.core.tensor import PERSISTENT_KINDS, Tensor, as_array
+from ggtrain.core.backend import Backend, KernelCall, TensorRef
+from ggtrain.core.tensor import PERSISTENT_KINDS, Tensor, as_array, contiguous_strides
 from ggtrain.errors import DTypeError, ShapeError
+from ggtrain.native.dtypes import dtype as _dtype, nbytes
 
 _ALIGN = 64
 
@@ -40,10 +42,17 @@ class Graph:
         return len(self.nodes) - 1
 
     def param(self, shape, init=None, name: str = "", trainable: bool = True,
-              weight_decay: bool | None = None) -> Tensor:
-        """A parameter (f32) with an initial value (numpy array; zeros if None)."""
-        t = Tensor(self, shape, "f32", kind="param", name=name)
-        t.init = None if init is None else as_array(init, t.shape, "f32")
+              weight_decay: bool | None = None, dtype: str = "f32") -> Tensor:
+        """A parameter with an initial value (numpy array; zeros if None).
+
+        Trainable parameters are f32. A frozen one (trainable=False) may be stored in
+        any type kernels read weights in (f16, bf16, Q4_0, ..., Q6_K): its init is then
+        its raw bytes, or it is bound to a buffer already holding them (Runtime.bind).
+        """
+        if trainable and dtype != "f32":
+            raise DTypeError(f"param {name!r}: trainable parameters are f32, got {dtype}")
+        t = Tensor(self, shape, dtype, kind="param", name=name)
+        t.init = None if init is None else as_array(init, t.shape, dtype)
         t.requires_grad = trainable
         t.weight_decay = weight_decay
         return t
@@ -112,12 +121,13 @@ def assign(value: Tensor, target: Tensor) -> Tensor:
 
 @dataclass
 class MemoryReport:
-    """Bytes planned for one compiled plan."""
+    """Bytes planned for a runtime once a plan is compiled: every plan of the runtime
+    shares one arena (sized for the largest) and the persistent buffers."""
 
-    arena: int          # intermediates, packed by live range
-    arena_unpacked: int # what they would take without reuse
+    arena: int          # intermediates of the runtime's plans, packed by live range (shared)
+    arena_unpacked: int # what this plan's intermediates would take without reuse
     persistent: int     # parameters, state, inputs, constants of the runtime
-    scratch: int        # per-thread kernel scratch
+    scratch: int        # per-thread kernel work of every plan of the runtime
 
     @property
     def peak(self) -> int:
@@ -125,27 +135,55 @@ class MemoryReport:
 
 
 class CompiledPlan:
-    """A native plan plus what is needed to read its results."""
+    """A native plan plus what is needed to read its results.
 
-    def __init__(self, runtime, plan, arena, refs: dict, report: MemoryReport, n_nodes: int):
+    Its intermediates live in the runtime's shared arena, so an output is read after
+    this plan's run and before another plan of the same runtime runs.
+    """
+
+    def __init__(self, runtime, emit, n_threads: int, arena_size: int, work_bytes: int,
+                 report: MemoryReport, n_nodes: int):
         self.runtime = runtime
-        self.plan = plan
-        self.arena = arena
-        self.refs = refs
+        self._emit = emit              # arena -> (kernel calls, {output id: TensorRef})
+        self.n_threads = n_threads
+        self.arena_size = arena_size
+        self.work_bytes = work_bytes   # per thread
         self.report = report
         self.n_nodes = n_nodes
+        self.plan = None
+        self.refs: dict = {}
+
+    def _lower(self, arena) -> None:
+        calls, self.refs = self._emit(arena)
+        self.plan = self.runtime.backend.compile(calls, self.n_threads)
 
     def read(self, t: Tensor) -> np.ndarray:
-        """A copy of an output tensor's value after a run."""
+        """A copy of an output tensor's value after a run.
+
+        Raises RuntimeError for an output in the shared arena when another plan of the
+        runtime has run since this one (it may have overwritten the value).
+        """
         ref = self.refs.get(t.id)
         if ref is None:
             return self.runtime.get(t)
+        if ref.buffer is self.runtime._arena and self.runtime._last_run is not self:
+            raise RuntimeError(f"reading {t!r}: another plan of the runtime ran after this one "
+                               f"(or this one never ran), and the arena they share was reused")
         return _read_ref(self.runtime.backend, ref)
 
 
 def _read_ref(backend: Backend, ref: TensorRef) -> np.ndarray:
-    np_dtype = {"f32": np.float32, "f16": np.float16, "bf16": np.uint16, "i32": np.int32}[ref.dtype]
-    size = DTYPE_SIZE[ref.dtype]
+    """A copy of a tensor's value: numbers (bf16 as f32) for element types, the raw
+    bytes (uint8, (rows, bytes per row)) of a block-typed tensor's whole rows."""
+    dt = _dtype(ref.dtype)
+    if dt.is_block:
+        if ref.strides != contiguous_strides(ref.shape):
+            raise ShapeError(f"reading a {ref.dtype} view (strides {ref.strides}) is not supported")
+        raw = np.empty(nbytes(ref.shape, dt), dtype=np.uint8)
+        backend.copy_out(ref.buffer, ref.offset, raw)
+        return raw.reshape(tuple(ref.shape[:-1]) + (-1,)) if ref.shape else raw
+    np_dtype = dt.numpy
+    size = dt.itemsize
     n = 1
     for d in ref.shape:
         n *= d
@@ -169,6 +207,9 @@ class Runtime:
         self.graph = graph
         self.backend = backend
         self._buffers: dict = {}   # root tensor id -> Buffer
+        self._arena = None         # intermediates of every plan (the largest plan's size)
+        self._plans: list = []     # weak references to the compiled plans
+        self._last_run = None      # the plan whose intermediates the arena holds
 
     # ---- persistent storage ----------------------------------------------------
 
@@ -179,7 +220,7 @@ class Runtime:
             raise ValueError(f"{root!r} is not persistent")
         buf = self._buffers.get(root.id)
         if buf is None:
-            buf = self.backend.alloc(max(1, root.size * DTYPE_SIZE[root.dtype]))
+            buf = self.backend.alloc(max(1, root.nbytes))
             self._buffers[root.id] = buf
             if root.init is not None:
                 self._copy_in(buf, root, root.init)
@@ -201,7 +242,7 @@ class Runtime:
     def get(self, t: Tensor) -> np.ndarray:
         """A copy of persistent tensor t's value."""
         root = t.root
-        ref = TensorRef(self.buffer(root), t.offset * DTYPE_SIZE[t.dtype], t.dtype, t.shape, t.strides)
+        ref = TensorRef(self.buffer(root), _byte_offset(t), t.dtype, t.shape, t.strides)
         return _read_ref(self.backend, ref)
 
     @property
@@ -211,7 +252,11 @@ class Runtime:
     # ---- compilation -------------------------------------------------------------
 
     def compile(self, outputs: list, n_threads: int | None = None) -> CompiledPlan:
-        """Lower the nodes `outputs` need (in creation order) into one native plan."""
+        """Lower the nodes `outputs` need (in creation order) into one native plan.
+
+        Its intermediates go in the runtime's one arena, shared by every plan (grown,
+        and the earlier plans re-lowered, when this one needs more).
+        """
         outputs = [t for t in outputs if t is not None]
         tensors = self.graph.ancestors(outputs)
         execs = [t for t in tensors if t.kind == "op" and _ops.OPS[t.op].kernel is not None]
@@ -222,13 +267,29 @@ class Runtime:
                 self.buffer(t)
             if t.out is not None:
                 self.buffer(t.out)
-        # live ranges of arena roots
+        n_threads = n_threads or getattr(self.backend, "n_threads", 1)
+        # what each node runs, and the memory its kernel needs besides its tensors
+        nodes = []
+        for t in execs:
+            opdef = _ops.OPS[t.op]
+            kernel = opdef.kernel_name(t)
+            if not self.backend.supports(kernel):
+                raise DTypeError(f"{t.op}: backend {self.backend.name} has no kernel gt_{kernel}")
+            ip, fp = opdef.lower(t) if opdef.lower is not None else ((), ())
+            label = f"{t.op} #{t.id}" + (f" ({t.name})" if t.name else "")
+            probe = KernelCall(kernel, _desc(t), tuple(_desc(s) for s in t.srcs), tuple(ip), tuple(fp),
+                               label=label)
+            scratch, work = self.backend.kernel_sizes(probe)
+            nodes.append((t, probe, scratch, work))
+        # live ranges of arena roots and of node scratch
         start, end, size = {}, {}, {}
-        for i, t in enumerate(execs):
+        for i, (t, _, scratch, _) in enumerate(nodes):
             if t.out is None:
-                start[t.id] = i
-                end[t.id] = i
-                size[t.id] = t.size * DTYPE_SIZE[t.dtype]
+                start[t.id] = end[t.id] = i
+                size[t.id] = t.nbytes
+            if scratch:
+                key = ("scratch", t.id)
+                start[key], end[key], size[key] = i, i, scratch
         for i, t in enumerate(execs):
             for s in t.srcs:
                 r = s.root
@@ -238,55 +299,67 @@ class Runtime:
         for t in outputs:
             if t.root.id in end:
                 end[t.root.id] = last
-        scratch_need = {}
-        for i, t in enumerate(execs):
-            opdef = _ops.OPS[t.op]
-            if opdef.scratch is not None:
-                key = ("scratch", t.id)
-                scratch_need[t.id] = key
-                start[key], end[key], size[key] = i, i, int(opdef.scratch(t))
         offsets, arena_size = _pack(start, end, size)
-        arena = self.backend.alloc(max(arena_size, 1))
-        n_threads = n_threads or getattr(self.backend, "n_threads", 1)
 
-        def ref(t: Tensor) -> TensorRef:
-            r = t.root
-            if r.kind in PERSISTENT_KINDS:
-                base, buf = 0, self.buffer(r)
-            elif r.out is not None:
-                out = r.out
-                base, buf = out.offset * DTYPE_SIZE[out.dtype], self.buffer(out)
-            else:
-                base, buf = offsets[r.id], arena
-            return TensorRef(buf, base + t.offset * DTYPE_SIZE[t.dtype], t.dtype, t.shape, t.strides)
+        def emit(arena) -> tuple:
+            def ref(t: Tensor) -> TensorRef:
+                r = t.root
+                if r.kind in PERSISTENT_KINDS:
+                    base, buf = 0, self.buffer(r)
+                elif r.out is not None:
+                    base, buf = _byte_offset(r.out), self.buffer(r.out)
+                else:
+                    base, buf = offsets[r.id], arena
+                return TensorRef(buf, base + _byte_offset(t), t.dtype, t.shape, t.strides)
 
-        calls = []
-        work_max = 0
-        for t in execs:
-            opdef = _ops.OPS[t.op]
-            ip, fp = opdef.lower(t) if opdef.lower is not None else ((), ())
-            dtype = t.dtype if t.op in ("cast", "cont") else "f32"
-            kernel = f"{opdef.kernel}_{dtype}"
-            if not self.backend.supports(kernel):
-                raise DTypeError(f"{t.op}: backend {self.backend.name} has no kernel gt_{kernel}")
-            work = opdef.work(t) if callable(opdef.work) else int(opdef.work)
-            work_max = max(work_max, work)
-            scratch = None
-            if t.id in scratch_need:
-                key = scratch_need[t.id]
-                scratch = TensorRef(arena, offsets[key], "f32", (size[key],), (1,))
-            label = f"{t.op} #{t.id}" + (f" ({t.name})" if t.name else "")
-            calls.append(KernelCall(kernel, ref(t), tuple(ref(s) for s in t.srcs), tuple(ip),
-                                    tuple(fp), scratch, work, label))
-        plan = self.backend.compile(calls, n_threads)
-        refs = {t.id: ref(t) for t in outputs}
-        report = MemoryReport(arena=arena_size, arena_unpacked=sum(_align(v) for v in size.values()),
-                              persistent=self.persistent_bytes, scratch=work_max * n_threads)
-        return CompiledPlan(self, plan, arena, refs, report, len(calls))
+            calls = []
+            for t, probe, scratch, work in nodes:
+                scratch_ref = None
+                if scratch:
+                    scratch_ref = TensorRef(arena, offsets[("scratch", t.id)], "f32", (scratch,), (1,))
+                calls.append(KernelCall(probe.kernel, ref(t), tuple(ref(s) for s in t.srcs), probe.ip,
+                                        probe.fp, scratch_ref, work, probe.label))
+            return calls, {t.id: ref(t) for t in outputs}
+
+        work_max = max([w for _, _, _, w in nodes] + [0])
+        plan = CompiledPlan(self, emit, n_threads, arena_size, work_max, None, len(nodes))
+        self._plans = [p for p in self._plans if p() is not None] + [weakref.ref(plan)]
+        if self._arena is None or self._arena.nbytes < arena_size:
+            self._arena = self.backend.alloc(max(arena_size, 1))
+            for other in self._plans:   # every plan moves to the new arena
+                if other() is not None and other() is not plan:
+                    other()._lower(self._arena)
+        plan._lower(self._arena)
+        plan.report = MemoryReport(
+            arena=self._arena.nbytes, arena_unpacked=sum(_align(v) for v in size.values()),
+            persistent=self.persistent_bytes,
+            scratch=sum(p().work_bytes * p().n_threads for p in self._plans if p() is not None))
+        return plan
 
     def run(self, plan: CompiledPlan, n_threads: int | None = None) -> None:
         """Execute a compiled plan (one native call)."""
+        self._last_run = None
         self.backend.run(plan.plan, n_threads)
+        self._last_run = plan
+
+    @property
+    def memory(self) -> MemoryReport:
+        """What the runtime holds now: its arena, persistent buffers and every live plan's work."""
+        plans = [p() for p in self._plans if p() is not None]
+        return MemoryReport(arena=self._arena.nbytes if self._arena is not None else 0,
+                            arena_unpacked=max([p.report.arena_unpacked for p in plans] + [0]),
+                            persistent=self.persistent_bytes,
+                            scratch=sum(p.work_bytes * p.n_threads for p in plans))
+
+
+def _desc(t: Tensor) -> TensorRef:
+    """t's dtype, shape and strides, without memory (what kernel sizes depend on)."""
+    return TensorRef(None, 0, t.dtype, t.shape, t.strides)
+
+
+def _byte_offset(t: Tensor) -> int:
+    """Byte offset of view t's first element in its root (whole blocks for block types)."""
+    return nbytes((t.offset,), t.dtype) if t.offset else 0
 
 
 def _align(n: int) -> int:

@@ -5,10 +5,14 @@ rule. A rule receives the forward node `y` (with y.srcs and y.params) and the up
 gradient `g` (same shape as y) and returns one gradient (or None) per input, written
 with the ops of this module, so it runs on every backend that has them.
 
-Kernel names: an op `foo` runs `gt_foo_fwd_<dtype>`; an op named `foo_bwd` runs
-`gt_foo_bwd_<dtype>`. Composite ops (mean, transpose, conv2d, linear) build other ops
-and have no kernel. View ops (reshape, permute, view) have no kernel either: they
-alias their input's memory with other strides.
+Kernel names: an op `foo` runs `gt_foo_fwd_<dtypes>`; an op named `foo_bwd` runs
+`gt_foo_bwd_<dtypes>`, where <dtypes> is the output's dtype, followed by an input's
+where the inputs differ (`matmul_fwd_f32_q4_0`: f32 activations times a Q4_0 weight).
+Each OpDef lists the variants it may run (`dtypes`) and picks one per node (`suffix`).
+Composite ops (mean, transpose, conv2d, linear) build other ops and have no kernel.
+View ops (reshape, permute, view) have no kernel either: they alias their input's
+memory with other strides. What memory a kernel needs besides its tensors (scratch,
+work) is asked of the backend when a graph is compiled, never computed here.
 
 Shapes are numpy order everywhere: x: (B, T, C) means batch, time, channels.
 """
@@ -20,6 +24,8 @@ from typing import Callable
 
 from ggtrain.core.tensor import Tensor, contiguous_strides, numel
 from ggtrain.errors import DTypeError, ShapeError
+from ggtrain.native import lib
+from ggtrain.native.dtypes import WEIGHT_TYPES, dtype as _dtype
 
 
 @dataclass(frozen=True)
@@ -33,11 +39,15 @@ class OpDef:
     lower: Callable | None = None       # (y) -> (ip tuple, fp tuple)
     contiguous: tuple = ()              # srcs the kernel needs contiguous (cont inserted)
     unit_stride_2d: tuple = ()          # srcs whose last 2 dims need one unit stride
-    scratch: Callable | None = None     # (y) -> bytes of node scratch
-    work: int | Callable = 0            # bytes of per-thread scratch
     view: Callable | None = None        # (y) -> (offset, strides) into the src's root
     composite: bool = False
     differentiable: tuple = field(default=(0, 1, 2, 3))
+    dtypes: tuple = ("f32",)            # kernel variants: gt_<kernel>_<one of these>
+    suffix: Callable | None = None      # (y) -> the variant a node runs (default dtypes[0])
+
+    def kernel_name(self, y) -> str:
+        """The kernel node `y` runs, e.g. "matmul_fwd_f32_q4_0" (without the gt_ prefix)."""
+        return f"{self.kernel}_{self.suffix(y) if self.suffix else self.dtypes[0]}"
 
 
 OPS: dict = {}
@@ -281,9 +291,6 @@ register(OpDef("sqr", _infer_same("sqr"), "sqr_fwd",
 
 # ---- reductions and broadcasting -----------------------------------------------
 
-SUM_CHUNK = 4096  # matches SUM_CHUNK in native/cpu/reduce.c
-
-
 def sum(x: Tensor) -> Tensor:  # noqa: A001 - the op's name
     """Sum of all elements, a scalar (shape ()). (f32)"""
     return apply("sum", [x])
@@ -307,14 +314,6 @@ def repeat(x: Tensor, shape: tuple) -> Tensor:
 def repeat_bwd(g: Tensor, shape: tuple) -> Tensor:
     """g summed down to `shape` over the broadcast dims (the backward of repeat)."""
     return apply("repeat_bwd", [g], shape=tuple(shape))
-
-
-def _sum_scratch(y):
-    x = y.srcs[0]
-    contiguous = x.is_contiguous()
-    rows = numel(x.shape[:-1]) if x.ndim else 1
-    parts = -(-x.size // SUM_CHUNK) if contiguous else rows
-    return 8 * max(1, parts)
 
 
 def _infer_sum(srcs, params):
@@ -347,52 +346,63 @@ def _infer_repeat_bwd(srcs, params):
     return shape, "f32"
 
 
-register(OpDef("sum", _infer_sum, "sum_fwd", scratch=_sum_scratch,
+register(OpDef("sum", _infer_sum, "sum_fwd",
                backward=lambda y, g: [repeat(g, y.srcs[0].shape)]))
 register(OpDef("sum_rows", _infer_sum_rows, "sum_rows_fwd",
                backward=lambda y, g: [repeat(g, y.srcs[0].shape)]))
 register(OpDef("repeat", _infer_repeat, "repeat_fwd",
                backward=lambda y, g: [repeat_bwd(g, y.srcs[0].shape)]))
-REDUCE_BLOCK = 256  # matches REDUCE_BLOCK in native/cpu/reduce.c
-
-
-def _repeat_bwd_scratch(y):
-    """Partial sums of the blocked bias-gradient path (all leading dims reduced)."""
-    g = y.srcs[0]
-    if g.ndim == 0:
-        return 0
-    rows = numel(g.shape[:-1])
-    return 4 * -(-rows // REDUCE_BLOCK) * g.shape[-1]
-
-
-register(OpDef("repeat_bwd", _infer_repeat_bwd, "repeat_bwd", scratch=_repeat_bwd_scratch,
+register(OpDef("repeat_bwd", _infer_repeat_bwd, "repeat_bwd",
                backward=lambda y, g: [repeat(g, y.srcs[0].shape)]))
 
 
 # ---- matmul -------------------------------------------------------------------------
 
 
-def _matmul_work(y):
-    from ggtrain.native import lib  # layer 1: kernel facts only
-    return int(lib.gt_matmul_work_size())
-
-
 def matmul(a: Tensor, b: Tensor) -> Tensor:
     """a (..., M, K) @ b (..., K, N) -> (..., M, N), batch dims broadcast. (f32)
 
     Transposed operands (views from .T) cost nothing: the kernel packs either layout.
+    b may also be a frozen weight in any type kernels read (f16, bf16, Q4_0, ...,
+    Q6_K; see Graph.param), 2-D, in its stored layout or transposed: the kernel
+    dequantizes it a tile at a time while packing, never all of it.
     """
     return apply("matmul", [a, b])
 
 
+def check_weight(op: str, w: Tensor) -> None:
+    """A tensor kernels read in a stored weight type (f16, bf16, block types) must be
+    2-D, frozen, and its whole stored matrix or that matrix transposed."""
+    if w.dtype == "f32":
+        return
+    _need(w.dtype in WEIGHT_TYPES, f"{op}: no kernel reads {w.dtype} tensors ({w!r})", DTypeError)
+    _need(not w.requires_grad, f"{op}: a {w.dtype} weight is frozen storage; train an f32 copy "
+          f"instead ({w!r})", DTypeError)
+    root = w.root
+    _need(w.ndim == 2 and root.ndim == 2 and w.offset == 0 and root.is_contiguous()
+          and w.strides in ((root.shape[1], 1), (1, root.shape[1])),
+          f"{op}: a {w.dtype} weight must be a whole stored matrix or its transpose, got "
+          f"shape {w.shape} strides {w.strides} of {root!r}")
+
+
 def _infer_matmul(srcs, params):
     a, b = srcs
-    _f32("matmul", a, b)
+    _f32("matmul", a)
+    check_weight("matmul", b)
     _need(a.ndim >= 2 and b.ndim >= 2, f"matmul: inputs need >= 2 dims, got {a.shape} and {b.shape}")
     _need(a.shape[-1] == b.shape[-2],
           f"matmul: inner dims differ: {a.shape} @ {b.shape} ({a.shape[-1]} vs {b.shape[-2]})")
     batch = broadcast_shape("matmul", a.shape[:-2], b.shape[:-2])
     return batch + (a.shape[-2], b.shape[-1]), "f32"
+
+
+def _weight_suffix(w: Tensor) -> str:
+    """Kernel variant for f32 activations with weight w: "f32", or "f32_<w's dtype>"."""
+    return "f32" if w.dtype == "f32" else f"f32_{w.dtype}"
+
+
+# matmul and get_rows variants: f32 (TODO(#8): a weight in each stored type)
+_WEIGHT_VARIANTS = ("f32",)
 
 
 def _matmul_bwd(y, g):
@@ -414,7 +424,7 @@ def _matmul_bwd(y, g):
 
 
 register(OpDef("matmul", _infer_matmul, "matmul_fwd", backward=_matmul_bwd,
-               unit_stride_2d=(0, 1), work=_matmul_work))
+               unit_stride_2d=(0, 1), dtypes=_WEIGHT_VARIANTS, suffix=lambda y: _weight_suffix(y.srcs[1])))
 
 
 def linear(x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
@@ -507,7 +517,6 @@ register(OpDef("softmax_bwd", _infer_softmax_bwd, "softmax_bwd", contiguous=(0, 
                lower=lambda y: ((), (y.params["scale"],))))
 register(OpDef("cross_entropy", _infer_ce, "cross_entropy_fwd", contiguous=(0, 1),
                backward=lambda y, g: [cross_entropy_bwd(y.srcs[0], y.srcs[1], g), None],
-               scratch=lambda y: 8 * max(1, y.srcs[0].shape[0]) + 64,
                lower=lambda y: ((0,), ()), differentiable=(0,)))
 register(OpDef("cross_entropy_bwd", _infer_ce, "cross_entropy_bwd", contiguous=(0, 1, 2),
                lower=lambda y: ((0,), ())))
@@ -557,7 +566,9 @@ def get_rows_bwd(g: Tensor, idx: Tensor, n_rows: int) -> Tensor:
 
 def _infer_get_rows(srcs, params):
     table, idx = srcs
-    _f32("get_rows", table)
+    check_weight("get_rows", table)
+    _need(table.dtype == "f32" or table.strides[-1] == 1,
+          f"get_rows: a {table.dtype} table must be read in its stored layout, got {table!r}")
     if idx.dtype != "i32":
         raise DTypeError(f"get_rows: indices must be i32, got {idx.dtype}")
     _need(table.ndim == 2, f"get_rows: table must be (V, C), got {table.shape}")
@@ -575,7 +586,7 @@ def _infer_get_rows_bwd(srcs, params):
 
 register(OpDef("get_rows", _infer_get_rows, "get_rows_fwd", contiguous=(0, 1),
                backward=lambda y, g: [get_rows_bwd(g, y.srcs[1], y.srcs[0].shape[0]), None],
-               differentiable=(0,)))
+               differentiable=(0,), dtypes=_WEIGHT_VARIANTS, suffix=lambda y: _weight_suffix(y.srcs[0])))
 register(OpDef("get_rows_bwd", _infer_get_rows_bwd, "get_rows_bwd", contiguous=(0, 1)))
 
 
@@ -796,8 +807,8 @@ def cast(x: Tensor, dtype: str) -> Tensor:
 
 def _infer_cont(srcs, params):
     x = srcs[0]
-    if x.dtype == "i32":
-        raise DTypeError(f"cont: i32 tensors are not copied by kernels yet ({x!r})")
+    if x.dtype not in _CAST_TYPES:
+        raise DTypeError(f"cont: {x.dtype} tensors are not copied by kernels ({x!r})")
     return x.shape, x.dtype
 
 
@@ -809,9 +820,11 @@ def _infer_cast(srcs, params):
     return x.shape, dtype
 
 
-register(OpDef("cont", _infer_cont, "cast_fwd", backward=lambda y, g: [g]))
+_CAST_TYPES = ("f32", "f16", "bf16")
+register(OpDef("cont", _infer_cont, "cast_fwd", backward=lambda y, g: [g],
+               dtypes=_CAST_TYPES, suffix=lambda y: y.dtype))
 register(OpDef("cast", _infer_cast, "cast_fwd",
-               backward=lambda y, g: [cast(g, y.srcs[0].dtype)]))
+               backward=lambda y, g: [cast(g, y.srcs[0].dtype)], dtypes=_CAST_TYPES, suffix=lambda y: y.dtype))
 
 
 # ---- optimizer steps (in place; built by core/optim.py) -----------------------------------
@@ -833,10 +846,11 @@ def _infer_step(name, n_src):
     return infer
 
 
-# Layout of the hyper vector read by the step kernels (native/cpu/optim.c).
-HYPER_LR, HYPER_BETA1, HYPER_BETA2, HYPER_EPS, HYPER_WD = 0, 1, 2, 3, 4
-HYPER_BC1, HYPER_BC2, HYPER_MAX_NORM, HYPER_MOMENTUM = 5, 6, 7, 8
-HYPER_COUNT = 9
+# Layout of the hyper vector read by the step kernels: enum gt_hyper of ggtrain.h.
+HYPER_LR, HYPER_BETA1, HYPER_BETA2 = lib.GT_HYPER_LR, lib.GT_HYPER_BETA1, lib.GT_HYPER_BETA2
+HYPER_EPS, HYPER_WD, HYPER_BC1, HYPER_BC2 = lib.GT_HYPER_EPS, lib.GT_HYPER_WD, lib.GT_HYPER_BC1, lib.GT_HYPER_BC2
+HYPER_MAX_NORM, HYPER_MOMENTUM = lib.GT_HYPER_MAX_NORM, lib.GT_HYPER_MOMENTUM
+HYPER_COUNT = lib.GT_HYPER_COUNT
 
 
 def adamw_step(p, grad, hyper, grad_norm, m, v, decay: bool) -> Tensor:

@@ -13,8 +13,11 @@ from __future__ import annotations
 import numpy as np
 
 from ggtrain.errors import DTypeError, ShapeError
+from ggtrain.native.dtypes import DTYPES, ELEMENT_TYPES, WEIGHT_TYPES, dtype as _dtype, nbytes
 
-DTYPES = ("f32", "f16", "bf16", "i32")
+# what a graph tensor may hold: the element types kernels compute in, and (frozen
+# weights only, see Graph.weight) the types kernels read weights in
+TENSOR_DTYPES = tuple(dict.fromkeys(ELEMENT_TYPES + WEIGHT_TYPES))
 # Tensor kinds: persistent ones live in their own buffers across steps.
 PERSISTENT_KINDS = ("param", "input", "const", "state")
 
@@ -47,8 +50,9 @@ class Tensor:
         shape = tuple(int(d) for d in shape)
         if any(d < 0 for d in shape):
             raise ShapeError(f"{op or kind}: negative dimension in shape {shape}")
-        if dtype not in DTYPES:
-            raise DTypeError(f"{op or kind}: unknown dtype {dtype!r} (expected one of {DTYPES})")
+        if dtype not in TENSOR_DTYPES:
+            what = "a dtype no kernel reads" if dtype in DTYPES else "an unknown dtype"
+            raise DTypeError(f"{op or kind}: {dtype!r} is {what} (tensors hold {', '.join(TENSOR_DTYPES)})")
         self.graph = graph
         self.shape = shape
         self.dtype = dtype
@@ -80,6 +84,11 @@ class Tensor:
     @property
     def is_view(self) -> bool:
         return self.root is not self
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of this tensor's elements laid out contiguously (block types: whole rows)."""
+        return nbytes(self.shape, self.dtype)
 
     def is_contiguous(self) -> bool:
         s = 1
@@ -155,7 +164,18 @@ class Tensor:
 
 
 def as_array(value, shape: tuple, dtype: str) -> np.ndarray:
-    """Validate an initial/input value against a tensor's shape and dtype."""
+    """Validate an initial/input value against a tensor's shape and dtype.
+
+    Element types take numbers of `shape` (bf16 as f32 values, rounded when copied in);
+    a block type takes its raw bytes (uint8, nbytes(shape, dtype) of them, any shape).
+    """
+    if _dtype(dtype).is_block:
+        arr = np.asarray(value)
+        need = nbytes(shape, dtype)
+        if arr.dtype != np.uint8 or arr.size != need:
+            raise DTypeError(f"a {dtype} tensor of shape {tuple(shape)} takes its {need} raw bytes "
+                             f"(uint8), got {arr.dtype} of {arr.size} elements")
+        return np.ascontiguousarray(arr).reshape(-1)
     np_dtype = {"f32": np.float32, "f16": np.float16, "bf16": np.float32, "i32": np.int32}[dtype]
     arr = np.asarray(value)
     if arr.shape != tuple(shape):

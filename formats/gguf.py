@@ -28,14 +28,14 @@ from typing import Any, Iterable, Iterator, Sequence
 
 import numpy as np
 from gguf.constants import (
-    GGML_QUANT_SIZES,
     GGUF_DEFAULT_ALIGNMENT,
     GGMLQuantizationType,
     GGUFValueType,
 )
 
-from ggtrain.errors import FormatError, UnsupportedOpError
+from ggtrain.errors import DTypeError, FormatError, UnsupportedOpError
 from ggtrain.native import _check, ffi, lib
+from ggtrain.native.dtypes import DTYPES, dtype as _dtype, nbytes as _nbytes
 
 GGUF_MAGIC = b"GGUF"
 READ_VERSIONS = (2, 3)
@@ -64,18 +64,11 @@ _INT_RANGE = {
 _NP_TO_VT = {np.dtype(v[1]): k for k, v in _SCALAR.items() if k != VT.BOOL}
 _NP_TO_VT[np.dtype(np.bool_)] = VT.BOOL
 
-# numpy dtype of the elements of the plain (non-block) ggml types
-_PLAIN_DTYPE = {
-    GGMLQuantizationType.F32: np.dtype(np.float32), GGMLQuantizationType.F16: np.dtype(np.float16),
-    GGMLQuantizationType.BF16: np.dtype(np.uint16), GGMLQuantizationType.F64: np.dtype(np.float64),
-    GGMLQuantizationType.I8: np.dtype(np.int8), GGMLQuantizationType.I16: np.dtype(np.int16),
-    GGMLQuantizationType.I32: np.dtype(np.int32), GGMLQuantizationType.I64: np.dtype(np.int64),
-}
-# types gt_dequantize_row turns into f32
-DEQUANTIZABLE = frozenset(GGMLQuantizationType[n] for n in (
-    "F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"))
+# what the native dtype table says the core can do with each ggml type
+# types gt_dequantize_row turns into f32 (and kernels read as frozen weights)
+DEQUANTIZABLE = frozenset(GGMLQuantizationType(d.id) for d in DTYPES.values() if d.can_dequantize)
 # types the writer can produce from f32 data
-QUANTIZABLE = frozenset(GGMLQuantizationType[n] for n in ("F32", "F16", "BF16", "Q8_0", "Q4_0"))
+QUANTIZABLE = frozenset(GGMLQuantizationType(d.id) for d in DTYPES.values() if d.can_quantize)
 
 
 # ---- values -----------------------------------------------------------------
@@ -258,28 +251,20 @@ def ggml_type(t) -> GGMLQuantizationType:
 
 
 def tensor_nbytes(shape: Sequence[int], type_) -> int:
-    """Bytes of a tensor of `shape` (numpy order) stored as ggml type `type_`."""
-    t = ggml_type(type_)
-    block, size = GGML_QUANT_SIZES[t]
-    inner = shape[-1] if len(shape) else 1
-    if inner % block:
-        raise ValueError(f"{t.name} needs the last dim to be a multiple of {block}, got shape {tuple(shape)}")
-    n = 1
-    for s in shape:
-        n *= int(s)
-    return n // block * size
+    """Bytes of a tensor of `shape` (numpy order) stored as ggml type `type_` (ValueError
+    when the last dim is not a whole number of blocks)."""
+    return _nbytes(shape, _dtype(int(ggml_type(type_))))
 
 
 def _numpy_view(raw: np.ndarray, shape: tuple, t: GGMLQuantizationType) -> np.ndarray:
     """Raw tensor bytes as numpy: elements for plain types (bf16 as uint16), else
     uint8 (..., bytes per row) for block types."""
-    dtype = _PLAIN_DTYPE.get(t)
-    if dtype is not None:
-        return raw.view(dtype).reshape(shape)
+    d = _dtype(int(t))
+    if not d.is_block:
+        return raw.view(d.numpy).reshape(shape)
     if not shape:
         return raw
-    block, size = GGML_QUANT_SIZES[t]
-    return raw.reshape(tuple(shape[:-1]) + (shape[-1] // block * size,))
+    return raw.reshape(tuple(shape[:-1]) + (shape[-1] // d.block * d.block_bytes,))
 
 
 def dequantize(raw: np.ndarray, type_, shape: Sequence[int]) -> np.ndarray:
@@ -300,24 +285,15 @@ def dequantize(raw: np.ndarray, type_, shape: Sequence[int]) -> np.ndarray:
 
 
 def quantize(x: np.ndarray, type_) -> np.ndarray:
-    """Raw bytes (uint8, (..., bytes per row)) of f32 `x` stored as F32, F16, BF16, Q8_0 or Q4_0."""
+    """Raw bytes (uint8, (..., bytes per row)) of f32 `x` stored as a type in QUANTIZABLE."""
     t = ggml_type(type_)
     x = np.ascontiguousarray(x, dtype=np.float32)
     if t not in QUANTIZABLE:
-        raise UnsupportedOpError(f"cannot quantize to ggml type {t.name} (F32, F16, BF16, Q8_0, Q4_0 can)")
-    nbytes = tensor_nbytes(x.shape, t)
-    out = np.empty(nbytes, dtype=np.uint8)
-    dst, src, n = ffi.cast("void *", out.ctypes.data), ffi.cast("float *", x.ctypes.data), x.size
-    if t == GGMLQuantizationType.F32:
-        out[:] = x.reshape(-1).view(np.uint8)
-    elif t == GGMLQuantizationType.F16:
-        _check(lib.gt_f32_to_f16(ffi.cast("uint16_t *", dst), src, n), "quantize F16")
-    elif t == GGMLQuantizationType.BF16:
-        _check(lib.gt_f32_to_bf16(ffi.cast("uint16_t *", dst), src, n), "quantize BF16")
-    elif t == GGMLQuantizationType.Q8_0:
-        _check(lib.gt_quantize_q8_0(dst, src, n), "quantize Q8_0")
-    else:
-        _check(lib.gt_quantize_q4_0(dst, src, n), "quantize Q4_0")
+        can = ", ".join(q.name for q in sorted(QUANTIZABLE, key=int))
+        raise UnsupportedOpError(f"cannot quantize to ggml type {t.name} ({can} can)")
+    out = np.empty(tensor_nbytes(x.shape, t), dtype=np.uint8)
+    _check(lib.gt_quantize_row(ffi.cast("void *", out.ctypes.data), ffi.cast("float *", x.ctypes.data),
+                               int(t), x.size), f"quantize {t.name}")
     return out.reshape(x.shape[:-1] + (-1,)) if x.ndim else out
 
 
@@ -677,8 +653,9 @@ def _read_tensor_infos(p: _Parser, n: int) -> dict:
         raw_type = p.u32(f"type of tensor {name!r}")
         try:
             t = GGMLQuantizationType(raw_type)
-            block, tsize = GGML_QUANT_SIZES[t]
-        except (ValueError, KeyError):
+            d = _dtype(raw_type)
+            block, tsize = d.block, d.block_bytes
+        except (ValueError, DTypeError):
             raise p.fail(f"tensor {name!r} has unknown ggml type {raw_type}", p.pos - 4) from None
         inner = ne[0] if n_dims else 1
         if inner % block:
@@ -956,7 +933,7 @@ def write_gguf(path, kv: dict | Iterable, tensors: Iterable, alignment: int = GG
 
 
 def _default_type(arr: np.ndarray) -> GGMLQuantizationType:
-    for t, dt in _PLAIN_DTYPE.items():
-        if arr.dtype == dt and t != GGMLQuantizationType.BF16:
-            return t
+    for d in DTYPES.values():
+        if d.block == 1 and d.name != "bf16" and arr.dtype == d.numpy:
+            return GGMLQuantizationType(d.id)
     raise TypeError(f"no ggml type for dtype {arr.dtype}; give the type")

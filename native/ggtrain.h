@@ -39,12 +39,34 @@ typedef enum gt_status {
     GT_ERR_UNSUPPORTED = -6   /* valid request this build cannot serve */
 } gt_status;
 
+/* dtypes. Values are ggml's type ids (a GGUF tensor's type is its gt_dtype).
+ * Element types have block 1; a block type (ggml's quantizations) stores
+ * `block` elements in `block_bytes` bytes, and a tensor of one is rows of whole
+ * blocks along its last dim, contiguous. The table (gt_dtype_count/gt_dtype_at)
+ * lists every type a GGUF file may hold; its flags say what the core can do
+ * with each. Every size is numel / block * block_bytes. Only the types kernels
+ * name are in this enum; the rest are in the table alone. */
 typedef enum gt_dtype {
-    GT_F32 = 0,
-    GT_F16 = 1,
-    GT_BF16 = 2,
-    GT_I32 = 3
+    GT_F32 = 0, GT_F16 = 1, GT_Q4_0 = 2, GT_Q4_1 = 3, GT_Q5_0 = 6, GT_Q5_1 = 7, GT_Q8_0 = 8,
+    GT_Q2_K = 10, GT_Q3_K = 11, GT_Q4_K = 12, GT_Q5_K = 13, GT_Q6_K = 14,
+    GT_I32 = 26, GT_BF16 = 30
 } gt_dtype;
+
+enum gt_dtype_flag {
+    GT_DTYPE_FLOAT = 1,        /* element type of real numbers (f32, f16, bf16, f64) */
+    GT_DTYPE_INT = 2,          /* element type of integers */
+    GT_DTYPE_BLOCK = 4,        /* block (quantized) type */
+    GT_DTYPE_DEQUANTIZE = 8,   /* gt_dequantize_row converts it to f32 (kernels read it) */
+    GT_DTYPE_QUANTIZE = 16     /* gt_quantize_row converts f32 to it */
+};
+
+typedef struct gt_dtype_traits {
+    const char *name;          /* ggtrain's name: ggml's, lower case ("f32", "q4_0", "q6_k") */
+    int32_t id;                /* gt_dtype / ggml type id */
+    int32_t block;             /* elements per block (1: an element type) */
+    int32_t block_bytes;       /* bytes per block */
+    int32_t flags;             /* gt_dtype_flag bits */
+} gt_dtype_traits;
 
 /* GT_MAX_DIMS is 6: shape and strides arrays below have that many slots. */
 typedef struct gt_tensor {
@@ -85,6 +107,8 @@ typedef struct gt_pool gt_pool;
 typedef struct gt_plan gt_plan;
 
 const char *gt_last_error(void);
+int32_t gt_dtype_count(void);
+const gt_dtype_traits *gt_dtype_at(int32_t i);   /* i in 0..count-1, else NULL */
 void gt_clear_error(void);
 int gt_cpu_features(void);   /* bit 0: AVX2+FMA, bit 1: AVX-512F (what dispatch uses) */
 int gt_set_simd_level(int level);  /* cap dispatch: 0 scalar, 1 AVX2, 2 AVX-512 (tests) */
@@ -110,6 +134,13 @@ int gt_barrier(const gt_ctx *ctx);
 /* Runs a single node outside any plan (tests, direct kernels). */
 int gt_node_compute(gt_pool *pool, const struct gt_node *node, int32_t n_threads,
                     void *work, int64_t work_per_thread);
+
+/* Memory a kernel needs besides its tensors. A kernel that needs node scratch or
+ * per-thread work has a companion gt_<kernel>_sizes that answers from the node's
+ * dtypes, shapes, strides and params alone (data pointers are not read):
+ * *scratch = bytes of node scratch (shared by its threads), *work = bytes of
+ * per-thread work memory. Backends ask it when they plan memory, so the formulas
+ * live next to the kernels and nowhere else. A kernel without one needs neither. */
 
 /* ---- kernels (plan signature). Params are listed as ip[i] / fp[i]. ---------
  * Elementwise binary, numpy broadcasting through zero strides; any strides.
@@ -139,17 +170,19 @@ int gt_silu_bwd_f32(const struct gt_node *node, const gt_ctx *ctx);
  * repeat: dst = src broadcast to dst's shape (src dims 1 or equal).
  * repeat_bwd: dst (shape with 1s) = src summed over the dims where dst is 1. */
 int gt_sum_fwd_f32(const struct gt_node *node, const gt_ctx *ctx);
+int gt_sum_fwd_f32_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
 int gt_sum_rows_fwd_f32(const struct gt_node *node, const gt_ctx *ctx);
 int gt_repeat_fwd_f32(const struct gt_node *node, const gt_ctx *ctx);
 int gt_repeat_bwd_f32(const struct gt_node *node, const gt_ctx *ctx);
+int gt_repeat_bwd_f32_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
 
 /* Matrix product dst (..., M, N) = src0 (..., M, K) @ src1 (..., K, N).
  * Each operand's last two dims may have any strides with either the row or the
  * column stride equal to 1 (so a transposed view costs nothing). Batch dims
  * broadcast numpy-style (a size-1 batch dim of src1 is reused). dst contiguous.
- * wdata: packing buffers, gt_matmul_work_size bytes per thread. */
+ * wdata: packing buffers (gt_matmul_fwd_f32_sizes). */
 int gt_matmul_fwd_f32(const struct gt_node *node, const gt_ctx *ctx);
-int64_t gt_matmul_work_size(void);
+int gt_matmul_fwd_f32_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
 
 /* rms_norm: dst = src / sqrt(mean(src^2, last dim) + fp[0]); src contiguous.
  * rms_norm_bwd: src0 = x, src1 = g, dst = dx (eps fp[0]); no weight (the weight
@@ -170,11 +203,12 @@ int gt_softmax_bwd_f32(const struct gt_node *node, const gt_ctx *ctx);
  * is negative are ignored (no loss, not counted); a target >= V is
  * GT_ERR_INVALID. ip[0] = count to divide by, or 0: the kernel counts the
  * targets >= 0. A count of 0 gives loss 0 (and zero dlogits), not NaN.
- * scratch: 4 * N bytes (N floats, per-row losses; summed by thread 0 in row order).
+ * scratch: N floats, per-row losses summed by thread 0 in row order.
  * cross_entropy_bwd: src0 logits, src1 targets, src2 g (one f32); dst (N, V) =
  * dlogits = g * (softmax(logits) - onehot(target)) / count, 0 on ignored rows;
  * ip[0] as in the forward; no scratch. */
 int gt_cross_entropy_fwd_f32(const struct gt_node *node, const gt_ctx *ctx);
+int gt_cross_entropy_fwd_f32_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
 int gt_cross_entropy_bwd_f32(const struct gt_node *node, const gt_ctx *ctx);
 
 /* rope, llama.cpp mode 0 (adjacent pairs): src0 x (..., T, H, D) contiguous,
@@ -219,9 +253,18 @@ int gt_cast_fwd_bf16(const struct gt_node *node, const gt_ctx *ctx);
  * ip[1..6] over src's shape. */
 int gt_view_bwd_f32(const struct gt_node *node, const gt_ctx *ctx);
 
+/* Layout of the hyper vector the optimizer steps read (f32, GT_HYPER_COUNT
+ * values), refilled by the host before each update. BC1/BC2 are the bias
+ * corrections 1 - beta^t, computed on the host from the update count. */
+enum gt_hyper {
+    GT_HYPER_LR = 0, GT_HYPER_BETA1 = 1, GT_HYPER_BETA2 = 2, GT_HYPER_EPS = 3, GT_HYPER_WD = 4,
+    GT_HYPER_BC1 = 5, GT_HYPER_BC2 = 6, GT_HYPER_MAX_NORM = 7, GT_HYPER_MOMENTUM = 8,
+    GT_HYPER_COUNT = 9
+};
+
 /* Optimizer steps, in place: dst aliases src0 (the parameter), and the state
  * tensors are updated too (the one exception to "kernels fill only dst").
- * src0 param, src1 grad, src2 hyper (f32 vector, indices in core/optim.py),
+ * src0 param, src1 grad, src2 hyper (f32 vector laid out as enum gt_hyper),
  * src3 grad norm (f32 scalar; clipping when hyper[max_norm] > 0), then state:
  * adamw_step: src4 m, src5 v.  sgd_step: src4 momentum buffer (unused when
  * hyper[momentum] == 0). fp[0] = weight-decay multiplier of this tensor (0/1).
@@ -235,16 +278,13 @@ int gt_f16_to_f32(float *dst, const uint16_t *src, int64_t n);
 int gt_f32_to_bf16(uint16_t *dst, const float *src, int64_t n);
 int gt_bf16_to_f32(float *dst, const uint16_t *src, int64_t n);
 
-/* ggml block formats (quant.c). ggml_type is the GGUF tensor type id
- * (gguf.GGMLQuantizationType). dequantize_row: dst (n f32) = src (n elements
- * of F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K or
- * Q6_K); n a multiple of the block size (32, or 256 for the K types).
- * GT_ERR_UNSUPPORTED for other types. Bit-identical to gguf.quants.
- * quantize_q8_0 / quantize_q4_0: dst (n / 32 blocks of 34 / 18 bytes) = src
- * (n f32) rounded as ggml's reference quantizer does. */
-int gt_dequantize_row(float *dst, const void *src, int32_t ggml_type, int64_t n);
-int gt_quantize_q8_0(void *dst, const float *src, int64_t n);
-int gt_quantize_q4_0(void *dst, const float *src, int64_t n);
+/* ggml block formats (quant.c). dequantize_row: dst (n f32) = src (n elements
+ * of `dtype`, any type flagged GT_DTYPE_DEQUANTIZE); n a multiple of its block.
+ * Bit-identical to gguf.quants. quantize_row: dst (n elements of `dtype`, any
+ * type flagged GT_DTYPE_QUANTIZE) = src (n f32), rounded as ggml's reference
+ * quantizers do. GT_ERR_UNSUPPORTED for other types. */
+int gt_dequantize_row(float *dst, const void *src, int32_t dtype, int64_t n);
+int gt_quantize_row(void *dst, const float *src, int32_t dtype, int64_t n);
 
 /* scan_strings (strings.c): walks n length-prefixed strings (u64 little-endian
  * length, then the bytes) in data[0..size). Fills bounds[2i], bounds[2i+1]

@@ -132,7 +132,7 @@ def test_quant_errors():
         quantize(np.zeros(48, np.float32), T.Q8_0)
     x = np.zeros(48, np.float32)
     with pytest.raises(ShapeError, match="48 elements"):  # the native check behind them
-        _check(lib.gt_quantize_q8_0(ffi.NULL, ffi.cast("float *", x.ctypes.data), 48))
+        _check(lib.gt_quantize_row(ffi.NULL, ffi.cast("float *", x.ctypes.data), int(T.Q8_0), 48))
     with pytest.raises(ShapeError):
         _check(lib.gt_dequantize_row(ffi.cast("float *", x.ctypes.data), ffi.cast("void *", x.ctypes.data),
                                      int(T.Q4_K), 48))

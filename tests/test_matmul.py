@@ -6,7 +6,6 @@ from ggtrain.core.backend_cpu import run_kernel
 from ggtrain.errors import DTypeError, ShapeError
 from ggtrain.native import lib
 
-WORK = lib.gt_matmul_work_size()
 FEATURES = lib.gt_cpu_features()
 LEVELS = [0] + ([1] if FEATURES & 1 else []) + ([2] if FEATURES & 2 else [])
 
@@ -15,7 +14,7 @@ def mm(a, b, n_threads=1, out_shape=None):
     """Run the kernel on numpy arrays (views are passed with their strides)."""
     shape = out_shape or np.broadcast_shapes(a.shape[:-2], b.shape[:-2]) + (a.shape[-2], b.shape[-1])
     dst = np.full(shape, np.nan, dtype=np.float32)
-    return run_kernel("matmul_fwd_f32", dst, [a, b], n_threads=n_threads, work_bytes=WORK)
+    return run_kernel("matmul_fwd_f32", dst, [a, b], n_threads=n_threads)
 
 
 def check(got, a, b):

@@ -115,8 +115,8 @@ def test_backward_matches_own_forward(case, backend):
     fwd = rt.compile([loss], 1)
     bwd = rt.compile([grads[t] for t in wrt], 1)
     rt.run(bwd)
-    for t in wrt:
-        analytic = bwd.read(grads[t])
+    analytics = [bwd.read(grads[t]) for t in wrt]   # before fwd reuses the shared arena
+    for t, analytic in zip(wrt, analytics):
         x = rt.get(t).astype(np.float64)
         h = 1e-2
 
@@ -138,14 +138,25 @@ def test_every_registry_op_has_a_case():
     assert not missing, f"registry ops without a test case: {missing}"
 
 
+def _op_kernels() -> set:
+    """Every kernel some registry op may run: its kernel with each dtype variant."""
+    return {f"{op.kernel}_{v}" for op in ops.OPS.values() if op.kernel for v in op.dtypes}
+
+
 def test_every_kernel_in_header_is_used_by_an_op():
     text = HEADER.read_text()
     kernels = set(re.findall(r"int gt_(\w+)\(const struct gt_node \*node, const gt_ctx \*ctx\);", text))
-    used = set()
-    for op in ops.OPS.values():
-        if op.kernel:
-            for dtype in ("f32", "f16", "bf16"):
-                used.add(f"{op.kernel}_{dtype}")
-    unused = sorted(kernels - used)
+    unused = sorted(kernels - _op_kernels())
     assert kernels, "no kernels found in ggtrain.h"
     assert not unused, f"kernels in ggtrain.h that no op uses: {unused}"
+
+
+def test_every_op_variant_has_a_cpu_kernel(backend):
+    missing = sorted(k for k in _op_kernels() if not backend.supports(k))
+    assert not missing, f"registry ops name kernels the CPU backend lacks: {missing}"
+
+
+def test_every_sizes_function_belongs_to_a_kernel():
+    text = HEADER.read_text()
+    sizers = set(re.findall(r"int gt_(\w+)_sizes\(const struct gt_node \*node,", text))
+    assert sizers and sizers <= _op_kernels(), sorted(sizers - _op_kernels())

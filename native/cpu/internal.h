@@ -117,6 +117,17 @@ static inline float gt_expf_(float x) {
 }
 
 int gt_check_f32_(const gt_tensor *t, const char *op, const char *what);
+
+/* Propagate a failure: `GT_TRY(check(...));` */
+#define GT_TRY(expr) do { int rc_ = (expr); if (rc_) return rc_; } while (0)
+
+/* The dtype table's entry for a type id, or NULL (dtype.c). */
+const gt_dtype_traits *gt_dtype_find_(int32_t id);
+
+/* Dequantize nb blocks (elements, for element types) of a type to f32, or NULL
+ * for a type without a dequantizer (quant.c). */
+typedef void (*gt_dequant_fn)(float *y, const uint8_t *b, int64_t nb);
+gt_dequant_fn gt_dequantizer_(int32_t dtype);
 #define GT_CHECK_F32(t, op, what) do { int rc_ = gt_check_f32_((t), (op), (what)); if (rc_) return rc_; } while (0)
 
 float gt_f16_to_f32_1(uint16_t h);

@@ -46,7 +46,14 @@
 #define A_FLOATS ((int64_t)MC * KC)
 #define B_FLOATS ((int64_t)KC * NC)
 
-int64_t gt_matmul_work_size(void) { return (A_FLOATS + B_FLOATS) * (int64_t)sizeof(float) + ALIGN; }
+static int64_t work_size(void) { return (A_FLOATS + B_FLOATS) * (int64_t)sizeof(float) + ALIGN; }
+
+int gt_matmul_fwd_f32_sizes(const gt_node *node, int64_t *scratch, int64_t *work) {
+    (void)node;
+    *scratch = 0;
+    *work = work_size();
+    return GT_OK;
+}
 
 typedef void (*ukernel_fn)(int64_t kc, const float *a, const float *b, float *c, int64_t ldc, int acc);
 typedef void (*pack_fn)(float *dst, const float *src, int64_t rs, int64_t cs, int64_t n, int64_t kc);
@@ -659,7 +666,7 @@ static operand last2(const gt_tensor *t) {
  * (up to 4) broadcast numpy-style: a size-1 or missing batch dim of either input
  * is reused. K = 0 gives zeros. Exact per-element FMA chain over k in order
  * (see the top of the file), so results do not depend on the thread count.
- * wdata: gt_matmul_work_size() bytes per thread. */
+ * wdata: gt_matmul_fwd_f32_sizes' work bytes per thread. */
 int gt_matmul_fwd_f32(const gt_node *node, const gt_ctx *ctx) {
     const gt_tensor *d = &node->dst, *a = &node->src[0], *b = &node->src[1];
     if (node->n_src != 2) return GT_FAIL(GT_ERR_INVALID, "matmul: expected 2 inputs, got %d", node->n_src);
@@ -718,7 +725,7 @@ int gt_matmul_fwd_f32(const gt_node *node, const gt_ctx *ctx) {
     if (B.rs != 1 && B.cs != 1)
         return GT_FAIL(GT_ERR_INVALID, "matmul: src1 must have row or column stride 1, got strides "
                        "(%lld, %lld)", (long long)B.rs, (long long)B.cs);
-    const int64_t need = gt_matmul_work_size();
+    const int64_t need = work_size();
     if (!ctx->wdata || ctx->wsize < need)
         return GT_FAIL(GT_ERR_INVALID, "matmul: needs %lld bytes of per-thread scratch, got %lld",
                        (long long)need, (long long)(ctx->wdata ? ctx->wsize : 0));

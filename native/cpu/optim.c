@@ -1,15 +1,9 @@
 /* optim.c: optimizer steps as plan kernels (in place on the parameter and its
- * state). The hyper vector layout matches core/optim.py's HYPER_* indices. */
+ * state). The hyper vector is laid out as enum gt_hyper (ggtrain.h), which the
+ * host reads through cffi. */
 #include <math.h>
 
 #include "internal.h"
-
-enum {
-    H_LR = 0, H_BETA1 = 1, H_BETA2 = 2, H_EPS = 3, H_WD = 4,
-    H_BC1 = 5,   /* 1 - beta1^t, computed on the host from the step count */
-    H_BC2 = 6,   /* 1 - beta2^t */
-    H_MAX_NORM = 7, H_MOMENTUM = 8, H_COUNT = 9
-};
 
 static int check_step(const gt_node *node, int n_src, const char *op) {
     if (node->n_src != n_src) return GT_FAIL(GT_ERR_INVALID, "%s: needs %d inputs", op, n_src);
@@ -19,7 +13,7 @@ static int check_step(const gt_node *node, int n_src, const char *op) {
         GT_CHECK_F32(t, op, "input");
         if (!gt_is_contiguous(t)) return GT_FAIL(GT_ERR_INVALID, "%s: input %d not contiguous", op, i);
         if (i == 2) {
-            if (gt_numel(t) < H_COUNT) return GT_FAIL(GT_ERR_SHAPE, "%s: hyper vector too short", op);
+            if (gt_numel(t) < GT_HYPER_COUNT) return GT_FAIL(GT_ERR_SHAPE, "%s: hyper vector too short", op);
         } else if (i == 3) {
             if (gt_numel(t) != 1) return GT_FAIL(GT_ERR_SHAPE, "%s: grad norm must be a scalar", op);
         } else if (gt_numel(t) != n) {
@@ -34,7 +28,7 @@ static int check_step(const gt_node *node, int n_src, const char *op) {
 
 /* Global-norm clipping factor: min(1, max_norm / norm), 1 when disabled. */
 static float clip_scale(const float *h, float norm) {
-    const float max_norm = h[H_MAX_NORM];
+    const float max_norm = h[GT_HYPER_MAX_NORM];
     if (max_norm > 0.0f && norm > max_norm) return max_norm / (norm + 1e-6f);
     return 1.0f;
 }
@@ -48,9 +42,9 @@ int gt_adamw_step_fwd_f32(const gt_node *node, const gt_ctx *ctx) {
     float *p = node->src[0].data, *m = node->src[4].data, *v = node->src[5].data;
     const float *g = node->src[1].data, *h = node->src[2].data;
     const float scale = clip_scale(h, *(const float *)node->src[3].data);
-    const float lr = h[H_LR], b1 = h[H_BETA1], b2 = h[H_BETA2], eps = h[H_EPS];
-    const float decay = lr * h[H_WD] * node->fp[0];
-    const float bc1 = h[H_BC1], bc2 = h[H_BC2];
+    const float lr = h[GT_HYPER_LR], b1 = h[GT_HYPER_BETA1], b2 = h[GT_HYPER_BETA2], eps = h[GT_HYPER_EPS];
+    const float decay = lr * h[GT_HYPER_WD] * node->fp[0];
+    const float bc1 = h[GT_HYPER_BC1], bc2 = h[GT_HYPER_BC2];
     if (!(bc1 > 0.0f) || !(bc2 > 0.0f)) return GT_FAIL(GT_ERR_INVALID, "adamw_step: bias corrections must be > 0 (step count 0?)");
     int64_t lo, hi;
     gt_split(gt_numel(&node->src[0]), ctx, &lo, &hi);
@@ -74,7 +68,7 @@ int gt_sgd_step_fwd_f32(const gt_node *node, const gt_ctx *ctx) {
     float *p = node->src[0].data, *buf = node->src[4].data;
     const float *g = node->src[1].data, *h = node->src[2].data;
     const float scale = clip_scale(h, *(const float *)node->src[3].data);
-    const float lr = h[H_LR], wd = h[H_WD] * node->fp[0], mu = h[H_MOMENTUM];
+    const float lr = h[GT_HYPER_LR], wd = h[GT_HYPER_WD] * node->fp[0], mu = h[GT_HYPER_MOMENTUM];
     int64_t lo, hi;
     gt_split(gt_numel(&node->src[0]), ctx, &lo, &hi);
     for (int64_t i = lo; i < hi; i++) {

@@ -1,6 +1,9 @@
 /* quant.c: ggml block formats. Dequantize any of F32, F16, BF16, Q4_0, Q4_1,
- * Q5_0, Q5_1, Q8_0, Q2_K..Q6_K to f32, and quantize f32 to Q8_0 and Q4_0 the
- * way ggml's reference quantizer does (round to nearest, no importance matrix).
+ * Q5_0, Q5_1, Q8_0, Q2_K..Q6_K to f32, and quantize f32 to F16, BF16, Q8_0 and
+ * Q4_0 the way ggml's reference quantizer does (round to nearest, no importance
+ * matrix). The per-block dequantizers are shared with the kernels that read
+ * frozen weights (gt_dequantizer_). Which types each direction supports is in
+ * the dtype table's flags (dtype.c); a test checks the two agree.
  *
  * Block layouts (little-endian, `half` is an IEEE f16, QK = elements per block):
  *   Q4_0 (32, 18 B):  half d; u8 qs[16]          x = d * (q - 8)
@@ -22,12 +25,6 @@
 #include <math.h>
 
 #include "internal.h"
-
-/* ggml type ids (gguf.GGMLQuantizationType) */
-enum {
-    T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8,
-    T_Q2_K = 10, T_Q3_K = 11, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_BF16 = 30
-};
 
 #define QK 32
 #define QK_K 256
@@ -206,37 +203,54 @@ static void dequant_q6_k(float *y, const uint8_t *b, int64_t nb) {
     }
 }
 
-int gt_dequantize_row(float *dst, const void *src, int32_t ggml_type, int64_t n) {
-    if (n < 0) return GT_FAIL(GT_ERR_INVALID, "dequantize: negative element count %lld", (long long)n);
+static void dequant_f32(float *y, const uint8_t *b, int64_t n) { memcpy(y, b, (size_t)n * sizeof(float)); }
+
+static void dequant_f16(float *y, const uint8_t *b, int64_t n) {
+    for (int64_t i = 0; i < n; i++) y[i] = gt_f16_to_f32_1((uint16_t)(b[2 * i] | (b[2 * i + 1] << 8)));
+}
+
+static void dequant_bf16(float *y, const uint8_t *b, int64_t n) {
+    for (int64_t i = 0; i < n; i++) y[i] = gt_bf16_to_f32_1((uint16_t)(b[2 * i] | (b[2 * i + 1] << 8)));
+}
+
+gt_dequant_fn gt_dequantizer_(int32_t dtype) {
+    switch (dtype) {
+    case GT_F32: return dequant_f32;
+    case GT_F16: return dequant_f16;
+    case GT_BF16: return dequant_bf16;
+    case GT_Q4_0: return dequant_q4_0;
+    case GT_Q4_1: return dequant_q4_1;
+    case GT_Q5_0: return dequant_q5_0;
+    case GT_Q5_1: return dequant_q5_1;
+    case GT_Q8_0: return dequant_q8_0;
+    case GT_Q2_K: return dequant_q2_k;
+    case GT_Q3_K: return dequant_q3_k;
+    case GT_Q4_K: return dequant_q4_k;
+    case GT_Q5_K: return dequant_q5_k;
+    case GT_Q6_K: return dequant_q6_k;
+    default: return NULL;
+    }
+}
+
+/* n elements: a whole number of blocks of a known type (GT_ERR_SHAPE otherwise). */
+static int check_blocks(const gt_dtype_traits *t, int64_t n, const char *what) {
+    if (n < 0) return GT_FAIL(GT_ERR_INVALID, "%s: negative element count %lld", what, (long long)n);
+    if (n % t->block)
+        return GT_FAIL(GT_ERR_SHAPE, "%s %s: %lld elements are not a whole number of %d-element blocks",
+                       what, t->name, (long long)n, (int)t->block);
+    return GT_OK;
+}
+
+int gt_dequantize_row(float *dst, const void *src, int32_t dtype, int64_t n) {
+    const gt_dtype_traits *t = gt_dtype_find_(dtype);
+    const gt_dequant_fn fn = gt_dequantizer_(dtype);
+    if (!t) return GT_FAIL(GT_ERR_UNSUPPORTED, "dequantize: unknown ggml type %d", (int)dtype);
+    if (!fn || !(t->flags & GT_DTYPE_DEQUANTIZE))
+        return GT_FAIL(GT_ERR_UNSUPPORTED, "dequantize: %s has no dequantize kernel", t->name);
+    GT_TRY(check_blocks(t, n, "dequantize"));
     if (n == 0) return GT_OK;
     if (!dst || !src) return GT_FAIL(GT_ERR_INVALID, "dequantize: null pointer");
-    const uint8_t *b = src;
-    int64_t block;
-    switch (ggml_type) {
-    case T_F32: memcpy(dst, src, (size_t)n * sizeof(float)); return GT_OK;
-    case T_F16: return gt_f16_to_f32(dst, src, n);
-    case T_BF16: return gt_bf16_to_f32(dst, src, n);
-    case T_Q4_0: case T_Q4_1: case T_Q5_0: case T_Q5_1: case T_Q8_0: block = QK; break;
-    case T_Q2_K: case T_Q3_K: case T_Q4_K: case T_Q5_K: case T_Q6_K: block = QK_K; break;
-    default:
-        return GT_FAIL(GT_ERR_UNSUPPORTED, "dequantize: ggml type %d has no dequantize kernel", (int)ggml_type);
-    }
-    if (n % block)
-        return GT_FAIL(GT_ERR_SHAPE, "dequantize: %lld elements are not a whole number of %lld-element blocks",
-                       (long long)n, (long long)block);
-    const int64_t nb = n / block;
-    switch (ggml_type) {
-    case T_Q4_0: dequant_q4_0(dst, b, nb); break;
-    case T_Q4_1: dequant_q4_1(dst, b, nb); break;
-    case T_Q5_0: dequant_q5_0(dst, b, nb); break;
-    case T_Q5_1: dequant_q5_1(dst, b, nb); break;
-    case T_Q8_0: dequant_q8_0(dst, b, nb); break;
-    case T_Q2_K: dequant_q2_k(dst, b, nb); break;
-    case T_Q3_K: dequant_q3_k(dst, b, nb); break;
-    case T_Q4_K: dequant_q4_k(dst, b, nb); break;
-    case T_Q5_K: dequant_q5_k(dst, b, nb); break;
-    default: dequant_q6_k(dst, b, nb); break;
-    }
+    fn(dst, src, n / t->block);
     return GT_OK;
 }
 
@@ -246,22 +260,10 @@ static inline void put_half(uint8_t *p, float f) {
     p[1] = (uint8_t)(h >> 8);
 }
 
-static int quant_check(void *dst, const float *src, int64_t n, const char *what) {
-    if (n < 0) return GT_FAIL(GT_ERR_INVALID, "%s: negative element count %lld", what, (long long)n);
-    if (n % QK)
-        return GT_FAIL(GT_ERR_SHAPE, "%s: %lld elements are not a whole number of %d-element blocks",
-                       what, (long long)n, QK);
-    if (n && (!dst || !src)) return GT_FAIL(GT_ERR_INVALID, "%s: null pointer", what);
-    return GT_OK;
-}
-
 /* ggml's quantize_row_q8_0_ref: d = max|x| / 127, q = round(x / d) (half away
  * from zero). A NaN maps to 0 instead of being undefined behaviour. */
-int gt_quantize_q8_0(void *dst, const float *src, int64_t n) {
-    int rc = quant_check(dst, src, n, "quantize_q8_0");
-    if (rc) return rc;
-    uint8_t *b = dst;
-    for (int64_t i = 0; i < n / QK; i++, b += 34, src += QK) {
+static void quant_q8_0(uint8_t *b, const float *src, int64_t nb) {
+    for (int64_t i = 0; i < nb; i++, b += 34, src += QK) {
         float amax = 0.0f;
         for (int j = 0; j < QK; j++) {
             const float a = fabsf(src[j]);
@@ -276,16 +278,12 @@ int gt_quantize_q8_0(void *dst, const float *src, int64_t n) {
             qs[j] = (int8_t)(r > 127.0f ? 127 : r < -128.0f ? -128 : r == r ? (int)r : 0);
         }
     }
-    return GT_OK;
 }
 
 /* ggml's quantize_row_q4_0_ref: d = m / -8 where m is the element of largest
  * magnitude (the first such), q = min(15, trunc(x / d + 8.5)). */
-int gt_quantize_q4_0(void *dst, const float *src, int64_t n) {
-    int rc = quant_check(dst, src, n, "quantize_q4_0");
-    if (rc) return rc;
-    uint8_t *b = dst;
-    for (int64_t i = 0; i < n / QK; i++, b += 18, src += QK) {
+static void quant_q4_0(uint8_t *b, const float *src, int64_t nb) {
+    for (int64_t i = 0; i < nb; i++, b += 18, src += QK) {
         float amax = 0.0f, max = 0.0f;
         for (int j = 0; j < QK; j++) {
             if (amax < fabsf(src[j])) {
@@ -304,5 +302,39 @@ int gt_quantize_q4_0(void *dst, const float *src, int64_t n) {
             qs[j] = (uint8_t)(q0 | (q1 << 4));
         }
     }
+}
+
+static void quant_f32(uint8_t *b, const float *src, int64_t n) { memcpy(b, src, (size_t)n * sizeof(float)); }
+
+static void quant_f16(uint8_t *b, const float *src, int64_t n) {
+    for (int64_t i = 0; i < n; i++) put_half(b + 2 * i, src[i]);
+}
+
+static void quant_bf16(uint8_t *b, const float *src, int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        const uint16_t h = gt_f32_to_bf16_1(src[i]);
+        b[2 * i] = (uint8_t)(h & 0xff);
+        b[2 * i + 1] = (uint8_t)(h >> 8);
+    }
+}
+
+int gt_quantize_row(void *dst, const float *src, int32_t dtype, int64_t n) {
+    const gt_dtype_traits *t = gt_dtype_find_(dtype);
+    void (*fn)(uint8_t *, const float *, int64_t) = NULL;
+    switch (dtype) {
+    case GT_F32: fn = quant_f32; break;
+    case GT_F16: fn = quant_f16; break;
+    case GT_BF16: fn = quant_bf16; break;
+    case GT_Q8_0: fn = quant_q8_0; break;
+    case GT_Q4_0: fn = quant_q4_0; break;
+    default: break;
+    }
+    if (!t) return GT_FAIL(GT_ERR_UNSUPPORTED, "quantize: unknown ggml type %d", (int)dtype);
+    if (!fn || !(t->flags & GT_DTYPE_QUANTIZE))
+        return GT_FAIL(GT_ERR_UNSUPPORTED, "quantize: ggtrain cannot write %s", t->name);
+    GT_TRY(check_blocks(t, n, "quantize"));
+    if (n == 0) return GT_OK;
+    if (!dst || !src) return GT_FAIL(GT_ERR_INVALID, "quantize: null pointer");
+    fn(dst, src, n / t->block);
     return GT_OK;
 }

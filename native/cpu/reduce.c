@@ -5,12 +5,25 @@
 #include "simd.h"
 
 #define SUM_CHUNK 4096
-#define REDUCE_BLOCK 256   /* rows per partial sum in repeat_bwd; core/ops.py knows it */
+#define REDUCE_BLOCK 256   /* rows per partial sum in repeat_bwd */
+
+/* Partial sums of sum: one per SUM_CHUNK elements of a contiguous src, one per
+ * row of a strided one. */
+static int64_t sum_parts(const gt_tensor *a) {
+    return gt_is_contiguous(a) ? (gt_numel(a) + SUM_CHUNK - 1) / SUM_CHUNK : gt_nrows(a);
+}
+
+int gt_sum_fwd_f32_sizes(const gt_node *node, int64_t *scratch, int64_t *work) {
+    const int64_t parts = sum_parts(&node->src[0]);
+    *scratch = (parts > 1 ? parts : 1) * (int64_t)sizeof(double);
+    *work = 0;
+    return GT_OK;
+}
 
 /* sum: dst scalar = sum of every element of src0 (any strides). Contiguous src
  * is cut into SUM_CHUNK-element chunks, non-contiguous into rows; threads fill
  * per-chunk partial sums (double) in node scratch, thread 0 adds them in order.
- * scratch: max(ceil(n / SUM_CHUNK), rows) doubles. */
+ * scratch: see gt_sum_fwd_f32_sizes. */
 int gt_sum_fwd_f32(const gt_node *node, const gt_ctx *ctx) {
     const gt_tensor *d = &node->dst, *a = &node->src[0];
     GT_CHECK_F32(d, "sum", "dst");
@@ -19,7 +32,7 @@ int gt_sum_fwd_f32(const gt_node *node, const gt_ctx *ctx) {
     const int contig = gt_is_contiguous(a);
     const int64_t n = gt_numel(a);
     const int64_t ncols = gt_ncols(a);
-    const int64_t nparts = contig ? (n + SUM_CHUNK - 1) / SUM_CHUNK : gt_nrows(a);
+    const int64_t nparts = sum_parts(a);
     double *part = node->scratch;
     if (nparts > 0 && (!part || node->scratch_size < nparts * (int64_t)sizeof(double)))
         return GT_FAIL(GT_ERR_INVALID, "sum: scratch too small (%lld bytes, need %lld)",
@@ -100,6 +113,25 @@ GT_CLONES static void add_into(float *acc, const float *x, int64_t n) {
     for (int64_t i = 0; i < n; i++) acc[i] += x[i];
 }
 
+/* Floats of node scratch repeat_bwd's blocked path uses: when every leading dim
+ * of a contiguous src (more than one row) is reduced and its last dim kept (a
+ * bias gradient), ceil(rows / REDUCE_BLOCK) * ncols partial column sums; else 0
+ * (the other paths need none). */
+static int64_t repeat_bwd_blocked(const gt_tensor *d, const gt_tensor *a) {
+    const int nd = a->ndim, off = a->ndim - d->ndim;
+    if (nd == 0 || off < 0 || !gt_is_contiguous(a) || gt_nrows(a) < 2) return 0;
+    if ((d->ndim ? d->shape[d->ndim - 1] : 1) != gt_ncols(a)) return 0;
+    for (int i = 0; i + 1 < nd; i++)
+        if (i >= off && d->shape[i - off] != 1) return 0;
+    return (gt_nrows(a) + REDUCE_BLOCK - 1) / REDUCE_BLOCK * gt_ncols(a);
+}
+
+int gt_repeat_bwd_f32_sizes(const gt_node *node, int64_t *scratch, int64_t *work) {
+    *scratch = repeat_bwd_blocked(&node->dst, &node->src[0]) * (int64_t)sizeof(float);
+    *work = 0;
+    return GT_OK;
+}
+
 /* repeat_bwd: dst (contiguous, shape right-aligned to src's with 1 where src was
  * broadcast) = src summed over those dims, in index order.
  * Fast path: src contiguous and dst keeps src's last dim: threads own blocks of
@@ -125,14 +157,14 @@ int gt_repeat_bwd_f32(const gt_node *node, const gt_ctx *ctx) {
     /* Every leading dim reduced, last dim kept (a bias gradient): rows are cut in
      * fixed blocks of REDUCE_BLOCK (not per thread), each block's column sums go
      * to node scratch, and the blocks are added in order: the same result for any
-     * thread count. scratch: ceil(rows / REDUCE_BLOCK) * ncols floats. */
+     * thread count. scratch: see repeat_bwd_blocked. */
     const int64_t nrows_all = gt_nrows(a);
     const int64_t nblk = (nrows_all + REDUCE_BLOCK - 1) / REDUCE_BLOCK;
-    int all_leading = nd > 0 && dshape[nd - 1] == ncols && gt_is_contiguous(a);
-    for (int i = 0; i + 1 < nd && all_leading; i++)
-        if (dshape[i] != 1) all_leading = 0;
-    if (all_leading && nrows_all > 1 && node->scratch &&
-        node->scratch_size >= nblk * ncols * (int64_t)sizeof(float)) {
+    const int64_t blocked = repeat_bwd_blocked(d, a);
+    if (blocked && (!node->scratch || node->scratch_size < blocked * (int64_t)sizeof(float)))
+        return GT_FAIL(GT_ERR_INVALID, "repeat_bwd: expected %lld bytes of scratch, got %lld",
+                       (long long)(blocked * (int64_t)sizeof(float)), (long long)node->scratch_size);
+    if (blocked) {
         float *part = node->scratch;
         int64_t lo, hi;
         gt_split(nblk, ctx, &lo, &hi);

@@ -56,7 +56,5 @@ static inline int gt_check_n_src(const gt_node *node, int n, const char *op) {
     return GT_OK;
 }
 
-/* Propagate a failed check: `GT_TRY(gt_check_...(...));` */
-#define GT_TRY(expr) do { int rc_ = (expr); if (rc_) return rc_; } while (0)
 
 #endif

@@ -217,6 +217,14 @@ static int check_ce(const gt_node *node, const char *op, int n_src, int64_t *cou
  * count is 0 the loss is 0. scratch: N floats (4 * N bytes), per-row losses;
  * after a barrier thread 0 adds them in row order (in double), so the result is
  * the same for any thread count. */
+int gt_cross_entropy_fwd_f32_sizes(const gt_node *node, int64_t *scratch, int64_t *work) {
+    const gt_tensor *x = &node->src[0];
+    const int64_t nrows = x->ndim >= 1 ? x->shape[0] : 1;
+    *scratch = (nrows > 1 ? nrows : 1) * (int64_t)sizeof(float);
+    *work = 0;
+    return GT_OK;
+}
+
 int gt_cross_entropy_fwd_f32(const gt_node *node, const gt_ctx *ctx) {
     const char *op = "cross_entropy";
     int64_t count;
