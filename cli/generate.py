@@ -1,6 +1,12 @@
-"""`ggtrain generate` and `ggtrain eval`: run a llama GGUF model (layer 6)."""
+"""`ggtrain generate` and `ggtrain eval`: run a llama GGUF model (layer 6).
+
+The model's weights stay in the types the file stores them in (F32 ... Q4_0, K-quants),
+read straight into backend memory; a LoRA adapter is applied on the fly, as llama.cpp
+applies one (no merged copy of the weights).
+"""
 from __future__ import annotations
 
+import codecs
 import json
 import math
 import pathlib
@@ -10,48 +16,79 @@ import typer
 
 from ggtrain.cli.common import cpu_backend
 from ggtrain.cli.main import app
-from ggtrain.core.models.llama import LlamaConfig, LlamaRunner, generate
+from ggtrain.core.models.llama import LlamaConfig, LlamaDecoder, LlamaRunner, generate
+from ggtrain.core.sampling import Sampler
 from ggtrain.errors import ConfigError
-from ggtrain.formats.llama_model import load_llama
-from ggtrain.formats.lora import merge_lora
+from ggtrain.formats.llama_model import open_llama
+from ggtrain.formats.lora import lora_adapters
+
+# the context generate reserves when it runs until end of generation (-n -1) and no --ctx is given
+UNTIL_EOG_CTX = 4096
 
 
-def _load(model, lora, lora_scale):
-    """Config, f32 weights (with the adapter merged in, if any) and tokenizer of a model."""
-    config, weights, tok = load_llama(model)
+def _open(model, lora, lora_scale, backend):
+    """Config, weights in backend memory, tokenizer, and the adapter (or None) of a model."""
+    config, weights, tok = open_llama(model, backend)
+    adapters = None
     if lora is not None:
-        weights = merge_lora(weights, lora, lora_scale)
-    return config, weights, tok
+        adapters = lora_adapters(lora, {n: w.shape for n, w in weights.items()}, lora_scale)
+    return LlamaConfig(**config), weights, tok, adapters
 
 
 @app.command("generate")
 def generate_cmd(
-    model: pathlib.Path = typer.Option(..., "--model", help="A llama GGUF model (F32, F16, Q8_0, Q4_0, ...)."),
+    model: pathlib.Path = typer.Option(..., "--model", help="A llama GGUF model (F32, F16, Q8_0, Q4_0, K-quants, ...)."),
     lora: pathlib.Path = typer.Option(None, "--lora", help="A LoRA adapter GGUF (llama.cpp's format) to apply."),
     lora_scale: float = typer.Option(1.0, "--lora-scale", help="Scale of the adapter (as llama.cpp's --lora-scaled)."),
     prompt: str = typer.Option(..., "--prompt", help="Text to continue."),
-    n: int = typer.Option(64, "-n", "--n-tokens", help="Tokens to generate (fewer if EOS comes first)."),
+    n: int = typer.Option(64, "-n", "--n-tokens",
+                          help="Tokens to generate; -1: until an end-of-generation token or the context is full."),
     temp: float = typer.Option(0.0, "--temp", help="Sampling temperature; 0 is greedy (llama.cpp's greedy tokens)."),
-    top_k: int = typer.Option(0, "--top-k", help="Sample among the K most likely tokens (0: all)."),
+    top_k: int = typer.Option(40, "--top-k", help="Sample among the K most likely tokens (0: all)."),
+    top_p: float = typer.Option(0.95, "--top-p", help="Sample among the most likely tokens holding this much "
+                                "probability (1: all)."),
+    min_p: float = typer.Option(0.05, "--min-p", help="Drop tokens less likely than this fraction of the most "
+                                "likely one (0: off)."),
+    repeat_penalty: float = typer.Option(1.0, "--repeat-penalty",
+                                         help="Penalize the last 64 tokens' ids (1: off; llama.cpp's rule)."),
     seed: int = typer.Option(0, "--seed", help="Seed of the sampler."),
+    ctx: int = typer.Option(0, "--ctx", help="Positions of the KV cache (default: prompt + n, or "
+                            f"min({UNTIL_EOG_CTX}, the model's context) with -n -1)."),
     threads: int = typer.Option(None, "--threads", help="CPU threads (default: all available)."),
+    backend: str = typer.Option("cpu", "--backend", help="Compute backend (cpu)."),
 ):
-    """Continue a prompt with a llama model; prints only the continuation."""
-    if n < 0 or temp < 0 or top_k < 0:
-        raise ConfigError("-n, --temp and --top-k must be >= 0")
-    config, weights, tok = _load(model, lora, lora_scale)
-    cfg = LlamaConfig(**config)
+    """Continue a prompt with a llama model (KV-cached); prints only the continuation, as it comes."""
+    if n < -1:
+        raise ConfigError(f"-n must be >= 0, or -1 for 'until end of generation', got {n}")
+    if top_k < 0:
+        raise ConfigError(f"--top-k must be >= 0, got {top_k}")
+    if ctx < 0:
+        raise ConfigError(f"--ctx must be >= 1 (0: the default), got {ctx}")
+    sampler = Sampler(temp=temp, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty,
+                      seed=seed)
+    be = cpu_backend(backend, threads)
+    cfg, weights, tok, adapters = _open(model, lora, lora_scale, be)
     ids = tok.encode(prompt, add_bos=tok.add_bos).tolist()
-    if len(ids) >= cfg.ctx:
-        raise ConfigError(f"--prompt has {len(ids)} tokens; the model's context is {cfg.ctx}")
-    runner = LlamaRunner(cfg, weights, cpu_backend("cpu", threads), length=min(cfg.ctx, len(ids) + n))
-    out = []
-    for t in generate(runner, ids, n, temp, top_k, seed, eos=tok.eos_id):
-        if t == tok.eos_id:
+    if not ids:
+        raise ConfigError("--prompt gives no tokens (and the model adds no BOS): nothing to continue")
+    n_ctx = ctx or (min(cfg.ctx, len(ids) + n) if n >= 0 else min(cfg.ctx, UNTIL_EOG_CTX))
+    if ctx > cfg.ctx:
+        raise ConfigError(f"--ctx {ctx} exceeds the model's context of {cfg.ctx}")
+    if len(ids) >= n_ctx and n != 0:
+        raise ConfigError(f"--prompt has {len(ids)} tokens; the context is {n_ctx} "
+                          f"(the model's: {cfg.ctx}; set it with --ctx)")
+    if n == 0:
+        sys.stdout.write("\n")
+        return
+    decoder = LlamaDecoder(cfg, weights, be, n_ctx=n_ctx, adapters=adapters)
+    text = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    stop = frozenset(tok.eog_ids)
+    for t in generate(decoder, ids, n, sampler, stop):
+        if t in stop:
             break
-        out.append(t)
-    sys.stdout.write(tok.decode(out))
-    sys.stdout.write("\n")
+        sys.stdout.write(text.decode(tok.decode_bytes([t])))
+        sys.stdout.flush()
+    sys.stdout.write(text.decode(b"", final=True) + "\n")
 
 
 @app.command("eval")
@@ -63,10 +100,11 @@ def eval_cmd(
     ctx: int = typer.Option(0, "--ctx", help="Window length (default: min(model context, 512))."),
     as_json: bool = typer.Option(False, "--json", help='Print {"perplexity", "nll", "tokens"} as JSON.'),
     threads: int = typer.Option(None, "--threads", help="CPU threads (default: all available)."),
+    backend: str = typer.Option("cpu", "--backend", help="Compute backend (cpu)."),
 ):
     """Perplexity of a llama model on a text: non-overlapping windows, every token scored once."""
-    config, weights, tok = _load(model, lora, lora_scale)
-    cfg = LlamaConfig(**config)
+    be = cpu_backend(backend, threads)
+    cfg, weights, tok, adapters = _open(model, lora, lora_scale, be)
     length = ctx or min(cfg.ctx, 512)
     if not 1 <= length <= cfg.ctx:
         raise ConfigError(f"--ctx {ctx}: must be in 1..{cfg.ctx} (the model's context)")
@@ -77,10 +115,10 @@ def eval_cmd(
     ids = tok.encode(text, add_bos=tok.add_bos)
     if len(ids) < 2:
         raise ConfigError(f"--data {data}: fewer than 2 tokens to score")
-    runner = LlamaRunner(cfg, weights, cpu_backend("cpu", threads), length=length)
+    runner = LlamaRunner(cfg, weights, be, length=min(length, len(ids) - 1), adapters=adapters)
     total, count = 0.0, 0
-    for start in range(0, len(ids) - 1, length):
-        window = ids[start:start + length + 1]
+    for start in range(0, len(ids) - 1, runner.length):
+        window = ids[start:start + runner.length + 1]
         x, y = window[:-1][None, :], window[1:][None, :]
         total += runner.nll(x, y)
         count += y.size

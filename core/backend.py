@@ -37,6 +37,17 @@ class TensorRef:
 
 
 @dataclass(frozen=True)
+class StoredTensor:
+    """A tensor's bytes already in a backend buffer, in its stored dtype and numpy-order
+    shape (a weight read from a GGUF file straight into memory): Runtime.bind adopts it
+    without a copy."""
+
+    buffer: Buffer
+    dtype: str
+    shape: tuple
+
+
+@dataclass(frozen=True)
 class KernelCall:
     """One node of a lowered graph: `kernel` is the op name plus direction and dtype,
     e.g. "rms_norm_fwd_f32"; ip/fp are the kernel's integer/float parameters;

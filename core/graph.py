@@ -27,6 +27,8 @@ from ggtrain.errors import DTypeError, ShapeError
 from ggtrain.native.dtypes import dtype as _dtype, nbytes
 
 _ALIGN = 64
+# Tensor.init of a parameter whose value a Runtime has moved into its own buffer
+MOVED = object()
 
 
 class Graph:
@@ -220,11 +222,31 @@ class Runtime:
             raise ValueError(f"{root!r} is not persistent")
         buf = self._buffers.get(root.id)
         if buf is None:
+            if root.init is MOVED:
+                raise ValueError(f"{root!r}: its initial value went into another runtime's memory "
+                                 f"(build the graph again for a second runtime)")
             buf = self.backend.alloc(max(1, root.nbytes))
             self._buffers[root.id] = buf
             if root.init is not None:
                 self._copy_in(buf, root, root.init)
+                if root.kind == "param":   # the buffer holds it now: no second copy of a weight
+                    root.init = MOVED
         return buf
+
+    def bind(self, t: Tensor, buffer) -> None:
+        """Make `buffer`, which already holds persistent tensor t's bytes in t's dtype (e.g.
+        a weight read from a file straight into backend memory), t's storage: no copy.
+
+        Raises ValueError when t is a view, not persistent, already has storage or an
+        initial value; ShapeError when the buffer is too small.
+        """
+        if t.is_view or t.kind not in PERSISTENT_KINDS:
+            raise ValueError(f"bind: {t!r} is not a persistent tensor")
+        if t.id in self._buffers or t.init is not None:
+            raise ValueError(f"bind: {t!r} already has storage or an initial value")
+        if buffer.nbytes < t.nbytes:
+            raise ShapeError(f"bind: a {buffer.nbytes}-byte buffer cannot hold {t!r} ({t.nbytes} bytes)")
+        self._buffers[t.id] = buffer
 
     def _copy_in(self, buf, t: Tensor, value: np.ndarray) -> None:
         if t.dtype == "bf16":

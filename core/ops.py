@@ -445,8 +445,16 @@ def rms_norm_bwd(x: Tensor, g: Tensor, eps: float) -> Tensor:
     return apply("rms_norm_bwd", [x, g], eps=float(eps))
 
 
-def softmax(x: Tensor, scale: float = 1.0, causal: bool = False) -> Tensor:
-    """softmax(scale * x (+ causal mask)) over the last dim of x (..., Tq, Tk). (f32)"""
+def softmax(x: Tensor, scale: float = 1.0, causal: bool = False, pos: Tensor | None = None) -> Tensor:
+    """softmax(scale * x (+ mask)) over the last dim of x (..., Tq, Tk). (f32)
+
+    causal: query i sees keys j <= i + (Tk - Tq). pos (Tq,) i32: query i sees keys
+    j <= pos[i] (keys are a KV cache of positions 0..Tk-1). Masked entries are 0.
+    """
+    if pos is not None:
+        if causal:
+            raise ValueError("softmax: give causal or pos, not both")
+        return apply("softmax", [x, pos], scale=float(scale), causal=False)
     return apply("softmax", [x], scale=float(scale), causal=bool(causal))
 
 
@@ -491,6 +499,12 @@ def _infer_softmax(srcs, params):
     x = srcs[0]
     _f32("softmax", x)
     _need(x.ndim >= 1, "softmax: input must have at least 1 dim")
+    if len(srcs) == 2:
+        pos = srcs[1]
+        if pos.dtype != "i32":
+            raise DTypeError(f"softmax: positions must be i32, got {pos.dtype}")
+        _need(x.ndim >= 2 and pos.shape == (x.shape[-2],),
+              f"softmax: positions {pos.shape} do not match Tq of {x.shape}")
     if params.get("causal"):
         _need(x.ndim >= 2, f"softmax: causal mask needs (..., Tq, Tk), got {x.shape}")
         _need(x.shape[-2] <= x.shape[-1], f"softmax: causal mask needs Tq <= Tk, got {x.shape}")
@@ -510,9 +524,10 @@ register(OpDef("rms_norm", _infer_rms_norm, "rms_norm_fwd", contiguous=(0,),
                lower=lambda y: ((), (y.params["eps"],))))
 register(OpDef("rms_norm_bwd", _infer_rms_norm, "rms_norm_bwd", contiguous=(0, 1),
                lower=lambda y: ((), (y.params["eps"],))))
-register(OpDef("softmax", _infer_softmax, "softmax_fwd", contiguous=(0,),
-               backward=lambda y, g: [softmax_bwd(y, g, y.params["scale"])],
-               lower=lambda y: ((int(y.params["causal"]),), (y.params["scale"],))))
+register(OpDef("softmax", _infer_softmax, "softmax_fwd", contiguous=(0, 1),
+               backward=lambda y, g: [softmax_bwd(y, g, y.params["scale"]), None],
+               lower=lambda y: ((2 if len(y.srcs) == 2 else int(y.params["causal"]),), (y.params["scale"],)),
+               differentiable=(0,)))
 register(OpDef("softmax_bwd", _infer_softmax_bwd, "softmax_bwd", contiguous=(0, 1),
                lower=lambda y: ((), (y.params["scale"],))))
 register(OpDef("cross_entropy", _infer_ce, "cross_entropy_fwd", contiguous=(0, 1),
@@ -791,6 +806,31 @@ register(OpDef("view", _infer_view, contiguous=(0,), view=_view_view,
                backward=lambda y, g: [view_bwd(g, y.srcs[0].shape, y.params["vstrides"], y.params["voffset"])]))
 register(OpDef("view_bwd", _infer_view_bwd, "view_bwd", contiguous=(0,),
                lower=lambda y: ((y.params["voffset"],) + y.params["vstrides"], ())))
+
+
+def set_rows(target: Tensor, values: Tensor, idx: Tensor) -> Tensor:
+    """Row idx[t] of persistent target (S, C) becomes values[t] (T, C), in place, at run time
+    (a KV cache written at the positions being decoded). Returns the updated target: read
+    the rows through it, so that readers run after the write. (f32, not differentiable)"""
+    y = apply("set_rows", [target, values, idx])
+    y.out = target
+    return y
+
+
+def _infer_set_rows(srcs, params):
+    target, values, idx = srcs
+    _f32("set_rows", target, values)
+    _need(target.kind in ("state", "param", "input") and not target.is_view and target.out is None,
+          f"set_rows: the target must be a persistent tensor, got {target!r}")
+    _need(target.ndim == 2 and values.ndim == 2 and values.shape[1] == target.shape[1],
+          f"set_rows: values {values.shape} do not fit rows of target {target.shape}")
+    if idx.dtype != "i32":
+        raise DTypeError(f"set_rows: indices must be i32, got {idx.dtype}")
+    _need(idx.shape == values.shape[:1], f"set_rows: indices {idx.shape} do not match values {values.shape}")
+    return target.shape, "f32"
+
+
+register(OpDef("set_rows", _infer_set_rows, "set_rows_fwd", contiguous=(1, 2), differentiable=()))
 
 
 def cont(x: Tensor) -> Tensor:

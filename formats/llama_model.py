@@ -1,12 +1,52 @@
-"""Llama model files (layer 5): loading config, f32 weights and tokenizer; writing clean models."""
+"""Llama model files (layer 5): loading config, weights (in their stored types, or as f32) and
+tokenizer; writing clean models."""
 from __future__ import annotations
 
 import numpy as np
 
+from ggtrain.core.backend import StoredTensor
 from ggtrain.errors import FormatError
 from ggtrain.formats.gguf import read_gguf, write_gguf
 from ggtrain.formats.llama import LlamaHParams, hparams_to_kv, tensor_shapes, validate_model
 from ggtrain.formats.tokenizer import tokenizer_from_gguf
+from ggtrain.native.dtypes import WEIGHT_TYPES, dtype
+
+
+def _config(layout) -> dict:
+    hp = layout.hparams
+    return dict(vocab=hp.n_vocab, dim=hp.n_embd, layers=hp.n_layer, heads=hp.n_head,
+                kv_heads=hp.n_head_kv, ff=hp.n_ff, ctx=hp.n_ctx, rope_dims=hp.n_rot,
+                rope_base=hp.rope_freq_base, norm_eps=hp.rms_eps, tied=layout.tied)
+
+
+def open_llama(path, backend) -> tuple:
+    """(LlamaConfig kwargs, {name: weights}, tokenizer) of a llama GGUF model, its weights
+    read from the file straight into `backend` buffers in the types the file stores them in
+    (no f32 copy, no second copy of any kind): matrices as StoredTensor (F32, F16, BF16,
+    Q4_0 ... Q6_K), the 1-D norm weights as f32 (StoredTensor when the file has them in
+    F32, else a small f32 array).
+
+    Raises FormatError for files that are not llama models, and for a tensor in a type no
+    kernel reads (naming the tensor, its type and the supported ones).
+    """
+    f = read_gguf(path)
+    layout = validate_model(f)
+    for name in layout.shapes:
+        info = f.tensors[name]
+        if not dtype(int(info.type)).can_dequantize:
+            readable = ", ".join(t.upper() for t in WEIGHT_TYPES)
+            raise FormatError(f"{f.path}: tensor {name!r} is stored as {info.type.name}, a type ggtrain "
+                              f"cannot compute with (it reads {readable})")
+    direct = [n for n, shape in layout.shapes.items()
+              if len(shape) == 2 or dtype(int(f.tensors[n].type)).name == "f32"]
+    loaded = f.load_tensors(direct, backend)
+    weights = {}
+    for name, shape in layout.shapes.items():
+        if name in loaded:
+            weights[name] = StoredTensor(loaded[name].buffer, dtype(int(f.tensors[name].type)).name, shape)
+        else:  # a norm weight not in F32: small, converted once
+            weights[name] = np.ascontiguousarray(f.tensor_f32(name).reshape(shape), np.float32)
+    return _config(layout), weights, tokenizer_from_gguf(f)
 
 
 def load_llama(path) -> tuple:
@@ -17,13 +57,9 @@ def load_llama(path) -> tuple:
     """
     f = read_gguf(path)
     layout = validate_model(f)
-    hp = layout.hparams
-    config = dict(vocab=hp.n_vocab, dim=hp.n_embd, layers=hp.n_layer, heads=hp.n_head,
-                  kv_heads=hp.n_head_kv, ff=hp.n_ff, ctx=hp.n_ctx, rope_dims=hp.n_rot,
-                  rope_base=hp.rope_freq_base, norm_eps=hp.rms_eps, tied=layout.tied)
     weights = {name: np.ascontiguousarray(f.tensor_f32(name).reshape(shape), np.float32)
                for name, shape in layout.shapes.items()}
-    return config, weights, tokenizer_from_gguf(f)
+    return _config(layout), weights, tokenizer_from_gguf(f)
 
 
 def config_to_hparams(config: dict) -> LlamaHParams:

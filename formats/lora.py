@@ -51,20 +51,35 @@ def write_lora(path, arch: str, alpha: float, pairs: dict) -> None:
     write_gguf(path, kv, tensors)
 
 
-def merge_lora(weights: dict, path, scale: float = 1.0, arch: str = "llama") -> dict:
-    """weights with the adapter at `path` merged in (W + scale * alpha / r * B @ A), in float64
-    then rounded to f32. Raises FormatError for a foreign adapter or mismatched shapes."""
+def lora_adapters(path, shapes: dict, scale: float = 1.0, arch: str = "llama") -> dict:
+    """The adapter at `path` as {weight name: (A (r, n_in), B (n_out, r), s)} with s = scale *
+    alpha / r (scale alone when alpha is 0), the factor llama.cpp applies to B @ A.
+
+    shapes: {weight name: numpy-order shape} of the model. Raises FormatError for a
+    foreign adapter, a target the model lacks or mismatched shapes.
+    """
     alpha, adapter_arch, pairs = read_lora(path)
     if adapter_arch not in (None, arch):
         raise FormatError(f"{path}: adapter for architecture {adapter_arch!r}, the model is {arch!r}")
-    out = dict(weights)
+    out = {}
     for name, (a, b) in pairs.items():
-        w = weights.get(name)
-        if w is None:
+        shape = shapes.get(name)
+        if shape is None:
             raise FormatError(f"{path}: adapter targets {name!r}, which the model does not have")
-        if (b.shape[0], a.shape[1]) != w.shape:
-            raise FormatError(f"{path}: {name}: adapter gives {(b.shape[0], a.shape[1])}, the weight is {w.shape}")
+        if (b.shape[0], a.shape[1]) != tuple(shape):
+            raise FormatError(f"{path}: {name}: adapter gives {(b.shape[0], a.shape[1])}, the weight is "
+                              f"{tuple(shape)}")
         r = a.shape[0]
-        s = scale * (alpha / r if alpha else 1.0)
+        out[name] = (a, b, scale * (alpha / r if alpha else 1.0))
+    return out
+
+
+def merge_lora(weights: dict, path, scale: float = 1.0, arch: str = "llama") -> dict:
+    """weights with the adapter at `path` merged in (W + scale * alpha / r * B @ A), in float64
+    then rounded to f32. Raises FormatError for a foreign adapter or mismatched shapes."""
+    adapters = lora_adapters(path, {n: w.shape for n, w in weights.items()}, scale, arch)
+    out = dict(weights)
+    for name, (a, b, s) in adapters.items():
+        w = weights[name]
         out[name] = (w.astype(np.float64) + s * (b.astype(np.float64) @ a.astype(np.float64))).astype(np.float32)
     return out

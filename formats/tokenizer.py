@@ -94,6 +94,9 @@ MIN_BPE_VOCAB = 256 + 2              # the byte alphabet plus BOS and EOS
 SPECS = "'byte', 'bpe:N' (N >= 258, a byte-level BPE trained on the text) or a path to a .gguf file"
 
 K = "tokenizer.ggml."
+# token texts llama.cpp treats as end of generation wherever they are in a vocabulary
+EOG_TEXTS = frozenset({"<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|eom_id|>",
+                       "<end_of_turn>", "<|endoftext|>", "<EOT>", "_<EOT>", "<｜end▁of▁sentence｜>"})
 
 
 # ---- the interface ------------------------------------------------------------------
@@ -116,12 +119,24 @@ class Tokenizer:
         self.bos_id, self.eos_id, self.unk_id, self.pad_id = bos_id, eos_id, unk_id, pad_id
         self.add_bos, self.add_eos = bool(add_bos), bool(add_eos)
         self._pieces: list[bytes] = []      # (n_vocab,) what each id decodes to
+        self.extra_eog: tuple = ()          # eot/eom ids a GGUF names (tokenizer_from_gguf)
+        self._eog = None
         # parse_special -> (regex of the special tokens split out of text, text -> id)
         self._specials: dict[bool, tuple] = {}
 
     @property
     def n_vocab(self) -> int:
         return len(self.tokens)
+
+    @property
+    def eog_ids(self) -> frozenset:
+        """Ids that end a generation, as llama.cpp collects them: EOS, the end-of-turn and
+        end-of-message ids the GGUF names, and every token spelled like a known end token."""
+        if self._eog is None:
+            ids = {self.eos_id} | set(self.extra_eog)
+            ids.update(i for i, t in enumerate(self.tokens) if t in EOG_TEXTS)
+            self._eog = frozenset(i for i in ids if 0 <= i < self.n_vocab)
+        return self._eog
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(n_vocab={self.n_vocab}, bos={self.bos_id}, eos={self.eos_id})"
@@ -602,6 +617,16 @@ def _chunks(text: str, size: int = 1 << 16) -> Iterable[str]:
 # ---- from GGUF ----------------------------------------------------------------------------
 
 def tokenizer_from_gguf(gguf: GGUFFile | str | os.PathLike) -> Tokenizer:
+    """The tokenizer of a GGUF file's tokenizer.ggml.* keys (see _tokenizer_from_gguf), with
+    the end-of-turn / end-of-message ids the file names."""
+    f = gguf if isinstance(gguf, GGUFFile) else read_gguf(gguf)
+    tok = _tokenizer_from_gguf(f)
+    extra = [f.value(K + key, None) for key in ("eot_token_id", "eom_token_id")]
+    tok.extra_eog = tuple(int(v) for v in extra if isinstance(v, int) and not isinstance(v, bool))
+    return tok
+
+
+def _tokenizer_from_gguf(gguf: GGUFFile | str | os.PathLike) -> Tokenizer:
     """The tokenizer of a GGUF file's tokenizer.ggml.* keys, with llama.cpp's defaults.
 
     Raises FormatError naming the file when it has no vocabulary or an unsupported

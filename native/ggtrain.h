@@ -192,8 +192,9 @@ int gt_rms_norm_bwd_f32(const struct gt_node *node, const gt_ctx *ctx);
 
 /* softmax over the last dim of src (..., T_q, T_k) after scaling by fp[0];
  * ip[0] = 1 adds a causal mask: row i of the last-but-one dim sees columns
- * j <= i + (T_k - T_q); masked entries are exactly 0 (a row seeing no column,
- * possible only when T_q > T_k, is all 0). softmax_bwd: src0 = y (softmax
+ * j <= i + (T_k - T_q); ip[0] = 2 masks by position: src1 pos (T_q,) i32, row i
+ * sees columns j <= pos[i] (decoding with a KV cache). Masked entries are
+ * exactly 0 (a row seeing no column is all 0). softmax_bwd: src0 = y (softmax
  * output), src1 = g, dst = dx = fp[0] * y * (g - sum(g * y)). Contiguous inputs. */
 int gt_softmax_fwd_f32(const struct gt_node *node, const gt_ctx *ctx);
 int gt_softmax_bwd_f32(const struct gt_node *node, const gt_ctx *ctx);
@@ -248,6 +249,10 @@ int gt_max_pool2d_bwd_f32(const struct gt_node *node, const gt_ctx *ctx);
 int gt_cast_fwd_f32(const struct gt_node *node, const gt_ctx *ctx);
 int gt_cast_fwd_f16(const struct gt_node *node, const gt_ctx *ctx);
 int gt_cast_fwd_bf16(const struct gt_node *node, const gt_ctx *ctx);
+/* set_rows, in place: dst (S, C) aliases src0 (persistent target, f32);
+ * row src2[t] (idx (T,) i32) becomes src1[t] (values (T, C) f32) for t in
+ * order; the other rows keep their values. Indices outside [0, S) fail. */
+int gt_set_rows_fwd_f32(const struct gt_node *node, const gt_ctx *ctx);
 /* view_bwd: dst = zeros of the base shape, with src (g of a view) copied into
  * the view's place: ip[0] = element offset, view strides = dst strides given in
  * ip[1..6] over src's shape. */

@@ -141,6 +141,10 @@ case("softmax", [In((2, 5, 5), -3, 3)], lambda x: ops.softmax(x, 0.7, causal=Tru
      lambda x: refs.softmax(x, 0.7, True), name="causal")
 case("softmax", [In((2, 3, 6), -3, 3)], lambda x: ops.softmax(x, 1.3, causal=True),
      lambda x: refs.softmax(x, 1.3, True), name="causal-tq<tk")
+# a KV cache of 6 positions read by 4 queries at positions 3, 0, 5, 2 (with a repeat and
+# a query at 0, seeing one key)
+case("softmax", [In((2, 4, 6), -3, 3), In((4,), values=np.array([3, 0, 5, 2], np.int32), grad=False)],
+     lambda x, p: ops.softmax(x, 0.8, pos=p), lambda x, p: refs.softmax(x, 0.8, pos=p), name="pos")
 case("softmax_bwd", [In((3, 7), 0.05, 1), In((3, 7))], lambda y, g: ops.softmax_bwd(y, g, 0.5),
      lambda y, g: refs.softmax_bwd(y, g, 0.5), backward=False)
 case("cross_entropy", [In((5, 7), -3, 3), In((5,), ints=(0, 7))], ops.cross_entropy,
@@ -190,6 +194,18 @@ case("view", [In((4, 6))], lambda x: ops.view(x, (3, 2), (6, 2), 7),
 case("view_bwd", [In((3, 2))], lambda g: ops.view_bwd(g, (4, 6), (6, 2), 7),
      lambda g: _view_bwd_ref(g, (4, 6), (6, 2), 7), backward=False)
 case("cont", [In((3, 5))], lambda x: ops.cont(ops.transpose(x)), lambda x: x.T)
+
+
+def _set_rows_ref(target, values, idx):
+    out = np.array(target, dtype=np.float64)
+    for t, row in enumerate(idx):
+        out[row] = values[t]
+    return out
+
+
+# rows 4, 1, 4 of a (5, 33) target: a repeated index keeps the last row; rows 0, 2, 3 untouched
+case("set_rows", [In((5, 33), grad=False), In((3, 33)), In((3,), values=np.array([4, 1, 4], np.int32))],
+     ops.set_rows, _set_rows_ref, backward=False)
 case("cast", [In((3, 5), -100, 100)], lambda x: ops.cast(ops.cast(x, "f16"), "f32"),
      lambda x: x.astype(np.float16).astype(np.float64), name="f16", rtol=1e-3, atol=1e-3,
      backward=False)  # rounding: finite differences are 0 or huge; cont covers the rule

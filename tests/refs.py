@@ -33,12 +33,15 @@ def _causal_mask(tq, tk):
     return np.arange(tk)[None, :] <= np.arange(tq)[:, None] + (tk - tq)
 
 
-def softmax(x, scale=1.0, causal=False):
-    """softmax(scale * x) over the last dim; causal masks (..., T_q, T_k) to 0.
-    A row that sees no column is all 0."""
+def softmax(x, scale=1.0, causal=False, pos=None):
+    """softmax(scale * x) over the last dim; causal masks (..., T_q, T_k) to 0, and so
+    does pos (T_q,): query i sees keys j <= pos[i]. A row that sees no column is all 0."""
     z = _f64(x) * scale
     if causal:
         mask = _causal_mask(z.shape[-2], z.shape[-1])
+        z = np.where(mask, z, -np.inf)
+    if pos is not None:
+        mask = np.arange(z.shape[-1])[None, :] <= np.asarray(pos)[:, None]
         z = np.where(mask, z, -np.inf)
     m = np.max(z, axis=-1, keepdims=True)
     m = np.where(np.isfinite(m), m, 0.0)

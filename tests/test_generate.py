@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from ggtrain.core.backend_cpu import CpuBackend
-from ggtrain.core.models.llama import LlamaConfig, LlamaRunner, generate
+from ggtrain.core.models.llama import LlamaConfig, LlamaDecoder, LlamaRunner, generate
+from ggtrain.core.sampling import Sampler
 from ggtrain.formats.llama_model import load_llama
 from tests import np_llama
 
@@ -35,8 +36,8 @@ def test_greedy_continuation_equals_llama_cpp(shared_data, name):
 
 def test_greedy_from_bos_matches_golden_ids(shared_data):
     config, weights, tok = load_llama(shared_data / "gguf" / "stories260K.gguf")
-    runner = LlamaRunner(LlamaConfig(**config), weights, CpuBackend(2), length=32)
-    ids = list(generate(runner, [tok.bos_id], 20))
+    decoder = LlamaDecoder(LlamaConfig(**config), weights, CpuBackend(2), n_ctx=32)
+    ids = list(generate(decoder, [tok.bos_id], 20, Sampler(temp=0)))
     assert ids == GOLDEN_FROM_BOS
 
 

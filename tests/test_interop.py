@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from ggtrain.core.backend_cpu import CpuBackend
-from ggtrain.core.models.llama import LlamaConfig, LlamaRunner, generate, init_params
+from ggtrain.core.models.llama import LlamaConfig, LlamaDecoder, LlamaRunner, generate, init_params
+from ggtrain.core.sampling import Sampler
 from ggtrain.formats.llama_model import load_llama, save_llama
 from ggtrain.formats.tokenizer import load_tokenizer
 from tests.conftest import SHARED_DATA
@@ -102,6 +103,12 @@ def _their_logits(llm, ids):
     return np.array(llm.scores[:len(ids)], dtype=np.float32)
 
 
+def _our_greedy(config, weights, prompt, n, eos):
+    """Our greedy continuation through the KV-cached decoder (stopping after eos)."""
+    dec = LlamaDecoder(LlamaConfig(**config), weights, CpuBackend(2), n_ctx=len(prompt) + n)
+    return list(generate(dec, prompt, n, Sampler(temp=0), frozenset({eos})))
+
+
 def _our_logits(config, weights, ids):
     runner = LlamaRunner(LlamaConfig(**config), weights, CpuBackend(2), length=len(ids))
     return runner.logits(np.asarray(ids, np.int32)[None])[0, :len(ids)]
@@ -124,8 +131,7 @@ def test_greedy_continuation_of_stories260k_equals_llama_cpp(llama, shared_data,
     assert res["usage"]["completion_tokens"] == n
     assert theirs_text.startswith(RECORDED[name])          # the llama.cpp the README recorded
 
-    runner = LlamaRunner(LlamaConfig(**config), weights, CpuBackend(2), length=len(prompt) + n)
-    ours = list(generate(runner, prompt, n, temp=0.0, eos=tok.eos_id))
+    ours = _our_greedy(config, weights, prompt, n, tok.eos_id)
     assert tok.decode(ours) == theirs_text
     assert ours == _their_greedy_ids(llm, prompt, n, tok.eos_id)
 
@@ -187,7 +193,7 @@ def test_greedy_continuation_of_written_model_equals_llama_cpp(llama, written_mo
     prompt = tok.encode(text, add_bos=True).tolist()
     runner = LlamaRunner(LlamaConfig(**config), weights, CpuBackend(2),
                          length=len(prompt) + n + extra)
-    ours = list(generate(runner, prompt, n + extra, temp=0.0, eos=tok.eos_id))
+    ours = _our_greedy(config, weights, prompt, n + extra, tok.eos_id)
     assert len(ours) == n + extra          # no early EOS: the comparison covers every token
     # Every greedy decision is clear by far more than the F32-cache logit difference (~3e-5),
     # so the two must choose alike. (llama.cpp's default F16 cache moves these random-weight
@@ -244,11 +250,9 @@ def test_lora_adapter_applies_as_in_llama_cpp(llama, shared_data, tmp_path):
                       n_threads_batch=2, seed=0, logits_all=True, verbose=False,
                       type_k=llama.GGML_TYPE_F32, type_v=llama.GGML_TYPE_F32, flash_attn=False)
     np.testing.assert_allclose(_our_logits(config, merged, ids), _their_logits(llm, ids), atol=LOGITS_ATOL)
-    runner = LlamaRunner(LlamaConfig(**config), merged, CpuBackend(2), length=len(ids) + 24)
-    ours = list(generate(runner, ids, 24, eos=tok.eos_id))
+    ours = _our_greedy(config, merged, ids, 24, tok.eos_id)
     assert _their_greedy_ids(llm, ids, 24, tok.eos_id) == ours
-    base = LlamaRunner(LlamaConfig(**config), weights, CpuBackend(2), length=len(ids) + 24)
-    assert list(generate(base, ids, 24, eos=tok.eos_id)) != ours  # the adapter changed the model
+    assert _our_greedy(config, weights, ids, 24, tok.eos_id) != ours  # the adapter changed the model
     r = subprocess.run([sys.executable, "-m", "ggtrain", "generate", "--model", str(path), "--lora", str(adapter),
                         "--lora-scale", "0.5", "--prompt", PROMPT, "-n", "24"], capture_output=True, text=True)
     assert r.returncode == 0 and r.stdout.rstrip("\n") == tok.decode([t for t in ours if t != tok.eos_id])
@@ -274,6 +278,5 @@ def test_model_trained_by_the_cli_runs_identically_in_llama_cpp(llama, shared_da
     ids = tok.encode(prompt, add_bos=True).tolist()
     llm = _open(llama, out, n_ctx=256, f32_cache=True)
     assert llm.tokenize(prompt.encode(), add_bos=True, special=False) == ids
-    runner = LlamaRunner(LlamaConfig(**config), weights, CpuBackend(2), length=min(config["ctx"], len(ids) + 24))
-    ours = list(generate(runner, ids, 24, eos=tok.eos_id))
+    ours = _our_greedy(config, weights, ids, min(24, config["ctx"] - len(ids)), tok.eos_id)
     assert _their_greedy_ids(llm, ids, len(ours), tok.eos_id) == ours

@@ -460,3 +460,25 @@ def test_fd_max_pool2d():
     x = rng.permutation(2 * 5 * 4 * 3).reshape(2, 5, 4, 3) * 0.1   # distinct values: no ties
     r = rng.standard_normal(refs.max_pool2d(x, 2).shape)
     fd_close(refs.max_pool2d_bwd(x, r, 2), fd_grad(lambda a: refs.max_pool2d(a, 2), x, r))
+
+
+# ---- set_rows (in place) ------------------------------------------------------------------
+
+def test_set_rows_in_place_and_bad_indices():
+    rng = np.random.default_rng(5)
+    target = f32(rng, 4, 40)
+    before = target.copy()
+    values = f32(rng, 2, 40)
+    idx = np.array([3, 0], np.int32)
+    for n in (1, 3):
+        t = before.copy()
+        run_kernel("set_rows_fwd_f32", t, [t, values, idx], n_threads=n)
+        want = before.copy()
+        want[3], want[0] = values[0], values[1]
+        assert np.array_equal(t, want)
+    with pytest.raises(NativeError, match="idx\\[1\\] is 4"):
+        t = before.copy()
+        run_kernel("set_rows_fwd_f32", t, [t, values, np.array([0, 4], np.int32)])
+    assert np.array_equal(t, before)          # checked before any row is written
+    with pytest.raises(NativeError, match="alias"):
+        run_kernel("set_rows_fwd_f32", before.copy(), [before, values, idx])

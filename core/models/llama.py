@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ggtrain.core import ops
+from ggtrain.core.backend import StoredTensor
 from ggtrain.errors import ConfigError
 
 
@@ -96,31 +97,60 @@ def init_params(cfg: LlamaConfig, seed: int = 0, std: float = 0.02) -> dict:
     return out
 
 
-def _attention(cfg: LlamaConfig, x, p: str, params: dict, pos):
+def linear(x, params: dict, name: str, lora: dict | None = None):
+    """x @ W.T for the weight `name`, plus its LoRA update when `lora` has one:
+    scale * (x @ A.T) @ B.T with lora[name] = (A (r, n_in), B (n_out, r), scale), as
+    llama.cpp applies an adapter (scale = user scale * alpha / r)."""
+    y = ops.linear(x, params[name])
+    if lora and name in lora:
+        a, b, scale = lora[name]
+        y = ops.add(y, ops.scale(ops.linear(ops.linear(x, a), b), scale))
+    return y
+
+
+def _attention(cfg: LlamaConfig, x, p: str, params: dict, pos, lora=None, kv=None, n_kv: int = 0):
+    """Self-attention of x (B, T, C). With kv = (k_cache, v_cache), persistent (S, Hkv*D)
+    tensors (B must be 1): this step's keys and values are written at rows pos, and the
+    queries attend over cache rows 0..n_kv-1, query i seeing rows <= pos[i]."""
     b, t, c = x.shape
     h, hkv, d = cfg.heads, cfg.kv_heads, cfg.head_dim
     g = h // hkv
-    q = ops.reshape(ops.linear(x, params[p + "attn_q.weight"]), (b, t, h, d))
-    k = ops.reshape(ops.linear(x, params[p + "attn_k.weight"]), (b, t, hkv, d))
-    v = ops.reshape(ops.linear(x, params[p + "attn_v.weight"]), (b, t, hkv, d))
+    q = ops.reshape(linear(x, params, p + "attn_q.weight", lora), (b, t, h, d))
+    k = ops.reshape(linear(x, params, p + "attn_k.weight", lora), (b, t, hkv, d))
+    v = ops.reshape(linear(x, params, p + "attn_v.weight", lora), (b, t, hkv, d))
     q = ops.rope(q, pos, cfg.n_rot, cfg.rope_base)
     k = ops.rope(k, pos, cfg.n_rot, cfg.rope_base)
     q = ops.reshape(ops.cont(ops.permute(q, (0, 2, 1, 3))), (b, hkv, g * t, d))   # (B, Hkv, G*T, D)
-    k = ops.permute(k, (0, 2, 3, 1))                                                 # (B, Hkv, D, T) view
-    v = ops.cont(ops.permute(v, (0, 2, 1, 3)))                                       # (B, Hkv, T, D)
-    scores = ops.reshape(ops.matmul(q, k), (b, h, t, t))
-    probs = ops.softmax(scores, 1.0 / math.sqrt(d), causal=True)
-    out = ops.matmul(ops.reshape(probs, (b, hkv, g * t, t)), v)                     # (B, Hkv, G*T, D)
+    if kv is None:
+        k = ops.permute(k, (0, 2, 3, 1))                                             # (B, Hkv, D, T) view
+        v = ops.cont(ops.permute(v, (0, 2, 1, 3)))                                   # (B, Hkv, T, D)
+        scores = ops.reshape(ops.matmul(q, k), (b, h, t, t))
+        probs = ops.reshape(ops.softmax(scores, 1.0 / math.sqrt(d), causal=True), (b, hkv, g * t, t))
+    else:
+        if b != 1:
+            raise ConfigError(f"llama: a KV cache serves one sequence, got a batch of {b}")
+        cache_k = ops.set_rows(kv[0], ops.reshape(k, (t, hkv * d)), pos)              # (S, Hkv*D)
+        cache_v = ops.set_rows(kv[1], ops.reshape(v, (t, hkv * d)), pos)
+        k = ops.view(cache_k, (1, hkv, d, n_kv), (0, d, 1, hkv * d))                 # (1, Hkv, D, n_kv)
+        v = ops.view(cache_v, (1, hkv, n_kv, d), (0, d, hkv * d, 1))                 # (1, Hkv, n_kv, D)
+        scores = ops.reshape(ops.matmul(q, k), (h, t, n_kv))
+        probs = ops.reshape(ops.softmax(scores, 1.0 / math.sqrt(d), pos=pos), (b, hkv, g * t, n_kv))
+    out = ops.matmul(probs, v)                                                       # (B, Hkv, G*T, D)
     out = ops.permute(ops.reshape(out, (b, h, t, d)), (0, 2, 1, 3))                  # (B, T, H, D) view
     out = ops.reshape(out, (b, t, h * d))                                            # copies (cont)
-    return ops.linear(out, params[p + "attn_output.weight"])
+    return linear(out, params, p + "attn_output.weight", lora)
 
 
-def forward(cfg: LlamaConfig, params: dict, tokens, pos, graph=None, checkpoint: bool = False):
+def forward(cfg: LlamaConfig, params: dict, tokens, pos, graph=None, checkpoint: bool = False,
+            lora: dict | None = None, cache: list | None = None, n_kv: int = 0, last_only: bool = False):
     """Logits (B, T, V) for tokens (B, T) i32 at positions pos (T,) i32.
 
-    params: {name: Tensor} as param_shapes. With checkpoint, each block ends a
-    segment of `graph` (gradient checkpointing recomputes blocks in backward).
+    params: {name: Tensor} as param_shapes (weights f32, or frozen in their stored types).
+    lora: {weight name: (A, B, scale)} adapters added to those weights (see `linear`).
+    With checkpoint, each block ends a segment of `graph` (gradient checkpointing
+    recomputes blocks in backward). cache: per layer (k_cache, v_cache) persistent
+    (S, Hkv*D) tensors for incremental decoding (B = 1; see _attention), attending over
+    n_kv cache rows. last_only: logits of the last position only, (B, 1, V).
     """
     b, t = tokens.shape
     if t > cfg.ctx:
@@ -130,16 +160,20 @@ def forward(cfg: LlamaConfig, params: dict, tokens, pos, graph=None, checkpoint:
     for i in range(cfg.layers):
         p = f"blk.{i}."
         h = ops.mul(ops.rms_norm(x, eps), params[p + "attn_norm.weight"])
-        x = ops.add(x, _attention(cfg, h, p, params, pos))
+        kv = cache[i] if cache is not None else None
+        x = ops.add(x, _attention(cfg, h, p, params, pos, lora, kv, n_kv))
         h = ops.mul(ops.rms_norm(x, eps), params[p + "ffn_norm.weight"])
-        gate = ops.silu(ops.linear(h, params[p + "ffn_gate.weight"]))
-        up = ops.linear(h, params[p + "ffn_up.weight"])
-        x = ops.add(x, ops.linear(ops.mul(gate, up), params[p + "ffn_down.weight"]))
+        gate = ops.silu(linear(h, params, p + "ffn_gate.weight", lora))
+        up = linear(h, params, p + "ffn_up.weight", lora)
+        x = ops.add(x, linear(ops.mul(gate, up), params, p + "ffn_down.weight", lora))
         if checkpoint and graph is not None:
             graph.checkpoint(x)
+    if last_only and t > 1:
+        c = x.shape[-1]
+        x = ops.view(x, (b, 1, c), (t * c, c, 1), (t - 1) * c)                      # (B, 1, C)
     x = ops.mul(ops.rms_norm(x, eps), params["output_norm.weight"])
-    head = params["token_embd.weight"] if cfg.tied else params["output.weight"]
-    return ops.linear(x, head)
+    head = "token_embd.weight" if cfg.tied else "output.weight"
+    return linear(x, params, head, lora)
 
 
 def loss(logits, targets):
@@ -148,27 +182,56 @@ def loss(logits, targets):
     return ops.cross_entropy(ops.reshape(logits, (b * t, v)), ops.reshape(targets, (b * t,)))
 
 
+def _frozen(graph, weights: dict, adapters: dict | None) -> tuple:
+    """Graph parameters for fixed weights: {name: Tensor}, the LoRA dict for forward, and
+    {Tensor: buffer} of the weights that are already in backend memory (to bind).
+
+    weights: {name: f32 array, or StoredTensor (bytes already in a backend buffer, any
+    stored type)}; adapters: {weight name: (A, B, scale)} with f32 arrays.
+    """
+    params, stored = {}, {}
+    for name, w in weights.items():
+        if isinstance(w, StoredTensor):
+            t = graph.param(w.shape, name=name, trainable=False, dtype=w.dtype)
+            stored[t] = w.buffer
+        else:
+            t = graph.param(w.shape, w, name=name, trainable=False)
+        params[name] = t
+    lora = {}
+    for name, (a, b, scale) in (adapters or {}).items():
+        if name not in params:
+            raise ConfigError(f"llama: an adapter targets {name!r}, which the model does not have")
+        lora[name] = (graph.param(a.shape, a, name=name + ".lora_a", trainable=False),
+                      graph.param(b.shape, b, name=name + ".lora_b", trainable=False), float(scale))
+    return params, lora, stored
+
+
 class LlamaRunner:
-    """Forward-only runs of a llama with fixed weights: logits for generation, losses
-    for evaluation. Compiled once for (batch, length); shorter inputs are padded
-    (causal attention: padding after a position never changes its logits)."""
+    """Forward-only runs of a llama with fixed weights over whole windows: logits, and
+    losses for evaluation. Compiled once for (batch, length); shorter inputs are padded
+    (causal attention: padding after a position never changes its logits).
+
+    weights: {name: f32 array or StoredTensor}; adapters: {weight name: (A, B, scale)}.
+    """
 
     def __init__(self, cfg: LlamaConfig, weights: dict, backend, batch: int = 1, length: int | None = None,
-                 n_threads: int | None = None):
+                 n_threads: int | None = None, adapters: dict | None = None):
         from ggtrain.core.graph import Graph, Runtime  # same layer 3/4 boundary, no cycle
 
         self.cfg = cfg
         self.batch, self.length = batch, min(length or cfg.ctx, cfg.ctx)
         g = Graph()
-        params = {k: g.param(v.shape, v, name=k, trainable=False) for k, v in weights.items()}
+        params, lora, stored = _frozen(g, weights, adapters)
         self.tokens = g.input((batch, self.length), "i32", name="tokens")
         self.targets = g.input((batch, self.length), "i32", name="targets")
         self.pos = g.input((self.length,), "i32", name="pos")
-        self.logits_t = forward(cfg, params, self.tokens, self.pos)
+        self.logits_t = forward(cfg, params, self.tokens, self.pos, lora=lora)
         self.loss_t = loss(self.logits_t, self.targets)
         self.runtime = Runtime(g, backend)
+        for t, buf in stored.items():
+            self.runtime.bind(t, buf)
         self.n_threads = n_threads
-        self._plan_logits = self.runtime.compile([self.logits_t], n_threads)
+        self._plan_logits = None
         self._plan_loss = None
         self.runtime.set(self.pos, np.arange(self.length, dtype=np.int32))
 
@@ -176,14 +239,15 @@ class LlamaRunner:
         tokens = np.asarray(tokens, dtype=np.int32)
         if tokens.ndim != 2 or tokens.shape[0] != self.batch or tokens.shape[1] > self.length:
             raise ConfigError(f"llama runner: tokens {tokens.shape} do not fit ({self.batch}, <= {self.length})")
-        if tokens.size and (tokens.min() < 0 or tokens.max() >= self.cfg.vocab):
-            raise ConfigError(f"llama runner: token id outside 0..{self.cfg.vocab - 1}")
+        _check_ids(tokens, self.cfg.vocab)
         full = np.zeros((self.batch, self.length), np.int32)
         full[:, :tokens.shape[1]] = tokens
         return full
 
     def logits(self, tokens: np.ndarray) -> np.ndarray:
         """Logits (batch, length, V) for tokens (batch, <= length); rows past the input are padding."""
+        if self._plan_logits is None:
+            self._plan_logits = self.runtime.compile([self.logits_t], self.n_threads)
         self.runtime.set(self.tokens, self._fill(tokens))
         self.runtime.run(self._plan_logits, self.n_threads)
         return self._plan_logits.read(self.logits_t)
@@ -201,33 +265,101 @@ class LlamaRunner:
         return float(self._plan_loss.read(self.loss_t)) * int((tgt >= 0).sum())
 
 
-def sample(logits: np.ndarray, temp: float, top_k: int, rng: np.random.Generator) -> int:
-    """The next token from logits (V,): greedy (argmax) when temp is 0, else softmax
-    sampling at temperature temp over the top_k largest (0: all)."""
-    if temp <= 0:
-        return int(np.argmax(logits))
-    z = logits.astype(np.float64) / temp
-    if 0 < top_k < z.size:
-        cut = np.partition(z, -top_k)[-top_k]
-        z = np.where(z >= cut, z, -np.inf)
-    p = np.exp(z - z.max())
-    p /= p.sum()
-    return int(rng.choice(z.size, p=p))
+def _check_ids(tokens: np.ndarray, vocab: int) -> None:
+    if tokens.size and (tokens.min() < 0 or tokens.max() >= vocab):
+        raise ConfigError(f"llama: token id outside 0..{vocab - 1}")
 
 
-def generate(runner: LlamaRunner, prompt: list, n: int, temp: float = 0.0, top_k: int = 0, seed: int = 0,
-             eos: int | None = None):
-    """Yield up to n new token ids after `prompt` (stops after eos or at the context)."""
-    rng = np.random.default_rng(seed)
+class LlamaDecoder:
+    """Incremental (KV-cached) decoding of one sequence: `feed(ids)` appends tokens and
+    returns the logits after the last one; each new token costs one token's work.
+
+    The cache holds n_ctx positions (f32 keys and values per layer). Plans are compiled
+    on demand per (tokens fed at once, cache rows attended): the rows attended grow in
+    powers of two as the sequence does, so attention never reads more than twice the
+    rows in use; prompts are fed in chunks of `chunk` tokens.
+    """
+
+    MIN_ROWS = 32
+
+    def __init__(self, cfg: LlamaConfig, weights: dict, backend, n_ctx: int | None = None,
+                 n_threads: int | None = None, adapters: dict | None = None, chunk: int = 256):
+        from ggtrain.core.graph import Graph, Runtime  # same layer 3/4 boundary, no cycle
+
+        self.cfg = cfg
+        self.n_ctx = min(n_ctx or cfg.ctx, cfg.ctx)
+        if self.n_ctx < 1 or chunk < 1:
+            raise ConfigError(f"llama decoder: context {self.n_ctx} and chunk {chunk} must be >= 1")
+        self.chunk = chunk
+        self.n_threads = n_threads
+        self.graph = g = Graph()
+        self.params, self.lora, stored = _frozen(g, weights, adapters)
+        kv = cfg.kv_heads * cfg.head_dim
+        self.cache = [(g.state((self.n_ctx, kv), name=f"cache_k.{i}"),
+                       g.state((self.n_ctx, kv), name=f"cache_v.{i}")) for i in range(cfg.layers)]
+        self.runtime = Runtime(g, backend)
+        for t, buf in stored.items():
+            self.runtime.bind(t, buf)
+        self._plans: dict = {}
+        self.n_past = 0                      # positions in the cache
+
+    def _rows(self, n: int) -> int:
+        rows = self.MIN_ROWS
+        while rows < n:
+            rows *= 2
+        return min(rows, self.n_ctx)
+
+    def _plan(self, t: int, rows: int):
+        key = (t, rows)
+        if key not in self._plans:
+            g = self.graph
+            tokens = g.input((1, t), "i32", name=f"tokens.{t}")
+            pos = g.input((t,), "i32", name=f"pos.{t}")
+            logits = forward(self.cfg, self.params, tokens, pos, lora=self.lora, cache=self.cache,
+                             n_kv=rows, last_only=True)
+            self._plans[key] = (self.runtime.compile([logits], self.n_threads), tokens, pos, logits)
+        return self._plans[key]
+
+    def reset(self) -> None:
+        """Forget the sequence (the cache rows are overwritten as new tokens come)."""
+        self.n_past = 0
+
+    def feed(self, ids) -> np.ndarray:
+        """Append token ids (at least one) to the sequence; logits (V,) after the last one.
+
+        Raises ConfigError when the sequence would pass the cache's n_ctx positions.
+        """
+        ids = np.asarray(ids, np.int32).reshape(-1)
+        if ids.size == 0:
+            raise ConfigError("llama decoder: nothing to feed")
+        if self.n_past + ids.size > self.n_ctx:
+            raise ConfigError(f"llama decoder: {self.n_past} + {ids.size} tokens exceed the context "
+                              f"of {self.n_ctx}")
+        _check_ids(ids, self.cfg.vocab)
+        for start in range(0, ids.size, self.chunk):
+            part = ids[start:start + self.chunk]
+            plan, tokens, pos, logits = self._plan(part.size, self._rows(self.n_past + part.size))
+            self.runtime.set(tokens, part[None, :])
+            self.runtime.set(pos, np.arange(self.n_past, self.n_past + part.size, dtype=np.int32))
+            self.runtime.run(plan, self.n_threads)
+            self.n_past += part.size
+        return plan.read(logits)[0, -1]
+
+
+def generate(decoder: LlamaDecoder, prompt: list, n: int, sampler, stop: frozenset = frozenset()):
+    """Yield new token ids after `prompt`: up to n (n < 0: until a stop token or the context
+    is full), each drawn by `sampler(logits, history)`; a stop token is yielded, then ends."""
     ids = list(prompt)
     if not ids:
         raise ConfigError("generate: the prompt has no tokens")
-    for _ in range(n):
-        if len(ids) >= runner.length:
-            return
-        logits = runner.logits(np.array([ids], np.int32))[0, len(ids) - 1]
-        nxt = sample(logits, temp, top_k, rng)
+    decoder.reset()
+    logits = decoder.feed(ids)
+    count = 0
+    while n < 0 or count < n:
+        nxt = int(sampler(logits, ids))
         ids.append(nxt)
+        count += 1
         yield nxt
-        if eos is not None and nxt == eos:
+        if nxt in stop or decoder.n_past >= decoder.n_ctx:
             return
+        logits = decoder.feed([nxt])

@@ -1,8 +1,10 @@
-/* copy.c: cast/cont (strided copy with dtype conversion), view_bwd, and the
- * direct f16/bf16 conversion helpers. */
+/* copy.c: cast/cont (strided copy with dtype conversion), view_bwd, set_rows
+ * (rows written in place at run-time indices), and the direct f16/bf16
+ * conversion helpers. */
 #include <math.h>
 
 #include "internal.h"
+#include "shape.h"
 
 /* IEEE half <-> float, round to nearest even; NaN stays NaN, overflow -> inf. */
 float gt_f16_to_f32_1(uint16_t h) {
@@ -163,5 +165,45 @@ int gt_f32_to_bf16(uint16_t *dst, const float *src, int64_t n) {
 int gt_bf16_to_f32(float *dst, const uint16_t *src, int64_t n) {
     if ((!dst || !src) && n > 0) return GT_FAIL(GT_ERR_INVALID, "gt_bf16_to_f32: null pointer");
     for (int64_t i = 0; i < n; i++) dst[i] = gt_bf16_to_f32_1(src[i]);
+    return GT_OK;
+}
+
+/* set_rows, in place: dst (S, C) aliases src0 (the target: persistent memory,
+ * f32, contiguous); src1 values (T, C) f32 contiguous, src2 idx (T,) i32
+ * contiguous: row idx[t] of dst becomes values[t], for t in order (a repeated
+ * index keeps the last row); every other row is left as it was (the exception
+ * to "kernels fill only dst", like the optimizer steps). An index outside
+ * [0, S) is GT_ERR_INVALID (checked by every thread before any writes).
+ * Threads own column blocks, so the result does not depend on their count. */
+int gt_set_rows_fwd_f32(const gt_node *node, const gt_ctx *ctx) {
+    const char *op = "set_rows";
+    const gt_tensor *d = &node->dst, *v = &node->src[1], *idx = &node->src[2];
+    char a[128], b[128];
+    GT_TRY(gt_check_n_src(node, 3, op));
+    GT_CHECK_F32(d, op, "dst");
+    GT_CHECK_F32(v, op, "values");
+    GT_TRY(gt_check_i32(idx, op, "idx"));
+    GT_TRY(gt_check_contig(d, op, "dst"));
+    GT_TRY(gt_check_contig(v, op, "values"));
+    GT_TRY(gt_check_contig(idx, op, "idx"));
+    if (d->data != node->src[0].data)
+        return GT_FAIL(GT_ERR_INVALID, "%s: dst must alias the target (in-place write)", op);
+    if (d->ndim != 2 || v->ndim != 2 || v->shape[1] != d->shape[1] || gt_numel(idx) != v->shape[0])
+        return GT_FAIL(GT_ERR_SHAPE, "%s: expected target (S, C), values (T, C) and idx (T,), got target %s, "
+                       "values %s and %lld indices", op, gt_shape_str(d, a, sizeof a),
+                       gt_shape_str(v, b, sizeof b), (long long)gt_numel(idx));
+    const int64_t S = d->shape[0], C = d->shape[1], T = v->shape[0];
+    const int32_t *id = idx->data;
+    for (int64_t t = 0; t < T; t++)
+        if (id[t] < 0 || id[t] >= S)
+            return GT_FAIL(GT_ERR_INVALID, "%s: idx[%lld] is %d, expected 0 <= index < S = %lld", op,
+                           (long long)t, (int)id[t], (long long)S);
+    int64_t lo, hi;
+    gt_split((C + 15) / 16, ctx, &lo, &hi);
+    const int64_t c0 = lo * 16, c1 = hi * 16 < C ? hi * 16 : C;
+    float *dd = d->data;
+    const float *vd = v->data;
+    for (int64_t t = 0; c1 > c0 && t < T; t++)
+        memcpy(dd + id[t] * C + c0, vd + t * C + c0, (size_t)(c1 - c0) * sizeof(float));
     return GT_OK;
 }

@@ -98,9 +98,11 @@ GT_CLONES static void softmax_bwd_row(float *restrict d, const float *restrict y
 
 /* softmax: dst = softmax(fp[0] * src) over the last dim.
  * src (..., T_q, T_k) f32 contiguous, dst same shape contiguous; scale fp[0].
- * ip[0] = 1: causal mask, row i (of the T_q dim) sees columns j <= i + (T_k - T_q);
- * masked entries are exactly 0, and a row that sees no column (only when
- * T_q > T_k) is all 0. Needs ndim >= 2 when causal (ndim >= 1 otherwise).
+ * ip[0] is the mask: 0 none; 1 causal, row i (of the T_q dim) sees columns
+ * j <= i + (T_k - T_q); 2 by position, src1 pos (T_q,) i32 and row i sees
+ * columns j <= pos[i] (a KV cache holding positions 0..T_k-1, queried at
+ * positions pos). Masked entries are exactly 0, and a row that sees no column
+ * is all 0. Needs ndim >= 2 with a mask (ndim >= 1 otherwise).
  * NOTE: the row max of the scaled values is subtracted before exp, so large
  * inputs do not overflow; the sum of exps is in float, 16 lanes, fixed order. */
 int gt_softmax_fwd_f32(const gt_node *node, const gt_ctx *ctx) {
@@ -112,16 +114,29 @@ int gt_softmax_fwd_f32(const gt_node *node, const gt_ctx *ctx) {
     GT_TRY(gt_check_same_shape(x, d, op, "src", "dst"));
     GT_TRY(gt_check_contig(x, op, "src"));
     GT_TRY(gt_check_contig(d, op, "dst"));
-    const int64_t causal = node->ip[0];
-    if (causal != 0 && causal != 1)
-        return GT_FAIL(GT_ERR_INVALID, "%s: expected causal flag ip[0] 0 or 1, got %lld", op, (long long)causal);
-    if (x->ndim < (causal ? 2 : 1)) {
+    const int64_t mask = node->ip[0];
+    if (mask < 0 || mask > 2)
+        return GT_FAIL(GT_ERR_INVALID, "%s: expected mask ip[0] 0, 1 or 2, got %lld", op, (long long)mask);
+    if (x->ndim < (mask ? 2 : 1)) {
         char a[128];
         return GT_FAIL(GT_ERR_SHAPE, "%s: expected src (..., T_q, T_k)%s, got %s", op,
-                       causal ? " with 2+ dims for the causal mask" : "", gt_shape_str(x, a, sizeof a));
+                       mask ? " with 2+ dims for the mask" : "", gt_shape_str(x, a, sizeof a));
     }
     const int64_t tk = gt_ncols(x), nrows = gt_nrows(x);
-    const int64_t tq = causal ? x->shape[x->ndim - 2] : 1;
+    const int64_t tq = mask ? x->shape[x->ndim - 2] : 1;
+    const int32_t *pos = NULL;
+    if (mask == 2) {
+        const gt_tensor *p = &node->src[1];
+        GT_TRY(gt_check_n_src(node, 2, op));
+        GT_TRY(gt_check_i32(p, op, "pos"));
+        GT_TRY(gt_check_contig(p, op, "pos"));
+        if (gt_numel(p) != tq) {
+            char a[128], b[128];
+            return GT_FAIL(GT_ERR_SHAPE, "%s: expected pos of T_q = %lld positions for src %s, got %s", op,
+                           (long long)tq, gt_shape_str(x, a, sizeof a), gt_shape_str(p, b, sizeof b));
+        }
+        pos = p->data;
+    }
     const float s = node->fp[0];
     float *dd = d->data;
     const float *xd = x->data;
@@ -131,9 +146,9 @@ int gt_softmax_fwd_f32(const gt_node *node, const gt_ctx *ctx) {
         float *y = dd + r * tk;
         const float *xr = xd + r * tk;
         int64_t n = tk;
-        if (causal) {
+        if (mask) {
             const int64_t i = r % tq;
-            n = i + (tk - tq) + 1;
+            n = (mask == 1 ? i + (tk - tq) : (int64_t)pos[i]) + 1;
             n = n < 0 ? 0 : n > tk ? tk : n;
         }
         if (n > 0) {
