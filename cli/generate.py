@@ -11,6 +11,7 @@ import json
 import math
 import pathlib
 import sys
+import time
 
 import typer
 
@@ -56,8 +57,11 @@ def generate_cmd(
                             f"min({UNTIL_EOG_CTX}, the model's context) with -n -1)."),
     threads: int = typer.Option(None, "--threads", help="CPU threads (default: all available)."),
     backend: str = typer.Option("cpu", "--backend", help="Compute backend (cpu)."),
+    timings: bool = typer.Option(False, "--timings", help='Print {"load_s", "prompt_tokens", "prompt_s", '
+                                 '"tokens", "tokens_per_s"} as JSON on stderr at the end.'),
 ):
     """Continue a prompt with a llama model (KV-cached); prints only the continuation, as it comes."""
+    t_start = time.perf_counter()
     if n < -1:
         raise ConfigError(f"-n must be >= 0, or -1 for 'until end of generation', got {n}")
     if top_k < 0:
@@ -83,12 +87,20 @@ def generate_cmd(
     decoder = LlamaDecoder(cfg, weights, be, n_ctx=n_ctx, adapters=adapters)
     text = codecs.getincrementaldecoder("utf-8")(errors="replace")
     stop = frozenset(tok.eog_ids)
+    t_loaded = time.perf_counter()
+    stamps = []     # time after each token was chosen (the first: after the prompt)
     for t in generate(decoder, ids, n, sampler, stop):
+        stamps.append(time.perf_counter())
         if t in stop:
             break
         sys.stdout.write(text.decode(tok.decode_bytes([t])))
         sys.stdout.flush()
     sys.stdout.write(text.decode(b"", final=True) + "\n")
+    if timings:
+        rate = (len(stamps) - 1) / (stamps[-1] - stamps[0]) if len(stamps) > 1 else 0.0
+        sys.stderr.write(json.dumps({"load_s": round(t_loaded - t_start, 4), "prompt_tokens": len(ids),
+                                     "prompt_s": round(stamps[0] - t_loaded, 4), "tokens": len(stamps),
+                                     "tokens_per_s": round(rate, 3)}) + "\n")
 
 
 @app.command("eval")

@@ -82,9 +82,9 @@ class TrainStep:
 
     @property
     def memory(self):
-        """Planned bytes of the larger plan (arena + persistent + scratch)."""
-        plans = [p for p in (self._micro, self._update) if p is not None]
-        return max((p.report for p in plans), key=lambda r: r.peak)
+        """Planned bytes of the runtime: its one arena (shared by the step's plans and any
+        compiled on it since, e.g. evaluation), persistent buffers and every plan's work."""
+        return self.runtime.memory
 
     def _set_inputs(self, batch: dict) -> None:
         for t, value in batch.items():

@@ -86,3 +86,85 @@ def test_lora_bad_input(shared_data, tmp_path):
     write_lora(missing, "llama", 4.0, {"blk.9.attn_q.weight": (np.zeros((2, 64)), np.zeros((64, 2)))})
     r = _cli("generate", "--model", str(model), "--lora", str(missing), "--prompt", "hi", "-n", "2")
     assert r.returncode == 1 and "does not have" in r.stderr
+
+
+def test_open_llama_keeps_stored_types_without_copies(shared_data, backend):
+    """Every matrix stays in the file's type, its bytes exactly the file's (no dequantization at
+    load); the F32 norms are bound too."""
+    from ggtrain.core.backend import StoredTensor
+    from ggtrain.formats.gguf import read_gguf
+    from ggtrain.formats.llama_model import open_llama
+
+    path = shared_data / "gguf" / "stories260K-Q4_0.gguf"
+    f = read_gguf(path)
+    config, weights, tok = open_llama(path, backend)
+    types = set()
+    for name, w in weights.items():
+        assert isinstance(w, StoredTensor), name
+        info = f.tensors[name]
+        assert w.dtype == info.type.name.lower() and w.shape == info.shape
+        raw = f.read_tensor(name).reshape(-1).view(np.uint8)
+        assert np.array_equal(w.buffer.bytes[:raw.size], raw), name
+        types.add(w.dtype)
+    assert {"q4_0", "f16", "f32"} <= types
+
+
+def test_load_peak_memory_is_the_stored_bytes(shared_data):
+    """Loading SmolLM2 (Q4_1 blocks, a Q8_0 embedding: 98 MB) grows the process by about its
+    tensor bytes, not by an f32 copy (~540 MB)."""
+    model = shared_data / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    code = (
+        "import resource, sys\n"
+        "from ggtrain.core.backend_cpu import CpuBackend\n"
+        "from ggtrain.formats.gguf import read_gguf\n"
+        "from ggtrain.formats.llama_model import open_llama\n"
+        "from ggtrain.formats.tokenizer import tokenizer_from_gguf\n"
+        "tokenizer_from_gguf(sys.argv[1])\n"
+        "base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+        "cfg, w, tok = open_llama(sys.argv[1], CpuBackend(1))\n"
+        "peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+        "print((peak - base) * 1024, read_gguf(sys.argv[1]).tensor_bytes)\n")
+    r = subprocess.run([sys.executable, "-c", code, str(model)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    grown, tensor_bytes = map(int, r.stdout.split())
+    assert tensor_bytes > 90e6
+    assert grown < 1.25 * tensor_bytes, (grown, tensor_bytes)
+
+
+def _tiny_model(path, dtype_of=lambda name: "F32", dim=256):
+    """A one-block llama (byte vocabulary) with tensors in the given ggml types (raw zeros
+    for block types), written by our writer."""
+    from ggtrain.formats.gguf import write_gguf
+    from ggtrain.formats.llama import LlamaHParams, hparams_to_kv, tensor_shapes
+    from ggtrain.formats.tokenizer import ByteTokenizer
+    from ggtrain.native.dtypes import nbytes
+
+    tok = ByteTokenizer()
+    hp = LlamaHParams(n_vocab=tok.n_vocab, n_embd=dim, n_layer=1, n_head=4, n_ff=dim, n_ctx=64)
+    tensors = []
+    for name, shape in tensor_shapes(hp).items():
+        t = dtype_of(name)
+        if t == "F32":
+            tensors.append((name, np.ones(shape, np.float32), t))
+        else:
+            tensors.append((name, lambda shape=shape, t=t: np.zeros(nbytes(shape, t), np.uint8), t, shape))
+    write_gguf(path, hparams_to_kv(hp) + list(tok.gguf_kv()), tensors)
+    return path
+
+
+def test_unsupported_weight_type_is_a_clear_error(tmp_path):
+    model = _tiny_model(tmp_path / "iq.gguf", lambda n: "IQ2_XXS" if n == "blk.0.attn_q.weight" else "F32")
+    r = _cli("generate", "--model", str(model), "--prompt", "hi", "-n", "2")
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert "iq.gguf" in r.stderr and "blk.0.attn_q.weight" in r.stderr and "IQ2_XXS" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_truncated_tensor_is_a_clear_error(tmp_path):
+    model = _tiny_model(tmp_path / "t.gguf")
+    raw = model.read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(raw[:-1000])
+    r = _cli("generate", "--model", str(cut), "--prompt", "hi", "-n", "2")
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert "cut.gguf" in r.stderr and "blk.0.ffn_up.weight" in r.stderr and "past the end" in r.stderr

@@ -71,6 +71,63 @@ def test_arena_reuses_memory_along_a_chain(backend):
     assert plan.report.arena_unpacked >= 20 * 256 * 256 * 4
 
 
+def test_plans_of_a_runtime_share_one_arena(backend):
+    """Two plans: one arena sized for the larger (the earlier plan moves into it), the report
+    counts it once, both still compute right, and reading the first plan's output after the
+    second ran is refused (the arena was reused), not a silently wrong value."""
+    g = Graph()
+    x = g.input((64, 64))
+    small = ops.relu(ops.scale(x, 2.0))
+    big = ops.relu(ops.scale(ops.repeat(ops.reshape(x, (1, 64, 64)), (8, 64, 64)), 3.0))
+    rt = Runtime(g, backend)
+    X = np.random.default_rng(0).standard_normal((64, 64)).astype(np.float32)
+    rt.set(x, X)
+    p1 = rt.compile([small])
+    first_arena = p1.report.arena
+    p2 = rt.compile([ops.sum(big)])
+    assert p2.report.arena >= 8 * 64 * 64 * 4 > first_arena
+    assert rt.memory.arena == p2.report.arena           # one arena, not the sum
+    rt.run(p1)
+    np.testing.assert_array_equal(p1.read(small), np.maximum(2 * X, 0))   # p1 was moved
+    rt.run(p2)
+    with pytest.raises(RuntimeError, match="another plan"):
+        p1.read(small)
+    np.testing.assert_allclose(p2.read(g.nodes[-1]), 8 * np.maximum(3 * X, 0).sum(), rtol=1e-5)
+    rt.set(x, X)  # persistent tensors are read any time
+    np.testing.assert_array_equal(rt.get(x), X)
+
+
+def test_bind_adopts_a_buffer_without_copying(backend):
+    g = Graph()
+    w = g.param((4, 8), name="w", trainable=False)
+    x = g.input((2, 8))
+    y = ops.linear(x, w)
+    rt = Runtime(g, backend)
+    buf = backend.alloc(4 * 8 * 4)
+    W = np.arange(32, dtype=np.float32).reshape(4, 8)
+    buf.view(0, "f32", (4, 8))[...] = W
+    rt.bind(w, buf)
+    assert rt.buffer(w) is buf
+    X = np.ones((2, 8), np.float32)
+    rt.set(x, X)
+    plan = rt.compile([y])
+    rt.run(plan)
+    np.testing.assert_array_equal(plan.read(y), X @ W.T)
+    with pytest.raises(ValueError, match="already has storage"):
+        rt.bind(w, buf)
+    with pytest.raises(ShapeError, match="cannot hold"):
+        rt.bind(g.param((100,), name="big", trainable=False), buf)
+
+
+def test_a_params_init_is_not_kept_after_upload(backend):
+    g = Graph()
+    w = g.param((3, 3), np.eye(3), name="w")
+    Runtime(g, backend).buffer(w)
+    assert not isinstance(w.init, np.ndarray)       # the runtime's buffer holds it now
+    with pytest.raises(ValueError, match="another runtime"):
+        Runtime(g, backend).buffer(w)
+
+
 def _grads(checkpointing, seed=0):
     rng = np.random.default_rng(seed)
     g, x, y, params, loss = _mlp(rng, hidden=(24, 24, 24))

@@ -1,0 +1,140 @@
+"""Benchmark: `ggtrain generate` against llama.cpp (llama-cpp-python) on the same model, prompt
+and length: generation speed (tokens/s after the prompt), peak RSS, and whether the greedy
+continuations agree.
+
+Each side runs in its own fresh process, measured in alternating rounds (ours, theirs,
+ours, theirs, ...) so that noise on a shared machine hits both alike; speed is the best
+round, peak RSS (ru_maxrss of the process, from wait4) the largest. llama.cpp runs as a
+user runs it: default F16 KV cache, mmap, greedy sampling, the same thread count.
+
+    python bench/bench_generate.py [--model PATH ...] [--tinyllama] [-n 48] [--threads 2]
+                                   [--rounds 3] [--prompt TEXT]
+
+Default model: SmolLM2-135M-Instruct Q4_1 from ../shared/data. --tinyllama adds the
+TinyLlama-1.1B-shaped Q4_0 model of bench/tinyllama.py (built on first use).
+Targets (issue 8): tokens/s ratio ours/llama.cpp >= 0.5, peak RSS ratio <= 1.5.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import time
+
+HERE = pathlib.Path(__file__).resolve().parent
+SHARED = HERE.parents[1] / "shared" / "data"
+SMOLLM2 = SHARED / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+_THEIRS = r"""
+import json, sys, time
+import llama_cpp
+path, prompt, n, threads = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+t0 = time.perf_counter()
+llm = llama_cpp.Llama(model_path=path, n_ctx=0, n_threads=threads, n_threads_batch=threads,
+                      verbose=False, seed=0)
+ids = llm.tokenize(prompt.encode(), add_bos=True, special=False)
+llm.n_ctx() >= len(ids) + n or sys.exit("context too small")
+t1 = time.perf_counter()
+out, stamps = [], []
+for t in llm.generate(ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0):
+    stamps.append(time.perf_counter())
+    if llama_cpp.llama_vocab_is_eog(llama_cpp.llama_model_get_vocab(llm.model), t):
+        break
+    out.append(int(t))
+    if len(out) == n:
+        break
+rate = (len(stamps) - 1) / (stamps[-1] - stamps[0]) if len(stamps) > 1 else 0.0
+print(json.dumps({"text": llm.detokenize(out).decode("utf-8", "replace"), "load_s": t1 - t0,
+                  "prompt_tokens": len(ids), "prompt_s": stamps[0] - t1, "tokens": len(stamps),
+                  "tokens_per_s": rate}))
+"""
+
+
+def _measured(cmd: list) -> tuple:
+    """Run cmd; (stdout, stderr, returncode, peak RSS MiB) with ru_maxrss from wait4."""
+    r_fd, w_fd = os.pipe()
+    e_r, e_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child
+        os.dup2(w_fd, 1)
+        os.dup2(e_w, 2)
+        os.close(r_fd)
+        os.close(e_r)
+        os.execvp(cmd[0], cmd)
+    os.close(w_fd)
+    os.close(e_w)
+    with os.fdopen(r_fd) as fo, os.fdopen(e_r) as fe:
+        out = fo.read()
+        err = fe.read()
+    _, status, usage = os.wait4(pid, 0)
+    return out, err, os.waitstatus_to_exitcode(status), usage.ru_maxrss / 1024
+
+
+def ours(model, prompt, n, threads) -> dict:
+    out, err, rc, rss = _measured([sys.executable, "-m", "ggtrain", "generate", "--model", str(model),
+                                   "--prompt", prompt, "-n", str(n), "--temp", "0", "--threads",
+                                   str(threads), "--timings"])
+    if rc != 0:
+        sys.exit(f"ggtrain generate failed: {err}")
+    res = json.loads(err.strip().splitlines()[-1])
+    res.update(text=out[:-1] if out.endswith("\n") else out, rss_mib=rss)
+    return res
+
+
+def theirs(model, prompt, n, threads) -> dict:
+    out, err, rc, rss = _measured([sys.executable, "-c", _THEIRS, str(model), prompt, str(n), str(threads)])
+    if rc != 0:
+        sys.exit(f"llama.cpp run failed: {err}")
+    res = json.loads(out)
+    res["rss_mib"] = rss
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", action="append", type=pathlib.Path, help="GGUF model (repeatable)")
+    ap.add_argument("--tinyllama", action="store_true", help="also the TinyLlama-1.1B-shaped Q4_0 model")
+    ap.add_argument("--prompt", default="The capital of France is")
+    ap.add_argument("-n", type=int, default=48)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+    models = list(args.model or [SMOLLM2])
+    if args.tinyllama:
+        sys.path.insert(0, str(HERE))
+        from tinyllama import tinyllama_q4_0
+        models.append(tinyllama_q4_0())
+    rows = []
+    for model in models:
+        if not model.is_file():
+            sys.exit(f"{model}: no such file")
+        a, b = [], []
+        for _ in range(args.rounds):
+            a.append(ours(model, args.prompt, args.n, args.threads))
+            b.append(theirs(model, args.prompt, args.n, args.threads))
+        best_a = max(r["tokens_per_s"] for r in a)
+        best_b = max(r["tokens_per_s"] for r in b)
+        rss_a = max(r["rss_mib"] for r in a)
+        rss_b = max(r["rss_mib"] for r in b)
+        same = a[0]["text"] == b[0]["text"]
+        common = os.path.commonprefix([a[0]["text"], b[0]["text"]])
+        rows.append((model.name, best_a, best_b, rss_a, rss_b, same, a[0], b[0], len(common)))
+    print(f"generate: {args.n} tokens after {args.prompt!r}, greedy, {args.threads} threads, "
+          f"best of {args.rounds} alternating rounds")
+    print(f"{'model':38s} {'ours t/s':>9s} {'llama.cpp':>9s} {'ratio':>6s} | {'ours MiB':>8s} "
+          f"{'llama.cpp':>9s} {'ratio':>6s} | same text")
+    for name, ta, tb, ra, rb, same, ra0, rb0, common in rows:
+        print(f"{name:38s} {ta:9.1f} {tb:9.1f} {ta / tb:6.2f} | {ra:8.0f} {rb:9.0f} {ra / rb:6.2f} | "
+              f"{'yes' if same else f'first {common} chars'}")
+    for name, *_, ra0, rb0, _ in rows:
+        print(f"\n{name}: load {ra0['load_s']:.2f} s (llama.cpp {rb0['load_s']:.2f} s), prompt of "
+              f"{ra0['prompt_tokens']} tokens {ra0['prompt_s']:.3f} s (llama.cpp {rb0['prompt_s']:.3f} s)")
+        print(f"  ours:      {ra0['text']!r}")
+        print(f"  llama.cpp: {rb0['text']!r}")
+
+
+if __name__ == "__main__":
+    main()
