@@ -171,7 +171,9 @@ def token_attrs(tokens: Sequence[str], token_type: np.ndarray, eos_id: int | Non
     (CONTROL "...unused..." ones UNUSED too), gpt-oss's channel tokens USER_DEFINED, and by
     the model's name or pre-tokenizer some special tokens strip the whitespace beside them.
     """
-    attrs = np.array([_TYPE_ATTR.get(t, 0) for t in np.asarray(token_type).tolist()], dtype=np.int32)
+    types = np.asarray(token_type, dtype=np.int64)
+    lut = np.array([_TYPE_ATTR.get(t, 0) for t in range(8)], dtype=np.int32)
+    attrs = np.where((types >= 0) & (types < 8), lut[np.clip(types, 0, 7)], 0).astype(np.int32)
     ids = {t: i for i, t in enumerate(tokens)}
     roles = dict(vocab.role_ids)
     for role, texts in _ROLE_TEXTS.items():
@@ -698,10 +700,20 @@ def _bpe_pieces(tokens: list[str], attrs: np.ndarray) -> list[bytes]:
     return pieces
 
 
+# GPT-2's map as a str.translate table onto latin-1; the other latin-1 characters go to a
+# character latin-1 cannot encode, so an unmapped character always takes the slow path
+_BYTE_LEVEL_TABLE = {**{ord(c): chr(b) for c, b in _CHAR_BYTE.items()},
+                     **{cp: "\uffff" for cp in range(256) if chr(cp) not in _CHAR_BYTE}}
+
+
 def _byte_level_decode(text: str) -> bytes:
     """A normal token's bytes: each character's byte under GPT-2's map. A character outside
     the map gives what llama.cpp's llama_decode_text writes: "[UNK_BYTE_0x" + its UTF-8 in
     hex + the whole token + "]"."""
+    try:
+        return text.translate(_BYTE_LEVEL_TABLE).encode("latin-1")
+    except UnicodeEncodeError:
+        pass
     out = bytearray()
     for c in text:
         b = _CHAR_BYTE.get(c)
@@ -717,16 +729,14 @@ def _hf_bpe(tokens: list[str], merges: list[str], pre: BpePre, source: str):
     from tokenizers import Regex, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
 
     vocab = {t: i for i, t in enumerate(tokens)}
-    pairs, seen = [], set()
+    pairs = []
     for m in merges:
         # llama.cpp splits at the first space after the first character
         pos = m.find(" ", 1)
         if pos < 0:
             raise FormatError(f"{source}: BPE merge {m!r} is not 'left right'")
-        pair = (m[:pos], m[pos + 1:])
-        if pair not in seen:            # llama.cpp keeps the first rank of a repeated merge
-            seen.add(pair)
-            pairs.append(pair)
+        pairs.append((m[:pos], m[pos + 1:]))
+    pairs = list(dict.fromkeys(pairs))  # llama.cpp keeps the first rank of a repeated merge
     try:
         tok = HFTokenizer(models.BPE(vocab=vocab, merges=pairs, ignore_merges=pre.ignore_merges))
     except Exception as e:  # tokenizers raises plain Exception for a bad vocabulary/merges
