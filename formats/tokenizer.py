@@ -662,18 +662,20 @@ def _unsupported_pre(pre) -> str:
 
 
 _BPE_CHUNK = 1 << 15
-_PRETOKEN_CUT = re.compile(r"(?<=[!-~])\n(?=[!-~])")   # printable ASCII is surely not \s
+_PRETOKEN_CUT = re.compile(r"(?<=[!-~])\n(?=[A-Za-z0-9])")
 
 
 def _bpe_chunks(text: str) -> Iterable[str]:
     """`text` cut into pieces of about _BPE_CHUNK characters, each cut right after a lone
-    "\\n" between two printable ASCII characters. Every regex of BPE_PRE makes such a
-    newline the end of a pre-token, whether or not the text goes on: no regex lets a newline
-    start a pre-token with what follows it (GPT-2's " ?" takes only a space, Llama 3's
-    [^\\r\\n...]? excludes it, a one-character whitespace run before \\S stands alone), and
-    matching restarts after it, so encoding the pieces gives the ids of the whole text.
-    (A cut after "\\n\\n" would not: at the end of a piece the run would be one pre-token,
-    inside the text two.)
+    "\\n" between a printable ASCII character and an ASCII letter or digit. Every regex of
+    BPE_PRE ends a pre-token at such a newline, whether or not the text goes on: none lets a
+    newline start a pre-token with what follows it (GPT-2's " ?" takes only a space, Llama
+    3's [^\\r\\n...]? excludes it, DeepSeek's \\s? comes after newlines are split off, a
+    one-character whitespace run before \\S stands alone), none lets a punctuation run take
+    a letter or digit after its newlines (tekken's [\\r\\n/]* would take a "/"), and matching
+    restarts after it, so encoding the pieces gives the ids of the whole text. (A cut after
+    "\\n\\n" would not: at the end of a piece the run would be one pre-token, inside the
+    text two.)
     """
     pos = 0
     while pos < len(text):

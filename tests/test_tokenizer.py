@@ -31,6 +31,7 @@ from ggtrain.formats.tokenizer import (
     BpeTokenizer,
     ByteTokenizer,
     SpmTokenizer,
+    _BPE_CHUNK,
     _bpe_chunks,
     load_tokenizer,
     tokenizer_from_gguf,
@@ -247,6 +248,31 @@ def test_bpe_chunked_encoding_equals_whole(shared_data, shakespeare):
     text = shakespeare[:300_000] + "x\n\n\ny\n  z\n" * 5000
     assert len(list(_bpe_chunks(text))) > 5
     assert tok.encode(text).tolist() == tok._tok.encode(text, add_special_tokens=False).ids
+
+
+def test_long_text_in_pieces_equals_whole_for_every_pre(shakespeare):
+    # Long texts are encoded in pieces cut at newlines every pre-tokenizer ends a pre-token
+    # at. A vocabulary trained without pre-tokenization merges across pre-token boundaries,
+    # so a wrong cut changes the ids (tekken's [\r\n/]* once took the "/" after a cut).
+    import json
+
+    from tokenizers import Tokenizer as HFTokenizer, models, pre_tokenizers, trainers
+    # the first place a cut may be looked for is right before the ".\n/"
+    text = shakespeare[:_BPE_CHUNK] + "".join(f"x{i}.\n/y a\n\n b\n  c 12\n3 'S\n's .\n/ \n" for i in range(200))
+    hf = HFTokenizer(models.BPE())
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    hf.train_from_iterator(text.splitlines(keepends=True) + ["x.\n/y"] * 50, trainers.BpeTrainer(
+        vocab_size=1500, show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    model = json.loads(hf.to_str())["model"]
+    tokens = sorted(model["vocab"], key=model["vocab"].get)
+    merges = [" ".join(m) for m in model["merges"]]
+    assert len(list(_bpe_chunks(text))) > 1
+    rows = {}                       # one name per row of the table
+    for name, row in BPE_PRE.items():
+        rows.setdefault(row, name)
+    for pre in rows.values():
+        tok = BpeTokenizer(tokens, np.full(len(tokens), NORMAL), merges, 0, 1, pre=pre)
+        assert tok.encode(text).tolist() == tok._tok.encode(text, add_special_tokens=False).ids, pre
 
 
 # ---- GGUF keys ----------------------------------------------------------------------------
