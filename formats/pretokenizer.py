@@ -1,4 +1,4 @@
-"""llama.cpp's pre-tokenizers of byte-level BPE ("gpt2") vocabularies, by tokenizer.ggml.pre (layer 5).
+r"""llama.cpp's pre-tokenizers of byte-level BPE ("gpt2") vocabularies, by tokenizer.ggml.pre (layer 5).
 
 Before merging, llama.cpp cuts text into pre-tokens with a list of regexes chosen by the
 vocabulary's tokenizer.ggml.pre value (src/llama-vocab.cpp, llm_tokenizer_bpe): each regex
@@ -9,21 +9,24 @@ regexes and options. tokenizer.py builds a `tokenizers` pipeline from a row (Spl
 
 The regexes are llama.cpp's own strings, run here by Oniguruma (the `tokenizers` regex
 engine). llama.cpp runs them three ways: hand-written matchers for the GPT-2, Llama 3 and
-Qwen2 regexes, std::regex over a "collapsed" text for regexes with \\p{..} classes (every
+Qwen2 regexes, std::regex over a "collapsed" text for regexes with \p{..} classes (every
 non-ASCII character replaced by one stand-in byte per Unicode category, non-ASCII
-whitespace by \\v), and std::wregex over code points for the rest (non-ASCII whitespace
-again replaced by \\v first). The two engines agree on all of them except where noted:
+whitespace by \v), and std::wregex over code points for the rest (non-ASCII whitespace
+again replaced by \v first). The two engines agree on all of them except where noted:
 
 - NOTE: in the std::wregex regexes, a character class with non-ASCII whitespace in it (the
   ranges ࠀ-一 = U+0800..U+4E00 and 　-。 = U+3000..U+3002 of the DeepSeek regexes) never
-  matches that whitespace in llama.cpp, because it was replaced by \\v before matching. Here
-  those classes are intersected with \\S (Oniguruma's `[...&&\\S]`), which is the same thing.
-  (Text: "。\\u3000。" is one pre-token for Oniguruma with the raw class, two for llama.cpp.)
-- NOTE: `$` is end of line in Oniguruma's Ruby syntax but end of input in std::regex; it is
-  written `\\z` here.
+  matches that whitespace in llama.cpp, because it was replaced by \v before matching. Here
+  those classes are intersected with \S (Oniguruma's `[...&&\S]`), which is the same thing.
+  With the raw classes, "。\u3000\u3000。" and "ab \u3000" come out differently from
+  llama.cpp (tests/test_tokenize_interop.py has them).
+- `$` (end of line in Oniguruma's Ruby syntax, end of input in std::regex) is written `\z`;
+  in DeepSeek's regexes newlines are split off first, so the two never differ there.
 
-Both engines take the Unicode categories from Unicode 15.1 (llama.cpp's unicode-data.cpp
-and Oniguruma 6.9.9), so \\p{L}, \\p{N}, \\p{P}, \\p{S}, \\p{M} and \\s mean the same.
+Both engines know the same Unicode categories: llama.cpp's unicode-data.cpp and the
+Oniguruma in `tokenizers` both have Unicode 15.1 (U+2EBF0, a CJK letter new in 15.1, is
+\p{L} in both), so \p{L}, \p{N}, \p{P}, \p{S}, \p{M} and \s mean the same; llama.cpp's
+collapsed text keeps exactly these categories.
 """
 from __future__ import annotations
 
