@@ -263,8 +263,9 @@ class Tokenizer:
     def encode(self, text: str, add_bos: bool = False, parse_special: bool = False) -> np.ndarray:
         """Token ids of `text`: (n,) int32, BOS first when add_bos.
 
-        The ids of llama.cpp's llama_tokenize(text, add_special, parse_special) after its BOS:
-        add_bos=True always puts BOS first (`tokenize` does what add_special does).
+        llama.cpp's llama_tokenize(text, add_special=False, parse_special), with BOS put first
+        when add_bos whether or not the vocabulary asks for one (`tokenize` does exactly what
+        add_special does).
         """
         text = self._clean(text)
         parts: list[np.ndarray] = []
