@@ -27,7 +27,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 from gguf import GGUFValueType as VT
+from typer.testing import CliRunner
 
+from ggtrain.cli.main import _register, app
 from ggtrain.errors import FormatError
 from ggtrain.formats.gguf import make_value, read_gguf, write_gguf
 from ggtrain.formats.pretokenizer import BPE_PRE
@@ -35,6 +37,7 @@ from ggtrain.formats.tokenizer import tokenizer_from_gguf
 from tests.conftest import SHARED_DATA
 
 REPO = Path(__file__).resolve().parents[1]
+_register()
 
 HARD = [
     # whitespace runs: spaces, tabs, newlines, mixed, leading, trailing
@@ -172,15 +175,15 @@ def _open(llama, path):
 
 @pytest.fixture(scope="module", params=VOCABS + [f"trained+{pre}" for pre in _representatives()])
 def vocab(request, llama, tmp_path_factory):
-    """(llama.cpp's Llama, our tokenizer) of a shared vocabulary, or of the trained one with
-    a row of BPE_PRE."""
+    """(path, llama.cpp's Llama, our tokenizer) of a shared vocabulary, or of the trained
+    one with a row of BPE_PRE."""
     if request.param.startswith("trained+"):
         pre = request.param.split("+")[1]
         path = _trained_gguf(tmp_path_factory.mktemp("pre") / f"trained-{pre}.gguf", pre)
     else:
         _need_data()
         path = SHARED_DATA / request.param
-    return _open(llama, path), tokenizer_from_gguf(path)
+    return path, _open(llama, path), tokenizer_from_gguf(path)
 
 
 def _their_bytes(llama, llm, ids):
@@ -200,7 +203,7 @@ def _their_bytes(llama, llm, ids):
 
 
 def test_tokenize_equals_llama_cpp(vocab):
-    llm, tok = vocab
+    _, llm, tok = vocab
     bad = []
     for text in HARD:
         for special in (False, True):
@@ -212,7 +215,7 @@ def test_tokenize_equals_llama_cpp(vocab):
 
 
 def test_add_special_equals_llama_cpp(vocab):
-    llm, tok = vocab
+    _, llm, tok = vocab
     for text in ("Hello world", "", "<|im_start|>x"):
         for special in (False, True):
             theirs = llm.tokenize(text.encode("utf-8"), add_bos=True, special=special)
@@ -220,7 +223,7 @@ def test_add_special_equals_llama_cpp(vocab):
 
 
 def test_decode_equals_llama_cpp(vocab, llama):
-    llm, tok = vocab
+    _, llm, tok = vocab
     for text in HARD:
         for special in (False, True):
             ids = llm.tokenize(text.encode("utf-8"), add_bos=False, special=special)
@@ -231,7 +234,7 @@ def test_decode_equals_llama_cpp(vocab, llama):
 
 
 def test_every_token_piece_attr_and_eog_equal_llama_cpp(vocab, llama):
-    llm, tok = vocab
+    _, llm, tok = vocab
     _check_tokens(llama, llm, tok)
 
 
@@ -321,18 +324,26 @@ def test_every_shared_vocabulary_is_covered():
     assert files == set(VOCABS) - {"models/SmolLM2-135M-Instruct.Q4_1.gguf"} | {"gguf/ggml-vocab-bert-bge.gguf"}
 
 
-@pytest.mark.parametrize("name", ["models/SmolLM2-135M-Instruct.Q4_1.gguf", "gguf/ggml-vocab-llama-spm.gguf"])
-def test_cli_equals_llama_cpp(llama, tmp_path, name):
-    """`ggtrain tokenize` as a user runs it, on a file of hard strings and with each option."""
-    _need_data()
-    path = SHARED_DATA / name
-    llm = _open(llama, path)
+def test_cli_equals_llama_cpp(vocab, tmp_path):
+    """`ggtrain tokenize --file F --bos --special` (in this process) on every vocabulary."""
+    path, llm, _ = vocab
     text = "\n".join(HARD)
     file = tmp_path / "hard.txt"
     file.write_bytes(text.encode("utf-8"))
-    for opts, add_bos, special in (([], False, False), (["--bos", "--special"], True, True)):
-        r = subprocess.run([sys.executable, "-m", "ggtrain", "tokenize", "--model", str(path), "--file", str(file),
-                            *opts], capture_output=True, text=True, cwd=REPO, timeout=120)
-        assert r.returncode == 0, r.stderr
-        assert [int(x) for x in r.stdout.split()] == llm.tokenize(text.encode("utf-8"), add_bos=add_bos,
-                                                                   special=special)
+    r = CliRunner().invoke(app, ["tokenize", "--model", str(path), "--file", str(file), "--bos", "--special"])
+    assert r.exit_code == 0, r.output
+    assert [int(x) for x in r.stdout.split()] == llm.tokenize(text.encode("utf-8"), add_bos=True, special=True)
+
+
+def test_console_script_equals_llama_cpp(llama, tmp_path):
+    """The real entry point, as a user runs it, on SmolLM2 with a file of hard strings."""
+    _need_data()
+    path = SHARED_DATA / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    text = "\n".join(HARD)
+    file = tmp_path / "hard.txt"
+    file.write_bytes(text.encode("utf-8"))
+    r = subprocess.run([sys.executable, "-m", "ggtrain", "tokenize", "--model", str(path), "--file", str(file),
+                        "--json"], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout) == {"ids": _open(llama, path).tokenize(text.encode("utf-8"), add_bos=False,
+                                                                      special=False)}
