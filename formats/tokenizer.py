@@ -7,9 +7,11 @@ Three kinds, all made by `load_tokenizer(spec, text)`:
                  with the `tokenizers` library (stored as a GPT-2 vocabulary with merges)
     "PATH.gguf"  the vocabulary of an existing GGUF, rebuilt from its tokenizer.ggml.* keys:
                  SpmTokenizer ("llama" model, encoded through `sentencepiece`) or
-                 BpeTokenizer ("gpt2" model, encoded through `tokenizers`)
+                 BpeTokenizer ("gpt2" model, encoded through `tokenizers`, pre-tokenized
+                 as llama.cpp does for the file's tokenizer.ggml.pre: see pretokenizer.py)
 
-Every tokenizer has `encode(text, add_bos=False) -> (n,) int32`, `encode_bytes(data)`,
+Every tokenizer has `encode(text, add_bos=False) -> (n,) int32`, `tokenize(text,
+add_special, parse_special)` (exactly llama.cpp's llama_tokenize), `encode_bytes(data)`,
 `decode(ids) -> str`, `decode_bytes(ids) -> bytes` (for streaming: feed it to an
 incremental UTF-8 decoder), `bos_id`, `eos_id`, `n_vocab`, `add_bos` (what llama.cpp does
 by default) and `gguf_kv()`, the tokenizer.ggml.* keys that make llama.cpp tokenize text
@@ -66,9 +68,13 @@ surrogateescape'd bytes in str the same way (other lone surrogates become "?", i
 kind). decode() always decodes with errors="replace". llama.cpp itself only ever sees
 valid UTF-8 prompts; for invalid bytes the ids are this module's definition.
 
-Matching llama.cpp beyond plain text: `encode(..., parse_special=True)` also splits control
-tokens written in the text (llama-cpp-python tokenizes completion prompts that way), as
-llama.cpp's tokenizer_st_partition does; user-defined tokens are always split out.
+Special tokens: llama.cpp decides at load what each token is (its attribute bits), from
+its type and, for some texts, from what the text is: "<|im_end|>", "</s>", "<|eot_id|>" and
+the other end-of-generation texts become CONTROL whatever the file says, and so on
+(`token_attrs`; `attrs` and `eog_ids` hold the result). Text is split at special tokens as
+llama.cpp's tokenizer_st_partition does: user-defined tokens always, control and unknown
+ones only with `parse_special=True` (llama-cpp-python tokenizes completion prompts that
+way); with parse_special=False "<|im_start|>" in the text is plain text.
 """
 from __future__ import annotations
 
@@ -76,6 +82,7 @@ import json
 import os
 import re
 import struct
+from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
 import numpy as np
@@ -83,6 +90,7 @@ from gguf.constants import GGUFValueType
 
 from ggtrain.errors import ConfigError, FormatError
 from ggtrain.formats.gguf import GGUFFile, StringArray, read_gguf
+from ggtrain.formats.pretokenizer import BPE_PRE, BpePre
 
 VT = GGUFValueType
 
@@ -94,9 +102,125 @@ MIN_BPE_VOCAB = 256 + 2              # the byte alphabet plus BOS and EOS
 SPECS = "'byte', 'bpe:N' (N >= 258, a byte-level BPE trained on the text) or a path to a .gguf file"
 
 K = "tokenizer.ggml."
-# token texts llama.cpp treats as end of generation wherever they are in a vocabulary
-EOG_TEXTS = frozenset({"<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|eom_id|>",
-                       "<end_of_turn>", "<|endoftext|>", "<EOT>", "_<EOT>", "<｜end▁of▁sentence｜>"})
+
+
+# ---- how llama.cpp classifies tokens --------------------------------------------------------
+
+# llama.cpp's LLAMA_TOKEN_ATTR_* bits (llama.h)
+ATTR_UNKNOWN, ATTR_UNUSED, ATTR_NORMAL, ATTR_CONTROL = 1 << 0, 1 << 1, 1 << 2, 1 << 3
+ATTR_USER_DEFINED, ATTR_BYTE, ATTR_LSTRIP, ATTR_RSTRIP = 1 << 4, 1 << 5, 1 << 7, 1 << 8
+_TYPE_ATTR = {NORMAL: ATTR_NORMAL, UNKNOWN: ATTR_UNKNOWN, CONTROL: ATTR_CONTROL,
+              USER_DEFINED: ATTR_USER_DEFINED, UNUSED: ATTR_UNUSED, BYTE: ATTR_BYTE}
+_C_SPACE = " \t\n\v\f\r"            # C's isspace(), what LSTRIP/RSTRIP strip
+
+# Token texts llama.cpp recognises whatever their type (llama_vocab::impl::load). For each
+# role whose id the file does not give, the first token found with one of these texts takes
+# the role and becomes CONTROL.
+# NOTE: llama.cpp looks in hash-map order; where a vocabulary has several candidates for one
+# role this takes the lowest id (none of the real vocabularies has two).
+_ROLE_TEXTS = {
+    "eot": ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
+            "<|end_of_text|>", "<EOT>", "_<EOT>", "[EOT]", "<｜end▁of▁sentence｜>",
+            "<end_of_utterance>"),
+    "eom": ("<|eom_id|>",),
+    "fim_pre": ("<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<｜fim▁begin｜>", "<PRE>",
+                "▁<PRE>", "<|code_prefix|>", "<|prefix|>"),
+    "fim_suf": ("<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<｜fim▁hole｜>", "<SUF>",
+                "▁<SUF>", "<|code_suffix|>", "<|suffix|>"),
+    "fim_mid": ("<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<｜fim▁end｜>", "<MID>",
+                "▁<MID>", "<|code_middle|>", "<|middle|>"),
+    "fim_pad": ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"),
+    "fim_rep": ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"),
+    "fim_sep": ("<|file_sep|>",),
+}
+# the GGUF keys of those roles (the last three are deprecated names, read after the others)
+_ROLE_KEYS = (("eot", "eot_token_id"), ("eom", "eom_token_id"), ("fim_pre", "fim_pre_token_id"),
+              ("fim_suf", "fim_suf_token_id"), ("fim_mid", "fim_mid_token_id"),
+              ("fim_pad", "fim_pad_token_id"), ("fim_rep", "fim_rep_token_id"),
+              ("fim_sep", "fim_sep_token_id"), ("fim_pre", "prefix_token_id"),
+              ("fim_suf", "suffix_token_id"), ("fim_mid", "middle_token_id"))
+# tokens that end generation, made CONTROL
+_EOG_TEXTS = frozenset((
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>",
+    "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]",
+    "<|end_of_text|>", "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>",
+    "<｜end▁of▁sentence｜>", "[e~["))
+# gpt-oss: always rendered, so plain user-defined tokens
+_USER_DEFINED_TEXTS = ("<|channel|>", "<|message|>", "<|start|>", "<|constrain|>")
+
+
+@dataclass(frozen=True)
+class VocabInfo:
+    """What besides tokens and types llama.cpp reads to classify a vocabulary's tokens.
+
+    role_ids: {"eot"|"eom"|"fim_pre"|...: id} from the file's keys (valid ids only);
+    name, arch, pre: general.name, general.architecture, tokenizer.ggml.pre.
+    """
+    role_ids: dict = field(default_factory=dict)
+    name: str = ""
+    arch: str = ""
+    pre: str = ""
+
+
+def token_attrs(tokens: Sequence[str], token_type: np.ndarray, eos_id: int | None,
+                vocab: VocabInfo) -> tuple[np.ndarray, frozenset]:
+    """llama.cpp's attribute bits of every token and its end-of-generation ids.
+
+    Returns (attrs (n_vocab,) int32, eog_ids): the bits of each token's type, then what
+    llama.cpp's loader changes by text: role and end-of-generation tokens become CONTROL
+    (CONTROL "...unused..." ones UNUSED too), gpt-oss's channel tokens USER_DEFINED, and by
+    the model's name or pre-tokenizer some special tokens strip the whitespace beside them.
+    """
+    types = np.asarray(token_type, dtype=np.int64)
+    lut = np.array([_TYPE_ATTR.get(t, 0) for t in range(8)], dtype=np.int32)
+    attrs = np.where((types >= 0) & (types < 8), lut[np.clip(types, 0, 7)], 0).astype(np.int32)
+    ids = {t: i for i, t in enumerate(tokens)}
+    roles = dict(vocab.role_ids)
+    for role, texts in _ROLE_TEXTS.items():
+        if role not in roles:
+            found = sorted(ids[t] for t in texts if t in ids)
+            if found:
+                roles[role] = found[0]
+                attrs[found[0]] |= ATTR_CONTROL
+    for i in np.flatnonzero(attrs & ATTR_CONTROL).tolist():
+        if "unused" in tokens[i]:
+            attrs[i] |= ATTR_UNUSED
+    eog = {roles[r] for r in ("fim_pad", "fim_rep", "fim_sep") if r in roles}
+    for t in _EOG_TEXTS & ids.keys():
+        eog.add(ids[t])
+        attrs[ids[t]] |= ATTR_CONTROL
+    for t in _USER_DEFINED_TEXTS:
+        if t in ids:
+            attrs[ids[t]] = ATTR_USER_DEFINED
+    eog |= {i for i in (eos_id, roles.get("eot"), roles.get("eom")) if i is not None}
+    eog_texts = {tokens[i]: i for i in eog}
+    # gpt-oss and solar-open: "<|end|>" ends a message there, not the generation
+    call = "<|call|>" in eog_texts or "<|calls|>" in eog_texts
+    if "<|end|>" in eog_texts and call and ("<|return|>" in eog_texts or "<|flush|>" in eog_texts):
+        eog.discard(eog_texts["<|end|>"])
+        attrs[eog_texts["<|end|>"]] = ATTR_USER_DEFINED
+    # gemma4 and plamo: "</s>" is a normal token
+    if "</s>" in eog_texts and ("<|tool_response>" in eog_texts or "<|plamo:eos|>" in eog_texts):
+        eog.discard(eog_texts["</s>"])
+        attrs[eog_texts["</s>"]] = ATTR_NORMAL
+    # whitespace stripping beside special tokens, by model (llama.cpp's list)
+    name = "".join(c.lower() if c < "\x80" else c for c in vocab.name)
+    if (any(p in vocab.pre for p in ("jina-v2-de", "jina-v2-es", "jina-v2-code"))
+            or any(a in vocab.arch for a in ("nomic-bert-moe", "jina-bert-v3"))):
+        _set_attr(attrs, ids, ("<mask>",), ATTR_LSTRIP, True)
+    elif "phi-3" in name or "phi3" in name:
+        attrs[(attrs & (ATTR_CONTROL | ATTR_USER_DEFINED | ATTR_UNKNOWN)) != 0] |= ATTR_RSTRIP
+        _set_attr(attrs, ids, ("</s>",), ATTR_RSTRIP, True)
+        _set_attr(attrs, ids, ("<unk>", "<s>", "<|endoftext|>"), ATTR_RSTRIP, False)
+    elif "modern-bert" in name:
+        _set_attr(attrs, ids, ("[MASK]",), ATTR_LSTRIP, True)
+    return attrs, frozenset(eog)
+
+
+def _set_attr(attrs: np.ndarray, ids: dict, texts: Sequence[str], bit: int, on: bool) -> None:
+    for t in texts:
+        if t in ids:
+            attrs[ids[t]] = attrs[ids[t]] | bit if on else attrs[ids[t]] & ~bit
 
 
 # ---- the interface ------------------------------------------------------------------
@@ -104,39 +228,33 @@ EOG_TEXTS = frozenset({"<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|c
 class Tokenizer:
     """Text <-> token ids. Subclasses fill the vocabulary and implement `_encode_raw`.
 
-    tokens: list[str] (n_vocab,); token_type: (n_vocab,) int32 (llama.cpp token types);
-    bos_id, eos_id: int; unk_id, pad_id: int | None; add_bos, add_eos: llama.cpp's
-    defaults for this vocabulary (tokenizer.ggml.add_bos_token / add_eos_token).
+    tokens: list[str] (n_vocab,); token_type: (n_vocab,) int32 (llama.cpp token types, as
+    stored in GGUF); bos_id, eos_id: int; unk_id, pad_id: int | None; add_bos, add_eos:
+    llama.cpp's defaults for this vocabulary (tokenizer.ggml.add_bos_token / add_eos_token);
+    vocab: what else llama.cpp reads to classify tokens (see `token_attrs`). attrs: (n_vocab,)
+    int32 llama.cpp's attribute bits of each token; eog_ids: the ids that end generation.
     """
 
     kind = "?"
 
     def __init__(self, tokens: Sequence[str], token_type: np.ndarray, bos_id: int, eos_id: int,
                  unk_id: int | None = None, pad_id: int | None = None,
-                 add_bos: bool = True, add_eos: bool = False):
+                 add_bos: bool = True, add_eos: bool = False, vocab: VocabInfo | None = None):
         self.tokens = list(tokens)
         self.token_type = np.asarray(token_type, dtype=np.int32).reshape(-1)
         self.bos_id, self.eos_id, self.unk_id, self.pad_id = bos_id, eos_id, unk_id, pad_id
         self.add_bos, self.add_eos = bool(add_bos), bool(add_eos)
+        self.attrs, self.eog_ids = token_attrs(self.tokens, self.token_type, eos_id,
+                                               vocab or VocabInfo())
         self._pieces: list[bytes] = []      # (n_vocab,) what each id decodes to
-        self.extra_eog: tuple = ()          # eot/eom ids a GGUF names (tokenizer_from_gguf)
-        self._eog = None
-        # parse_special -> (regex of the special tokens split out of text, text -> id)
-        self._specials: dict[bool, tuple] = {}
+        # special-token ids in the order llama.cpp splits them out of text: longest first
+        special = np.flatnonzero(self.attrs & (ATTR_CONTROL | ATTR_USER_DEFINED | ATTR_UNKNOWN))
+        self._special_order = sorted(special.tolist(),
+                                     key=lambda i: (-len(self.tokens[i].encode("utf-8")), i))
 
     @property
     def n_vocab(self) -> int:
         return len(self.tokens)
-
-    @property
-    def eog_ids(self) -> frozenset:
-        """Ids that end a generation, as llama.cpp collects them: EOS, the end-of-turn and
-        end-of-message ids the GGUF names, and every token spelled like a known end token."""
-        if self._eog is None:
-            ids = {self.eos_id} | set(self.extra_eog)
-            ids.update(i for i, t in enumerate(self.tokens) if t in EOG_TEXTS)
-            self._eog = frozenset(i for i in ids if 0 <= i < self.n_vocab)
-        return self._eog
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(n_vocab={self.n_vocab}, bos={self.bos_id}, eos={self.eos_id})"
@@ -145,9 +263,9 @@ class Tokenizer:
     def encode(self, text: str, add_bos: bool = False, parse_special: bool = False) -> np.ndarray:
         """Token ids of `text`: (n,) int32, BOS first when add_bos.
 
-        Exactly llama.cpp's llama_tokenize(text, add_special=add_bos, parse_special) for this
-        vocabulary (add_special also appends EOS there when add_eos is set; call sites that
-        want that append eos_id themselves).
+        llama.cpp's llama_tokenize(text, add_special=False, parse_special), with BOS put first
+        when add_bos whether or not the vocabulary asks for one (`tokenize` does exactly what
+        add_special does).
         """
         text = self._clean(text)
         parts: list[np.ndarray] = []
@@ -178,34 +296,48 @@ class Tokenizer:
             text = _utf8(text).decode("utf-8", "replace")
         return text
 
+    def tokenize(self, text: str, add_special: bool = False, parse_special: bool = False) -> np.ndarray:
+        """Exactly llama.cpp's llama_tokenize(text, add_special, parse_special): (n,) int32.
+
+        add_special puts BOS first only where the vocabulary asks for it (add_bos), and EOS
+        last where it asks for that (add_eos), as llama.cpp does.
+        """
+        ids = self.encode(text, add_bos=add_special and self.add_bos, parse_special=parse_special)
+        if add_special and self.add_eos:
+            ids = np.append(ids, np.int32(self.eos_id))
+        return ids
+
     def _partition(self, text: str, parse_special: bool) -> list:
         """Split `text` at special tokens as llama.cpp's tokenizer_st_partition does.
 
-        User-defined tokens are always split out; control and unknown tokens only with
-        parse_special. Returns str fragments (non-empty) and int ids.
+        Each special token in turn, longest first, is cut out of every text fragment left
+        (user-defined tokens always; control and unknown ones only with parse_special), and
+        an LSTRIP/RSTRIP token also takes the whitespace on its left/right with it. Returns
+        str fragments (non-empty) and int ids.
         """
-        if not text:
-            return []
-        if parse_special not in self._specials:
-            types = (USER_DEFINED, CONTROL, UNKNOWN) if parse_special else (USER_DEFINED,)
-            ids = np.flatnonzero(np.isin(self.token_type, types)).tolist()
-            # llama.cpp tries longer tokens first
-            ids.sort(key=lambda i: -len(self.tokens[i].encode("utf-8")))
-            pattern = re.compile("|".join(re.escape(self.tokens[i]) for i in ids)) if ids else None
-            self._specials[parse_special] = (pattern, {self.tokens[i]: i for i in ids})
-        pattern, lookup = self._specials[parse_special]
-        if pattern is None:
-            return [text]
-        out: list = []
-        pos = 0
-        for m in pattern.finditer(text):
-            if m.start() > pos:
-                out.append(text[pos:m.start()])
-            out.append(lookup[m.group()])
-            pos = m.end()
-        if pos < len(text):
-            out.append(text[pos:])
-        return out
+        frags: list = [text] if text else []
+        for i in self._special_order:
+            attr = int(self.attrs[i])
+            if not parse_special and attr & (ATTR_CONTROL | ATTR_UNKNOWN):
+                continue
+            token = self.tokens[i]
+            out: list = []
+            for frag in frags:
+                if isinstance(frag, int) or token not in frag:
+                    out.append(frag)
+                    continue
+                parts = frag.split(token)
+                for k, part in enumerate(parts):
+                    if k:
+                        out.append(i)
+                    if attr & ATTR_LSTRIP and k < len(parts) - 1:
+                        part = part.rstrip(_C_SPACE)
+                    if attr & ATTR_RSTRIP and k:
+                        part = part.lstrip(_C_SPACE)
+                    if part:
+                        out.append(part)
+            frags = out
+        return frags
 
     def _encode_raw(self, text: str, after_special: bool) -> Sequence[int]:
         raise NotImplementedError
@@ -325,13 +457,13 @@ class SpmTokenizer(Tokenizer):
     def __init__(self, tokens: Sequence[str], scores: np.ndarray, token_type: np.ndarray,
                  bos_id: int, eos_id: int, unk_id: int | None, pad_id: int | None = None,
                  add_bos: bool = True, add_eos: bool = False, add_space_prefix: bool = True,
-                 pre: str | None = None, source: str = "vocabulary"):
-        super().__init__(tokens, token_type, bos_id, eos_id, unk_id, pad_id, add_bos, add_eos)
+                 pre: str | None = None, source: str = "vocabulary", vocab: VocabInfo | None = None):
+        super().__init__(tokens, token_type, bos_id, eos_id, unk_id, pad_id, add_bos, add_eos, vocab)
         self.scores = np.asarray(scores, dtype=np.float32).reshape(-1)
         self.add_space_prefix = bool(add_space_prefix)
         self.pre = pre
-        self._pieces = _spm_pieces(self.tokens, self.token_type)
-        self._sp = _sentencepiece(self.tokens, self.scores, self.token_type, unk_id, source)
+        self._pieces = _spm_pieces(self.tokens, self.attrs)
+        self._sp = _sentencepiece(self.tokens, self.scores, _attr_types(self.attrs), unk_id, source)
 
     def _encode_raw(self, text: str, after_special: bool) -> list:
         if self.add_space_prefix and after_special:
@@ -350,24 +482,41 @@ class SpmTokenizer(Tokenizer):
         ]
 
 
-def _spm_pieces(tokens: list[str], types: np.ndarray) -> list[bytes]:
+def _spm_pieces(tokens: list[str], attrs: np.ndarray) -> list[bytes]:
     """What llama.cpp's token_to_piece(special=False) gives for each SPM token."""
     pieces = []
-    for text, t in zip(tokens, types.tolist()):
-        if t == NORMAL:
-            pieces.append(text.replace(SPACE, " ").encode("utf-8"))
-        elif t == USER_DEFINED:
+    for text, a in zip(tokens, attrs.tolist()):
+        if a & (ATTR_CONTROL | ATTR_UNKNOWN):
+            pieces.append(b"")
+        elif a & ATTR_USER_DEFINED:
             pieces.append(text.encode("utf-8"))
-        elif t == BYTE and _is_byte_token(text):
-            pieces.append(bytes([int(text[3:5], 16)]))
-        else:                        # control, unknown, unused, undefined: nothing
+        elif a & ATTR_NORMAL:
+            pieces.append(text.replace(SPACE, " ").encode("utf-8"))
+        elif a & ATTR_BYTE:
+            pieces.append(_byte_piece(text))
+        else:                        # unused, undefined: nothing
             pieces.append(b"")
     return pieces
 
 
-def _is_byte_token(text: str) -> bool:
-    return len(text) == 6 and text.startswith("<0x") and text.endswith(">") and \
-        all(c in "0123456789ABCDEFabcdef" for c in text[3:5])
+def _byte_piece(text: str) -> bytes:
+    """A byte token's byte: llama.cpp reads text[3:5] with strtol(.., 16) ("<0x0A>" -> 10)."""
+    digits = ""
+    for c in text[3:5]:
+        if c not in "0123456789ABCDEFabcdef":
+            break
+        digits += c
+    return bytes([int(digits, 16) if digits else 0])
+
+
+def _attr_types(attrs: np.ndarray) -> np.ndarray:
+    """Token types as llama.cpp's attributes make them: a token it made CONTROL is CONTROL."""
+    types = np.full(len(attrs), NORMAL, dtype=np.int32)
+    for bit, t in ((ATTR_BYTE, BYTE), (ATTR_USER_DEFINED, USER_DEFINED), (ATTR_UNKNOWN, UNKNOWN),
+                   (ATTR_UNUSED, UNUSED), (ATTR_CONTROL, CONTROL)):
+        types[(attrs & bit) != 0] = t
+    types[attrs == 0] = 0
+    return types
 
 
 def _sentencepiece(tokens, scores, types, unk_id, source):
@@ -447,11 +596,6 @@ def _pb_bytes(field: int, data: bytes) -> bytes:
 
 # ---- byte-level BPE (llama.cpp's "gpt2" vocabularies) through tokenizers --------------------
 
-# tokenizer.ggml.pre values llama.cpp maps to GPT-2's pre-tokenizer regex (LLAMA_VOCAB_PRE_TYPE_GPT2)
-GPT2_PRE = frozenset({"gpt-2", "phi-2", "jina-es", "jina-de", "gigachat", "jina-v2-es",
-                      "jina-v2-de", "a.x-4.0", "mellum", "exaone4", "mpt", "olmo", "jais"})
-
-
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's map of the 256 bytes to printable characters (byte-level BPE's alphabet)."""
     keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
@@ -471,19 +615,26 @@ _CHAR_BYTE = {c: b for b, c in _BYTE_CHAR.items()}
 
 
 class BpeTokenizer(Tokenizer):
-    """A byte-level BPE vocabulary (tokens + merges, GPT-2 pre-tokenizer), encoded with `tokenizers`."""
+    """A byte-level BPE vocabulary (tokens + merges), encoded with `tokenizers`.
+
+    pre: the tokenizer.ggml.pre value, a key of pretokenizer.BPE_PRE: the regexes that cut
+    text into pre-tokens before merging, and whether a pre-token that is a token skips the
+    merges (ignore_merges).
+    """
 
     kind = "bpe"
 
     def __init__(self, tokens: Sequence[str], token_type: np.ndarray, merges: Sequence[str],
                  bos_id: int, eos_id: int, unk_id: int | None = None, pad_id: int | None = None,
                  add_bos: bool = True, add_eos: bool = False, pre: str = "gpt-2",
-                 source: str = "vocabulary"):
-        super().__init__(tokens, token_type, bos_id, eos_id, unk_id, pad_id, add_bos, add_eos)
+                 source: str = "vocabulary", vocab: VocabInfo | None = None):
+        super().__init__(tokens, token_type, bos_id, eos_id, unk_id, pad_id, add_bos, add_eos, vocab)
+        if pre not in BPE_PRE:
+            raise FormatError(f"{source}: {_unsupported_pre(pre)}")
         self.merges = list(merges)
         self.pre = pre
-        self._pieces = _bpe_pieces(self.tokens, self.token_type)
-        self._tok = _hf_bpe(self.tokens, self.merges, source)
+        self._pieces = _bpe_pieces(self.tokens, self.attrs)
+        self._tok = _hf_bpe(self.tokens, self.merges, BPE_PRE[pre], source)
 
     def _encode_raw(self, text: str, after_special: bool) -> list:
         if len(text) <= _BPE_CHUNK:
@@ -506,17 +657,26 @@ class BpeTokenizer(Tokenizer):
         return kv
 
 
+def _unsupported_pre(pre) -> str:
+    return (f"tokenizer.ggml.pre {pre!r} is not supported for gpt2 vocabularies "
+            f"(supported: {', '.join(sorted(BPE_PRE))})")
+
+
 _BPE_CHUNK = 1 << 15
-_PRETOKEN_CUT = re.compile(r"(?<=[!-~])\n(?=[!-~])")   # printable ASCII is surely not \s
+_PRETOKEN_CUT = re.compile(r"(?<=[!-~])\n(?=[A-Za-z0-9])")
 
 
 def _bpe_chunks(text: str) -> Iterable[str]:
     """`text` cut into pieces of about _BPE_CHUNK characters, each cut right after a lone
-    "\\n" between two printable ASCII characters. GPT-2's regex makes that newline a
-    pre-token of its own whether or not the text goes on (a whitespace run of one "\\n",
-    which " ?" cannot join to the next word), and matching restarts after it, so encoding
-    the pieces gives the ids of the whole text. (A cut after "\\n\\n" would not: at the
-    end of a piece the run would be one pre-token, inside the text two.)
+    "\\n" between a printable ASCII character and an ASCII letter or digit. Every regex of
+    BPE_PRE ends a pre-token at such a newline, whether or not the text goes on: none lets a
+    newline start a pre-token with what follows it (GPT-2's " ?" takes only a space, Llama
+    3's [^\\r\\n...]? excludes it, DeepSeek's \\s? comes after newlines are split off, a
+    one-character whitespace run before \\S stands alone), none lets a punctuation run take
+    a letter or digit after its newlines (tekken's [\\r\\n/]* would take a "/"), and matching
+    restarts after it, so encoding the pieces gives the ids of the whole text. (A cut after
+    "\\n\\n" would not: at the end of a piece the run would be one pre-token, inside the
+    text two.)
     """
     pos = 0
     while pos < len(text):
@@ -526,23 +686,50 @@ def _bpe_chunks(text: str) -> Iterable[str]:
         pos = end
 
 
-def _bpe_pieces(tokens: list[str], types: np.ndarray) -> list[bytes]:
+def _bpe_pieces(tokens: list[str], attrs: np.ndarray) -> list[bytes]:
     """What llama.cpp's token_to_piece(special=False) gives for each byte-level BPE token."""
     pieces = []
-    for text, t in zip(tokens, types.tolist()):
-        if t == NORMAL:
-            pieces.append(b"".join(bytes([_CHAR_BYTE[c]]) if c in _CHAR_BYTE else c.encode("utf-8")
-                                   for c in text))
-        elif t == USER_DEFINED:
+    for text, a in zip(tokens, attrs.tolist()):
+        if a & (ATTR_CONTROL | ATTR_UNKNOWN):
+            pieces.append(b"")
+        elif a & ATTR_USER_DEFINED:
             pieces.append(text.encode("utf-8"))
-        else:
+        elif a & ATTR_NORMAL:
+            pieces.append(_byte_level_decode(text))
+        elif a & ATTR_BYTE:
+            pieces.append(_byte_piece(text))
+        else:                        # unused, undefined: nothing
             pieces.append(b"")
     return pieces
 
 
-def _hf_bpe(tokens: list[str], merges: list[str], source: str):
-    """A `tokenizers` BPE with GPT-2's byte-level pre-tokenizer, from tokens and merges."""
-    from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
+# GPT-2's map as a str.translate table onto latin-1; the other latin-1 characters go to a
+# character latin-1 cannot encode, so an unmapped character always takes the slow path
+_BYTE_LEVEL_TABLE = {**{ord(c): chr(b) for c, b in _CHAR_BYTE.items()},
+                     **{cp: "\uffff" for cp in range(256) if chr(cp) not in _CHAR_BYTE}}
+
+
+def _byte_level_decode(text: str) -> bytes:
+    """A normal token's bytes: each character's byte under GPT-2's map. A character outside
+    the map gives what llama.cpp's llama_decode_text writes: "[UNK_BYTE_0x" + its UTF-8 in
+    hex + the whole token + "]"."""
+    try:
+        return text.translate(_BYTE_LEVEL_TABLE).encode("latin-1")
+    except UnicodeEncodeError:
+        pass
+    out = bytearray()
+    for c in text:
+        b = _CHAR_BYTE.get(c)
+        if b is None:
+            out += f"[UNK_BYTE_0x{c.encode('utf-8').hex()}{text}]".encode("utf-8")
+        else:
+            out.append(b)
+    return bytes(out)
+
+
+def _hf_bpe(tokens: list[str], merges: list[str], pre: BpePre, source: str):
+    """A `tokenizers` BPE from tokens and merges, pre-tokenizing as llama.cpp does for `pre`."""
+    from tokenizers import Regex, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
 
     vocab = {t: i for i, t in enumerate(tokens)}
     pairs = []
@@ -552,11 +739,14 @@ def _hf_bpe(tokens: list[str], merges: list[str], source: str):
         if pos < 0:
             raise FormatError(f"{source}: BPE merge {m!r} is not 'left right'")
         pairs.append((m[:pos], m[pos + 1:]))
+    pairs = list(dict.fromkeys(pairs))  # llama.cpp keeps the first rank of a repeated merge
     try:
-        tok = HFTokenizer(models.BPE(vocab=vocab, merges=pairs))
+        tok = HFTokenizer(models.BPE(vocab=vocab, merges=pairs, ignore_merges=pre.ignore_merges))
     except Exception as e:  # tokenizers raises plain Exception for a bad vocabulary/merges
         raise FormatError(f"{source}: the BPE vocabulary and merges do not fit together: {e}") from None
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in pre.regexes]
+        + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tok.decoder = decoders.ByteLevel()
     return tok
 
@@ -617,16 +807,6 @@ def _chunks(text: str, size: int = 1 << 16) -> Iterable[str]:
 # ---- from GGUF ----------------------------------------------------------------------------
 
 def tokenizer_from_gguf(gguf: GGUFFile | str | os.PathLike) -> Tokenizer:
-    """The tokenizer of a GGUF file's tokenizer.ggml.* keys (see _tokenizer_from_gguf), with
-    the end-of-turn / end-of-message ids the file names."""
-    f = gguf if isinstance(gguf, GGUFFile) else read_gguf(gguf)
-    tok = _tokenizer_from_gguf(f)
-    extra = [f.value(K + key, None) for key in ("eot_token_id", "eom_token_id")]
-    tok.extra_eog = tuple(int(v) for v in extra if isinstance(v, int) and not isinstance(v, bool))
-    return tok
-
-
-def _tokenizer_from_gguf(gguf: GGUFFile | str | os.PathLike) -> Tokenizer:
     """The tokenizer of a GGUF file's tokenizer.ggml.* keys, with llama.cpp's defaults.
 
     Raises FormatError naming the file when it has no vocabulary or an unsupported
@@ -651,6 +831,15 @@ def _tokenizer_from_gguf(gguf: GGUFFile | str | os.PathLike) -> Tokenizer:
                           f"(llama.cpp refuses such a vocabulary)")
     types = _array(f, K + "token_type", n, np.int32, NORMAL)
     pre = f.value(K + "pre", None)
+    if model == "gpt2":
+        pre = "default" if pre is None else pre     # as llama.cpp does, with a warning
+        if pre not in BPE_PRE:
+            raise FormatError(f"{src}: {_unsupported_pre(pre)}")
+        if K + "merges" not in f.kv:
+            raise FormatError(f"{src}: gpt2 vocabulary without tokenizer.ggml.merges")
+    roles = _special_ids(f, n, **{role: None for role, _ in _ROLE_KEYS})
+    vocab = VocabInfo({r: i for r, i in roles.items() if i is not None},
+                      _text(f, "general.name"), _text(f, "general.architecture"), _text(f, K + "pre"))
     if model == "llama":
         ids = _special_ids(f, n, bos=1, eos=2, unk=0, pad=None)
         byte = ByteTokenizer()
@@ -665,16 +854,16 @@ def _tokenizer_from_gguf(gguf: GGUFFile | str | os.PathLike) -> Tokenizer:
                             add_bos=_flag(f, K + "add_bos_token", True),
                             add_eos=_flag(f, K + "add_eos_token", False),
                             add_space_prefix=_flag(f, K + "add_space_prefix", True),
-                            pre=pre, source=src)
-    if pre not in GPT2_PRE:
-        raise FormatError(f"{src}: tokenizer.ggml.pre {pre!r} is not supported for gpt2 "
-                          f"vocabularies (supported: {', '.join(sorted(GPT2_PRE))})")
-    if K + "merges" not in f.kv:
-        raise FormatError(f"{src}: gpt2 vocabulary without tokenizer.ggml.merges")
+                            pre=pre, source=src, vocab=vocab)
     ids = _special_ids(f, n, bos=11, eos=11, unk=None, pad=None)
     return BpeTokenizer(tokens, types, _strings(f, K + "merges"), ids["bos"], ids["eos"],
-                        ids["unk"], ids["pad"], add_bos=_flag(f, K + "add_bos_token", False),
-                        add_eos=_flag(f, K + "add_eos_token", False), pre=pre, source=src)
+                        ids["unk"], ids["pad"], add_bos=_flag(f, K + "add_bos_token", BPE_PRE[pre].add_bos),
+                        add_eos=_flag(f, K + "add_eos_token", False), pre=pre, source=src, vocab=vocab)
+
+
+def _text(f: GGUFFile, key: str) -> str:
+    v = f.value(key, "")
+    return v if isinstance(v, str) else ""
 
 
 def _strings(f: GGUFFile, key: str) -> list[str]:
@@ -706,14 +895,19 @@ def _flag(f: GGUFFile, key: str, default: bool) -> bool:
 
 
 def _special_ids(f: GGUFFile, n: int, **defaults) -> dict:
-    """Special ids as llama.cpp sets them: the default unless the key holds an id < n."""
-    keys = {"bos": "bos_token_id", "eos": "eos_token_id", "unk": "unknown_token_id",
-            "pad": "padding_token_id"}
+    """Special ids as llama.cpp sets them: the default unless the key holds an id < n
+    (of the roles' keys, a deprecated one read later wins)."""
+    keys = {"bos": ("bos_token_id",), "eos": ("eos_token_id",), "unk": ("unknown_token_id",),
+            "pad": ("padding_token_id",)}
+    for role, key in _ROLE_KEYS:
+        keys[role] = keys.get(role, ()) + (key,)
     out = {}
     for name, default in defaults.items():
-        v = f.value(K + keys[name], None)
-        ok = isinstance(v, int) and not isinstance(v, bool) and 0 <= v < n
-        out[name] = int(v) if ok else default if default is None or default < n else None
+        out[name] = default if default is None or default < n else None
+        for key in keys[name]:
+            v = f.value(K + key, None)
+            if isinstance(v, int) and not isinstance(v, bool) and 0 <= v < n:
+                out[name] = int(v)
     return out
 
 

@@ -1,4 +1,5 @@
-"""Shared fixtures: the CPU backend and the location of ../shared/data."""
+"""Shared fixtures: the CPU backend, the location of ../shared/data, and llama.cpp."""
+import os
 import pathlib
 
 import pytest
@@ -18,3 +19,20 @@ def shared_data():
     if not SHARED_DATA.is_dir():
         pytest.skip(f"real data folder {SHARED_DATA} is absent (it lives in ../shared beside the repo)")
     return SHARED_DATA
+
+
+@pytest.fixture(scope="module")
+def llama():
+    """The llama_cpp module (llama.cpp through llama-cpp-python, the `interop` extra).
+
+    Without it the test skips, except in CI (CI=true), where it fails: CI installs the extra
+    and must never pass by silently skipping interop.
+    """
+    try:
+        import llama_cpp
+    except ImportError as e:        # the extra is not installed
+        msg = f"llama_cpp cannot be imported ({e}); install the interop extra: pip install -e '.[interop]'"
+        if os.environ.get("CI") == "true":
+            pytest.fail("CI must run the llama.cpp interop tests: " + msg, pytrace=False)
+        pytest.skip(msg)
+    return llama_cpp

@@ -1,11 +1,10 @@
 """Interoperability with real llama.cpp, through the llama-cpp-python package (the `interop`
 extra): greedy continuations, logits and tokenization of stories260K and of models we write.
 
-Without llama_cpp these tests skip, except in CI (CI=true), where they fail: CI installs the
-extra and must never pass by silently skipping interop.
+Without llama_cpp these tests skip, except in CI (CI=true), where they fail (the `llama`
+fixture of conftest.py).
 """
 import itertools
-import os
 
 import numpy as np
 import pytest
@@ -16,11 +15,6 @@ from ggtrain.core.sampling import Sampler
 from ggtrain.formats.llama_model import load_llama, save_llama
 from ggtrain.formats.tokenizer import load_tokenizer
 from tests.conftest import SHARED_DATA
-
-try:
-    import llama_cpp
-except ImportError as e:        # the extra is not installed
-    llama_cpp, _IMPORT_ERROR = None, e
 
 PROMPT = "Once upon a time"
 # Pure greedy in llama-cpp-python: temperature 0 picks the argmax, and these switch off the
@@ -60,18 +54,6 @@ TOKENIZE_STRINGS = [
     "<s> and </s> are not special here",
     "",
 ]
-
-
-@pytest.fixture(scope="module")
-def llama():
-    """The llama_cpp module; fails in CI, skips elsewhere, when it is not installed."""
-    if llama_cpp is None:
-        msg = (f"llama_cpp cannot be imported ({_IMPORT_ERROR}); install the interop extra: "
-               f"pip install -e '.[interop]'")
-        if os.environ.get("CI") == "true":
-            pytest.fail("CI must run the llama.cpp interop tests: " + msg, pytrace=False)
-        pytest.skip(msg)
-    return llama_cpp
 
 
 def _open(llama, path, n_ctx=128, logits_all=False, f32_cache=False):

@@ -18,15 +18,20 @@ from gguf import GGUFValueType as VT
 
 from ggtrain.errors import ConfigError, FormatError
 from ggtrain.formats.gguf import read_gguf, write_gguf
+from ggtrain.formats.pretokenizer import BPE_PRE
 from ggtrain.formats.tokenizer import (
+    ATTR_CONTROL,
+    ATTR_RSTRIP,
     BYTE,
     CONTROL,
     MIN_BPE_VOCAB,
     NORMAL,
     UNKNOWN,
+    USER_DEFINED,
     BpeTokenizer,
     ByteTokenizer,
     SpmTokenizer,
+    _BPE_CHUNK,
     _bpe_chunks,
     load_tokenizer,
     tokenizer_from_gguf,
@@ -110,11 +115,17 @@ def test_vocab_kinds_and_ids(shared_data):
     assert not g2.add_bos and len(g2.merges) == 50000
 
 
-def test_phi3_user_defined_token_is_split_out(shared_data):
-    # phi-3 stores "</s>" as a user-defined token: llama.cpp always splits it out of the
-    # text and puts a space prefix before the text after it
+def test_phi3_end_of_text_is_control(shared_data):
+    # phi-3 types "</s>" user-defined, but llama.cpp makes it CONTROL (an end-of-generation
+    # text) and RSTRIP (the model is named Phi3): plain text unless special tokens are
+    # parsed, and then split out with the whitespace after it, and a space prefix before
+    # the text that follows (llama.cpp agrees: tests/test_tokenize_interop.py)
     phi = _tok(shared_data / "gguf" / "ggml-vocab-phi-3.gguf")
-    assert phi.encode("a</s>b").tolist() == phi.encode("a").tolist() + [2] + phi.encode("b").tolist()
+    assert phi.token_type[2] == USER_DEFINED and phi.attrs[2] & ATTR_CONTROL and phi.attrs[2] & ATTR_RSTRIP
+    assert 2 in phi.eog_ids and phi.piece(2) == b""
+    assert 2 not in phi.encode("a</s>b").tolist()
+    want = phi.encode("a").tolist() + [2] + phi.encode("b").tolist()
+    assert phi.encode("a</s> \n b", parse_special=True).tolist() == want
 
 
 def test_parse_special(shared_data):
@@ -239,6 +250,31 @@ def test_bpe_chunked_encoding_equals_whole(shared_data, shakespeare):
     assert tok.encode(text).tolist() == tok._tok.encode(text, add_special_tokens=False).ids
 
 
+def test_long_text_in_pieces_equals_whole_for_every_pre(shakespeare):
+    # Long texts are encoded in pieces cut at newlines every pre-tokenizer ends a pre-token
+    # at. A vocabulary trained without pre-tokenization merges across pre-token boundaries,
+    # so a wrong cut changes the ids (tekken's [\r\n/]* once took the "/" after a cut).
+    import json
+
+    from tokenizers import Tokenizer as HFTokenizer, models, pre_tokenizers, trainers
+    # the first place a cut may be looked for is right before the ".\n/"
+    text = shakespeare[:_BPE_CHUNK] + "".join(f"x{i}.\n/y a\n\n b\n  c 12\n3 'S\n's .\n/ \n" for i in range(200))
+    hf = HFTokenizer(models.BPE())
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    hf.train_from_iterator(text.splitlines(keepends=True) + ["x.\n/y"] * 50, trainers.BpeTrainer(
+        vocab_size=1500, show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    model = json.loads(hf.to_str())["model"]
+    tokens = sorted(model["vocab"], key=model["vocab"].get)
+    merges = [" ".join(m) for m in model["merges"]]
+    assert len(list(_bpe_chunks(text))) > 1
+    rows = {}                       # one name per row of the table
+    for name, row in BPE_PRE.items():
+        rows.setdefault(row, name)
+    for pre in rows.values():
+        tok = BpeTokenizer(tokens, np.full(len(tokens), NORMAL), merges, 0, 1, pre=pre)
+        assert tok.encode(text).tolist() == tok._tok.encode(text, add_special_tokens=False).ids, pre
+
+
 # ---- GGUF keys ----------------------------------------------------------------------------
 
 EXPECTED_TYPES = {
@@ -355,12 +391,47 @@ def test_unsupported_model(shared_data):
         load_tokenizer(str(path))
 
 
-def test_unsupported_pre(tmp_path, bpe):
-    path = tmp_path / "llama3.gguf"
-    kv = [(k, "llama-bpe", *rest[1:]) if k == "tokenizer.ggml.pre" else (k, *rest) for k, *rest in bpe.gguf_kv()]
+@pytest.mark.parametrize("pre", ["kimi-k2", "no-such-pre"])
+def test_unsupported_pre(tmp_path, bpe, pre):
+    # kimi-k2: llama.cpp has it, with a hand-written splitter we do not have
+    path = tmp_path / "kimi.gguf"
+    kv = [(k, pre, *rest[1:]) if k == "tokenizer.ggml.pre" else (k, *rest) for k, *rest in bpe.gguf_kv()]
     write_gguf(path, kv, [])
-    with pytest.raises(FormatError, match=r"llama3\.gguf.*'llama-bpe'"):
+    with pytest.raises(FormatError) as e:
         tokenizer_from_gguf(path)
+    msg = str(e.value)
+    assert "\n" not in msg and str(path) in msg and f"tokenizer.ggml.pre {pre!r}" in msg
+    assert all(repr(name) not in msg and name in msg for name in ("llama-bpe", "smollm", "qwen2", "tekken"))
+
+
+def test_every_supported_pre_is_a_working_regex_list():
+    from tokenizers import Regex
+    assert {"default", "llama-bpe", "smollm", "deepseek-llm", "deepseek-coder", "qwen2", "falcon",
+            "starcoder", "refact", "command-r", "mpt", "gpt-2", "tekken"} <= set(BPE_PRE)
+    for name, pre in BPE_PRE.items():
+        assert pre.regexes, name
+        for r in pre.regexes:
+            Regex(r)
+
+
+def test_gpt2_vocabulary_without_pre_is_default(tmp_path, bpe):
+    # llama.cpp warns and uses its "default" regexes, which isolate punctuation runs
+    path = tmp_path / "nopre.gguf"
+    write_gguf(path, [kv for kv in bpe.gguf_kv() if kv[0] != "tokenizer.ggml.pre"], [])
+    tok = tokenizer_from_gguf(path)
+    assert tok.pre == "default"
+    assert tok.encode("a 'sb").tolist() != bpe.encode("a 'sb").tolist()
+
+
+def test_trained_bpe_tokenizes_as_before(shakespeare, bpe):
+    # bpe:N vocabularies were encoded with `tokenizers`' own GPT-2 byte-level pre-tokenizer
+    # before the pre-tokenizer table; their "gpt-2" row must give the same ids
+    from tokenizers import Tokenizer as HFTokenizer, models, pre_tokenizers
+    old = HFTokenizer(models.BPE(vocab={t: i for i, t in enumerate(bpe.tokens)},
+                                 merges=[tuple(m.split(" ")) for m in bpe.merges]))
+    old.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    for s in ROUND_TRIP + [TEXT_SAMPLE, shakespeare[:30_000], "a\u00a0b \u3000x  \t\n y 12345 'S"]:
+        assert bpe.encode(s).tolist() == old.encode(s, add_special_tokens=False).ids, repr(s)
 
 
 def test_gpt2_without_merges(tmp_path, bpe):
