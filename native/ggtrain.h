@@ -194,7 +194,7 @@ int gt_matmul_fwd_f32_sizes(const struct gt_node *node, int64_t *scratch, int64_
  *   K = R); strides count elements as if W were unpacked. Other layouts are
  *   GT_ERR_INVALID. The packed GEMM dequantizes W a panel at a time while packing
  *   (never all of it), so dst is bit-identical to gt_matmul_fwd_f32 on the
- *   dequantized matrix in the same view. For W^T and M (batch folded) <= 8 a
+ *   dequantized matrix in the same view. For W^T and M (batch folded) <= 32 a
  *   row-dot path reads each W row once (see qdot.c): a different, fixed
  *   summation order, the same at every SIMD level and thread count.
  *   wdata: gt_matmul_fwd_f32_<w>_sizes (pack buffers and dequantization scratch).

@@ -140,7 +140,7 @@ gt_dequant_fn gt_dequantizer_(int32_t dtype);
  * f32), row n at w + n * row_bytes (qdot.c; its top comment gives the summation
  * order). m <= GT_QDOT_MAX_M; K a whole number of blocks; scratch: 64-byte
  * alignable room for GT_QDOT_SCRATCH_FLOATS floats. */
-#define GT_QDOT_MAX_M 8
+#define GT_QDOT_MAX_M 32
 #define GT_QDOT_SCRATCH_FLOATS 512
 void gt_qdot_rows_(float *y, int64_t ldy, const float *x, int64_t ldx, int m, const uint8_t *w,
                    int64_t row_bytes, int32_t dtype, int64_t K, int64_t n0, int64_t n1, float *scratch);

@@ -756,9 +756,10 @@ static int check_weight(const gt_tensor *b, int32_t wtype, wsource *ws) {
                        "got %d dims", t->name, b->ndim);
     const int64_t K = b->shape[0], N = b->shape[1], s0 = b->strides[0], s1 = b->strides[1];
     const int qb = t->block;
-    /* a stride of a size-1 dim is never stepped */
-    const int trans = (K == 1 || s0 == 1) && (N == 1 || s1 == K) && K % qb == 0;
+    /* a stride of a size-1 dim is never stepped; where both views fit (N == 1 or
+     * K == 1 with f16/bf16: the same bytes either way) take W itself */
     const int plain = (N == 1 || s1 == 1) && (K == 1 || s0 == N) && N % qb == 0;
+    const int trans = !plain && (K == 1 || s0 == 1) && (N == 1 || s1 == K) && K % qb == 0;
     if (!trans && !plain) {
         if ((K == 1 || s0 == 1) && (N == 1 || s1 == K))
             return GT_FAIL(GT_ERR_SHAPE, "matmul: a transposed %s src1 (K, N) = (%lld, %lld) needs K, the "

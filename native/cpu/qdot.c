@@ -103,6 +103,11 @@ GT_CLONES static void rows_plain(float *y, int64_t ldy, const float *x, int64_t 
 
 #if defined(__x86_64__)
 
+/* W is read once, row after row: fetch the rows this far ahead (the hardware
+ * prefetcher alone left the 30 MB output projection at half the speed of an
+ * L2-resident W). Harmless past the end (prefetches do not fault). */
+#define PF_ROWS 8
+
 /* ---- AVX-512F --------------------------------------------------------------------- */
 
 #define T512 "avx512f,avx2,fma,f16c"
@@ -135,10 +140,24 @@ static inline __attribute__((always_inline, target(T512))) __m128i q6k_chunk(con
     return _mm_sub_epi8(_mm_or_si128(lo, hb), _mm_set1_epi8(32));
 }
 
+/* What a unit's chunks share: for q4_0/q4_1 the 16 values a nibble can
+ * dequantize to (q - 8) * d or q * d + m, rounded as the scalar code rounds
+ * them, so a chunk is one permute of this table; for q8_0 the scale. */
+static inline __attribute__((always_inline, target(T512))) __m512 prep512(const int kind, const uint8_t *b) {
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    switch (kind) {
+    case K_Q4_0: return _mm512_mul_ps(_mm512_sub_ps(iota, _mm512_set1_ps(8.0f)), _mm512_set1_ps(h16(b)));
+    case K_Q4_1: return _mm512_add_ps(_mm512_mul_ps(iota, _mm512_set1_ps(h16(b))), _mm512_set1_ps(h16(b + 2)));
+    case K_Q8_0: return _mm512_set1_ps(h16(b));
+    default: return _mm512_setzero_ps();
+    }
+}
+
 /* Chunk c (16 values) of unit u of a row, dequantized: exactly the floats
- * gt_dequantizer_ writes. buf holds the unit for K_GEN. */
+ * gt_dequantizer_ writes. buf holds the unit for K_GEN, pre what prep512 gave. */
 static inline __attribute__((always_inline, target(T512))) __m512 deq16_512(const int kind, const uint8_t *b,
-                                                                            int c, const float *buf) {
+                                                                            int c, const float *buf,
+                                                                            __m512 pre) {
     switch (kind) {
     case K_F16: return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)b));
     case K_BF16: {
@@ -147,18 +166,10 @@ static inline __attribute__((always_inline, target(T512))) __m512 deq16_512(cons
     }
     case K_Q8_0: {
         const __m512i q = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 2 + 16 * c)));
-        return _mm512_mul_ps(_mm512_cvtepi32_ps(q), _mm512_set1_ps(h16(b)));
+        return _mm512_mul_ps(_mm512_cvtepi32_ps(q), pre);
     }
-    case K_Q4_0: {
-        const __m512i q = _mm512_sub_epi32(_mm512_cvtepu8_epi32(nibbles(b + 2, c)), _mm512_set1_epi32(8));
-        return _mm512_mul_ps(_mm512_cvtepi32_ps(q), _mm512_set1_ps(h16(b)));
-    }
-    case K_Q4_1: {
-        const __m512i q = _mm512_cvtepu8_epi32(nibbles(b + 4, c));
-        const __m512 d = _mm512_set1_ps(h16(b));
-        const __m512 m = _mm512_set1_ps(h16(b + 2));
-        return _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(q), d), m);
-    }
+    case K_Q4_0: return _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(nibbles(b + 2, c)), pre);
+    case K_Q4_1: return _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(nibbles(b + 4, c)), pre);
     case K_Q6_K: {
         int is;
         const __m512i q = _mm512_cvtepi8_epi32(q6k_chunk(b, c, &is));
@@ -184,7 +195,7 @@ static inline __attribute__((always_inline, target(T512))) void
 body512(float *y, int64_t ldy, const float *x, int64_t ldx, const uint8_t *row, int64_t row_bytes,
         gt_dequant_fn deq, int64_t units, int unit, int64_t unit_bytes, int block, int64_t tail,
         const float *xt, float *buf, const int kind, const int MM, const int NW) {
-    __m512 acc[2][GT_QDOT_MAX_M];
+    __m512 acc[2][8];
 #pragma GCC unroll 2
     for (int j = 0; j < NW; j++)
 #pragma GCC unroll 8
@@ -195,9 +206,11 @@ body512(float *y, int64_t ldy, const float *x, int64_t ldx, const uint8_t *row, 
 #pragma GCC unroll 2
         for (int j = 0; j < NW; j++) {
             const uint8_t *b = row + j * row_bytes + u * unit_bytes;
+            _mm_prefetch((const char *)(b + PF_ROWS * row_bytes), _MM_HINT_T0);
             if (kind == K_GEN) deq(buf, b, unit / block);
+            const __m512 pre = prep512(kind, b);
             for (int c = 0; c < chunks; c++) {
-                const __m512 v = deq16_512(kind, b, c, buf);
+                const __m512 v = deq16_512(kind, b, c, buf, pre);
 #pragma GCC unroll 8
                 for (int r = 0; r < MM; r++)
                     acc[j][r] = _mm512_fmadd_ps(v, _mm512_loadu_ps(xu + r * ldx + 16 * c), acc[j][r]);
@@ -354,6 +367,7 @@ body256(float *y, int64_t ldy, const float *x, int64_t ldx, const uint8_t *row, 
 #pragma GCC unroll 2
         for (int j = 0; j < NW; j++) {
             const uint8_t *b = row + j * row_bytes + u * unit_bytes;
+            _mm_prefetch((const char *)(b + PF_ROWS * row_bytes), _MM_HINT_T0);
             if (kind == K_GEN) deq(buf, b, unit / block);
             for (int c = 0; c < chunks; c++) {
                 const v16 v = deq16_256(kind, b, c, buf);
@@ -437,7 +451,7 @@ void gt_qdot_rows_(float *y, int64_t ldy, const float *x, int64_t ldx, int m, co
         const int unit = block == 1 ? LANES : block;
         const int64_t units = K / unit, tail = K - units * unit;
         const int64_t unit_bytes = (int64_t)t->block_bytes * (unit / block);
-        float *xt = buf + 256;                        /* GT_QDOT_MAX_M zero-padded tails */
+        float *xt = buf + 256;                        /* the group's zero-padded tails */
         for (int r0 = 0; r0 < m; r0 += gmax) {
             const int g = m - r0 < gmax ? m - r0 : gmax;
             /* two W rows at a time while their accumulators fit in registers */
