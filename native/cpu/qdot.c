@@ -108,6 +108,10 @@ GT_CLONES static void rows_plain(float *y, int64_t ldy, const float *x, int64_t 
  * L2-resident W). Harmless past the end (prefetches do not fault). */
 #define PF_ROWS 8
 
+/* 16-element chunks per unit, a constant for every kind but K_GEN */
+#define CHUNKS(kind, unit)                                                                       \
+    ((kind) == K_F16 || (kind) == K_BF16 ? 1 : (kind) == K_Q6_K ? 16 : (kind) == K_GEN ? (unit) / LANES : 2)
+
 /* ---- AVX-512F --------------------------------------------------------------------- */
 
 #define T512 "avx512f,avx2,fma,f16c"
@@ -117,11 +121,6 @@ static inline __attribute__((always_inline, target("f16c"))) float h16(const uin
     uint16_t h;
     memcpy(&h, p, 2);
     return _cvtsh_ss(h);
-}
-
-static inline __attribute__((always_inline, target(T512))) __m128i nibbles(const uint8_t *p, int hi) {
-    const __m128i b = _mm_loadu_si128((const __m128i *)p);
-    return _mm_and_si128(hi ? _mm_srli_epi16(b, 4) : b, _mm_set1_epi8(0x0f));
 }
 
 /* Q6_K's chunk c (elements 16c .. 16c+15) of a block as integers q - 32, with
@@ -157,7 +156,7 @@ static inline __attribute__((always_inline, target(T512))) __m512 prep512(const 
  * gt_dequantizer_ writes. buf holds the unit for K_GEN, pre what prep512 gave. */
 static inline __attribute__((always_inline, target(T512))) __m512 deq16_512(const int kind, const uint8_t *b,
                                                                             int c, const float *buf,
-                                                                            __m512 pre) {
+                                                                            __m512 pre, __m512i qx) {
     switch (kind) {
     case K_F16: return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)b));
     case K_BF16: {
@@ -168,8 +167,10 @@ static inline __attribute__((always_inline, target(T512))) __m512 deq16_512(cons
         const __m512i q = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 2 + 16 * c)));
         return _mm512_mul_ps(_mm512_cvtepi32_ps(q), pre);
     }
-    case K_Q4_0: return _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(nibbles(b + 2, c)), pre);
-    case K_Q4_1: return _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(nibbles(b + 4, c)), pre);
+    /* qx: the block's 16 bytes as dwords; the permute reads only bits 0..3 of
+     * each index, so the low nibbles need no mask */
+    case K_Q4_0:
+    case K_Q4_1: return _mm512_permutexvar_ps(c ? _mm512_srli_epi32(qx, 4) : qx, pre);
     case K_Q6_K: {
         int is;
         const __m512i q = _mm512_cvtepi8_epi32(q6k_chunk(b, c, &is));
@@ -200,7 +201,7 @@ body512(float *y, int64_t ldy, const float *x, int64_t ldx, const uint8_t *row, 
     for (int j = 0; j < NW; j++)
 #pragma GCC unroll 8
         for (int r = 0; r < MM; r++) acc[j][r] = _mm512_setzero_ps();
-    const int chunks = unit / LANES;
+    const int chunks = CHUNKS(kind, unit);
     for (int64_t u = 0; u < units; u++) {
         const float *xu = x + u * unit;
 #pragma GCC unroll 2
@@ -209,8 +210,11 @@ body512(float *y, int64_t ldy, const float *x, int64_t ldx, const uint8_t *row, 
             _mm_prefetch((const char *)(b + PF_ROWS * row_bytes), _MM_HINT_T0);
             if (kind == K_GEN) deq(buf, b, unit / block);
             const __m512 pre = prep512(kind, b);
+            const __m512i qx = kind == K_Q4_0 || kind == K_Q4_1
+                                   ? _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + (kind == K_Q4_0 ? 2 : 4))))
+                                   : _mm512_setzero_si512();
             for (int c = 0; c < chunks; c++) {
-                const __m512 v = deq16_512(kind, b, c, buf, pre);
+                const __m512 v = deq16_512(kind, b, c, buf, pre, qx);
 #pragma GCC unroll 8
                 for (int r = 0; r < MM; r++)
                     acc[j][r] = _mm512_fmadd_ps(v, _mm512_loadu_ps(xu + r * ldx + 16 * c), acc[j][r]);
@@ -361,7 +365,7 @@ body256(float *y, int64_t ldy, const float *x, int64_t ldx, const uint8_t *row, 
     for (int j = 0; j < NW; j++)
 #pragma GCC unroll 4
         for (int r = 0; r < MM; r++) lo[j][r] = hi[j][r] = _mm256_setzero_ps();
-    const int chunks = unit / LANES;
+    const int chunks = CHUNKS(kind, unit);
     for (int64_t u = 0; u < units; u++) {
         const float *xu = x + u * unit;
 #pragma GCC unroll 2
