@@ -23,6 +23,15 @@
  * (dst is read back only for partial sums this same call wrote, never for what
  * it held before: the kernel still just fills its output.)
  *
+ * Stored weights (gt_matmul_fwd_f32_<w>: src1 a frozen f16, bf16 or ggml-block
+ * weight W or its transpose): the same driver, with the B panel dequantized
+ * while it is packed (pack_b_weight) into exactly the floats and places an f32
+ * B would have, so the chain above, and the bits, are those of
+ * gt_matmul_fwd_f32 on the dequantized matrix; no skinny path (it would read B
+ * in place). Only the panel being packed is ever f32. Exception: x @ W^T with
+ * at most SMALL_M rows (generation) takes the row-dot path of qdot.c, which
+ * reads each W row once, in an order of its own (documented there).
+ *
  * Threading: no shared scratch and no barrier. Many small matrices are split
  * by batch; otherwise each matrix is split along M or N (the longer one, in
  * units of MR or NR; always M on the skinny path, in single rows when there are

@@ -213,6 +213,9 @@ body512(float *y, int64_t ldy, const float *x, int64_t ldx, const uint8_t *row, 
             const __m512i qx = kind == K_Q4_0 || kind == K_Q4_1
                                    ? _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + (kind == K_Q4_0 ? 2 : 4))))
                                    : _mm512_setzero_si512();
+            /* unrolled (chunks is a constant but for K_GEN), so a Q6_K block's
+             * loads and scale conversions are shared between its chunks */
+#pragma GCC unroll 16
             for (int c = 0; c < chunks; c++) {
                 const __m512 v = deq16_512(kind, b, c, buf, pre, qx);
 #pragma GCC unroll 8
@@ -373,6 +376,9 @@ body256(float *y, int64_t ldy, const float *x, int64_t ldx, const uint8_t *row, 
             const uint8_t *b = row + j * row_bytes + u * unit_bytes;
             _mm_prefetch((const char *)(b + PF_ROWS * row_bytes), _MM_HINT_T0);
             if (kind == K_GEN) deq(buf, b, unit / block);
+            /* unrolled (chunks is a constant but for K_GEN), so a Q6_K block's
+             * loads and scale conversions are shared between its chunks */
+#pragma GCC unroll 16
             for (int c = 0; c < chunks; c++) {
                 const v16 v = deq16_256(kind, b, c, buf);
 #pragma GCC unroll 4
