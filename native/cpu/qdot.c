@@ -452,9 +452,7 @@ void gt_qdot_rows_(float *y, int64_t ldy, const float *x, int64_t ldx, int m, co
     float *buf = (float *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);  /* QK_K floats */
 #if defined(__x86_64__)
     const int level = gt_simd_level_();
-    static int f16c = -1;
-    if (f16c < 0) f16c = __builtin_cpu_supports("f16c") ? 1 : 0;
-    if (level >= 1 && f16c) {
+    if (level >= 1 && __builtin_cpu_supports("f16c")) {
         const int kind = kind_of(dtype);
         const rows_fn fn = level >= 2 ? ROWS512[kind] : ROWS256[kind];
         const int gmax = level >= 2 ? 8 : 4;          /* x rows per pass */
