@@ -13,20 +13,41 @@ np.matmul(a, b, out=c) on the very same arrays, so neither side pays Python
 allocation. Best-of-N timing after a warm-up, with ours and numpy measured in
 alternating rounds so that noise from a shared machine hits both alike.
 
+Frozen weights in their stored type (issue 8): for Q4_0, Q4_1, Q8_0, Q6_K and F16
+weights W (R, C) of the fine-tuning shapes, with 512 rows of x, both products
+    x @ W.T   src1 the transposed view of W   (the forward of a linear layer)
+    g @ W     src1 W itself                   (its input gradient)
+it prints gt_matmul_fwd_f32_<w> against gt_matmul_fwd_f32 on the dequantized f32
+matrix in the same layout (measured alternately in the same run), the ratio (target
+>= 0.8) and the fraction of the machine's FP32 peak. The peak is measured, not looked
+up: a small C loop of 12 independent FMA chains on the widest vectors dispatch uses
+(zmm with AVX-512, ymm with AVX2) gives one core's FMA throughput (flops per second,
+so clock and FMA ports are both in it); the peak at n threads is n times that.
+Then the generation products (M = 1, x @ W.T, the row-dot path): GB/s of weight bytes
+read and GFLOP/s, SmolLM2-135M's per-token products (30 blocks of Q4_1 q, k, v, o,
+gate, up, down and the tied Q8_0 output projection 49152 x 576) summed into an upper
+bound on tokens/s, and, when llama-cpp-python and ../shared/data's SmolLM2 file are
+there, llama.cpp's own generation speed on that model for comparison.
+
 Usage (repo root, after `pip install -e .`):
-    python bench/bench_matmul.py [--quick] [--threads 1,2] [--rounds N]
+    python bench/bench_matmul.py [--quick] [--threads 1,2] [--rounds N] [--only f32|weights|gen]
 """
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import pathlib
 import sys
+import tempfile
 import time
 
 import numpy as np
+from cffi import FFI
 
 from ggtrain.core.backend import KernelCall, TensorRef
 from ggtrain.core.backend_cpu import CpuBackend
 from ggtrain.native import lib
+from ggtrain.native.dtypes import dtype
 
 try:
     from threadpoolctl import threadpool_limits
@@ -122,11 +143,218 @@ def bench_line(backend, M, K, N, layout, n_threads, rounds, reps, rng, batch=0):
     return flops / t_ours / 1e9, flops / t_np / 1e9, err
 
 
+# ---- frozen weights in their stored type ---------------------------------------------
+
+WEIGHT_TYPES = ["q4_0", "q4_1", "q8_0", "q6_k", "f16"]
+WEIGHT_SHAPES = [(576, 576), (1536, 576), (576, 1536), (2048, 2048)]   # W (R, C)
+WEIGHT_ROWS = 512
+GEN_SHAPES = [(576, 576), (1536, 576), (576, 1536)]
+GEN_TYPES = ["q4_1", "q4_0", "q8_0", "q6_k", "f16"]
+OUTPUT_PROJ = ("q8_0", 49152, 576)
+SMOLLM2 = pathlib.Path(__file__).resolve().parents[2] / "shared" / "data" / "models" / \
+    "SmolLM2-135M-Instruct.Q4_1.gguf"
+# SmolLM2-135M's matrices per block (R, C): q, k, v, o, gate, up, down
+SMOLLM2_BLOCK = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]
+
+_PEAK_SRC = r"""
+#include <immintrin.h>
+/* distinct starting values and run-time m, c: the 12 chains cannot be merged */
+#define CHAINS(T, SET1, FMA, STORE, W)                                                  \
+    T a0 = SET1(s), a1 = SET1(s + 1), a2 = SET1(s + 2), a3 = SET1(s + 3);               \
+    T a4 = SET1(s + 4), a5 = SET1(s + 5), a6 = SET1(s + 6), a7 = SET1(s + 7);           \
+    T a8 = SET1(s + 8), a9 = SET1(s + 9), a10 = SET1(s + 10), a11 = SET1(s + 11);       \
+    const T m = SET1(mf), c = SET1(cf);                                                 \
+    for (long i = 0; i < n; i++) {                                                      \
+        a0 = FMA(a0, m, c); a1 = FMA(a1, m, c); a2 = FMA(a2, m, c); a3 = FMA(a3, m, c); \
+        a4 = FMA(a4, m, c); a5 = FMA(a5, m, c); a6 = FMA(a6, m, c); a7 = FMA(a7, m, c); \
+        a8 = FMA(a8, m, c); a9 = FMA(a9, m, c); a10 = FMA(a10, m, c); a11 = FMA(a11, m, c); \
+    }                                                                                   \
+    float out[W];                                                                       \
+    STORE(out, a0 + a1 + a2 + a3 + a4 + a5 + a6 + a7 + a8 + a9 + a10 + a11);            \
+    return out[0];
+__attribute__((target("avx512f"))) static float fma512(long n, float s, float mf, float cf) {
+    CHAINS(__m512, _mm512_set1_ps, _mm512_fmadd_ps, _mm512_storeu_ps, 16)
+}
+__attribute__((target("avx2,fma"))) static float fma256(long n, float s, float mf, float cf) {
+    CHAINS(__m256, _mm256_set1_ps, _mm256_fmadd_ps, _mm256_storeu_ps, 8)
+}
+/* 12 chains x lanes x 2 flops per iteration; the sum keeps the loop alive */
+float fma_loop(long n, int wide, float s, float m, float c) {
+    return wide ? fma512(n, s, m, c) : fma256(n, s, m, c);
+}
+"""
+
+
+def measured_peak() -> tuple:
+    """One core's FP32 FMA throughput (GFLOP/s) on the widest vectors dispatch uses,
+    from a C loop built here (gcc, as the extension is), and how it was measured."""
+    feats = lib.gt_cpu_features()
+    if not feats & 1:
+        return float("nan"), "no AVX2/AVX-512: peak not measured"
+    wide = 1 if feats & 2 else 0
+    ffi = FFI()
+    ffi.cdef("float fma_loop(long n, int wide, float s, float m, float c);")
+    ffi.set_source("_ggtrain_bench_peak", _PEAK_SRC, extra_compile_args=["-O2"])
+    tmp = tempfile.mkdtemp(prefix="ggtrain-peak-")
+    so = ffi.compile(tmpdir=tmp, verbose=False)
+    spec = importlib.util.spec_from_file_location("_ggtrain_bench_peak", so)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    n, lanes = 20_000_000, 16 if wide else 8
+    mod.lib.fma_loop(n // 10, wide, 1.0, 0.999999, 1e-7)
+    best = min(_timed(lambda: mod.lib.fma_loop(n, wide, 1.0, 0.999999, 1e-7)) for _ in range(10))
+    gflops = 12 * lanes * 2 * n / best / 1e9
+    how = (f"measured: 12 independent {'zmm' if wide else 'ymm'} FMA chains on one core, "
+           f"{gflops:.1f} GFLOP/s per core (x threads)")
+    return gflops, how
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def _stored_weight(backend, w, R, C, rng):
+    """W (R, C) in type w in a backend buffer, and its dequantization (f32) in another."""
+    from gguf import GGMLQuantizationType, quants
+
+    x = rng.standard_normal((R, C)).astype(np.float32)
+    t = GGMLQuantizationType[w.upper()]
+    if w == "q6_k":   # gguf-py cannot write K-quants: random bytes with sane f16 scales
+        raw = rng.integers(0, 256, (R, C // 256, 210), dtype=np.uint8)
+        raw[:, :, 208:210] = rng.uniform(0.001, 0.01, (R, C // 256, 1)).astype(np.float16).view(np.uint8)
+        raw = raw.reshape(R, -1)
+    else:
+        raw = quants.quantize(x, t)
+    raw = np.ascontiguousarray(raw).view(np.uint8).reshape(-1)
+    deq = quants.dequantize(raw.reshape(R, -1), t).astype(np.float32).reshape(R, C)
+    wbuf = backend.alloc(raw.size)
+    wbuf.bytes[:] = raw
+    fbuf = backend.alloc(R * C * 4)
+    fbuf.view(0, "f32", (R, C))[...] = deq
+    return wbuf, fbuf, raw.size
+
+
+def _weight_calls(backend, w, R, C, M, transposed, rng):
+    """(ours, f32 reference) KernelCalls for x (M, K) @ W.T or g (M, R) @ W, and buffers."""
+    wbuf, fbuf, nbytes = _stored_weight(backend, w, R, C, rng)
+    K, N = (C, R) if transposed else (R, C)
+    view = ((C, R), (1, C)) if transposed else ((R, C), (C, 1))
+    xbuf = backend.alloc(M * K * 4)
+    xbuf.view(0, "f32", (M, K))[...] = rng.standard_normal((M, K), dtype=np.float32)
+    ybuf, rbuf = backend.alloc(M * N * 4), backend.alloc(M * N * 4)
+    xref = TensorRef(xbuf, 0, "f32", (M, K), (K, 1))
+    calls = []
+    for kernel, buf, dt, out in ((f"matmul_fwd_f32_{w}", wbuf, w, ybuf), ("matmul_fwd_f32", fbuf, "f32", rbuf)):
+        call = KernelCall(kernel, TensorRef(out, 0, "f32", (M, N), (N, 1)), (xref, TensorRef(buf, 0, dt, *view)))
+        calls.append(KernelCall(kernel, call.dst, call.srcs, work_bytes=backend.kernel_sizes(call)[1]))
+    outs = (ybuf.view(0, "f32", (M, N)), rbuf.view(0, "f32", (M, N)))
+    return calls, outs, nbytes, (wbuf, fbuf, xbuf, ybuf, rbuf)
+
+
+def _alternate(backend, plans, n_threads, rounds, reps):
+    """Best time of each plan, measured in alternating rounds."""
+    best = [float("inf")] * len(plans)
+    for p in plans:
+        backend.run(p, n_threads)
+    for _ in range(rounds):
+        for i, p in enumerate(plans):
+            time.sleep(_POOL_SPIN_S)
+            best[i] = min(best[i], _best(lambda: backend.run(p, n_threads), reps))  # noqa: B023
+    return best
+
+
+def bench_weights(backend, threads, rounds, reps, rng, peak) -> None:
+    print(f"\nfrozen weights: gt_matmul_fwd_f32_<w> vs gt_matmul_fwd_f32 on the dequantized matrix, "
+          f"M = {WEIGHT_ROWS} rows of x; peak = measured FMA throughput x threads")
+    print(f"{'weight':<7} {'W (R x C)':<11} {'product':<7} {'thr':>3} {'ours GF/s':>10} {'f32 GF/s':>9} "
+          f"{'ratio':>6} {'%peak':>6} {'same bits':>9}")
+    worst = float("inf")
+    for w in WEIGHT_TYPES:
+        for R, C in WEIGHT_SHAPES:
+            if C % dtype(w).block:
+                print(f"{w:<7} {f'{R}x{C}':<11} (C = {C} is not whole {dtype(w).block}-element blocks)")
+                continue
+            for transposed in (True, False):
+                calls, (ours, ref), _, _keep = _weight_calls(backend, w, R, C, WEIGHT_ROWS, transposed, rng)
+                for nt in threads:
+                    plans = [backend.compile([c], nt) for c in calls]
+                    t_ours, t_f32 = _alternate(backend, plans, nt, rounds, reps)
+                    same = np.array_equal(ours, ref)
+                    flops = 2.0 * WEIGHT_ROWS * R * C
+                    g_ours, g_f32 = flops / t_ours / 1e9, flops / t_f32 / 1e9
+                    worst = min(worst, g_ours / g_f32)
+                    flag = "" if g_ours / g_f32 >= 0.8 else "  <0.8"
+                    print(f"{w:<7} {f'{R}x{C}':<11} {'x@W.T' if transposed else 'g@W':<7} {nt:>3} "
+                          f"{g_ours:>10.1f} {g_f32:>9.1f} {g_ours / g_f32:>6.2f} "
+                          f"{100 * g_ours / (peak * nt):>5.0f}% {'yes' if same else 'NO':>9}{flag}", flush=True)
+    print(f"worst ratio stored weight / f32: {worst:.2f}")
+
+
+def _gen_plan(backend, w, R, C, nt, rng):
+    calls, _, nbytes, keep = _weight_calls(backend, w, R, C, 1, True, rng)
+    return [backend.compile([c], nt) for c in calls], nbytes, keep
+
+
+def bench_generation(backend, threads, rounds, reps, rng) -> None:
+    print("\ngeneration: x (1, C) @ W.T, the row-dot path; f32 = gt_matmul_fwd_f32 on the dequantized W")
+    print(f"{'weight':<7} {'W (R x C)':<12} {'thr':>3} {'us':>8} {'GB/s of W':>10} {'GF/s':>7} {'f32 us':>8}")
+    lines = [(w, R, C) for w in GEN_TYPES for R, C in GEN_SHAPES if C % dtype(w).block == 0] + [OUTPUT_PROJ]
+    for w, R, C in lines:
+        for nt in threads:
+            plans, nbytes, _keep = _gen_plan(backend, w, R, C, nt, rng)
+            r = max(1, reps * (4 if R * C < 10**6 else 1))
+            t_ours, t_f32 = _alternate(backend, plans, nt, rounds, r)
+            print(f"{w:<7} {f'{R}x{C}':<12} {nt:>3} {t_ours * 1e6:>8.1f} {nbytes / t_ours / 1e9:>10.1f} "
+                  f"{2.0 * R * C / t_ours / 1e9:>7.1f} {t_f32 * 1e6:>8.1f}", flush=True)
+    # SmolLM2-135M, one token: 30 blocks of Q4_1 products and the tied Q8_0 output projection
+    for nt in threads:
+        total = 0.0
+        for R, C in SMOLLM2_BLOCK:
+            plans, _, _keep = _gen_plan(backend, "q4_1", R, C, nt, rng)
+            total += 30 * _alternate(backend, plans[:1], nt, rounds, reps * 4)[0]
+        plans, _, _keep = _gen_plan(backend, *OUTPUT_PROJ, nt, rng)
+        total += _alternate(backend, plans[:1], nt, rounds, reps)[0]
+        ref = _llama_cpp_tokens_per_s(nt)
+        ref_s = f"; llama.cpp on the real file: {ref:.0f} tokens/s (ours/llama.cpp {1 / total / ref:.2f})" \
+            if ref else f"; llama.cpp: {_LLAMA_SKIP}"
+        print(f"SmolLM2-135M per token, products only, {nt} thr: {total * 1e3:.2f} ms = at most "
+              f"{1 / total:.0f} tokens/s{ref_s}", flush=True)
+
+
+_LLAMA_SKIP = "not measured (needs `pip install -e '.[interop]'` and ../shared/data/models)"
+
+
+def _llama_cpp_tokens_per_s(n_threads: int) -> float | None:
+    """llama.cpp's generation speed (eval tokens/s, prompt excluded) on SmolLM2-135M Q4_1."""
+    try:
+        import llama_cpp
+    except ImportError:
+        return None
+    if not SMOLLM2.is_file():
+        return None
+    llm = llama_cpp.Llama(model_path=str(SMOLLM2), n_threads=n_threads, n_ctx=256, verbose=False)
+    prompt = llm.tokenize(b"The capital of France is")
+    best = 0.0
+    for _ in range(3):
+        llm.reset()
+        llm.eval(prompt)
+        n, t0 = 64, time.perf_counter()
+        for _ in range(n):
+            tok = llm.sample(temp=0.0)
+            llm.eval([tok])
+        best = max(best, n / (time.perf_counter() - t0))
+    return best
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="fewer rounds (about 10 s)")
+    ap.add_argument("--quick", action="store_true", help="fewer rounds")
     ap.add_argument("--threads", default="1,2", help="thread counts, comma separated")
     ap.add_argument("--rounds", type=int, default=None, help="interleaved rounds per line")
+    ap.add_argument("--only", choices=["f32", "weights", "gen"], default=None,
+                    help="run one part: the f32 lines, the stored-weight lines or the generation lines")
     args = ap.parse_args()
     threads = [int(t) for t in args.threads.split(",")]
     rounds = args.rounds or (3 if args.quick else 8)
@@ -136,6 +364,14 @@ def main() -> None:
     feats = lib.gt_cpu_features()
     level = "avx512" if feats & 2 else "avx2" if feats & 1 else "scalar"
     blas = "threadpoolctl"
+    if args.only in ("weights", "gen"):
+        peak, how = measured_peak()
+        print(f"ggtrain ({level}); FP32 peak {how}; best of {rounds}x{reps}")
+        if args.only == "weights":
+            bench_weights(backend, threads, rounds, reps, rng, peak)
+        else:
+            bench_generation(backend, threads, rounds, reps, rng)
+        return
     print(f"matmul f32, ggtrain ({level}) vs numpy {np.__version__} (BLAS threads via {blas}); "
           f"best of {rounds}x{reps}")
     print(f"{'shape MxK.KxN':<18} {'layout':<6} {'thr':>3} {'ours GF/s':>10} {'numpy GF/s':>11} "
@@ -163,6 +399,12 @@ def main() -> None:
             print(f"{f'{M}x{K}.{K}x{N}':<18} {layout:<6} {nt:>3} {ours:>10.1f} {ref:>11.1f} "
                   f"{ours / ref:>6.2f} {err:>8.1e}  (extra: {ms / ours:.2f} ms vs {ms / ref:.2f} ms)",
                   flush=True)
+    if args.only == "f32":
+        return
+    peak, how = measured_peak()
+    print(f"\nFP32 peak: {how}")
+    bench_weights(backend, threads, rounds, reps, rng, peak)
+    bench_generation(backend, threads, rounds, reps, rng)
 
 
 if __name__ == "__main__":

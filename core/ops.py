@@ -401,8 +401,8 @@ def _weight_suffix(w: Tensor) -> str:
     return "f32" if w.dtype == "f32" else f"f32_{w.dtype}"
 
 
-# matmul and get_rows variants: f32 (TODO(#8): a weight in each stored type)
-_WEIGHT_VARIANTS = ("f32",)
+# matmul and get_rows variants: f32, and f32 activations with a weight in each stored type
+_WEIGHT_VARIANTS = ("f32",) + tuple(f"f32_{w}" for w in WEIGHT_TYPES if w != "f32")
 
 
 def _matmul_bwd(y, g):

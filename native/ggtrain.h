@@ -184,6 +184,60 @@ int gt_repeat_bwd_f32_sizes(const struct gt_node *node, int64_t *scratch, int64_
 int gt_matmul_fwd_f32(const struct gt_node *node, const gt_ctx *ctx);
 int gt_matmul_fwd_f32_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
 
+/* Matrix product and get_rows with a frozen weight in its stored type, one
+ * kernel per type <w> in f16, bf16, q4_0, q4_1, q5_0, q5_1, q8_0, q2_k, q3_k,
+ * q4_k, q5_k, q6_k (the dtype table's DEQUANTIZE types but f32). W (R, C) is a
+ * stored matrix: R contiguous rows of C / block blocks (C a multiple of the block).
+ * matmul_fwd_f32_<w>: dst (..., M, N) f32 = src0 (..., M, K) f32 (as in
+ *   gt_matmul_fwd_f32) @ src1, a view of W: W^T (shape (C, R), strides (1, C):
+ *   y = x @ W^T, K = C) or W itself (shape (R, C), strides (C, 1): dx = g @ W,
+ *   K = R); strides count elements as if W were unpacked. Other layouts are
+ *   GT_ERR_INVALID. The packed GEMM dequantizes W a panel at a time while packing
+ *   (never all of it), so dst is bit-identical to gt_matmul_fwd_f32 on the
+ *   dequantized matrix in the same view. For W^T and M (batch folded) <= 32 a
+ *   row-dot path reads each W row once (see qdot.c): a different, fixed
+ *   summation order, the same at every SIMD level and thread count.
+ *   wdata: gt_matmul_fwd_f32_<w>_sizes (pack buffers and dequantization scratch).
+ * get_rows_fwd_f32_<w>: dst (N..., C) f32 = the rows of W (V, C) (whole, strides
+ *   (C, 1)) at src1 idx (N...) i32, dequantized; an index outside [0, V) is
+ *   GT_ERR_INVALID. */
+int gt_matmul_fwd_f32_f16(const struct gt_node *node, const gt_ctx *ctx);
+int gt_matmul_fwd_f32_bf16(const struct gt_node *node, const gt_ctx *ctx);
+int gt_matmul_fwd_f32_q4_0(const struct gt_node *node, const gt_ctx *ctx);
+int gt_matmul_fwd_f32_q4_1(const struct gt_node *node, const gt_ctx *ctx);
+int gt_matmul_fwd_f32_q5_0(const struct gt_node *node, const gt_ctx *ctx);
+int gt_matmul_fwd_f32_q5_1(const struct gt_node *node, const gt_ctx *ctx);
+int gt_matmul_fwd_f32_q8_0(const struct gt_node *node, const gt_ctx *ctx);
+int gt_matmul_fwd_f32_q2_k(const struct gt_node *node, const gt_ctx *ctx);
+int gt_matmul_fwd_f32_q3_k(const struct gt_node *node, const gt_ctx *ctx);
+int gt_matmul_fwd_f32_q4_k(const struct gt_node *node, const gt_ctx *ctx);
+int gt_matmul_fwd_f32_q5_k(const struct gt_node *node, const gt_ctx *ctx);
+int gt_matmul_fwd_f32_q6_k(const struct gt_node *node, const gt_ctx *ctx);
+int gt_matmul_fwd_f32_f16_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
+int gt_matmul_fwd_f32_bf16_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
+int gt_matmul_fwd_f32_q4_0_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
+int gt_matmul_fwd_f32_q4_1_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
+int gt_matmul_fwd_f32_q5_0_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
+int gt_matmul_fwd_f32_q5_1_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
+int gt_matmul_fwd_f32_q8_0_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
+int gt_matmul_fwd_f32_q2_k_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
+int gt_matmul_fwd_f32_q3_k_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
+int gt_matmul_fwd_f32_q4_k_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
+int gt_matmul_fwd_f32_q5_k_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
+int gt_matmul_fwd_f32_q6_k_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
+int gt_get_rows_fwd_f32_f16(const struct gt_node *node, const gt_ctx *ctx);
+int gt_get_rows_fwd_f32_bf16(const struct gt_node *node, const gt_ctx *ctx);
+int gt_get_rows_fwd_f32_q4_0(const struct gt_node *node, const gt_ctx *ctx);
+int gt_get_rows_fwd_f32_q4_1(const struct gt_node *node, const gt_ctx *ctx);
+int gt_get_rows_fwd_f32_q5_0(const struct gt_node *node, const gt_ctx *ctx);
+int gt_get_rows_fwd_f32_q5_1(const struct gt_node *node, const gt_ctx *ctx);
+int gt_get_rows_fwd_f32_q8_0(const struct gt_node *node, const gt_ctx *ctx);
+int gt_get_rows_fwd_f32_q2_k(const struct gt_node *node, const gt_ctx *ctx);
+int gt_get_rows_fwd_f32_q3_k(const struct gt_node *node, const gt_ctx *ctx);
+int gt_get_rows_fwd_f32_q4_k(const struct gt_node *node, const gt_ctx *ctx);
+int gt_get_rows_fwd_f32_q5_k(const struct gt_node *node, const gt_ctx *ctx);
+int gt_get_rows_fwd_f32_q6_k(const struct gt_node *node, const gt_ctx *ctx);
+
 /* rms_norm: dst = src / sqrt(mean(src^2, last dim) + fp[0]); src contiguous.
  * rms_norm_bwd: src0 = x, src1 = g, dst = dx (eps fp[0]); no weight (the weight
  * multiply is a separate broadcast mul). All contiguous, same shape. */

@@ -128,6 +128,23 @@ const gt_dtype_traits *gt_dtype_find_(int32_t id);
  * for a type without a dequantizer (quant.c). */
 typedef void (*gt_dequant_fn)(float *y, const uint8_t *b, int64_t nb);
 gt_dequant_fn gt_dequantizer_(int32_t dtype);
+/* The types a frozen weight may be stored in besides f32 (the dtype table's
+ * DEQUANTIZE types): X(name, id) for each, to define one kernel per type. */
+#define GT_WEIGHT_TYPES(X)                                                                    \
+    X(f16, GT_F16) X(bf16, GT_BF16) X(q4_0, GT_Q4_0) X(q4_1, GT_Q4_1) X(q5_0, GT_Q5_0)         \
+    X(q5_1, GT_Q5_1) X(q8_0, GT_Q8_0) X(q2_k, GT_Q2_K) X(q3_k, GT_Q3_K) X(q4_k, GT_Q4_K)      \
+    X(q5_k, GT_Q5_K) X(q6_k, GT_Q6_K)
+
+/* y[r * ldy + n] = sum over k < K of x[r * ldx + k] * W[n, k] for r < m and n in
+ * [n0, n1): a few rows of x times rows of a stored weight W of type dtype (not
+ * f32), row n at w + n * row_bytes (qdot.c; its top comment gives the summation
+ * order). m <= GT_QDOT_MAX_M; K a whole number of blocks; scratch: 64-byte
+ * alignable room for GT_QDOT_SCRATCH_FLOATS floats. */
+#define GT_QDOT_MAX_M 32
+#define GT_QDOT_SCRATCH_FLOATS 512
+void gt_qdot_rows_(float *y, int64_t ldy, const float *x, int64_t ldx, int m, const uint8_t *w,
+                   int64_t row_bytes, int32_t dtype, int64_t K, int64_t n0, int64_t n1, float *scratch);
+
 #define GT_CHECK_F32(t, op, what) do { int rc_ = gt_check_f32_((t), (op), (what)); if (rc_) return rc_; } while (0)
 
 float gt_f16_to_f32_1(uint16_t h);

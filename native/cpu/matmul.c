@@ -23,6 +23,15 @@
  * (dst is read back only for partial sums this same call wrote, never for what
  * it held before: the kernel still just fills its output.)
  *
+ * Stored weights (gt_matmul_fwd_f32_<w>: src1 a frozen f16, bf16 or ggml-block
+ * weight W or its transpose): the same driver, with the B panel dequantized
+ * while it is packed (pack_b_weight) into exactly the floats and places an f32
+ * B would have, so the chain above, and the bits, are those of
+ * gt_matmul_fwd_f32 on the dequantized matrix; no skinny path (it would read B
+ * in place). Only the panel being packed is ever f32. Exception: x @ W^T with
+ * at most SMALL_M rows (generation) takes the row-dot path of qdot.c, which
+ * reads each W row once, in an order of its own (documented there).
+ *
  * Threading: no shared scratch and no barrier. Many small matrices are split
  * by batch; otherwise each matrix is split along M or N (the longer one, in
  * units of MR or NR; always M on the skinny path, in single rows when there are
@@ -584,10 +593,67 @@ typedef struct operand {
     int64_t rs, cs;  /* strides of the last two dims, one of them 1 */
 } operand;
 
+/* ---- B from a stored weight (f16, bf16, ggml blocks): dequantized while packing ---- */
+
+/* A frozen weight W (R, C) of a block type (or f16/bf16: blocks of 1), stored
+ * as R contiguous rows of C / block blocks, used as B = W^T (trans: K = C,
+ * N = R) or B = W (K = R, N = C). tmp: this thread's dequantization scratch,
+ * WTMP_FLOATS floats. */
+typedef struct wsource {
+    const uint8_t *p;
+    int64_t row_bytes;       /* bytes of one row of W */
+    int block, block_bytes;
+    int trans;
+    gt_dequant_fn deq;
+    float *tmp;
+} wsource;
+
+/* The largest block is 256 (K-quants); KC and NC are multiples of it. */
+#define QBLOCK_MAX 256
+#define WTMP_FLOATS ((int64_t)NR_MAX * KC > NC + 2 * QBLOCK_MAX ? (int64_t)NR_MAX * KC : NC + 2 * QBLOCK_MAX)
+
+/* Pack the KC x NC panel B[pc:pc+kc, jc:jc+nc] of a stored weight in the
+ * layout im->pack_b gives an f32 B (so the micro-kernels see the same floats
+ * in the same places as for gt_matmul_fwd_f32 on the dequantized matrix).
+ * B = W^T: B's lines (columns) are rows of W, contiguous along k, and the
+ *   slice [pc, pc + kc) of a row is whole blocks (KC is a multiple of every
+ *   block size and K of the block): dequantize the panel's nr rows into tmp
+ *   (nr x kc, row-major), then pack them as an f32 W^T would be.
+ * B = W: each k is a row of W and the panel its columns [jc, jc + nc), which
+ *   need not start or end on a block (thread splits are in units of nr):
+ *   dequantize the blocks enclosing them into tmp and scatter the part needed
+ *   into nr-wide panels, as pack_cols does. */
+static void pack_b_weight(const impl *im, const wsource *W, float *restrict bp, int64_t pc, int64_t kc,
+                          int64_t jc, int64_t nc) {
+    const int w = im->nr, qb = W->block;
+    if (W->trans) {
+        const uint8_t *col = W->p + pc / qb * W->block_bytes;
+        for (int64_t j0 = 0; j0 < nc; j0 += w) {
+            const int lines = nc - j0 < w ? (int)(nc - j0) : w;
+            for (int i = 0; i < lines; i++) W->deq(W->tmp + i * kc, col + (jc + j0 + i) * W->row_bytes, kc / qb);
+            im->pack_b(bp + j0 * kc, W->tmp, kc, 1, lines, kc);
+        }
+        return;
+    }
+    const int64_t b0 = jc / qb, b1 = (jc + nc + qb - 1) / qb, skip = jc - b0 * qb;
+    const int64_t full = nc / w, rest = nc - full * w, pstride = (int64_t)w * kc;
+    for (int64_t k = 0; k < kc; k++) {
+        W->deq(W->tmp, W->p + (pc + k) * W->row_bytes + b0 * W->block_bytes, b1 - b0);
+        const float *s = W->tmp + skip;
+        float *d = bp + k * w;
+        for (int64_t p = 0; p < full; p++, s += w, d += pstride) memcpy(d, s, (size_t)w * sizeof(float));
+        if (rest) {
+            for (int i = 0; i < rest; i++) d[i] = s[i];
+            for (int i = (int)rest; i < w; i++) d[i] = 0.0f;
+        }
+    }
+}
+
 /* C[m0:m1, n0:n1] (row stride ldc) = A[m0:m1, :K] @ B[:K, n0:n1]. m0 is a
- * multiple of mr and n0 of nr (thread splits), K > 0. */
+ * multiple of mr and n0 of nr (thread splits), K > 0. B is the f32 operand B,
+ * or, when W is not NULL, the stored weight W describes (B.p unused). */
 static void gemm(const impl *im, int64_t m0, int64_t m1, int64_t n0, int64_t n1, int64_t K,
-                 operand A, operand B, float *C, int64_t ldc, float *ap, float *bp) {
+                 operand A, operand B, const wsource *W, float *C, int64_t ldc, float *ap, float *bp) {
     const int mr = im->mr, nr = im->nr;
     _Alignas(ALIGN) float tile[MR_MAX * NR_MAX];
     for (int64_t jc = n0; jc < n1; jc += NC) {
@@ -595,7 +661,8 @@ static void gemm(const impl *im, int64_t m0, int64_t m1, int64_t n0, int64_t n1,
         for (int64_t pc = 0; pc < K; pc += KC) {
             const int64_t kc = K - pc < KC ? K - pc : KC;
             const int acc = pc > 0;
-            im->pack_b(bp, B.p + pc * B.rs + jc * B.cs, B.cs, B.rs, nc, kc);
+            if (W) pack_b_weight(im, W, bp, pc, kc, jc, nc);
+            else im->pack_b(bp, B.p + pc * B.rs + jc * B.cs, B.cs, B.rs, nc, kc);
             for (int64_t ic = m0; ic < m1; ic += MC) {
                 const int64_t mc = m1 - ic < MC ? m1 - ic : MC;
                 im->pack_a(ap, A.p + ic * A.rs + pc * A.cs, A.rs, A.cs, mc, kc);
@@ -660,6 +727,90 @@ static operand last2(const gt_tensor *t) {
     return o;
 }
 
+/* ---- stored weights ---------------------------------------------------------------- */
+
+/* Rows of x up to which x @ W^T with a stored W takes the row-dot path
+ * (gt_qdot_rows_) instead of the packed GEMM; threads split W's rows in units
+ * of SMALL_N_UNIT. Measured (AVX-512, one thread; Q4_1 1536x576, Q8_0 576x576
+ * and 49152x576; M = 1 .. 48): the row-dot path ran at 70-76 GFLOP/s from
+ * M = 8 on, the packed one at 33-70 up to M = 48 (it dequantizes and
+ * transposes all of W for those few rows), and 7x slower at M = 1. */
+#define SMALL_M GT_QDOT_MAX_M
+#define SMALL_N_UNIT 16
+
+/* Work bytes per thread with a stored weight: the pack buffers plus the
+ * dequantization scratch (packed path), or a contiguous copy of up to SMALL_M
+ * rows of x plus the row-dot scratch (row-dot path), whichever is larger. */
+static int64_t weight_work_size(int64_t K) {
+    const int64_t packed = A_FLOATS + B_FLOATS + WTMP_FLOATS;
+    const int64_t rows = SMALL_M * (K > 0 ? K : 0) + ALIGN / 4 + GT_QDOT_SCRATCH_FLOATS;
+    return (packed > rows ? packed : rows) * (int64_t)sizeof(float) + ALIGN;
+}
+
+static int matmul_weight_sizes(const gt_node *node, int64_t *scratch, int64_t *work, int32_t wtype) {
+    (void)wtype;
+    const gt_tensor *a = &node->src[0];
+    *scratch = 0;
+    *work = weight_work_size(a->ndim >= 1 ? a->shape[a->ndim - 1] : 0);
+    return GT_OK;
+}
+
+/* src1 = a stored weight W (R, C) of type wtype, whole, as the view W^T
+ * (shape (C, R), strides (1, C)) or W (shape (R, C), strides (C, 1)); fills ws. */
+static int check_weight(const gt_tensor *b, int32_t wtype, wsource *ws) {
+    const gt_dtype_traits *t = gt_dtype_find_(wtype), *bt = gt_dtype_find_(b->dtype);
+    if (b->dtype != wtype)
+        return GT_FAIL(GT_ERR_DTYPE, "matmul: expected src1 (the weight) of dtype %s, got %s", t->name,
+                       bt ? bt->name : "an unknown dtype");
+    if (!b->data) return GT_FAIL(GT_ERR_INVALID, "matmul: src1 has no data pointer");
+    if (b->ndim != 2)
+        return GT_FAIL(GT_ERR_INVALID, "matmul: a %s src1 must be a 2-D stored weight or its transpose, "
+                       "got %d dims", t->name, b->ndim);
+    const int64_t K = b->shape[0], N = b->shape[1], s0 = b->strides[0], s1 = b->strides[1];
+    const int qb = t->block;
+    /* a stride of a size-1 dim is never stepped; where both views fit (N == 1 or
+     * K == 1 with f16/bf16: the same bytes either way) take W itself */
+    const int plain = (N == 1 || s1 == 1) && (K == 1 || s0 == N) && N % qb == 0;
+    const int trans = !plain && (K == 1 || s0 == 1) && (N == 1 || s1 == K) && K % qb == 0;
+    if (!trans && !plain) {
+        if ((K == 1 || s0 == 1) && (N == 1 || s1 == K))
+            return GT_FAIL(GT_ERR_SHAPE, "matmul: a transposed %s src1 (K, N) = (%lld, %lld) needs K, the "
+                           "stored rows' length, to be a multiple of its %d-element blocks", t->name,
+                           (long long)K, (long long)N, qb);
+        if ((N == 1 || s1 == 1) && (K == 1 || s0 == N))
+            return GT_FAIL(GT_ERR_SHAPE, "matmul: a %s src1 (K, N) = (%lld, %lld) needs N, the stored rows' "
+                           "length, to be a multiple of its %d-element blocks", t->name, (long long)K,
+                           (long long)N, qb);
+        return GT_FAIL(GT_ERR_INVALID, "matmul: a %s src1 must be a whole stored matrix W (R, C) with "
+                       "strides (C, 1) or its transpose with strides (1, C); got shape (%lld, %lld) "
+                       "strides (%lld, %lld)", t->name, (long long)K, (long long)N, (long long)s0,
+                       (long long)s1);
+    }
+    ws->p = b->data;
+    ws->trans = trans;
+    ws->block = qb;
+    ws->block_bytes = t->block_bytes;
+    ws->row_bytes = (trans ? K : N) / qb * t->block_bytes;
+    ws->deq = gt_dequantizer_(wtype);
+    ws->tmp = NULL;
+    return GT_OK;
+}
+
+/* C[:M, n0:n1] (row stride ldc) = x (M, K; strides of A) @ W^T[:, n0:n1] by row
+ * dots, M <= SMALL_M. x rows not contiguous along k are copied into scratch. */
+static void small_m(float *C, int64_t ldc, const float *x, operand A, int64_t M, int64_t K, int32_t dtype,
+                    const wsource *W, int64_t n0, int64_t n1, float *scratch) {
+    int64_t ldx = A.rs;
+    if (A.cs != 1) {
+        for (int64_t r = 0; r < M; r++)
+            for (int64_t k = 0; k < K; k++) scratch[r * K + k] = x[r * A.rs + k * A.cs];
+        x = scratch;
+        ldx = K;
+        scratch += M * K;
+    }
+    gt_qdot_rows_(C, ldc, x, ldx, (int)M, W->p, W->row_bytes, dtype, K, n0, n1, scratch);
+}
+
 /* Matrix product, f32: dst (..., M, N) = src0 (..., M, K) @ src1 (..., K, N).
  * dst contiguous; src0 and src1 any strides as long as, in each, the last or
  * the last-but-one dim has stride 1 (transposed views need no copy). Batch dims
@@ -667,12 +818,14 @@ static operand last2(const gt_tensor *t) {
  * is reused. K = 0 gives zeros. Exact per-element FMA chain over k in order
  * (see the top of the file), so results do not depend on the thread count.
  * wdata: gt_matmul_fwd_f32_sizes' work bytes per thread. */
-int gt_matmul_fwd_f32(const gt_node *node, const gt_ctx *ctx) {
+static int matmul(const gt_node *node, const gt_ctx *ctx, int32_t wtype) {
     const gt_tensor *d = &node->dst, *a = &node->src[0], *b = &node->src[1];
     if (node->n_src != 2) return GT_FAIL(GT_ERR_INVALID, "matmul: expected 2 inputs, got %d", node->n_src);
     GT_CHECK_F32(d, "matmul", "dst");
     GT_CHECK_F32(a, "matmul", "src0");
-    GT_CHECK_F32(b, "matmul", "src1");
+    wsource ws, *W = NULL;
+    if (wtype == GT_F32) GT_CHECK_F32(b, "matmul", "src1");
+    else GT_TRY(check_weight(b, wtype, &ws));
     if (a->ndim < 2 || b->ndim < 2 || d->ndim < 2)
         return GT_FAIL(GT_ERR_SHAPE, "matmul: expected inputs and output with at least 2 dims, got "
                        "src0 %d, src1 %d, dst %d", a->ndim, b->ndim, d->ndim);
@@ -725,12 +878,16 @@ int gt_matmul_fwd_f32(const gt_node *node, const gt_ctx *ctx) {
     if (B.rs != 1 && B.cs != 1)
         return GT_FAIL(GT_ERR_INVALID, "matmul: src1 must have row or column stride 1, got strides "
                        "(%lld, %lld)", (long long)B.rs, (long long)B.cs);
-    const int64_t need = work_size();
+    const int64_t need = wtype == GT_F32 ? work_size() : weight_work_size(K);
     if (!ctx->wdata || ctx->wsize < need)
         return GT_FAIL(GT_ERR_INVALID, "matmul: needs %lld bytes of per-thread scratch, got %lld",
                        (long long)need, (long long)(ctx->wdata ? ctx->wsize : 0));
     float *ap = (float *)(((uintptr_t)ctx->wdata + ALIGN - 1) & ~(uintptr_t)(ALIGN - 1));
     float *bp = ap + A_FLOATS;
+    if (wtype != GT_F32) {
+        W = &ws;
+        ws.tmp = bp + B_FLOATS;
+    }
 
     /* Fold the batch into M when B is the same for every batch and A's batch
      * rows continue its row stride (e.g. (B, T, C) @ (C, N)). */
@@ -748,8 +905,27 @@ int gt_matmul_fwd_f32(const gt_node *node, const gt_ctx *ctx) {
         }
     }
 
-    /* the skinny kernels when N is narrow enough, else the packed ones */
-    const skimpl *sk = pick_skinny(N);
+    /* a few rows times a transposed stored weight: the row-dot path */
+    if (W && W->trans && Mx <= SMALL_M) {
+        int64_t lo, hi;
+        gt_split((N + SMALL_N_UNIT - 1) / SMALL_N_UNIT, ctx, &lo, &hi);
+        lo *= SMALL_N_UNIT;
+        hi = hi * SMALL_N_UNIT < N ? hi * SMALL_N_UNIT : N;
+        if (lo >= hi) return GT_OK;
+        for (int64_t t = 0; t < nbatch; t++) {
+            const float *x = A.p;
+            int64_t rem = t;
+            for (int i = nb - 1; i >= 0; i--) {
+                x += rem % d->shape[i] * sa[i];
+                rem /= d->shape[i];
+            }
+            small_m(C + t * Mx * N, N, x, A, Mx, K, b->dtype, W, lo, hi, ap);
+        }
+        return GT_OK;
+    }
+
+    /* the skinny kernels when N is narrow enough (f32 only), else the packed ones */
+    const skimpl *sk = W ? NULL : pick_skinny(N);
     const impl *im = sk ? NULL : pick_impl(Mx, N);
     const int64_t mn = Mx * N;
     /* This thread's share: whole matrices when there are enough of them, else
@@ -782,7 +958,20 @@ int gt_matmul_fwd_f32(const gt_node *node, const gt_ctx *ctx) {
             Bt.p += idx * sb[i];
         }
         if (sk) gemm_skinny(sk, m0, m1, N, K, At, Bt, C + t * mn, N, bp);
-        else gemm(im, m0, m1, n0, n1, K, At, Bt, C + t * mn, N, ap, bp);
+        else gemm(im, m0, m1, n0, n1, K, At, Bt, W, C + t * mn, N, ap, bp);
     }
     return GT_OK;
 }
+
+int gt_matmul_fwd_f32(const gt_node *node, const gt_ctx *ctx) { return matmul(node, ctx, GT_F32); }
+
+/* gt_matmul_fwd_f32_<w> for every stored weight type: the same kernel, with a
+ * weight type to check src1 against and dequantize it from. */
+#define MATMUL_WEIGHT(w, ID)                                                                   \
+    int gt_matmul_fwd_f32_##w(const gt_node *node, const gt_ctx *ctx) {                        \
+        return matmul(node, ctx, ID);                                                          \
+    }                                                                                          \
+    int gt_matmul_fwd_f32_##w##_sizes(const gt_node *node, int64_t *scratch, int64_t *work) {  \
+        return matmul_weight_sizes(node, scratch, work, ID);                                   \
+    }
+GT_WEIGHT_TYPES(MATMUL_WEIGHT)

@@ -25,6 +25,11 @@
 #include <math.h>
 
 #include "internal.h"
+#include "simd.h"
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 #define QK 32
 #define QK_K 256
@@ -37,7 +42,7 @@ static inline uint32_t u32_at(const uint8_t *p) {
     return (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16) | ((uint32_t)p[3] << 24);
 }
 
-static void dequant_q4_0(float *y, const uint8_t *b, int64_t nb) {
+GT_CLONES static void dequant_q4_0(float *y, const uint8_t *b, int64_t nb) {
     for (int64_t i = 0; i < nb; i++, b += 18, y += QK) {
         const float d = half_at(b);
         const uint8_t *qs = b + 2;
@@ -48,7 +53,7 @@ static void dequant_q4_0(float *y, const uint8_t *b, int64_t nb) {
     }
 }
 
-static void dequant_q4_1(float *y, const uint8_t *b, int64_t nb) {
+GT_CLONES static void dequant_q4_1(float *y, const uint8_t *b, int64_t nb) {
     for (int64_t i = 0; i < nb; i++, b += 20, y += QK) {
         const float d = half_at(b), m = half_at(b + 2);
         const uint8_t *qs = b + 4;
@@ -59,7 +64,7 @@ static void dequant_q4_1(float *y, const uint8_t *b, int64_t nb) {
     }
 }
 
-static void dequant_q5_0(float *y, const uint8_t *b, int64_t nb) {
+GT_CLONES static void dequant_q5_0(float *y, const uint8_t *b, int64_t nb) {
     for (int64_t i = 0; i < nb; i++, b += 22, y += QK) {
         const float d = half_at(b);
         const uint32_t qh = u32_at(b + 2);
@@ -72,7 +77,7 @@ static void dequant_q5_0(float *y, const uint8_t *b, int64_t nb) {
     }
 }
 
-static void dequant_q5_1(float *y, const uint8_t *b, int64_t nb) {
+GT_CLONES static void dequant_q5_1(float *y, const uint8_t *b, int64_t nb) {
     for (int64_t i = 0; i < nb; i++, b += 24, y += QK) {
         const float d = half_at(b), m = half_at(b + 2);
         const uint32_t qh = u32_at(b + 4);
@@ -85,7 +90,7 @@ static void dequant_q5_1(float *y, const uint8_t *b, int64_t nb) {
     }
 }
 
-static void dequant_q8_0(float *y, const uint8_t *b, int64_t nb) {
+GT_CLONES static void dequant_q8_0(float *y, const uint8_t *b, int64_t nb) {
     for (int64_t i = 0; i < nb; i++, b += 34, y += QK) {
         const float d = half_at(b);
         const int8_t *qs = (const int8_t *)(b + 2);
@@ -93,7 +98,7 @@ static void dequant_q8_0(float *y, const uint8_t *b, int64_t nb) {
     }
 }
 
-static void dequant_q2_k(float *y, const uint8_t *b, int64_t nb) {
+GT_CLONES static void dequant_q2_k(float *y, const uint8_t *b, int64_t nb) {
     for (int64_t i = 0; i < nb; i++, b += 84) {
         const uint8_t *scales = b, *q = b + 16;
         const float d = half_at(b + 80), dmin = half_at(b + 82);
@@ -118,7 +123,7 @@ static inline int q3_k_scale(const uint8_t *s, int i) {
     return (lo | (hi << 4)) - 32;
 }
 
-static void dequant_q3_k(float *y, const uint8_t *b, int64_t nb) {
+GT_CLONES static void dequant_q3_k(float *y, const uint8_t *b, int64_t nb) {
     for (int64_t i = 0; i < nb; i++, b += 110) {
         const uint8_t *hm = b, *q = b + 32, *scales = b + 96;
         const float d = half_at(b + 108);
@@ -149,7 +154,7 @@ static inline void k4_scale_min(const uint8_t *q, int j, int *sc, int *mn) {
     }
 }
 
-static void dequant_q4_k(float *y, const uint8_t *b, int64_t nb) {
+GT_CLONES static void dequant_q4_k(float *y, const uint8_t *b, int64_t nb) {
     for (int64_t i = 0; i < nb; i++, b += 144) {
         const float d = half_at(b), dmin = half_at(b + 2);
         const uint8_t *scales = b + 4, *q = b + 16;
@@ -165,7 +170,7 @@ static void dequant_q4_k(float *y, const uint8_t *b, int64_t nb) {
     }
 }
 
-static void dequant_q5_k(float *y, const uint8_t *b, int64_t nb) {
+GT_CLONES static void dequant_q5_k(float *y, const uint8_t *b, int64_t nb) {
     for (int64_t i = 0; i < nb; i++, b += 176) {
         const float d = half_at(b), dmin = half_at(b + 2);
         const uint8_t *scales = b + 4, *qh = b + 16, *ql = b + 48;
@@ -182,7 +187,7 @@ static void dequant_q5_k(float *y, const uint8_t *b, int64_t nb) {
     }
 }
 
-static void dequant_q6_k(float *y, const uint8_t *b, int64_t nb) {
+GT_CLONES static void dequant_q6_k(float *y, const uint8_t *b, int64_t nb) {
     for (int64_t i = 0; i < nb; i++, b += 210) {
         const uint8_t *ql = b, *qh = b + 128;
         const int8_t *sc = (const int8_t *)(b + 192);
@@ -209,14 +214,34 @@ static void dequant_f16(float *y, const uint8_t *b, int64_t n) {
     for (int64_t i = 0; i < n; i++) y[i] = gt_f16_to_f32_1((uint16_t)(b[2 * i] | (b[2 * i + 1] << 8)));
 }
 
-static void dequant_bf16(float *y, const uint8_t *b, int64_t n) {
-    for (int64_t i = 0; i < n; i++) y[i] = gt_bf16_to_f32_1((uint16_t)(b[2 * i] | (b[2 * i + 1] << 8)));
+#if defined(__x86_64__)
+/* The same with F16C, 8 at a time: the conversion is exact, so the values are
+ * dequant_f16's (a signalling NaN comes out quiet: NaN weights have no meaning).
+ * The packed GEMM dequantizes every f16 weight value once per panel; the scalar
+ * conversion above held it to 0.75x the f32 product. */
+__attribute__((target("f16c"))) static void dequant_f16_f16c(float *y, const uint8_t *b, int64_t n) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(b + 2 * i))));
+    for (; i < n; i++) y[i] = gt_f16_to_f32_1((uint16_t)(b[2 * i] | (b[2 * i + 1] << 8)));
+}
+#endif
+
+/* bf16 is the high half of an f32: a shift (written inline, so it vectorizes). */
+GT_CLONES static void dequant_bf16(float *y, const uint8_t *b, int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        const uint32_t bits = (uint32_t)(b[2 * i] | (b[2 * i + 1] << 8)) << 16;
+        memcpy(y + i, &bits, sizeof bits);
+    }
 }
 
 gt_dequant_fn gt_dequantizer_(int32_t dtype) {
     switch (dtype) {
     case GT_F32: return dequant_f32;
-    case GT_F16: return dequant_f16;
+    case GT_F16:
+#if defined(__x86_64__)
+        if (__builtin_cpu_supports("f16c")) return dequant_f16_f16c;
+#endif
+        return dequant_f16;
     case GT_BF16: return dequant_bf16;
     case GT_Q4_0: return dequant_q4_0;
     case GT_Q4_1: return dequant_q4_1;

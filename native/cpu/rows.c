@@ -63,6 +63,57 @@ int gt_get_rows_fwd_f32(const gt_node *node, const gt_ctx *ctx) {
     return GT_OK;
 }
 
+/* get_rows of a stored table: dst (N..., C) f32 = the rows of a contiguous
+ * (V, C) table of dtype wtype (f16, bf16 or a ggml block type, rows of whole
+ * blocks) at idx, each dequantized whole (gt_dequantizer_: the values
+ * gguf.quants.dequantize gives). Indices checked as in gt_get_rows_fwd_f32. */
+static int get_rows_weight(const gt_node *node, const gt_ctx *ctx, int32_t wtype) {
+    const char *op = "get_rows";
+    const gt_tensor *d = &node->dst, *w = &node->src[0], *idx = &node->src[1];
+    const gt_dtype_traits *t = gt_dtype_find_(wtype), *wt = gt_dtype_find_(w->dtype);
+    char a[128];
+    GT_TRY(gt_check_n_src(node, 2, op));
+    GT_CHECK_F32(d, op, "dst");
+    GT_TRY(gt_check_contig(d, op, "dst"));
+    if (w->dtype != wtype)
+        return GT_FAIL(GT_ERR_DTYPE, "%s: expected a table of dtype %s, got %s", op, t->name,
+                       wt ? wt->name : "an unknown dtype");
+    if (w->ndim != 2)
+        return GT_FAIL(GT_ERR_SHAPE, "%s: expected table (V, C), got %s", op, gt_shape_str(w, a, sizeof a));
+    const int64_t V = w->shape[0], C = w->shape[1];
+    if ((C > 1 && w->strides[1] != 1) || (V > 1 && w->strides[0] != C))
+        return GT_FAIL(GT_ERR_INVALID, "%s: a %s table must be a whole stored matrix, strides (%lld, 1); "
+                       "got strides (%lld, %lld)", op, t->name, (long long)C, (long long)w->strides[0],
+                       (long long)w->strides[1]);
+    if (C % t->block)
+        return GT_FAIL(GT_ERR_SHAPE, "%s: a %s table stores rows of whole %d-element blocks, got C = %lld",
+                       op, t->name, (int)t->block, (long long)C);
+    GT_TRY(check_idx(idx, d, op, "dst"));
+    if (gt_ncols(d) != C)
+        return GT_FAIL(GT_ERR_SHAPE, "%s: expected dst rows of C = %lld (table %s), got %lld", op, (long long)C,
+                       gt_shape_str(w, a, sizeof a), (long long)gt_ncols(d));
+    const int64_t N = gt_numel(idx), row_bytes = C / t->block * t->block_bytes;
+    if (N && C && !w->data) return GT_FAIL(GT_ERR_INVALID, "%s: table has no data pointer", op);
+    const gt_dequant_fn deq = gt_dequantizer_(wtype);
+    const int32_t *id = idx->data;
+    const uint8_t *wd = w->data;
+    float *dd = d->data;
+    int64_t lo, hi;
+    gt_split(N, ctx, &lo, &hi);
+    for (int64_t n = lo; n < hi; n++) {
+        const int32_t v = id[n];
+        if (v < 0 || v >= V) return bad_index(op, n, v, V);
+        deq(dd + n * C, wd + v * row_bytes, C / t->block);
+    }
+    return GT_OK;
+}
+
+#define GET_ROWS_WEIGHT(w, ID)                                                                 \
+    int gt_get_rows_fwd_f32_##w(const gt_node *node, const gt_ctx *ctx) {                      \
+        return get_rows_weight(node, ctx, ID);                                                 \
+    }
+GT_WEIGHT_TYPES(GET_ROWS_WEIGHT)
+
 GT_CLONES static void add_row(float *restrict acc, const float *restrict x, int64_t n) {
     int64_t i = 0;
     for (; i + LANES <= n; i += LANES)
