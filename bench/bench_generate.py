@@ -5,7 +5,8 @@ continuations agree.
 Each side runs in its own fresh process, measured in alternating rounds (ours, theirs,
 ours, theirs, ...) so that noise on a shared machine hits both alike; speed is the best
 round, peak RSS (ru_maxrss of the process, from wait4) the largest. llama.cpp runs as a
-user runs it: default F16 KV cache, mmap, greedy sampling, the same thread count.
+user runs it: default F16 KV cache, mmap, greedy sampling; both get the same thread count
+and context (--ctx; ours keeps an f32 cache of that many positions).
 
     python bench/bench_generate.py [--model PATH ...] [--tinyllama] [-n 48] [--threads 2]
                                    [--rounds 3] [--prompt TEXT]
@@ -31,9 +32,9 @@ SMOLLM2 = SHARED / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 _THEIRS = r"""
 import json, sys, time
 import llama_cpp
-path, prompt, n, threads = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+path, prompt, n, threads, ctx = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
 t0 = time.perf_counter()
-llm = llama_cpp.Llama(model_path=path, n_ctx=0, n_threads=threads, n_threads_batch=threads,
+llm = llama_cpp.Llama(model_path=path, n_ctx=ctx, n_threads=threads, n_threads_batch=threads,
                       verbose=False, seed=0)
 ids = llm.tokenize(prompt.encode(), add_bos=True, special=False)
 llm.n_ctx() >= len(ids) + n or sys.exit("context too small")
@@ -73,10 +74,10 @@ def _measured(cmd: list) -> tuple:
     return out, err, os.waitstatus_to_exitcode(status), usage.ru_maxrss / 1024
 
 
-def ours(model, prompt, n, threads) -> dict:
+def ours(model, prompt, n, threads, ctx) -> dict:
     out, err, rc, rss = _measured([sys.executable, "-m", "ggtrain", "generate", "--model", str(model),
                                    "--prompt", prompt, "-n", str(n), "--temp", "0", "--threads",
-                                   str(threads), "--timings"])
+                                   str(threads), "--ctx", str(ctx), "--timings"])
     if rc != 0:
         sys.exit(f"ggtrain generate failed: {err}")
     res = json.loads(err.strip().splitlines()[-1])
@@ -84,8 +85,9 @@ def ours(model, prompt, n, threads) -> dict:
     return res
 
 
-def theirs(model, prompt, n, threads) -> dict:
-    out, err, rc, rss = _measured([sys.executable, "-c", _THEIRS, str(model), prompt, str(n), str(threads)])
+def theirs(model, prompt, n, threads, ctx) -> dict:
+    out, err, rc, rss = _measured([sys.executable, "-c", _THEIRS, str(model), prompt, str(n), str(threads),
+                                   str(ctx)])
     if rc != 0:
         sys.exit(f"llama.cpp run failed: {err}")
     res = json.loads(out)
@@ -101,6 +103,8 @@ def main() -> None:
     ap.add_argument("-n", type=int, default=48)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--ctx", type=int, default=256,
+                    help="context (KV cache positions) of both sides; llama.cpp pads to 256")
     args = ap.parse_args()
     models = list(args.model or [SMOLLM2])
     if args.tinyllama:
@@ -113,8 +117,8 @@ def main() -> None:
             sys.exit(f"{model}: no such file")
         a, b = [], []
         for _ in range(args.rounds):
-            a.append(ours(model, args.prompt, args.n, args.threads))
-            b.append(theirs(model, args.prompt, args.n, args.threads))
+            a.append(ours(model, args.prompt, args.n, args.threads, args.ctx))
+            b.append(theirs(model, args.prompt, args.n, args.threads, args.ctx))
         best_a = max(r["tokens_per_s"] for r in a)
         best_b = max(r["tokens_per_s"] for r in b)
         rss_a = max(r["rss_mib"] for r in a)
@@ -122,8 +126,8 @@ def main() -> None:
         same = a[0]["text"] == b[0]["text"]
         common = os.path.commonprefix([a[0]["text"], b[0]["text"]])
         rows.append((model.name, best_a, best_b, rss_a, rss_b, same, a[0], b[0], len(common)))
-    print(f"generate: {args.n} tokens after {args.prompt!r}, greedy, {args.threads} threads, "
-          f"best of {args.rounds} alternating rounds")
+    print(f"generate: {args.n} tokens after {args.prompt!r}, greedy, {args.threads} threads, context "
+          f"{args.ctx}, best of {args.rounds} alternating rounds")
     print(f"{'model':38s} {'ours t/s':>9s} {'llama.cpp':>9s} {'ratio':>6s} | {'ours MiB':>8s} "
           f"{'llama.cpp':>9s} {'ratio':>6s} | same text")
     for name, ta, tb, ra, rb, same, ra0, rb0, common in rows:
