@@ -21,9 +21,7 @@ import argparse
 import json
 import os
 import pathlib
-import subprocess
 import sys
-import time
 
 HERE = pathlib.Path(__file__).resolve().parent
 SHARED = HERE.parents[1] / "shared" / "data"

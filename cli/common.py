@@ -20,6 +20,20 @@ def cpu_backend(backend: str = "cpu", threads: int | None = None) -> CpuBackend:
     return CpuBackend(threads or default_threads())
 
 
+@contextlib.contextmanager
+def file_errors(prefix: str, kind: str = "file"):
+    """Turn the OSErrors of opening and reading a path into one-line ConfigErrors that start
+    with `prefix` (e.g. "--file t.txt"); kind names what the path should be."""
+    try:
+        yield
+    except FileNotFoundError:
+        raise ConfigError(f"{prefix}: no such file") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{prefix}: is a directory, not a {kind}") from None
+    except OSError as exc:
+        raise ConfigError(f"{prefix}: cannot read: {exc.strerror or exc}") from None
+
+
 class JsonLog:
     """--log RUN.jsonl: one JSON object per line, flushed as written (no file: no-op)."""
 

@@ -17,8 +17,8 @@ from pathlib import Path
 import numpy as np
 import typer
 
+from ggtrain.cli.common import file_errors
 from ggtrain.cli.main import app
-from ggtrain.errors import ConfigError
 from ggtrain.formats.gguf import GGUFValue, StringArray, read_gguf
 
 _HEAD = 6            # items shown of a long array
@@ -79,14 +79,8 @@ def info(
                                   help="With --json, arrays longer than this are summarised (0: never)."),
 ):
     """Show what a GGUF file holds: version, key/value pairs, tensors, data size."""
-    try:
+    with file_errors(str(file), "GGUF file"):
         f = read_gguf(file)
-    except FileNotFoundError:
-        raise ConfigError(f"{file}: no such file") from None
-    except IsADirectoryError:
-        raise ConfigError(f"{file}: is a directory, not a GGUF file") from None
-    except OSError as exc:
-        raise ConfigError(f"{file}: cannot read: {exc.strerror or exc}") from None
 
     tensors = list(f.tensors.values())
     total = f.tensor_bytes

@@ -12,6 +12,7 @@ from typing import Optional
 
 import typer
 
+from ggtrain.cli.common import file_errors
 from ggtrain.cli.main import app
 from ggtrain.errors import ConfigError
 from ggtrain.formats.tokenizer import tokenizer_from_gguf
@@ -27,14 +28,8 @@ _HELP = (
 )
 
 def _read_text(file: Path) -> str:
-    try:
+    with file_errors(f"--file {file}", "text file"):
         data = file.read_bytes()
-    except FileNotFoundError:
-        raise ConfigError(f"--file {file}: no such file") from None
-    except IsADirectoryError:
-        raise ConfigError(f"--file {file}: is a directory, not a text file") from None
-    except OSError as exc:
-        raise ConfigError(f"--file {file}: cannot read: {exc.strerror or exc}") from None
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:

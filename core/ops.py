@@ -25,7 +25,7 @@ from typing import Callable
 from ggtrain.core.tensor import Tensor, contiguous_strides, numel
 from ggtrain.errors import DTypeError, ShapeError
 from ggtrain.native import lib
-from ggtrain.native.dtypes import WEIGHT_TYPES, dtype as _dtype
+from ggtrain.native.dtypes import WEIGHT_TYPES
 
 
 @dataclass(frozen=True)

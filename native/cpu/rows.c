@@ -27,47 +27,13 @@ static int bad_index(const char *op, int64_t n, int32_t v, int64_t V) {
                    (long long)n, (int)v, (long long)V);
 }
 
-/* get_rows: dst (N..., C) = table (V, C)[idx (N...)].
- * src0 table f32 with rows of stride 1 (any row stride), src1 idx i32 of any
- * shape (contiguous), dst contiguous. An index outside [0, V) is GT_ERR_INVALID. */
-int gt_get_rows_fwd_f32(const gt_node *node, const gt_ctx *ctx) {
-    const char *op = "get_rows";
-    const gt_tensor *d = &node->dst, *w = &node->src[0], *idx = &node->src[1];
-    char a[128];
-    GT_TRY(gt_check_n_src(node, 2, op));
-    GT_CHECK_F32(d, op, "dst");
-    GT_CHECK_F32(w, op, "table");
-    GT_TRY(gt_check_contig(d, op, "dst"));
-    if (w->ndim != 2)
-        return GT_FAIL(GT_ERR_SHAPE, "%s: expected table (V, C), got %s", op, gt_shape_str(w, a, sizeof a));
-    if (w->shape[1] > 1 && w->strides[1] != 1)
-        return GT_FAIL(GT_ERR_INVALID, "%s: expected table rows of stride 1, got column stride %lld", op,
-                       (long long)w->strides[1]);
-    GT_TRY(check_idx(idx, d, op, "dst"));
-    const int64_t V = w->shape[0], C = w->shape[1];
-    if (gt_ncols(d) != C) {
-        return GT_FAIL(GT_ERR_SHAPE, "%s: expected dst rows of C = %lld (table %s), got %lld", op, (long long)C,
-                       gt_shape_str(w, a, sizeof a), (long long)gt_ncols(d));
-    }
-    const int64_t N = gt_numel(idx), rs = w->strides[0];
-    const int32_t *id = idx->data;
-    const float *wd = w->data;
-    float *dd = d->data;
-    int64_t lo, hi;
-    gt_split(N, ctx, &lo, &hi);
-    for (int64_t n = lo; n < hi; n++) {
-        const int32_t v = id[n];
-        if (v < 0 || v >= V) return bad_index(op, n, v, V);
-        memcpy(dd + n * C, wd + v * rs, (size_t)C * sizeof(float));
-    }
-    return GT_OK;
-}
-
-/* get_rows of a stored table: dst (N..., C) f32 = the rows of a contiguous
- * (V, C) table of dtype wtype (f16, bf16 or a ggml block type, rows of whole
- * blocks) at idx, each dequantized whole (gt_dequantizer_: the values
- * gguf.quants.dequantize gives). Indices checked as in gt_get_rows_fwd_f32. */
-static int get_rows_weight(const gt_node *node, const gt_ctx *ctx, int32_t wtype) {
+/* get_rows: dst (N..., C) f32 = the rows of table (V, C) at idx (N...), i32 of
+ * any shape (contiguous); dst contiguous. An f32 table may have any row stride
+ * (its rows of stride 1); a stored table (f16, bf16 or a ggml block type, dtype
+ * wtype) is a whole contiguous matrix of whole blocks, and each row is
+ * dequantized whole (gt_dequantizer_: the values gguf.quants.dequantize gives;
+ * for f32 a copy). An index outside [0, V) is GT_ERR_INVALID. */
+static int get_rows(const gt_node *node, const gt_ctx *ctx, int32_t wtype) {
     const char *op = "get_rows";
     const gt_tensor *d = &node->dst, *w = &node->src[0], *idx = &node->src[1];
     const gt_dtype_traits *t = gt_dtype_find_(wtype), *wt = gt_dtype_find_(w->dtype);
@@ -81,7 +47,10 @@ static int get_rows_weight(const gt_node *node, const gt_ctx *ctx, int32_t wtype
     if (w->ndim != 2)
         return GT_FAIL(GT_ERR_SHAPE, "%s: expected table (V, C), got %s", op, gt_shape_str(w, a, sizeof a));
     const int64_t V = w->shape[0], C = w->shape[1];
-    if ((C > 1 && w->strides[1] != 1) || (V > 1 && w->strides[0] != C))
+    if (C > 1 && w->strides[1] != 1)
+        return GT_FAIL(GT_ERR_INVALID, "%s: expected table rows of stride 1, got column stride %lld", op,
+                       (long long)w->strides[1]);
+    if (wtype != GT_F32 && V > 1 && w->strides[0] != C)
         return GT_FAIL(GT_ERR_INVALID, "%s: a %s table must be a whole stored matrix, strides (%lld, 1); "
                        "got strides (%lld, %lld)", op, t->name, (long long)C, (long long)w->strides[0],
                        (long long)w->strides[1]);
@@ -92,7 +61,9 @@ static int get_rows_weight(const gt_node *node, const gt_ctx *ctx, int32_t wtype
     if (gt_ncols(d) != C)
         return GT_FAIL(GT_ERR_SHAPE, "%s: expected dst rows of C = %lld (table %s), got %lld", op, (long long)C,
                        gt_shape_str(w, a, sizeof a), (long long)gt_ncols(d));
-    const int64_t N = gt_numel(idx), row_bytes = C / t->block * t->block_bytes;
+    const int64_t N = gt_numel(idx);
+    const int64_t row_bytes = wtype == GT_F32 ? w->strides[0] * (int64_t)sizeof(float)
+                                              : C / t->block * t->block_bytes;
     if (N && C && !w->data) return GT_FAIL(GT_ERR_INVALID, "%s: table has no data pointer", op);
     const gt_dequant_fn deq = gt_dequantizer_(wtype);
     const int32_t *id = idx->data;
@@ -108,9 +79,11 @@ static int get_rows_weight(const gt_node *node, const gt_ctx *ctx, int32_t wtype
     return GT_OK;
 }
 
+int gt_get_rows_fwd_f32(const gt_node *node, const gt_ctx *ctx) { return get_rows(node, ctx, GT_F32); }
+
 #define GET_ROWS_WEIGHT(w, ID)                                                                 \
     int gt_get_rows_fwd_f32_##w(const gt_node *node, const gt_ctx *ctx) {                      \
-        return get_rows_weight(node, ctx, ID);                                                 \
+        return get_rows(node, ctx, ID);                                                 \
     }
 GT_WEIGHT_TYPES(GET_ROWS_WEIGHT)
 
