@@ -4,14 +4,12 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import pathlib
-import sys
-import time
 
 import numpy as np
 import typer
-from tqdm import tqdm
 
-from ggtrain.cli.common import JsonLog, cpu_backend, stop_on_ctrl_c
+from ggtrain.cli.common import JsonLog, cpu_backend
+from ggtrain.cli.loop import check_checkpoint_options, check_out, drive
 from ggtrain.cli.main import app
 from ggtrain.core.data import TokenWindows, eval_windows, split_tokens
 from ggtrain.core.models.llama import LlamaConfig, init_params
@@ -74,16 +72,13 @@ def train(
 ):
     """Train a llama-architecture model from scratch on a text file."""
     be = cpu_backend(backend, threads)
-    if save_every and checkpoint_dir is None:
-        raise ConfigError("--save-every needs --checkpoint-dir")
-    if save_every < 0:
-        raise ConfigError(f"--save-every must be >= 0, got {save_every}")
-    if not out.parent.is_dir():
-        raise ConfigError(f"--out {out}: folder {out.parent} does not exist")
-    if checkpoint_dir is not None:
-        checkpoint_dir.mkdir(parents=True, exist_ok=True)
+    check_checkpoint_options(save_every, checkpoint_dir)
+    check_out(out)
     text = _read_text(data or BUNDLED_TEXT)
     ckpt = load_checkpoint(resume) if resume else None
+    if ckpt is not None and ckpt["kind"] != "train":
+        raise ConfigError(f"--resume {resume}: a {ckpt['kind']} checkpoint; `ggtrain finetune --resume` "
+                          f"continues it")
     tok = ckpt["tokenizer"] if ckpt else load_tokenizer(tokenizer, text)
     ids = tok.encode(text)
     if ckpt:
@@ -114,7 +109,7 @@ def train(
     windows = TokenWindows(train_ids, model_cfg.ctx, train_cfg.batch, train_cfg.seed + 1)
     if ckpt:
         run.load_state(ckpt["state"])
-        windows.set_state(ckpt["data_rng"])
+        windows.set_state(ckpt["data_rng"], drawn=run.updates * train_cfg.batch * train_cfg.grad_acc)
     val_batches = eval_windows(val_ids, model_cfg.ctx, train_cfg.batch, train_cfg.eval_batches) if len(val_ids) else []
     mem = run.step.memory
     n_params = sum(v.size for v in init.values())
@@ -130,41 +125,9 @@ def train(
         save_checkpoint(path, model_json, train_json, run.state(), tok, windows.state(), fingerprint)
 
     logf = JsonLog(log)
-    write = logf.write
-    bar = None if quiet else tqdm(total=train_cfg.steps, initial=run.updates, unit="step", file=sys.stderr)
-
-    def on_step(info):
-        write({k: info[k] for k in ("step", "epoch", "loss", "lr", "grad_norm", "tokens_per_s", "elapsed_s")})
-        if bar is not None:
-            bar.set_postfix(loss=f"{info['loss']:.4f}", lr=f"{info['lr']:.2e}", tok_s=f"{info['tokens_per_s']:.0f}")
-            bar.update(1)
-        if save_every and info["step"] % save_every == 0:
-            checkpoint(checkpoint_dir / f"ckpt-{info['step']:06d}.gguf")
-
-    def on_eval(ev):
-        write(ev)
-        if bar is not None:
-            bar.write(f"step {ev['step']}: validation loss {ev['val_loss']:.4f}")
-
-    t0 = time.perf_counter()
-    try:
-        with stop_on_ctrl_c(run) as state:
-            run.fit(windows, val_batches, on_step, on_eval)
-    finally:
-        if bar is not None:
-            bar.close()
-    if state["interrupted"]:
-        path = (checkpoint_dir or out.parent) / (f"ckpt-{run.updates:06d}.gguf" if checkpoint_dir else out.name + ".ckpt.gguf")
-        checkpoint(path)
-        write({"event": "interrupted", "step": run.updates, "checkpoint": str(path)})
-        typer.echo(f"interrupted at update {run.updates}: checkpoint {path} (resume with --resume {path})", err=True)
-        raise typer.Exit(130)
-    val_loss = run.evaluate(val_batches) if val_batches else float("nan")
+    summary = drive(run, windows, val_batches, log=logf, quiet=quiet, save_every=save_every,
+                    checkpoint_dir=checkpoint_dir, out=out, checkpoint=checkpoint)
     save_llama(out, model_json, run.param_values(), tok)
-    if checkpoint_dir is not None:
-        checkpoint(checkpoint_dir / f"ckpt-{run.updates:06d}.gguf")
-    summary = {"event": "done", "step": run.updates, "val_loss": val_loss, "tokens_seen": run.tokens_seen,
-               "elapsed_s": time.perf_counter() - t0, "out": str(out)}
-    write(summary)
+    logf.write({"event": "done", **summary, "out": str(out)})
     logf.close()
-    typer.echo(f"done: {run.updates} updates, validation loss {val_loss:.4f}, wrote {out}", err=True)
+    typer.echo(f"done: {run.updates} updates, validation loss {summary['val_loss']:.4f}, wrote {out}", err=True)

@@ -39,6 +39,12 @@ class TokenWindows:
     def __init__(self, ids: np.ndarray, ctx: int, batch: int, seed: int):
         self.ids, self.ctx, self.batch = ids, ctx, batch
         self.rng = np.random.default_rng(seed)
+        self.drawn = 0            # windows drawn (restored with the state)
+
+    @property
+    def epoch(self) -> float:
+        """Passes over the stream so far, counting ctx tokens per window drawn."""
+        return self.drawn * self.ctx / max(1, len(self.ids) - 1)
 
     @property
     def windows_per_epoch(self) -> int:
@@ -47,13 +53,15 @@ class TokenWindows:
 
     def next(self) -> np.ndarray:
         starts = self.rng.integers(0, len(self.ids) - self.ctx, self.batch)
+        self.drawn += self.batch
         return np.stack([self.ids[s:s + self.ctx + 1] for s in starts])
 
     def state(self) -> str:
         return json.dumps(self.rng.bit_generator.state)
 
-    def set_state(self, text: str) -> None:
+    def set_state(self, text: str, drawn: int = 0) -> None:
         self.rng.bit_generator.state = json.loads(text)
+        self.drawn = drawn
 
 
 def eval_windows(ids: np.ndarray, ctx: int, batch: int, max_batches: int) -> list:

@@ -31,7 +31,10 @@ class TrainStep:
     """
 
     def __init__(self, loss: Tensor, params: list, optimizer, backend, grad_acc: int = 1,
-                 checkpointing: bool = True, n_threads: int | None = None, extra_outputs=()):
+                 checkpointing: bool = True, n_threads: int | None = None, extra_outputs=(),
+                 bind: dict | None = None):
+        """bind: {persistent tensor: backend buffer already holding its bytes} (frozen
+        weights read straight from a file), adopted before anything is allocated."""
         if grad_acc < 1:
             raise ConfigError(f"grad_acc must be >= 1, got {grad_acc}")
         if not params:
@@ -40,6 +43,8 @@ class TrainStep:
         self.graph, self.loss, self.params = graph, loss, list(params)
         self.optimizer, self.grad_acc = optimizer, grad_acc
         self.runtime = Runtime(graph, backend)
+        for t, buf in (bind or {}).items():
+            self.runtime.bind(t, buf)
         self.n_threads = n_threads or getattr(backend, "n_threads", 1)
         self.updates = 0  # optimizer updates done
 
@@ -319,28 +324,63 @@ class TextConfig:
 
 
 class TextRun:
-    """Trains a llama on token windows. Reports through callbacks: on_step(info) after
-    each update, on_eval(info) after each evaluation; `stop()` ends after the current
-    update. `state()` / `load_state()` carry everything a bit-identical resume needs."""
+    """Trains a llama on batches of token windows: all of its weights (`ggtrain train`,
+    `ggtrain finetune --full`), or LoRA adapters on frozen weights (`ggtrain finetune`).
 
-    def __init__(self, model, init: dict, config: TextConfig, backend, n_threads: int | None = None):
-        from ggtrain.core.models import llama  # layer 4 sibling
+    init: {name: f32 array} of what is trained: the model's parameters, or with `lora`
+    the adapter factors ("<weight>.lora_a"/".lora_b", core/models/lora.py); frozen:
+    {name: f32 array or StoredTensor} of the base weights the adapters sit on. ctx: the
+    training window (default the model's context). packed: batches carry per-row
+    positions and sample ids ("pos", "seg", (batch, ctx) each), several samples sharing a
+    row, each attending only to itself.
 
-        self.model, self.config = model, config
+    A batch source has next() -> {"tokens", "targets"[, "pos", "seg"]: (batch, ctx) i32}
+    (or a (batch, ctx + 1) window array) and `epoch` (progress in passes over the data).
+    Reports through callbacks: on_step(info) after each update, on_eval(info) after each
+    evaluation; `stop()` ends after the current update. `state()` / `load_state()` carry
+    everything a bit-identical resume needs.
+    """
+
+    def __init__(self, model, init: dict, config: TextConfig, backend, n_threads: int | None = None,
+                 frozen: dict | None = None, lora=None, ctx: int | None = None, packed: bool = False):
+        from ggtrain.core.models import llama  # layer 4 siblings
+        from ggtrain.core.models.lora import factor_names
+
+        self.model, self.config, self.lora = model, config, lora
+        self.ctx = ctx or model.ctx
+        if not 1 <= self.ctx <= model.ctx:
+            raise ConfigError(f"--ctx {self.ctx} must be in 1..{model.ctx} (the model's context)")
         g = Graph()
         self.graph = g
-        ctx, b = model.ctx, config.batch
-        self.params = {k: g.param(v.shape, v, name=k) for k, v in init.items()}
-        self.tokens = g.input((b, ctx), "i32", name="tokens")
-        self.targets = g.input((b, ctx), "i32", name="targets")
-        self.pos = g.input((ctx,), "i32", name="pos")
-        logits = llama.forward(model, self.params, self.tokens, self.pos, g, checkpoint=config.checkpointing)
+        b = config.batch
+        self.params = {k: g.param(v.shape, v, name=k) for k, v in init.items()}   # trained
+        weights, adapters, bind = dict(self.params), None, {}
+        if lora is not None:
+            weights, _, bind = llama._frozen(g, frozen or {}, None)
+            adapters = {}
+            for w in lora.weights(model.layers):
+                a, b_ = factor_names(w)
+                if a not in self.params or b_ not in self.params:
+                    raise ConfigError(f"LoRA: no initial factors for {w}")
+                adapters[w] = (self.params[a], self.params[b_], lora.scale)
+        self.tokens = g.input((b, self.ctx), "i32", name="tokens")
+        self.targets = g.input((b, self.ctx), "i32", name="targets")
+        self.packed = packed
+        if packed:
+            self.pos = g.input((b, self.ctx), "i32", name="pos")
+            self.seg = g.input((b, self.ctx), "i32", name="seg")
+        else:
+            self.pos, self.seg = g.input((self.ctx,), "i32", name="pos"), None
+        logits = llama.forward(model, weights, self.tokens, self.pos, g, checkpoint=config.checkpointing,
+                               lora=adapters, seg=self.seg)
         self.loss = llama.loss(logits, self.targets)
         self.optimizer = AdamW(lr=config.lr, weight_decay=config.weight_decay, max_grad_norm=config.grad_clip)
         self.schedule = CosineLR(config.lr, config.lr_min, min(config.warmup, config.steps), config.steps)
         self.step = TrainStep(self.loss, list(self.params.values()), self.optimizer, backend,
-                              grad_acc=config.grad_acc, checkpointing=config.checkpointing, n_threads=n_threads)
-        self.step.runtime.set(self.pos, np.arange(ctx, dtype=np.int32))
+                              grad_acc=config.grad_acc, checkpointing=config.checkpointing, n_threads=n_threads,
+                              bind=bind)
+        if not packed:
+            self.step.runtime.set(self.pos, np.arange(self.ctx, dtype=np.int32))
         self._eval = self.step.runtime.compile([self.loss], self.step.n_threads)
         self.tokens_seen = 0
         self._stop = False
@@ -353,6 +393,7 @@ class TextRun:
         return self.step.updates
 
     def param_values(self) -> dict:
+        """{name: f32 array} of what is trained (model parameters, or adapter factors)."""
         return {k: self.step.get(t) for k, t in self.params.items()}
 
     def state(self) -> dict:
@@ -363,6 +404,8 @@ class TextRun:
 
     def load_state(self, state: dict) -> None:
         for k, t in self.params.items():
+            if k not in state["params"]:
+                raise ConfigError(f"the checkpoint has no tensor {k}")
             self.step.set(t, state["params"][k])
         for name, t in self.step.state.items():
             if name not in state["optimizer"]:
@@ -371,36 +414,43 @@ class TextRun:
         self.step.updates = int(state["updates"])
         self.tokens_seen = int(state["tokens_seen"])
 
+    def _feed(self, batch) -> dict:
+        """{input tensor: array} of a batch (a dict, or a (batch, ctx + 1) window array)."""
+        if isinstance(batch, np.ndarray):
+            batch = {"tokens": batch[:, :-1], "targets": batch[:, 1:]}
+        feed = {self.tokens: batch["tokens"], self.targets: batch["targets"]}
+        if self.packed:
+            feed[self.pos], feed[self.seg] = batch["pos"], batch["seg"]
+        return feed
+
     def evaluate(self, batches: list) -> float:
-        """Mean validation loss over batches of windows (batch, ctx + 1)."""
+        """Mean validation loss over batches (dicts or (batch, ctx + 1) window arrays)."""
         rt = self.step.runtime
         losses = []
-        for w in batches:
-            rt.set(self.tokens, w[:, :-1])
-            rt.set(self.targets, w[:, 1:])
+        for batch in batches:
+            for t, v in self._feed(batch).items():
+                rt.set(t, v)
             rt.run(self._eval, self.step.n_threads)
             losses.append(float(self._eval.read(self.loss)))
         return float(np.mean(losses)) if losses else float("nan")
 
-    def fit(self, windows, val_batches: list, on_step=None, on_eval=None) -> None:
-        """Run updates until config.steps (continuing from self.updates)."""
+    def fit(self, batches, val_batches: list, on_step=None, on_eval=None) -> None:
+        """Run updates until config.steps (continuing from self.updates), drawing physical
+        batches from `batches` (see the class docstring)."""
         cfg = self.config
         t0 = time.perf_counter()
-        per_update = cfg.batch * cfg.grad_acc * self.model.ctx
+        per_update = cfg.batch * cfg.grad_acc * self.ctx
         while self.step.updates < cfg.steps and not self._stop:
             t_step = time.perf_counter()
             lr = self.schedule(self.step.updates)
-            batches = []
-            for _ in range(cfg.grad_acc):
-                w = windows.next()
-                batches.append({self.tokens: w[:, :-1], self.targets: w[:, 1:]})
-            loss = self.step.step(batches, lr)
+            feeds = [self._feed(batches.next()) for _ in range(cfg.grad_acc)]
+            loss = self.step.step(feeds, lr)
             if not np.isfinite(loss) or not np.isfinite(self.step.last_grad_norm):
                 raise NumericError(f"loss {loss}, gradient norm {self.step.last_grad_norm} at update "
                                    f"{self.step.updates}: training diverged (try a lower --lr)")
             self.tokens_seen += per_update
             now = time.perf_counter()
-            info = {"step": self.step.updates, "epoch": self.tokens_seen / max(1, len(windows.ids)),
+            info = {"step": self.step.updates, "epoch": batches.epoch,
                     "loss": loss, "lr": lr, "grad_norm": self.step.last_grad_norm,
                     "tokens_per_s": per_update / max(now - t_step, 1e-9), "elapsed_s": now - t0}
             if on_step is not None:

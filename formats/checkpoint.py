@@ -5,15 +5,20 @@ read it, but llama.cpp refuses it (extra tensors): `ggtrain train --out` writes 
 clean model, and `convert-checkpoint` turns a checkpoint into one.
 
 Keys (besides llama.cpp's llama.* / general.* / tokenizer.ggml.* keys):
-    ggtrain.checkpoint.version   UINT32   1
+    ggtrain.checkpoint.version   UINT32   2 (version 1, without kind and run_config, reads as "train")
+    ggtrain.checkpoint.kind      STRING   "train" (a llama from scratch), "finetune-lora" (adapter
+                                          factors on a frozen base) or "finetune-full"
     ggtrain.model_config         STRING   JSON of the LlamaConfig fields
-    ggtrain.train_config         STRING   JSON of the TextConfig fields
+    ggtrain.train_config         STRING   JSON of the TextConfig fields (and the command's data options)
+    ggtrain.run_config           STRING   JSON of what else the command needs to resume (finetune:
+                                          the LoRA settings, the base model's fingerprint, ...); "{}"
     ggtrain.updates              UINT64   optimizer updates done
     ggtrain.tokens_seen          UINT64   training tokens consumed
-    ggtrain.data_rng             STRING   JSON of the window sampler's numpy PCG64 state
-    ggtrain.data_fingerprint     STRING   sha256 of the training token stream
-Tensors: the model's (llama.cpp names, F32), then for each parameter its AdamW
-moments `adam_m.<name>` and `adam_v.<name>` (F32, same shape). All bit-exact.
+    ggtrain.data_rng             STRING   the batch source's state (JSON: numpy RNG state, cursor)
+    ggtrain.data_fingerprint     STRING   sha256 of the training data as tokens
+Tensors: what is trained (the model's parameters under llama.cpp names, or the adapter
+factors "<weight>.lora_a" / ".lora_b"), F32, then for each its AdamW moments
+`adam_m.<name>` and `adam_v.<name>` (F32, same shape). All bit-exact.
 """
 from __future__ import annotations
 
@@ -28,17 +33,24 @@ from ggtrain.formats.llama import hparams_to_kv
 from ggtrain.formats.llama_model import config_to_hparams
 from ggtrain.formats.tokenizer import tokenizer_from_gguf
 
-VERSION = 1
+VERSION = 2
+READ_VERSIONS = (1, 2)
+KINDS = ("train", "finetune-lora", "finetune-full")
 _MOMENTS = {".adam_m": "adam_m.", ".adam_v": "adam_v."}
 
 
 def save_checkpoint(path, model_config: dict, train_config: dict, state: dict, tokenizer,
-                    data_rng: str, data_fingerprint: str) -> None:
+                    data_rng: str, data_fingerprint: str, kind: str = "train",
+                    run_config: dict | None = None) -> None:
     """Write a checkpoint atomically. state: TextRun.state() ({"params", "optimizer",
     "updates", "tokens_seen"}); optimizer names are "<param>.adam_m" / "<param>.adam_v"."""
+    if kind not in KINDS:
+        raise ValueError(f"checkpoint kind {kind!r} is not one of {KINDS}")
     kv = hparams_to_kv(config_to_hparams(model_config), "ggtrain checkpoint", file_type=0)
     kv += list(tokenizer.gguf_kv())
     kv += [("ggtrain.checkpoint.version", VERSION, VT.UINT32),
+           ("ggtrain.checkpoint.kind", kind, VT.STRING),
+           ("ggtrain.run_config", json.dumps(run_config or {}, sort_keys=True), VT.STRING),
            ("ggtrain.model_config", json.dumps(model_config, sort_keys=True), VT.STRING),
            ("ggtrain.train_config", json.dumps(train_config, sort_keys=True), VT.STRING),
            ("ggtrain.updates", int(state["updates"]), VT.UINT64),
@@ -57,7 +69,8 @@ def save_checkpoint(path, model_config: dict, train_config: dict, state: dict, t
 
 
 def load_checkpoint(path) -> dict:
-    """{"model_config", "train_config", "state", "tokenizer", "data_rng", "data_fingerprint"}.
+    """{"kind", "model_config", "train_config", "run_config", "state", "tokenizer", "data_rng",
+    "data_fingerprint"}.
 
     Raises FormatError when the file is not a ggtrain checkpoint (e.g. a plain model).
     """
@@ -66,11 +79,16 @@ def load_checkpoint(path) -> dict:
     if version is None:
         raise FormatError(f"{path}: not a ggtrain checkpoint (no ggtrain.checkpoint.version key); "
                           "a plain model can be converted with `ggtrain convert-checkpoint`")
-    if version != VERSION:
-        raise FormatError(f"{path}: checkpoint version {version}, this ggtrain reads {VERSION}")
+    if version not in READ_VERSIONS:
+        raise FormatError(f"{path}: checkpoint version {version}, this ggtrain reads "
+                          f"{', '.join(map(str, READ_VERSIONS))}")
+    kind = f.value("ggtrain.checkpoint.kind", "train")
+    if kind not in KINDS:
+        raise FormatError(f"{path}: unknown checkpoint kind {kind!r} (known: {', '.join(KINDS)})")
     try:
         model_config = json.loads(f.value("ggtrain.model_config"))
         train_config = json.loads(f.value("ggtrain.train_config"))
+        run_config = json.loads(f.value("ggtrain.run_config", "{}"))
     except json.JSONDecodeError as exc:
         raise FormatError(f"{path}: damaged ggtrain config ({exc})") from None
     params, optimizer = {}, {}
@@ -84,6 +102,7 @@ def load_checkpoint(path) -> dict:
             params[name] = arr
     state = {"params": params, "optimizer": optimizer, "updates": int(f.value("ggtrain.updates")),
              "tokens_seen": int(f.value("ggtrain.tokens_seen"))}
-    return {"model_config": model_config, "train_config": train_config, "state": state,
+    return {"kind": kind, "model_config": model_config, "train_config": train_config,
+            "run_config": run_config, "state": state,
             "tokenizer": tokenizer_from_gguf(f), "data_rng": f.value("ggtrain.data_rng"),
             "data_fingerprint": f.value("ggtrain.data_fingerprint")}

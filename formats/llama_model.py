@@ -3,13 +3,14 @@ tokenizer; writing clean models."""
 from __future__ import annotations
 
 import numpy as np
+from gguf.constants import GGMLQuantizationType
 
 from ggtrain.core.backend import StoredTensor
 from ggtrain.errors import FormatError
 from ggtrain.formats.gguf import read_gguf, write_gguf
-from ggtrain.formats.llama import LlamaHParams, hparams_to_kv, tensor_shapes, validate_model
+from ggtrain.formats.llama import FILE_TYPES, LlamaHParams, hparams_to_kv, tensor_shapes, validate_model
 from ggtrain.formats.tokenizer import tokenizer_from_gguf
-from ggtrain.native.dtypes import WEIGHT_TYPES, dtype
+from ggtrain.native.dtypes import DTYPES, WEIGHT_TYPES, dtype, nbytes as _nbytes
 
 
 def _config(layout) -> dict:
@@ -72,24 +73,50 @@ def config_to_hparams(config: dict) -> LlamaHParams:
                         rope_freq_base=float(config.get("rope_base", 10000.0)))
 
 
-def save_llama(path, config: dict, weights: dict, tokenizer, name: str = "ggtrain") -> None:
-    """Write a clean llama.cpp model (hparams, tokenizer keys, F32 tensors in llama.cpp's
-    order; nothing else, since llama.cpp refuses extra tensors), atomically.
+def save_llama(path, config: dict, weights: dict, tokenizer, name: str = "ggtrain",
+               out_type: str = "f32") -> None:
+    """Write a clean llama.cpp model (hparams, tokenizer keys, tensors in llama.cpp's order;
+    nothing else, since llama.cpp refuses extra tensors), atomically, one tensor at a time.
 
-    config: LlamaConfig-style keyword arguments; weights: {tensor name: f32 array} in
-    numpy order; tokenizer: anything with gguf_kv() (formats.tokenizer).
+    config: LlamaConfig-style keyword arguments; tokenizer: anything with gguf_kv()
+    (formats.tokenizer); weights: {tensor name: value} in numpy order, a value being an f32
+    array, a zero-argument callable returning one (computed only when that tensor is
+    written), or a StoredTensor (its bytes copied in their stored type). out_type: the type
+    f32 matrices are written in (f32, f16, bf16, q8_0, q4_0); 1-D tensors stay F32, and a
+    matrix whose rows are not whole blocks of out_type falls back to F16, as llama.cpp's
+    quantizer does.
     """
     hp = config_to_hparams(config)
     tied = bool(config.get("tied", False))
     shapes = tensor_shapes(hp, tied)
+    target = dtype(out_type)
+    if not target.can_quantize:
+        writable = ", ".join(n for n, d in DTYPES.items() if d.can_quantize)
+        raise FormatError(f"{path}: cannot write tensors as {out_type} (ggtrain writes {writable})")
     tensors = []
     for tname, shape in shapes.items():
         w = weights.get(tname)
         if w is None:
             raise FormatError(f"{path}: no weights for tensor {tname}")
-        w = np.ascontiguousarray(w, dtype=np.float32)
-        if w.shape != tuple(shape):
-            raise FormatError(f"{path}: tensor {tname} has shape {w.shape}, expected {shape}")
-        tensors.append((tname, w, "F32"))
-    kv = hparams_to_kv(hp, name, file_type=0) + list(tokenizer.gguf_kv())
-    write_gguf(path, kv, tensors)
+        shape = tuple(shape)
+        if isinstance(w, StoredTensor):
+            if tuple(w.shape) != shape:
+                raise FormatError(f"{path}: tensor {tname} has shape {w.shape}, expected {shape}")
+            nbytes = _nbytes(shape, w.dtype)
+            tensors.append((tname, lambda w=w, n=nbytes: w.buffer.bytes[:n], w.dtype.upper(), shape))
+            continue
+        t = target if len(shape) == 2 else dtype("f32")
+        if shape[-1] % t.block:
+            t = dtype("f16")
+
+        def value(w=w, tname=tname, shape=shape):
+            a = np.ascontiguousarray(w() if callable(w) else w, dtype=np.float32)
+            if a.shape != shape:
+                raise FormatError(f"{path}: tensor {tname} has shape {a.shape}, expected {shape}")
+            return a
+        if not callable(w) and np.shape(w) != shape:
+            raise FormatError(f"{path}: tensor {tname} has shape {np.shape(w)}, expected {shape}")
+        tensors.append((tname, value, t.name.upper(), shape))
+    file_type = FILE_TYPES.get(GGMLQuantizationType[target.name.upper()])
+    kv = hparams_to_kv(hp, name, file_type=int(file_type) if file_type is not None else None)
+    write_gguf(path, kv + list(tokenizer.gguf_kv()), tensors)

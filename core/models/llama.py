@@ -108,10 +108,12 @@ def linear(x, params: dict, name: str, lora: dict | None = None):
     return y
 
 
-def _attention(cfg: LlamaConfig, x, p: str, params: dict, pos, lora=None, kv=None, n_kv: int = 0):
-    """Self-attention of x (B, T, C). With kv = (k_cache, v_cache), persistent (S, Hkv*D)
-    tensors (B must be 1): this step's keys and values are written at rows pos, and the
-    queries attend over cache rows 0..n_kv-1, query i seeing rows <= pos[i]."""
+def _attention(cfg: LlamaConfig, x, p: str, params: dict, pos, lora=None, kv=None, n_kv: int = 0, seg=None):
+    """Self-attention of x (B, T, C), causal; with seg (B, T) i32 (packed samples), query i
+    sees key j only when j <= i and seg[., j] == seg[., i] (pos (B, T) then restarts per
+    sample). With kv = (k_cache, v_cache), persistent (S, Hkv*D) tensors (B must be 1):
+    this step's keys and values are written at rows pos, and the queries attend over cache
+    rows 0..n_kv-1, query i seeing rows <= pos[i]."""
     b, t, c = x.shape
     h, hkv, d = cfg.heads, cfg.kv_heads, cfg.head_dim
     g = h // hkv
@@ -125,7 +127,11 @@ def _attention(cfg: LlamaConfig, x, p: str, params: dict, pos, lora=None, kv=Non
         k = ops.permute(k, (0, 2, 3, 1))                                             # (B, Hkv, D, T) view
         v = ops.cont(ops.permute(v, (0, 2, 1, 3)))                                   # (B, Hkv, T, D)
         scores = ops.reshape(ops.matmul(q, k), (b, h, t, t))
-        probs = ops.reshape(ops.softmax(scores, 1.0 / math.sqrt(d), causal=True), (b, hkv, g * t, t))
+        if seg is None:
+            probs = ops.softmax(scores, 1.0 / math.sqrt(d), causal=True)
+        else:
+            probs = ops.softmax(scores, 1.0 / math.sqrt(d), seg=seg)
+        probs = ops.reshape(probs, (b, hkv, g * t, t))
     else:
         if b != 1:
             raise ConfigError(f"llama: a KV cache serves one sequence, got a batch of {b}")
@@ -142,13 +148,15 @@ def _attention(cfg: LlamaConfig, x, p: str, params: dict, pos, lora=None, kv=Non
 
 
 def forward(cfg: LlamaConfig, params: dict, tokens, pos, graph=None, checkpoint: bool = False,
-            lora: dict | None = None, cache: list | None = None, n_kv: int = 0, last_only: bool = False):
+            lora: dict | None = None, cache: list | None = None, n_kv: int = 0, last_only: bool = False,
+            seg=None):
     """Logits (B, T, V) for tokens (B, T) i32 at positions pos (T,) i32.
 
     params: {name: Tensor} as param_shapes (weights f32, or frozen in their stored types).
     lora: {weight name: (A, B, scale)} adapters added to those weights (see `linear`).
     With checkpoint, each block ends a segment of `graph` (gradient checkpointing
-    recomputes blocks in backward). cache: per layer (k_cache, v_cache) persistent
+    recomputes blocks in backward). seg (B, T) i32: packed samples (pos then (B, T),
+    restarting per sample; see _attention). cache: per layer (k_cache, v_cache) persistent
     (S, Hkv*D) tensors for incremental decoding (B = 1; see _attention), attending over
     n_kv cache rows. last_only: logits of the last position only, (B, 1, V).
     """
@@ -161,7 +169,7 @@ def forward(cfg: LlamaConfig, params: dict, tokens, pos, graph=None, checkpoint:
         p = f"blk.{i}."
         h = ops.mul(ops.rms_norm(x, eps), params[p + "attn_norm.weight"])
         kv = cache[i] if cache is not None else None
-        x = ops.add(x, _attention(cfg, h, p, params, pos, lora, kv, n_kv))
+        x = ops.add(x, _attention(cfg, h, p, params, pos, lora, kv, n_kv, seg))
         h = ops.mul(ops.rms_norm(x, eps), params[p + "ffn_norm.weight"])
         gate = ops.silu(linear(h, params, p + "ffn_gate.weight", lora))
         up = linear(h, params, p + "ffn_up.weight", lora)

@@ -1,0 +1,79 @@
+"""What `train` and `finetune` share around a TextRun (layer 6): the progress bar, the JSONL
+log, periodic and final checkpoints, Ctrl-C (one checkpoint, exit 130), the summary line."""
+from __future__ import annotations
+
+import pathlib
+import sys
+import time
+from typing import Callable
+
+import typer
+from tqdm import tqdm
+
+from ggtrain.cli.common import JsonLog, stop_on_ctrl_c
+from ggtrain.errors import ConfigError
+
+STEP_FIELDS = ("step", "epoch", "loss", "lr", "grad_norm", "tokens_per_s", "elapsed_s")
+
+
+def check_checkpoint_options(save_every: int, checkpoint_dir: pathlib.Path | None) -> None:
+    """--save-every needs --checkpoint-dir; the folder is created."""
+    if save_every < 0:
+        raise ConfigError(f"--save-every must be >= 0, got {save_every}")
+    if save_every and checkpoint_dir is None:
+        raise ConfigError("--save-every needs --checkpoint-dir")
+    if checkpoint_dir is not None:
+        checkpoint_dir.mkdir(parents=True, exist_ok=True)
+
+
+def check_out(out: pathlib.Path, option: str = "--out") -> None:
+    if not out.parent.is_dir():
+        raise ConfigError(f"{option} {out}: folder {out.parent} does not exist")
+
+
+def drive(run, batches, val_batches: list, *, log: JsonLog, quiet: bool, save_every: int,
+          checkpoint_dir: pathlib.Path | None, out: pathlib.Path,
+          checkpoint: Callable[[pathlib.Path], None]) -> dict:
+    """Run `run.fit` to its last update with a progress bar, logging and checkpoints.
+
+    checkpoint(path) writes a resumable checkpoint of the run. On Ctrl-C one is written
+    (into --checkpoint-dir, else beside --out) and the command exits with status 130.
+    Returns {"step", "val_loss", "tokens_seen", "elapsed_s"} after the final evaluation.
+    """
+    write = log.write
+    total = run.config.steps
+    bar = None if quiet else tqdm(total=total, initial=run.updates, unit="step", file=sys.stderr)
+
+    def on_step(info):
+        write({k: info[k] for k in STEP_FIELDS})
+        if bar is not None:
+            bar.set_postfix(loss=f"{info['loss']:.4f}", lr=f"{info['lr']:.2e}", tok_s=f"{info['tokens_per_s']:.0f}")
+            bar.update(1)
+        if save_every and info["step"] % save_every == 0:
+            checkpoint(checkpoint_dir / f"ckpt-{info['step']:06d}.gguf")
+
+    def on_eval(ev):
+        write(ev)
+        if bar is not None:
+            bar.write(f"step {ev['step']}: validation loss {ev['val_loss']:.4f}")
+
+    t0 = time.perf_counter()
+    try:
+        with stop_on_ctrl_c(run) as state:
+            run.fit(batches, val_batches, on_step, on_eval)
+    finally:
+        if bar is not None:
+            bar.close()
+    if state["interrupted"]:
+        path = (checkpoint_dir / f"ckpt-{run.updates:06d}.gguf" if checkpoint_dir
+                else out.parent / (out.name + ".ckpt.gguf"))
+        checkpoint(path)
+        write({"event": "interrupted", "step": run.updates, "checkpoint": str(path)})
+        log.close()
+        typer.echo(f"interrupted at update {run.updates}: checkpoint {path} (resume with --resume {path})", err=True)
+        raise typer.Exit(130)
+    val_loss = run.evaluate(val_batches) if val_batches else float("nan")
+    if checkpoint_dir is not None:
+        checkpoint(checkpoint_dir / f"ckpt-{run.updates:06d}.gguf")
+    return {"step": run.updates, "val_loss": val_loss, "tokens_seen": run.tokens_seen,
+            "elapsed_s": time.perf_counter() - t0}

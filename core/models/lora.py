@@ -1,0 +1,72 @@
+"""LoRA adapters of a llama's linear weights (layer 4), as PEFT trains them and llama.cpp applies them.
+
+A weight W (n_out, n_in) gets two trainable factors, A (r, n_in) and B (n_out, r), and the
+layer computes W x + (alpha / r) B A x. PEFT's initialisation: A uniform in
+[-1/sqrt(n_in), 1/sqrt(n_in)] (kaiming_uniform with a = sqrt(5)), B zero, so training starts
+from the base model exactly. Factor tensors are named "<weight name>.lora_a" / ".lora_b", as
+llama.cpp's adapter files name them; the scale alpha / r is what llama.cpp applies to an
+adapter whose adapter.lora.alpha is alpha (times the user's --lora-scale).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from ggtrain.errors import ConfigError
+
+# the llama weights an adapter may target, by their llama.cpp block tensor names
+TARGETS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    """Rank, alpha, targeted weights (TARGETS names) and dropout of the adapters' input."""
+
+    rank: int = 16
+    alpha: float = 32.0
+    targets: tuple = TARGETS
+    dropout: float = 0.0
+
+    def __post_init__(self):
+        object.__setattr__(self, "targets", tuple(self.targets))
+        if not isinstance(self.rank, int) or self.rank < 1:
+            raise ConfigError(f"--lora-rank must be an integer >= 1, got {self.rank!r}")
+        if not self.alpha > 0:
+            raise ConfigError(f"--lora-alpha must be > 0, got {self.alpha}")
+        unknown = [t for t in self.targets if t not in TARGETS]
+        if not self.targets:
+            raise ConfigError(f"--lora-targets: no target given (targets: {', '.join(TARGETS)})")
+        if unknown:
+            raise ConfigError(f"--lora-targets: unknown target {unknown[0]!r} (targets: {', '.join(TARGETS)})")
+        if len(set(self.targets)) != len(self.targets):
+            raise ConfigError(f"--lora-targets: {', '.join(self.targets)} names a target twice")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"--lora-dropout must be in [0, 1), got {self.dropout}")
+
+    @property
+    def scale(self) -> float:
+        """alpha / r: the factor of B A x."""
+        return self.alpha / self.rank
+
+    def weights(self, layers: int) -> list:
+        """The adapted weight names, in llama.cpp's order: blk.{i}.<target>.weight."""
+        return [f"blk.{i}.{t}.weight" for i in range(layers) for t in TARGETS if t in self.targets]
+
+
+def init_lora(cfg: LoraConfig, shapes: dict, seed: int = 0) -> dict:
+    """PEFT's initial factors for each adapted weight: {"<w>.lora_a": A (r, n_in) f32,
+    "<w>.lora_b": B (n_out, r) zeros}. shapes: {weight name: (n_out, n_in)}."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for name, (n_out, n_in) in shapes.items():
+        bound = 1.0 / math.sqrt(n_in)
+        out[name + ".lora_a"] = rng.uniform(-bound, bound, (cfg.rank, n_in)).astype(np.float32)
+        out[name + ".lora_b"] = np.zeros((n_out, cfg.rank), np.float32)
+    return out
+
+
+def factor_names(name: str) -> tuple:
+    """("<name>.lora_a", "<name>.lora_b")."""
+    return name + ".lora_a", name + ".lora_b"

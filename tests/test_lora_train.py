@@ -1,0 +1,150 @@
+"""LoRA on a frozen llama: gradients of every target's factors against float64 finite
+differences of an independent forward pass, training that moves only the adapters, and a
+frozen base in a quantized type."""
+import numpy as np
+import pytest
+
+from ggtrain.core import ops
+from ggtrain.core.autograd import backward
+from ggtrain.core.backend import StoredTensor
+from ggtrain.core.backend_cpu import CpuBackend
+from ggtrain.core.graph import Graph, Runtime
+from ggtrain.core.models import llama
+from ggtrain.core.models.lora import TARGETS, LoraConfig, factor_names, init_lora
+from ggtrain.core.train import TextConfig, TextRun
+from ggtrain.errors import ConfigError
+from ggtrain.formats.gguf import dequantize, quantize
+from tests import np_llama
+
+CFG = llama.LlamaConfig(vocab=11, dim=16, layers=2, heads=4, kv_heads=2, ff=24, ctx=8)
+LORA = LoraConfig(rank=2, alpha=3.0)
+
+
+def _factors(weights, seed):
+    """Random non-zero factors (so that both A's and B's gradients are non-zero)."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for w in LORA.weights(CFG.layers):
+        n_out, n_in = weights[w].shape
+        a, b = factor_names(w)
+        out[a] = rng.normal(0, 0.5, (LORA.rank, n_in)).astype(np.float32)
+        out[b] = rng.normal(0, 0.5, (n_out, LORA.rank)).astype(np.float32)
+    return out
+
+
+def _merged(weights, factors):
+    """float64 weights with W + (alpha / r) B A: what the adapters compute, independently."""
+    out = {k: v.astype(np.float64) for k, v in weights.items()}
+    for w in LORA.weights(CFG.layers):
+        a, b = factor_names(w)
+        out[w] = out[w] + LORA.scale * factors[b].astype(np.float64) @ factors[a].astype(np.float64)
+    return out
+
+
+def test_every_target_gets_the_finite_difference_gradient():
+    weights = llama.init_params(CFG, seed=1, std=0.3)
+    factors = _factors(weights, 2)
+    rng = np.random.default_rng(3)
+    tokens = rng.integers(0, CFG.vocab, (1, 6))
+    upstream = rng.normal(size=(1, 6, CFG.vocab))
+
+    def loss64(fac):
+        return float((np_llama.forward(CFG, _merged(weights, fac), tokens, np.arange(6)) * upstream).sum())
+
+    g = Graph()
+    base = {k: g.param(v.shape, v, name=k, trainable=False) for k, v in weights.items()}
+    fac = {k: g.param(v.shape, v, name=k) for k, v in factors.items()}
+    lora = {w: (fac[factor_names(w)[0]], fac[factor_names(w)[1]], LORA.scale) for w in LORA.weights(CFG.layers)}
+    tok = g.const(tokens.astype(np.int32), dtype="i32")
+    pos = g.const(np.arange(6, dtype=np.int32), dtype="i32")
+    logits = llama.forward(CFG, base, tok, pos, lora=lora)
+    loss = ops.sum(ops.mul(logits, g.const(upstream)))
+    grads = backward(loss, list(fac.values()), checkpointing=False)
+    rt = Runtime(g, CpuBackend(2))
+    plan = rt.compile([grads[t] for t in fac.values()])
+    rt.run(plan)
+    analytic = {k: plan.read(grads[t]) for k, t in fac.items()}
+    h = 1e-6
+    pick = np.random.default_rng(4)
+    seen = set()
+    for k, v in factors.items():
+        flat = v.reshape(-1)
+        for i in pick.choice(flat.size, min(4, flat.size), replace=False):
+            plus, minus = dict(factors), dict(factors)
+            plus[k] = v.astype(np.float64).copy()
+            minus[k] = v.astype(np.float64).copy()
+            plus[k].reshape(-1)[i] += h
+            minus[k].reshape(-1)[i] -= h
+            numeric = (loss64(plus) - loss64(minus)) / (2 * h)
+            got = analytic[k].reshape(-1)[i]
+            assert got == pytest.approx(numeric, rel=2e-3, abs=2e-3), (k, i)
+            seen.add(k.split(".")[2])
+    assert seen == set(TARGETS)          # attn_k and attn_v included
+
+
+def _run(weights_frozen, steps=30, lora=LORA, cfg=CFG):
+    tc = TextConfig(steps=steps, batch=2, lr=1e-2, lr_min=1e-2, warmup=0, weight_decay=0.0, grad_clip=1.0,
+                    checkpointing=True)
+    shapes = {w: weights_frozen[w].shape for w in lora.weights(cfg.layers)}
+    run = TextRun(cfg, init_lora(lora, shapes, 0), tc, CpuBackend(2), frozen=weights_frozen, lora=lora)
+    rng = np.random.default_rng(5)
+    data = np.tile(np.arange(cfg.vocab), 40)          # a pattern the base does not know
+
+    class Windows:
+        epoch = 0.0
+
+        def next(self):
+            s = rng.integers(0, len(data) - cfg.ctx - 1, 2)
+            return np.stack([data[i:i + cfg.ctx + 1] for i in s]).astype(np.int32)
+
+    losses, source = [], Windows()
+    first = np.random.default_rng(5)
+    s0 = first.integers(0, len(data) - cfg.ctx - 1, 2)
+    first_batch = np.stack([data[i:i + cfg.ctx + 1] for i in s0]).astype(np.int32)
+    run.fit(source, [], on_step=lambda info: losses.append(info["loss"]))
+    return run, losses, first_batch
+
+
+def test_training_moves_only_the_adapters():
+    weights = llama.init_params(CFG, seed=1, std=0.3)
+    before = {k: v.copy() for k, v in weights.items()}
+    run, losses, _ = _run(weights)
+    assert losses[-1] < 0.5 * losses[0]
+    for k, v in weights.items():
+        np.testing.assert_array_equal(v, before[k])
+    assert set(run.param_values()) == {n for w in LORA.weights(CFG.layers) for n in factor_names(w)}
+
+
+def test_initial_adapter_is_the_identity_and_quantized_base_stays_in_its_type():
+    """B = 0 at the start (PEFT): the first loss is the base model's; a Q8_0 base is bound as
+    stored bytes and its buffers are byte-identical after training."""
+    cfg = llama.LlamaConfig(vocab=11, dim=32, layers=2, heads=4, kv_heads=2, ff=64, ctx=8)  # whole Q8_0 rows
+    weights = llama.init_params(cfg, seed=1, std=0.3)
+    be = CpuBackend(2)
+    stored = {}
+    for k, v in weights.items():
+        if v.ndim == 2:
+            raw = quantize(v, "Q8_0").reshape(-1)
+            buf = be.alloc(raw.size)
+            buf.bytes[:] = raw
+            stored[k] = StoredTensor(buf, "q8_0", v.shape)
+        else:
+            stored[k] = v
+    copies = {k: w.buffer.bytes.copy() for k, w in stored.items() if isinstance(w, StoredTensor)}
+    run, losses, first = _run(stored, steps=20, cfg=cfg)
+    assert losses[-1] < 0.7 * losses[0]
+    for k, raw in copies.items():
+        assert np.array_equal(stored[k].buffer.bytes, raw), k
+    # the first update's loss is the base model's loss on the same batch: B started at zero
+    deq = {k: (dequantize(copies[k], "Q8_0", v.shape) if k in copies else v) for k, v in weights.items()}
+    base = llama.LlamaRunner(cfg, deq, CpuBackend(2), batch=2, length=cfg.ctx)
+    want = base.nll(first[:, :-1], first[:, 1:]) / first[:, 1:].size
+    assert losses[0] == pytest.approx(want, rel=1e-5)
+
+
+@pytest.mark.parametrize("kw, text", [(dict(rank=0), "--lora-rank"), (dict(targets=("attn_x",)), "attn_x"),
+                                      (dict(alpha=0), "--lora-alpha"), (dict(dropout=1.0), "--lora-dropout"),
+                                      (dict(targets=()), "no target")])
+def test_bad_lora_settings(kw, text):
+    with pytest.raises(ConfigError, match=text):
+        LoraConfig(**kw)
