@@ -445,17 +445,27 @@ def rms_norm_bwd(x: Tensor, g: Tensor, eps: float) -> Tensor:
     return apply("rms_norm_bwd", [x, g], eps=float(eps))
 
 
-def softmax(x: Tensor, scale: float = 1.0, causal: bool = False, pos: Tensor | None = None) -> Tensor:
+# softmax masks: the kernel's ip[0] for each (see gt_softmax_fwd_f32)
+_SOFTMAX_MASKS = {"none": 0, "causal": 1, "pos": 2, "seg": 3}
+
+
+def softmax(x: Tensor, scale: float = 1.0, causal: bool = False, pos: Tensor | None = None,
+            seg: Tensor | None = None) -> Tensor:
     """softmax(scale * x (+ mask)) over the last dim of x (..., Tq, Tk). (f32)
 
-    causal: query i sees keys j <= i + (Tk - Tq). pos (Tq,) i32: query i sees keys
-    j <= pos[i] (keys are a KV cache of positions 0..Tk-1). Masked entries are 0.
+    At most one mask: causal: query i sees keys j <= i + (Tk - Tq). pos (Tq,) i32: query i
+    sees keys j <= pos[i] (keys are a KV cache of positions 0..Tk-1). seg (B, T) i32 for
+    x (B, ..., T, T) (packed samples, seg = a token's sample in its row): query i of batch
+    row b sees keys j <= i with seg[b, j] == seg[b, i]. Masked entries are 0.
+    Raises ValueError for two masks, ShapeError / DTypeError for a bad pos or seg.
     """
+    if int(bool(causal)) + (pos is not None) + (seg is not None) > 1:
+        raise ValueError("softmax: give one of causal, pos and seg")
     if pos is not None:
-        if causal:
-            raise ValueError("softmax: give causal or pos, not both")
-        return apply("softmax", [x, pos], scale=float(scale), causal=False)
-    return apply("softmax", [x], scale=float(scale), causal=bool(causal))
+        return apply("softmax", [x, pos], scale=float(scale), mask="pos")
+    if seg is not None:
+        return apply("softmax", [x, seg], scale=float(scale), mask="seg")
+    return apply("softmax", [x], scale=float(scale), mask="causal" if causal else "none")
 
 
 def softmax_bwd(y: Tensor, g: Tensor, scale: float) -> Tensor:
@@ -497,15 +507,26 @@ def _infer_softmax_bwd(srcs, params):
 
 def _infer_softmax(srcs, params):
     x = srcs[0]
+    mask = params["mask"]
     _f32("softmax", x)
     _need(x.ndim >= 1, "softmax: input must have at least 1 dim")
-    if len(srcs) == 2:
+    _need(mask in _SOFTMAX_MASKS and len(srcs) == (2 if mask in ("pos", "seg") else 1),
+          f"softmax: mask {mask!r} with {len(srcs) - 1} mask inputs", ValueError)
+    if mask == "pos":
         pos = srcs[1]
         if pos.dtype != "i32":
             raise DTypeError(f"softmax: positions must be i32, got {pos.dtype}")
         _need(x.ndim >= 2 and pos.shape == (x.shape[-2],),
               f"softmax: positions {pos.shape} do not match Tq of {x.shape}")
-    if params.get("causal"):
+    if mask == "seg":
+        seg = srcs[1]
+        if seg.dtype != "i32":
+            raise DTypeError(f"softmax: segments must be i32, got {seg.dtype}")
+        _need(x.ndim >= 3 and x.shape[-2] == x.shape[-1],
+              f"softmax: the segment mask needs x (B, ..., T, T), got {x.shape}")
+        _need(seg.shape == (x.shape[0], x.shape[-1]),
+              f"softmax: segments {seg.shape} do not match (B, T) = {(x.shape[0], x.shape[-1])} of {x.shape}")
+    if mask == "causal":
         _need(x.ndim >= 2, f"softmax: causal mask needs (..., Tq, Tk), got {x.shape}")
         _need(x.shape[-2] <= x.shape[-1], f"softmax: causal mask needs Tq <= Tk, got {x.shape}")
     return x.shape, "f32"
@@ -526,7 +547,7 @@ register(OpDef("rms_norm_bwd", _infer_rms_norm, "rms_norm_bwd", contiguous=(0, 1
                lower=lambda y: ((), (y.params["eps"],))))
 register(OpDef("softmax", _infer_softmax, "softmax_fwd", contiguous=(0, 1),
                backward=lambda y, g: [softmax_bwd(y, g, y.params["scale"]), None],
-               lower=lambda y: ((2 if len(y.srcs) == 2 else int(y.params["causal"]),), (y.params["scale"],)),
+               lower=lambda y: ((_SOFTMAX_MASKS[y.params["mask"]],), (y.params["scale"],)),
                differentiable=(0,)))
 register(OpDef("softmax_bwd", _infer_softmax_bwd, "softmax_bwd", contiguous=(0, 1),
                lower=lambda y: ((), (y.params["scale"],))))

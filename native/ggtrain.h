@@ -247,8 +247,10 @@ int gt_rms_norm_bwd_f32(const struct gt_node *node, const gt_ctx *ctx);
 /* softmax over the last dim of src (..., T_q, T_k) after scaling by fp[0];
  * ip[0] = 1 adds a causal mask: row i of the last-but-one dim sees columns
  * j <= i + (T_k - T_q); ip[0] = 2 masks by position: src1 pos (T_q,) i32, row i
- * sees columns j <= pos[i] (decoding with a KV cache). Masked entries are
- * exactly 0 (a row seeing no column is all 0). softmax_bwd: src0 = y (softmax
+ * sees columns j <= pos[i] (decoding with a KV cache); ip[0] = 3 masks by
+ * segment (packed samples): src (B, ..., T, T), src1 seg (B, T) i32 contiguous,
+ * row i of batch b sees columns j <= i with seg[b, j] == seg[b, i]. Masked
+ * entries are exactly 0 (a row seeing no column is all 0). softmax_bwd: src0 = y (softmax
  * output), src1 = g, dst = dx = fp[0] * y * (g - sum(g * y)). Contiguous inputs. */
 int gt_softmax_fwd_f32(const struct gt_node *node, const gt_ctx *ctx);
 int gt_softmax_bwd_f32(const struct gt_node *node, const gt_ctx *ctx);

@@ -145,6 +145,14 @@ case("softmax", [In((2, 3, 6), -3, 3)], lambda x: ops.softmax(x, 1.3, causal=Tru
 # a query at 0, seeing one key)
 case("softmax", [In((2, 4, 6), -3, 3), In((4,), values=np.array([3, 0, 5, 2], np.int32), grad=False)],
      lambda x, p: ops.softmax(x, 0.8, pos=p), lambda x, p: refs.softmax(x, 0.8, pos=p), name="pos")
+# packed rows: row 0 holds 3 samples then 2 padding tokens (seg -1), row 1 two samples
+_SEG = np.array([[0, 0, 0, 1, 1, 2, -1, -1], [0, 0, 0, 0, 0, 1, 1, 1]], np.int32)
+case("softmax", [In((2, 3, 8, 8), -3, 3), In((2, 8), values=_SEG, grad=False)],
+     lambda x, s: ops.softmax(x, 0.6, seg=s), lambda x, s: refs.softmax(x, 0.6, seg=s), name="seg")
+# a segment that comes back after another (not a packing, but a valid mask: the kernel's
+# column-by-column path)
+case("softmax", [In((1, 5, 5), -3, 3), In((1, 5), values=np.array([[0, 1, 0, 1, 1]], np.int32), grad=False)],
+     lambda x, s: ops.softmax(x, 1.1, seg=s), lambda x, s: refs.softmax(x, 1.1, seg=s), name="seg-interleaved")
 case("softmax_bwd", [In((3, 7), 0.05, 1), In((3, 7))], lambda y, g: ops.softmax_bwd(y, g, 0.5),
      lambda y, g: refs.softmax_bwd(y, g, 0.5), backward=False)
 case("cross_entropy", [In((5, 7), -3, 3), In((5,), ints=(0, 7))], ops.cross_entropy,

@@ -33,15 +33,28 @@ def _causal_mask(tq, tk):
     return np.arange(tk)[None, :] <= np.arange(tq)[:, None] + (tk - tq)
 
 
-def softmax(x, scale=1.0, causal=False, pos=None):
+def seg_mask(seg):
+    """(B, T, T) bool from seg (B, T): query i sees key j iff j <= i and seg[j] == seg[i]."""
+    seg = np.asarray(seg)
+    t = seg.shape[-1]
+    return _causal_mask(t, t)[None] & (seg[:, None, :] == seg[:, :, None])
+
+
+def softmax(x, scale=1.0, causal=False, pos=None, seg=None):
     """softmax(scale * x) over the last dim; causal masks (..., T_q, T_k) to 0, and so
-    does pos (T_q,): query i sees keys j <= pos[i]. A row that sees no column is all 0."""
+    does pos (T_q,): query i sees keys j <= pos[i], and seg (B, T) for x (B, ..., T, T):
+    query i of batch b sees keys j <= i of its own segment (seg[b, j] == seg[b, i]).
+    A row that sees no column is all 0."""
     z = _f64(x) * scale
     if causal:
         mask = _causal_mask(z.shape[-2], z.shape[-1])
         z = np.where(mask, z, -np.inf)
     if pos is not None:
         mask = np.arange(z.shape[-1])[None, :] <= np.asarray(pos)[:, None]
+        z = np.where(mask, z, -np.inf)
+    if seg is not None:
+        mask = seg_mask(seg)
+        mask = mask.reshape(mask.shape[:1] + (1,) * (z.ndim - 3) + mask.shape[1:])
         z = np.where(mask, z, -np.inf)
     m = np.max(z, axis=-1, keepdims=True)
     m = np.where(np.isfinite(m), m, 0.0)

@@ -72,6 +72,47 @@ def test_softmax(shape, scale, causal):
     close(dx, refs.softmax_bwd(want, g, scale))
 
 
+SEG_CASES = [  # x shape (B, ..., T, T), seg rows (B, T)
+    ((1, 1, 1), [[0]]),
+    ((1, 2, 5, 5), [[0, 0, 1, 1, 1]]),
+    # one row: 3 samples then padding (seg -1, which attends to earlier padding only)
+    ((2, 3, 9, 9), [[0, 0, 0, 1, 1, 2, 2, 2, -1], [0, 0, 0, 0, 0, 0, 1, 1, 1]]),
+    ((2, 33, 33), [[0] * 20 + [1] * 13, [0] * 5 + [1] * 17 + [2] * 9 + [-1] * 2]),   # runs over 16 lanes
+    ((3, 1, 4, 4), [[0, 1, 2, 3], [-1, -1, -1, -1], [5, 5, 7, 7]]),      # 1-token samples, any ids
+    ((1, 2, 7, 7), [[0, 1, 0, 1, 1, 0, 2]]),                              # a segment that comes back
+]
+
+
+@pytest.mark.parametrize("shape,seg", SEG_CASES)
+def test_softmax_seg(shape, seg):
+    rng = np.random.default_rng(15)
+    seg = np.array(seg, dtype=np.int32)
+    x, g = f32(rng, *shape, lo=-4, hi=4), f32(rng, *shape)
+    y = run("softmax_fwd_f32", shape, [x, seg], ip=(3,), fp=(0.8,))
+    want = refs.softmax(x, 0.8, seg=seg)
+    close(y, want)
+    assert np.all(y[want == 0] == 0)          # masked entries exactly 0
+    close(y.sum(-1), 1.0)                     # every row sees at least its own token
+    for n in (2, 3):
+        assert np.array_equal(y, run("softmax_fwd_f32", shape, [x, seg], ip=(3,), fp=(0.8,), n_threads=n))
+    dx = run("softmax_bwd_f32", shape, [y, g], fp=(0.8,))
+    close(dx, refs.softmax_bwd(want, g, 0.8))
+
+
+def test_softmax_seg_sample_as_if_alone():
+    """A packed sample's rows equal the same sample alone at the start of a row: the kernel
+    reads the run [start, i] as the causal kernel reads [0, i] (bit for bit)."""
+    rng = np.random.default_rng(16)
+    t, n0, n1 = 37, 11, 21
+    x = f32(rng, 1, 2, t, t, lo=-4, hi=4)
+    seg = np.array([[0] * n0 + [1] * n1 + [-1] * (t - n0 - n1)], np.int32)
+    packed = run("softmax_fwd_f32", x.shape, [x, seg], ip=(3,), fp=(0.5,))
+    alone_x = np.ascontiguousarray(x[:, :, n0:n0 + n1, n0:n0 + n1])
+    alone = run("softmax_fwd_f32", alone_x.shape, [alone_x], ip=(1,), fp=(0.5,))
+    assert np.array_equal(packed[:, :, n0:n0 + n1, n0:n0 + n1], alone)
+    assert np.all(packed[:, :, n0:n0 + n1, :n0] == 0) and np.all(packed[:, :, n0:n0 + n1, n0 + n1:] == 0)
+
+
 def test_softmax_large_inputs():
     """Row max subtracted: huge logits neither overflow nor lose the small ones."""
     rng = np.random.default_rng(3)
@@ -294,6 +335,7 @@ def _thread_cases():
     cols = f32(rng, 3, 5, 4, 45)
     pooled = f32(rng, 3, 4, 4, 5)
     img8, cols8, pooled8 = f32(rng, 3, 9, 7, 8), f32(rng, 3, 9, 7, 72), f32(rng, 3, 4, 3, 8)
+    seg = np.array([[0, 0, 0, 1, 1, 2, 2, 2, -1], [0, 0, 0, 0, 0, 0, 1, 1, 1]], np.int32)
     return [
         ("rms_norm_fwd_f32", x.shape, [x], (), (1e-5,), None),
         ("rms_norm_bwd_f32", x.shape, [x, g], (), (1e-5,), None),
@@ -309,6 +351,7 @@ def _thread_cases():
         ("im2col_bwd_f32", img.shape, [cols], (3, 3, 2, 1), (), None),
         ("max_pool2d_fwd_f32", pooled.shape, [img], (2,), (), None),
         ("max_pool2d_bwd_f32", img.shape, [img, pooled], (2,), (), None),
+        ("softmax_fwd_f32", (2, 3, 9, 9), [f32(rng, 2, 3, 9, 9), seg], (3,), (0.5,), None),
         ("im2col_fwd_f32", cols8.shape, [img8], (3, 3, 1, 1), (), None),
         ("im2col_bwd_f32", img8.shape, [cols8], (3, 3, 1, 1), (), None),
         ("max_pool2d_fwd_f32", pooled8.shape, [img8], (2,), (), None),
@@ -333,6 +376,9 @@ def _bad_cases():
     i32 = np.zeros(3, dtype=np.int32)
     h = x.astype(np.float16)
     img = f32(rng, 1, 4, 4, 2)
+    x3 = f32(rng, 2, 3, 3)
+    seg2 = np.zeros((2, 3), np.int32)
+    seg23 = np.zeros((2, 6), np.int32)
     return [  # kernel, dst shape, srcs, ip, fp, scratch, exception, op name
         ("rms_norm_fwd_f32", (3, 7), [x], (), (1e-5,), 0, ShapeError, "rms_norm"),
         ("rms_norm_fwd_f32", (3, 8), [h], (), (1e-5,), 0, DTypeError, "rms_norm"),
@@ -341,6 +387,16 @@ def _bad_cases():
         ("softmax_fwd_f32", (8,), [x[0]], (1,), (1.0,), 0, ShapeError, "softmax"),
         ("softmax_fwd_f32", (3, 8), [x], (2,), (1.0,), 0, NativeError, "softmax"),
         ("softmax_bwd_f32", (3, 8), [x, h], (), (1.0,), 0, DTypeError, "softmax_bwd"),
+        # segment mask: x (B, ..., T, T), seg (B, T) i32 contiguous
+        ("softmax_fwd_f32", (2, 3, 3), [x3], (3,), (1.0,), 0, NativeError, "expected 2 inputs"),
+        ("softmax_fwd_f32", (2, 3, 3), [x3, seg2], (4,), (1.0,), 0, NativeError, "mask ip[0]"),
+        ("softmax_fwd_f32", (3, 3), [x3[0], seg2], (3,), (1.0,), 0, ShapeError, "3+ dims"),
+        ("softmax_fwd_f32", (2, 3, 3), [x3, seg2.astype(np.float32)], (3,), (1.0,), 0, DTypeError, "seg i32"),
+        ("softmax_fwd_f32", (2, 3, 3), [x3, seg2[:1]], (3,), (1.0,), 0, ShapeError, "expected seg (2, 3)"),
+        ("softmax_fwd_f32", (2, 3, 3), [x3, seg2[:, :2]], (3,), (1.0,), 0, ShapeError, "expected seg (2, 3)"),
+        ("softmax_fwd_f32", (2, 3, 3), [x3, seg2.reshape(-1)], (3,), (1.0,), 0, ShapeError, "expected seg"),
+        ("softmax_fwd_f32", (2, 3, 3), [x3, seg23[:, ::2]], (3,), (1.0,), 0, NativeError, "seg contiguous"),
+        ("softmax_fwd_f32", (2, 2, 3), [np.ascontiguousarray(x3[:, :2]), seg2], (3,), (1.0,), 0, ShapeError, "T_q == T_k"),
         ("cross_entropy_fwd_f32", (), [x, np.array([1, 8, 0], dtype=np.int32)], (0,), (), 12,
          NativeError, "row 1 is 8"),
         ("cross_entropy_fwd_f32", (), [x, np.zeros(4, dtype=np.int32)], (0,), (), 16, ShapeError,
@@ -430,6 +486,14 @@ def test_fd_cross_entropy():
     t = np.array([3, -1, 0, 6, 2], dtype=np.int32)
     g = 1.3
     fd_close(refs.cross_entropy_bwd(x, t, g), fd_grad(lambda a: refs.cross_entropy(a, t), x, g))
+
+
+def test_fd_softmax_seg():
+    rng = np.random.default_rng(27)
+    x, r = rng.standard_normal((2, 2, 6, 6)), rng.standard_normal((2, 2, 6, 6))
+    seg = np.array([[0, 0, 1, 1, 1, -1], [0, 1, 2, 2, 0, 2]], np.int32)
+    y = refs.softmax(x, 0.9, seg=seg)
+    fd_close(refs.softmax_bwd(y, r, 0.9), fd_grad(lambda a: refs.softmax(a, 0.9, seg=seg), x, r))
 
 
 def test_fd_rope():
