@@ -562,7 +562,9 @@ register(OpDef("cross_entropy_bwd", _infer_ce, "cross_entropy_bwd", contiguous=(
 
 
 def rope(x: Tensor, pos: Tensor, n_dims: int | None = None, freq_base: float = 10000.0) -> Tensor:
-    """Rotary embedding, llama.cpp mode 0 (adjacent pairs): x (..., T, H, D), pos (T,) i32."""
+    """Rotary embedding, llama.cpp mode 0 (adjacent pairs): x (..., T, H, D), pos i32 (T,)
+    shared by every row, or x's leading dims (..., T), e.g. (B, T): each row its own
+    positions (packed samples restart at 0). Raises ShapeError / DTypeError."""
     n_dims = x.shape[-1] if n_dims is None else int(n_dims)
     return apply("rope", [x, pos], n_dims=n_dims, freq_base=float(freq_base))
 
@@ -577,7 +579,8 @@ def _infer_rope(srcs, params):
     if pos.dtype != "i32":
         raise DTypeError(f"rope: positions must be i32, got {pos.dtype}")
     _need(x.ndim >= 3, f"rope: x must be (..., T, H, D), got {x.shape}")
-    _need(pos.shape == (x.shape[-3],), f"rope: positions {pos.shape} do not match T={x.shape[-3]} of {x.shape}")
+    _need(pos.shape in ((x.shape[-3],), x.shape[:-2]),
+          f"rope: positions {pos.shape} match neither T = {x.shape[-3]} nor {x.shape[:-2]} of {x.shape}")
     nd = params["n_dims"]
     _need(0 < nd <= x.shape[-1] and nd % 2 == 0, f"rope: n_dims {nd} must be even and <= D={x.shape[-1]}")
     return x.shape, "f32"

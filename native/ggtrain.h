@@ -269,7 +269,8 @@ int gt_cross_entropy_fwd_f32_sizes(const struct gt_node *node, int64_t *scratch,
 int gt_cross_entropy_bwd_f32(const struct gt_node *node, const gt_ctx *ctx);
 
 /* rope, llama.cpp mode 0 (adjacent pairs): src0 x (..., T, H, D) contiguous,
- * src1 positions (T,) i32; ip[0] = n_dims (rotated leading dims of D, even,
+ * src1 positions (T,) i32, or (..., T) i32 contiguous with x's leading dims
+ * (per-row positions, e.g. (B, T) for packed samples); ip[0] = n_dims (rotated leading dims of D, even,
  * 2..D; the rest pass through), fp[0] = freq_base (> 0). theta_i = pos *
  * freq_base^(-2i/n_dims) rotates (x[2i], x[2i+1]) to (x0 cos - x1 sin,
  * x0 sin + x1 cos); theta, cos, sin computed in double. rope_bwd rotates by

@@ -169,6 +169,13 @@ case("rope", [In((3, 2, 6)), In((3,), values=np.array([5, 100, 2047]))],
      lambda x, p: ops.rope(x, p, 4, 500.0), lambda x, p: refs.rope(x, p, 4, 500.0), name="partial")
 case("rope_bwd", [In((2, 5, 3, 8)), In((5,), ints=(0, 64))], lambda g, p: ops.rope_bwd(g, p, 8, 10000.0),
      lambda g, p: refs.rope_bwd(g, p, 8, 10000.0), backward=False)
+# per-row positions (B, T): packed samples restarting at 0 in each row
+_ROW_POS = np.array([[0, 1, 2, 0, 1], [3, 0, 1, 2, 40]], np.int32)
+case("rope", [In((2, 5, 3, 8)), In((2, 5), values=_ROW_POS, grad=False)],
+     lambda x, p: ops.rope(x, p, 6, 10000.0), lambda x, p: refs.rope(x, p, 6, 10000.0), name="per-row")
+case("rope_bwd", [In((2, 5, 3, 8)), In((2, 5), values=_ROW_POS, grad=False)],
+     lambda g, p: ops.rope_bwd(g, p, 8, 10000.0), lambda g, p: refs.rope_bwd(g, p, 8, 10000.0),
+     name="per-row", backward=False)
 case("get_rows", [In((7, 5)), In((2, 3), ints=(0, 7))], ops.get_rows, refs.get_rows)
 case("get_rows_bwd", [In((4, 5)), In((4,), values=np.array([1, 6, 1, 0]))],
      lambda g, i: ops.get_rows_bwd(g, i, 7), lambda g, i: refs.get_rows_bwd(g, i, 7), backward=False)

@@ -102,17 +102,18 @@ def cross_entropy_bwd(logits, targets, g):
 
 
 def _rope_angles(pos, n_dims, base):
-    """(T, n_dims/2) angles pos[t] * base^(-2i/n_dims)."""
+    """(..., T, n_dims/2) angles pos[..., t] * base^(-2i/n_dims) for pos (T,) or (..., T)."""
     i = np.arange(n_dims // 2, dtype=np.float64)
-    return np.asarray(pos, dtype=np.float64)[:, None] * base ** (-2.0 * i / n_dims)
+    return np.asarray(pos, dtype=np.float64)[..., None] * base ** (-2.0 * i / n_dims)
 
 
 def _rotate(x, theta, n_dims):
-    """Rotate adjacent pairs (x[2i], x[2i+1]) of x (..., T, H, D) by theta (T, n_dims/2)."""
+    """Rotate adjacent pairs (x[2i], x[2i+1]) of x (..., T, H, D) by theta (T, n_dims/2),
+    shared by every row, or (..., T, n_dims/2) with x's leading dims (per-row positions)."""
     x = _f64(x)
     out = x.copy()
-    c = np.cos(theta)[:, None, :]   # (T, 1, n_dims/2), broadcast over heads
-    s = np.sin(theta)[:, None, :]
+    c = np.cos(theta)[..., None, :]   # (..., T, 1, n_dims/2), broadcast over heads
+    s = np.sin(theta)[..., None, :]
     x0, x1 = x[..., 0:n_dims:2], x[..., 1:n_dims:2]
     out[..., 0:n_dims:2] = x0 * c - x1 * s
     out[..., 1:n_dims:2] = x0 * s + x1 * c
@@ -120,7 +121,8 @@ def _rotate(x, theta, n_dims):
 
 
 def rope(x, pos, n_dims, base):
-    """llama.cpp rope mode 0 on x (..., T, H, D); dims >= n_dims unchanged."""
+    """llama.cpp rope mode 0 on x (..., T, H, D) at positions pos (T,) or (..., T) (one
+    per row); dims >= n_dims unchanged."""
     return _rotate(x, _rope_angles(pos, n_dims, base), n_dims)
 
 

@@ -189,6 +189,40 @@ def test_rope(shape, n_dims, max_pos):
     close(run("rope_bwd_f32", shape, [g, pos], ip=(n_dims,), fp=(base,)), refs.rope_bwd(g, pos, n_dims, base))
 
 
+ROPE_ROW_CASES = [  # x shape (..., T, H, D) with positions of shape (..., T), n_dims
+    ((1, 1, 1, 2), 2),
+    ((3, 7, 2, 16), 16),
+    ((2, 9, 3, 12), 8),
+    ((2, 3, 5, 1, 6), 4),          # two leading dims
+    ((2, 4, 2, 1040), 1040),       # more pairs than the on-stack cos/sin cache
+]
+
+
+@pytest.mark.parametrize("shape,n_dims", ROPE_ROW_CASES)
+def test_rope_per_row(shape, n_dims):
+    rng = np.random.default_rng(17)
+    x, g = f32(rng, *shape), f32(rng, *shape)
+    pos = rng.integers(0, 2049, size=shape[:-2]).astype(np.int32)
+    pos.reshape(-1, shape[-3])[:, 0] = 0   # packed rows restart at 0 somewhere
+    base = 10000.0
+    y = run("rope_fwd_f32", shape, [x, pos], ip=(n_dims,), fp=(base,))
+    close(y, refs.rope(x, pos, n_dims, base))
+    close(run("rope_bwd_f32", shape, [g, pos], ip=(n_dims,), fp=(base,)), refs.rope_bwd(g, pos, n_dims, base))
+    for n in (2, 3):
+        assert np.array_equal(y, run("rope_fwd_f32", shape, [x, pos], ip=(n_dims,), fp=(base,), n_threads=n))
+
+
+def test_rope_per_row_equals_shared_rows():
+    """Per-row positions give, row by row, what the shared (T,) positions give (bit for bit)."""
+    rng = np.random.default_rng(18)
+    x = f32(rng, 3, 6, 2, 8)
+    pos = np.array([[0, 1, 2, 3, 4, 5], [0, 1, 0, 1, 2, 3], [7, 7, 7, 0, 100, 2]], np.int32)
+    y = run("rope_fwd_f32", x.shape, [x, pos], ip=(8,), fp=(10000.0,))
+    for b in range(3):
+        xb = np.ascontiguousarray(x[b:b + 1])
+        assert np.array_equal(y[b:b + 1], run("rope_fwd_f32", xb.shape, [xb, pos[b]], ip=(8,), fp=(10000.0,)))
+
+
 # ---- get_rows --------------------------------------------------------------------------
 
 @pytest.mark.parametrize("v,c,idx_shape", [(1, 1, (1,)), (5, 3, (7,)), (33, 17, (2, 3)),
@@ -336,6 +370,7 @@ def _thread_cases():
     pooled = f32(rng, 3, 4, 4, 5)
     img8, cols8, pooled8 = f32(rng, 3, 9, 7, 8), f32(rng, 3, 9, 7, 72), f32(rng, 3, 4, 3, 8)
     seg = np.array([[0, 0, 0, 1, 1, 2, 2, 2, -1], [0, 0, 0, 0, 0, 0, 1, 1, 1]], np.int32)
+    row_pos = rng.integers(0, 500, size=(2, 9)).astype(np.int32)
     return [
         ("rms_norm_fwd_f32", x.shape, [x], (), (1e-5,), None),
         ("rms_norm_bwd_f32", x.shape, [x, g], (), (1e-5,), None),
@@ -352,6 +387,8 @@ def _thread_cases():
         ("max_pool2d_fwd_f32", pooled.shape, [img], (2,), (), None),
         ("max_pool2d_bwd_f32", img.shape, [img, pooled], (2,), (), None),
         ("softmax_fwd_f32", (2, 3, 9, 9), [f32(rng, 2, 3, 9, 9), seg], (3,), (0.5,), None),
+        ("rope_fwd_f32", rx.shape, [rx, row_pos], (12,), (10000.0,), None),
+        ("rope_bwd_f32", rx.shape, [rx, row_pos], (12,), (500.0,), None),
         ("im2col_fwd_f32", cols8.shape, [img8], (3, 3, 1, 1), (), None),
         ("im2col_bwd_f32", img8.shape, [cols8], (3, 3, 1, 1), (), None),
         ("max_pool2d_fwd_f32", pooled8.shape, [img8], (2,), (), None),
@@ -376,7 +413,7 @@ def _bad_cases():
     i32 = np.zeros(3, dtype=np.int32)
     h = x.astype(np.float16)
     img = f32(rng, 1, 4, 4, 2)
-    x3 = f32(rng, 2, 3, 3)
+    x3, x4 = f32(rng, 2, 3, 3), f32(rng, 2, 3, 1, 4)
     seg2 = np.zeros((2, 3), np.int32)
     seg23 = np.zeros((2, 6), np.int32)
     return [  # kernel, dst shape, srcs, ip, fp, scratch, exception, op name
@@ -410,6 +447,17 @@ def _bad_cases():
         ("rope_fwd_f32", (3, 1, 8), [x.reshape(3, 1, 8), i32], (10,), (1e4,), 0, NativeError, "n_dims"),
         ("rope_bwd_f32", (3, 1, 8), [x.reshape(3, 1, 8), i32[:2]], (8,), (1e4,), 0, ShapeError,
          "rope_bwd"),
+        # per-row positions: x's leading dims (B, T), contiguous
+        ("rope_fwd_f32", (2, 3, 1, 4), [x4, np.zeros((3, 3), np.int32)], (4,), (1e4,), 0, ShapeError,
+         "or (2, 3)"),
+        ("rope_fwd_f32", (2, 3, 1, 4), [x4, np.zeros((2, 4), np.int32)], (4,), (1e4,), 0, ShapeError,
+         "expected positions (3,) or (2, 3)"),
+        ("rope_bwd_f32", (2, 3, 1, 4), [x4, np.zeros((1, 2, 3), np.int32)], (4,), (1e4,), 0, ShapeError,
+         "rope_bwd"),
+        ("rope_fwd_f32", (2, 3, 1, 4), [x4, np.zeros((2, 6), np.int32)[:, ::2]], (4,), (1e4,), 0,
+         NativeError, "positions contiguous"),
+        ("rope_fwd_f32", (2, 3, 1, 4), [x4, np.zeros((2, 3), np.float32)], (4,), (1e4,), 0, DTypeError,
+         "positions i32"),
         ("get_rows_fwd_f32", (2, 8), [x, np.array([0, 3], dtype=np.int32)], (), (), 0, NativeError,
          "is 3"),
         ("get_rows_fwd_f32", (2, 8), [x, np.array([-1, 0], dtype=np.int32)], (), (), 0, NativeError,
@@ -494,6 +542,13 @@ def test_fd_softmax_seg():
     seg = np.array([[0, 0, 1, 1, 1, -1], [0, 1, 2, 2, 0, 2]], np.int32)
     y = refs.softmax(x, 0.9, seg=seg)
     fd_close(refs.softmax_bwd(y, r, 0.9), fd_grad(lambda a: refs.softmax(a, 0.9, seg=seg), x, r))
+
+
+def test_fd_rope_per_row():
+    rng = np.random.default_rng(28)
+    x, r = rng.standard_normal((2, 3, 2, 6)), rng.standard_normal((2, 3, 2, 6))
+    pos = np.array([[0, 5, 17], [0, 1, 0]], dtype=np.int32)
+    fd_close(refs.rope_bwd(r, pos, 4, 100.0), fd_grad(lambda a: refs.rope(a, pos, 4, 100.0), x, r))
 
 
 def test_fd_rope():
