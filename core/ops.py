@@ -19,6 +19,7 @@ Shapes are numpy order everywhere: x: (B, T, C) means batch, time, channels.
 from __future__ import annotations
 
 import builtins
+import struct
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -287,6 +288,47 @@ register(OpDef("sqrt", _infer_same("sqrt"), "sqrt_fwd",
                backward=lambda y, g: [scale(div(g, y), 0.5)]))
 register(OpDef("sqr", _infer_same("sqr"), "sqr_fwd",
                backward=lambda y, g: [mul(g, scale(y.srcs[0], 2.0))]))
+
+
+# ---- dropout ----------------------------------------------------------------------
+
+
+def dropout(x: Tensor, p: float, seed: Tensor, salt: int) -> Tensor:
+    """x * keep / (1 - p), each element kept with probability 1 - p. (f32)
+
+    The mask is a hash of (seed, salt, flat index) (see gt_dropout_fwd_f32): seed is an
+    i32 tensor of shape () or (1,) the host sets each step, salt an int in [0, 2^32)
+    distinct per dropout of a graph (so two dropouts draw different masks). The same
+    mask comes back for any thread count, in the backward and when checkpointing
+    recomputes the forward. p == 0 returns x itself (no node).
+    Raises ValueError for p outside [0, 1) or a bad salt, DTypeError / ShapeError for seed.
+    """
+    p = float(p)
+    if not 0.0 <= p < 1.0 or struct.unpack("f", struct.pack("f", p))[0] >= 1.0:
+        raise ValueError(f"dropout: p must be in [0, 1) (as a float32), got {p}")
+    if p == 0.0:
+        return x
+    return apply("dropout", [x, seed], p=p, salt=int(salt))
+
+
+def _infer_dropout(srcs, params):
+    x, seed = srcs
+    _f32("dropout", x)
+    if seed.dtype != "i32":
+        raise DTypeError(f"dropout: seed must be i32, got {seed.dtype} ({seed!r})")
+    _need(seed.shape in ((), (1,)), f"dropout: seed must have shape () or (1,), got {seed.shape}")
+    _need(0.0 < params["p"] < 1.0, f"dropout: p must be in (0, 1) for a node, got {params['p']}", ValueError)
+    _need(0 <= params["salt"] < 2**32, f"dropout: salt must be in [0, 2^32), got {params['salt']}", ValueError)
+    return x.shape, "f32"
+
+
+def _dropout_bwd(y, g):
+    # the same mask and scale: dx = g * keep / (1 - p)
+    return [dropout(g, y.params["p"], y.srcs[1], y.params["salt"]), None]
+
+
+register(OpDef("dropout", _infer_dropout, "dropout_fwd", contiguous=(0, 1), backward=_dropout_bwd,
+               lower=lambda y: ((y.params["salt"],), (y.params["p"],)), differentiable=(0,)))
 
 
 # ---- reductions and broadcasting -----------------------------------------------

@@ -165,6 +165,14 @@ int gt_relu_bwd_f32(const struct gt_node *node, const gt_ctx *ctx);
 /* dx = g * s(x) * (1 + x * (1 - s(x))); src0 = x, src1 = g. */
 int gt_silu_bwd_f32(const struct gt_node *node, const gt_ctx *ctx);
 
+/* dropout: dst = src0 * keep / (1 - p), keep[i] = hash(seed, salt, i) >= p * 2^32
+ * over the flat index i: src0 x f32 contiguous, src1 seed i32 of one element (the
+ * host sets it each step), fp[0] = p in [0, 1), ip[0] = salt in [0, 2^32). hash:
+ * MurmurHash3_x86_32 of the 12-byte key (salt, i low word, i high word) with
+ * murmur's seed = seed. Kept: x * (float)(1 / (1 - p)); dropped: exactly 0. The
+ * backward is dropout of g with the same seed, salt and p (elementwise.c). */
+int gt_dropout_fwd_f32(const struct gt_node *node, const gt_ctx *ctx);
+
 /* Reductions. sum: dst scalar = sum of all of src (any strides), fixed order.
  * sum_rows: dst (..., 1) = sum over the last dim of src (..., N).
  * repeat: dst = src broadcast to dst's shape (src dims 1 or equal).

@@ -97,6 +97,14 @@ case("sqr", [In((1, 257))], ops.sqr, np.square)
 case("relu_bwd", [In((3, 7)), In((3, 7))], ops.relu_bwd, lambda x, g: g * (x > 0), backward=False)
 case("silu_bwd", [In((3, 7), -4, 4), In((3, 7))], ops.silu_bwd,
      lambda x, g: g * _sig(x) * (1 + x * (1 - _sig(x))), backward=False)
+# dropout: the reference draws the same mask (a hash of seed, salt, flat index), so the
+# forward is compared exactly and finite differences see the mask fixed
+case("dropout", [In((3, 7)), In((), values=np.array(12345, np.int32), grad=False)],
+     lambda x, s: ops.dropout(x, 0.3, s, 7), lambda x, s: refs.dropout(x, 0.3, s, 7))
+case("dropout", [In((7, 3, 5)), In((1,), values=np.array([-9], np.int32), grad=False)],
+     lambda x, s: ops.dropout(ops.permute(x, (2, 0, 1)), 0.5, s, 2**32 - 1),
+     lambda x, s: refs.dropout(x.transpose(2, 0, 1), 0.5, s[0], 2**32 - 1), name="strided",
+     ops_covered=("permute", "cont"))
 CASES.append(Case("fill", [In((3,))], lambda x: ops.add(x, ops.fill(x.graph, (2, 3), 1.5)),
                   lambda x: np.broadcast_to(x + 1.5, (2, 3)), ops_covered=("add",)))
 

@@ -1,5 +1,5 @@
 """float64 numpy references of the fused kernels (norm, softmax, cross_entropy,
-rope, get_rows, im2col, max_pool2d), forward and backward.
+rope, get_rows, im2col, max_pool2d, dropout), forward and backward.
 
 Plain loops and formulas, written to be obviously right rather than fast; the
 op tests compare the native kernels against them, and tests/test_kernels.py
@@ -197,3 +197,51 @@ def max_pool2d_bwd(x, g, k):
     dx = np.zeros_like(x)
     dx[:, :oh * k, :ow * k, :] = win.reshape(n, oh * k, ow * k, c)
     return dx
+
+
+_M32 = 0xFFFFFFFF
+
+
+def _rotl32(x, r):
+    return ((x << np.uint32(r)) | (x >> np.uint32(32 - r))) & np.uint32(_M32)
+
+
+def murmur3_32(words, seed):
+    """MurmurHash3_x86_32 (Austin Appleby, SMHasher) of keys made of whole 4-byte words,
+    vectorised over keys: words (..., n) uint32 (each a little-endian block), seed uint32.
+    Returns (...) uint32. Written from the definition; checked against published values."""
+    words = np.asarray(words, dtype=np.uint32)
+    h = np.broadcast_to(np.uint32(seed), words.shape[:-1]).astype(np.uint32)
+    with np.errstate(over="ignore"):
+        for j in range(words.shape[-1]):
+            k = words[..., j] * np.uint32(0xCC9E2D51)
+            k = _rotl32(k, 15) * np.uint32(0x1B873593)
+            h = _rotl32(h ^ k, 13) * np.uint32(5) + np.uint32(0xE6546B64)
+        h = h ^ np.uint32(4 * words.shape[-1])
+        h ^= h >> np.uint32(16)
+        h = h * np.uint32(0x85EBCA6B)
+        h ^= h >> np.uint32(13)
+        h = h * np.uint32(0xC2B2AE35)
+        h ^= h >> np.uint32(16)
+    return h
+
+
+def dropout_keep(shape, p, seed, salt):
+    """The dropout mask (bool, shape): element of flat index i is kept iff
+    murmur3_32((salt, i & 0xffffffff, i >> 32), seed) >= floor(p * 2^32), p as float32."""
+    i = np.arange(int(np.prod(shape)), dtype=np.uint64)
+    words = np.stack([np.full(i.shape, salt, np.uint64), i & np.uint64(_M32), i >> np.uint64(32)], -1)
+    h = murmur3_32(words.astype(np.uint32), np.uint32(np.int64(seed) & _M32))
+    thr = int(float(np.float32(p)) * 2.0**32)
+    return (h >= thr).reshape(shape)
+
+
+def dropout_scale(p):
+    """The factor kept elements are multiplied by: float32(1 / (1 - p)), p as float32."""
+    return np.float32(1.0 / (1.0 - float(np.float32(p))))
+
+
+def dropout(x, p, seed, salt):
+    """x * keep / (1 - p) with dropout_keep's mask; dropped elements exactly 0."""
+    x = _f64(x)
+    return np.where(dropout_keep(x.shape, p, seed, salt), x * float(dropout_scale(p)), 0.0)

@@ -1,5 +1,5 @@
 """Direct tests of the fused CPU kernels (norm, softmax, cross_entropy, rope,
-get_rows, im2col, max_pool2d) against the float64 references in tests/refs.py,
+dropout, get_rows, im2col, max_pool2d) against the float64 references in tests/refs.py,
 plus finite-difference checks of the references' backward functions."""
 from __future__ import annotations
 
@@ -223,6 +223,71 @@ def test_rope_per_row_equals_shared_rows():
         assert np.array_equal(y[b:b + 1], run("rope_fwd_f32", xb.shape, [xb, pos[b]], ip=(8,), fp=(10000.0,)))
 
 
+# ---- dropout -------------------------------------------------------------------------------
+
+def dropout_run(x, p, seed, salt, n_threads=1):
+    return run("dropout_fwd_f32", x.shape, [x, np.array(seed, np.int32)], ip=(salt,), fp=(p,),
+               n_threads=n_threads)
+
+
+def test_murmur3_reference_vectors():
+    """refs.murmur3_32 (the dropout hash, written from its definition) against published
+    MurmurHash3_x86_32 values (SMHasher's verification set as commonly quoted; the 12-byte
+    key checked with the mmh3 package)."""
+    vectors = [(b"", 0, 0), (b"", 1, 0x514E28B7), (b"", 0xFFFFFFFF, 0x81F16F39),
+               (b"\0\0\0\0", 0, 0x2362F9DE), (b"test", 0, 0xBA6BD213), (b"aaaa", 0x9747B28C, 0x5A97808A),
+               (b"abcd", 0x9747B28C, 0xF0478627), (bytes(range(12)), 0x12345678, 0x756F0F7F)]
+    for key, seed, want in vectors:
+        words = np.frombuffer(key, dtype="<u4").reshape(1, -1)
+        assert int(refs.murmur3_32(words, seed)[0]) == want, key
+
+
+@pytest.mark.parametrize("shape,p", [((1,), 0.5), ((3, 7), 0.1), ((2, 33, 17), 0.5), ((1000, 257), 0.9)])
+def test_dropout_mask_and_scale(shape, p):
+    rng = np.random.default_rng(19)
+    x = f32(rng, *shape, lo=0.5, hi=2.0)      # no zeros: y == 0 means dropped
+    y = dropout_run(x, p, 77, 3)
+    keep = refs.dropout_keep(shape, p, 77, 3)
+    assert np.array_equal(y != 0, keep)       # the kernel's hash is the reference's
+    s = refs.dropout_scale(p)
+    assert np.array_equal(y[keep], x[keep] * s)   # exact: one float multiply
+    assert np.all(y[~keep] == 0)
+    close(y, refs.dropout(x, p, 77, 3))
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
+def test_dropout_kept_fraction(p):
+    """Over 2^20 elements the kept count lies within 5 binomial standard deviations of
+    n (1 - p), also in each quarter (low and high indices) and in every other element."""
+    n = 1 << 20
+    y = dropout_run(np.ones(n, np.float32), p, 2024, 1)
+    for part in (y, y[: n // 4], y[-n // 4:], y[::2], y[1::2]):
+        k, m = np.count_nonzero(part), part.size
+        assert abs(k - m * (1 - p)) <= 5 * np.sqrt(m * p * (1 - p)), (p, k, m)
+
+
+def test_dropout_same_and_different_masks():
+    x = np.ones((64, 65), np.float32)
+    base = dropout_run(x, 0.5, 5, 1) != 0
+    assert np.array_equal(base, dropout_run(x, 0.5, 5, 1) != 0)
+    n = x.size
+    for other in (dropout_run(x, 0.5, 5, 2), dropout_run(x, 0.5, 6, 1), dropout_run(x, 0.5, -5, 1)):
+        agree = np.count_nonzero(base == (other != 0))
+        # independent masks agree on about half the elements
+        assert abs(agree - n / 2) <= 5 * np.sqrt(n / 4)
+    # a smaller p keeps a superset (the same hash, a lower threshold)
+    assert np.all(dropout_run(x, 0.2, 5, 1)[base] != 0)
+
+
+def test_dropout_p0_is_identity_and_threads_bit_identical():
+    rng = np.random.default_rng(20)
+    x = f32(rng, 37, 129)
+    assert np.array_equal(dropout_run(x, 0.0, 1, 1), x)
+    one = dropout_run(x, 0.3, 11, 4)
+    for n in (2, 3, 4):
+        assert np.array_equal(one, dropout_run(x, 0.3, 11, 4, n_threads=n))
+
+
 # ---- get_rows --------------------------------------------------------------------------
 
 @pytest.mark.parametrize("v,c,idx_shape", [(1, 1, (1,)), (5, 3, (7,)), (33, 17, (2, 3)),
@@ -389,6 +454,7 @@ def _thread_cases():
         ("softmax_fwd_f32", (2, 3, 9, 9), [f32(rng, 2, 3, 9, 9), seg], (3,), (0.5,), None),
         ("rope_fwd_f32", rx.shape, [rx, row_pos], (12,), (10000.0,), None),
         ("rope_bwd_f32", rx.shape, [rx, row_pos], (12,), (500.0,), None),
+        ("dropout_fwd_f32", x.shape, [x, np.array(3, np.int32)], (9,), (0.4,), None),
         ("im2col_fwd_f32", cols8.shape, [img8], (3, 3, 1, 1), (), None),
         ("im2col_bwd_f32", img8.shape, [cols8], (3, 3, 1, 1), (), None),
         ("max_pool2d_fwd_f32", pooled8.shape, [img8], (2,), (), None),
@@ -458,6 +524,19 @@ def _bad_cases():
          NativeError, "positions contiguous"),
         ("rope_fwd_f32", (2, 3, 1, 4), [x4, np.zeros((2, 3), np.float32)], (4,), (1e4,), 0, DTypeError,
          "positions i32"),
+        # dropout: seed i32 of one element, p in [0, 1), salt in [0, 2^32), x contiguous
+        ("dropout_fwd_f32", (3, 8), [x, np.array(1, np.int32)], (0,), (1.0,), 0, NativeError, "p (fp[0])"),
+        ("dropout_fwd_f32", (3, 8), [x, np.array(1, np.int32)], (0,), (-0.1,), 0, NativeError, "p (fp[0])"),
+        ("dropout_fwd_f32", (3, 8), [x, np.array(1, np.int32)], (0,), (float("nan"),), 0, NativeError, "in [0, 1)"),
+        ("dropout_fwd_f32", (3, 8), [x, np.array(1, np.int32)], (-1,), (0.5,), 0, NativeError, "salt"),
+        ("dropout_fwd_f32", (3, 8), [x, np.array(1, np.int32)], (2**32,), (0.5,), 0, NativeError, "salt"),
+        ("dropout_fwd_f32", (3, 8), [x, np.array(1.0, np.float32)], (0,), (0.5,), 0, DTypeError, "seed i32"),
+        ("dropout_fwd_f32", (3, 8), [x, np.array([1, 2], np.int32)], (0,), (0.5,), 0, ShapeError,
+         "seed of one element"),
+        ("dropout_fwd_f32", (3, 4), [x[:, ::2], np.array(1, np.int32)], (0,), (0.5,), 0, NativeError,
+         "x contiguous"),
+        ("dropout_fwd_f32", (3, 7), [x, np.array(1, np.int32)], (0,), (0.5,), 0, ShapeError, "dropout"),
+        ("dropout_fwd_f32", (3, 8), [x], (0,), (0.5,), 0, NativeError, "expected 2 inputs"),
         ("get_rows_fwd_f32", (2, 8), [x, np.array([0, 3], dtype=np.int32)], (), (), 0, NativeError,
          "is 3"),
         ("get_rows_fwd_f32", (2, 8), [x, np.array([-1, 0], dtype=np.int32)], (), (), 0, NativeError,
