@@ -108,7 +108,8 @@ static int rope(const gt_node *node, const gt_ctx *ctx, const char *op, double s
 
 /* rope: x (..., T, H, D) f32 contiguous, positions (T,) i32 (any stride) shared
  * by every row, or x's leading dims (..., T) i32 contiguous (each row its own
- * positions: packed samples restart at 0), dst same shape as x, contiguous. ip[0] = n_dims (even, 2..D), fp[0] = freq_base.
+ * positions: packed samples restart at 0), dst same shape as x, contiguous.
+ * ip[0] = n_dims (even, 2..D), fp[0] = freq_base.
  * For i < n_dims/2: theta = pos[t] * freq_base^(-2i/n_dims) rotates the pair
  *     (x[2i], x[2i+1]) -> (x0 cos - x1 sin, x0 sin + x1 cos);
  * dims n_dims..D-1 pass through unchanged.
