@@ -19,6 +19,7 @@ Shapes are numpy order everywhere: x: (B, T, C) means batch, time, channels.
 from __future__ import annotations
 
 import builtins
+import struct
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -289,6 +290,47 @@ register(OpDef("sqr", _infer_same("sqr"), "sqr_fwd",
                backward=lambda y, g: [mul(g, scale(y.srcs[0], 2.0))]))
 
 
+# ---- dropout ----------------------------------------------------------------------
+
+
+def dropout(x: Tensor, p: float, seed: Tensor, salt: int) -> Tensor:
+    """x * keep / (1 - p), each element kept with probability 1 - p. (f32)
+
+    The mask is a hash of (seed, salt, flat index) (see gt_dropout_fwd_f32): seed is an
+    i32 tensor of shape () or (1,) the host sets each step, salt an int in [0, 2^32)
+    distinct per dropout of a graph (so two dropouts draw different masks). The same
+    mask comes back for any thread count, in the backward and when checkpointing
+    recomputes the forward. p == 0 returns x itself (no node).
+    Raises ValueError for p outside [0, 1) or a bad salt, DTypeError / ShapeError for seed.
+    """
+    p = float(p)
+    if not 0.0 <= p < 1.0 or struct.unpack("f", struct.pack("f", p))[0] >= 1.0:
+        raise ValueError(f"dropout: p must be in [0, 1) (as a float32), got {p}")
+    if p == 0.0:
+        return x
+    return apply("dropout", [x, seed], p=p, salt=int(salt))
+
+
+def _infer_dropout(srcs, params):
+    x, seed = srcs
+    _f32("dropout", x)
+    if seed.dtype != "i32":
+        raise DTypeError(f"dropout: seed must be i32, got {seed.dtype} ({seed!r})")
+    _need(seed.shape in ((), (1,)), f"dropout: seed must have shape () or (1,), got {seed.shape}")
+    _need(0.0 < params["p"] < 1.0, f"dropout: p must be in (0, 1) for a node, got {params['p']}", ValueError)
+    _need(0 <= params["salt"] < 2**32, f"dropout: salt must be in [0, 2^32), got {params['salt']}", ValueError)
+    return x.shape, "f32"
+
+
+def _dropout_bwd(y, g):
+    # the same mask and scale: dx = g * keep / (1 - p)
+    return [dropout(g, y.params["p"], y.srcs[1], y.params["salt"]), None]
+
+
+register(OpDef("dropout", _infer_dropout, "dropout_fwd", contiguous=(0, 1), backward=_dropout_bwd,
+               lower=lambda y: ((y.params["salt"],), (y.params["p"],)), differentiable=(0,)))
+
+
 # ---- reductions and broadcasting -----------------------------------------------
 
 def sum(x: Tensor) -> Tensor:  # noqa: A001 - the op's name
@@ -445,17 +487,27 @@ def rms_norm_bwd(x: Tensor, g: Tensor, eps: float) -> Tensor:
     return apply("rms_norm_bwd", [x, g], eps=float(eps))
 
 
-def softmax(x: Tensor, scale: float = 1.0, causal: bool = False, pos: Tensor | None = None) -> Tensor:
+# softmax masks: the kernel's ip[0] for each (see gt_softmax_fwd_f32)
+_SOFTMAX_MASKS = {"none": 0, "causal": 1, "pos": 2, "seg": 3}
+
+
+def softmax(x: Tensor, scale: float = 1.0, causal: bool = False, pos: Tensor | None = None,
+            seg: Tensor | None = None) -> Tensor:
     """softmax(scale * x (+ mask)) over the last dim of x (..., Tq, Tk). (f32)
 
-    causal: query i sees keys j <= i + (Tk - Tq). pos (Tq,) i32: query i sees keys
-    j <= pos[i] (keys are a KV cache of positions 0..Tk-1). Masked entries are 0.
+    At most one mask: causal: query i sees keys j <= i + (Tk - Tq). pos (Tq,) i32: query i
+    sees keys j <= pos[i] (keys are a KV cache of positions 0..Tk-1). seg (B, T) i32 for
+    x (B, ..., T, T) (packed samples, seg = a token's sample in its row): query i of batch
+    row b sees keys j <= i with seg[b, j] == seg[b, i]. Masked entries are 0.
+    Raises ValueError for two masks, ShapeError / DTypeError for a bad pos or seg.
     """
+    if int(bool(causal)) + (pos is not None) + (seg is not None) > 1:
+        raise ValueError("softmax: give one of causal, pos and seg")
     if pos is not None:
-        if causal:
-            raise ValueError("softmax: give causal or pos, not both")
-        return apply("softmax", [x, pos], scale=float(scale), causal=False)
-    return apply("softmax", [x], scale=float(scale), causal=bool(causal))
+        return apply("softmax", [x, pos], scale=float(scale), mask="pos")
+    if seg is not None:
+        return apply("softmax", [x, seg], scale=float(scale), mask="seg")
+    return apply("softmax", [x], scale=float(scale), mask="causal" if causal else "none")
 
 
 def softmax_bwd(y: Tensor, g: Tensor, scale: float) -> Tensor:
@@ -497,15 +549,26 @@ def _infer_softmax_bwd(srcs, params):
 
 def _infer_softmax(srcs, params):
     x = srcs[0]
+    mask = params["mask"]
     _f32("softmax", x)
     _need(x.ndim >= 1, "softmax: input must have at least 1 dim")
-    if len(srcs) == 2:
+    _need(mask in _SOFTMAX_MASKS and len(srcs) == (2 if mask in ("pos", "seg") else 1),
+          f"softmax: mask {mask!r} with {len(srcs) - 1} mask inputs", ValueError)
+    if mask == "pos":
         pos = srcs[1]
         if pos.dtype != "i32":
             raise DTypeError(f"softmax: positions must be i32, got {pos.dtype}")
         _need(x.ndim >= 2 and pos.shape == (x.shape[-2],),
               f"softmax: positions {pos.shape} do not match Tq of {x.shape}")
-    if params.get("causal"):
+    if mask == "seg":
+        seg = srcs[1]
+        if seg.dtype != "i32":
+            raise DTypeError(f"softmax: segments must be i32, got {seg.dtype}")
+        _need(x.ndim >= 3 and x.shape[-2] == x.shape[-1],
+              f"softmax: the segment mask needs x (B, ..., T, T), got {x.shape}")
+        _need(seg.shape == (x.shape[0], x.shape[-1]),
+              f"softmax: segments {seg.shape} do not match (B, T) = {(x.shape[0], x.shape[-1])} of {x.shape}")
+    if mask == "causal":
         _need(x.ndim >= 2, f"softmax: causal mask needs (..., Tq, Tk), got {x.shape}")
         _need(x.shape[-2] <= x.shape[-1], f"softmax: causal mask needs Tq <= Tk, got {x.shape}")
     return x.shape, "f32"
@@ -526,7 +589,7 @@ register(OpDef("rms_norm_bwd", _infer_rms_norm, "rms_norm_bwd", contiguous=(0, 1
                lower=lambda y: ((), (y.params["eps"],))))
 register(OpDef("softmax", _infer_softmax, "softmax_fwd", contiguous=(0, 1),
                backward=lambda y, g: [softmax_bwd(y, g, y.params["scale"]), None],
-               lower=lambda y: ((2 if len(y.srcs) == 2 else int(y.params["causal"]),), (y.params["scale"],)),
+               lower=lambda y: ((_SOFTMAX_MASKS[y.params["mask"]],), (y.params["scale"],)),
                differentiable=(0,)))
 register(OpDef("softmax_bwd", _infer_softmax_bwd, "softmax_bwd", contiguous=(0, 1),
                lower=lambda y: ((), (y.params["scale"],))))
@@ -541,7 +604,9 @@ register(OpDef("cross_entropy_bwd", _infer_ce, "cross_entropy_bwd", contiguous=(
 
 
 def rope(x: Tensor, pos: Tensor, n_dims: int | None = None, freq_base: float = 10000.0) -> Tensor:
-    """Rotary embedding, llama.cpp mode 0 (adjacent pairs): x (..., T, H, D), pos (T,) i32."""
+    """Rotary embedding, llama.cpp mode 0 (adjacent pairs): x (..., T, H, D), pos i32 (T,)
+    shared by every row, or x's leading dims (..., T), e.g. (B, T): each row its own
+    positions (packed samples restart at 0). Raises ShapeError / DTypeError."""
     n_dims = x.shape[-1] if n_dims is None else int(n_dims)
     return apply("rope", [x, pos], n_dims=n_dims, freq_base=float(freq_base))
 
@@ -556,7 +621,8 @@ def _infer_rope(srcs, params):
     if pos.dtype != "i32":
         raise DTypeError(f"rope: positions must be i32, got {pos.dtype}")
     _need(x.ndim >= 3, f"rope: x must be (..., T, H, D), got {x.shape}")
-    _need(pos.shape == (x.shape[-3],), f"rope: positions {pos.shape} do not match T={x.shape[-3]} of {x.shape}")
+    _need(pos.shape in ((x.shape[-3],), x.shape[:-2]),
+          f"rope: positions {pos.shape} match neither T = {x.shape[-3]} nor {x.shape[:-2]} of {x.shape}")
     nd = params["n_dims"]
     _need(0 < nd <= x.shape[-1] and nd % 2 == 0, f"rope: n_dims {nd} must be even and <= D={x.shape[-1]}")
     return x.shape, "f32"

@@ -165,6 +165,14 @@ int gt_relu_bwd_f32(const struct gt_node *node, const gt_ctx *ctx);
 /* dx = g * s(x) * (1 + x * (1 - s(x))); src0 = x, src1 = g. */
 int gt_silu_bwd_f32(const struct gt_node *node, const gt_ctx *ctx);
 
+/* dropout: dst = src0 * keep / (1 - p), keep[i] = hash(seed, salt, i) >= p * 2^32
+ * over the flat index i: src0 x f32 contiguous, src1 seed i32 of one element (the
+ * host sets it each step), fp[0] = p in [0, 1), ip[0] = salt in [0, 2^32). hash:
+ * MurmurHash3_x86_32 of the 12-byte key (salt, i low word, i high word) with
+ * murmur's seed = seed. Kept: x * (float)(1 / (1 - p)); dropped: exactly 0. The
+ * backward is dropout of g with the same seed, salt and p (elementwise.c). */
+int gt_dropout_fwd_f32(const struct gt_node *node, const gt_ctx *ctx);
+
 /* Reductions. sum: dst scalar = sum of all of src (any strides), fixed order.
  * sum_rows: dst (..., 1) = sum over the last dim of src (..., N).
  * repeat: dst = src broadcast to dst's shape (src dims 1 or equal).
@@ -247,8 +255,10 @@ int gt_rms_norm_bwd_f32(const struct gt_node *node, const gt_ctx *ctx);
 /* softmax over the last dim of src (..., T_q, T_k) after scaling by fp[0];
  * ip[0] = 1 adds a causal mask: row i of the last-but-one dim sees columns
  * j <= i + (T_k - T_q); ip[0] = 2 masks by position: src1 pos (T_q,) i32, row i
- * sees columns j <= pos[i] (decoding with a KV cache). Masked entries are
- * exactly 0 (a row seeing no column is all 0). softmax_bwd: src0 = y (softmax
+ * sees columns j <= pos[i] (decoding with a KV cache); ip[0] = 3 masks by
+ * segment (packed samples): src (B, ..., T, T), src1 seg (B, T) i32 contiguous,
+ * row i of batch b sees columns j <= i with seg[b, j] == seg[b, i]. Masked
+ * entries are exactly 0 (a row seeing no column is all 0). softmax_bwd: src0 = y (softmax
  * output), src1 = g, dst = dx = fp[0] * y * (g - sum(g * y)). Contiguous inputs. */
 int gt_softmax_fwd_f32(const struct gt_node *node, const gt_ctx *ctx);
 int gt_softmax_bwd_f32(const struct gt_node *node, const gt_ctx *ctx);
@@ -267,7 +277,8 @@ int gt_cross_entropy_fwd_f32_sizes(const struct gt_node *node, int64_t *scratch,
 int gt_cross_entropy_bwd_f32(const struct gt_node *node, const gt_ctx *ctx);
 
 /* rope, llama.cpp mode 0 (adjacent pairs): src0 x (..., T, H, D) contiguous,
- * src1 positions (T,) i32; ip[0] = n_dims (rotated leading dims of D, even,
+ * src1 positions (T,) i32, or (..., T) i32 contiguous with x's leading dims
+ * (per-row positions, e.g. (B, T) for packed samples); ip[0] = n_dims (rotated leading dims of D, even,
  * 2..D; the rest pass through), fp[0] = freq_base (> 0). theta_i = pos *
  * freq_base^(-2i/n_dims) rotates (x[2i], x[2i+1]) to (x0 cos - x1 sin,
  * x0 sin + x1 cos); theta, cos, sin computed in double. rope_bwd rotates by

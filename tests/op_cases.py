@@ -97,6 +97,14 @@ case("sqr", [In((1, 257))], ops.sqr, np.square)
 case("relu_bwd", [In((3, 7)), In((3, 7))], ops.relu_bwd, lambda x, g: g * (x > 0), backward=False)
 case("silu_bwd", [In((3, 7), -4, 4), In((3, 7))], ops.silu_bwd,
      lambda x, g: g * _sig(x) * (1 + x * (1 - _sig(x))), backward=False)
+# dropout: the reference draws the same mask (a hash of seed, salt, flat index), so the
+# forward is compared exactly and finite differences see the mask fixed
+case("dropout", [In((3, 7)), In((), values=np.array(12345, np.int32), grad=False)],
+     lambda x, s: ops.dropout(x, 0.3, s, 7), lambda x, s: refs.dropout(x, 0.3, s, 7))
+case("dropout", [In((7, 3, 5)), In((1,), values=np.array([-9], np.int32), grad=False)],
+     lambda x, s: ops.dropout(ops.permute(x, (2, 0, 1)), 0.5, s, 2**32 - 1),
+     lambda x, s: refs.dropout(x.transpose(2, 0, 1), 0.5, s[0], 2**32 - 1), name="strided",
+     ops_covered=("permute", "cont"))
 CASES.append(Case("fill", [In((3,))], lambda x: ops.add(x, ops.fill(x.graph, (2, 3), 1.5)),
                   lambda x: np.broadcast_to(x + 1.5, (2, 3)), ops_covered=("add",)))
 
@@ -145,6 +153,14 @@ case("softmax", [In((2, 3, 6), -3, 3)], lambda x: ops.softmax(x, 1.3, causal=Tru
 # a query at 0, seeing one key)
 case("softmax", [In((2, 4, 6), -3, 3), In((4,), values=np.array([3, 0, 5, 2], np.int32), grad=False)],
      lambda x, p: ops.softmax(x, 0.8, pos=p), lambda x, p: refs.softmax(x, 0.8, pos=p), name="pos")
+# packed rows: row 0 holds 3 samples then 2 padding tokens (seg -1), row 1 two samples
+_SEG = np.array([[0, 0, 0, 1, 1, 2, -1, -1], [0, 0, 0, 0, 0, 1, 1, 1]], np.int32)
+case("softmax", [In((2, 3, 8, 8), -3, 3), In((2, 8), values=_SEG, grad=False)],
+     lambda x, s: ops.softmax(x, 0.6, seg=s), lambda x, s: refs.softmax(x, 0.6, seg=s), name="seg")
+# a segment that comes back after another (not a packing, but a valid mask: the kernel's
+# column-by-column path)
+case("softmax", [In((1, 5, 5), -3, 3), In((1, 5), values=np.array([[0, 1, 0, 1, 1]], np.int32), grad=False)],
+     lambda x, s: ops.softmax(x, 1.1, seg=s), lambda x, s: refs.softmax(x, 1.1, seg=s), name="seg-interleaved")
 case("softmax_bwd", [In((3, 7), 0.05, 1), In((3, 7))], lambda y, g: ops.softmax_bwd(y, g, 0.5),
      lambda y, g: refs.softmax_bwd(y, g, 0.5), backward=False)
 case("cross_entropy", [In((5, 7), -3, 3), In((5,), ints=(0, 7))], ops.cross_entropy,
@@ -161,6 +177,13 @@ case("rope", [In((3, 2, 6)), In((3,), values=np.array([5, 100, 2047]))],
      lambda x, p: ops.rope(x, p, 4, 500.0), lambda x, p: refs.rope(x, p, 4, 500.0), name="partial")
 case("rope_bwd", [In((2, 5, 3, 8)), In((5,), ints=(0, 64))], lambda g, p: ops.rope_bwd(g, p, 8, 10000.0),
      lambda g, p: refs.rope_bwd(g, p, 8, 10000.0), backward=False)
+# per-row positions (B, T): packed samples restarting at 0 in each row
+_ROW_POS = np.array([[0, 1, 2, 0, 1], [3, 0, 1, 2, 40]], np.int32)
+case("rope", [In((2, 5, 3, 8)), In((2, 5), values=_ROW_POS, grad=False)],
+     lambda x, p: ops.rope(x, p, 6, 10000.0), lambda x, p: refs.rope(x, p, 6, 10000.0), name="per-row")
+case("rope_bwd", [In((2, 5, 3, 8)), In((2, 5), values=_ROW_POS, grad=False)],
+     lambda g, p: ops.rope_bwd(g, p, 8, 10000.0), lambda g, p: refs.rope_bwd(g, p, 8, 10000.0),
+     name="per-row", backward=False)
 case("get_rows", [In((7, 5)), In((2, 3), ints=(0, 7))], ops.get_rows, refs.get_rows)
 case("get_rows_bwd", [In((4, 5)), In((4,), values=np.array([1, 6, 1, 0]))],
      lambda g, i: ops.get_rows_bwd(g, i, 7), lambda g, i: refs.get_rows_bwd(g, i, 7), backward=False)

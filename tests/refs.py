@@ -1,5 +1,5 @@
 """float64 numpy references of the fused kernels (norm, softmax, cross_entropy,
-rope, get_rows, im2col, max_pool2d), forward and backward.
+rope, get_rows, im2col, max_pool2d, dropout), forward and backward.
 
 Plain loops and formulas, written to be obviously right rather than fast; the
 op tests compare the native kernels against them, and tests/test_kernels.py
@@ -33,15 +33,28 @@ def _causal_mask(tq, tk):
     return np.arange(tk)[None, :] <= np.arange(tq)[:, None] + (tk - tq)
 
 
-def softmax(x, scale=1.0, causal=False, pos=None):
+def seg_mask(seg):
+    """(B, T, T) bool from seg (B, T): query i sees key j iff j <= i and seg[j] == seg[i]."""
+    seg = np.asarray(seg)
+    t = seg.shape[-1]
+    return _causal_mask(t, t)[None] & (seg[:, None, :] == seg[:, :, None])
+
+
+def softmax(x, scale=1.0, causal=False, pos=None, seg=None):
     """softmax(scale * x) over the last dim; causal masks (..., T_q, T_k) to 0, and so
-    does pos (T_q,): query i sees keys j <= pos[i]. A row that sees no column is all 0."""
+    does pos (T_q,): query i sees keys j <= pos[i], and seg (B, T) for x (B, ..., T, T):
+    query i of batch b sees keys j <= i of its own segment (seg[b, j] == seg[b, i]).
+    A row that sees no column is all 0."""
     z = _f64(x) * scale
     if causal:
         mask = _causal_mask(z.shape[-2], z.shape[-1])
         z = np.where(mask, z, -np.inf)
     if pos is not None:
         mask = np.arange(z.shape[-1])[None, :] <= np.asarray(pos)[:, None]
+        z = np.where(mask, z, -np.inf)
+    if seg is not None:
+        mask = seg_mask(seg)
+        mask = mask.reshape(mask.shape[:1] + (1,) * (z.ndim - 3) + mask.shape[1:])
         z = np.where(mask, z, -np.inf)
     m = np.max(z, axis=-1, keepdims=True)
     m = np.where(np.isfinite(m), m, 0.0)
@@ -89,17 +102,18 @@ def cross_entropy_bwd(logits, targets, g):
 
 
 def _rope_angles(pos, n_dims, base):
-    """(T, n_dims/2) angles pos[t] * base^(-2i/n_dims)."""
+    """(..., T, n_dims/2) angles pos[..., t] * base^(-2i/n_dims) for pos (T,) or (..., T)."""
     i = np.arange(n_dims // 2, dtype=np.float64)
-    return np.asarray(pos, dtype=np.float64)[:, None] * base ** (-2.0 * i / n_dims)
+    return np.asarray(pos, dtype=np.float64)[..., None] * base ** (-2.0 * i / n_dims)
 
 
 def _rotate(x, theta, n_dims):
-    """Rotate adjacent pairs (x[2i], x[2i+1]) of x (..., T, H, D) by theta (T, n_dims/2)."""
+    """Rotate adjacent pairs (x[2i], x[2i+1]) of x (..., T, H, D) by theta (T, n_dims/2),
+    shared by every row, or (..., T, n_dims/2) with x's leading dims (per-row positions)."""
     x = _f64(x)
     out = x.copy()
-    c = np.cos(theta)[:, None, :]   # (T, 1, n_dims/2), broadcast over heads
-    s = np.sin(theta)[:, None, :]
+    c = np.cos(theta)[..., None, :]   # (..., T, 1, n_dims/2), broadcast over heads
+    s = np.sin(theta)[..., None, :]
     x0, x1 = x[..., 0:n_dims:2], x[..., 1:n_dims:2]
     out[..., 0:n_dims:2] = x0 * c - x1 * s
     out[..., 1:n_dims:2] = x0 * s + x1 * c
@@ -107,7 +121,8 @@ def _rotate(x, theta, n_dims):
 
 
 def rope(x, pos, n_dims, base):
-    """llama.cpp rope mode 0 on x (..., T, H, D); dims >= n_dims unchanged."""
+    """llama.cpp rope mode 0 on x (..., T, H, D) at positions pos (T,) or (..., T) (one
+    per row); dims >= n_dims unchanged."""
     return _rotate(x, _rope_angles(pos, n_dims, base), n_dims)
 
 
@@ -182,3 +197,51 @@ def max_pool2d_bwd(x, g, k):
     dx = np.zeros_like(x)
     dx[:, :oh * k, :ow * k, :] = win.reshape(n, oh * k, ow * k, c)
     return dx
+
+
+_M32 = 0xFFFFFFFF
+
+
+def _rotl32(x, r):
+    return ((x << np.uint32(r)) | (x >> np.uint32(32 - r))) & np.uint32(_M32)
+
+
+def murmur3_32(words, seed):
+    """MurmurHash3_x86_32 (Austin Appleby, SMHasher) of keys made of whole 4-byte words,
+    vectorised over keys: words (..., n) uint32 (each a little-endian block), seed uint32.
+    Returns (...) uint32. Written from the definition; checked against published values."""
+    words = np.asarray(words, dtype=np.uint32)
+    h = np.broadcast_to(np.uint32(seed), words.shape[:-1]).astype(np.uint32)
+    with np.errstate(over="ignore"):
+        for j in range(words.shape[-1]):
+            k = words[..., j] * np.uint32(0xCC9E2D51)
+            k = _rotl32(k, 15) * np.uint32(0x1B873593)
+            h = _rotl32(h ^ k, 13) * np.uint32(5) + np.uint32(0xE6546B64)
+        h = h ^ np.uint32(4 * words.shape[-1])
+        h ^= h >> np.uint32(16)
+        h = h * np.uint32(0x85EBCA6B)
+        h ^= h >> np.uint32(13)
+        h = h * np.uint32(0xC2B2AE35)
+        h ^= h >> np.uint32(16)
+    return h
+
+
+def dropout_keep(shape, p, seed, salt):
+    """The dropout mask (bool, shape): element of flat index i is kept iff
+    murmur3_32((salt, i & 0xffffffff, i >> 32), seed) >= floor(p * 2^32), p as float32."""
+    i = np.arange(int(np.prod(shape)), dtype=np.uint64)
+    words = np.stack([np.full(i.shape, salt, np.uint64), i & np.uint64(_M32), i >> np.uint64(32)], -1)
+    h = murmur3_32(words.astype(np.uint32), np.uint32(np.int64(seed) & _M32))
+    thr = int(float(np.float32(p)) * 2.0**32)
+    return (h >= thr).reshape(shape)
+
+
+def dropout_scale(p):
+    """The factor kept elements are multiplied by: float32(1 / (1 - p)), p as float32."""
+    return np.float32(1.0 / (1.0 - float(np.float32(p))))
+
+
+def dropout(x, p, seed, salt):
+    """x * keep / (1 - p) with dropout_keep's mask; dropped elements exactly 0."""
+    x = _f64(x)
+    return np.where(dropout_keep(x.shape, p, seed, salt), x * float(dropout_scale(p)), 0.0)

@@ -1,5 +1,5 @@
 """Direct tests of the fused CPU kernels (norm, softmax, cross_entropy, rope,
-get_rows, im2col, max_pool2d) against the float64 references in tests/refs.py,
+dropout, get_rows, im2col, max_pool2d) against the float64 references in tests/refs.py,
 plus finite-difference checks of the references' backward functions."""
 from __future__ import annotations
 
@@ -70,6 +70,47 @@ def test_softmax(shape, scale, causal):
         assert np.all(y[want == 0] == 0)
     dx = run("softmax_bwd_f32", shape, [y, g], fp=(scale,))
     close(dx, refs.softmax_bwd(want, g, scale))
+
+
+SEG_CASES = [  # x shape (B, ..., T, T), seg rows (B, T)
+    ((1, 1, 1), [[0]]),
+    ((1, 2, 5, 5), [[0, 0, 1, 1, 1]]),
+    # one row: 3 samples then padding (seg -1, which attends to earlier padding only)
+    ((2, 3, 9, 9), [[0, 0, 0, 1, 1, 2, 2, 2, -1], [0, 0, 0, 0, 0, 0, 1, 1, 1]]),
+    ((2, 33, 33), [[0] * 20 + [1] * 13, [0] * 5 + [1] * 17 + [2] * 9 + [-1] * 2]),   # runs over 16 lanes
+    ((3, 1, 4, 4), [[0, 1, 2, 3], [-1, -1, -1, -1], [5, 5, 7, 7]]),      # 1-token samples, any ids
+    ((1, 2, 7, 7), [[0, 1, 0, 1, 1, 0, 2]]),                              # a segment that comes back
+]
+
+
+@pytest.mark.parametrize("shape,seg", SEG_CASES)
+def test_softmax_seg(shape, seg):
+    rng = np.random.default_rng(15)
+    seg = np.array(seg, dtype=np.int32)
+    x, g = f32(rng, *shape, lo=-4, hi=4), f32(rng, *shape)
+    y = run("softmax_fwd_f32", shape, [x, seg], ip=(3,), fp=(0.8,))
+    want = refs.softmax(x, 0.8, seg=seg)
+    close(y, want)
+    assert np.all(y[want == 0] == 0)          # masked entries exactly 0
+    close(y.sum(-1), 1.0)                     # every row sees at least its own token
+    for n in (2, 3):
+        assert np.array_equal(y, run("softmax_fwd_f32", shape, [x, seg], ip=(3,), fp=(0.8,), n_threads=n))
+    dx = run("softmax_bwd_f32", shape, [y, g], fp=(0.8,))
+    close(dx, refs.softmax_bwd(want, g, 0.8))
+
+
+def test_softmax_seg_sample_as_if_alone():
+    """A packed sample's rows equal the same sample alone at the start of a row: the kernel
+    reads the run [start, i] as the causal kernel reads [0, i] (bit for bit)."""
+    rng = np.random.default_rng(16)
+    t, n0, n1 = 37, 11, 21
+    x = f32(rng, 1, 2, t, t, lo=-4, hi=4)
+    seg = np.array([[0] * n0 + [1] * n1 + [-1] * (t - n0 - n1)], np.int32)
+    packed = run("softmax_fwd_f32", x.shape, [x, seg], ip=(3,), fp=(0.5,))
+    alone_x = np.ascontiguousarray(x[:, :, n0:n0 + n1, n0:n0 + n1])
+    alone = run("softmax_fwd_f32", alone_x.shape, [alone_x], ip=(1,), fp=(0.5,))
+    assert np.array_equal(packed[:, :, n0:n0 + n1, n0:n0 + n1], alone)
+    assert np.all(packed[:, :, n0:n0 + n1, :n0] == 0) and np.all(packed[:, :, n0:n0 + n1, n0 + n1:] == 0)
 
 
 def test_softmax_large_inputs():
@@ -146,6 +187,105 @@ def test_rope(shape, n_dims, max_pos):
     base = 10000.0
     close(run("rope_fwd_f32", shape, [x, pos], ip=(n_dims,), fp=(base,)), refs.rope(x, pos, n_dims, base))
     close(run("rope_bwd_f32", shape, [g, pos], ip=(n_dims,), fp=(base,)), refs.rope_bwd(g, pos, n_dims, base))
+
+
+ROPE_ROW_CASES = [  # x shape (..., T, H, D) with positions of shape (..., T), n_dims
+    ((1, 1, 1, 2), 2),
+    ((3, 7, 2, 16), 16),
+    ((2, 9, 3, 12), 8),
+    ((2, 3, 5, 1, 6), 4),          # two leading dims
+    ((2, 4, 2, 1040), 1040),       # more pairs than the on-stack cos/sin cache
+]
+
+
+@pytest.mark.parametrize("shape,n_dims", ROPE_ROW_CASES)
+def test_rope_per_row(shape, n_dims):
+    rng = np.random.default_rng(17)
+    x, g = f32(rng, *shape), f32(rng, *shape)
+    pos = rng.integers(0, 2049, size=shape[:-2]).astype(np.int32)
+    pos.reshape(-1, shape[-3])[:, 0] = 0   # packed rows restart at 0 somewhere
+    base = 10000.0
+    y = run("rope_fwd_f32", shape, [x, pos], ip=(n_dims,), fp=(base,))
+    close(y, refs.rope(x, pos, n_dims, base))
+    close(run("rope_bwd_f32", shape, [g, pos], ip=(n_dims,), fp=(base,)), refs.rope_bwd(g, pos, n_dims, base))
+    for n in (2, 3):
+        assert np.array_equal(y, run("rope_fwd_f32", shape, [x, pos], ip=(n_dims,), fp=(base,), n_threads=n))
+
+
+def test_rope_per_row_equals_shared_rows():
+    """Per-row positions give, row by row, what the shared (T,) positions give (bit for bit)."""
+    rng = np.random.default_rng(18)
+    x = f32(rng, 3, 6, 2, 8)
+    pos = np.array([[0, 1, 2, 3, 4, 5], [0, 1, 0, 1, 2, 3], [7, 7, 7, 0, 100, 2]], np.int32)
+    y = run("rope_fwd_f32", x.shape, [x, pos], ip=(8,), fp=(10000.0,))
+    for b in range(3):
+        xb = np.ascontiguousarray(x[b:b + 1])
+        assert np.array_equal(y[b:b + 1], run("rope_fwd_f32", xb.shape, [xb, pos[b]], ip=(8,), fp=(10000.0,)))
+
+
+# ---- dropout -------------------------------------------------------------------------------
+
+def dropout_run(x, p, seed, salt, n_threads=1):
+    return run("dropout_fwd_f32", x.shape, [x, np.array(seed, np.int32)], ip=(salt,), fp=(p,),
+               n_threads=n_threads)
+
+
+def test_murmur3_reference_vectors():
+    """refs.murmur3_32 (the dropout hash, written from its definition) against published
+    MurmurHash3_x86_32 values (SMHasher's verification set as commonly quoted; the 12-byte
+    key checked with the mmh3 package)."""
+    vectors = [(b"", 0, 0), (b"", 1, 0x514E28B7), (b"", 0xFFFFFFFF, 0x81F16F39),
+               (b"\0\0\0\0", 0, 0x2362F9DE), (b"test", 0, 0xBA6BD213), (b"aaaa", 0x9747B28C, 0x5A97808A),
+               (b"abcd", 0x9747B28C, 0xF0478627), (bytes(range(12)), 0x12345678, 0x756F0F7F)]
+    for key, seed, want in vectors:
+        words = np.frombuffer(key, dtype="<u4").reshape(1, -1)
+        assert int(refs.murmur3_32(words, seed)[0]) == want, key
+
+
+@pytest.mark.parametrize("shape,p", [((1,), 0.5), ((3, 7), 0.1), ((2, 33, 17), 0.5), ((1000, 257), 0.9)])
+def test_dropout_mask_and_scale(shape, p):
+    rng = np.random.default_rng(19)
+    x = f32(rng, *shape, lo=0.5, hi=2.0)      # no zeros: y == 0 means dropped
+    y = dropout_run(x, p, 77, 3)
+    keep = refs.dropout_keep(shape, p, 77, 3)
+    assert np.array_equal(y != 0, keep)       # the kernel's hash is the reference's
+    s = refs.dropout_scale(p)
+    assert np.array_equal(y[keep], x[keep] * s)   # exact: one float multiply
+    assert np.all(y[~keep] == 0)
+    close(y, refs.dropout(x, p, 77, 3))
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
+def test_dropout_kept_fraction(p):
+    """Over 2^20 elements the kept count lies within 5 binomial standard deviations of
+    n (1 - p), also in each quarter (low and high indices) and in every other element."""
+    n = 1 << 20
+    y = dropout_run(np.ones(n, np.float32), p, 2024, 1)
+    for part in (y, y[: n // 4], y[-n // 4:], y[::2], y[1::2]):
+        k, m = np.count_nonzero(part), part.size
+        assert abs(k - m * (1 - p)) <= 5 * np.sqrt(m * p * (1 - p)), (p, k, m)
+
+
+def test_dropout_same_and_different_masks():
+    x = np.ones((64, 65), np.float32)
+    base = dropout_run(x, 0.5, 5, 1) != 0
+    assert np.array_equal(base, dropout_run(x, 0.5, 5, 1) != 0)
+    n = x.size
+    for other in (dropout_run(x, 0.5, 5, 2), dropout_run(x, 0.5, 6, 1), dropout_run(x, 0.5, -5, 1)):
+        agree = np.count_nonzero(base == (other != 0))
+        # independent masks agree on about half the elements
+        assert abs(agree - n / 2) <= 5 * np.sqrt(n / 4)
+    # a smaller p keeps a superset (the same hash, a lower threshold)
+    assert np.all(dropout_run(x, 0.2, 5, 1)[base] != 0)
+
+
+def test_dropout_p0_is_identity_and_threads_bit_identical():
+    rng = np.random.default_rng(20)
+    x = f32(rng, 37, 129)
+    assert np.array_equal(dropout_run(x, 0.0, 1, 1), x)
+    one = dropout_run(x, 0.3, 11, 4)
+    for n in (2, 3, 4):
+        assert np.array_equal(one, dropout_run(x, 0.3, 11, 4, n_threads=n))
 
 
 # ---- get_rows --------------------------------------------------------------------------
@@ -294,6 +434,8 @@ def _thread_cases():
     cols = f32(rng, 3, 5, 4, 45)
     pooled = f32(rng, 3, 4, 4, 5)
     img8, cols8, pooled8 = f32(rng, 3, 9, 7, 8), f32(rng, 3, 9, 7, 72), f32(rng, 3, 4, 3, 8)
+    seg = np.array([[0, 0, 0, 1, 1, 2, 2, 2, -1], [0, 0, 0, 0, 0, 0, 1, 1, 1]], np.int32)
+    row_pos = rng.integers(0, 500, size=(2, 9)).astype(np.int32)
     return [
         ("rms_norm_fwd_f32", x.shape, [x], (), (1e-5,), None),
         ("rms_norm_bwd_f32", x.shape, [x, g], (), (1e-5,), None),
@@ -309,6 +451,10 @@ def _thread_cases():
         ("im2col_bwd_f32", img.shape, [cols], (3, 3, 2, 1), (), None),
         ("max_pool2d_fwd_f32", pooled.shape, [img], (2,), (), None),
         ("max_pool2d_bwd_f32", img.shape, [img, pooled], (2,), (), None),
+        ("softmax_fwd_f32", (2, 3, 9, 9), [f32(rng, 2, 3, 9, 9), seg], (3,), (0.5,), None),
+        ("rope_fwd_f32", rx.shape, [rx, row_pos], (12,), (10000.0,), None),
+        ("rope_bwd_f32", rx.shape, [rx, row_pos], (12,), (500.0,), None),
+        ("dropout_fwd_f32", x.shape, [x, np.array(3, np.int32)], (9,), (0.4,), None),
         ("im2col_fwd_f32", cols8.shape, [img8], (3, 3, 1, 1), (), None),
         ("im2col_bwd_f32", img8.shape, [cols8], (3, 3, 1, 1), (), None),
         ("max_pool2d_fwd_f32", pooled8.shape, [img8], (2,), (), None),
@@ -333,6 +479,9 @@ def _bad_cases():
     i32 = np.zeros(3, dtype=np.int32)
     h = x.astype(np.float16)
     img = f32(rng, 1, 4, 4, 2)
+    x3, x4 = f32(rng, 2, 3, 3), f32(rng, 2, 3, 1, 4)
+    seg2 = np.zeros((2, 3), np.int32)
+    seg23 = np.zeros((2, 6), np.int32)
     return [  # kernel, dst shape, srcs, ip, fp, scratch, exception, op name
         ("rms_norm_fwd_f32", (3, 7), [x], (), (1e-5,), 0, ShapeError, "rms_norm"),
         ("rms_norm_fwd_f32", (3, 8), [h], (), (1e-5,), 0, DTypeError, "rms_norm"),
@@ -341,6 +490,17 @@ def _bad_cases():
         ("softmax_fwd_f32", (8,), [x[0]], (1,), (1.0,), 0, ShapeError, "softmax"),
         ("softmax_fwd_f32", (3, 8), [x], (2,), (1.0,), 0, NativeError, "softmax"),
         ("softmax_bwd_f32", (3, 8), [x, h], (), (1.0,), 0, DTypeError, "softmax_bwd"),
+        # segment mask: x (B, ..., T, T), seg (B, T) i32 contiguous
+        ("softmax_fwd_f32", (2, 3, 3), [x3], (3,), (1.0,), 0, NativeError, "expected 2 inputs"),
+        ("softmax_fwd_f32", (2, 3, 3), [x3, seg2], (4,), (1.0,), 0, NativeError, "mask ip[0]"),
+        ("softmax_fwd_f32", (3, 3), [x3[0], seg2], (3,), (1.0,), 0, ShapeError, "3+ dims"),
+        ("softmax_fwd_f32", (2, 3, 3), [x3, seg2.astype(np.float32)], (3,), (1.0,), 0, DTypeError, "seg i32"),
+        ("softmax_fwd_f32", (2, 3, 3), [x3, seg2[:1]], (3,), (1.0,), 0, ShapeError, "expected seg (2, 3)"),
+        ("softmax_fwd_f32", (2, 3, 3), [x3, seg2[:, :2]], (3,), (1.0,), 0, ShapeError, "expected seg (2, 3)"),
+        ("softmax_fwd_f32", (2, 3, 3), [x3, seg2.reshape(-1)], (3,), (1.0,), 0, ShapeError, "expected seg"),
+        ("softmax_fwd_f32", (2, 3, 3), [x3, seg23[:, ::2]], (3,), (1.0,), 0, NativeError, "seg contiguous"),
+        ("softmax_fwd_f32", (2, 2, 3), [np.ascontiguousarray(x3[:, :2]), seg2], (3,), (1.0,), 0, ShapeError,
+         "T_q == T_k"),
         ("cross_entropy_fwd_f32", (), [x, np.array([1, 8, 0], dtype=np.int32)], (0,), (), 12,
          NativeError, "row 1 is 8"),
         ("cross_entropy_fwd_f32", (), [x, np.zeros(4, dtype=np.int32)], (0,), (), 16, ShapeError,
@@ -354,6 +514,31 @@ def _bad_cases():
         ("rope_fwd_f32", (3, 1, 8), [x.reshape(3, 1, 8), i32], (10,), (1e4,), 0, NativeError, "n_dims"),
         ("rope_bwd_f32", (3, 1, 8), [x.reshape(3, 1, 8), i32[:2]], (8,), (1e4,), 0, ShapeError,
          "rope_bwd"),
+        # per-row positions: x's leading dims (B, T), contiguous
+        ("rope_fwd_f32", (2, 3, 1, 4), [x4, np.zeros((3, 3), np.int32)], (4,), (1e4,), 0, ShapeError,
+         "or (2, 3)"),
+        ("rope_fwd_f32", (2, 3, 1, 4), [x4, np.zeros((2, 4), np.int32)], (4,), (1e4,), 0, ShapeError,
+         "expected positions (3,) or (2, 3)"),
+        ("rope_bwd_f32", (2, 3, 1, 4), [x4, np.zeros((1, 2, 3), np.int32)], (4,), (1e4,), 0, ShapeError,
+         "rope_bwd"),
+        ("rope_fwd_f32", (2, 3, 1, 4), [x4, np.zeros((2, 6), np.int32)[:, ::2]], (4,), (1e4,), 0,
+         NativeError, "positions contiguous"),
+        ("rope_fwd_f32", (2, 3, 1, 4), [x4, np.zeros((2, 3), np.float32)], (4,), (1e4,), 0, DTypeError,
+         "positions i32"),
+        # dropout: seed i32 of one element, p in [0, 1), salt in [0, 2^32), x contiguous
+        ("dropout_fwd_f32", (3, 8), [x, np.array(1, np.int32)], (0,), (1.0,), 0, NativeError, "p (fp[0])"),
+        ("dropout_fwd_f32", (3, 8), [x, np.array(1, np.int32)], (0,), (-0.1,), 0, NativeError, "p (fp[0])"),
+        ("dropout_fwd_f32", (3, 8), [x, np.array(1, np.int32)], (0,), (float("nan"),), 0, NativeError,
+         "in [0, 1)"),
+        ("dropout_fwd_f32", (3, 8), [x, np.array(1, np.int32)], (-1,), (0.5,), 0, NativeError, "salt"),
+        ("dropout_fwd_f32", (3, 8), [x, np.array(1, np.int32)], (2**32,), (0.5,), 0, NativeError, "salt"),
+        ("dropout_fwd_f32", (3, 8), [x, np.array(1.0, np.float32)], (0,), (0.5,), 0, DTypeError, "seed i32"),
+        ("dropout_fwd_f32", (3, 8), [x, np.array([1, 2], np.int32)], (0,), (0.5,), 0, ShapeError,
+         "seed of one element"),
+        ("dropout_fwd_f32", (3, 4), [x[:, ::2], np.array(1, np.int32)], (0,), (0.5,), 0, NativeError,
+         "x contiguous"),
+        ("dropout_fwd_f32", (3, 7), [x, np.array(1, np.int32)], (0,), (0.5,), 0, ShapeError, "dropout"),
+        ("dropout_fwd_f32", (3, 8), [x], (0,), (0.5,), 0, NativeError, "expected 2 inputs"),
         ("get_rows_fwd_f32", (2, 8), [x, np.array([0, 3], dtype=np.int32)], (), (), 0, NativeError,
          "is 3"),
         ("get_rows_fwd_f32", (2, 8), [x, np.array([-1, 0], dtype=np.int32)], (), (), 0, NativeError,
@@ -430,6 +615,21 @@ def test_fd_cross_entropy():
     t = np.array([3, -1, 0, 6, 2], dtype=np.int32)
     g = 1.3
     fd_close(refs.cross_entropy_bwd(x, t, g), fd_grad(lambda a: refs.cross_entropy(a, t), x, g))
+
+
+def test_fd_softmax_seg():
+    rng = np.random.default_rng(27)
+    x, r = rng.standard_normal((2, 2, 6, 6)), rng.standard_normal((2, 2, 6, 6))
+    seg = np.array([[0, 0, 1, 1, 1, -1], [0, 1, 2, 2, 0, 2]], np.int32)
+    y = refs.softmax(x, 0.9, seg=seg)
+    fd_close(refs.softmax_bwd(y, r, 0.9), fd_grad(lambda a: refs.softmax(a, 0.9, seg=seg), x, r))
+
+
+def test_fd_rope_per_row():
+    rng = np.random.default_rng(28)
+    x, r = rng.standard_normal((2, 3, 2, 6)), rng.standard_normal((2, 3, 2, 6))
+    pos = np.array([[0, 5, 17], [0, 1, 0]], dtype=np.int32)
+    fd_close(refs.rope_bwd(r, pos, 4, 100.0), fd_grad(lambda a: refs.rope(a, pos, 4, 100.0), x, r))
 
 
 def test_fd_rope():

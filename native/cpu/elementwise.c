@@ -3,6 +3,7 @@
 #include <math.h>
 
 #include "internal.h"
+#include "shape.h"
 #include "simd.h"
 
 /* ---- binary: dst (contiguous) = src0 OP src1, numpy broadcasting ---------- */
@@ -223,3 +224,88 @@ static int unary_bwd(const gt_node *node, const gt_ctx *ctx,
 
 int gt_relu_bwd_f32(const gt_node *n, const gt_ctx *c) { return unary_bwd(n, c, relu_bwd_row, "relu_bwd"); }
 int gt_silu_bwd_f32(const gt_node *n, const gt_ctx *c) { return unary_bwd(n, c, silu_bwd_row, "silu_bwd"); }
+
+/* ---- dropout ----------------------------------------------------------------- */
+
+static inline uint32_t rotl32(uint32_t x, int r) { return (x << r) | (x >> (32 - r)); }
+
+/* One 4-byte block of MurmurHash3_x86_32 (Austin Appleby, SMHasher) mixed into h. */
+static inline uint32_t murmur3_block(uint32_t h, uint32_t k) {
+    k *= 0xcc9e2d51u;
+    k = rotl32(k, 15);
+    k *= 0x1b873593u;
+    h ^= k;
+    h = rotl32(h, 13);
+    return h * 5u + 0xe6546b64u;
+}
+
+/* MurmurHash3_x86_32's finaliser (fmix32), applied after the length is xored in. */
+static inline uint32_t murmur3_fmix(uint32_t h) {
+    h ^= h >> 16;
+    h *= 0x85ebca6bu;
+    h ^= h >> 13;
+    h *= 0xc2b2ae35u;
+    h ^= h >> 16;
+    return h;
+}
+
+/* d[k] = x[k] * s where hash(index i0 + k) >= thr, else 0. h1 is the hash state
+ * after the seed and the salt block, hi the index's high word (constant here).
+ * Plain 32-bit integer arithmetic: the clones vectorize it and agree bit for bit. */
+GT_CLONES static void dropout_row(float *restrict d, const float *restrict x, uint32_t h1, uint32_t hi,
+                                  uint32_t i0, int64_t n, uint32_t thr, float s) {
+    for (int64_t k = 0; k < n; k++) {
+        uint32_t h = murmur3_block(h1, i0 + (uint32_t)k);
+        h = murmur3_block(h, hi);
+        h = murmur3_fmix(h ^ 12u);
+        d[k] = h >= thr ? x[k] * s : 0.0f;
+    }
+}
+
+/* dropout: dst = src0 * keep / (1 - p) with keep[i] = hash(seed, salt, i) >= thr,
+ * elementwise over the flat (row-major) index i. src0 x f32 contiguous, src1 seed
+ * i32 (one element, set by the host each step), dst contiguous, x's shape.
+ * fp[0] = p in [0, 1), ip[0] = salt in [0, 2^32) (distinct per dropout of a graph).
+ * hash = MurmurHash3_x86_32 of the 12-byte key (salt, low word of i, high word
+ * of i), u32 little-endian words, with murmur's seed = (uint32) seed; thr =
+ * floor(p * 2^32) (p as float), so P(keep) = 1 - p to within 2^-32. Kept
+ * elements are x * s, s = (float)(1 / (1 - (double)p)) (one float multiply);
+ * dropped ones are exactly 0 (also for inf or NaN x). The mask depends only on
+ * (seed, salt, p, i): the same for any thread count, in the backward (dropout
+ * of g with the same seed, salt and p) and when checkpointing recomputes it. */
+int gt_dropout_fwd_f32(const gt_node *node, const gt_ctx *ctx) {
+    const char *op = "dropout";
+    const gt_tensor *d = &node->dst, *x = &node->src[0], *sd = &node->src[1];
+    GT_TRY(gt_check_n_src(node, 2, op));
+    GT_CHECK_F32(d, op, "dst");
+    GT_CHECK_F32(x, op, "x");
+    GT_TRY(gt_check_i32(sd, op, "seed"));
+    GT_TRY(gt_check_same_shape(x, d, op, "x", "dst"));
+    GT_TRY(gt_check_contig(x, op, "x"));
+    GT_TRY(gt_check_contig(d, op, "dst"));
+    if (gt_numel(sd) != 1) {
+        char a[128];
+        return GT_FAIL(GT_ERR_SHAPE, "%s: expected seed of one element, () or (1,), got %s", op,
+                       gt_shape_str(sd, a, sizeof a));
+    }
+    const float p = node->fp[0];
+    if (!(p >= 0.0f && p < 1.0f))
+        return GT_FAIL(GT_ERR_INVALID, "%s: expected p (fp[0]) in [0, 1), got %g", op, (double)p);
+    const int64_t salt = node->ip[0];
+    if (salt < 0 || salt > (int64_t)UINT32_MAX)
+        return GT_FAIL(GT_ERR_INVALID, "%s: expected salt (ip[0]) in [0, 2^32), got %lld", op, (long long)salt);
+    const uint32_t thr = (uint32_t)((double)p * 4294967296.0);
+    const float s = (float)(1.0 / (1.0 - (double)p));
+    const uint32_t h1 = murmur3_block((uint32_t)*(const int32_t *)sd->data, (uint32_t)salt);
+    float *dd = d->data;
+    const float *xd = x->data;
+    int64_t lo, hi;
+    gt_split(gt_numel(d), ctx, &lo, &hi);
+    while (lo < hi) {   /* in pieces that keep the index's high word constant */
+        const int64_t end = (lo | (int64_t)UINT32_MAX) + 1;
+        const int64_t n = (end < hi ? end : hi) - lo;
+        dropout_row(dd + lo, xd + lo, h1, (uint32_t)((uint64_t)lo >> 32), (uint32_t)lo, n, thr, s);
+        lo += n;
+    }
+    return GT_OK;
+}

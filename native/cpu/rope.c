@@ -1,7 +1,8 @@
 /* rope.c: rotary position embedding, llama.cpp/ggml rope mode 0 (NORMAL:
  * adjacent pairs), and its backward (the inverse rotation). Rows (b, t) are
- * split across threads in t-major order, so a thread computes the cos/sin of
- * one position once and reuses them over the batch and the heads. */
+ * split across threads in t-major order (b-major with per-row positions), and
+ * a thread computes the cos/sin of a position once and reuses them while the
+ * position repeats (over the batch, and always over the heads). */
 #include <math.h>
 
 #include "internal.h"
@@ -43,11 +44,18 @@ static int rope(const gt_node *node, const gt_ctx *ctx, const char *op, double s
     GT_TRY(gt_check_contig(d, op, "dst"));
     const int64_t D = x->shape[x->ndim - 1], H = x->shape[x->ndim - 2], T = x->shape[x->ndim - 3];
     const int64_t B = gt_numel(x) / (T * H * D > 0 ? T * H * D : 1);
-    if (p->ndim != 1 || p->shape[0] != T) {
-        char b[128];
-        return GT_FAIL(GT_ERR_SHAPE, "%s: expected positions (%lld,) for %s %s, got %s", op, (long long)T,
-                       xname, gt_shape_str(x, a, sizeof a), gt_shape_str(p, b, sizeof b));
+    /* positions (T,) shared by every row, or one per row: x's leading dims (..., T) */
+    int per_row = p->ndim == x->ndim - 2 && p->ndim > 1;
+    for (int i = 0; per_row && i < p->ndim; i++) per_row = p->shape[i] == x->shape[i];
+    if (!per_row && (p->ndim != 1 || p->shape[0] != T)) {
+        char b[128], c[128];
+        gt_tensor lead = *x;
+        lead.ndim = x->ndim - 2;
+        return GT_FAIL(GT_ERR_SHAPE, "%s: expected positions (%lld,) or %s for %s %s, got %s", op, (long long)T,
+                       gt_shape_str(&lead, c, sizeof c), xname, gt_shape_str(x, a, sizeof a),
+                       gt_shape_str(p, b, sizeof b));
     }
+    if (per_row) GT_TRY(gt_check_contig(p, op, "positions"));
     const int64_t n_dims = node->ip[0];
     if (n_dims < 2 || n_dims % 2 || n_dims > D)
         return GT_FAIL(GT_ERR_INVALID, "%s: expected n_dims (ip[0]) even and in 2..D = %lld, got %lld", op,
@@ -65,21 +73,26 @@ static int rope(const gt_node *node, const gt_ctx *ctx, const char *op, double s
     double freq[CHUNK];
     float cs[CHUNK], sn[CHUNK];
     int64_t lo, hi;
-    gt_split(T * B, ctx, &lo, &hi);   /* unit u: t = u / B, b = u % B */
+    /* unit u: shared positions t-major (t = u / B, b = u % B), so consecutive units
+     * share a position; per-row positions b-major (b = u / T, t = u % T) */
+    gt_split(T * B, ctx, &lo, &hi);
     for (int64_t i0 = 0; i0 < half; i0 += CHUNK) {
         const int64_t ni = half - i0 < CHUNK ? half - i0 : CHUNK;
         for (int64_t i = 0; i < ni; i++) freq[i] = pow((double)base, -2.0 * (double)(i0 + i) / (double)n_dims);
-        int64_t t_cached = -1;
+        int have = 0;
+        int32_t p_cached = 0;
         for (int64_t u = lo; u < hi; u++) {
-            const int64_t t = u / B, b = u - t * B;
-            if (t != t_cached) {
-                const double pt = (double)pos[t * ps];
+            const int64_t t = per_row ? u % T : u / B, b = per_row ? u / T : u % B;
+            const int32_t pu = per_row ? pos[b * T + t] : pos[t * ps];
+            if (!have || pu != p_cached) {   /* cos/sin depend on the position alone */
+                const double pt = (double)pu;
                 for (int64_t i = 0; i < ni; i++) {
                     const double th = pt * freq[i];
                     cs[i] = (float)cos(th);
                     sn[i] = (float)(sign * sin(th));
                 }
-                t_cached = t;
+                p_cached = pu;
+                have = 1;
             }
             const int64_t row = (b * T + t) * H * D;
             for (int64_t h = 0; h < H; h++) {
@@ -93,8 +106,10 @@ static int rope(const gt_node *node, const gt_ctx *ctx, const char *op, double s
     return GT_OK;
 }
 
-/* rope: x (..., T, H, D) f32 contiguous, positions (T,) i32 (any stride),
- * dst same shape as x, contiguous. ip[0] = n_dims (even, 2..D), fp[0] = freq_base.
+/* rope: x (..., T, H, D) f32 contiguous, positions (T,) i32 (any stride) shared
+ * by every row, or x's leading dims (..., T) i32 contiguous (each row its own
+ * positions: packed samples restart at 0), dst same shape as x, contiguous.
+ * ip[0] = n_dims (even, 2..D), fp[0] = freq_base.
  * For i < n_dims/2: theta = pos[t] * freq_base^(-2i/n_dims) rotates the pair
  *     (x[2i], x[2i+1]) -> (x0 cos - x1 sin, x0 sin + x1 cos);
  * dims n_dims..D-1 pass through unchanged.

@@ -1,4 +1,4 @@
-/* softmax.c: softmax (scaled, optionally causal) and its backward, and
+/* softmax.c: softmax (scaled, optionally masked) and its backward, and
  * cross_entropy with its backward. Rows are split across threads; every row is
  * reduced in a fixed order, and cross_entropy's mean over rows goes through
  * per-row scratch summed by thread 0, so results do not depend on the thread
@@ -96,13 +96,52 @@ GT_CLONES static void softmax_bwd_row(float *restrict d, const float *restrict y
 
 /* ---- softmax --------------------------------------------------------------- */
 
+/* One row of the segment mask: y (tk) = softmax of s * x over the columns
+ * j <= i with sg[j] == sg[i], 0 elsewhere (sg: this batch row's seg, tk). */
+static void softmax_seg_row(float *y, const float *x, float s, const int32_t *sg, int64_t i, int64_t tk) {
+    const int32_t me = sg[i];
+    int64_t lo = i;
+    while (lo > 0 && sg[lo - 1] == me) lo--;
+    int64_t j = 0;
+    while (j < lo && sg[j] != me) j++;
+    if (j == lo) {   /* the visible columns are the run [lo, i] */
+        const int64_t n = i - lo + 1;
+        memset(y, 0, (size_t)lo * sizeof(float));
+        const float m = scaled_max_row(x + lo, s, n);
+        const float sum = exp_row(y + lo, x + lo, s, m, n);
+        mul_row(y + lo, 1.0f / sum, n);
+        memset(y + i + 1, 0, (size_t)(tk - i - 1) * sizeof(float));
+        return;
+    }
+    /* the same value earlier too: mask column by column (j is the first one seen) */
+    float m = s * x[j];
+    for (int64_t k = j + 1; k <= i; k++)
+        if (sg[k] == me && s * x[k] > m) m = s * x[k];
+    float sum = 0.0f;
+    for (int64_t k = 0; k < tk; k++) {
+        const float e = k <= i && sg[k] == me ? gt_expf_(s * x[k] - m) : 0.0f;
+        y[k] = e;
+        sum += e;
+    }
+    const float inv = 1.0f / sum;
+    for (int64_t k = 0; k <= i; k++) y[k] *= inv;
+}
+
 /* softmax: dst = softmax(fp[0] * src) over the last dim.
  * src (..., T_q, T_k) f32 contiguous, dst same shape contiguous; scale fp[0].
  * ip[0] is the mask: 0 none; 1 causal, row i (of the T_q dim) sees columns
  * j <= i + (T_k - T_q); 2 by position, src1 pos (T_q,) i32 and row i sees
  * columns j <= pos[i] (a KV cache holding positions 0..T_k-1, queried at
- * positions pos). Masked entries are exactly 0, and a row that sees no column
- * is all 0. Needs ndim >= 2 with a mask (ndim >= 1 otherwise).
+ * positions pos); 3 by segment (packed samples), src1 seg (B, T_k) i32
+ * contiguous, src (B, ..., T_q, T_k) with T_q == T_k, and row i of batch b
+ * (b = row / (rows per batch)) sees columns j <= i with seg[b, j] == seg[b, i].
+ * Masked entries are exactly 0, and a row that sees no column is all 0. Needs
+ * ndim >= 2 with a mask, 3 with mode 3 (ndim >= 1 otherwise).
+ * Mode 3 finds the run of equal seg values ending at i; when no earlier column
+ * shares its value (packed samples are contiguous runs) the row is the range
+ * [start of the run, i] and goes through the vector helpers at that offset, so
+ * a sample packed after others is computed as it would be alone; otherwise a
+ * plain masked loop serves (any seg pattern is valid).
  * NOTE: the row max of the scaled values is subtracted before exp, so large
  * inputs do not overflow; the sum of exps is in float, 16 lanes, fixed order. */
 int gt_softmax_fwd_f32(const gt_node *node, const gt_ctx *ctx) {
@@ -115,12 +154,13 @@ int gt_softmax_fwd_f32(const gt_node *node, const gt_ctx *ctx) {
     GT_TRY(gt_check_contig(x, op, "src"));
     GT_TRY(gt_check_contig(d, op, "dst"));
     const int64_t mask = node->ip[0];
-    if (mask < 0 || mask > 2)
-        return GT_FAIL(GT_ERR_INVALID, "%s: expected mask ip[0] 0, 1 or 2, got %lld", op, (long long)mask);
-    if (x->ndim < (mask ? 2 : 1)) {
+    if (mask < 0 || mask > 3)
+        return GT_FAIL(GT_ERR_INVALID, "%s: expected mask ip[0] 0, 1, 2 or 3, got %lld", op, (long long)mask);
+    if (x->ndim < (mask == 3 ? 3 : mask ? 2 : 1)) {
         char a[128];
         return GT_FAIL(GT_ERR_SHAPE, "%s: expected src (..., T_q, T_k)%s, got %s", op,
-                       mask ? " with 2+ dims for the mask" : "", gt_shape_str(x, a, sizeof a));
+                       mask == 3 ? " with 3+ dims (B, ..., T_q, T_k) for the segment mask"
+                       : mask ? " with 2+ dims for the mask" : "", gt_shape_str(x, a, sizeof a));
     }
     const int64_t tk = gt_ncols(x), nrows = gt_nrows(x);
     const int64_t tq = mask ? x->shape[x->ndim - 2] : 1;
@@ -137,6 +177,24 @@ int gt_softmax_fwd_f32(const gt_node *node, const gt_ctx *ctx) {
         }
         pos = p->data;
     }
+    const int32_t *seg = NULL;
+    int64_t rows_per_batch = 0;
+    if (mask == 3) {
+        const gt_tensor *sg = &node->src[1];
+        GT_TRY(gt_check_n_src(node, 2, op));
+        GT_TRY(gt_check_i32(sg, op, "seg"));
+        char a[128], b[128];
+        if (tq != tk)
+            return GT_FAIL(GT_ERR_SHAPE, "%s: the segment mask needs T_q == T_k, got src %s", op,
+                           gt_shape_str(x, a, sizeof a));
+        if (sg->ndim != 2 || sg->shape[0] != x->shape[0] || sg->shape[1] != tk)
+            return GT_FAIL(GT_ERR_SHAPE, "%s: expected seg (%lld, %lld) (B, T_k) for src %s, got %s", op,
+                           (long long)x->shape[0], (long long)tk, gt_shape_str(x, a, sizeof a),
+                           gt_shape_str(sg, b, sizeof b));
+        GT_TRY(gt_check_contig(sg, op, "seg"));
+        seg = sg->data;
+        rows_per_batch = x->shape[0] ? nrows / x->shape[0] : 0;
+    }
     const float s = node->fp[0];
     float *dd = d->data;
     const float *xd = x->data;
@@ -145,6 +203,10 @@ int gt_softmax_fwd_f32(const gt_node *node, const gt_ctx *ctx) {
     for (int64_t r = lo; r < hi; r++) {
         float *y = dd + r * tk;
         const float *xr = xd + r * tk;
+        if (mask == 3) {
+            softmax_seg_row(y, xr, s, seg + (r / rows_per_batch) * tk, r % tq, tk);
+            continue;
+        }
         int64_t n = tk;
         if (mask) {
             const int64_t i = r % tq;
