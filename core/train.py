@@ -355,14 +355,18 @@ class TextRun:
         b = config.batch
         self.params = {k: g.param(v.shape, v, name=k) for k, v in init.items()}   # trained
         weights, adapters, bind = dict(self.params), None, {}
+        self.dropout_seed = None
         if lora is not None:
             weights, _, bind = llama._frozen(g, frozen or {}, None)
             adapters = {}
-            for w in lora.weights(model.layers):
+            if lora.dropout > 0:    # a fresh mask per physical batch, drawn from (seed, batch number)
+                self.dropout_seed = g.input((), "i32", name="dropout_seed")
+            for salt, w in enumerate(lora.weights(model.layers)):
                 a, b_ = factor_names(w)
                 if a not in self.params or b_ not in self.params:
                     raise ConfigError(f"LoRA: no initial factors for {w}")
-                adapters[w] = (self.params[a], self.params[b_], lora.scale)
+                drop = (lora.dropout, self.dropout_seed, salt) if self.dropout_seed is not None else None
+                adapters[w] = (self.params[a], self.params[b_], lora.scale, drop)
         self.tokens = g.input((b, self.ctx), "i32", name="tokens")
         self.targets = g.input((b, self.ctx), "i32", name="targets")
         self.packed = packed
@@ -374,6 +378,11 @@ class TextRun:
         logits = llama.forward(model, weights, self.tokens, self.pos, g, checkpoint=config.checkpointing,
                                lora=adapters, seg=self.seg)
         self.loss = llama.loss(logits, self.targets)
+        self.eval_loss = self.loss
+        if self.dropout_seed is not None:   # evaluation without dropout: the same weights, no masks
+            plain = {w: f[:3] for w, f in adapters.items()}
+            self.eval_loss = llama.loss(llama.forward(model, weights, self.tokens, self.pos, lora=plain,
+                                                      seg=self.seg), self.targets)
         self.optimizer = AdamW(lr=config.lr, weight_decay=config.weight_decay, max_grad_norm=config.grad_clip)
         self.schedule = CosineLR(config.lr, config.lr_min, min(config.warmup, config.steps), config.steps)
         self.step = TrainStep(self.loss, list(self.params.values()), self.optimizer, backend,
@@ -381,7 +390,7 @@ class TextRun:
                               bind=bind)
         if not packed:
             self.step.runtime.set(self.pos, np.arange(self.ctx, dtype=np.int32))
-        self._eval = self.step.runtime.compile([self.loss], self.step.n_threads)
+        self._eval = self.step.runtime.compile([self.eval_loss], self.step.n_threads)
         self.tokens_seen = 0
         self._stop = False
 
@@ -391,6 +400,13 @@ class TextRun:
     @property
     def updates(self) -> int:
         return self.step.updates
+
+    @property
+    def flop_per_token(self) -> float:
+        """Matrix-product FLOPs of one update (forward, backward, recomputation) per token."""
+        st = self.step
+        flops = st._update.matmul_flops + (st._micro.matmul_flops * st.grad_acc if st._micro else 0)
+        return flops / (self.config.batch * self.config.grad_acc * self.ctx)
 
     def param_values(self) -> dict:
         """{name: f32 array} of what is trained (model parameters, or adapter factors)."""
@@ -414,13 +430,16 @@ class TextRun:
         self.step.updates = int(state["updates"])
         self.tokens_seen = int(state["tokens_seen"])
 
-    def _feed(self, batch) -> dict:
-        """{input tensor: array} of a batch (a dict, or a (batch, ctx + 1) window array)."""
+    def _feed(self, batch, number: int = 0) -> dict:
+        """{input tensor: array} of a batch (a dict, or a (batch, ctx + 1) window array);
+        number: the physical batch's index in the run (seeds its dropout masks)."""
         if isinstance(batch, np.ndarray):
             batch = {"tokens": batch[:, :-1], "targets": batch[:, 1:]}
         feed = {self.tokens: batch["tokens"], self.targets: batch["targets"]}
         if self.packed:
             feed[self.pos], feed[self.seg] = batch["pos"], batch["seg"]
+        if self.dropout_seed is not None:
+            feed[self.dropout_seed] = np.int32((self.config.seed * 1_000_003 + number) % (2**31 - 1))
         return feed
 
     def evaluate(self, batches: list) -> float:
@@ -429,9 +448,10 @@ class TextRun:
         losses = []
         for batch in batches:
             for t, v in self._feed(batch).items():
-                rt.set(t, v)
+                if t is not self.dropout_seed:
+                    rt.set(t, v)
             rt.run(self._eval, self.step.n_threads)
-            losses.append(float(self._eval.read(self.loss)))
+            losses.append(float(self._eval.read(self.eval_loss)))
         return float(np.mean(losses)) if losses else float("nan")
 
     def fit(self, batches, val_batches: list, on_step=None, on_eval=None) -> None:
@@ -443,7 +463,8 @@ class TextRun:
         while self.step.updates < cfg.steps and not self._stop:
             t_step = time.perf_counter()
             lr = self.schedule(self.step.updates)
-            feeds = [self._feed(batches.next()) for _ in range(cfg.grad_acc)]
+            first = self.step.updates * cfg.grad_acc
+            feeds = [self._feed(batches.next(), first + j) for j in range(cfg.grad_acc)]
             loss = self.step.step(feeds, lr)
             if not np.isfinite(loss) or not np.isfinite(self.step.last_grad_norm):
                 raise NumericError(f"loss {loss}, gradient norm {self.step.last_grad_norm} at update "

@@ -148,3 +148,16 @@ def test_initial_adapter_is_the_identity_and_quantized_base_stays_in_its_type():
 def test_bad_lora_settings(kw, text):
     with pytest.raises(ConfigError, match=text):
         LoraConfig(**kw)
+
+
+def test_lora_dropout_trains_and_evaluates_without_masks():
+    """With dropout the run still learns; evaluation uses no mask (it equals a dropout-free
+    run's evaluation on the same factors), and resuming repeats the masks (same losses)."""
+    weights = llama.init_params(CFG, seed=1, std=0.3)
+    drop = LoraConfig(rank=2, alpha=3.0, dropout=0.3)
+    run, losses, first = _run(weights, steps=12, lora=drop)
+    assert losses[-1] < losses[0]
+    plain = TextRun(CFG, run.param_values(), TextConfig(steps=1, batch=2), CpuBackend(2), frozen=weights, lora=LORA)
+    assert run.evaluate([first]) == plain.evaluate([first])
+    again, losses2, _ = _run(weights, steps=12, lora=drop)
+    assert losses2 == losses                      # the masks come from (seed, batch number)

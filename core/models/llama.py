@@ -100,11 +100,14 @@ def init_params(cfg: LlamaConfig, seed: int = 0, std: float = 0.02) -> dict:
 def linear(x, params: dict, name: str, lora: dict | None = None):
     """x @ W.T for the weight `name`, plus its LoRA update when `lora` has one:
     scale * (x @ A.T) @ B.T with lora[name] = (A (r, n_in), B (n_out, r), scale), as
-    llama.cpp applies an adapter (scale = user scale * alpha / r)."""
+    llama.cpp applies an adapter (scale = user scale * alpha / r). A fourth item
+    (p, seed, salt) drops the adapter's input out in training (ops.dropout; PEFT's
+    lora_dropout), never the base product's."""
     y = ops.linear(x, params[name])
     if lora and name in lora:
-        a, b, scale = lora[name]
-        y = ops.add(y, ops.scale(ops.linear(ops.linear(x, a), b), scale))
+        a, b, scale, *drop = lora[name]
+        xa = ops.dropout(x, *drop[0]) if drop and drop[0] is not None else x
+        y = ops.add(y, ops.scale(ops.linear(ops.linear(xa, a), b), scale))
     return y
 
 
