@@ -1,17 +1,23 @@
-"""Datasets (layer 4): token streams cut into training windows, with resumable order.
+"""Datasets (layer 4): token windows and packed samples, batched in a resumable order.
 
 A TokenWindows sampler draws windows of ctx + 1 tokens at random offsets from the
 training part of a token stream (inputs are the first ctx, targets the last ctx);
 its numpy Generator state is part of a checkpoint, so a resumed run draws exactly
 the windows the uninterrupted run would have drawn.
+
+Fine-tuning data comes as samples, each a token sequence with a mask of the tokens to
+train on: `pack` lays them into rows (several to a row, each with its own positions and
+segment id), `PackedBatches` draws the rows in a seeded order per epoch, resumably, and
+`split_samples` holds out whole samples for validation.
 """
 from __future__ import annotations
 
 import json
+from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from ggtrain.errors import ConfigError
+from ggtrain.errors import ConfigError, ShapeError
 
 
 def split_tokens(ids: np.ndarray, val_split: float, ctx: int) -> tuple:
@@ -72,3 +78,236 @@ def eval_windows(ids: np.ndarray, ctx: int, batch: int, max_batches: int) -> lis
     for i in range(0, len(wins) - batch + 1, batch):
         out.append(np.stack(wins[i:i + batch]))
     return out
+
+
+# ---- packed samples (fine-tuning) ------------------------------------------------------------
+#
+# A sample is a token sequence ids (n,) with a mask train (n,): train[i] says that ids[i] is a
+# prediction target (its loss counts when it is predicted from ids[:i]). Packed into a row of
+# ctx positions, a sample of n tokens takes n - 1 positions: its inputs ids[:-1], whose targets
+# are ids[1:] where trained, else -1. Its last token is only ever a target, so the first token
+# of the next sample in the row is never one: every target belongs to its own sample.
+
+
+@dataclass
+class PackedData:
+    """Samples packed into rows of ctx positions, all (rows, ctx) int32.
+
+    tokens: the input token at each position (0 in padding); targets: the token to predict
+    there, or -1 (not trained, or padding); pos: the position within its own sample (0 at
+    each sample's first token, 0 in padding); seg: the sample's index within its row (0, 1,
+    ...; -1 in padding). Attention stays within a segment: position t sees t' <= t with
+    seg[t'] == seg[t].
+    """
+    tokens: np.ndarray
+    targets: np.ndarray
+    pos: np.ndarray
+    seg: np.ndarray
+
+    @property
+    def rows(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def ctx(self) -> int:
+        return self.tokens.shape[1]
+
+
+@dataclass(frozen=True)
+class PackStats:
+    """What `pack` did: samples given; packed (placed in rows); truncated (longer than
+    ctx + 1 tokens, cut to that); dropped (longer, left out with drop_long); empty (left out:
+    no trained target, e.g. an assistant turn cut off by truncation); rows; tokens (positions
+    holding a sample's token), trained (positions with a target), padding (empty positions)."""
+    samples: int
+    packed: int
+    truncated: int
+    dropped: int
+    empty: int
+    rows: int
+    tokens: int
+    trained: int
+    padding: int
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def _sample_fields(sample) -> tuple:
+    """(ids, train) of a sample object with .ids and .train, or of an (ids, train) pair."""
+    if hasattr(sample, "ids") and hasattr(sample, "train"):
+        ids, train = sample.ids, sample.train
+    else:
+        ids, train = sample
+    ids = np.asarray(ids).reshape(-1)
+    train = np.asarray(train).reshape(-1)
+    if ids.shape != train.shape:
+        raise ShapeError(f"a sample's ids {ids.shape} and train mask {train.shape} differ in length")
+    if ids.size and (not np.issubdtype(ids.dtype, np.integer) or ids.min() < 0):
+        raise ShapeError(f"a sample's ids must be non-negative integers, got {ids.dtype} "
+                         f"(min {ids.min()})")
+    return ids.astype(np.int32), train.astype(bool)
+
+
+def pack(samples, ctx: int, packing: bool = True, drop_long: bool = False) -> tuple:
+    """Pack samples into rows of ctx positions: (PackedData, PackStats).
+
+    samples: objects with .ids (n,) int and .train (n,) bool, or (ids, train) pairs.
+    A sample longer than ctx + 1 tokens is cut to its first ctx + 1 (or left out with
+    drop_long); one without a trained target (after cutting) is left out. With packing,
+    samples are placed greedily in the given order, each into the first row with room for
+    it (first fit), so a row holds several whole samples; without, one sample per row.
+    Raises ConfigError when no sample has a token to train on.
+    """
+    if ctx < 1:
+        raise ConfigError(f"--ctx must be at least 1, got {ctx}")
+    items, truncated, dropped, empty = [], 0, 0, 0
+    n_samples = 0
+    for sample in samples:
+        n_samples += 1
+        ids, train = _sample_fields(sample)
+        if len(ids) > ctx + 1:
+            if drop_long:
+                dropped += 1
+                continue
+            ids, train = ids[:ctx + 1], train[:ctx + 1]
+            truncated += 1
+        targets = np.where(train[1:], ids[1:], -1).astype(np.int32)     # (n - 1,)
+        if not (targets >= 0).any():
+            empty += 1
+            continue
+        items.append((ids[:-1], targets))
+    if not items:
+        parts = [f"{empty} have no trained token"]
+        if truncated:
+            parts.append(f"{truncated} were cut to --ctx {ctx} + 1 tokens")
+        if dropped:
+            parts.append(f"{dropped} longer than that were dropped (--drop-long)")
+        raise ConfigError(f"no token to train on: of {n_samples} samples, {', '.join(parts)} "
+                          f"(chat data trains on assistant turns, prompt/completion data on "
+                          f"completions)")
+    row_of = _first_fit([len(t) for t, _ in items], ctx) if packing else list(range(len(items)))
+    rows = max(row_of) + 1
+    data = PackedData(np.zeros((rows, ctx), np.int32), np.full((rows, ctx), -1, np.int32),
+                      np.zeros((rows, ctx), np.int32), np.full((rows, ctx), -1, np.int32))
+    fill = np.zeros(rows, np.int64)          # positions used in each row
+    n_seg = np.zeros(rows, np.int64)         # samples placed in each row
+    for (inputs, targets), r in zip(items, row_of):
+        a, b = fill[r], fill[r] + len(inputs)
+        data.tokens[r, a:b] = inputs
+        data.targets[r, a:b] = targets
+        data.pos[r, a:b] = np.arange(len(inputs))
+        data.seg[r, a:b] = n_seg[r]
+        fill[r], n_seg[r] = b, n_seg[r] + 1
+    tokens = int(fill.sum())
+    stats = PackStats(samples=n_samples, packed=len(items), truncated=truncated, dropped=dropped,
+                      empty=empty, rows=rows, tokens=tokens, trained=int((data.targets >= 0).sum()),
+                      padding=rows * ctx - tokens)
+    return data, stats
+
+
+def _first_fit(lengths: list, ctx: int) -> list:
+    """The row of each item under first fit: the lowest-numbered row with room for it.
+
+    A max-tree over the free space of len(lengths) rows (enough for one item each) finds
+    that row in O(log n) per item.
+    """
+    size = 1
+    while size < len(lengths):
+        size *= 2
+    free = [0] * (2 * size)                  # free[size + r]: free positions of row r
+    for r in range(len(lengths)):
+        free[size + r] = ctx
+    for i in range(size - 1, 0, -1):
+        free[i] = max(free[2 * i], free[2 * i + 1])
+    rows = []
+    for n in lengths:
+        i = 1
+        while i < size:                      # descend to the leftmost leaf with room
+            i = 2 * i if free[2 * i] >= n else 2 * i + 1
+        rows.append(i - size)
+        free[i] -= n
+        i //= 2
+        while i:
+            free[i] = max(free[2 * i], free[2 * i + 1])
+            i //= 2
+    return rows
+
+
+class PackedBatches:
+    """Batches of packed rows, every row once per epoch in a seeded random order.
+
+    The rows drawn form one stream: epoch e's order is a permutation seeded by (seed, e), and
+    batch k takes the stream's rows k * batch .. (k + 1) * batch - 1, so a batch may span two
+    epochs. The state is the number of rows drawn (with the seed): a run resumed from it
+    draws exactly the batches the uninterrupted run would have drawn.
+    """
+
+    def __init__(self, data: PackedData, batch: int, seed: int):
+        if batch < 1:
+            raise ConfigError(f"--batch must be at least 1, got {batch}")
+        self.data, self.batch, self.seed = data, batch, seed
+        self.drawn = 0                       # rows drawn so far
+        self._order: tuple = (-1, None)      # (epoch, its permutation of the rows)
+
+    @property
+    def batches_per_epoch(self) -> int:
+        """Batches that draw every row at least once: ceil(rows / batch)."""
+        return -(-self.data.rows // self.batch)
+
+    @property
+    def epoch(self) -> float:
+        """Epochs drawn so far (rows drawn / rows)."""
+        return self.drawn / self.data.rows
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        if self._order[0] != epoch:
+            self._order = (epoch, np.random.default_rng([self.seed, epoch]).permutation(self.data.rows))
+        return self._order[1]
+
+    def next(self) -> dict:
+        """The next batch: {"tokens", "targets", "pos", "seg"}, each (batch, ctx) int32."""
+        rows = self.data.rows
+        idx = np.empty(self.batch, np.int64)
+        done = 0
+        while done < self.batch:
+            epoch, r = divmod(self.drawn, rows)
+            take = min(self.batch - done, rows - r)
+            idx[done:done + take] = self._permutation(epoch)[r:r + take]
+            done += take
+            self.drawn += take
+        d = self.data
+        return {"tokens": d.tokens[idx], "targets": d.targets[idx], "pos": d.pos[idx],
+                "seg": d.seg[idx]}
+
+    def state(self) -> str:
+        return json.dumps({"drawn": self.drawn, "seed": self.seed, "rows": self.data.rows})
+
+    def set_state(self, text: str) -> None:
+        """Continue from `state()`; raises ConfigError when it was taken on other data."""
+        s = json.loads(text)
+        if s["rows"] != self.data.rows:
+            raise ConfigError(f"the checkpoint was trained on {s['rows']} packed rows, this data "
+                              f"packs into {self.data.rows}: resume with the same data, --ctx "
+                              f"and packing options")
+        self.drawn, self.seed = int(s["drawn"]), int(s["seed"])
+        self._order = (-1, None)
+
+
+def split_samples(samples: list, val_split: float, seed: int) -> tuple:
+    """(train, validation) lists of whole samples: a seeded random val_split of them is held
+    out (both keep the given order). Raises ConfigError when val_split is not in [0, 1) or
+    leaves either part empty."""
+    if not 0.0 <= val_split < 1.0:
+        raise ConfigError(f"--val-split must be in [0, 1), got {val_split}")
+    n = len(samples)
+    n_val = int(n * val_split)
+    if val_split > 0 and n_val == 0:
+        raise ConfigError(f"--val-split {val_split} of {n} samples holds no sample; use a larger "
+                          f"--val-split, more data, or --val-split 0")
+    held = np.zeros(n, bool)
+    held[np.random.default_rng(seed).permutation(n)[:n_val]] = True
+    train = [s for s, h in zip(samples, held) if not h]
+    if not train:
+        raise ConfigError(f"--val-split {val_split} leaves no training sample of {n}")
+    return train, [s for s, h in zip(samples, held) if h]
