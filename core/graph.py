@@ -322,6 +322,7 @@ class Runtime:
         for t in outputs:
             if t.root.id in end:
                 end[t.root.id] = last
+        alias = self._inplace(nodes, start, end, size)
         offsets, arena_size = _pack(start, end, size)
 
         def emit(arena) -> tuple:
@@ -332,7 +333,7 @@ class Runtime:
                 elif r.out is not None:
                     base, buf = _byte_offset(r.out), self.buffer(r.out)
                 else:
-                    base, buf = offsets[r.id], arena
+                    base, buf = offsets[alias.get(r.id, r.id)], arena
                 return TensorRef(buf, base + _byte_offset(t), t.dtype, t.shape, t.strides)
 
             calls = []
@@ -359,6 +360,30 @@ class Runtime:
             persistent=self.persistent_bytes,
             scratch=sum(p().work_bytes * p().n_threads for p in self._plans if p() is not None))
         return plan
+
+    @staticmethod
+    def _inplace(nodes: list, start: dict, end: dict, size: dict) -> dict:
+        """Let a node whose op allows it (OpDef.inplace) write over an input that dies there:
+        an arena tensor read last by this node, whole and of the same dtype and size. The node
+        then takes that tensor's slot (its range joins the slot's). Returns {node id: the id
+        of the tensor whose slot it uses}; start/end/size are updated to match."""
+        alias = {}
+        for i, (t, *_) in enumerate(nodes):
+            opdef = _ops.OPS[t.op]
+            if t.out is not None or t.id not in size:
+                continue
+            for k in opdef.inplace:
+                s = t.srcs[k]
+                r = s.root
+                slot = alias.get(r.id, r.id)
+                if (r.kind == "op" and r.out is None and slot in end and end[slot] == i and s.offset == 0
+                        and s.is_contiguous() and s.size == r.size and r.dtype == t.dtype
+                        and r.nbytes == t.nbytes):
+                    alias[t.id] = slot
+                    end[slot] = max(end[slot], end.pop(t.id))
+                    del start[t.id], size[t.id]
+                    break
+        return alias
 
     def run(self, plan: CompiledPlan, n_threads: int | None = None) -> None:
         """Execute a compiled plan (one native call)."""

@@ -44,6 +44,7 @@ class OpDef:
     composite: bool = False
     differentiable: tuple = field(default=(0, 1, 2, 3))
     dtypes: tuple = ("f32",)            # kernel variants: gt_<kernel>_<one of these>
+    inplace: tuple = ()                 # srcs whose memory dst may take when they die here
     suffix: Callable | None = None      # (y) -> the variant a node runs (default dtypes[0])
 
     def kernel_name(self, y) -> str:
@@ -597,7 +598,7 @@ register(OpDef("cross_entropy", _infer_ce, "cross_entropy_fwd", contiguous=(0, 1
                backward=lambda y, g: [cross_entropy_bwd(y.srcs[0], y.srcs[1], g), None],
                lower=lambda y: ((0,), ()), differentiable=(0,)))
 register(OpDef("cross_entropy_bwd", _infer_ce, "cross_entropy_bwd", contiguous=(0, 1, 2),
-               lower=lambda y: ((0,), ())))
+               lower=lambda y: ((0,), ()), inplace=(0,)))
 
 
 # ---- rope, embeddings -------------------------------------------------------------

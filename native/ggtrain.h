@@ -271,7 +271,8 @@ int gt_softmax_bwd_f32(const struct gt_node *node, const gt_ctx *ctx);
  * scratch: N floats, per-row losses summed by thread 0 in row order.
  * cross_entropy_bwd: src0 logits, src1 targets, src2 g (one f32); dst (N, V) =
  * dlogits = g * (softmax(logits) - onehot(target)) / count, 0 on ignored rows;
- * ip[0] as in the forward; no scratch. */
+ * ip[0] as in the forward; no scratch. dst may be src0 itself (in place: the
+ * logits, dead after this, give their memory to their gradient). */
 int gt_cross_entropy_fwd_f32(const struct gt_node *node, const gt_ctx *ctx);
 int gt_cross_entropy_fwd_f32_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
 int gt_cross_entropy_bwd_f32(const struct gt_node *node, const gt_ctx *ctx);

@@ -338,3 +338,31 @@ def test_bad_config_raises():
     g, x, y, params, loss = _mlp(rng)
     with pytest.raises(ConfigError):
         TrainStep(loss, params, AdamW(), CpuBackend(1), grad_acc=0)
+
+
+def test_cross_entropy_gradient_takes_the_logits_memory(backend):
+    """The logits die in cross_entropy_bwd, which writes their gradient over them (in place):
+    the arena holds one (N, V) buffer, not two, and the gradient is still exact."""
+    rng = np.random.default_rng(0)
+    n, k, v = 64, 16, 1000
+    g = Graph()
+    x = g.input((n, k))
+    y = g.input((n,), "i32")
+    w = g.param((v, k), rng.normal(0, 0.3, (v, k)))
+    logits = ops.linear(x, w)
+    loss = ops.cross_entropy(logits, y)
+    grads = backward(loss, [w], checkpointing=False)
+    rt = Runtime(g, backend)
+    X, Y = rng.normal(size=(n, k)).astype(np.float32), rng.integers(0, v, n).astype(np.int32)
+    rt.set(x, X)
+    rt.set(y, Y)
+    plan = rt.compile([loss, grads[w]])
+    ce = [c for c in plan.plan.calls if c.kernel == "cross_entropy_bwd_f32"][0]
+    assert ce.dst.buffer is ce.srcs[0].buffer and ce.dst.offset == ce.srcs[0].offset
+    assert plan.report.arena < 2 * n * v * 4
+    rt.run(plan)
+    z = X.astype(np.float64) @ rt.get(w).astype(np.float64).T
+    p = np.exp(z - z.max(1, keepdims=True))
+    p /= p.sum(1, keepdims=True)
+    p[np.arange(n), Y] -= 1
+    np.testing.assert_allclose(plan.read(grads[w]), (p / n).T @ X, rtol=1e-4, atol=1e-6)

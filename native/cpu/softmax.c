@@ -52,6 +52,26 @@ GT_CLONES static float exp_row(float *restrict d, const float *restrict x, float
     return sum;
 }
 
+/* d[j] = exp(d[j] - m) in place; returns sum of d in the order exp_row sums */
+GT_CLONES static float exp_row_inplace(float *d, float m, int64_t n) {
+    float acc[LANES] = {0};
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES)
+        for (int k = 0; k < LANES; k++) {
+            const float e = gt_expf_(d[i + k] - m);
+            d[i + k] = e;
+            acc[k] += e;
+        }
+    float sum = 0.0f;
+    for (int k = 0; k < LANES; k++) sum += acc[k];
+    for (; i < n; i++) {
+        const float e = gt_expf_(d[i] - m);
+        d[i] = e;
+        sum += e;
+    }
+    return sum;
+}
+
 /* sum of exp(x[j] - m), x not written anywhere */
 GT_CLONES static float sumexp_row(const float *x, float m, int64_t n) {
     float acc[LANES] = {0};
@@ -368,7 +388,7 @@ int gt_cross_entropy_bwd_f32(const gt_node *node, const gt_ctx *ctx) {
         if (tr < 0 || v == 0) { memset(dr, 0, (size_t)v * sizeof(float)); continue; }
         const float *xr = xd + r * v;
         const float m = scaled_max_row(xr, 1.0f, v);
-        const float sum = exp_row(dr, xr, 1.0f, m, v);
+        const float sum = dr == xr ? exp_row_inplace(dr, m, v) : exp_row(dr, xr, 1.0f, m, v);
         mul_row(dr, gc / sum, v);
         dr[tr] -= gc;
     }

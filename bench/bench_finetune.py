@@ -1,0 +1,145 @@
+"""Benchmark: LoRA fine-tuning of SmolLM2-135M-Instruct, ggtrain against what a user would run
+instead (Hugging Face transformers + PEFT on PyTorch), in the same sitting.
+
+Both: rank 16, alpha 32, the seven projections of every block, AdamW (lr 2e-4, decay 0.01,
+clip 1.0), windows of --ctx 256 tokens, batch 4, 2 threads, on the chat data of
+../shared/data/chat/dummy_conversation.json. Ours trains on the Q4_1 file as shipped
+(`ggtrain finetune`, packed conversations, its default gradient checkpointing); theirs
+loads the same GGUF with `from_pretrained(dir, gguf_file=...)`, which dequantizes it to
+f32, and trains on the same conversations rendered by its chat template, cut in windows.
+Each side runs in a fresh process (peak RSS from wait4); speed is the median step after
+two warm-up steps; load is the time from the process start to its first update.
+
+The reference lives in bench/.venv-torch (torch==2.13.0 from the local wheel, plus
+transformers, peft and gguf from the registry; created on first use). Targets (issue 9):
+tokens/s >= 2x theirs, peak RSS <= 0.25x theirs, load <= 2 s.
+
+    python bench/bench_finetune.py [--steps 12] [--threads 2] [--tinyllama]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+import tempfile
+
+HERE = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from bench_generate import _measured  # noqa: E402  (fork + wait4: peak RSS of one child)
+from torch_venv import ensure_torch  # noqa: E402
+
+SHARED = HERE.parents[1] / "shared" / "data"
+SMOLLM2 = SHARED / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+CHAT = SHARED / "chat" / "dummy_conversation.json"
+RANK, ALPHA, CTX, BATCH, LR = 16, 32, 256, 4, 2e-4
+
+_THEIRS = r"""
+import json, os, sys, time
+t_start = time.perf_counter()
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from peft import LoraConfig, get_peft_model
+path, data, steps, threads, ctx, batch = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6])
+torch.set_num_threads(threads)
+torch.manual_seed(0)
+d, f = os.path.split(path)
+tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
+model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, torch_dtype=torch.float32)
+model = get_peft_model(model, LoraConfig(r=%(rank)d, lora_alpha=%(alpha)d, lora_dropout=0.0, task_type="CAUSAL_LM",
+    target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
+ids = []
+for rec in json.load(open(data)):
+    msgs = [{"role": "user" if t["from"] == "human" else "assistant", "content": t["value"]} for t in rec["conversations"]]
+    enc = tok.apply_chat_template(msgs, tokenize=True)
+    ids += list(enc["input_ids"] if hasattr(enc, "keys") else enc)
+n = len(ids) // ctx
+windows = torch.tensor(ids[:n * ctx]).view(n, ctx)
+params = [p for p in model.parameters() if p.requires_grad]
+opt = torch.optim.AdamW(params, lr=%(lr)g, weight_decay=0.01)
+model.train()
+times, t_first = [], None
+for step in range(steps):
+    x = windows[(step * batch) %% (n - batch):(step * batch) %% (n - batch) + batch]
+    t = time.perf_counter()
+    if t_first is None:
+        t_first = t - t_start
+    loss = model(input_ids=x, labels=x).loss
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    opt.step()
+    opt.zero_grad()
+    times.append(time.perf_counter() - t)
+print(json.dumps({"load_s": t_first, "step_s": times, "loss": float(loss)}))
+""" % dict(rank=RANK, alpha=ALPHA, lr=LR)
+
+
+def theirs(model, steps, threads) -> dict:
+    py = ensure_torch()
+    if subprocess.run([str(py), "-c", "import transformers, peft, gguf"], capture_output=True).returncode:
+        subprocess.run([str(py), "-m", "pip", "install", "-q", "transformers", "peft", "gguf"], check=True)
+    out, err, rc, rss = _measured([str(py), "-c", _THEIRS, str(model), str(CHAT), str(steps), str(threads),
+                                   str(CTX), str(BATCH)])
+    if rc != 0:
+        sys.exit(f"transformers + PEFT run failed: {err[-2000:]}")
+    res = json.loads(out.strip().splitlines()[-1])
+    res["rss_mib"] = rss
+    res["tokens_per_s"] = BATCH * CTX / statistics.median(res["step_s"][2:])
+    return res
+
+
+def ours(model, steps, threads, data=CHAT, ctx=CTX, batch=BATCH) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        log = pathlib.Path(tmp) / "run.jsonl"
+        out, err, rc, rss = _measured([sys.executable, "-m", "ggtrain", "finetune", "--model", str(model),
+                                       "--data", str(data), "--out", str(pathlib.Path(tmp) / "a.gguf"),
+                                       "--steps", str(steps), "--ctx", str(ctx), "--batch", str(batch),
+                                       "--lora-rank", str(RANK), "--lora-alpha", str(ALPHA), "--lr", str(LR),
+                                       "--threads", str(threads), "--log", str(log), "--quiet"])
+        if rc != 0:
+            sys.exit(f"ggtrain finetune failed: {err[-2000:]}")
+        lines = [json.loads(x) for x in log.read_text().splitlines()]
+    start = next(x for x in lines if x.get("event") == "start")
+    step_s = [ctx * batch / x["tokens_per_s"] for x in lines if "tokens_per_s" in x]
+    return {"load_s": start["load_s"], "step_s": step_s, "rss_mib": rss,
+            "tokens_per_s": ctx * batch / statistics.median(step_s[2:]), "flop_per_token": start.get("flop_per_token")}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--tinyllama", action="store_true",
+                    help="also LoRA on the TinyLlama-1.1B-shaped Q4_0 model (ctx 256, batch 1), ours only")
+    args = ap.parse_args()
+    from bench_matmul import measured_peak
+    peak_1, how = measured_peak()
+    peak = peak_1 * args.threads
+    a = ours(SMOLLM2, args.steps, args.threads)
+    b = theirs(SMOLLM2, args.steps, args.threads)
+    print(f"LoRA r {RANK}, alpha {ALPHA}, 7 targets, ctx {CTX}, batch {BATCH}, AdamW, {args.threads} threads, "
+          f"{args.steps} steps (median after 2); FP32 peak {how}")
+    print(f"{'SmolLM2-135M-Instruct':24s} {'ours (Q4_1)':>12s} {'HF+PEFT (f32)':>14s} {'ratio':>7s} target")
+    print(f"{'tokens/s':24s} {a['tokens_per_s']:12.0f} {b['tokens_per_s']:14.0f} "
+          f"{a['tokens_per_s'] / b['tokens_per_s']:7.2f} >= 2")
+    print(f"{'peak RSS MiB':24s} {a['rss_mib']:12.0f} {b['rss_mib']:14.0f} {a['rss_mib'] / b['rss_mib']:7.2f} <= 0.25")
+    print(f"{'load s':24s} {a['load_s']:12.2f} {b['load_s']:14.2f} {'':7s} <= 2 (ours)")
+    if a["flop_per_token"]:
+        gf = a["flop_per_token"] * a["tokens_per_s"] / 1e9
+        print(f"ours: {gf:.0f} GFLOP/s = {100 * gf / peak:.0f}% of the {peak:.0f} GFLOP/s FP32 peak "
+              f"({a['flop_per_token'] / 1e6:.0f} MFLOP per token, counted by the graph)")
+    if args.tinyllama:
+        from tinyllama import tinyllama_q4_0
+        t = ours(tinyllama_q4_0(), max(6, args.steps // 2), args.threads, ctx=256, batch=1)
+        gf = (t["flop_per_token"] or 0) * t["tokens_per_s"] / 1e9
+        print(f"\nTinyLlama-1.1B-shaped Q4_0, LoRA ctx 256 batch 1: {t['tokens_per_s']:.0f} tokens/s, "
+              f"peak RSS {t['rss_mib']:.0f} MiB (target < 1600), load {t['load_s']:.2f} s, "
+              f"{gf:.0f} GFLOP/s = {100 * gf / peak:.0f}% of peak (target >= 25%)")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main()

@@ -1,0 +1,299 @@
+"""`ggtrain finetune`: LoRA (or full) fine-tuning of a llama GGUF model on text or chat data (layer 6).
+
+The base model stays in the types its file stores them in (no f32 copy) and frozen; LoRA
+factors are trained in f32 and written as a llama.cpp adapter (`--out`), optionally also
+merged into a model (`--merged-out`). With --full every weight is trained, from the base
+dequantized once, and `--out` is a model. Checkpoints resume bit-identically; a checkpoint
+is tied to its base model and data by their fingerprints.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+import pathlib
+import time
+
+import numpy as np
+import typer
+
+from ggtrain.cli.common import JsonLog, cpu_backend
+from ggtrain.cli.loop import check_checkpoint_options, check_out, drive
+from ggtrain.cli.main import app
+from ggtrain.core.backend import StoredTensor
+from ggtrain.core.data import PackedBatches, TokenWindows, eval_windows, pack, split_samples, split_tokens
+from ggtrain.core.models.llama import LlamaConfig
+from ggtrain.core.models.lora import TARGETS, LoraConfig, factor_names, init_lora
+from ggtrain.core.train import TextConfig, TextRun
+from ggtrain.errors import ConfigError
+from ggtrain.formats.checkpoint import load_checkpoint, save_checkpoint
+from ggtrain.formats.chat import chat_template as find_template
+from ggtrain.formats.dataset import read_data
+from ggtrain.formats.gguf import read_gguf
+from ggtrain.formats.llama_model import open_llama, save_llama
+from ggtrain.formats.lora import write_lora
+
+LR_LORA, LR_FULL = 2e-4, 1e-5
+
+
+def fingerprint_weights(weights: dict) -> str:
+    """sha256 over the base weights' names, types, shapes and bytes (as loaded)."""
+    h = hashlib.sha256()
+    for name in sorted(weights):
+        w = weights[name]
+        if isinstance(w, StoredTensor):
+            raw = w.buffer.bytes[:_nbytes(w)]
+            h.update(f"{name}:{w.dtype}:{tuple(w.shape)}".encode())
+        else:
+            raw = np.ascontiguousarray(w, np.float32).view(np.uint8).reshape(-1)
+            h.update(f"{name}:f32:{tuple(w.shape)}".encode())
+        h.update(memoryview(raw))
+    return h.hexdigest()
+
+
+def _nbytes(w: StoredTensor) -> int:
+    from ggtrain.native.dtypes import nbytes
+    return nbytes(w.shape, w.dtype)
+
+
+def _fingerprint_arrays(*arrays) -> str:
+    h = hashlib.sha256()
+    for a in arrays:
+        h.update(np.ascontiguousarray(a, np.int32).tobytes())
+    return h.hexdigest()
+
+
+def _dequantized(weights: dict, path: pathlib.Path) -> dict:
+    """f32 copies of every weight (for --full), read from the file once."""
+    f = read_gguf(path)
+    return {name: np.ascontiguousarray(f.tensor_f32(name).reshape(w.shape), np.float32)
+            for name, w in weights.items()}
+
+
+def _eval_batches(data, batch: int) -> list:
+    """Every row of packed data once, in order, as batches (the last padded with empty rows)."""
+    out = []
+    for start in range(0, data.rows, batch):
+        part = {k: getattr(data, k)[start:start + batch] for k in ("tokens", "targets", "pos", "seg")}
+        short = batch - len(part["tokens"])
+        if short:
+            fill = {"tokens": 0, "targets": -1, "pos": 0, "seg": -1}
+            part = {k: np.concatenate([v, np.full((short, data.ctx), fill[k], np.int32)]) for k, v in part.items()}
+        out.append(part)
+    return out
+
+
+def _targets(text: str) -> tuple:
+    return tuple(t.strip() for t in text.split(",") if t.strip())
+
+
+def _warmup_updates(warmup: float, steps: int) -> int:
+    """--warmup: a fraction of the run (< 1) or a number of updates."""
+    if warmup < 0:
+        raise ConfigError(f"--warmup must be >= 0, got {warmup}")
+    return int(round(warmup * steps)) if warmup < 1 else int(warmup)
+
+
+@app.command("finetune")
+def finetune(
+    model: pathlib.Path = typer.Option(..., "--model", help="The base llama GGUF model (F32 ... Q4_0, K-quants)."),
+    data: pathlib.Path = typer.Option(..., "--data", "--train-data",
+                                      help="Training data: .txt, or JSON lines / a JSON array of {\"text\"}, "
+                                           "{\"prompt\", \"completion\"}, {\"messages\"} or {\"conversations\"}."),
+    out: pathlib.Path = typer.Option(..., "--out", "--lora-out", "--output-adapter",
+                                     help="Where to write the LoRA adapter (llama.cpp's format); with --full, the model."),
+    lora_rank: int = typer.Option(16, "--lora-rank", help="Rank r of each adapter."),
+    lora_alpha: float = typer.Option(32.0, "--lora-alpha", help="Alpha: the adapters are scaled by alpha / r."),
+    lora_targets: str = typer.Option(",".join(TARGETS), "--lora-targets", "--lora-modules",
+                                     help="Comma-separated weights to adapt in every block."),
+    lora_dropout: float = typer.Option(0.0, "--lora-dropout", help="Dropout on the adapters' input."),
+    full: bool = typer.Option(False, "--full", help="Train every weight (from the base, dequantized once); "
+                              "--out is then a model."),
+    merged_out: pathlib.Path = typer.Option(None, "--merged-out",
+                                            help="Also write the base with the adapter merged in (a llama.cpp model)."),
+    out_type: str = typer.Option(None, "--out-type",
+                                 help="Type of the written model's matrices (--full, --merged-out): f32, f16, q8_0 "
+                                      "(default: f32 for --full; for --merged-out the base's type where ggtrain "
+                                      "writes it, else f16)."),
+    chat_template: pathlib.Path = typer.Option(None, "--chat-template",
+                                               help="A Jinja chat template for chat data (default: the model's own)."),
+    train_on_inputs: bool = typer.Option(False, "--train-on-inputs",
+                                         help="Loss on every token of chat and prompt/completion records, "
+                                              "not only the assistant turns / completions."),
+    packing: bool = typer.Option(True, "--packing/--no-packing",
+                                 help="Pack several samples into each --ctx window (each sees only itself)."),
+    drop_long: bool = typer.Option(False, "--drop-long", help="Drop samples longer than --ctx instead of cutting them."),
+    ctx: int = typer.Option(0, "--ctx", help="Tokens per window (default: min(512, the model's context))."),
+    batch: int = typer.Option(4, "--batch", help="Windows of --ctx tokens per physical batch."),
+    grad_acc: int = typer.Option(1, "--grad-acc", help="Physical batches per optimizer update."),
+    steps: int = typer.Option(None, "--steps", help="Optimizer updates (default: one epoch)."),
+    epochs: float = typer.Option(None, "--epochs", help="Instead of --steps: passes over the training data."),
+    lr: float = typer.Option(None, "--lr", help=f"Peak learning rate (default {LR_LORA:g}; {LR_FULL:g} with --full)."),
+    lr_min: float = typer.Option(None, "--lr-min", help="Floor of the cosine schedule (default --lr / 10)."),
+    warmup: float = typer.Option(0.05, "--warmup", help="Linear warmup: a fraction of the run (< 1) or updates."),
+    weight_decay: float = typer.Option(0.01, "--weight-decay", help="AdamW decay (matrices only)."),
+    grad_clip: float = typer.Option(1.0, "--grad-clip", help="Global gradient-norm clip (0: off)."),
+    checkpointing: bool = typer.Option(True, "--checkpointing/--no-checkpointing",
+                                       help="Recompute each block in backward to save memory."),
+    checkpoint_dir: pathlib.Path = typer.Option(None, "--checkpoint-dir", help="Folder for resumable checkpoints."),
+    save_every: int = typer.Option(0, "--save-every", help="Save a checkpoint every N updates (needs --checkpoint-dir)."),
+    resume: pathlib.Path = typer.Option(None, "--resume", help="Continue from a checkpoint (same --model and --data)."),
+    eval_every: int = typer.Option(0, "--eval-every", help="Validation loss every N updates (0: at the end only)."),
+    val_split: float = typer.Option(0.0, "--val-split", help="Fraction of the samples (text: of its end) held out."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the adapters' initialisation and the data order."),
+    threads: int = typer.Option(None, "--threads", help="CPU threads (default: all available)."),
+    backend: str = typer.Option("cpu", "--backend", help="cpu (cuda in builds that have it)."),
+    log: pathlib.Path = typer.Option(None, "--log", help="JSON lines: steps, evaluations, and a final summary."),
+    quiet: bool = typer.Option(False, "--quiet", help="No progress bar."),
+):
+    """Fine-tune a llama GGUF model: LoRA adapters on the frozen base (or every weight with --full)."""
+    t_start = time.perf_counter()
+    be = cpu_backend(backend, threads)
+    check_checkpoint_options(save_every, checkpoint_dir)
+    check_out(out)
+    if merged_out is not None:
+        check_out(merged_out, "--merged-out")
+        if full:
+            raise ConfigError("--merged-out is for LoRA runs; with --full, --out is already the model")
+    if steps is not None and epochs is not None:
+        raise ConfigError("give --steps or --epochs, not both")
+    if (steps is not None and steps < 1) or (epochs is not None and not epochs > 0):
+        raise ConfigError("--steps must be >= 1 and --epochs > 0")
+    ckpt = load_checkpoint(resume) if resume else None
+    if ckpt is not None and ckpt["kind"] not in ("finetune-lora", "finetune-full"):
+        raise ConfigError(f"--resume {resume}: a {ckpt['kind']} checkpoint, not a finetune one "
+                          f"(`ggtrain train --resume` continues it)")
+    if ckpt is not None:   # the run's settings are the checkpoint's
+        rc = ckpt["run_config"]
+        full = ckpt["kind"] == "finetune-full"
+        ctx, packing, drop_long, train_on_inputs = rc["ctx"], rc["packing"], rc["drop_long"], rc["train_on_inputs"]
+        val_split = rc["val_split"]
+
+    config, weights, tok = open_llama(model, be)
+    model_cfg = LlamaConfig(**config)
+    ctx = ctx or min(512, model_cfg.ctx)
+    if not 2 <= ctx <= model_cfg.ctx:
+        raise ConfigError(f"--ctx {ctx} must be in 2..{model_cfg.ctx} (the model's context)")
+    base_fp = fingerprint_weights(weights)
+    if ckpt is not None and ckpt["run_config"]["base_fingerprint"] != base_fp:
+        raise ConfigError(f"--resume {resume}: the checkpoint was trained on another base model than {model}")
+
+    # ---- data -------------------------------------------------------------------------
+    found = read_data(data)
+    if found.kind == "plain":
+        ids = tok.encode(found.text, add_bos=tok.add_bos)
+        train_ids, val_ids = split_tokens(ids, val_split, ctx)
+        batches = TokenWindows(train_ids, ctx, batch, seed + 1)
+        val_batches = eval_windows(val_ids, ctx, batch, 8) if len(val_ids) else []
+        per_epoch = batches.windows_per_epoch
+        data_fp = _fingerprint_arrays(ids)
+        packed = False
+        summary = f"{len(train_ids)} training / {len(val_ids)} validation tokens in windows of {ctx}"
+    else:
+        template = find_template(read_gguf(model), chat_template) if found.kind == "chat" else None
+        every = found.samples(tok, template, train_on_inputs)
+        train_s, val_s = split_samples(every, val_split, seed)
+        packed_data, stats = pack(train_s, ctx, packing=packing, drop_long=drop_long)
+        if packed_data.rows < batch:
+            raise ConfigError(f"--data {data}: {packed_data.rows} windows of {ctx} tokens, fewer than "
+                              f"one batch of {batch}; use a smaller --batch or --ctx")
+        batches = PackedBatches(packed_data, batch, seed + 1)
+        val_batches = _eval_batches(pack(val_s, ctx, packing=packing, drop_long=drop_long)[0], batch) if val_s else []
+        per_epoch = batches.batches_per_epoch
+        data_fp = _fingerprint_arrays(packed_data.tokens, packed_data.targets, packed_data.pos, packed_data.seg)
+        packed = True
+        summary = (f"{stats.samples} samples, {stats.trained} trained of {stats.tokens} tokens "
+                   f"({stats.truncated} cut, {stats.dropped} dropped at --ctx {ctx}, {stats.empty} with "
+                   f"nothing to train) in {stats.rows} windows{'' if packing else ' (no packing)'}")
+    if ckpt is not None and ckpt["data_fingerprint"] != data_fp:
+        raise ConfigError(f"--resume {resume}: --data {data} is not the data this checkpoint was trained on")
+
+    # ---- what is trained ----------------------------------------------------------------
+    if ckpt is not None:
+        train_cfg = TextConfig(**{**ckpt["train_config"], **({"steps": steps} if steps is not None else {})})
+        lora_cfg = None if full else LoraConfig(**ckpt["run_config"]["lora"])
+    else:
+        n_steps = steps if steps is not None else max(1, math.ceil((epochs or 1.0) * per_epoch / grad_acc))
+        peak = lr if lr is not None else (LR_FULL if full else LR_LORA)
+        train_cfg = TextConfig(steps=n_steps, batch=batch, grad_acc=grad_acc, lr=peak,
+                               lr_min=lr_min if lr_min is not None else peak / 10,
+                               warmup=_warmup_updates(warmup, n_steps), weight_decay=weight_decay,
+                               grad_clip=grad_clip, checkpointing=checkpointing, eval_every=eval_every, seed=seed)
+        lora_cfg = None if full else LoraConfig(rank=lora_rank, alpha=lora_alpha, targets=_targets(lora_targets),
+                                                dropout=lora_dropout)
+    if full:
+        typer.echo(f"--full: dequantizing the base's {len(weights)} tensors to f32 once", err=True)
+        init, frozen = _dequantized(weights, model), None
+        del weights
+    else:
+        names = lora_cfg.weights(model_cfg.layers)
+        init = init_lora(lora_cfg, {w: weights[w].shape for w in names}, train_cfg.seed)
+        frozen = weights
+    run = TextRun(model_cfg, ckpt["state"]["params"] if ckpt else init, train_cfg, be, frozen=frozen,
+                  lora=lora_cfg, ctx=ctx, packed=packed)
+    if ckpt is not None:
+        run.load_state(ckpt["state"])
+        batches.set_state(ckpt["data_rng"], drawn=run.updates * train_cfg.batch * train_cfg.grad_acc) \
+            if isinstance(batches, TokenWindows) else batches.set_state(ckpt["data_rng"])
+    mem = run.step.memory
+    n_train = sum(v.size for v in init.values())
+    typer.echo(f"finetune: {'all' if full else 'LoRA'} {n_train} trained parameters "
+               f"({'' if full else f'rank {lora_cfg.rank}, alpha {lora_cfg.alpha:g}, '}"
+               f"{model_cfg.layers} blocks); {summary}; {train_cfg.steps} updates of {train_cfg.batch} x "
+               f"{train_cfg.grad_acc} windows; planned memory {mem.peak / 2**20:.1f} MiB; {be.n_threads} threads",
+               err=True)
+
+    model_json = dataclasses.asdict(model_cfg)
+    train_json = dataclasses.asdict(train_cfg)
+    run_json = {"ctx": ctx, "packing": packing, "drop_long": drop_long, "train_on_inputs": train_on_inputs,
+                "val_split": val_split, "base_fingerprint": base_fp, "base": str(model),
+                "lora": None if full else dataclasses.asdict(lora_cfg)}
+    kind_name = "finetune-full" if full else "finetune-lora"
+
+    def checkpoint(path: pathlib.Path) -> None:
+        save_checkpoint(path, model_json, train_json, run.state(), tok, batches.state(), data_fp,
+                        kind=kind_name, run_config=run_json)
+
+    logf = JsonLog(log)
+    logf.write({"event": "start", "load_s": time.perf_counter() - t_start, "flop_per_token": run.flop_per_token,
+                "updates": train_cfg.steps, "kind": kind_name})
+    result = drive(run, batches, val_batches, log=logf, quiet=quiet, save_every=save_every,
+                   checkpoint_dir=checkpoint_dir, out=out, checkpoint=checkpoint)
+    trained = run.param_values()
+    if full:
+        save_llama(out, model_json, trained, tok, name="ggtrain finetune", out_type=out_type or "f32")
+        wrote = f"wrote the model {out}"
+    else:
+        pairs = {w: (trained[factor_names(w)[0]], trained[factor_names(w)[1]])
+                 for w in lora_cfg.weights(model_cfg.layers)}
+        write_lora(out, "llama", lora_cfg.alpha, pairs)
+        wrote = f"wrote the adapter {out}"
+        if merged_out is not None:
+            _write_merged(merged_out, model, model_json, frozen, pairs, lora_cfg.scale, tok, out_type)
+            wrote += f" and the merged model {merged_out}"
+    logf.write({"event": "done", **result, "out": str(out)})
+    logf.close()
+    typer.echo(f"done: {run.updates} updates, validation loss {result['val_loss']:.4f}; {wrote}", err=True)
+
+
+def _write_merged(path, model_path, model_json, weights: dict, pairs: dict, scale: float, tok,
+                  out_type: str | None) -> None:
+    """The base with W + scale B A for each adapted weight (in float64, rounded once), one
+    tensor at a time; the other tensors keep their stored bytes."""
+    f = read_gguf(model_path)
+    types = {w.dtype for n, w in weights.items() if n in pairs and isinstance(w, StoredTensor)}
+    if out_type is None:   # the base's type where ggtrain writes it, else f16
+        from ggtrain.native.dtypes import dtype
+        only = types.pop() if len(types) == 1 else "f16"
+        out_type = only if dtype(only).can_quantize else "f16"
+    merged = {}
+    for name, w in weights.items():
+        if name in pairs:
+            a, b = pairs[name]
+            merged[name] = (lambda name=name, a=a, b=b: (f.tensor_f32(name).reshape(b.shape[0], a.shape[1])
+                                                          .astype(np.float64)
+                                                          + scale * (b.astype(np.float64) @ a.astype(np.float64))
+                                                          ).astype(np.float32))
+        else:
+            merged[name] = w
+    save_llama(path, model_json, merged, tok, name="ggtrain merged", out_type=out_type)
