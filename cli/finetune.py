@@ -229,8 +229,15 @@ def finetune(
         names = lora_cfg.weights(model_cfg.layers)
         init = init_lora(lora_cfg, {w: weights[w].shape for w in names}, train_cfg.seed)
         frozen = weights
+    # logits only where a target is: at most the trained positions of the `batch` fullest rows
+    loss_rows = 0
+    if packed:
+        per_row = np.sort((packed_data.targets >= 0).sum(axis=1))[::-1]
+        loss_rows = int(per_row[:train_cfg.batch].sum())
+        if val_batches:
+            loss_rows = max(loss_rows, max(int((v["targets"] >= 0).sum()) for v in val_batches))
     run = TextRun(model_cfg, ckpt["state"]["params"] if ckpt else init, train_cfg, be, frozen=frozen,
-                  lora=lora_cfg, ctx=ctx, packed=packed)
+                  lora=lora_cfg, ctx=ctx, packed=packed, loss_rows=loss_rows)
     if ckpt is not None:
         run.load_state(ckpt["state"])
         batches.set_state(ckpt["data_rng"], drawn=run.updates * train_cfg.batch * train_cfg.grad_acc) \

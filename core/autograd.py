@@ -14,10 +14,14 @@ from ggtrain.core.tensor import Tensor
 from ggtrain.errors import ShapeError
 
 
-def backward(loss: Tensor, wrt: list, seed: float = 1.0, checkpointing: bool = True) -> dict:
+def backward(loss: Tensor, wrt: list, seed: float = 1.0, checkpointing: bool = True,
+             keep=None) -> dict:
     """Gradients of loss * seed with respect to each tensor in wrt: {tensor: grad}.
 
     loss must hold one element. A tensor loss does not depend on gets a zero gradient.
+    keep: with checkpointing, a predicate on forward nodes whose outputs are kept rather
+    than recomputed (selective checkpointing: e.g. the products with frozen weights, which
+    cost most to recompute); None recomputes whole segments.
     Raises ShapeError for a non-scalar loss.
     """
     if loss.size != 1:
@@ -45,7 +49,7 @@ def backward(loss: Tensor, wrt: list, seed: float = 1.0, checkpointing: bool = T
         nodes = segments[seg]
         clones = {}
         if checkpointing and seg != last:
-            clones = _recompute(graph, nodes)
+            clones = _recompute(graph, nodes, keep)
         for t in reversed(nodes):
             contribs = grads.pop(t.id, None)
             if contribs is None:
@@ -77,10 +81,14 @@ def _total(contribs: list) -> Tensor:
     return g
 
 
-def _recompute(graph, nodes: list) -> dict:
-    """Clone a segment's forward nodes (original id -> clone) reading the kept inputs."""
+def _recompute(graph, nodes: list, keep=None) -> dict:
+    """Clone a segment's forward nodes (original id -> clone) reading the kept inputs; a node
+    `keep` selects is not cloned (its forward output stays alive until its readers' backward).
+    Only the clones some gradient reads are ever run (plans take the outputs' ancestors)."""
     clones: dict = {}
     for t in nodes:
+        if keep is not None and keep(t):
+            continue
         srcs = [clones.get(s.id, s) for s in t.srcs]
         if t.op == "fill":
             c = ops.fill(graph, t.shape, t.params["value"])

@@ -32,9 +32,10 @@ class TrainStep:
 
     def __init__(self, loss: Tensor, params: list, optimizer, backend, grad_acc: int = 1,
                  checkpointing: bool = True, n_threads: int | None = None, extra_outputs=(),
-                 bind: dict | None = None):
+                 bind: dict | None = None, keep=None):
         """bind: {persistent tensor: backend buffer already holding its bytes} (frozen
-        weights read straight from a file), adopted before anything is allocated."""
+        weights read straight from a file), adopted before anything is allocated. keep:
+        selective checkpointing (see autograd.backward)."""
         if grad_acc < 1:
             raise ConfigError(f"grad_acc must be >= 1, got {grad_acc}")
         if not params:
@@ -48,7 +49,7 @@ class TrainStep:
         self.n_threads = n_threads or getattr(backend, "n_threads", 1)
         self.updates = 0  # optimizer updates done
 
-        grads = backward(loss, self.params, seed=1.0 / grad_acc, checkpointing=checkpointing)
+        grads = backward(loss, self.params, seed=1.0 / grad_acc, checkpointing=checkpointing, keep=keep)
         # One flat persistent buffer holds every gradient (each parameter's is a view
         # into it): the global norm is one reduction and zeroing is one fill.
         total = sum(p.size for p in self.params)
@@ -323,6 +324,13 @@ class TextConfig:
             raise ConfigError("--warmup, --weight-decay, --grad-clip and --eval-every must be >= 0")
 
 
+def _frozen_product(t: Tensor) -> bool:
+    """Selective checkpointing for LoRA: the products with frozen weights are most of a
+    block's forward work, so their outputs are kept instead of recomputed (the adapters,
+    norms, activations and attention are recomputed)."""
+    return t.op == "matmul" and t.srcs[1].root.kind == "param" and not t.srcs[1].requires_grad
+
+
 class TextRun:
     """Trains a llama on batches of token windows: all of its weights (`ggtrain train`,
     `ggtrain finetune --full`), or LoRA adapters on frozen weights (`ggtrain finetune`).
@@ -332,7 +340,10 @@ class TextRun:
     {name: f32 array or StoredTensor} of the base weights the adapters sit on. ctx: the
     training window (default the model's context). packed: batches carry per-row
     positions and sample ids ("pos", "seg", (batch, ctx) each), several samples sharing a
-    row, each attending only to itself.
+    row, each attending only to itself. loss_rows: when > 0, logits are computed only at the
+    positions that have a target, at most that many per physical batch (chat data trains on
+    a fraction of its tokens: the output projection and the (positions, vocabulary) logits
+    shrink alike).
 
     A batch source has next() -> {"tokens", "targets"[, "pos", "seg"]: (batch, ctx) i32}
     (or a (batch, ctx + 1) window array) and `epoch` (progress in passes over the data).
@@ -342,7 +353,8 @@ class TextRun:
     """
 
     def __init__(self, model, init: dict, config: TextConfig, backend, n_threads: int | None = None,
-                 frozen: dict | None = None, lora=None, ctx: int | None = None, packed: bool = False):
+                 frozen: dict | None = None, lora=None, ctx: int | None = None, packed: bool = False,
+                 loss_rows: int = 0):
         from ggtrain.core.models import llama  # layer 4 siblings
         from ggtrain.core.models.lora import factor_names
 
@@ -375,19 +387,25 @@ class TextRun:
             self.seg = g.input((b, self.ctx), "i32", name="seg")
         else:
             self.pos, self.seg = g.input((self.ctx,), "i32", name="pos"), None
+        self.loss_rows = loss_rows
+        rows, targets = None, self.targets
+        if loss_rows:
+            rows = g.input((loss_rows,), "i32", name="loss_rows")
+            targets = self.row_targets = g.input((loss_rows,), "i32", name="row_targets")
+        self._rows = rows
         logits = llama.forward(model, weights, self.tokens, self.pos, g, checkpoint=config.checkpointing,
-                               lora=adapters, seg=self.seg)
-        self.loss = llama.loss(logits, self.targets)
+                               lora=adapters, seg=self.seg, rows=rows)
+        self.loss = llama.loss(logits, targets)
         self.eval_loss = self.loss
         if self.dropout_seed is not None:   # evaluation without dropout: the same weights, no masks
             plain = {w: f[:3] for w, f in adapters.items()}
             self.eval_loss = llama.loss(llama.forward(model, weights, self.tokens, self.pos, lora=plain,
-                                                      seg=self.seg), self.targets)
+                                                      seg=self.seg, rows=rows), targets)
         self.optimizer = AdamW(lr=config.lr, weight_decay=config.weight_decay, max_grad_norm=config.grad_clip)
         self.schedule = CosineLR(config.lr, config.lr_min, min(config.warmup, config.steps), config.steps)
         self.step = TrainStep(self.loss, list(self.params.values()), self.optimizer, backend,
                               grad_acc=config.grad_acc, checkpointing=config.checkpointing, n_threads=n_threads,
-                              bind=bind)
+                              bind=bind, keep=_frozen_product if lora is not None else None)
         if not packed:
             self.step.runtime.set(self.pos, np.arange(self.ctx, dtype=np.int32))
         self._eval = self.step.runtime.compile([self.eval_loss], self.step.n_threads)
@@ -436,6 +454,16 @@ class TextRun:
         if isinstance(batch, np.ndarray):
             batch = {"tokens": batch[:, :-1], "targets": batch[:, 1:]}
         feed = {self.tokens: batch["tokens"], self.targets: batch["targets"]}
+        if self.loss_rows:
+            flat = np.asarray(batch["targets"], np.int32).reshape(-1)
+            where = np.flatnonzero(flat >= 0)
+            if where.size > self.loss_rows:
+                raise ConfigError(f"a batch has {where.size} positions with a target, more than the "
+                                  f"{self.loss_rows} planned (loss_rows)")
+            rows = np.zeros(self.loss_rows, np.int32)
+            tgt = np.full(self.loss_rows, -1, np.int32)
+            rows[:where.size], tgt[:where.size] = where, flat[where]
+            feed[self._rows], feed[self.row_targets] = rows, tgt
         if self.packed:
             feed[self.pos], feed[self.seg] = batch["pos"], batch["seg"]
         if self.dropout_seed is not None:

@@ -107,7 +107,8 @@ def linear(x, params: dict, name: str, lora: dict | None = None):
     if lora and name in lora:
         a, b, scale, *drop = lora[name]
         xa = ops.dropout(x, *drop[0]) if drop and drop[0] is not None else x
-        y = ops.add(y, ops.scale(ops.linear(ops.linear(xa, a), b), scale))
+        # the scale goes on the rank-r product (r columns, not n_out)
+        y = ops.add(y, ops.linear(ops.scale(ops.linear(xa, a), scale), b))
     return y
 
 
@@ -152,7 +153,7 @@ def _attention(cfg: LlamaConfig, x, p: str, params: dict, pos, lora=None, kv=Non
 
 def forward(cfg: LlamaConfig, params: dict, tokens, pos, graph=None, checkpoint: bool = False,
             lora: dict | None = None, cache: list | None = None, n_kv: int = 0, last_only: bool = False,
-            seg=None):
+            seg=None, rows=None):
     """Logits (B, T, V) for tokens (B, T) i32 at positions pos (T,) i32.
 
     params: {name: Tensor} as param_shapes (weights f32, or frozen in their stored types).
@@ -161,7 +162,8 @@ def forward(cfg: LlamaConfig, params: dict, tokens, pos, graph=None, checkpoint:
     recomputes blocks in backward). seg (B, T) i32: packed samples (pos then (B, T),
     restarting per sample; see _attention). cache: per layer (k_cache, v_cache) persistent
     (S, Hkv*D) tensors for incremental decoding (B = 1; see _attention), attending over
-    n_kv cache rows. last_only: logits of the last position only, (B, 1, V).
+    n_kv cache rows. last_only: logits of the last position only, (B, 1, V). rows (M,) i32:
+    logits only at those flat positions of (B*T) (the ones a loss needs), (M, V).
     """
     b, t = tokens.shape
     if t > cfg.ctx:
@@ -182,15 +184,19 @@ def forward(cfg: LlamaConfig, params: dict, tokens, pos, graph=None, checkpoint:
     if last_only and t > 1:
         c = x.shape[-1]
         x = ops.view(x, (b, 1, c), (t * c, c, 1), (t - 1) * c)                      # (B, 1, C)
+    if rows is not None:
+        x = ops.get_rows(ops.reshape(x, (b * t, x.shape[-1])), rows)                # (M, C)
     x = ops.mul(ops.rms_norm(x, eps), params["output_norm.weight"])
     head = "token_embd.weight" if cfg.tied else "output.weight"
     return linear(x, params, head, lora)
 
 
 def loss(logits, targets):
-    """Mean cross-entropy of logits (B, T, V) against targets (B, T) i32 (negative: ignored)."""
-    b, t, v = logits.shape
-    return ops.cross_entropy(ops.reshape(logits, (b * t, v)), ops.reshape(targets, (b * t,)))
+    """Mean cross-entropy of logits (B, T, V) against targets (B, T) i32, or of logits (M, V)
+    against targets (M,) (negative targets: ignored)."""
+    v = logits.shape[-1]
+    n = logits.size // v
+    return ops.cross_entropy(ops.reshape(logits, (n, v)), ops.reshape(targets, (n,)))
 
 
 def _frozen(graph, weights: dict, adapters: dict | None) -> tuple:
