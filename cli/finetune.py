@@ -33,7 +33,10 @@ from ggtrain.formats.gguf import read_gguf
 from ggtrain.formats.llama_model import open_llama, save_llama
 from ggtrain.formats.lora import write_lora
 
-LR_LORA, LR_FULL = 2e-4, 1e-5
+# Defaults that learn ../shared/data/chat/dummy_conversation.json (the Vicuna identity, 41k
+# tokens) in one epoch on SmolLM2-135M: 84 updates of one packed 512-token window at 5e-4
+# (21 updates of four windows at 2e-4 lowered the loss from 3.4 to 0.7 without the name).
+LR_LORA, LR_FULL = 5e-4, 1e-5
 
 
 def fingerprint_weights(weights: dict) -> str:
@@ -124,7 +127,8 @@ def finetune(
                                  help="Pack several samples into each --ctx window (each sees only itself)."),
     drop_long: bool = typer.Option(False, "--drop-long", help="Drop samples longer than --ctx instead of cutting them."),
     ctx: int = typer.Option(0, "--ctx", help="Tokens per window (default: min(512, the model's context))."),
-    batch: int = typer.Option(4, "--batch", help="Windows of --ctx tokens per physical batch."),
+    batch: int = typer.Option(1, "--batch", help="Windows of --ctx tokens per physical batch (the default "
+                              "update is one window of 512 tokens)."),
     grad_acc: int = typer.Option(1, "--grad-acc", help="Physical batches per optimizer update."),
     steps: int = typer.Option(None, "--steps", help="Optimizer updates (default: one epoch)."),
     epochs: float = typer.Option(None, "--epochs", help="Instead of --steps: passes over the training data."),

@@ -20,6 +20,9 @@ from ggtrain.cli.main import app
 from ggtrain.core.models.llama import LlamaConfig, LlamaDecoder, LlamaRunner, generate
 from ggtrain.core.sampling import Sampler
 from ggtrain.errors import ConfigError
+from ggtrain.formats.chat import chat_template as find_template
+from ggtrain.formats.dataset import chat_prompt
+from ggtrain.formats.gguf import read_gguf
 from ggtrain.formats.llama_model import open_llama
 from ggtrain.formats.lora import lora_adapters
 
@@ -41,7 +44,12 @@ def generate_cmd(
     model: pathlib.Path = typer.Option(..., "--model", help="A llama GGUF model (F32, F16, Q8_0, Q4_0, K-quants, ...)."),
     lora: pathlib.Path = typer.Option(None, "--lora", help="A LoRA adapter GGUF (llama.cpp's format) to apply."),
     lora_scale: float = typer.Option(1.0, "--lora-scale", help="Scale of the adapter (as llama.cpp's --lora-scaled)."),
-    prompt: str = typer.Option(..., "--prompt", help="Text to continue."),
+    prompt: str = typer.Option(..., "--prompt", help="Text to continue (with --chat: the user's message)."),
+    chat: bool = typer.Option(False, "--chat", help="Render --prompt as one user turn with the model's chat "
+                              "template (and its generation prompt); the answer stops at the end of its turn."),
+    system: str = typer.Option(None, "--system", help="With --chat: a system message before the user's."),
+    chat_template: pathlib.Path = typer.Option(None, "--chat-template",
+                                               help="With --chat: a Jinja chat template instead of the model's."),
     n: int = typer.Option(64, "-n", "--n-tokens",
                           help="Tokens to generate; -1: until an end-of-generation token or the context is full."),
     temp: float = typer.Option(0.0, "--temp", help="Sampling temperature; 0 is greedy (llama.cpp's greedy tokens)."),
@@ -72,7 +80,14 @@ def generate_cmd(
                       seed=seed)
     be = cpu_backend(backend, threads)
     cfg, weights, tok, adapters = _open(model, lora, lora_scale, be)
-    ids = tok.encode(prompt, add_bos=tok.add_bos).tolist()
+    if chat:
+        messages = ([{"role": "system", "content": system}] if system is not None else []) + \
+            [{"role": "user", "content": prompt}]
+        ids = chat_prompt(messages, tok, find_template(read_gguf(model), chat_template)).tolist()
+    elif system is not None or chat_template is not None:
+        raise ConfigError("--system and --chat-template apply to --chat")
+    else:
+        ids = tok.encode(prompt, add_bos=tok.add_bos).tolist()
     if not ids:
         raise ConfigError("--prompt gives no tokens (and the model adds no BOS): nothing to continue")
     n_ctx = ctx or (min(cfg.ctx, len(ids) + n) if n >= 0 else min(cfg.ctx, UNTIL_EOG_CTX))

@@ -417,12 +417,25 @@ def _match_escaped(data: bytes, pos: int, piece: bytes) -> int:
     return j
 
 
+def _chat_ids(text: str, tokenizer: Tokenizer) -> tuple:
+    """(ids, lead, body) of a rendered conversation: its tokens with special tokens parsed,
+    after a BOS (lead = 1) when the vocabulary adds one and the template did not render it
+    (one BOS, as llama.cpp ends up with)."""
+    body = tokenizer.encode(text, parse_special=True)
+    lead = int(tokenizer.add_bos and (len(body) == 0 or body[0] != tokenizer.bos_id))
+    return np.concatenate([[tokenizer.bos_id] * lead, body]).astype(np.int32), lead, body
+
+
+def chat_prompt(messages: list, tokenizer: Tokenizer, template: ChatTemplate) -> np.ndarray:
+    """The token ids of a conversation rendered with its generation prompt (the header of the
+    assistant's next turn), as generation starts from it: (n,) int32."""
+    return _chat_ids(template.render(messages, add_generation_prompt=True), tokenizer)[0]
+
+
 def _chat_sample(messages: list, tokenizer: Tokenizer, template: ChatTemplate,
                  train_on_inputs: bool) -> Sample:
     full = template.render(messages)
-    body = tokenizer.encode(full, parse_special=True)
-    lead = int(tokenizer.add_bos and (len(body) == 0 or body[0] != tokenizer.bos_id))
-    ids = np.concatenate([[tokenizer.bos_id] * lead, body]).astype(np.int32)
+    ids, lead, body = _chat_ids(full, tokenizer)
     if train_on_inputs:
         train = np.ones(len(ids), bool)
         train[:1] = ids[:1] != tokenizer.bos_id

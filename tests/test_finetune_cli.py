@@ -1,0 +1,204 @@
+"""`ggtrain finetune` end to end on stories260K (F32, Q8_0, Q4_0): adapters and merged models,
+chat data, bit-identical resume, Ctrl-C, --full, and bad input. Agreement with real llama.cpp
+is in test_interop.py."""
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import gguf
+import numpy as np
+import pytest
+
+from ggtrain.core.backend_cpu import CpuBackend
+from ggtrain.core.models.llama import LlamaConfig, LlamaRunner
+from ggtrain.formats.llama_model import load_llama
+from ggtrain.formats.lora import lora_adapters, merge_lora, read_lora
+
+FAST = ["--ctx", "64", "--batch", "2", "--lora-rank", "4", "--lr", "3e-3", "--quiet"]
+# a template for a vocabulary without chat tokens: each turn ends with the EOS text, which
+# the tokenizer parses as the EOS token (an end-of-generation token). NOTE: the header ends in
+# a newline, not a space: an SPM vocabulary merges a space with the next word ("▁B"), so a
+# generation prompt ending in " " would be tokenized unlike any training sequence.
+TEMPLATE = ("{% for m in messages %}{{ m['role'] }}:\n{{ m['content'] }}{{ eos_token }}\n{% endfor %}"
+            "{% if add_generation_prompt %}assistant:\n{% endif %}")
+
+
+def _cli(*args, **kw):
+    return subprocess.run([sys.executable, "-m", "ggtrain", *map(str, args)], capture_output=True, text=True, **kw)
+
+
+@pytest.fixture
+def story(shared_data):
+    return shared_data / "gguf" / "stories260K.gguf"
+
+
+@pytest.fixture
+def text(tmp_path, shared_data):
+    p = tmp_path / "t.txt"
+    p.write_text("Tom had a red kite. The kite flew high over the park and Tom laughed. " * 40)
+    return p
+
+
+@pytest.fixture
+def chat(tmp_path):
+    """ShareGPT records (JSON lines) and a template file."""
+    rng = np.random.default_rng(0)
+    names = ["Lily", "Ben", "Sam", "Mia"]
+    lines = []
+    for i in range(24):
+        n = names[i % 4]
+        lines.append(json.dumps({"conversations": [
+            {"from": "human", "value": f"Who is {n}?"},
+            {"from": "gpt", "value": f"{n} is a kid who likes to play with a ball {int(rng.integers(2, 9))} times."}]}))
+    data = tmp_path / "chat.jsonl"
+    data.write_text("\n".join(lines) + "\n")
+    tpl = tmp_path / "t.jinja"
+    tpl.write_text(TEMPLATE)
+    return data, tpl
+
+
+def _logits(config, weights, ids, adapters=None):
+    runner = LlamaRunner(LlamaConfig(**config), weights, CpuBackend(2), length=len(ids), adapters=adapters)
+    return runner.logits(np.asarray(ids, np.int32)[None])[0, :len(ids)]
+
+
+@pytest.mark.parametrize("name", ["stories260K", "stories260K-Q8_0", "stories260K-Q4_0"])
+def test_lora_on_text_lowers_loss_and_writes_an_adapter_and_a_merged_model(tmp_path, shared_data, text, name):
+    base = shared_data / "gguf" / f"{name}.gguf"
+    out, merged, log = tmp_path / "a.gguf", tmp_path / "m.gguf", tmp_path / "log.jsonl"
+    r = _cli("finetune", "--model", base, "--data", text, "--out", out, "--merged-out", merged, "--steps", 30,
+             "--log", log, *FAST)
+    assert r.returncode == 0, r.stderr
+    steps = [json.loads(x) for x in log.read_text().splitlines() if '"loss"' in x]
+    assert steps[-1]["loss"] < 0.6 * steps[0]["loss"]
+    alpha, arch, pairs = read_lora(out)
+    assert (alpha, arch) == (32.0, "llama") and len(pairs) == 5 * 7
+    assert all(a.shape[0] == 4 and b.shape[1] == 4 for a, b in pairs.values())
+    reader = gguf.GGUFReader(out)            # gguf-py reads what we write
+    assert reader.fields["general.type"].contents() == "adapter"
+    # the merged model is the base plus the adapter: the same logits as the base with it
+    config, weights, tok = load_llama(base)
+    ids = tok.encode("Tom had a red kite.", add_bos=True).tolist()
+    with_adapter = _logits(config, weights, ids, lora_adapters(out, {k: v.shape for k, v in weights.items()}))
+    mconfig, mweights, _ = load_llama(merged)
+    tol = 1e-3 if name == "stories260K" else 2e-2      # merged quantized bases are written F16
+    np.testing.assert_allclose(_logits(mconfig, mweights, ids), with_adapter, atol=tol)
+    assert not np.allclose(_logits(config, weights, ids), with_adapter, atol=0.1)   # it learned something
+
+
+def test_chat_lora_trains_the_assistant_turns(tmp_path, story, chat):
+    data, tpl = chat
+    out, log = tmp_path / "a.gguf", tmp_path / "log.jsonl"
+    r = _cli("finetune", "--model", story, "--data", data, "--chat-template", tpl, "--out", out, "--steps", 40,
+             "--log", log, *FAST)
+    assert r.returncode == 0, r.stderr
+    assert "24 samples" in r.stderr
+    steps = [json.loads(x) for x in log.read_text().splitlines() if '"loss"' in x]
+    assert steps[-1]["loss"] < 0.5 * steps[0]["loss"]
+    # the adapted model answers in the trained form (it cannot learn to stop: stories260K
+    # never used its EOS, whose output row ties with other unused tokens', and LoRA does not
+    # adapt the output projection; the SmolLM2 test in test_finetune_interop checks stopping)
+    r = _cli("generate", "--model", story, "--lora", out, "--chat", "--chat-template", tpl, "--prompt", "Who is Ben?",
+             "-n", "40", "--temp", "0")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("Ben is a kid who likes to play with a ball"), r.stdout
+
+
+def test_resume_is_bit_identical(tmp_path, story, chat):
+    data, tpl = chat
+    common = ["--model", story, "--data", data, "--chat-template", tpl, "--steps", 12, *FAST]
+    full = tmp_path / "full.gguf"
+    assert _cli("finetune", "--out", full, *common).returncode == 0
+    ck = tmp_path / "ck"
+    part = tmp_path / "part.gguf"
+    r = _cli("finetune", "--out", part, "--checkpoint-dir", ck, "--save-every", 5, *common)
+    assert r.returncode == 0, r.stderr
+    resumed = tmp_path / "resumed.gguf"
+    r = _cli("finetune", "--out", resumed, "--resume", ck / "ckpt-000005.gguf", *common)
+    assert r.returncode == 0, r.stderr
+    assert full.read_bytes() == part.read_bytes() == resumed.read_bytes()
+
+
+def test_ctrl_c_saves_a_checkpoint_that_resumes(tmp_path, story, text):
+    common = ["--model", story, "--data", text, "--steps", 300, *FAST]
+    full = tmp_path / "full.gguf"
+    assert _cli("finetune", "--out", full, *common).returncode == 0
+    out, log = tmp_path / "a.gguf", tmp_path / "log.jsonl"
+    p = subprocess.Popen([sys.executable, "-m", "ggtrain", "finetune", "--out", str(out), "--log", str(log),
+                          *map(str, common)], stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        if log.exists() and log.read_text().count("\n") >= 4:
+            break
+        time.sleep(0.05)
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 130, err
+    ckpt = tmp_path / "a.gguf.ckpt.gguf"
+    assert ckpt.exists() and not out.exists()
+    r = _cli("finetune", "--out", out, "--resume", ckpt, *common)
+    assert r.returncode == 0, r.stderr
+    assert out.read_bytes() == full.read_bytes()
+
+
+def test_full_finetune_writes_a_model(tmp_path, story, text):
+    out = tmp_path / "full.gguf"
+    r = _cli("finetune", "--model", story, "--data", text, "--out", out, "--full", "--steps", 10, "--out-type",
+             "f16", *FAST)
+    assert r.returncode == 0, r.stderr
+    assert "dequantizing" in r.stderr or "--full" in r.stderr
+    config, weights, _ = load_llama(out)
+    base_config, base, _ = load_llama(story)
+    assert config == base_config
+    changed = [k for k in base if not np.allclose(weights[k], base[k], atol=1e-2)]
+    assert changed                                    # every weight is trainable
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(out).tensors}
+    assert types["blk.0.attn_q.weight"] == "F16" and types["blk.0.attn_norm.weight"] == "F32"
+    assert types["blk.0.ffn_down.weight"] == "F16"
+
+
+def test_bad_input(tmp_path, story, text, chat, shared_data):
+    out = tmp_path / "a.gguf"
+    data, tpl = chat
+
+    def fails(*args, expect):
+        r = _cli("finetune", "--out", out, *args)
+        assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+        assert all(e in r.stderr for e in expect), r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert not out.exists()
+
+    fails("--model", shared_data / "gguf" / "ggml-vocab-llama-spm.gguf", "--data", text, *FAST,
+          expect=["ggml-vocab-llama-spm.gguf", "vocab-only"])
+    fails("--model", story, "--data", text, "--lora-rank", "0", *FAST[:4], expect=["--lora-rank"])
+    fails("--model", story, "--data", text, "--lora-targets", "attn_q,wq", *FAST, expect=["'wq'", "attn_q"])
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "a", "completion": "b"}\n{"prompt": "c"}\n')
+    fails("--model", story, "--data", bad, *FAST, expect=["bad.jsonl", "line 2", "completion"])
+    broken = tmp_path / "broken.jinja"
+    broken.write_text("{% for m in messages %}{{ raise_exception('roles must alternate') }}{% endfor %}")
+    fails("--model", story, "--data", data, "--chat-template", broken, *FAST, expect=["broken.jinja", "roles must alternate"])
+    fails("--model", story, "--data", data, *FAST, expect=["stories260K.gguf", "chat_template"])
+    fails("--model", story, "--data", text, "--full", "--merged-out", tmp_path / "m.gguf", *FAST,
+          expect=["--merged-out"])
+    # a checkpoint resumes only on its own base and data
+    ck = tmp_path / "ck"
+    r = _cli("finetune", "--model", story, "--data", text, "--out", tmp_path / "x.gguf", "--steps", 2,
+             "--checkpoint-dir", ck, *FAST)
+    assert r.returncode == 0, r.stderr
+    fails("--model", shared_data / "gguf" / "stories260K-Q8_0.gguf", "--data", text, "--resume",
+          ck / "ckpt-000002.gguf", *FAST, expect=["another base model"])
+    other = tmp_path / "other.txt"
+    other.write_text(text.read_text()[::-1])
+    fails("--model", story, "--data", other, "--resume", ck / "ckpt-000002.gguf", *FAST, expect=["other.txt", "not the data"])
+
+
+def test_help_lists_the_contract_options():
+    r = _cli("finetune", "--help")
+    assert r.returncode == 0
+    for opt in ("--lora-rank", "--lora-alpha", "--lora-targets", "--lora-dropout", "--full", "--merged-out",
+                "--out-type", "--chat-template", "--train-on-inputs", "--packing", "--drop-long", "--resume",
+                "--checkpoint-dir", "--save-every", "--eval-every", "--val-split", "--grad-acc", "--epochs"):
+        assert opt in r.stdout, opt
