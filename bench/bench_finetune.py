@@ -35,6 +35,7 @@ from torch_venv import ensure_torch  # noqa: E402
 SHARED = HERE.parents[1] / "shared" / "data"
 SMOLLM2 = SHARED / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 CHAT = SHARED / "chat" / "dummy_conversation.json"
+TEXT = SHARED / "text" / "tinyshakespeare.txt"       # the TinyLlama-shaped model has no chat template
 RANK, ALPHA, CTX, BATCH, LR = 16, 32, 256, 4, 2e-4
 
 _THEIRS = r"""
@@ -133,7 +134,7 @@ def main() -> None:
               f"({a['flop_per_token'] / 1e6:.0f} MFLOP per token, counted by the graph)")
     if args.tinyllama:
         from tinyllama import tinyllama_q4_0
-        t = ours(tinyllama_q4_0(), max(6, args.steps // 2), args.threads, ctx=256, batch=1)
+        t = ours(tinyllama_q4_0(), max(6, args.steps // 2), args.threads, data=TEXT, ctx=256, batch=1)
         gf = (t["flop_per_token"] or 0) * t["tokens_per_s"] / 1e9
         print(f"\nTinyLlama-1.1B-shaped Q4_0, LoRA ctx 256 batch 1: {t['tokens_per_s']:.0f} tokens/s, "
               f"peak RSS {t['rss_mib']:.0f} MiB (target < 1600), load {t['load_s']:.2f} s, "

@@ -417,21 +417,30 @@ def _align(n: int) -> int:
 
 def _pack(start: dict, end: dict, size: dict) -> tuple:
     """Offsets for tensors with live ranges [start, end] so that tensors alive at the same
-    time never overlap; greedy by size (largest first, lowest free offset)."""
+    time never overlap; greedy by size (largest first, lowest free offset).
+
+    The placed tensors' (offset, end offset, start, end) live in numpy arrays, so finding
+    the ones whose ranges overlap a new tensor's is one vectorized test (plans of a few
+    thousand nodes: a Python scan per tensor was quadratic and took most of a second).
+    """
     order = sorted(size, key=lambda k: (-size[k], start[k]))
-    placed = []      # (offset, end_offset, start, end)
+    cap = max(1, len(order))
+    p_off, p_end = np.zeros(cap, np.int64), np.zeros(cap, np.int64)
+    p_s, p_e = np.zeros(cap, np.int64), np.zeros(cap, np.int64)
     offsets = {}
     total = 0
-    for k in order:
+    for i, k in enumerate(order):
         n = _align(max(size[k], 1))
         s, e = start[k], end[k]
-        busy = sorted((o, oe) for o, oe, ps, pe in placed if ps <= e and s <= pe)
+        live = (p_s[:i] <= e) & (s <= p_e[:i])
+        lo, hi = p_off[:i][live], p_end[:i][live]
+        sort = np.argsort(lo, kind="stable")
         off = 0
-        for o, oe in busy:
+        for o, oe in zip(lo[sort].tolist(), hi[sort].tolist()):
             if off + n <= o:
                 break
             off = max(off, oe)
         offsets[k] = off
-        placed.append((off, off + n, s, e))
+        p_off[i], p_end[i], p_s[i], p_e[i] = off, off + n, s, e
         total = max(total, off + n)
     return offsets, total
