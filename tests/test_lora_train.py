@@ -183,3 +183,29 @@ def test_selective_checkpointing_gives_the_plain_gradients():
     assert np.array_equal(grads[0], grads[1])
     assert nodes[1] > nodes[0]                        # segments are recomputed ...
     assert frozen_products[1] == frozen_products[0]   # ... but not their frozen products
+
+
+def test_packed_samples_have_the_losses_they_have_alone():
+    """Three samples packed in one row (plus padding), positions restarting per sample and
+    each attending only to itself: each sample's loss equals its loss run alone."""
+    from ggtrain.core.data import pack
+
+    weights = llama.init_params(CFG, seed=1, std=0.3)
+    rng = np.random.default_rng(9)
+    samples = [(rng.integers(0, CFG.vocab, n).astype(np.int32), np.ones(n, bool)) for n in (4, 2, 3)]
+    data, stats = pack(samples, CFG.ctx)
+    assert data.rows == 1 and stats.padding == CFG.ctx - 6
+    g = Graph()
+    params = {k: g.param(v.shape, v, name=k, trainable=False) for k, v in weights.items()}
+    tok, pos, seg = (g.const(getattr(data, k), dtype="i32") for k in ("tokens", "pos", "seg"))
+    tgt = g.input((1, CFG.ctx), "i32")
+    packed_loss = llama.loss(llama.forward(CFG, params, tok, pos, seg=seg), tgt)
+    rt = Runtime(g, CpuBackend(2))
+    plan = rt.compile([packed_loss])
+    for i, (ids, _) in enumerate(samples):
+        mine = np.where(data.seg == i, data.targets, -1)
+        rt.set(tgt, mine)
+        rt.run(plan)
+        alone = llama.LlamaRunner(CFG, weights, CpuBackend(2), length=len(ids) - 1)
+        want = alone.nll(ids[None, :-1], ids[None, 1:]) / (len(ids) - 1)
+        assert float(plan.read(packed_loss)) == pytest.approx(want, rel=1e-5), i
