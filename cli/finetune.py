@@ -18,7 +18,8 @@ import numpy as np
 import typer
 
 from ggtrain.cli.common import JsonLog, cpu_backend
-from ggtrain.cli.loop import check_checkpoint_options, check_out, drive
+from ggtrain.cli.loop import (BACKEND, CHECKPOINT_DIR, CHECKPOINTING, EVAL_EVERY, GRAD_CLIP, LOG, QUIET,
+                              SAVE_EVERY, THREADS, check_checkpoint_options, check_out, drive)
 from ggtrain.cli.main import app
 from ggtrain.core.backend import StoredTensor
 from ggtrain.core.data import PackedBatches, TokenWindows, eval_windows, pack, split_samples, split_tokens
@@ -136,19 +137,18 @@ def finetune(
     lr_min: float = typer.Option(None, "--lr-min", help="Floor of the cosine schedule (default --lr / 10)."),
     warmup: float = typer.Option(0.05, "--warmup", help="Linear warmup: a fraction of the run (< 1) or updates."),
     weight_decay: float = typer.Option(0.01, "--weight-decay", help="AdamW decay (matrices only)."),
-    grad_clip: float = typer.Option(1.0, "--grad-clip", help="Global gradient-norm clip (0: off)."),
-    checkpointing: bool = typer.Option(True, "--checkpointing/--no-checkpointing",
-                                       help="Recompute each block in backward to save memory."),
-    checkpoint_dir: pathlib.Path = typer.Option(None, "--checkpoint-dir", help="Folder for resumable checkpoints."),
-    save_every: int = typer.Option(0, "--save-every", help="Save a checkpoint every N updates (needs --checkpoint-dir)."),
+    grad_clip: float = GRAD_CLIP,
+    checkpointing: bool = CHECKPOINTING,
+    checkpoint_dir: pathlib.Path = CHECKPOINT_DIR,
+    save_every: int = SAVE_EVERY,
     resume: pathlib.Path = typer.Option(None, "--resume", help="Continue from a checkpoint (same --model and --data)."),
-    eval_every: int = typer.Option(0, "--eval-every", help="Validation loss every N updates (0: at the end only)."),
+    eval_every: int = EVAL_EVERY,
     val_split: float = typer.Option(0.0, "--val-split", help="Fraction of the samples (text: of its end) held out."),
     seed: int = typer.Option(0, "--seed", help="Seed of the adapters' initialisation and the data order."),
-    threads: int = typer.Option(None, "--threads", help="CPU threads (default: all available)."),
-    backend: str = typer.Option("cpu", "--backend", help="cpu (cuda in builds that have it)."),
-    log: pathlib.Path = typer.Option(None, "--log", help="JSON lines: steps, evaluations, and a final summary."),
-    quiet: bool = typer.Option(False, "--quiet", help="No progress bar."),
+    threads: int = THREADS,
+    backend: str = BACKEND,
+    log: pathlib.Path = LOG,
+    quiet: bool = QUIET,
 ):
     """Fine-tune a llama GGUF model: LoRA adapters on the frozen base (or every weight with --full)."""
     t_start = time.perf_counter()

@@ -15,6 +15,19 @@ from ggtrain.errors import ConfigError
 
 STEP_FIELDS = ("step", "epoch", "loss", "lr", "grad_norm", "tokens_per_s", "elapsed_s")
 
+# The options `train` and `finetune` share, declared once (the ones whose defaults differ,
+# --lr, --warmup, ..., are declared by each command).
+GRAD_CLIP = typer.Option(1.0, "--grad-clip", help="Global gradient-norm clip (0: off).")
+CHECKPOINTING = typer.Option(True, "--checkpointing/--no-checkpointing",
+                             help="Recompute each block in backward to save memory.")
+CHECKPOINT_DIR = typer.Option(None, "--checkpoint-dir", help="Folder for resumable checkpoints.")
+SAVE_EVERY = typer.Option(0, "--save-every", help="Save a checkpoint every N updates (needs --checkpoint-dir).")
+EVAL_EVERY = typer.Option(0, "--eval-every", help="Validation loss every N updates (0: at the end only).")
+THREADS = typer.Option(None, "--threads", help="CPU threads (default: all available).")
+BACKEND = typer.Option("cpu", "--backend", help="cpu (cuda in builds that have it).")
+LOG = typer.Option(None, "--log", help="JSON lines: steps, evaluations, and a final summary.")
+QUIET = typer.Option(False, "--quiet", help="No progress bar.")
+
 
 def check_checkpoint_options(save_every: int, checkpoint_dir: pathlib.Path | None) -> None:
     """--save-every needs --checkpoint-dir; the folder is created."""

@@ -9,7 +9,8 @@ import numpy as np
 import typer
 
 from ggtrain.cli.common import JsonLog, cpu_backend
-from ggtrain.cli.loop import check_checkpoint_options, check_out, drive
+from ggtrain.cli.loop import (BACKEND, CHECKPOINT_DIR, CHECKPOINTING, EVAL_EVERY, GRAD_CLIP, LOG, QUIET,
+                              SAVE_EVERY, THREADS, check_checkpoint_options, check_out, drive)
 from ggtrain.cli.main import app
 from ggtrain.core.data import TokenWindows, eval_windows, split_tokens
 from ggtrain.core.models.llama import LlamaConfig, init_params
@@ -56,19 +57,18 @@ def train(
     lr_min: float = typer.Option(1e-4, "--lr-min", help="Floor of the cosine schedule."),
     warmup: int = typer.Option(100, "--warmup", help="Linear warmup updates."),
     weight_decay: float = typer.Option(0.1, "--weight-decay", help="AdamW decay (matrices only)."),
-    grad_clip: float = typer.Option(1.0, "--grad-clip", help="Global gradient-norm clip (0: off)."),
-    checkpointing: bool = typer.Option(True, "--checkpointing/--no-checkpointing",
-                                       help="Recompute each block in backward to save memory."),
-    checkpoint_dir: pathlib.Path = typer.Option(None, "--checkpoint-dir", help="Folder for resumable checkpoints."),
-    save_every: int = typer.Option(0, "--save-every", help="Save a checkpoint every N updates (needs --checkpoint-dir)."),
+    grad_clip: float = GRAD_CLIP,
+    checkpointing: bool = CHECKPOINTING,
+    checkpoint_dir: pathlib.Path = CHECKPOINT_DIR,
+    save_every: int = SAVE_EVERY,
     resume: pathlib.Path = typer.Option(None, "--resume", help="Continue from a checkpoint (same --data)."),
-    eval_every: int = typer.Option(0, "--eval-every", help="Validation loss every N updates (0: at the end only)."),
+    eval_every: int = EVAL_EVERY,
     val_split: float = typer.Option(0.05, "--val-split", help="Fraction of the text (its end) held out."),
     seed: int = typer.Option(0, "--seed", help="Seed of initialisation and window sampling."),
-    threads: int = typer.Option(None, "--threads", help="CPU threads (default: all available)."),
-    backend: str = typer.Option("cpu", "--backend", help="cpu (cuda in builds that have it)."),
-    log: pathlib.Path = typer.Option(None, "--log", help="JSON lines: steps, evaluations, and a final summary."),
-    quiet: bool = typer.Option(False, "--quiet", help="No progress bar."),
+    threads: int = THREADS,
+    backend: str = BACKEND,
+    log: pathlib.Path = LOG,
+    quiet: bool = QUIET,
 ):
     """Train a llama-architecture model from scratch on a text file."""
     be = cpu_backend(backend, threads)
