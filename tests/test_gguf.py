@@ -104,7 +104,7 @@ def _quant_inputs(rng):
     return x
 
 
-@pytest.mark.parametrize("t", [T.Q8_0, T.Q4_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("t", [T.Q8_0, T.Q4_0, T.Q4_1], ids=lambda t: t.name)
 def test_quantize_matches_gguf_py(t):
     x = _quant_inputs(np.random.default_rng(1))
     ours = quantize(x, t)
@@ -114,7 +114,10 @@ def test_quantize_matches_gguf_py(t):
     assert np.array_equal(ours, ref)
     back = dequantize(ours, t, x.shape)
     ok = np.isfinite(back).all(axis=1)
-    step = np.abs(x).max(axis=1, keepdims=True) / (127 if t == T.Q8_0 else 7)
+    if t == T.Q4_1:   # 16 levels between the row's min and max
+        step = (x.max(axis=1, keepdims=True) - x.min(axis=1, keepdims=True)) / 15
+    else:
+        step = np.abs(x).max(axis=1, keepdims=True) / (127 if t == T.Q8_0 else 7)
     assert np.all((np.abs(back - x) <= step + 1e-6)[ok])
 
 

@@ -18,7 +18,7 @@ static const gt_dtype_traits TABLE[] = {
     {"f32", GT_F32, 1, 4, F | D | Q},
     {"f16", GT_F16, 1, 2, F | D | Q},
     {"q4_0", GT_Q4_0, 32, 18, B | D | Q},
-    {"q4_1", GT_Q4_1, 32, 20, B | D},
+    {"q4_1", GT_Q4_1, 32, 20, B | D | Q},
     {"q5_0", GT_Q5_0, 32, 22, B | D},
     {"q5_1", GT_Q5_1, 32, 24, B | D},
     {"q8_0", GT_Q8_0, 32, 34, B | D | Q},

@@ -1,6 +1,6 @@
 /* quant.c: ggml block formats. Dequantize any of F32, F16, BF16, Q4_0, Q4_1,
- * Q5_0, Q5_1, Q8_0, Q2_K..Q6_K to f32, and quantize f32 to F16, BF16, Q8_0 and
- * Q4_0 the way ggml's reference quantizer does (round to nearest, no importance
+ * Q5_0, Q5_1, Q8_0, Q2_K..Q6_K to f32, and quantize f32 to F16, BF16, Q8_0,
+ * Q4_0 and Q4_1 the way ggml's reference quantizer does (round to nearest, no importance
  * matrix). The per-block dequantizers are shared with the kernels that read
  * frozen weights (gt_dequantizer_). Which types each direction supports is in
  * the dtype table's flags (dtype.c); a test checks the two agree.
@@ -22,6 +22,7 @@
  * gguf-py's numpy port), one rounding per operation (C11 mode: no FMA
  * contraction), so the results are bit-identical to gguf.quants.
  */
+#include <float.h>
 #include <math.h>
 
 #include "internal.h"
@@ -329,6 +330,29 @@ static void quant_q4_0(uint8_t *b, const float *src, int64_t nb) {
     }
 }
 
+/* ggml's quantize_row_q4_1_ref: the block's minimum m and d = (max - m) / 15, both
+ * stored as half; q = min(15, trunc((x - m) / d + 0.5)) (x - m >= 0). A NaN maps to 0. */
+static void quant_q4_1(uint8_t *b, const float *src, int64_t nb) {
+    for (int64_t i = 0; i < nb; i++, b += 20, src += QK) {
+        float lo = FLT_MAX, hi = -FLT_MAX;
+        for (int j = 0; j < QK; j++) {
+            if (src[j] < lo) lo = src[j];
+            if (src[j] > hi) hi = src[j];
+        }
+        const float d = (hi - lo) / 15.0f;
+        const float id = d != 0.0f ? 1.0f / d : 0.0f;
+        put_half(b, d);
+        put_half(b + 2, lo);
+        uint8_t *qs = b + 4;
+        for (int j = 0; j < QK / 2; j++) {
+            const float t0 = (src[j] - lo) * id + 0.5f, t1 = (src[j + QK / 2] - lo) * id + 0.5f;
+            const int q0 = t0 >= 15.0f ? 15 : t0 > 0.0f ? (int)t0 : 0;
+            const int q1 = t1 >= 15.0f ? 15 : t1 > 0.0f ? (int)t1 : 0;
+            qs[j] = (uint8_t)(q0 | (q1 << 4));
+        }
+    }
+}
+
 static void quant_f32(uint8_t *b, const float *src, int64_t n) { memcpy(b, src, (size_t)n * sizeof(float)); }
 
 static void quant_f16(uint8_t *b, const float *src, int64_t n) {
@@ -352,6 +376,7 @@ int gt_quantize_row(void *dst, const float *src, int32_t dtype, int64_t n) {
     case GT_BF16: fn = quant_bf16; break;
     case GT_Q8_0: fn = quant_q8_0; break;
     case GT_Q4_0: fn = quant_q4_0; break;
+    case GT_Q4_1: fn = quant_q4_1; break;
     default: break;
     }
     if (!t) return GT_FAIL(GT_ERR_UNSUPPORTED, "quantize: unknown ggml type %d", (int)dtype);
