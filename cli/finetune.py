@@ -31,8 +31,9 @@ from ggtrain.formats.checkpoint import load_checkpoint, save_checkpoint
 from ggtrain.formats.chat import chat_template as find_template
 from ggtrain.formats.dataset import read_data
 from ggtrain.formats.gguf import read_gguf
-from ggtrain.formats.llama_model import open_llama, save_llama
-from ggtrain.formats.lora import write_lora
+from ggtrain.formats.llama_model import WRITE_TYPES, carried_kv, check_write_type, open_llama, save_llama
+from ggtrain.formats.lora import write_lora, write_merged
+from ggtrain.native.dtypes import dtype, nbytes
 
 # Defaults that learn ../shared/data/chat/dummy_conversation.json (the Vicuna identity, 41k
 # tokens) in one epoch on SmolLM2-135M: 84 updates of one packed 512-token window at 5e-4
@@ -46,18 +47,13 @@ def fingerprint_weights(weights: dict) -> str:
     for name in sorted(weights):
         w = weights[name]
         if isinstance(w, StoredTensor):
-            raw = w.buffer.bytes[:_nbytes(w)]
+            raw = w.buffer.bytes[:nbytes(w.shape, w.dtype)]
             h.update(f"{name}:{w.dtype}:{tuple(w.shape)}".encode())
         else:
             raw = np.ascontiguousarray(w, np.float32).view(np.uint8).reshape(-1)
             h.update(f"{name}:f32:{tuple(w.shape)}".encode())
         h.update(memoryview(raw))
     return h.hexdigest()
-
-
-def _nbytes(w: StoredTensor) -> int:
-    from ggtrain.native.dtypes import nbytes
-    return nbytes(w.shape, w.dtype)
 
 
 def _fingerprint_arrays(*arrays) -> str:
@@ -87,6 +83,15 @@ def _eval_batches(data, batch: int) -> list:
     return out
 
 
+def _base_type(weights) -> str:
+    """The type most of the base's matrices are stored in ("f32" for arrays)."""
+    if isinstance(weights, dict):
+        types = [w.dtype if isinstance(w, StoredTensor) else "f32" for w in weights.values() if len(w.shape) == 2]
+    else:    # a GGUFFile
+        types = [dtype(int(t.type)).name for t in weights.tensors.values() if len(t.shape) == 2]
+    return max(set(types), key=types.count) if types else "f32"
+
+
 def _targets(text: str) -> tuple:
     return tuple(t.strip() for t in text.split(",") if t.strip())
 
@@ -100,7 +105,9 @@ def _warmup_updates(warmup: float, steps: int) -> int:
 
 @app.command("finetune")
 def finetune(
-    model: pathlib.Path = typer.Option(..., "--model", help="The base llama GGUF model (F32 ... Q4_0, K-quants)."),
+    model: pathlib.Path = typer.Option(None, "--model",
+                                       help="The base llama GGUF model (F32 ... Q4_0, K-quants); not needed with "
+                                            "--full --resume of a model checkpoint (convert-checkpoint --to checkpoint)."),
     data: pathlib.Path = typer.Option(..., "--data", "--train-data",
                                       help="Training data: .txt, or JSON lines / a JSON array of {\"text\"}, "
                                            "{\"prompt\", \"completion\"}, {\"messages\"} or {\"conversations\"}."),
@@ -116,7 +123,7 @@ def finetune(
     merged_out: pathlib.Path = typer.Option(None, "--merged-out",
                                             help="Also write the base with the adapter merged in (a llama.cpp model)."),
     out_type: str = typer.Option(None, "--out-type",
-                                 help="Type of the written model's matrices (--full, --merged-out): f32, f16, q8_0 "
+                                 help=f"Type of the written model's matrices (--full, --merged-out): {', '.join(WRITE_TYPES)} "
                                       "(default: f32 for --full; for --merged-out the base's type where ggtrain "
                                       "writes it, else f16)."),
     chat_template: pathlib.Path = typer.Option(None, "--chat-template",
@@ -163,17 +170,33 @@ def finetune(
         raise ConfigError("give --steps or --epochs, not both")
     if (steps is not None and steps < 1) or (epochs is not None and not epochs > 0):
         raise ConfigError("--steps must be >= 1 and --epochs > 0")
+    if out_type is not None:
+        out_type = check_write_type(out_type)
     ckpt = load_checkpoint(resume) if resume else None
-    if ckpt is not None and ckpt["kind"] not in ("finetune-lora", "finetune-full"):
+    if ckpt is not None and ckpt["kind"] not in ("finetune-lora", "finetune-full", "model"):
         raise ConfigError(f"--resume {resume}: a {ckpt['kind']} checkpoint, not a finetune one "
                           f"(`ggtrain train --resume` continues it)")
+    start = None    # a model checkpoint: a new --full run from its weights, with this command's options
+    if ckpt is not None and ckpt["kind"] == "model":
+        if not full:
+            raise ConfigError(f"--resume {resume}: a model checkpoint (no run yet) continues with --full; "
+                              f"for LoRA, give the model itself as --model")
+        start, ckpt = ckpt, None
+    if model is None and start is None:
+        raise ConfigError("--model is required: the base model to fine-tune")
     if ckpt is not None:   # the run's settings are the checkpoint's
         rc = ckpt["run_config"]
         full = ckpt["kind"] == "finetune-full"
         ctx, packing, drop_long, train_on_inputs = rc["ctx"], rc["packing"], rc["drop_long"], rc["train_on_inputs"]
         val_split = rc["val_split"]
 
-    config, weights, tok = open_llama(model, be)
+    if start is not None:   # the checkpoint is the base (f32)
+        model = resume
+        config, weights, tok = start["model_config"], start["state"]["params"], start["tokenizer"]
+    else:
+        config, weights, tok = open_llama(model, be)
+    base_file = read_gguf(model)
+    carried = carried_kv(base_file)
     model_cfg = LlamaConfig(**config)
     ctx = ctx or min(512, model_cfg.ctx)
     if not 2 <= ctx <= model_cfg.ctx:
@@ -194,7 +217,7 @@ def finetune(
         packed = False
         summary = f"{len(train_ids)} training / {len(val_ids)} validation tokens in windows of {ctx}"
     else:
-        template = find_template(read_gguf(model), chat_template) if found.kind == "chat" else None
+        template = find_template(base_file, chat_template) if found.kind == "chat" else None
         every = found.samples(tok, template, train_on_inputs)
         train_s, val_s = split_samples(every, val_split, seed)
         packed_data, stats = pack(train_s, ctx, packing=packing, drop_long=drop_long)
@@ -226,8 +249,9 @@ def finetune(
         lora_cfg = None if full else LoraConfig(rank=lora_rank, alpha=lora_alpha, targets=_targets(lora_targets),
                                                 dropout=lora_dropout)
     if full:
-        typer.echo(f"--full: dequantizing the base's {len(weights)} tensors to f32 once", err=True)
-        init, frozen = _dequantized(weights, model), None
+        if start is None:
+            typer.echo(f"--full: dequantizing the base's {len(weights)} tensors to f32 once", err=True)
+        init, frozen = (weights if start is not None else _dequantized(weights, model)), None
         del weights
     else:
         names = lora_cfg.weights(model_cfg.layers)
@@ -258,12 +282,13 @@ def finetune(
     train_json = dataclasses.asdict(train_cfg)
     run_json = {"ctx": ctx, "packing": packing, "drop_long": drop_long, "train_on_inputs": train_on_inputs,
                 "val_split": val_split, "base_fingerprint": base_fp, "base": str(model),
+                "base_type": _base_type(weights if not full else base_file),
                 "lora": None if full else dataclasses.asdict(lora_cfg)}
     kind_name = "finetune-full" if full else "finetune-lora"
 
     def checkpoint(path: pathlib.Path) -> None:
         save_checkpoint(path, model_json, train_json, run.state(), tok, batches.state(), data_fp,
-                        kind=kind_name, run_config=run_json)
+                        kind=kind_name, run_config=run_json, extra_kv=carried)
 
     logf = JsonLog(log)
     logf.write({"event": "start", "load_s": time.perf_counter() - t_start, "flop_per_token": run.flop_per_token,
@@ -272,7 +297,8 @@ def finetune(
                    checkpoint_dir=checkpoint_dir, out=out, checkpoint=checkpoint)
     trained = run.param_values()
     if full:
-        save_llama(out, model_json, trained, tok, name="ggtrain finetune", out_type=out_type or "f32")
+        save_llama(out, model_json, trained, tok, name="ggtrain finetune", out_type=out_type or "f32",
+                   extra_kv=carried)
         wrote = f"wrote the model {out}"
     else:
         pairs = {w: (trained[factor_names(w)[0]], trained[factor_names(w)[1]])
@@ -280,31 +306,8 @@ def finetune(
         write_lora(out, "llama", lora_cfg.alpha, pairs)
         wrote = f"wrote the adapter {out}"
         if merged_out is not None:
-            _write_merged(merged_out, model, model_json, frozen, pairs, lora_cfg.scale, tok, out_type)
+            write_merged(merged_out, base_file, pairs, lora_cfg.alpha, out_type=out_type, src=out)
             wrote += f" and the merged model {merged_out}"
     logf.write({"event": "done", **result, "out": str(out)})
     logf.close()
     typer.echo(f"done: {run.updates} updates, validation loss {result['val_loss']:.4f}; {wrote}", err=True)
-
-
-def _write_merged(path, model_path, model_json, weights: dict, pairs: dict, scale: float, tok,
-                  out_type: str | None) -> None:
-    """The base with W + scale B A for each adapted weight (in float64, rounded once), one
-    tensor at a time; the other tensors keep their stored bytes."""
-    f = read_gguf(model_path)
-    types = {w.dtype for n, w in weights.items() if n in pairs and isinstance(w, StoredTensor)}
-    if out_type is None:   # the base's type where ggtrain writes it, else f16
-        from ggtrain.native.dtypes import dtype
-        only = types.pop() if len(types) == 1 else "f16"
-        out_type = only if dtype(only).can_quantize else "f16"
-    merged = {}
-    for name, w in weights.items():
-        if name in pairs:
-            a, b = pairs[name]
-            merged[name] = (lambda name=name, a=a, b=b: (f.tensor_f32(name).reshape(b.shape[0], a.shape[1])
-                                                          .astype(np.float64)
-                                                          + scale * (b.astype(np.float64) @ a.astype(np.float64))
-                                                          ).astype(np.float32))
-        else:
-            merged[name] = w
-    save_llama(path, model_json, merged, tok, name="ggtrain merged", out_type=out_type)

@@ -6,7 +6,8 @@ items), tensors (name, type, shape in numpy order, bytes) and totals.
 "n_tensors", "tensor_bytes"}; "kv" maps each key to its value, except arrays
 longer than --max-items, which become {"type": "array", "item_type", "length",
 "head"} (use --max-items 0 for every array in full); "tensors" is a list of
-{"name", "type", "shape", "nbytes", "offset"}.
+{"name", "type", "shape", "nbytes", "offset"}. A ggtrain checkpoint is described first
+(text) or under "checkpoint" (--json): its kind, updates, tokens seen, optimizer, base model.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import typer
 
 from ggtrain.cli.common import file_errors
 from ggtrain.cli.main import app
+from ggtrain.formats.checkpoint import checkpoint_summary, is_checkpoint
 from ggtrain.formats.gguf import GGUFValue, StringArray, read_gguf
 
 _HEAD = 6            # items shown of a long array
@@ -84,6 +86,7 @@ def info(
 
     tensors = list(f.tensors.values())
     total = f.tensor_bytes
+    ckpt = checkpoint_summary(f) if is_checkpoint(f) else None
     if as_json:
         out = {
             "file": str(file),
@@ -96,11 +99,16 @@ def info(
             "n_tensors": len(tensors),
             "tensor_bytes": total,
         }
+        if ckpt is not None:
+            out["checkpoint"] = ckpt
         typer.echo(json.dumps(out, ensure_ascii=False))
         return
 
     typer.echo(f"{file}: GGUF v{f.version}, {len(f.kv)} key/value pairs, {len(tensors)} tensors, "
                f"alignment {f.alignment}, {f.file_size} bytes")
+    if ckpt is not None:
+        for line in _checkpoint_lines(ckpt):
+            typer.echo(line)
     if f.kv:
         typer.echo("key/value pairs:")
         kw = max(len(k) for k in f.kv)
@@ -123,3 +131,28 @@ def info(
                    f"from byte {f.data_offset}")
     else:
         typer.echo("no tensors (a vocabulary-only file)")
+
+
+def _checkpoint_lines(c: dict) -> list:
+    what = {"train": "a llama trained from scratch (`ggtrain train --resume` continues it)",
+            "finetune-lora": "LoRA adapters on a frozen base (`ggtrain finetune --resume` continues it)",
+            "finetune-full": "a full fine-tune (`ggtrain finetune --full --resume` continues it)",
+            "model": "a model's weights before any training (`ggtrain train --resume` or "
+                     "`ggtrain finetune --full --resume` start from it)"}[c["kind"]]
+    m = c["model"]
+    lines = [f"ggtrain checkpoint (v{c['version']}): {what}",
+             f"  model: {m.get('layers')} layers, dim {m.get('dim')}, {m.get('heads')} heads "
+             f"({m.get('kv_heads')} kv), ff {m.get('ff')}, vocab {m.get('vocab')}, ctx {m.get('ctx')}",
+             f"  trained: {c['trained_tensors']} tensors, {c['trained_parameters']:,} parameters"]
+    if c["kind"] != "model":
+        planned = f" of {c['steps']}" if c["steps"] else ""
+        lines.append(f"  progress: {c['updates']}{planned} updates, {c['tokens_seen']:,} tokens seen; "
+                     f"optimizer {c['optimizer']}, peak lr {c['lr']}")
+    if c["lora"]:
+        lo = c["lora"]
+        lines.append(f"  lora: rank {lo.get('rank')}, alpha {lo.get('alpha')}, targets {','.join(lo.get('targets', ()))}")
+    if c["base"]:
+        lines.append(f"  base model: {c['base']['path']} (sha256 of its weights {c['base']['fingerprint'][:16]}...)")
+    if c["data_fingerprint"]:
+        lines.append(f"  data: sha256 {c['data_fingerprint'][:16]}...")
+    return lines

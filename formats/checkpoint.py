@@ -7,7 +7,11 @@ clean model, and `convert-checkpoint` turns a checkpoint into one.
 Keys (besides llama.cpp's llama.* / general.* / tokenizer.ggml.* keys):
     ggtrain.checkpoint.version   UINT32   2 (version 1, without kind and run_config, reads as "train")
     ggtrain.checkpoint.kind      STRING   "train" (a llama from scratch), "finetune-lora" (adapter
-                                          factors on a frozen base) or "finetune-full"
+                                          factors on a frozen base), "finetune-full", or "model"
+                                          (a model's weights before any training, made by
+                                          `convert-checkpoint --to checkpoint`: no optimizer state,
+                                          no data; `train --resume` and `finetune --full --resume`
+                                          start a run from it with their own options)
     ggtrain.model_config         STRING   JSON of the LlamaConfig fields
     ggtrain.train_config         STRING   JSON of the TextConfig fields (and the command's data options)
     ggtrain.run_config           STRING   JSON of what else the command needs to resume (finetune:
@@ -18,7 +22,9 @@ Keys (besides llama.cpp's llama.* / general.* / tokenizer.ggml.* keys):
     ggtrain.data_fingerprint     STRING   sha256 of the training data as tokens
 Tensors: what is trained (the model's parameters under llama.cpp names, or the adapter
 factors "<weight>.lora_a" / ".lora_b"), F32, then for each its AdamW moments
-`adam_m.<name>` and `adam_v.<name>` (F32, same shape). All bit-exact.
+`adam_m.<name>` and `adam_v.<name>` (F32, same shape). All bit-exact. The keys a model
+carries besides hparams and vocabulary (its chat template: llama_model.CARRIED_PREFIXES)
+are kept, so the model written from a checkpoint has them.
 """
 from __future__ import annotations
 
@@ -28,26 +34,27 @@ import numpy as np
 from gguf import GGUFValueType as VT
 
 from ggtrain.errors import FormatError
-from ggtrain.formats.gguf import read_gguf, write_gguf
+from ggtrain.formats.gguf import GGUFFile, read_gguf, write_gguf
 from ggtrain.formats.llama import hparams_to_kv
-from ggtrain.formats.llama_model import config_to_hparams
+from ggtrain.formats.llama_model import carried_kv, config_to_hparams
 from ggtrain.formats.tokenizer import tokenizer_from_gguf
 
 VERSION = 2
 READ_VERSIONS = (1, 2)
-KINDS = ("train", "finetune-lora", "finetune-full")
+KINDS = ("train", "finetune-lora", "finetune-full", "model")
 _MOMENTS = {".adam_m": "adam_m.", ".adam_v": "adam_v."}
 
 
 def save_checkpoint(path, model_config: dict, train_config: dict, state: dict, tokenizer,
                     data_rng: str, data_fingerprint: str, kind: str = "train",
-                    run_config: dict | None = None) -> None:
+                    run_config: dict | None = None, extra_kv=()) -> None:
     """Write a checkpoint atomically. state: TextRun.state() ({"params", "optimizer",
-    "updates", "tokens_seen"}); optimizer names are "<param>.adam_m" / "<param>.adam_v"."""
+    "updates", "tokens_seen"}); optimizer names are "<param>.adam_m" / "<param>.adam_v";
+    extra_kv: key/values of the model to keep (llama_model.carried_kv of the base)."""
     if kind not in KINDS:
         raise ValueError(f"checkpoint kind {kind!r} is not one of {KINDS}")
     kv = hparams_to_kv(config_to_hparams(model_config), "ggtrain checkpoint", file_type=0)
-    kv += list(tokenizer.gguf_kv())
+    kv += list(tokenizer.gguf_kv()) + list(extra_kv)
     kv += [("ggtrain.checkpoint.version", VERSION, VT.UINT32),
            ("ggtrain.checkpoint.kind", kind, VT.STRING),
            ("ggtrain.run_config", json.dumps(run_config or {}, sort_keys=True), VT.STRING),
@@ -70,7 +77,7 @@ def save_checkpoint(path, model_config: dict, train_config: dict, state: dict, t
 
 def load_checkpoint(path) -> dict:
     """{"kind", "model_config", "train_config", "run_config", "state", "tokenizer", "data_rng",
-    "data_fingerprint"}.
+    "data_fingerprint", "extra_kv"}.
 
     Raises FormatError when the file is not a ggtrain checkpoint (e.g. a plain model).
     """
@@ -105,4 +112,35 @@ def load_checkpoint(path) -> dict:
     return {"kind": kind, "model_config": model_config, "train_config": train_config,
             "run_config": run_config, "state": state,
             "tokenizer": tokenizer_from_gguf(f), "data_rng": f.value("ggtrain.data_rng"),
-            "data_fingerprint": f.value("ggtrain.data_fingerprint")}
+            "data_fingerprint": f.value("ggtrain.data_fingerprint"), "extra_kv": carried_kv(f)}
+
+
+def is_checkpoint(f: GGUFFile) -> bool:
+    return "ggtrain.checkpoint.version" in f.kv
+
+
+def checkpoint_summary(f: GGUFFile) -> dict:
+    """What a checkpoint is, from its keys and tensor list (nothing read): {"kind",
+    "version", "updates", "tokens_seen", "steps" (planned updates), "optimizer" ("adamw",
+    or None before any training), "trained_tensors", "trained_parameters", "model" (the
+    model config), "lora" (rank, alpha, targets) or None, "base" (path and fingerprint of
+    a fine-tune's base model) or None, "data_fingerprint"}."""
+    def config(key):
+        try:
+            return json.loads(f.value(key, "{}"))
+        except json.JSONDecodeError:
+            raise FormatError(f"{f.path}: damaged {key}") from None
+    kind = f.value("ggtrain.checkpoint.kind", "train")
+    run, train = config("ggtrain.run_config"), config("ggtrain.train_config")
+    moments = [n for n in f.tensors if n.startswith(tuple(_MOMENTS.values()))]
+    trained = [t for n, t in f.tensors.items() if n not in moments]
+    base = None
+    if run.get("base_fingerprint"):
+        base = {"path": run.get("base"), "fingerprint": run["base_fingerprint"]}
+    return {"kind": kind, "version": int(f.value("ggtrain.checkpoint.version")),
+            "updates": int(f.value("ggtrain.updates", 0)), "tokens_seen": int(f.value("ggtrain.tokens_seen", 0)),
+            "steps": train.get("steps"), "lr": train.get("lr"),
+            "optimizer": None if kind == "model" else train.get("optimizer", "adamw"),
+            "trained_tensors": len(trained), "trained_parameters": int(sum(t.n_elements for t in trained)),
+            "model": config("ggtrain.model_config"), "lora": run.get("lora"), "base": base,
+            "data_fingerprint": f.value("ggtrain.data_fingerprint", "") or None}

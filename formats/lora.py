@@ -13,7 +13,9 @@ import numpy as np
 from gguf import GGUFValueType as VT
 
 from ggtrain.errors import FormatError
-from ggtrain.formats.gguf import read_gguf, write_gguf
+from ggtrain.formats.gguf import GGUFFile, read_gguf, write_gguf
+from ggtrain.formats.llama import validate_model
+from ggtrain.formats.llama_model import rewrite_model
 
 
 def read_lora(path) -> tuple:
@@ -61,25 +63,50 @@ def lora_adapters(path, shapes: dict, scale: float = 1.0, arch: str = "llama") -
     alpha, adapter_arch, pairs = read_lora(path)
     if adapter_arch not in (None, arch):
         raise FormatError(f"{path}: adapter for architecture {adapter_arch!r}, the model is {arch!r}")
+    return fit_pairs(path, pairs, alpha, shapes, scale)
+
+
+def fit_pairs(src, pairs: dict, alpha: float, shapes: dict, scale: float = 1.0) -> dict:
+    """pairs {weight name: (A, B)} checked against the model's shapes, as {name: (A, B, s)}
+    with s = scale * alpha / r (scale alone when alpha is 0). src names the adapter in errors."""
     out = {}
     for name, (a, b) in pairs.items():
         shape = shapes.get(name)
         if shape is None:
-            raise FormatError(f"{path}: adapter targets {name!r}, which the model does not have")
+            raise FormatError(f"{src}: adapter targets {name!r}, which the model does not have")
         if (b.shape[0], a.shape[1]) != tuple(shape):
-            raise FormatError(f"{path}: {name}: adapter gives {(b.shape[0], a.shape[1])}, the weight is "
+            raise FormatError(f"{src}: {name}: adapter gives {(b.shape[0], a.shape[1])}, the weight is "
                               f"{tuple(shape)}")
         r = a.shape[0]
         out[name] = (a, b, scale * (alpha / r if alpha else 1.0))
     return out
 
 
+def merged_weight(w: np.ndarray, a: np.ndarray, b: np.ndarray, s: float) -> np.ndarray:
+    """W + s * B @ A, computed in float64 and rounded to f32 once."""
+    return (w.astype(np.float64) + s * (b.astype(np.float64) @ a.astype(np.float64))).astype(np.float32)
+
+
+def write_merged(path, base, pairs: dict, alpha: float, scale: float = 1.0, out_type: str | None = None,
+                 src="the adapter") -> dict:
+    """Write the llama model `base` (path or GGUFFile) with the adapter pairs {weight name:
+    (A, B)} merged in (merged_weight, one tensor at a time), atomically: the base's keys and
+    other tensors as they are; the merged matrices in their base type where ggtrain writes
+    it, else F16, or everything as `out_type` (llama_model.rewrite_model). Returns {tensor
+    name: type written}. Raises FormatError when the adapter does not fit the base."""
+    f = base if isinstance(base, GGUFFile) else read_gguf(base)
+    layout = validate_model(f)
+    fitted = fit_pairs(src, pairs, alpha, layout.shapes, scale)
+    replace = {name: (lambda name=name, a=a, b=b, s=s: merged_weight(f.tensor_f32(name), a, b, s))
+               for name, (a, b, s) in fitted.items()}
+    return rewrite_model(path, f, replace, out_type)
+
+
 def merge_lora(weights: dict, path, scale: float = 1.0, arch: str = "llama") -> dict:
-    """weights with the adapter at `path` merged in (W + scale * alpha / r * B @ A), in float64
-    then rounded to f32. Raises FormatError for a foreign adapter or mismatched shapes."""
+    """weights with the adapter at `path` merged in (merged_weight). Raises FormatError for
+    a foreign adapter or mismatched shapes."""
     adapters = lora_adapters(path, {n: w.shape for n, w in weights.items()}, scale, arch)
     out = dict(weights)
     for name, (a, b, s) in adapters.items():
-        w = weights[name]
-        out[name] = (w.astype(np.float64) + s * (b.astype(np.float64) @ a.astype(np.float64))).astype(np.float32)
+        out[name] = merged_weight(weights[name], a, b, s)
     return out
