@@ -45,6 +45,7 @@ def _root(
 
 def _register() -> None:
     """Import the command modules; each adds its commands to `app`."""
+    from ggtrain.cli import convert  # noqa: F401  (ggtrain convert-checkpoint)
     from ggtrain.cli import finetune  # noqa: F401  (ggtrain finetune)
     from ggtrain.cli import generate  # noqa: F401  (ggtrain generate, ggtrain eval)
     from ggtrain.cli import info  # noqa: F401  (ggtrain info)

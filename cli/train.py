@@ -76,10 +76,16 @@ def train(
     check_out(out)
     text = _read_text(data or BUNDLED_TEXT)
     ckpt = load_checkpoint(resume) if resume else None
-    if ckpt is not None and ckpt["kind"] != "train":
+    if ckpt is not None and ckpt["kind"] not in ("train", "model"):
         raise ConfigError(f"--resume {resume}: a {ckpt['kind']} checkpoint; `ggtrain finetune --resume` "
                           f"continues it")
-    tok = ckpt["tokenizer"] if ckpt else load_tokenizer(tokenizer, text)
+    start = None    # a model checkpoint: a new run from its weights, with this command's options
+    if ckpt is not None and ckpt["kind"] == "model":
+        start, ckpt = ckpt, None
+        typer.echo(f"--resume {resume}: a model checkpoint; training it with this command's options "
+                   f"(its architecture and tokenizer replace --dim, --layers, ..., --tokenizer)", err=True)
+    source = ckpt or start
+    tok = source["tokenizer"] if source else load_tokenizer(tokenizer, text)
     ids = tok.encode(text)
     if ckpt:
         model_cfg = LlamaConfig(**ckpt["model_config"])
@@ -90,6 +96,9 @@ def train(
         train_cfg = TextConfig(**tc)
         if ckpt["data_fingerprint"] != _fingerprint(ids):
             raise ConfigError(f"--resume {resume}: --data is not the text this checkpoint was trained on")
+    elif start:
+        model_cfg = LlamaConfig(**start["model_config"])
+        train_cfg = None
     else:
         model_cfg = LlamaConfig(vocab=tok.n_vocab, dim=dim, layers=layers, heads=heads, kv_heads=kv_heads,
                                 ff=ff, ctx=ctx)
@@ -104,7 +113,7 @@ def train(
         train_cfg = TextConfig(steps=n_steps, batch=batch, grad_acc=grad_acc, lr=lr, lr_min=lr_min, warmup=warmup,
                                weight_decay=weight_decay, grad_clip=grad_clip, checkpointing=checkpointing,
                                eval_every=eval_every, seed=seed)
-    init = ckpt["state"]["params"] if ckpt else init_params(model_cfg, train_cfg.seed)
+    init = source["state"]["params"] if source else init_params(model_cfg, train_cfg.seed)
     run = TextRun(model_cfg, init, train_cfg, be)
     windows = TokenWindows(train_ids, model_cfg.ctx, train_cfg.batch, train_cfg.seed + 1)
     if ckpt:
@@ -113,21 +122,23 @@ def train(
     val_batches = eval_windows(val_ids, model_cfg.ctx, train_cfg.batch, train_cfg.eval_batches) if len(val_ids) else []
     mem = run.step.memory
     n_params = sum(v.size for v in init.values())
-    typer.echo(f"llama: {n_params} parameters, vocab {tok.n_vocab} ({tokenizer if not ckpt else 'from checkpoint'}), "
+    typer.echo(f"llama: {n_params} parameters, vocab {tok.n_vocab} ({tokenizer if not source else 'from checkpoint'}), "
                f"{len(train_ids)} training / {len(val_ids)} validation tokens; planned memory "
                f"{mem.peak / 2**20:.1f} MiB (arena {mem.arena / 2**20:.1f} MiB); {be.n_threads} threads", err=True)
 
     model_json = dataclasses.asdict(model_cfg)
     train_json = dict(dataclasses.asdict(train_cfg), val_split=val_split)
     fingerprint = _fingerprint(ids)
+    carried = source["extra_kv"] if source else []
 
     def checkpoint(path: pathlib.Path) -> None:
-        save_checkpoint(path, model_json, train_json, run.state(), tok, windows.state(), fingerprint)
+        save_checkpoint(path, model_json, train_json, run.state(), tok, windows.state(), fingerprint,
+                        extra_kv=carried)
 
     logf = JsonLog(log)
     summary = drive(run, windows, val_batches, log=logf, quiet=quiet, save_every=save_every,
                     checkpoint_dir=checkpoint_dir, out=out, checkpoint=checkpoint)
-    save_llama(out, model_json, run.param_values(), tok)
+    save_llama(out, model_json, run.param_values(), tok, extra_kv=carried)
     logf.write({"event": "done", **summary, "out": str(out)})
     logf.close()
     typer.echo(f"done: {run.updates} updates, validation loss {summary['val_loss']:.4f}, wrote {out}", err=True)

@@ -35,7 +35,7 @@ from gguf import GGUFValueType as VT
 
 from ggtrain.errors import FormatError
 from ggtrain.formats.gguf import GGUFFile, read_gguf, write_gguf
-from ggtrain.formats.llama import hparams_to_kv
+from ggtrain.formats.llama import CHECKPOINT_KEY, hparams_to_kv
 from ggtrain.formats.llama_model import carried_kv, config_to_hparams
 from ggtrain.formats.tokenizer import tokenizer_from_gguf
 
@@ -55,7 +55,7 @@ def save_checkpoint(path, model_config: dict, train_config: dict, state: dict, t
         raise ValueError(f"checkpoint kind {kind!r} is not one of {KINDS}")
     kv = hparams_to_kv(config_to_hparams(model_config), "ggtrain checkpoint", file_type=0)
     kv += list(tokenizer.gguf_kv()) + list(extra_kv)
-    kv += [("ggtrain.checkpoint.version", VERSION, VT.UINT32),
+    kv += [(CHECKPOINT_KEY, VERSION, VT.UINT32),
            ("ggtrain.checkpoint.kind", kind, VT.STRING),
            ("ggtrain.run_config", json.dumps(run_config or {}, sort_keys=True), VT.STRING),
            ("ggtrain.model_config", json.dumps(model_config, sort_keys=True), VT.STRING),
@@ -82,7 +82,7 @@ def load_checkpoint(path) -> dict:
     Raises FormatError when the file is not a ggtrain checkpoint (e.g. a plain model).
     """
     f = read_gguf(path)
-    version = f.value("ggtrain.checkpoint.version", None)
+    version = f.value(CHECKPOINT_KEY, None)
     if version is None:
         raise FormatError(f"{path}: not a ggtrain checkpoint (no ggtrain.checkpoint.version key); "
                           "a plain model can be converted with `ggtrain convert-checkpoint`")
@@ -116,7 +116,7 @@ def load_checkpoint(path) -> dict:
 
 
 def is_checkpoint(f: GGUFFile) -> bool:
-    return "ggtrain.checkpoint.version" in f.kv
+    return CHECKPOINT_KEY in f.kv
 
 
 def checkpoint_summary(f: GGUFFile) -> dict:
@@ -137,7 +137,7 @@ def checkpoint_summary(f: GGUFFile) -> dict:
     base = None
     if run.get("base_fingerprint"):
         base = {"path": run.get("base"), "fingerprint": run["base_fingerprint"]}
-    return {"kind": kind, "version": int(f.value("ggtrain.checkpoint.version")),
+    return {"kind": kind, "version": int(f.value(CHECKPOINT_KEY)),
             "updates": int(f.value("ggtrain.updates", 0)), "tokens_seen": int(f.value("ggtrain.tokens_seen", 0)),
             "steps": train.get("steps"), "lr": train.get("lr"),
             "optimizer": None if kind == "model" else train.get("optimizer", "adamw"),

@@ -69,6 +69,9 @@ _BLOCK_TENSORS = (MODEL_TENSOR.ATTN_NORM, MODEL_TENSOR.ATTN_Q, MODEL_TENSOR.ATTN
                   MODEL_TENSOR.ATTN_OUT, MODEL_TENSOR.FFN_NORM, MODEL_TENSOR.FFN_GATE,
                   MODEL_TENSOR.FFN_DOWN, MODEL_TENSOR.FFN_UP)
 
+# the key that marks a ggtrain training checkpoint (formats/checkpoint.py)
+CHECKPOINT_KEY = "ggtrain.checkpoint.version"
+
 # llama.cpp's general.file_type for a model whose matrices are of one type
 FILE_TYPES = {
     GGMLQuantizationType.F32: LlamaFileType.ALL_F32, GGMLQuantizationType.F16: LlamaFileType.MOSTLY_F16,
@@ -258,6 +261,9 @@ def validate_model(f: GGUFFile) -> LlamaLayout:
                               f"(n_vocab={hp.n_vocab}, n_embd={hp.n_embd}, n_ff={hp.n_ff}, "
                               f"n_head={hp.n_head}, n_head_kv={hp.n_head_kv})")
     extra = [n for n in f.tensors if n not in shapes and n != ROPE_FREQS]
+    if extra and CHECKPOINT_KEY in f.kv:
+        raise FormatError(f"{f.path}: a ggtrain training checkpoint, not a model (it holds optimizer state); "
+                          f"`ggtrain convert-checkpoint {f.path} MODEL.gguf` writes its model")
     if extra:
         raise FormatError(f"{f.path}: unexpected tensor {extra[0]!r} for a llama model with "
                           f"{hp.n_layer} layers" + (f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""))

@@ -1,0 +1,205 @@
+"""`ggtrain convert-checkpoint IN OUT` (layer 6): checkpoint ⇄ model ⇄ adapter, merged models,
+other output types, llama2.c import.
+
+What happens is decided by what IN is and the options:
+    checkpoint (train, finetune --full, model)  → a llama.cpp model (--to model, the default)
+    checkpoint (finetune, LoRA)                 → its adapter; with --base, the merged model
+    model + --adapter A (or --base B --adapter A OUT) → the merged model
+    model + --out-type T                        → the model in type T
+    model + --to checkpoint                     → a checkpoint `train --resume` and
+                                                  `finetune --full --resume` start from
+    llama2.c checkpoint (--from llama2c --tokenizer tok.bin) → a llama.cpp model
+Every output is written atomically; one summary line says what was written.
+"""
+from __future__ import annotations
+
+import pathlib
+
+import typer
+
+from ggtrain.cli.common import file_errors
+from ggtrain.cli.loop import check_out
+from ggtrain.cli.main import app
+from ggtrain.core.models.lora import factor_names
+from ggtrain.errors import ConfigError
+from ggtrain.formats.checkpoint import is_checkpoint, load_checkpoint, save_checkpoint
+from ggtrain.formats.gguf import GGUFFile, read_gguf
+from ggtrain.formats.llama2c import read_llama2c, read_llama2c_tokenizer
+from ggtrain.formats.llama_model import WRITE_TYPES, carried_kv, check_write_type, load_llama, rewrite_model, save_llama
+from ggtrain.formats.lora import read_lora, write_lora, write_merged
+
+TO = ("model", "checkpoint")
+SOURCES = ("gguf", "llama2c")
+
+
+def _is_adapter(f: GGUFFile) -> bool:
+    return f.value("general.type", None) == "adapter"
+
+
+def _open(path: pathlib.Path, option: str) -> GGUFFile:
+    with file_errors(f"{option} {path}", "GGUF file"):
+        return read_gguf(path)
+
+
+def _summary(out: pathlib.Path, what: str) -> str:
+    f = read_gguf(out)
+    by_type = {}
+    for t in f.tensors.values():
+        by_type[t.type.name] = by_type.get(t.type.name, 0) + 1
+    kinds = ", ".join(f"{n} {k}" for k, n in by_type.items())
+    return f"wrote {out}: {what}, {len(f.tensors)} tensors ({kinds}), {f.file_size:,} bytes"
+
+
+def _default_type(ckpt: dict) -> str:
+    """A checkpoint's model is written in its base's type where ggtrain writes it (F16 where it
+    does not), f32 for a model trained from scratch."""
+    base = ckpt["run_config"].get("base_type")
+    if base is None:
+        return "f32"
+    return base if base in WRITE_TYPES else "f16"
+
+
+def _lora_pairs(ckpt: dict) -> tuple:
+    """(alpha, {weight: (A, B)}) of a finetune-lora checkpoint."""
+    lora = ckpt["run_config"]["lora"]
+    params = ckpt["state"]["params"]
+    pairs = {}
+    for name in params:
+        if name.endswith(".lora_a"):
+            w = name[:-len(".lora_a")]
+            a_name, b_name = factor_names(w)
+            pairs[w] = (params[a_name], params[b_name])
+    return float(lora["alpha"]), pairs
+
+
+@app.command("convert-checkpoint")
+def convert_checkpoint(
+    files: list[pathlib.Path] = typer.Argument(..., metavar="IN OUT", show_default=False,
+                                               help="The file to convert and where to write (with --base: OUT only)."),
+    to: str = typer.Option(None, "--to", help="model (default: a checkpoint becomes its model or adapter) or "
+                           "checkpoint (a model becomes a checkpoint to train from)."),
+    base: pathlib.Path = typer.Option(None, "--base", help="The base model to merge an adapter (or a LoRA "
+                                      "checkpoint) into."),
+    adapter: pathlib.Path = typer.Option(None, "--adapter", help="A llama.cpp LoRA adapter to merge into the base."),
+    scale: float = typer.Option(1.0, "--scale", help="Scale of the merged adapter (as llama.cpp's --lora-scaled): "
+                                "W + scale * alpha / r * B A."),
+    out_type: str = typer.Option(None, "--out-type", help=f"Type of the written model's matrices: "
+                                 f"{', '.join(WRITE_TYPES)} (default: the input's types where ggtrain writes them, "
+                                 f"else f16; f32 for models trained from scratch and llama2.c imports). 1-D "
+                                 f"tensors stay F32, as llama.cpp keeps them."),
+    source: str = typer.Option("gguf", "--from", help="gguf, or llama2c (Karpathy's llama2.c version 0 "
+                               "checkpoint; needs --tokenizer)."),
+    tokenizer: pathlib.Path = typer.Option(None, "--tokenizer", help="With --from llama2c: its tokenizer.bin."),
+):
+    """Convert between checkpoints, models and adapters; merge adapters; change types; import llama2.c."""
+    if to is not None and to not in TO:
+        raise ConfigError(f"--to {to}: expected one of {', '.join(TO)}")
+    if source not in SOURCES:
+        raise ConfigError(f"--from {source}: expected one of {', '.join(SOURCES)}")
+    if out_type is not None:
+        out_type = check_write_type(out_type)
+    if len(files) == 2:
+        inp, out = files
+    elif len(files) == 1 and base is not None:
+        inp, out = None, files[0]
+    else:
+        raise ConfigError(f"give IN and OUT (got {len(files)} paths)" if base is None else
+                          "with --base give at most IN (a LoRA checkpoint) and OUT")
+    check_out(out, "OUT")
+    for p, option in ((inp, "IN"), (base, "--base"), (adapter, "--adapter"), (tokenizer, "--tokenizer")):
+        if p is not None and p.exists() and p.resolve() == out.resolve():
+            raise ConfigError(f"OUT {out} is also {option}: write to another file")
+
+    if source == "llama2c":
+        what = _from_llama2c(inp, out, tokenizer, to, adapter, base, out_type)
+    elif tokenizer is not None:
+        raise ConfigError("--tokenizer is for --from llama2c (a GGUF file has its own vocabulary)")
+    elif adapter is not None or base is not None:
+        what = _merge(inp, out, base, adapter, scale, to, out_type)
+    else:
+        f = _open(inp, "IN")
+        if _is_adapter(f):
+            raise ConfigError(f"IN {inp}: a LoRA adapter; merge it into its model with "
+                              f"`convert-checkpoint BASE.gguf OUT --adapter {inp}`")
+        what = _from_checkpoint(inp, out, to, out_type) if is_checkpoint(f) else _from_model(f, out, to, out_type)
+    typer.echo(_summary(out, what))
+
+
+def _from_llama2c(inp, out, tokenizer, to, adapter, base, out_type) -> str:
+    if inp is None:
+        raise ConfigError("--from llama2c: give IN (the llama2.c checkpoint) and OUT")
+    if tokenizer is None:
+        raise ConfigError("--from llama2c needs --tokenizer tokenizer.bin (llama2.c's vocabulary)")
+    if to == "checkpoint" or adapter is not None or base is not None:
+        raise ConfigError("--from llama2c writes a model (convert that to a checkpoint or merge into it afterwards)")
+    config, weights = read_llama2c(inp)
+    tok = read_llama2c_tokenizer(tokenizer, config["vocab"])
+    t = out_type or "f32"
+    save_llama(out, config, weights, tok, name=inp.stem, out_type=t)
+    return f"llama model ({t}) from llama2.c {inp.name}"
+
+
+def _merge(inp, out, base, adapter, scale, to, out_type) -> str:
+    if to == "checkpoint":
+        raise ConfigError("--adapter/--base write a merged model, not a checkpoint (drop --to checkpoint)")
+    if base is not None and adapter is not None and inp is not None:
+        raise ConfigError("give the base as IN or as --base, not both")
+    if base is not None and adapter is None:        # IN: a LoRA checkpoint
+        f = _open(inp, "IN")
+        if not is_checkpoint(f):
+            raise ConfigError(f"--base: IN {inp} should be a LoRA checkpoint (or give --adapter)")
+        ckpt = load_checkpoint(inp)
+        if ckpt["kind"] != "finetune-lora":
+            raise ConfigError(f"IN {inp}: a {ckpt['kind']} checkpoint has no adapter to merge into --base")
+        alpha, pairs = _lora_pairs(ckpt)
+        src, label = inp, f"checkpoint {inp.name}"
+    else:
+        if base is None:
+            base = inp
+        fa = _open(adapter, "--adapter")
+        if not _is_adapter(fa):
+            kind = "checkpoint" if is_checkpoint(fa) else "model"
+            raise ConfigError(f"--adapter {adapter}: a {kind}, not a LoRA adapter")
+        alpha, arch, pairs = read_lora(adapter)
+        if arch not in (None, "llama"):
+            raise ConfigError(f"--adapter {adapter}: an adapter for architecture {arch!r}; the base is a llama")
+        src, label = adapter, f"adapter {adapter.name}"
+    fb = _open(base, "--base" if inp is None or base != inp else "IN")
+    if is_checkpoint(fb) or _is_adapter(fb):
+        raise ConfigError(f"{base}: the base must be a model, not a {'checkpoint' if is_checkpoint(fb) else 'LoRA adapter'}")
+    write_merged(out, fb, pairs, alpha, scale, out_type, src=src)
+    return f"{base.name} with {label} merged (scale {scale:g}){f', as {out_type}' if out_type else ''}"
+
+
+def _from_checkpoint(inp, out, to, out_type) -> str:
+    if to == "checkpoint":
+        raise ConfigError(f"IN {inp} is already a checkpoint (--to checkpoint converts a model)")
+    ckpt = load_checkpoint(inp)
+    step = ckpt["state"]["updates"]
+    if ckpt["kind"] == "finetune-lora":
+        if out_type is not None:
+            raise ConfigError(f"IN {inp}: a LoRA checkpoint becomes an adapter (F32); --out-type is for models "
+                              f"(add --base BASE.gguf to write the merged model)")
+        alpha, pairs = _lora_pairs(ckpt)
+        write_lora(out, "llama", alpha, pairs)
+        return f"LoRA adapter (rank {ckpt['run_config']['lora']['rank']}) from checkpoint {inp.name} at update {step}"
+    t = out_type or _default_type(ckpt)
+    save_llama(out, ckpt["model_config"], ckpt["state"]["params"], ckpt["tokenizer"],
+               name=f"ggtrain {ckpt['kind']}", out_type=t, extra_kv=ckpt["extra_kv"])
+    return f"llama model ({t}) from {ckpt['kind']} checkpoint {inp.name} at update {step}"
+
+
+def _from_model(f: GGUFFile, out, to, out_type) -> str:
+    inp = pathlib.Path(f.path)
+    if to == "checkpoint":
+        if out_type is not None:
+            raise ConfigError("--out-type is for models; a checkpoint holds f32 weights")
+        config, weights, tok = load_llama(inp)
+        state = {"params": weights, "optimizer": {}, "updates": 0, "tokens_seen": 0}
+        save_checkpoint(out, config, {}, state, tok, data_rng="", data_fingerprint="", kind="model",
+                        run_config={"base": str(inp)}, extra_kv=carried_kv(f))
+        return f"model checkpoint (f32, update 0) of {inp.name}"
+    if out_type is None:
+        raise ConfigError(f"IN {inp} is already a model: give --out-type, --adapter or --to checkpoint")
+    rewrite_model(out, f, out_type=out_type)
+    return f"{inp.name} as {out_type}"
