@@ -14,8 +14,10 @@ Every output is written atomically; one summary line says what was written.
 from __future__ import annotations
 
 import pathlib
+import sys
 
 import typer
+from tqdm import tqdm
 
 from ggtrain.cli.common import file_errors
 from ggtrain.cli.loop import check_out
@@ -30,6 +32,19 @@ from ggtrain.formats.lora import read_lora, write_lora, write_merged
 
 TO = ("model", "checkpoint")
 SOURCES = ("gguf", "llama2c")
+
+
+def _bar():
+    """A progress callback for the writers: a tqdm bar of tensors written, on stderr."""
+    state = {}
+
+    def update(i: int, n: int) -> None:
+        if "bar" not in state:
+            state["bar"] = tqdm(total=n, unit="tensor", file=sys.stderr, leave=False, mininterval=0.5)
+        state["bar"].update(i - state["bar"].n)
+        if i == n:
+            state["bar"].close()
+    return update
 
 
 def _is_adapter(f: GGUFFile) -> bool:
@@ -135,7 +150,7 @@ def _from_llama2c(inp, out, tokenizer, to, adapter, base, out_type) -> str:
     config, weights = read_llama2c(inp)
     tok = read_llama2c_tokenizer(tokenizer, config["vocab"])
     t = out_type or "f32"
-    save_llama(out, config, weights, tok, name=inp.stem, out_type=t)
+    save_llama(out, config, weights, tok, name=inp.stem, out_type=t, progress=_bar())
     return f"llama model ({t}) from llama2.c {inp.name}"
 
 
@@ -167,7 +182,7 @@ def _merge(inp, out, base, adapter, scale, to, out_type) -> str:
     fb = _open(base, "--base" if inp is None or base != inp else "IN")
     if is_checkpoint(fb) or _is_adapter(fb):
         raise ConfigError(f"{base}: the base must be a model, not a {'checkpoint' if is_checkpoint(fb) else 'LoRA adapter'}")
-    write_merged(out, fb, pairs, alpha, scale, out_type, src=src)
+    write_merged(out, fb, pairs, alpha, scale, out_type, src=src, progress=_bar())
     return f"{base.name} with {label} merged (scale {scale:g}){f', as {out_type}' if out_type else ''}"
 
 
@@ -181,11 +196,11 @@ def _from_checkpoint(inp, out, to, out_type) -> str:
             raise ConfigError(f"IN {inp}: a LoRA checkpoint becomes an adapter (F32); --out-type is for models "
                               f"(add --base BASE.gguf to write the merged model)")
         alpha, pairs = _lora_pairs(ckpt)
-        write_lora(out, "llama", alpha, pairs)
+        write_lora(out, "llama", alpha, pairs, progress=_bar())
         return f"LoRA adapter (rank {ckpt['run_config']['lora']['rank']}) from checkpoint {inp.name} at update {step}"
     t = out_type or _default_type(ckpt)
     save_llama(out, ckpt["model_config"], ckpt["state"]["params"], ckpt["tokenizer"],
-               name=f"ggtrain {ckpt['kind']}", out_type=t, extra_kv=ckpt["extra_kv"])
+               name=f"ggtrain {ckpt['kind']}", out_type=t, extra_kv=ckpt["extra_kv"], progress=_bar())
     return f"llama model ({t}) from {ckpt['kind']} checkpoint {inp.name} at update {step}"
 
 
@@ -197,9 +212,9 @@ def _from_model(f: GGUFFile, out, to, out_type) -> str:
         config, weights, tok = load_llama(inp)
         state = {"params": weights, "optimizer": {}, "updates": 0, "tokens_seen": 0}
         save_checkpoint(out, config, {}, state, tok, data_rng="", data_fingerprint="", kind="model",
-                        run_config={"base": str(inp)}, extra_kv=carried_kv(f))
+                        run_config={"base": str(inp)}, extra_kv=carried_kv(f), progress=_bar())
         return f"model checkpoint (f32, update 0) of {inp.name}"
     if out_type is None:
         raise ConfigError(f"IN {inp} is already a model: give --out-type, --adapter or --to checkpoint")
-    rewrite_model(out, f, out_type=out_type)
+    rewrite_model(out, f, out_type=out_type, progress=_bar())
     return f"{inp.name} as {out_type}"

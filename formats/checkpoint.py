@@ -47,7 +47,7 @@ _MOMENTS = {".adam_m": "adam_m.", ".adam_v": "adam_v."}
 
 def save_checkpoint(path, model_config: dict, train_config: dict, state: dict, tokenizer,
                     data_rng: str, data_fingerprint: str, kind: str = "train",
-                    run_config: dict | None = None, extra_kv=()) -> None:
+                    run_config: dict | None = None, extra_kv=(), progress=None) -> None:
     """Write a checkpoint atomically. state: TextRun.state() ({"params", "optimizer",
     "updates", "tokens_seen"}); optimizer names are "<param>.adam_m" / "<param>.adam_v";
     extra_kv: key/values of the model to keep (llama_model.carried_kv of the base)."""
@@ -72,7 +72,7 @@ def save_checkpoint(path, model_config: dict, train_config: dict, state: dict, t
                 break
         else:
             raise FormatError(f"{path}: optimizer state {name!r} has no checkpoint name")
-    write_gguf(path, kv, tensors)
+    write_gguf(path, kv, tensors, progress=progress)
 
 
 def load_checkpoint(path) -> dict:

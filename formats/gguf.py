@@ -900,8 +900,10 @@ class GGUFWriter:
             self.abort()
 
 
-def write_gguf(path, kv: dict | Iterable, tensors: Iterable, alignment: int = GGUF_DEFAULT_ALIGNMENT) -> None:
-    """Write a whole GGUF file atomically.
+def write_gguf(path, kv: dict | Iterable, tensors: Iterable, alignment: int = GGUF_DEFAULT_ALIGNMENT,
+               progress=None) -> None:
+    """Write a whole GGUF file atomically; progress(i, n), if given, is called after each of
+    the n tensors is written.
 
     kv: {key: value or GGUFValue} or (key, value[, type[, item_type]]) tuples.
     tensors: (name, data[, type]) tuples; data is a numpy array (f32 data is
@@ -928,8 +930,10 @@ def write_gguf(path, kv: dict | Iterable, tensors: Iterable, alignment: int = GG
                 shape = data.shape
             w.add_tensor_info(name, shape, t)
             plan.append((name, data))
-        for name, data in plan:
+        for i, (name, data) in enumerate(plan):
             w.write_tensor(name, data() if callable(data) else data)
+            if progress is not None:
+                progress(i + 1, len(plan))
 
 
 def _default_type(arr: np.ndarray) -> GGMLQuantizationType:

@@ -171,7 +171,7 @@ def _type_kv(types: list, file_type_of: str | None) -> list:
 
 
 def save_llama(path, config: dict, weights: dict, tokenizer, name: str = "ggtrain",
-               out_type: str = "f32", extra_kv=()) -> dict:
+               out_type: str = "f32", extra_kv=(), progress=None) -> dict:
     """Write a clean llama.cpp model (hparams, tokenizer keys, extra_kv (e.g. carried_kv
     of its base), tensors in llama.cpp's order; nothing else, since llama.cpp refuses extra
     tensors), atomically, one tensor at a time. Returns {tensor name: type written}.
@@ -180,7 +180,7 @@ def save_llama(path, config: dict, weights: dict, tokenizer, name: str = "ggtrai
     (formats.tokenizer); weights: {tensor name: value} in numpy order, a value being an f32
     array, a zero-argument callable returning one (computed only when that tensor is
     written), a StoredTensor or a FileTensor. out_type: one of WRITE_TYPES; each tensor's
-    type is tensor_type(name, shape, out_type).
+    type is tensor_type(name, shape, out_type). progress: as write_gguf's.
     """
     hp = config_to_hparams(config)
     tied = bool(config.get("tied", False))
@@ -193,11 +193,12 @@ def save_llama(path, config: dict, weights: dict, tokenizer, name: str = "ggtrai
         types[tname] = tensor_type(tname, shape, out_type, tied)
         specs.append(_tensor_spec(path, tname, shape, w, types[tname]))
     kv = hparams_to_kv(hp, name) + _type_kv(list(types.values()), out_type)
-    write_gguf(path, kv + list(tokenizer.gguf_kv()) + list(extra_kv), specs)
+    write_gguf(path, kv + list(tokenizer.gguf_kv()) + list(extra_kv), specs, progress=progress)
     return types
 
 
-def rewrite_model(path, base, replace: dict | None = None, out_type: str | None = None) -> dict:
+def rewrite_model(path, base, replace: dict | None = None, out_type: str | None = None,
+                  progress=None) -> dict:
     """Write the llama model `base` (a path or GGUFFile) again, atomically, with the tensors
     in `replace` ({name: f32 array or callable}, e.g. merged weights) and every tensor as
     tensor_type(out_type) when out_type is given. Without out_type every tensor keeps its
@@ -230,5 +231,5 @@ def rewrite_model(path, base, replace: dict | None = None, out_type: str | None 
         kv = [(k, v) for k, v in f.kv.items() if k != "general.alignment"]
     else:
         kv = [(k, v) for k, v in f.kv.items() if k not in _OWN_KEYS] + _type_kv(list(types.values()), out_type)
-    write_gguf(path, kv, specs, alignment=f.alignment)
+    write_gguf(path, kv, specs, alignment=f.alignment, progress=progress)
     return types

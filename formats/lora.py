@@ -42,7 +42,7 @@ def read_lora(path) -> tuple:
     return alpha, f.value("general.architecture", None), pairs
 
 
-def write_lora(path, arch: str, alpha: float, pairs: dict) -> None:
+def write_lora(path, arch: str, alpha: float, pairs: dict, progress=None) -> None:
     """Write an adapter atomically: pairs {weight name: (A (r, n_in), B (n_out, r))}."""
     kv = [("general.architecture", arch, VT.STRING), ("general.type", "adapter", VT.STRING),
           ("adapter.type", "lora", VT.STRING), ("adapter.lora.alpha", float(alpha), VT.FLOAT32)]
@@ -50,7 +50,7 @@ def write_lora(path, arch: str, alpha: float, pairs: dict) -> None:
     for name, (a, b) in pairs.items():
         tensors.append((name + ".lora_a", np.ascontiguousarray(a, np.float32), "F32"))
         tensors.append((name + ".lora_b", np.ascontiguousarray(b, np.float32), "F32"))
-    write_gguf(path, kv, tensors)
+    write_gguf(path, kv, tensors, progress=progress)
 
 
 def lora_adapters(path, shapes: dict, scale: float = 1.0, arch: str = "llama") -> dict:
@@ -88,7 +88,7 @@ def merged_weight(w: np.ndarray, a: np.ndarray, b: np.ndarray, s: float) -> np.n
 
 
 def write_merged(path, base, pairs: dict, alpha: float, scale: float = 1.0, out_type: str | None = None,
-                 src="the adapter") -> dict:
+                 src="the adapter", progress=None) -> dict:
     """Write the llama model `base` (path or GGUFFile) with the adapter pairs {weight name:
     (A, B)} merged in (merged_weight, one tensor at a time), atomically: the base's keys and
     other tensors as they are; the merged matrices in their base type where ggtrain writes
@@ -99,7 +99,7 @@ def write_merged(path, base, pairs: dict, alpha: float, scale: float = 1.0, out_
     fitted = fit_pairs(src, pairs, alpha, layout.shapes, scale)
     replace = {name: (lambda name=name, a=a, b=b, s=s: merged_weight(f.tensor_f32(name), a, b, s))
                for name, (a, b, s) in fitted.items()}
-    return rewrite_model(path, f, replace, out_type)
+    return rewrite_model(path, f, replace, out_type, progress=progress)
 
 
 def merge_lora(weights: dict, path, scale: float = 1.0, arch: str = "llama") -> dict:
