@@ -12,9 +12,13 @@ from ggtrain.errors import ConfigError
 
 
 def cpu_backend(backend: str = "cpu", threads: int | None = None) -> CpuBackend:
-    """The backend for --backend/--threads; ConfigError naming the bad value."""
+    """The backend for --backend/--threads; ConfigError naming the bad value, and for cuda
+    saying why it cannot run here."""
+    if backend == "cuda":
+        from ggtrain.core.backend_cuda import unavailable_reason
+        raise ConfigError(f"--backend cuda: not available: {unavailable_reason() or 'the CUDA backend is not built yet'}")
     if backend != "cpu":
-        raise ConfigError(f"--backend {backend}: only the cpu backend is available in this build")
+        raise ConfigError(f"--backend {backend}: expected cpu or cuda")
     if threads is not None and threads < 1:
         raise ConfigError(f"--threads must be >= 1, got {threads}")
     return CpuBackend(threads or default_threads())

@@ -64,7 +64,7 @@ def generate_cmd(
     ctx: int = typer.Option(0, "--ctx", help="Positions of the KV cache (default: prompt + n, or "
                             f"min({UNTIL_EOG_CTX}, the model's context) with -n -1)."),
     threads: int = typer.Option(None, "--threads", help="CPU threads (default: all available)."),
-    backend: str = typer.Option("cpu", "--backend", help="Compute backend (cpu)."),
+    backend: str = typer.Option("cpu", "--backend", help="cpu (cuda in builds that have it)."),
     timings: bool = typer.Option(False, "--timings", help='Print {"load_s", "prompt_tokens", "prompt_s", '
                                  '"tokens", "tokens_per_s"} as JSON on stderr at the end.'),
 ):
@@ -127,7 +127,7 @@ def eval_cmd(
     ctx: int = typer.Option(0, "--ctx", help="Window length (default: min(model context, 512))."),
     as_json: bool = typer.Option(False, "--json", help='Print {"perplexity", "nll", "tokens"} as JSON.'),
     threads: int = typer.Option(None, "--threads", help="CPU threads (default: all available)."),
-    backend: str = typer.Option("cpu", "--backend", help="Compute backend (cpu)."),
+    backend: str = typer.Option("cpu", "--backend", help="cpu (cuda in builds that have it)."),
 ):
     """Perplexity of a llama model on a text: non-overlapping windows, every token scored once."""
     be = cpu_backend(backend, threads)

@@ -33,3 +33,27 @@ def test_python_dash_m_and_version():
 def test_unknown_option_is_a_usage_error():
     out = subprocess.run([sys.executable, "-m", "ggtrain", "--no-such-option"], capture_output=True, text=True)
     assert out.returncode == 2
+
+
+def test_backend_cuda_says_why_it_cannot_run(tmp_path):
+    """Every command with --backend refuses cuda with one line naming what is missing (here:
+    no CUDA library in any build yet, and no driver or device on a CPU-only machine)."""
+    from ggtrain.core.backend_cuda import unavailable_reason
+
+    reason = unavailable_reason()
+    assert reason is not None and "no CUDA library" in reason
+    text = tmp_path / "t.txt"
+    text.write_text("hello world " * 50)
+    model = tmp_path / "m.gguf"
+    for args in (["train", "--data", str(text), "--out", str(tmp_path / "o.gguf")],
+                 ["finetune", "--model", str(model), "--data", str(text), "--out", str(tmp_path / "a.gguf")],
+                 ["mnist", "train", "--out", str(tmp_path / "n.gguf")],
+                 ["generate", "--model", str(model), "--prompt", "x"],
+                 ["eval", "--model", str(model), "--data", str(text)]):
+        r = subprocess.run([sys.executable, "-m", "ggtrain", *args, "--backend", "cuda"], capture_output=True,
+                           text=True)
+        assert r.returncode == 1, args
+        assert r.stderr == f"error: --backend cuda: not available: {reason}\n", (args, r.stderr)
+    r = subprocess.run([sys.executable, "-m", "ggtrain", "train", "--out", "x.gguf", "--backend", "tpu"],
+                       capture_output=True, text=True)
+    assert r.returncode == 1 and r.stderr == "error: --backend tpu: expected cpu or cuda\n"
