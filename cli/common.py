@@ -1,12 +1,18 @@
 """Pieces the training and inference commands share (layer 6): backend choice, the
---log JSON-lines writer, and Ctrl-C handling that lets a run stop cleanly."""
+processes of a data-parallel run, the --log JSON-lines writer, and Ctrl-C handling that
+lets a run stop cleanly."""
 from __future__ import annotations
 
 import contextlib
 import json
+import os
 import pathlib
 import signal
+import socket
 
+import typer
+
+from ggtrain.core import distributed
 from ggtrain.core.backend_cpu import CpuBackend, default_threads
 from ggtrain.errors import ConfigError
 
@@ -22,6 +28,18 @@ def cpu_backend(backend: str = "cpu", threads: int | None = None) -> CpuBackend:
     if threads is not None and threads < 1:
         raise ConfigError(f"--threads must be >= 1, got {threads}")
     return CpuBackend(threads or default_threads())
+
+
+def start_world() -> distributed.World:
+    """The processes of this run (one without mpiexec). With several, rank 0 says which
+    process is which (a launcher that reports a dead process names it by pid and host)."""
+    world = distributed.world()
+    if world.size > 1:
+        names = world.gather(f"{os.getpid()}@{socket.gethostname()}")
+        if world.lead:
+            typer.echo(f"data parallel over {world.size} processes (rank: pid@host): "
+                       + ", ".join(f"{r}: {n}" for r, n in enumerate(names)), err=True)
+    return world
 
 
 @contextlib.contextmanager

@@ -17,12 +17,13 @@ import time
 import numpy as np
 import typer
 
-from ggtrain.cli.common import JsonLog, cpu_backend
+from ggtrain.cli.common import JsonLog, cpu_backend, start_world
 from ggtrain.cli.loop import (BACKEND, CHECKPOINT_DIR, CHECKPOINTING, EVAL_EVERY, GRAD_CLIP, LOG, QUIET,
                               SAVE_EVERY, THREADS, check_checkpoint_options, check_out, drive)
 from ggtrain.cli.main import app
 from ggtrain.core.backend import StoredTensor
 from ggtrain.core.data import PackedBatches, TokenWindows, eval_windows, pack, split_samples, split_tokens
+from ggtrain.core.distributed import Shard
 from ggtrain.core.models.llama import LlamaConfig
 from ggtrain.core.models.lora import TARGETS, LoraConfig, factor_names, init_lora
 from ggtrain.core.train import TextConfig, TextRun
@@ -135,8 +136,8 @@ def finetune(
                                  help="Pack several samples into each --ctx window (each sees only itself)."),
     drop_long: bool = typer.Option(False, "--drop-long", help="Drop samples longer than --ctx instead of cutting them."),
     ctx: int = typer.Option(0, "--ctx", help="Tokens per window (default: min(512, the model's context))."),
-    batch: int = typer.Option(1, "--batch", help="Windows of --ctx tokens per physical batch (the default "
-                              "update is one window of 512 tokens)."),
+    batch: int = typer.Option(1, "--batch", help="Windows of --ctx tokens per physical batch, of each process "
+                              "under mpiexec (the default update is one window of 512 tokens)."),
     grad_acc: int = typer.Option(1, "--grad-acc", help="Physical batches per optimizer update."),
     steps: int = typer.Option(None, "--steps", help="Optimizer updates (default: one epoch)."),
     epochs: float = typer.Option(None, "--epochs", help="Instead of --steps: passes over the training data."),
@@ -159,11 +160,14 @@ def finetune(
 ):
     """Fine-tune a llama GGUF model: LoRA adapters on the frozen base (or every weight with --full)."""
     t_start = time.perf_counter()
+    world = start_world()
     be = cpu_backend(backend, threads)
-    check_checkpoint_options(save_every, checkpoint_dir)
-    check_out(out)
+    if world.lead:   # the one process that writes
+        check_checkpoint_options(save_every, checkpoint_dir)
+        check_out(out)
     if merged_out is not None:
-        check_out(merged_out, "--merged-out")
+        if world.lead:
+            check_out(merged_out, "--merged-out")
         if full:
             raise ConfigError("--merged-out is for LoRA runs; with --full, --out is already the model")
     if steps is not None and epochs is not None:
@@ -205,13 +209,16 @@ def finetune(
     if ckpt is not None and ckpt["run_config"]["base_fingerprint"] != base_fp:
         raise ConfigError(f"--resume {resume}: the checkpoint was trained on another base model than {model}")
 
-    # ---- data -------------------------------------------------------------------------
+    # ---- data: every process draws the global batches (batch x processes) --------------
+    train_cfg = (TextConfig(**{**ckpt["train_config"], **({"steps": steps} if steps is not None else {})})
+                 .on(world.size) if ckpt is not None else None)
+    global_batch = train_cfg.global_batch if ckpt is not None else batch * world.size
     found = read_data(data)
     if found.kind == "plain":
         ids = tok.encode(found.text, add_bos=tok.add_bos)
         train_ids, val_ids = split_tokens(ids, val_split, ctx)
-        batches = TokenWindows(train_ids, ctx, batch, seed + 1)
-        val_batches = eval_windows(val_ids, ctx, batch, 8) if len(val_ids) else []
+        batches = TokenWindows(train_ids, ctx, global_batch, seed + 1)
+        val_batches = eval_windows(val_ids, ctx, global_batch, 8) if len(val_ids) else []
         per_epoch = batches.windows_per_epoch
         data_fp = _fingerprint_arrays(ids)
         packed = False
@@ -221,11 +228,12 @@ def finetune(
         every = found.samples(tok, template, train_on_inputs)
         train_s, val_s = split_samples(every, val_split, seed)
         packed_data, stats = pack(train_s, ctx, packing=packing, drop_long=drop_long)
-        if packed_data.rows < batch:
+        if packed_data.rows < global_batch:
             raise ConfigError(f"--data {data}: {packed_data.rows} windows of {ctx} tokens, fewer than "
-                              f"one batch of {batch}; use a smaller --batch or --ctx")
-        batches = PackedBatches(packed_data, batch, seed + 1)
-        val_batches = _eval_batches(pack(val_s, ctx, packing=packing, drop_long=drop_long)[0], batch) if val_s else []
+                              f"one batch of {global_batch}; use a smaller --batch or --ctx")
+        batches = PackedBatches(packed_data, global_batch, seed + 1)
+        val_batches = _eval_batches(pack(val_s, ctx, packing=packing, drop_long=drop_long)[0],
+                                    global_batch) if val_s else []
         per_epoch = batches.batches_per_epoch
         data_fp = _fingerprint_arrays(packed_data.tokens, packed_data.targets, packed_data.pos, packed_data.seg)
         packed = True
@@ -236,8 +244,8 @@ def finetune(
         raise ConfigError(f"--resume {resume}: --data {data} is not the data this checkpoint was trained on")
 
     # ---- what is trained ----------------------------------------------------------------
+    val_batches = [world.shard(v) for v in val_batches]
     if ckpt is not None:
-        train_cfg = TextConfig(**{**ckpt["train_config"], **({"steps": steps} if steps is not None else {})})
         lora_cfg = None if full else LoraConfig(**ckpt["run_config"]["lora"])
     else:
         n_steps = steps if steps is not None else max(1, math.ceil((epochs or 1.0) * per_epoch / grad_acc))
@@ -245,7 +253,8 @@ def finetune(
         train_cfg = TextConfig(steps=n_steps, batch=batch, grad_acc=grad_acc, lr=peak,
                                lr_min=lr_min if lr_min is not None else peak / 10,
                                warmup=_warmup_updates(warmup, n_steps), weight_decay=weight_decay,
-                               grad_clip=grad_clip, checkpointing=checkpointing, eval_every=eval_every, seed=seed)
+                               grad_clip=grad_clip, checkpointing=checkpointing, eval_every=eval_every, seed=seed,
+                               world=world.size)
         lora_cfg = None if full else LoraConfig(rank=lora_rank, alpha=lora_alpha, targets=_targets(lora_targets),
                                                 dropout=lora_dropout)
     if full:
@@ -259,24 +268,26 @@ def finetune(
         frozen = weights
     # logits only where a target is: at most the trained positions of the `batch` fullest rows
     loss_rows = 0
-    if packed:
+    if packed:   # (of this process's share)
         per_row = np.sort((packed_data.targets >= 0).sum(axis=1))[::-1]
         loss_rows = int(per_row[:train_cfg.batch].sum())
         if val_batches:
             loss_rows = max(loss_rows, max(int((v["targets"] >= 0).sum()) for v in val_batches))
     run = TextRun(model_cfg, ckpt["state"]["params"] if ckpt else init, train_cfg, be, frozen=frozen,
-                  lora=lora_cfg, ctx=ctx, packed=packed, loss_rows=loss_rows)
+                  lora=lora_cfg, ctx=ctx, packed=packed, loss_rows=loss_rows, world=world)
     if ckpt is not None:
         run.load_state(ckpt["state"])
-        batches.set_state(ckpt["data_rng"], drawn=run.updates * train_cfg.batch * train_cfg.grad_acc) \
+        batches.set_state(ckpt["data_rng"], drawn=run.updates * train_cfg.global_batch * train_cfg.grad_acc) \
             if isinstance(batches, TokenWindows) else batches.set_state(ckpt["data_rng"])
     mem = run.step.memory
     n_train = sum(v.size for v in init.values())
-    typer.echo(f"finetune: {'all' if full else 'LoRA'} {n_train} trained parameters "
-               f"({'' if full else f'rank {lora_cfg.rank}, alpha {lora_cfg.alpha:g}, '}"
-               f"{model_cfg.layers} blocks); {summary}; {train_cfg.steps} updates of {train_cfg.batch} x "
-               f"{train_cfg.grad_acc} windows; planned memory {mem.peak / 2**20:.1f} MiB; {be.n_threads} threads",
-               err=True)
+    if world.lead:
+        procs = f" on each of {world.size} processes" if world.size > 1 else ""
+        typer.echo(f"finetune: {'all' if full else 'LoRA'} {n_train} trained parameters "
+                   f"({'' if full else f'rank {lora_cfg.rank}, alpha {lora_cfg.alpha:g}, '}"
+                   f"{model_cfg.layers} blocks); {summary}; {train_cfg.steps} updates of {train_cfg.batch} x "
+                   f"{train_cfg.grad_acc} windows{procs}; planned memory {mem.peak / 2**20:.1f} MiB; "
+                   f"{be.n_threads} threads", err=True)
 
     model_json = dataclasses.asdict(model_cfg)
     train_json = dataclasses.asdict(train_cfg)
@@ -290,11 +301,13 @@ def finetune(
         save_checkpoint(path, model_json, train_json, run.state(), tok, batches.state(), data_fp,
                         kind=kind_name, run_config=run_json, extra_kv=carried)
 
-    logf = JsonLog(log)
+    logf = JsonLog(log if world.lead else None)
     logf.write({"event": "start", "load_s": time.perf_counter() - t_start, "flop_per_token": run.flop_per_token,
                 "updates": train_cfg.steps, "kind": kind_name})
-    result = drive(run, batches, val_batches, log=logf, quiet=quiet, save_every=save_every,
+    result = drive(run, Shard(batches, world), val_batches, log=logf, quiet=quiet, save_every=save_every,
                    checkpoint_dir=checkpoint_dir, out=out, checkpoint=checkpoint)
+    if not world.lead:
+        return
     trained = run.param_values()
     if full:
         save_llama(out, model_json, trained, tok, name="ggtrain finetune", out_type=out_type or "f32",

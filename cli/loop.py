@@ -1,5 +1,6 @@
 """What `train` and `finetune` share around a TextRun (layer 6): the progress bar, the JSONL
-log, periodic and final checkpoints, Ctrl-C (one checkpoint, exit 130), the summary line."""
+log, periodic and final checkpoints, Ctrl-C (one checkpoint, exit 130), the summary line.
+In a data-parallel run only rank 0 shows progress and writes files."""
 from __future__ import annotations
 
 import pathlib
@@ -39,6 +40,10 @@ def check_checkpoint_options(save_every: int, checkpoint_dir: pathlib.Path | Non
         checkpoint_dir.mkdir(parents=True, exist_ok=True)
 
 
+def _nothing(path: pathlib.Path) -> None:
+    """The checkpoint writer of ranks other than 0."""
+
+
 def check_out(out: pathlib.Path, option: str = "--out") -> None:
     if not out.parent.is_dir():
         raise ConfigError(f"{option} {out}: folder {out.parent} does not exist")
@@ -49,13 +54,17 @@ def drive(run, batches, val_batches: list, *, log: JsonLog, quiet: bool, save_ev
           checkpoint: Callable[[pathlib.Path], None]) -> dict:
     """Run `run.fit` to its last update with a progress bar, logging and checkpoints.
 
-    checkpoint(path) writes a resumable checkpoint of the run. On Ctrl-C one is written
-    (into --checkpoint-dir, else beside --out) and the command exits with status 130.
+    checkpoint(path) writes a resumable checkpoint of the run; only rank 0 calls it (and
+    only its log has a file). On Ctrl-C one is written (into --checkpoint-dir, else beside
+    --out) and the command exits with status 130 (every process, after the same update).
     Returns {"step", "val_loss", "tokens_seen", "elapsed_s"} after the final evaluation.
     """
     write = log.write
     total = run.config.steps
-    bar = None if quiet else tqdm(total=total, initial=run.updates, unit="step", file=sys.stderr)
+    lead = run.world.lead
+    if not lead:
+        checkpoint = _nothing
+    bar = None if quiet or not lead else tqdm(total=total, initial=run.updates, unit="step", file=sys.stderr)
 
     def on_step(info):
         write({k: info[k] for k in STEP_FIELDS})
@@ -72,18 +81,20 @@ def drive(run, batches, val_batches: list, *, log: JsonLog, quiet: bool, save_ev
 
     t0 = time.perf_counter()
     try:
-        with stop_on_ctrl_c(run) as state:
+        with stop_on_ctrl_c(run):
             run.fit(batches, val_batches, on_step, on_eval)
     finally:
         if bar is not None:
             bar.close()
-    if state["interrupted"]:
+    if run.interrupted:
         path = (checkpoint_dir / f"ckpt-{run.updates:06d}.gguf" if checkpoint_dir
                 else out.parent / (out.name + ".ckpt.gguf"))
         checkpoint(path)
         write({"event": "interrupted", "step": run.updates, "checkpoint": str(path)})
         log.close()
-        typer.echo(f"interrupted at update {run.updates}: checkpoint {path} (resume with --resume {path})", err=True)
+        if lead:
+            typer.echo(f"interrupted at update {run.updates}: checkpoint {path} (resume with --resume {path})",
+                       err=True)
         raise typer.Exit(130)
     val_loss = run.evaluate(val_batches) if val_batches else float("nan")
     if checkpoint_dir is not None:

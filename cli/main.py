@@ -3,7 +3,9 @@
 Each command lives in its own module and registers itself on `app` in `_register`.
 Errors: a GgtrainError (or a missing/unreadable file) prints one line on stderr and exits 1 (`--debug` or
 GGTRAIN_DEBUG=1 adds the traceback); usage errors exit 2 as Typer does; any other
-exception is a bug and shows its traceback.
+exception is a bug and shows its traceback. In a data-parallel run (mpiexec) the line names
+the rank, and a process that fails ends every other one (MPI_Abort) instead of leaving them
+waiting in the next all-reduce.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import traceback
 import typer
 
 from ggtrain import __version__
+from ggtrain.core import distributed
 from ggtrain.errors import GgtrainError
 
 app = typer.Typer(
@@ -59,10 +62,26 @@ def main(argv: list | None = None) -> None:
     _register()
     try:
         app(args=argv, standalone_mode=True)
-    except SystemExit:
+    except SystemExit as exc:
+        # every process stops together with 0 or 130 (Ctrl-C); any other status is this one
+        # alone (e.g. Click's answer to a KeyboardInterrupt outside the training loop)
+        world = distributed.started()
+        if world is not None and exc.code not in (None, 0, 130):
+            print(f"error: rank {world.rank}: stopped with status {exc.code}", file=sys.stderr)
+            world.abort(exc.code if isinstance(exc.code, int) else 1)
         raise
     except (GgtrainError, FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError) as exc:
         if _state["debug"] or os.environ.get("GGTRAIN_DEBUG") == "1":
             traceback.print_exc()
-        print(f"error: {exc}", file=sys.stderr)
+        world = distributed.started()
+        print(f"error: {'' if world is None else f'rank {world.rank}: '}{exc}", file=sys.stderr)
+        if world is not None:
+            world.abort(1)
         sys.exit(1)
+    except BaseException as exc:   # a bug: its traceback, and no process left waiting
+        world = distributed.started()
+        if world is None:
+            raise
+        traceback.print_exc()
+        print(f"error: rank {world.rank}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        world.abort(1)

@@ -9,7 +9,7 @@ import time
 import typer
 from tqdm import tqdm
 
-from ggtrain.cli.common import JsonLog, cpu_backend, stop_on_ctrl_c
+from ggtrain.cli.common import JsonLog, cpu_backend, start_world, stop_on_ctrl_c
 from ggtrain.cli.main import app
 from ggtrain.core.models import mnist as model
 from ggtrain.core.train import ClassifierConfig, ClassifierRun
@@ -31,7 +31,8 @@ def train(
                                       "default: a bundled 5000-image subset."),
     out: pathlib.Path = typer.Option(..., "--out", help="Where to write the model (GGUF)."),
     epochs: int = typer.Option(30, "--epochs", help="Passes over the training split."),
-    batch: int = typer.Option(1000, "--batch", help="Logical batch: samples per optimizer update."),
+    batch: int = typer.Option(1000, "--batch", help="Logical batch: samples per optimizer update (of each "
+                              "process under mpiexec)."),
     physical_batch: int = typer.Option(500, "--physical-batch",
                                        help="Samples per native run; gradients accumulate over batch/physical."),
     lr: float = typer.Option(1e-3, "--lr", help="AdamW learning rate."),
@@ -44,23 +45,26 @@ def train(
     quiet: bool = typer.Option(False, "--quiet", help="No progress bar."),
 ):
     """Train an MNIST classifier with ggml's defaults and write it as GGUF."""
+    world = start_world()
     if arch not in model.ARCHS:
         raise ConfigError(f"--arch {arch!r}: expected one of {', '.join(model.ARCHS)}")
     config = ClassifierConfig(epochs=epochs, batch=batch, physical_batch=physical_batch, lr=lr,
                               val_split=val_split, seed=seed)
-    if out.parent and not out.parent.is_dir():
+    if world.lead and out.parent and not out.parent.is_dir():
         raise ConfigError(f"--out {out}: folder {out.parent} does not exist")
     images, labels = load_mnist(data or BUNDLED, "train")
     if limit:
         images, labels = images[:limit], labels[:limit]
     be = cpu_backend(backend, threads)
     run = ClassifierRun(lambda p, x: model.forward(arch, p, x), model.init_params(arch, seed),
-                        (28, 28), config, be)
+                        (28, 28), config, be, world=world)
     mem = run.step.memory
-    typer.echo(f"mnist-{arch}: {sum(v.size for v in model.init_params(arch, seed).values())} parameters, "
-               f"{len(labels)} images, planned memory {mem.peak / 2**20:.1f} MiB "
-               f"(arena {mem.arena / 2**20:.1f} MiB), {be.n_threads} threads", err=True)
-    logf = JsonLog(log)
+    quiet = quiet or not world.lead
+    if world.lead:
+        typer.echo(f"mnist-{arch}: {sum(v.size for v in model.init_params(arch, seed).values())} parameters, "
+                   f"{len(labels)} images, planned memory {mem.peak / 2**20:.1f} MiB "
+                   f"(arena {mem.arena / 2**20:.1f} MiB), {be.n_threads} threads", err=True)
+    logf = JsonLog(log if world.lead else None)
     bar = None
 
     def on_step(info):
@@ -84,25 +88,29 @@ def train(
                     "train_accuracy": s["train_accuracy"]})
         val = (f", val loss {s['val_loss']:.4f} acc {100 * s['val_accuracy']:.2f}%"
                if "val_loss" in s else "")
+        if not world.lead:
+            return
         typer.echo(f"epoch {s['epoch']}: train loss {s['train_loss']:.4f} acc "
                    f"{100 * s['train_accuracy']:.2f}%{val} ({s['epoch_s']:.2f} s)", err=True)
 
     t0 = time.perf_counter()
     try:
-        with stop_on_ctrl_c(run) as state:
+        with stop_on_ctrl_c(run):
             history = run.fit(images, labels, on_step, on_epoch)
     finally:
         if bar is not None:
             bar.close()
-    save_mnist_model(out, arch, run.param_values(), model.PARAM_SHAPES[arch])
-    done = {"event": "done", "epochs": len(history), "elapsed_s": time.perf_counter() - t0,
-            "interrupted": state["interrupted"], "out": str(out)}
-    if history:
-        done.update({k: history[-1].get(k) for k in ("val_loss", "val_accuracy", "train_loss", "train_accuracy")})
-    logf.write(done)
-    logf.close()
-    typer.echo(f"wrote {out}" + (" (interrupted)" if state["interrupted"] else ""), err=True)
-    if state["interrupted"]:
+    if world.lead:
+        save_mnist_model(out, arch, run.param_values(), model.PARAM_SHAPES[arch])
+        done = {"event": "done", "epochs": len(history), "elapsed_s": time.perf_counter() - t0,
+                "interrupted": run.interrupted, "out": str(out)}
+        if history:
+            done.update({k: history[-1].get(k) for k in ("val_loss", "val_accuracy", "train_loss",
+                                                         "train_accuracy")})
+        logf.write(done)
+        logf.close()
+        typer.echo(f"wrote {out}" + (" (interrupted)" if run.interrupted else ""), err=True)
+    if run.interrupted:
         raise typer.Exit(130)
 
 

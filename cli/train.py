@@ -8,11 +8,12 @@ import pathlib
 import numpy as np
 import typer
 
-from ggtrain.cli.common import JsonLog, cpu_backend
+from ggtrain.cli.common import JsonLog, cpu_backend, start_world
 from ggtrain.cli.loop import (BACKEND, CHECKPOINT_DIR, CHECKPOINTING, EVAL_EVERY, GRAD_CLIP, LOG, QUIET,
                               SAVE_EVERY, THREADS, check_checkpoint_options, check_out, drive)
 from ggtrain.cli.main import app
 from ggtrain.core.data import TokenWindows, eval_windows, split_tokens
+from ggtrain.core.distributed import Shard
 from ggtrain.core.models.llama import LlamaConfig, init_params
 from ggtrain.core.train import TextConfig, TextRun
 from ggtrain.errors import ConfigError
@@ -49,7 +50,7 @@ def train(
     kv_heads: int = typer.Option(8, "--kv-heads", help="Key/value heads (fewer than --heads: grouped-query attention)."),
     ff: int = typer.Option(768, "--ff", help="Feed-forward width."),
     ctx: int = typer.Option(128, "--ctx", help="Context length (tokens per window)."),
-    batch: int = typer.Option(8, "--batch", help="Windows per physical batch."),
+    batch: int = typer.Option(8, "--batch", help="Windows per physical batch (of each process under mpiexec)."),
     grad_acc: int = typer.Option(1, "--grad-acc", help="Physical batches per optimizer update."),
     steps: int = typer.Option(None, "--steps", help="Optimizer updates (default 1000)."),
     epochs: float = typer.Option(None, "--epochs", help="Instead of --steps: passes over the training tokens."),
@@ -71,9 +72,11 @@ def train(
     quiet: bool = QUIET,
 ):
     """Train a llama-architecture model from scratch on a text file."""
+    world = start_world()
     be = cpu_backend(backend, threads)
-    check_checkpoint_options(save_every, checkpoint_dir)
-    check_out(out)
+    if world.lead:   # the one process that writes
+        check_checkpoint_options(save_every, checkpoint_dir)
+        check_out(out)
     text = _read_text(data or BUNDLED_TEXT)
     ckpt = load_checkpoint(resume) if resume else None
     if ckpt is not None and ckpt["kind"] not in ("train", "model"):
@@ -93,7 +96,7 @@ def train(
         val_split = tc.pop("val_split")  # the split must be the one the run started with
         if steps is not None:
             tc["steps"] = steps  # extend (or shorten) a run; everything else as saved
-        train_cfg = TextConfig(**tc)
+        train_cfg = TextConfig(**tc).on(world.size)
         if ckpt["data_fingerprint"] != _fingerprint(ids):
             raise ConfigError(f"--resume {resume}: --data is not the text this checkpoint was trained on")
     elif start:
@@ -105,26 +108,30 @@ def train(
         train_cfg = None
     train_ids, val_ids = split_tokens(ids, val_split, model_cfg.ctx)
     if ckpt is None:
-        windows_probe = TokenWindows(train_ids, model_cfg.ctx, batch, seed)
+        windows_probe = TokenWindows(train_ids, model_cfg.ctx, batch * world.size, seed)
         if steps is not None and epochs is not None:
             raise ConfigError("give --steps or --epochs, not both")
         n_steps = steps if steps is not None else (
             max(1, round(epochs * windows_probe.windows_per_epoch / grad_acc)) if epochs is not None else 1000)
         train_cfg = TextConfig(steps=n_steps, batch=batch, grad_acc=grad_acc, lr=lr, lr_min=lr_min, warmup=warmup,
                                weight_decay=weight_decay, grad_clip=grad_clip, checkpointing=checkpointing,
-                               eval_every=eval_every, seed=seed)
+                               eval_every=eval_every, seed=seed, world=world.size)
     init = source["state"]["params"] if source else init_params(model_cfg, train_cfg.seed)
-    run = TextRun(model_cfg, init, train_cfg, be)
-    windows = TokenWindows(train_ids, model_cfg.ctx, train_cfg.batch, train_cfg.seed + 1)
+    run = TextRun(model_cfg, init, train_cfg, be, world=world)
+    # every process draws the global batches and trains on its rows of them
+    windows = TokenWindows(train_ids, model_cfg.ctx, train_cfg.global_batch, train_cfg.seed + 1)
     if ckpt:
         run.load_state(ckpt["state"])
-        windows.set_state(ckpt["data_rng"], drawn=run.updates * train_cfg.batch * train_cfg.grad_acc)
-    val_batches = eval_windows(val_ids, model_cfg.ctx, train_cfg.batch, train_cfg.eval_batches) if len(val_ids) else []
+        windows.set_state(ckpt["data_rng"], drawn=run.updates * train_cfg.global_batch * train_cfg.grad_acc)
+    val_batches = [world.shard(b) for b in eval_windows(val_ids, model_cfg.ctx, train_cfg.global_batch,
+                                                        train_cfg.eval_batches)] if len(val_ids) else []
     mem = run.step.memory
     n_params = sum(v.size for v in init.values())
-    typer.echo(f"llama: {n_params} parameters, vocab {tok.n_vocab} ({tokenizer if not source else 'from checkpoint'}), "
-               f"{len(train_ids)} training / {len(val_ids)} validation tokens; planned memory "
-               f"{mem.peak / 2**20:.1f} MiB (arena {mem.arena / 2**20:.1f} MiB); {be.n_threads} threads", err=True)
+    if world.lead:
+        typer.echo(f"llama: {n_params} parameters, vocab {tok.n_vocab} ({tokenizer if not source else 'from checkpoint'}), "
+                   f"{len(train_ids)} training / {len(val_ids)} validation tokens; planned memory "
+                   f"{mem.peak / 2**20:.1f} MiB (arena {mem.arena / 2**20:.1f} MiB); {be.n_threads} threads",
+                   err=True)
 
     model_json = dataclasses.asdict(model_cfg)
     train_json = dict(dataclasses.asdict(train_cfg), val_split=val_split)
@@ -135,10 +142,11 @@ def train(
         save_checkpoint(path, model_json, train_json, run.state(), tok, windows.state(), fingerprint,
                         extra_kv=carried)
 
-    logf = JsonLog(log)
-    summary = drive(run, windows, val_batches, log=logf, quiet=quiet, save_every=save_every,
+    logf = JsonLog(log if world.lead else None)
+    summary = drive(run, Shard(windows, world), val_batches, log=logf, quiet=quiet, save_every=save_every,
                     checkpoint_dir=checkpoint_dir, out=out, checkpoint=checkpoint)
-    save_llama(out, model_json, run.param_values(), tok, extra_kv=carried)
-    logf.write({"event": "done", **summary, "out": str(out)})
-    logf.close()
-    typer.echo(f"done: {run.updates} updates, validation loss {summary['val_loss']:.4f}, wrote {out}", err=True)
+    if world.lead:
+        save_llama(out, model_json, run.param_values(), tok, extra_kv=carried)
+        logf.write({"event": "done", **summary, "out": str(out)})
+        logf.close()
+        typer.echo(f"done: {run.updates} updates, validation loss {summary['val_loss']:.4f}, wrote {out}", err=True)

@@ -3,11 +3,14 @@
 TrainStep turns a loss into native plans once: forward + backward (+ gradient
 accumulation into persistent buffers) + optimizer update. Each call to `step`
 copies the batch in, runs one native call per physical batch and one for the
-update (fused into a single call when there is no accumulation), and reads the
-loss and gradient norm back.
+update (fused into a single call when there is no accumulation and one process),
+and reads the loss and gradient norm back. With several processes
+(core/distributed.py) the gradient buffer is summed over them between the last
+backward and the update.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -15,6 +18,7 @@ import numpy as np
 
 from ggtrain.core import ops
 from ggtrain.core.autograd import backward
+from ggtrain.core.distributed import World
 from ggtrain.core.graph import Graph, Runtime, assign
 from ggtrain.core.optim import AdamW, CosineLR
 from ggtrain.core.ops import HYPER_COUNT
@@ -32,10 +36,12 @@ class TrainStep:
 
     def __init__(self, loss: Tensor, params: list, optimizer, backend, grad_acc: int = 1,
                  checkpointing: bool = True, n_threads: int | None = None, extra_outputs=(),
-                 bind: dict | None = None, keep=None):
+                 bind: dict | None = None, keep=None, world: World | None = None):
         """bind: {persistent tensor: backend buffer already holding its bytes} (frozen
         weights read straight from a file), adopted before anything is allocated. keep:
-        selective checkpointing (see autograd.backward)."""
+        selective checkpointing (see autograd.backward). world: the processes that train
+        together (core/distributed.py); each brings the gradients of its share of the batch
+        and one all-reduce sums them before the update."""
         if grad_acc < 1:
             raise ConfigError(f"grad_acc must be >= 1, got {grad_acc}")
         if not params:
@@ -43,13 +49,18 @@ class TrainStep:
         graph = loss.graph
         self.graph, self.loss, self.params = graph, loss, list(params)
         self.optimizer, self.grad_acc = optimizer, grad_acc
+        self.world = world or World()
+        self.backend = backend
         self.runtime = Runtime(graph, backend)
         for t, buf in (bind or {}).items():
             self.runtime.bind(t, buf)
         self.n_threads = n_threads or getattr(backend, "n_threads", 1)
         self.updates = 0  # optimizer updates done
+        self.stop = False  # whether some process asked to stop with the last update
 
-        grads = backward(loss, self.params, seed=1.0 / grad_acc, checkpointing=checkpointing, keep=keep)
+        # each of the grad_acc x size physical batches of an update adds its share of the mean
+        n_batches = grad_acc * self.world.size
+        grads = backward(loss, self.params, seed=1.0 / n_batches, checkpointing=checkpointing, keep=keep)
         # One flat persistent buffer holds every gradient (each parameter's is a view
         # into it): the global norm is one reduction and zeroing is one fill.
         total = sum(p.size for p in self.params)
@@ -61,27 +72,32 @@ class TrainStep:
         bufs = [self.grad_bufs[p.id] for p in self.params]
         self.hyper = graph.input((HYPER_COUNT,), name="hyper")
         outs = [loss] + list(extra_outputs)
-        if grad_acc == 1:
+        if n_batches == 1:   # one plan: forward, backward and update fused
             written = [assign(grads[p], self.grad_bufs[p.id]) for p in self.params]
             # created after every gradient is written, so it reads the finished buffer
             self.grad_norm = ops.sqrt(ops.sum(ops.sqr(self.grad_flat)))
             steps, self.state = optimizer.build(graph, self.params, bufs, self.hyper, self.grad_norm)
             self._micro = None
             self._update = self.runtime.compile(outs + written + steps + [self.grad_norm], self.n_threads)
-        else:
-            acc = []
-            for p in self.params:
-                buf = self.grad_bufs[p.id]
-                a = ops.add(buf, grads[p])
-                a.out = buf
-                acc.append(a)
+        else:   # split between backward and update: accumulation, the all-reduce (_reduce)
+            if grad_acc == 1:    # the micro plan writes the gradients
+                acc = [assign(grads[p], self.grad_bufs[p.id]) for p in self.params]
+            else:                # it adds into them (the update plan zeroes them)
+                acc = []
+                for p in self.params:
+                    buf = self.grad_bufs[p.id]
+                    a = ops.add(buf, grads[p])
+                    a.out = buf
+                    acc.append(a)
             self._micro = self.runtime.compile(outs + acc, self.n_threads)
             self.grad_norm = ops.sqrt(ops.sum(ops.sqr(self.grad_flat)))
             steps, self.state = optimizer.build(graph, self.params, bufs, self.hyper, self.grad_norm)
-            zero = ops.fill(graph, self.grad_flat.shape, 0.0)
-            zero.out = self.grad_flat
+            zero = []
+            if grad_acc > 1:
+                zero = [ops.fill(graph, self.grad_flat.shape, 0.0)]
+                zero[0].out = self.grad_flat
             # the steps read the norm and gradients before the fill: creation order
-            self._update = self.runtime.compile(steps + [zero, self.grad_norm], self.n_threads)
+            self._update = self.runtime.compile(steps + zero + [self.grad_norm], self.n_threads)
         self.extra_outputs = list(extra_outputs)
         self.last_outputs = []   # per physical batch: [value of each extra output]
         self.last_grad_norm = float("nan")
@@ -98,10 +114,12 @@ class TrainStep:
                 raise ShapeError(f"step: {t!r} is not an input tensor of the graph")
             self.runtime.set(t, value)
 
-    def step(self, batches: list, lr: float) -> float:
+    def step(self, batches: list, lr: float, stop=None) -> float:
         """One optimizer update over grad_acc physical batches ({input tensor: array} each).
 
-        Returns the mean loss over the physical batches.
+        Returns the mean loss over the physical batches (of every process). stop: asked
+        after the update, whether this process wants to stop (e.g. Ctrl-C came); `self.stop`
+        then says whether any process did, so that all stop after the same update.
         """
         if len(batches) != self.grad_acc:
             raise ConfigError(f"step: expected {self.grad_acc} physical batches, got {len(batches)}")
@@ -121,9 +139,22 @@ class TrainStep:
                 self.runtime.run(self._micro, self.n_threads)
                 losses.append(float(self._micro.read(self.loss)))
                 self.last_outputs.append([self._micro.read(t) for t in self.extra_outputs])
+            self._reduce()
             self.runtime.run(self._update, self.n_threads)
             self.last_grad_norm = float(self._update.read(self.grad_norm))
-        return float(np.mean(losses))
+        wants = bool(stop()) if stop is not None else False
+        if self.world.size == 1:
+            self.stop = wants
+            return float(np.mean(losses))
+        total, votes = self.world.sum([sum(losses), float(wants)])
+        self.stop = votes > 0
+        return float(total / (len(losses) * self.world.size))
+
+    def _reduce(self) -> None:
+        """Between backward and update: sum the processes' gradients (their shares of the
+        update's mean) in the flat buffer, in place."""
+        if self.world.size > 1:
+            self.world.allreduce(self.backend, self.runtime.buffer(self.grad_flat), self.grad_flat.size)
 
     def get(self, t: Tensor) -> np.ndarray:
         """Current value of a parameter or state tensor."""
@@ -184,11 +215,16 @@ class ClassifierRun:
     "samples_per_s", "elapsed_s"}) after each update and on_epoch({...train/val
     loss and accuracy...}) after each epoch. `stop()` may be called from a callback
     (or a signal handler) to end after the current update.
+
+    world: with several processes config's batches are each one's share; every update
+    takes the next batch x size samples of the shuffled order, as one process with
+    batch x size (and physical_batch x size) would, and each process its rows of them.
     """
 
     def __init__(self, forward, init: dict, input_shape: tuple, config: ClassifierConfig, backend,
-                 n_threads: int | None = None):
+                 n_threads: int | None = None, world: World | None = None):
         self.config = config
+        self.world = world or World()
         grad_acc = config.batch // config.physical_batch
         g = Graph()
         self.graph = g
@@ -201,16 +237,21 @@ class ClassifierRun:
                                weight_decay=config.weight_decay)
         self.step = TrainStep(self.loss, list(self.params.values()), self.optimizer, backend,
                               grad_acc=grad_acc, checkpointing=False, n_threads=n_threads,
-                              extra_outputs=[self.logits])
+                              extra_outputs=[self.logits], world=self.world)
         self._eval = self.step.runtime.compile([self.logits], self.step.n_threads)
         self._stop = False
 
     def stop(self) -> None:
         self._stop = True
 
-    @property
     def stopped(self) -> bool:
+        """Whether stop() was called."""
         return self._stop
+
+    @property
+    def interrupted(self) -> bool:
+        """As TextRun.interrupted."""
+        return self.step.stop or (self.world.size == 1 and self._stop)
 
     def param_values(self) -> dict:
         return {name: self.step.get(t) for name, t in self.params.items()}
@@ -244,12 +285,14 @@ class ClassifierRun:
     def fit(self, images: np.ndarray, labels: np.ndarray, on_step=None, on_epoch=None) -> list:
         """Train for config.epochs on (images, labels); returns the per-epoch summaries."""
         cfg = self.config
+        world = self.world
         train_idx, val_idx = split_train_val(len(labels), cfg.val_split, cfg.seed)
-        if len(train_idx) < cfg.batch:
-            raise ConfigError(f"{len(train_idx)} training samples is fewer than one batch ({cfg.batch})")
+        batch = cfg.batch * world.size      # samples per update, over every process
+        if len(train_idx) < batch:
+            raise ConfigError(f"{len(train_idx)} training samples is fewer than one batch ({batch})")
         rng = np.random.default_rng(cfg.seed + 1)
-        p, k = cfg.physical_batch, cfg.batch // cfg.physical_batch
-        n_updates = len(train_idx) // cfg.batch
+        p, k = cfg.physical_batch * world.size, cfg.batch // cfg.physical_batch
+        n_updates = len(train_idx) // batch
         history = []
         t0 = time.perf_counter()
         step_no = 0
@@ -261,13 +304,13 @@ class ClassifierRun:
                 t_step = time.perf_counter()
                 batches = []
                 for j in range(k):
-                    idx = order[(u * k + j) * p:(u * k + j + 1) * p]
+                    idx = world.shard(order[(u * k + j) * p:(u * k + j + 1) * p])
                     batches.append({self.x: images[idx], self.y: labels[idx]})
-                loss = self.step.step(batches, cfg.lr)
+                loss = self.step.step(batches, cfg.lr, stop=self.stopped)
                 for (logits,), b in zip(self.step.last_outputs, batches):
                     epoch_hits += int((logits.argmax(axis=1) == b[self.y]).sum())
-                epoch_loss += loss * cfg.batch
-                epoch_n += cfg.batch
+                epoch_loss += loss * batch
+                epoch_n += batch
                 step_no += 1
                 if not np.isfinite(loss):
                     raise NumericError(f"loss became {loss} at update {step_no} (epoch {epoch + 1})")
@@ -275,10 +318,11 @@ class ClassifierRun:
                     now = time.perf_counter()
                     on_step({"step": step_no, "epoch": epoch + 1, "loss": loss, "lr": cfg.lr,
                              "grad_norm": self.step.last_grad_norm,
-                             "samples_per_s": cfg.batch / max(now - t_step, 1e-9),
+                             "samples_per_s": batch / max(now - t_step, 1e-9),
                              "elapsed_s": now - t0, "update_in_epoch": u + 1, "updates_per_epoch": n_updates})
-                if self._stop:
+                if self.step.stop:
                     break
+            epoch_hits = int(world.sum([epoch_hits])[0])    # each process counted its rows
             summary = {"epoch": epoch + 1, "step": step_no, "train_loss": epoch_loss / max(1, epoch_n),
                        "train_accuracy": epoch_hits / max(1, epoch_n),
                        "epoch_s": time.perf_counter() - t_epoch}
@@ -288,7 +332,7 @@ class ClassifierRun:
             history.append(summary)
             if on_epoch is not None:
                 on_epoch(summary)
-            if self._stop:
+            if self.step.stop:
                 break
         return history
 
@@ -312,8 +356,11 @@ class TextConfig:
     eval_every: int = 0
     eval_batches: int = 8
     seed: int = 0
+    world: int = 1              # processes; batch is each one's share, batch x world the global batch
 
     def __post_init__(self):
+        if self.world < 1:
+            raise ConfigError(f"world must be >= 1 processes, got {self.world}")
         if self.steps < 1:
             raise ConfigError(f"--steps must be >= 1, got {self.steps}")
         if self.batch < 1 or self.grad_acc < 1:
@@ -322,6 +369,19 @@ class TextConfig:
             raise ConfigError(f"need 0 <= --lr-min <= --lr and --lr > 0, got {self.lr_min}, {self.lr}")
         if self.warmup < 0 or self.weight_decay < 0 or self.grad_clip < 0 or self.eval_every < 0:
             raise ConfigError("--warmup, --weight-decay, --grad-clip and --eval-every must be >= 0")
+
+    @property
+    def global_batch(self) -> int:
+        return self.batch * self.world
+
+    def on(self, world: int) -> "TextConfig":
+        """The same run on `world` processes: the global batch kept, each process's share
+        recomputed (resuming on another number of processes). Raises ConfigError when the
+        global batch does not split evenly."""
+        if self.global_batch % world:
+            raise ConfigError(f"the run's global batch of {self.global_batch} windows ({self.batch} on "
+                              f"each of {self.world} processes) cannot be split over {world} processes")
+        return dataclasses.replace(self, batch=self.global_batch // world, world=world)
 
 
 def _frozen_product(t: Tensor) -> bool:
@@ -354,11 +414,15 @@ class TextRun:
 
     def __init__(self, model, init: dict, config: TextConfig, backend, n_threads: int | None = None,
                  frozen: dict | None = None, lora=None, ctx: int | None = None, packed: bool = False,
-                 loss_rows: int = 0):
+                 loss_rows: int = 0, world: World | None = None):
         from ggtrain.core.models import llama  # layer 4 siblings
         from ggtrain.core.models.lora import factor_names
 
         self.model, self.config, self.lora = model, config, lora
+        self.world = world or World()
+        if config.world != self.world.size:
+            raise ConfigError(f"the run is configured for {config.world} processes, {self.world.size} "
+                              f"were started")
         self.ctx = ctx or model.ctx
         if not 1 <= self.ctx <= model.ctx:
             raise ConfigError(f"--ctx {self.ctx} must be in 1..{model.ctx} (the model's context)")
@@ -405,7 +469,8 @@ class TextRun:
         self.schedule = CosineLR(config.lr, config.lr_min, min(config.warmup, config.steps), config.steps)
         self.step = TrainStep(self.loss, list(self.params.values()), self.optimizer, backend,
                               grad_acc=config.grad_acc, checkpointing=config.checkpointing, n_threads=n_threads,
-                              bind=bind, keep=_frozen_product if lora is not None else None)
+                              bind=bind, keep=_frozen_product if lora is not None else None,
+                              world=self.world)
         if not packed:
             self.step.runtime.set(self.pos, np.arange(self.ctx, dtype=np.int32))
         self._eval = self.step.runtime.compile([self.eval_loss], self.step.n_threads)
@@ -414,6 +479,17 @@ class TextRun:
 
     def stop(self) -> None:
         self._stop = True
+
+    def stopped(self) -> bool:
+        """Whether stop() was called."""
+        return self._stop
+
+    @property
+    def interrupted(self) -> bool:
+        """Whether the run stopped on request before its last update, or (one process) got
+        the request after it. Several processes stop together, as the last update's vote
+        said (a request that came later is not seen by the others)."""
+        return self.step.stop or (self.world.size == 1 and self._stop)
 
     @property
     def updates(self) -> int:
@@ -424,7 +500,7 @@ class TextRun:
         """Matrix-product FLOPs of one update (forward, backward, recomputation) per token."""
         st = self.step
         flops = st._update.matmul_flops + (st._micro.matmul_flops * st.grad_acc if st._micro else 0)
-        return flops / (self.config.batch * self.config.grad_acc * self.ctx)
+        return flops / (self.config.batch * self.config.grad_acc * self.ctx)   # per process: the same
 
     def param_values(self) -> dict:
         """{name: f32 array} of what is trained (model parameters, or adapter factors)."""
@@ -450,7 +526,8 @@ class TextRun:
 
     def _feed(self, batch, number: int = 0) -> dict:
         """{input tensor: array} of a batch (a dict, or a (batch, ctx + 1) window array);
-        number: the physical batch's index in the run (seeds its dropout masks)."""
+        number: the physical batch's index in the run (seeds its dropout masks, a different
+        one in each process)."""
         if isinstance(batch, np.ndarray):
             batch = {"tokens": batch[:, :-1], "targets": batch[:, 1:]}
         feed = {self.tokens: batch["tokens"], self.targets: batch["targets"]}
@@ -467,11 +544,13 @@ class TextRun:
         if self.packed:
             feed[self.pos], feed[self.seg] = batch["pos"], batch["seg"]
         if self.dropout_seed is not None:
+            number = number * self.world.size + self.world.rank
             feed[self.dropout_seed] = np.int32((self.config.seed * 1_000_003 + number) % (2**31 - 1))
         return feed
 
     def evaluate(self, batches: list) -> float:
-        """Mean validation loss over batches (dicts or (batch, ctx + 1) window arrays)."""
+        """Mean validation loss over batches (dicts or (batch, ctx + 1) window arrays): with
+        several processes, each passes its shares of the same global batches."""
         rt = self.step.runtime
         losses = []
         for batch in batches:
@@ -480,20 +559,23 @@ class TextRun:
                     rt.set(t, v)
             rt.run(self._eval, self.step.n_threads)
             losses.append(float(self._eval.read(self.eval_loss)))
-        return float(np.mean(losses)) if losses else float("nan")
+        if not losses:
+            return float("nan")
+        total = self.world.sum([sum(losses)])[0]
+        return float(total / (len(losses) * self.world.size))
 
     def fit(self, batches, val_batches: list, on_step=None, on_eval=None) -> None:
         """Run updates until config.steps (continuing from self.updates), drawing physical
         batches from `batches` (see the class docstring)."""
         cfg = self.config
         t0 = time.perf_counter()
-        per_update = cfg.batch * cfg.grad_acc * self.ctx
-        while self.step.updates < cfg.steps and not self._stop:
+        per_update = cfg.global_batch * cfg.grad_acc * self.ctx
+        while self.step.updates < cfg.steps and not self.step.stop:
             t_step = time.perf_counter()
             lr = self.schedule(self.step.updates)
             first = self.step.updates * cfg.grad_acc
             feeds = [self._feed(batches.next(), first + j) for j in range(cfg.grad_acc)]
-            loss = self.step.step(feeds, lr)
+            loss = self.step.step(feeds, lr, stop=self.stopped)
             if not np.isfinite(loss) or not np.isfinite(self.step.last_grad_norm):
                 raise NumericError(f"loss {loss}, gradient norm {self.step.last_grad_norm} at update "
                                    f"{self.step.updates}: training diverged (try a lower --lr)")

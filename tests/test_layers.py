@@ -13,7 +13,7 @@ LAYERS = [
     ("ggtrain.core.ops", 3), ("ggtrain.core.tensor", 3), ("ggtrain.core.graph", 3),
     ("ggtrain.core.autograd", 3),
     ("ggtrain.core.optim", 4), ("ggtrain.core.train", 4), ("ggtrain.core.models", 4),
-    ("ggtrain.core.data", 4), ("ggtrain.core.sampling", 4),
+    ("ggtrain.core.data", 4), ("ggtrain.core.sampling", 4), ("ggtrain.core.distributed", 4),
     ("ggtrain.formats", 5),
     ("ggtrain.cli", 6),
 ]

@@ -1,0 +1,214 @@
+"""Data parallelism over MPI (layer 4): which process this is, the sums processes share, and
+the slice of each global batch that is this process's.
+
+`mpiexec -n N ggtrain ...` starts N copies of the same command. Each draws the same global
+batch (batch x N rows), trains on its own rows (`World.shard`), and before the optimizer step
+one all-reduce sums the N gradients, in place, in the flat gradient buffer. Started without a
+launcher, `world()` is one process and mpi4py is never imported: the launchers announce
+themselves in the environment (MPICH's and Intel MPI's Hydra: PMI_RANK/PMI_SIZE; Open MPI:
+OMPI_COMM_WORLD_RANK/SIZE; MVAPICH: MV2_COMM_WORLD_*), and a plain run pays nothing.
+
+A collective that does not finish within GGTRAIN_DP_TIMEOUT seconds (default 300: a peer is
+stuck, or its machine unreachable) stops every process with one line naming this rank.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import sys
+import threading
+import time
+
+import numpy as np
+
+from ggtrain.errors import ConfigError, UnsupportedOpError
+
+# (rank variable, size variable) of the launchers we know, first match wins
+LAUNCHER_VARS = (("PMI_RANK", "PMI_SIZE"), ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
+                 ("MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE"), ("PMIX_RANK", "PMIX_SIZE"))
+DEFAULT_TIMEOUT_S = 300.0
+
+
+def launched() -> tuple:
+    """(rank, size) the launcher announced in the environment; (0, 1) without one."""
+    for rank_var, size_var in LAUNCHER_VARS:
+        if size_var in os.environ:
+            try:
+                return int(os.environ.get(rank_var, "0")), int(os.environ[size_var])
+            except ValueError:
+                raise ConfigError(f"{rank_var}={os.environ.get(rank_var)!r}, {size_var}="
+                                  f"{os.environ[size_var]!r}: not process numbers") from None
+    return 0, 1
+
+
+class World:
+    """The processes of one data-parallel run: this one's `rank` among `size`.
+
+    One process (size 1) has no communicator and every method is the identity.
+    """
+
+    def __init__(self, rank: int = 0, size: int = 1, comm=None, timeout_s: float = DEFAULT_TIMEOUT_S):
+        self.rank, self.size, self.comm = rank, size, comm
+        self.timeout_s = timeout_s
+        self._busy = None              # (what, since) of the collective under way
+        self._lock = threading.Lock()
+        if comm is not None:
+            threading.Thread(target=self._watch, name="ggtrain-dp-watchdog", daemon=True).start()
+
+    @property
+    def lead(self) -> bool:
+        """Whether this process writes (logs, checkpoints, models, progress): rank 0."""
+        return self.rank == 0
+
+    # ---- collectives -------------------------------------------------------------
+
+    def allreduce(self, backend, buffer, count: int) -> None:
+        """Sum the first `count` f32 elements of a backend buffer over every process, in place.
+
+        This is the gradient all-reduce, the one place a backend's memory meets the network:
+        the CPU backend's buffers are host memory that MPI reads and writes directly.
+        TODO(#13): a CUDA backend provides its own (NCCL on the device buffer, its unique id
+        sent from rank 0 over `comm`); until then other backends raise UnsupportedOpError.
+        """
+        if self.comm is None:
+            return
+        if backend.name != "cpu":
+            raise UnsupportedOpError(f"data-parallel training on backend {backend.name}: the "
+                                     f"gradient all-reduce exists for the cpu backend only")
+        from mpi4py import MPI
+        grads = buffer.view(0, "f32", (count,))
+        with self._collective("the gradient all-reduce"):
+            self.comm.Allreduce(MPI.IN_PLACE, grads, op=MPI.SUM)
+
+    def sum(self, values) -> np.ndarray:
+        """Element-wise sum over the processes of a small float64 vector (losses, counts, votes)."""
+        values = np.array(values, dtype=np.float64).reshape(-1)
+        if self.comm is None:
+            return values
+        from mpi4py import MPI
+        with self._collective("a sum of losses"):
+            self.comm.Allreduce(MPI.IN_PLACE, values, op=MPI.SUM)
+        return values
+
+    def gather(self, obj) -> list:
+        """Every process's `obj` (small, picklable), in rank order, on every process."""
+        if self.comm is None:
+            return [obj]
+        with self._collective("an exchange of process names"):
+            return self.comm.allgather(obj)
+
+    def abort(self, code: int = 1) -> None:
+        """End every process of the run now (after this one printed why)."""
+        sys.stderr.flush()
+        if self.comm is not None:
+            self.comm.Abort(code)
+        os._exit(code)
+
+    # ---- the data this process trains on ----------------------------------------
+
+    def shard(self, batch):
+        """This process's rows of a global batch: an array (rows, ...) or a dict of them.
+
+        Rows rank*r .. (rank+1)*r - 1 with r = rows / size, so that the processes together
+        train on exactly the batch one process would. Raises ConfigError when the rows do
+        not divide evenly.
+        """
+        if self.size == 1:
+            return batch
+        if isinstance(batch, dict):
+            return {k: self.shard(v) for k, v in batch.items()}
+        rows = len(batch)
+        if rows % self.size:
+            raise ConfigError(f"a batch of {rows} rows cannot be split over {self.size} processes")
+        r = rows // self.size
+        return batch[self.rank * r:(self.rank + 1) * r]
+
+    # ---- the hang guard ------------------------------------------------------------
+
+    def _collective(self, what: str):
+        world = self
+
+        class _Busy:
+            def __enter__(self):
+                with world._lock:
+                    world._busy = (what, time.monotonic())
+
+            def __exit__(self, *exc):
+                with world._lock:
+                    world._busy = None
+                return False
+
+        return _Busy()
+
+    def _watch(self) -> None:
+        """Daemon thread: a collective under way for longer than timeout_s ends the run."""
+        while True:
+            time.sleep(min(1.0, self.timeout_s / 4))
+            with self._lock:
+                busy = self._busy
+            if busy is not None and time.monotonic() - busy[1] > self.timeout_s:
+                print(f"error: rank {self.rank}: {busy[0]} waited more than {self.timeout_s:g} s "
+                      f"for the other processes (one is stuck or unreachable; GGTRAIN_DP_TIMEOUT "
+                      f"sets the limit); stopping every process", file=sys.stderr, flush=True)
+                self.abort(1)
+
+
+class Shard:
+    """A batch source drawing global batches from `source` (batch x size rows each) and
+    giving this process its rows; `epoch` is the source's (global) progress."""
+
+    def __init__(self, source, world: World):
+        self.source, self.world = source, world
+
+    @property
+    def epoch(self) -> float:
+        return self.source.epoch
+
+    def next(self):
+        return self.world.shard(self.source.next())
+
+
+def _timeout() -> float:
+    text = os.environ.get("GGTRAIN_DP_TIMEOUT", "")
+    if not text:
+        return DEFAULT_TIMEOUT_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise ConfigError(f"GGTRAIN_DP_TIMEOUT={text!r}: expected a number of seconds > 0")
+    return value
+
+
+@functools.lru_cache(maxsize=None)
+def world() -> World:
+    """This process's World: from MPI when a launcher started several processes, else one.
+
+    mpi4py is imported (and MPI initialised) only in the first case. Raises ConfigError when
+    a launcher started several processes but mpi4py is not installed, or disagrees with it.
+    """
+    rank, size = launched()
+    if size <= 1:
+        return World()
+    timeout_s = _timeout()
+    try:
+        from mpi4py import MPI
+    except ImportError as exc:
+        raise ConfigError(f"started as rank {rank} of {size} processes, but mpi4py cannot be "
+                          f"imported ({exc}); install the dp extra: pip install 'ggtrain[dp]'") from None
+    comm = MPI.COMM_WORLD
+    if comm.Get_size() != size or comm.Get_rank() != rank:
+        raise ConfigError(f"the launcher says rank {rank} of {size}, MPI says rank {comm.Get_rank()} "
+                          f"of {comm.Get_size()} (is mpi4py built for another MPI than the mpiexec "
+                          f"that started this?)")
+    return World(rank, size, comm, timeout_s)
+
+
+def started() -> World | None:
+    """The World if `world()` has set one up (MPI initialised, several processes), else None:
+    what an error handler asks before deciding to abort the whole run."""
+    if world.cache_info().currsize == 0:
+        return None
+    w = world()
+    return w if w.comm is not None else None
