@@ -59,6 +59,7 @@ def _register() -> None:
 
 def main(argv: list | None = None) -> None:
     """Entry point of the console script and `python -m ggtrain`."""
+    distributed.supervise(sys.argv[1:] if argv is None else list(argv))
     _register()
     try:
         app(args=argv, standalone_mode=True)

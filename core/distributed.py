@@ -8,13 +8,21 @@ launcher, `world()` is one process and mpi4py is never imported: the launchers a
 themselves in the environment (MPICH's and Intel MPI's Hydra: PMI_RANK/PMI_SIZE; Open MPI:
 OMPI_COMM_WORLD_RANK/SIZE; MVAPICH: MV2_COMM_WORLD_*), and a plain run pays nothing.
 
-A collective that does not finish within GGTRAIN_DP_TIMEOUT seconds (default 300: a peer is
-stuck, or its machine unreachable) stops every process with one line naming this rank.
+Failures: a process that raises prints one line naming its rank and aborts the run (the CLI
+does that); one that is killed (OOM killer, kill -9) cannot say anything, so under Hydra
+(MPICH's mpiexec) each rank trains in a child of the process the launcher started, and that
+parent reports the child's death in one line before the launcher ends the others
+(`supervise`); a collective that does not finish within GGTRAIN_DP_TIMEOUT seconds (default
+300: a peer is stuck, or its machine unreachable) stops every process with one line naming
+this rank.
 """
 from __future__ import annotations
 
+import ctypes
 import functools
 import os
+import signal
+import subprocess
 import sys
 import threading
 import time
@@ -27,6 +35,8 @@ from ggtrain.errors import ConfigError, UnsupportedOpError
 LAUNCHER_VARS = (("PMI_RANK", "PMI_SIZE"), ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
                  ("MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE"), ("PMIX_RANK", "PMIX_SIZE"))
 DEFAULT_TIMEOUT_S = 300.0
+SUPERVISOR_VAR = "GGTRAIN_DP_SUPERVISOR"    # set in the child: its parent's pid
+_PR_SET_PDEATHSIG = 1                       # linux/prctl.h
 
 
 def launched() -> tuple:
@@ -166,6 +176,42 @@ class Shard:
 
     def next(self):
         return self.world.shard(self.source.next())
+
+
+def supervise(argv: list) -> None:
+    """Under Hydra with several processes, run this command again in a child process and wait
+    for it; when the child dies of a signal, print one line naming the rank and exit non-zero
+    (the launcher then ends every other process). Returns at once in that child, without a
+    launcher, elsewhere than Linux, and under other launchers (Open MPI's mpirun names a dead
+    rank itself). argv: the command's arguments (without the program name).
+    """
+    rank, size = launched()
+    parent = os.environ.get(SUPERVISOR_VAR)
+    if parent is not None:      # the child: die with the parent, whatever kills it
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != int(parent):    # it died before prctl
+            os._exit(1)
+        return
+    if size <= 1 or "PMI_RANK" not in os.environ or not sys.platform.startswith("linux"):
+        return
+    fds = tuple(int(os.environ[v]) for v in ("PMI_FD",) if os.environ.get(v, "").isdigit())
+    child = subprocess.Popen([sys.executable, "-m", "ggtrain", *argv], pass_fds=fds,
+                             env={**os.environ, SUPERVISOR_VAR: str(os.getpid())})
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(sig, lambda signum, frame: child.send_signal(signum))
+    while True:
+        try:
+            code = child.wait()
+            break
+        except InterruptedError:   # pragma: no cover - wait is restarted by Python (PEP 475)
+            continue
+    if code < 0:
+        name = signal.Signals(-code).name
+        print(f"error: rank {rank} (pid {child.pid}) was killed by {name}; stopping every process",
+              file=sys.stderr, flush=True)
+        os._exit(128 - code)
+    os._exit(code)
 
 
 def _timeout() -> float:
