@@ -180,10 +180,14 @@ class Shard:
 
 def supervise(argv: list) -> None:
     """Under Hydra with several processes, run this command again in a child process and wait
-    for it; when the child dies of a signal, print one line naming the rank and exit non-zero
-    (the launcher then ends every other process). Returns at once in that child, without a
-    launcher, elsewhere than Linux, and under other launchers (Open MPI's mpirun names a dead
-    rank itself). argv: the command's arguments (without the program name).
+    for it; when the child dies of a signal, print one line naming the rank. Returns at once in
+    that child, without a launcher, elsewhere than Linux, and under other launchers (Open MPI's
+    mpirun names a dead rank itself). argv: the command's arguments (without the program name).
+
+    The parent exits as the child did when that is 0 or 130 (every process stopped on Ctrl-C);
+    otherwise it ends itself by SIGTERM: Hydra ends the other processes only when one dies of
+    a signal, and a rank that failed before MPI started (e.g. a usage error) would otherwise
+    leave them waiting for it forever.
     """
     rank, size = launched()
     parent = os.environ.get(SUPERVISOR_VAR)
@@ -196,7 +200,9 @@ def supervise(argv: list) -> None:
     if size <= 1 or "PMI_RANK" not in os.environ or not sys.platform.startswith("linux"):
         return
     fds = tuple(int(os.environ[v]) for v in ("PMI_FD",) if os.environ.get(v, "").isdigit())
-    child = subprocess.Popen([sys.executable, "-m", "ggtrain", *argv], pass_fds=fds,
+    # the same program (the console script, or ggtrain/__main__.py), so usage lines name it alike
+    program = [sys.argv[0]] if os.path.isfile(sys.argv[0]) else ["-m", "ggtrain"]
+    child = subprocess.Popen([sys.executable, *program, *argv], pass_fds=fds,
                              env={**os.environ, SUPERVISOR_VAR: str(os.getpid())})
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
         signal.signal(sig, lambda signum, frame: child.send_signal(signum))
@@ -206,12 +212,14 @@ def supervise(argv: list) -> None:
             break
         except InterruptedError:   # pragma: no cover - wait is restarted by Python (PEP 475)
             continue
+    if code in (0, 130):
+        os._exit(code)
     if code < 0:
         name = signal.Signals(-code).name
         print(f"error: rank {rank} (pid {child.pid}) was killed by {name}; stopping every process",
               file=sys.stderr, flush=True)
-        os._exit(128 - code)
-    os._exit(code)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _timeout() -> float:

@@ -243,16 +243,21 @@ def _running(marker: str) -> list:
 
 
 def test_a_failing_rank_stops_every_rank_with_its_error(tmp_path, text, mpiexec):
-    """Rank 1 alone is given a file that does not exist (MPMD): one line names it and the rank."""
-    args = ["train", "--out", tmp_path / "m.gguf", "--steps", 1000, *TINY]
-    cmd = [mpiexec, "-n", "1", *GGTRAIN, "train", "--data", str(text), *map(str, args[1:]), ":",
-           "-n", "1", *GGTRAIN, "train", "--data", str(tmp_path / "nope.txt"), *map(str, args[1:])]
-    t0 = time.time()
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    assert r.returncode != 0
-    assert time.time() - t0 < 30
+    """Rank 1 alone is given a file that does not exist (MPMD): one line names it and the rank.
+    And a usage error, which ends rank 1 before MPI starts there, does not leave rank 0 waiting."""
+    def mpmd(rank1: list) -> subprocess.CompletedProcess:
+        rank0 = ["train", "--data", str(text), "--out", str(tmp_path / "m.gguf"), "--steps", "1000", *TINY]
+        t0 = time.time()
+        r = subprocess.run([mpiexec, "-n", "1", *GGTRAIN, *rank0, ":", "-n", "1", *GGTRAIN, *rank0, *rank1],
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode != 0 and time.time() - t0 < 30
+        return r
+
+    r = mpmd(["--data", str(tmp_path / "nope.txt")])     # the last --data counts
     assert re.search(r"^error: rank 1: --data .*nope\.txt: no such file$", r.stderr, re.M), r.stderr
     assert not (tmp_path / "m.gguf").exists()
+    r = mpmd(["--steps", "abc"])
+    assert "Invalid value for '--steps'" in r.stderr
 
 
 def test_a_killed_rank_ends_the_run_within_seconds(tmp_path, text, mpiexec):
