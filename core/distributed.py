@@ -18,6 +18,7 @@ this rank.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import os
@@ -33,7 +34,7 @@ from ggtrain.errors import ConfigError, UnsupportedOpError
 
 # (rank variable, size variable) of the launchers we know, first match wins
 LAUNCHER_VARS = (("PMI_RANK", "PMI_SIZE"), ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
-                 ("MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE"), ("PMIX_RANK", "PMIX_SIZE"))
+                 ("MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE"))
 DEFAULT_TIMEOUT_S = 300.0
 SUPERVISOR_VAR = "GGTRAIN_DP_SUPERVISOR"    # set in the child: its parent's pid
 _PR_SET_PDEATHSIG = 1                       # linux/prctl.h
@@ -135,20 +136,16 @@ class World:
 
     # ---- the hang guard ------------------------------------------------------------
 
+    @contextlib.contextmanager
     def _collective(self, what: str):
-        world = self
-
-        class _Busy:
-            def __enter__(self):
-                with world._lock:
-                    world._busy = (what, time.monotonic())
-
-            def __exit__(self, *exc):
-                with world._lock:
-                    world._busy = None
-                return False
-
-        return _Busy()
+        """Marks a collective under way for the watchdog."""
+        with self._lock:
+            self._busy = (what, time.monotonic())
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._busy = None
 
     def _watch(self) -> None:
         """Daemon thread: a collective under way for longer than timeout_s ends the run."""

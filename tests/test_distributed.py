@@ -80,7 +80,7 @@ def test_a_plain_run_is_one_process_and_never_imports_mpi4py(tmp_path, text):
     code = ("import sys; from ggtrain.cli.main import main\n"
             "try:\n    main(sys.argv[1:])\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
             "print('mpi4py' in sys.modules)")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "OMPI_", "MV2_", "PMIX_"))}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "OMPI_", "MV2_"))}
     r = subprocess.run([sys.executable, "-c", code, "train", "--data", str(text), "--out", str(tmp_path / "m.gguf"),
                         "--steps", "1", "--batch", "2", *TINY], capture_output=True, text=True, env=env)
     assert r.returncode == 0, r.stderr
@@ -89,7 +89,7 @@ def test_a_plain_run_is_one_process_and_never_imports_mpi4py(tmp_path, text):
 
 def test_launcher_environment(monkeypatch):
     for var in ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_RANK",
-                "MV2_COMM_WORLD_SIZE", "PMIX_RANK", "PMIX_SIZE"):
+                "MV2_COMM_WORLD_SIZE"):
         monkeypatch.delenv(var, raising=False)
     assert launched() == (0, 1)
     monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "3")
