@@ -258,7 +258,7 @@ def finetune(
         lora_cfg = None if full else LoraConfig(rank=lora_rank, alpha=lora_alpha, targets=_targets(lora_targets),
                                                 dropout=lora_dropout)
     if full:
-        if start is None:
+        if start is None and world.lead:
             typer.echo(f"--full: dequantizing the base's {len(weights)} tensors to f32 once", err=True)
         init, frozen = (weights if start is not None else _dequantized(weights, model)), None
         del weights

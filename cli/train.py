@@ -85,8 +85,9 @@ def train(
     start = None    # a model checkpoint: a new run from its weights, with this command's options
     if ckpt is not None and ckpt["kind"] == "model":
         start, ckpt = ckpt, None
-        typer.echo(f"--resume {resume}: a model checkpoint; training it with this command's options "
-                   f"(its architecture and tokenizer replace --dim, --layers, ..., --tokenizer)", err=True)
+        if world.lead:
+            typer.echo(f"--resume {resume}: a model checkpoint; training it with this command's options "
+                       f"(its architecture and tokenizer replace --dim, --layers, ..., --tokenizer)", err=True)
     source = ckpt or start
     tok = source["tokenizer"] if source else load_tokenizer(tokenizer, text)
     ids = tok.encode(text)
