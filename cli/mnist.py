@@ -10,9 +10,11 @@ import typer
 from tqdm import tqdm
 
 from ggtrain.cli.common import JsonLog, cpu_backend, stop_on_ctrl_c
+from ggtrain.cli.config import config_record
+from ggtrain.cli.loop import CONFIG, EARLY_STOP_PATIENCE, MIN_DELTA, MOMENTUM, OPTIMIZER, optimizer_settings
 from ggtrain.cli.main import app
 from ggtrain.core.models import mnist as model
-from ggtrain.core.train import ClassifierConfig, ClassifierRun
+from ggtrain.core.train import ClassifierConfig, ClassifierRun, split_train_val, stop_message
 from ggtrain.errors import ConfigError
 from ggtrain.formats.idx import load_mnist
 from ggtrain.formats.mnist import load_mnist_model, save_mnist_model
@@ -26,15 +28,21 @@ app.add_typer(mnist_app, name="mnist")
 
 @mnist_app.command("train")
 def train(
+    context: typer.Context,
     arch: str = typer.Option("fc", "--arch", help="Model: fc (784-500-10) or cnn (two 3x3 convs)."),
     data: pathlib.Path = typer.Option(None, "--data", help="Folder with the MNIST IDX files (.gz or raw); "
                                       "default: a bundled 5000-image subset."),
     out: pathlib.Path = typer.Option(..., "--out", help="Where to write the model (GGUF)."),
-    epochs: int = typer.Option(30, "--epochs", help="Passes over the training split."),
-    batch: int = typer.Option(1000, "--batch", help="Logical batch: samples per optimizer update."),
+    epochs: int = typer.Option(30, "--epochs", help="Passes over the training split (>= 1)."),
+    batch: int = typer.Option(1000, "--batch", help="Logical batch: samples per optimizer update (more than "
+                              "the training split: all of it, a full batch)."),
     physical_batch: int = typer.Option(500, "--physical-batch",
                                        help="Samples per native run; gradients accumulate over batch/physical."),
-    lr: float = typer.Option(1e-3, "--lr", help="AdamW learning rate."),
+    lr: float = typer.Option(None, "--lr", help="Learning rate (default 1e-3; lbfgs: first trial step, 1)."),
+    optimizer: str = OPTIMIZER,
+    momentum: float = MOMENTUM,
+    early_stop_patience: int = EARLY_STOP_PATIENCE,
+    min_delta: float = MIN_DELTA,
     val_split: float = typer.Option(0.05, "--val-split", help="Fraction of training data held out for validation."),
     seed: int = typer.Option(0, "--seed", help="Seed of initialisation, split and shuffling."),
     threads: int = typer.Option(None, "--threads", help="CPU threads (default: all available)."),
@@ -42,29 +50,46 @@ def train(
     log: pathlib.Path = typer.Option(None, "--log", help="Write per-step and per-epoch JSON lines here."),
     limit: int = typer.Option(0, "--limit", help="Use only the first N training images (0: all)."),
     quiet: bool = typer.Option(False, "--quiet", help="No progress bar."),
+    config: pathlib.Path = CONFIG,
 ):
     """Train an MNIST classifier with ggml's defaults and write it as GGUF."""
+    record = config_record(context)
     if arch not in model.ARCHS:
         raise ConfigError(f"--arch {arch!r}: expected one of {', '.join(model.ARCHS)}")
-    config = ClassifierConfig(epochs=epochs, batch=batch, physical_batch=physical_batch, lr=lr,
-                              val_split=val_split, seed=seed)
+    if epochs < 1:
+        raise ConfigError(f"--epochs must be >= 1, got {epochs}")
+    lr, _, _ = optimizer_settings(optimizer, lr, None, None, 1e-3, 0.0)
+    ClassifierConfig(epochs=epochs, batch=batch, physical_batch=physical_batch, lr=lr, val_split=val_split,
+                     seed=seed, optimizer=optimizer, momentum=momentum, early_stop_patience=early_stop_patience,
+                     min_delta=min_delta)     # bad values fail here, before the data is read
     if out.parent and not out.parent.is_dir():
         raise ConfigError(f"--out {out}: folder {out.parent} does not exist")
     images, labels = load_mnist(data or BUNDLED, "train")
     if limit:
         images, labels = images[:limit], labels[:limit]
+    n_train = len(split_train_val(len(labels), val_split, seed)[0])
+    if batch > n_train >= physical_batch:   # a full batch: every training image in each update
+        batch = n_train // physical_batch * physical_batch
+        typer.echo(f"--batch is more than the {n_train} training images: a full batch of {batch}"
+                   + (f" ({n_train - batch} left out: not a multiple of --physical-batch)" if n_train > batch else ""),
+                   err=True)
+    cfg = ClassifierConfig(epochs=epochs, batch=batch, physical_batch=physical_batch, lr=lr,
+                           val_split=val_split, seed=seed, optimizer=optimizer, momentum=momentum,
+                           early_stop_patience=early_stop_patience, min_delta=min_delta)
     be = cpu_backend(backend, threads)
     run = ClassifierRun(lambda p, x: model.forward(arch, p, x), model.init_params(arch, seed),
-                        (28, 28), config, be)
+                        (28, 28), cfg, be)
     mem = run.step.memory
     typer.echo(f"mnist-{arch}: {sum(v.size for v in model.init_params(arch, seed).values())} parameters, "
                f"{len(labels)} images, planned memory {mem.peak / 2**20:.1f} MiB "
                f"(arena {mem.arena / 2**20:.1f} MiB), {be.n_threads} threads", err=True)
     logf = JsonLog(log)
+    logf.write(record)
     bar = None
 
     def on_step(info):
-        logf.write({k: info[k] for k in ("step", "epoch", "loss", "lr", "grad_norm", "samples_per_s", "elapsed_s")})
+        logf.write({k: info[k] for k in ("step", "epoch", "loss", "lr", "grad_norm", "samples_per_s", "elapsed_s",
+                                         "evals", "step_size") if k in info})
         nonlocal bar
         if quiet:
             return
@@ -95,13 +120,16 @@ def train(
         if bar is not None:
             bar.close()
     save_mnist_model(out, arch, run.param_values(), model.PARAM_SHAPES[arch])
+    stopped = stop_message(run.stop_reason, run.early_stopping, len(history))
     done = {"event": "done", "epochs": len(history), "elapsed_s": time.perf_counter() - t0,
-            "interrupted": state["interrupted"], "out": str(out)}
-    if history:
-        done.update({k: history[-1].get(k) for k in ("val_loss", "val_accuracy", "train_loss", "train_accuracy")})
+            "interrupted": state["interrupted"], "stop_reason": run.stop_reason, "stopped": stopped,
+            "out": str(out)}
+    if history:   # of the model written: the best epoch's with early stopping
+        last = run.best or history[-1]
+        done.update({k: last.get(k) for k in ("epoch", "val_loss", "val_accuracy", "train_loss", "train_accuracy")})
     logf.write(done)
     logf.close()
-    typer.echo(f"wrote {out}" + (" (interrupted)" if state["interrupted"] else ""), err=True)
+    typer.echo(f"{stopped}; wrote {out}", err=True)
     if state["interrupted"]:
         raise typer.Exit(130)
 

@@ -250,6 +250,7 @@ class EarlyStopping:
 
     patience: int
     min_delta: float = 0.0
+    unit: str = "update"  # what the steps passed to update count (ClassifierRun: epochs)
     best: float = float("inf")
     best_step: int = 0
     bad: int = 0          # evaluations since the best
@@ -268,7 +269,7 @@ class EarlyStopping:
 
     def reason(self) -> str:
         return (f"validation loss did not improve by more than {self.min_delta:g} for {self.bad} "
-                f"evaluations (best {self.best:.4f} at update {self.best_step})")
+                f"evaluations (best {self.best:.4f} at {self.unit} {self.best_step})")
 
 
 # Why a run ended (the summary and the log's "done" line say it): ran its --steps/--epochs,
@@ -373,7 +374,7 @@ class ClassifierRun:
         p, k = cfg.physical_batch, cfg.batch // cfg.physical_batch
         n_updates = len(train_idx) // cfg.batch
         full = n_updates == 1 and cfg.batch == len(train_idx)
-        stopping = EarlyStopping(cfg.early_stop_patience, cfg.min_delta)
+        stopping = EarlyStopping(cfg.early_stop_patience, cfg.min_delta, unit="epoch")
         self.early_stopping, self.best, best = stopping, None, None
         history = []
         t0 = time.perf_counter()
@@ -696,14 +697,16 @@ class TextRun:
         return stop_message(self.stop_reason, self.early_stopping, self.updates)
 
 
-def stop_message(reason: str, stopping: EarlyStopping, updates: int) -> str:
-    """The summary's words for a STOP_REASONS entry."""
+def stop_message(reason: str, stopping: EarlyStopping, done: int) -> str:
+    """The summary's words for a STOP_REASONS entry; done: the updates (epochs for
+    ClassifierRun: stopping.unit) the run did."""
+    at = f"{stopping.unit} {done}"
     if reason == "early_stop":
-        return f"stopped early at update {updates}: {stopping.reason()}; kept the best model"
+        return f"stopped early at {at}: {stopping.reason()}; kept the best model"
     if reason == "converged":
-        return f"stopped at update {updates}: L-BFGS found no step that lowers the loss (converged)"
+        return f"stopped at {at}: L-BFGS found no step that lowers the loss (converged)"
     if reason == "interrupted":
-        return f"interrupted at update {updates}"
-    kept = (f"; kept the best model (update {stopping.best_step}, validation loss {stopping.best:.4f})"
+        return f"interrupted at {at}"
+    kept = (f"; kept the best model ({stopping.unit} {stopping.best_step}, validation loss {stopping.best:.4f})"
             if stopping.patience and stopping.best_step else "")
-    return f"ran all {updates} updates{kept}"
+    return f"ran all {done} {stopping.unit}s{kept}"
