@@ -1,6 +1,7 @@
 """`ggtrain mnist train|eval`: ggml's MNIST classifiers (layer 6)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 import sys
@@ -59,9 +60,9 @@ def train(
     if epochs < 1:
         raise ConfigError(f"--epochs must be >= 1, got {epochs}")
     lr, _, _ = optimizer_settings(optimizer, lr, None, None, 1e-3, 0.0)
-    ClassifierConfig(epochs=epochs, batch=batch, physical_batch=physical_batch, lr=lr, val_split=val_split,
-                     seed=seed, optimizer=optimizer, momentum=momentum, early_stop_patience=early_stop_patience,
-                     min_delta=min_delta)     # bad values fail here, before the data is read
+    cfg = ClassifierConfig(epochs=epochs, batch=batch, physical_batch=physical_batch, lr=lr, val_split=val_split,
+                           seed=seed, optimizer=optimizer, momentum=momentum,
+                           early_stop_patience=early_stop_patience, min_delta=min_delta)   # checked before reading
     if out.parent and not out.parent.is_dir():
         raise ConfigError(f"--out {out}: folder {out.parent} does not exist")
     images, labels = load_mnist(data or BUNDLED, "train")
@@ -73,9 +74,7 @@ def train(
         typer.echo(f"--batch is more than the {n_train} training images: a full batch of {batch}"
                    + (f" ({n_train - batch} left out: not a multiple of --physical-batch)" if n_train > batch else ""),
                    err=True)
-    cfg = ClassifierConfig(epochs=epochs, batch=batch, physical_batch=physical_batch, lr=lr,
-                           val_split=val_split, seed=seed, optimizer=optimizer, momentum=momentum,
-                           early_stop_patience=early_stop_patience, min_delta=min_delta)
+        cfg = dataclasses.replace(cfg, batch=batch)
     be = cpu_backend(backend, threads)
     run = ClassifierRun(lambda p, x: model.forward(arch, p, x), model.init_params(arch, seed),
                         (28, 28), cfg, be)
