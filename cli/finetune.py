@@ -18,8 +18,10 @@ import numpy as np
 import typer
 
 from ggtrain.cli.common import JsonLog, cpu_backend, start_world
-from ggtrain.cli.loop import (BACKEND, CHECKPOINT_DIR, CHECKPOINTING, EVAL_EVERY, GRAD_CLIP, LOG, QUIET,
-                              SAVE_EVERY, THREADS, check_checkpoint_options, check_out, drive)
+from ggtrain.cli.config import config_record
+from ggtrain.cli.loop import (BACKEND, CHECKPOINT_DIR, CHECKPOINTING, CONFIG, EARLY_STOP_PATIENCE, EVAL_EVERY,
+                              GRAD_CLIP, LOG, MIN_DELTA, MOMENTUM, OPTIMIZER, QUIET, SAVE_EVERY, THREADS,
+                              check_checkpoint_options, check_out, drive, optimizer_settings)
 from ggtrain.cli.main import app
 from ggtrain.core.backend import StoredTensor
 from ggtrain.core.data import PackedBatches, TokenWindows, eval_windows, pack, split_samples, split_tokens
@@ -106,6 +108,7 @@ def _warmup_updates(warmup: float, steps: int) -> int:
 
 @app.command("finetune")
 def finetune(
+    context: typer.Context,
     model: pathlib.Path = typer.Option(None, "--model",
                                        help="The base llama GGUF model (F32 ... Q4_0, K-quants); not needed with "
                                             "--full --resume of a model checkpoint (convert-checkpoint --to checkpoint)."),
@@ -144,23 +147,30 @@ def finetune(
     lr: float = typer.Option(None, "--lr", help=f"Peak learning rate (default {LR_LORA:g}; {LR_FULL:g} with --full)."),
     lr_min: float = typer.Option(None, "--lr-min", help="Floor of the cosine schedule (default --lr / 10)."),
     warmup: float = typer.Option(0.05, "--warmup", help="Linear warmup: a fraction of the run (< 1) or updates."),
-    weight_decay: float = typer.Option(0.01, "--weight-decay", help="AdamW decay (matrices only)."),
+    weight_decay: float = typer.Option(None, "--weight-decay", help="Decay of matrices (default 0.01; "
+                                       "AdamW decoupled, SGD L2; lbfgs: none)."),
+    optimizer: str = OPTIMIZER,
+    momentum: float = MOMENTUM,
     grad_clip: float = GRAD_CLIP,
     checkpointing: bool = CHECKPOINTING,
     checkpoint_dir: pathlib.Path = CHECKPOINT_DIR,
     save_every: int = SAVE_EVERY,
     resume: pathlib.Path = typer.Option(None, "--resume", help="Continue from a checkpoint (same --model and --data)."),
     eval_every: int = EVAL_EVERY,
+    early_stop_patience: int = EARLY_STOP_PATIENCE,
+    min_delta: float = MIN_DELTA,
     val_split: float = typer.Option(0.0, "--val-split", help="Fraction of the samples (text: of its end) held out."),
     seed: int = typer.Option(0, "--seed", help="Seed of the adapters' initialisation and the data order."),
     threads: int = THREADS,
     backend: str = BACKEND,
     log: pathlib.Path = LOG,
     quiet: bool = QUIET,
+    config: pathlib.Path = CONFIG,
 ):
     """Fine-tune a llama GGUF model: LoRA adapters on the frozen base (or every weight with --full)."""
     t_start = time.perf_counter()
     world = start_world()
+    record = config_record(context)
     be = cpu_backend(backend, threads)
     if world.lead:   # the one process that writes
         check_checkpoint_options(save_every, checkpoint_dir)
@@ -196,12 +206,12 @@ def finetune(
 
     if start is not None:   # the checkpoint is the base (f32)
         model = resume
-        config, weights, tok = start["model_config"], start["state"]["params"], start["tokenizer"]
+        arch, weights, tok = start["model_config"], start["state"]["params"], start["tokenizer"]
     else:
-        config, weights, tok = open_llama(model, be)
+        arch, weights, tok = open_llama(model, be)
     base_file = read_gguf(model)
     carried = carried_kv(base_file)
-    model_cfg = LlamaConfig(**config)
+    model_cfg = LlamaConfig(**arch)
     ctx = ctx or min(512, model_cfg.ctx)
     if not 2 <= ctx <= model_cfg.ctx:
         raise ConfigError(f"--ctx {ctx} must be in 2..{model_cfg.ctx} (the model's context)")
@@ -249,12 +259,14 @@ def finetune(
         lora_cfg = None if full else LoraConfig(**ckpt["run_config"]["lora"])
     else:
         n_steps = steps if steps is not None else max(1, math.ceil((epochs or 1.0) * per_epoch / grad_acc))
-        peak = lr if lr is not None else (LR_FULL if full else LR_LORA)
+        peak, weight_decay, grad_clip = optimizer_settings(optimizer, lr, weight_decay, grad_clip,
+                                                          LR_FULL if full else LR_LORA, 0.01)
         train_cfg = TextConfig(steps=n_steps, batch=batch, grad_acc=grad_acc, lr=peak,
                                lr_min=lr_min if lr_min is not None else peak / 10,
                                warmup=_warmup_updates(warmup, n_steps), weight_decay=weight_decay,
                                grad_clip=grad_clip, checkpointing=checkpointing, eval_every=eval_every, seed=seed,
-                               world=world.size)
+                               world=world.size, optimizer=optimizer, momentum=momentum,
+                               early_stop_patience=early_stop_patience, min_delta=min_delta)
         lora_cfg = None if full else LoraConfig(rank=lora_rank, alpha=lora_alpha, targets=_targets(lora_targets),
                                                 dropout=lora_dropout)
     if full:
@@ -294,7 +306,7 @@ def finetune(
     run_json = {"ctx": ctx, "packing": packing, "drop_long": drop_long, "train_on_inputs": train_on_inputs,
                 "val_split": val_split, "base_fingerprint": base_fp, "base": str(model),
                 "base_type": _base_type(weights if not full else base_file),
-                "lora": None if full else dataclasses.asdict(lora_cfg)}
+                "lora": None if full else dataclasses.asdict(lora_cfg), "options": record["options"]}
     kind_name = "finetune-full" if full else "finetune-lora"
 
     def checkpoint(path: pathlib.Path) -> None:
@@ -302,6 +314,7 @@ def finetune(
                         kind=kind_name, run_config=run_json, extra_kv=carried)
 
     logf = JsonLog(log if world.lead else None)
+    logf.write(record)
     logf.write({"event": "start", "load_s": time.perf_counter() - t_start, "flop_per_token": run.flop_per_token,
                 "updates": train_cfg.steps, "kind": kind_name})
     result = drive(run, Shard(batches, world), val_batches, log=logf, quiet=quiet, save_every=save_every,
@@ -323,4 +336,4 @@ def finetune(
             wrote += f" and the merged model {merged_out}"
     logf.write({"event": "done", **result, "out": str(out)})
     logf.close()
-    typer.echo(f"done: {run.updates} updates, validation loss {result['val_loss']:.4f}; {wrote}", err=True)
+    typer.echo(f"done: {result['stopped']}; validation loss {result['val_loss']:.4f}; {wrote}", err=True)

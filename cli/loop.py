@@ -1,4 +1,5 @@
-"""What `train` and `finetune` share around a TextRun (layer 6): the progress bar, the JSONL
+"""What the training commands share (layer 6): their common options (declared once), the
+optimizer's defaults, and around a TextRun (`train`, `finetune`) the progress bar, the JSONL
 log, periodic and final checkpoints, Ctrl-C (one checkpoint, exit 130), the summary line.
 In a data-parallel run only rank 0 shows progress and writes files."""
 from __future__ import annotations
@@ -12,13 +13,17 @@ import typer
 from tqdm import tqdm
 
 from ggtrain.cli.common import JsonLog, stop_on_ctrl_c
+from ggtrain.cli.config import load_config
+from ggtrain.core.optim import OPTIMIZERS
 from ggtrain.errors import ConfigError
 
 STEP_FIELDS = ("step", "epoch", "loss", "lr", "grad_norm", "tokens_per_s", "elapsed_s")
+SEARCH_FIELDS = ("evals", "step_size")   # L-BFGS: forward+backward runs and accepted step of an update
 
 # The options `train` and `finetune` share, declared once (the ones whose defaults differ,
 # --lr, --warmup, ..., are declared by each command).
-GRAD_CLIP = typer.Option(1.0, "--grad-clip", help="Global gradient-norm clip (0: off).")
+GRAD_CLIP = typer.Option(None, "--grad-clip", help="Global gradient-norm clip (0: off; default 1, "
+                         "0 with lbfgs).")
 CHECKPOINTING = typer.Option(True, "--checkpointing/--no-checkpointing",
                              help="Recompute each block in backward to save memory.")
 CHECKPOINT_DIR = typer.Option(None, "--checkpoint-dir", help="Folder for resumable checkpoints.")
@@ -28,6 +33,33 @@ THREADS = typer.Option(None, "--threads", help="CPU threads (default: all availa
 BACKEND = typer.Option("cpu", "--backend", help="cpu (cuda in builds that have it).")
 LOG = typer.Option(None, "--log", help="JSON lines: steps, evaluations, and a final summary.")
 QUIET = typer.Option(False, "--quiet", help="No progress bar.")
+# also `mnist train`'s
+OPTIMIZER = typer.Option("adamw", "--optimizer",
+                         help=f"{'|'.join(OPTIMIZERS)}. lbfgs: each update is a line search of several "
+                              "forward+backward runs on the same batch (suits full or large batches); "
+                              "--lr is its first trial step (default 1), no schedule, decay or clipping.")
+MOMENTUM = typer.Option(0.0, "--momentum", help="SGD momentum.")
+EARLY_STOP_PATIENCE = typer.Option(0, "--early-stop-patience",
+                                   help="Stop when the validation loss has not improved for N evaluations "
+                                        "and keep the best model (0: off).")
+MIN_DELTA = typer.Option(0.0, "--min-delta", help="What counts as an improvement for --early-stop-patience.")
+CONFIG = typer.Option(None, "--config", is_eager=True, callback=load_config,
+                      help="Options from a TOML file (keys: the long options, e.g. lr = 3e-4, kv-heads = 2) "
+                           "or from a run's --log; options on the command line override it.")
+
+LR_LBFGS = 1.0   # the quasi-Newton step: L-BFGS's first trial step
+
+
+def optimizer_settings(optimizer: str, lr: float | None, weight_decay: float | None,
+                       grad_clip: float | None, lr_default: float, weight_decay_default: float) -> tuple:
+    """(lr, weight decay, clip) for --optimizer: the command's defaults for adamw and sgd;
+    for lbfgs lr 1 and neither decay nor clipping (given ones are refused by make_optimizer)."""
+    if optimizer not in OPTIMIZERS:
+        raise ConfigError(f"--optimizer {optimizer!r}: expected one of {', '.join(OPTIMIZERS)}")
+    if optimizer == "lbfgs":
+        return (LR_LBFGS if lr is None else lr, weight_decay or 0.0, grad_clip or 0.0)
+    return (lr_default if lr is None else lr, weight_decay_default if weight_decay is None else weight_decay,
+            1.0 if grad_clip is None else grad_clip)
 
 
 def check_checkpoint_options(save_every: int, checkpoint_dir: pathlib.Path | None) -> None:
@@ -57,7 +89,8 @@ def drive(run, batches, val_batches: list, *, log: JsonLog, quiet: bool, save_ev
     checkpoint(path) writes a resumable checkpoint of the run; only rank 0 calls it (and
     only its log has a file). On Ctrl-C one is written (into --checkpoint-dir, else beside
     --out) and the command exits with status 130 (every process, after the same update).
-    Returns {"step", "val_loss", "tokens_seen", "elapsed_s"} after the final evaluation.
+    Returns {"step", "val_loss", "tokens_seen", "elapsed_s", "stop_reason", "stopped"} after
+    the final evaluation (of the best model with early stopping); "stopped" says why in words.
     """
     write = log.write
     total = run.config.steps
@@ -67,7 +100,7 @@ def drive(run, batches, val_batches: list, *, log: JsonLog, quiet: bool, save_ev
     bar = None if quiet or not lead else tqdm(total=total, initial=run.updates, unit="step", file=sys.stderr)
 
     def on_step(info):
-        write({k: info[k] for k in STEP_FIELDS})
+        write({k: info[k] for k in STEP_FIELDS + SEARCH_FIELDS if k in info})
         if bar is not None:
             bar.set_postfix(loss=f"{info['loss']:.4f}", lr=f"{info['lr']:.2e}", tok_s=f"{info['tokens_per_s']:.0f}")
             bar.update(1)
@@ -100,4 +133,4 @@ def drive(run, batches, val_batches: list, *, log: JsonLog, quiet: bool, save_ev
     if checkpoint_dir is not None:
         checkpoint(checkpoint_dir / f"ckpt-{run.updates:06d}.gguf")
     return {"step": run.updates, "val_loss": val_loss, "tokens_seen": run.tokens_seen,
-            "elapsed_s": time.perf_counter() - t0}
+            "elapsed_s": time.perf_counter() - t0, "stop_reason": run.stop_reason, "stopped": run.why_stopped()}

@@ -9,8 +9,10 @@ import numpy as np
 import typer
 
 from ggtrain.cli.common import JsonLog, cpu_backend, start_world
-from ggtrain.cli.loop import (BACKEND, CHECKPOINT_DIR, CHECKPOINTING, EVAL_EVERY, GRAD_CLIP, LOG, QUIET,
-                              SAVE_EVERY, THREADS, check_checkpoint_options, check_out, drive)
+from ggtrain.cli.config import config_record
+from ggtrain.cli.loop import (BACKEND, CHECKPOINT_DIR, CHECKPOINTING, CONFIG, EARLY_STOP_PATIENCE, EVAL_EVERY,
+                              GRAD_CLIP, LOG, MIN_DELTA, MOMENTUM, OPTIMIZER, QUIET, SAVE_EVERY, THREADS,
+                              check_checkpoint_options, check_out, drive, optimizer_settings)
 from ggtrain.cli.main import app
 from ggtrain.core.data import TokenWindows, eval_windows, split_tokens
 from ggtrain.core.distributed import Shard
@@ -41,39 +43,52 @@ def _fingerprint(ids: np.ndarray) -> str:
 
 @app.command("train")
 def train(
+    context: typer.Context,
     data: pathlib.Path = typer.Option(None, "--data", help="UTF-8 text to train on (default: bundled tiny shakespeare)."),
     out: pathlib.Path = typer.Option(..., "--out", help="Where to write the trained model (GGUF llama.cpp loads)."),
     tokenizer: str = typer.Option("byte", "--tokenizer", help="byte, bpe:N (trained on --data) or VOCAB.gguf."),
     dim: int = typer.Option(256, "--dim", help="Embedding width."),
     layers: int = typer.Option(4, "--layers", help="Transformer blocks."),
     heads: int = typer.Option(8, "--heads", help="Attention heads."),
-    kv_heads: int = typer.Option(8, "--kv-heads", help="Key/value heads (fewer than --heads: grouped-query attention)."),
+    kv_heads: int = typer.Option(None, "--kv-heads", help="Key/value heads (default --heads; fewer: "
+                                 "grouped-query attention)."),
     ff: int = typer.Option(768, "--ff", help="Feed-forward width."),
     ctx: int = typer.Option(128, "--ctx", help="Context length (tokens per window)."),
     batch: int = typer.Option(8, "--batch", help="Windows per physical batch (of each process under mpiexec)."),
     grad_acc: int = typer.Option(1, "--grad-acc", help="Physical batches per optimizer update."),
     steps: int = typer.Option(None, "--steps", help="Optimizer updates (default 1000)."),
     epochs: float = typer.Option(None, "--epochs", help="Instead of --steps: passes over the training tokens."),
-    lr: float = typer.Option(1e-3, "--lr", help="Peak learning rate."),
+    lr: float = typer.Option(None, "--lr", help="Peak learning rate (default 1e-3; lbfgs: first trial step, 1)."),
     lr_min: float = typer.Option(1e-4, "--lr-min", help="Floor of the cosine schedule."),
     warmup: int = typer.Option(100, "--warmup", help="Linear warmup updates."),
-    weight_decay: float = typer.Option(0.1, "--weight-decay", help="AdamW decay (matrices only)."),
+    weight_decay: float = typer.Option(None, "--weight-decay", help="Decay of matrices (default 0.1; "
+                                       "AdamW decoupled, SGD L2; lbfgs: none)."),
+    optimizer: str = OPTIMIZER,
+    momentum: float = MOMENTUM,
     grad_clip: float = GRAD_CLIP,
     checkpointing: bool = CHECKPOINTING,
     checkpoint_dir: pathlib.Path = CHECKPOINT_DIR,
     save_every: int = SAVE_EVERY,
     resume: pathlib.Path = typer.Option(None, "--resume", help="Continue from a checkpoint (same --data)."),
     eval_every: int = EVAL_EVERY,
+    early_stop_patience: int = EARLY_STOP_PATIENCE,
+    min_delta: float = MIN_DELTA,
     val_split: float = typer.Option(0.05, "--val-split", help="Fraction of the text (its end) held out."),
     seed: int = typer.Option(0, "--seed", help="Seed of initialisation and window sampling."),
     threads: int = THREADS,
     backend: str = BACKEND,
     log: pathlib.Path = LOG,
     quiet: bool = QUIET,
+    config: pathlib.Path = CONFIG,
 ):
     """Train a llama-architecture model from scratch on a text file."""
     world = start_world()
+    record = config_record(context)
     be = cpu_backend(backend, threads)
+    if steps is not None and steps < 1:
+        raise ConfigError(f"--steps must be >= 1, got {steps}")
+    if epochs is not None and not epochs > 0:
+        raise ConfigError(f"--epochs must be > 0, got {epochs:g}")
     if world.lead:   # the one process that writes
         check_checkpoint_options(save_every, checkpoint_dir)
         check_out(out)
@@ -104,8 +119,8 @@ def train(
         model_cfg = LlamaConfig(**start["model_config"])
         train_cfg = None
     else:
-        model_cfg = LlamaConfig(vocab=tok.n_vocab, dim=dim, layers=layers, heads=heads, kv_heads=kv_heads,
-                                ff=ff, ctx=ctx)
+        model_cfg = LlamaConfig(vocab=tok.n_vocab, dim=dim, layers=layers, heads=heads,
+                                kv_heads=heads if kv_heads is None else kv_heads, ff=ff, ctx=ctx)
         train_cfg = None
     train_ids, val_ids = split_tokens(ids, val_split, model_cfg.ctx)
     if ckpt is None:
@@ -114,9 +129,12 @@ def train(
             raise ConfigError("give --steps or --epochs, not both")
         n_steps = steps if steps is not None else (
             max(1, round(epochs * windows_probe.windows_per_epoch / grad_acc)) if epochs is not None else 1000)
-        train_cfg = TextConfig(steps=n_steps, batch=batch, grad_acc=grad_acc, lr=lr, lr_min=lr_min, warmup=warmup,
-                               weight_decay=weight_decay, grad_clip=grad_clip, checkpointing=checkpointing,
-                               eval_every=eval_every, seed=seed, world=world.size)
+        lr, weight_decay, grad_clip = optimizer_settings(optimizer, lr, weight_decay, grad_clip, 1e-3, 0.1)
+        train_cfg = TextConfig(steps=n_steps, batch=batch, grad_acc=grad_acc, lr=lr, lr_min=lr_min,
+                               warmup=warmup, weight_decay=weight_decay, grad_clip=grad_clip,
+                               checkpointing=checkpointing, eval_every=eval_every, seed=seed, world=world.size,
+                               optimizer=optimizer, momentum=momentum, early_stop_patience=early_stop_patience,
+                               min_delta=min_delta)
     init = source["state"]["params"] if source else init_params(model_cfg, train_cfg.seed)
     run = TextRun(model_cfg, init, train_cfg, be, world=world)
     # every process draws the global batches and trains on its rows of them
@@ -141,13 +159,14 @@ def train(
 
     def checkpoint(path: pathlib.Path) -> None:
         save_checkpoint(path, model_json, train_json, run.state(), tok, windows.state(), fingerprint,
-                        extra_kv=carried)
+                        run_config={"options": record["options"]}, extra_kv=carried)
 
     logf = JsonLog(log if world.lead else None)
+    logf.write(record)
     summary = drive(run, Shard(windows, world), val_batches, log=logf, quiet=quiet, save_every=save_every,
                     checkpoint_dir=checkpoint_dir, out=out, checkpoint=checkpoint)
     if world.lead:
         save_llama(out, model_json, run.param_values(), tok, extra_kv=carried)
         logf.write({"event": "done", **summary, "out": str(out)})
         logf.close()
-        typer.echo(f"done: {run.updates} updates, validation loss {summary['val_loss']:.4f}, wrote {out}", err=True)
+        typer.echo(f"done: {summary['stopped']}; validation loss {summary['val_loss']:.4f}, wrote {out}", err=True)

@@ -20,7 +20,7 @@ from ggtrain.core import ops
 from ggtrain.core.autograd import backward
 from ggtrain.core.distributed import World
 from ggtrain.core.graph import Graph, Runtime, assign
-from ggtrain.core.optim import AdamW, CosineLR
+from ggtrain.core.optim import LBFGS, ConstantLR, CosineLR, LBFGSSearch, make_optimizer
 from ggtrain.core.ops import HYPER_COUNT
 from ggtrain.core.tensor import Tensor
 from ggtrain.errors import ConfigError, NumericError, ShapeError
@@ -32,6 +32,17 @@ class TrainStep:
     grad_acc: physical batches per optimizer update; their gradients add up in
     persistent buffers and each physical loss is scaled by 1/grad_acc, so an update
     equals one over a batch grad_acc times larger (to float rounding).
+
+    Plans: the gradient plans (`_micro`, forward + backward of one physical batch into the
+    flat gradient buffer, accumulating when grad_acc > 1) and the update (`_update`: the
+    optimizer's step nodes). AdamW and SGD without accumulation fuse both into one plan.
+    L-BFGS (optim.LBFGS) runs the gradient plans once per line-search evaluation and its
+    own plans in between (optim.LBFGSSearch); `_gradients` is the one place an update's
+    gradient is computed. With several processes it ends with the gradient all-reduce
+    (`_reduce`), so every plan that reads the gradient reads the sum: AdamW and SGD then
+    never fuse (one all-reduce and, after the update, one sum of losses and stop votes per
+    update); each L-BFGS evaluation also sums the loss, so every process's line search
+    takes the same decisions (plus one sum of stop votes per update).
     """
 
     def __init__(self, loss: Tensor, params: list, optimizer, backend, grad_acc: int = 1,
@@ -72,35 +83,46 @@ class TrainStep:
         bufs = [self.grad_bufs[p.id] for p in self.params]
         self.hyper = graph.input((HYPER_COUNT,), name="hyper")
         outs = [loss] + list(extra_outputs)
-        if n_batches == 1:   # one plan: forward, backward and update fused
+        if grad_acc == 1:   # the gradients are written, not added
             written = [assign(grads[p], self.grad_bufs[p.id]) for p in self.params]
-            # created after every gradient is written, so it reads the finished buffer
-            self.grad_norm = ops.sqrt(ops.sum(ops.sqr(self.grad_flat)))
-            steps, self.state = optimizer.build(graph, self.params, bufs, self.hyper, self.grad_norm)
-            self._micro = None
-            self._update = self.runtime.compile(outs + written + steps + [self.grad_norm], self.n_threads)
-        else:   # split between backward and update: accumulation, the all-reduce (_reduce)
-            if grad_acc == 1:    # the micro plan writes the gradients
-                acc = [assign(grads[p], self.grad_bufs[p.id]) for p in self.params]
-            else:                # it adds into them (the update plan zeroes them)
-                acc = []
-                for p in self.params:
-                    buf = self.grad_bufs[p.id]
-                    a = ops.add(buf, grads[p])
-                    a.out = buf
-                    acc.append(a)
-            self._micro = self.runtime.compile(outs + acc, self.n_threads)
-            self.grad_norm = ops.sqrt(ops.sum(ops.sqr(self.grad_flat)))
-            steps, self.state = optimizer.build(graph, self.params, bufs, self.hyper, self.grad_norm)
-            zero = []
+        else:
+            written = []
+            for p in self.params:
+                buf = self.grad_bufs[p.id]
+                a = ops.add(buf, grads[p])
+                a.out = buf
+                written.append(a)
+        # created after every gradient is written, so it reads the finished buffer
+        self.grad_norm = ops.sqrt(ops.sum(ops.sqr(self.grad_flat)))
+        self._micro = self._zero = self._search = None
+        if isinstance(optimizer, LBFGS):
+            self._micro = self.runtime.compile(outs + written, self.n_threads)
             if grad_acc > 1:
-                zero = [ops.fill(graph, self.grad_flat.shape, 0.0)]
-                zero[0].out = self.grad_flat
-            # the steps read the norm and gradients before the fill: creation order
-            self._update = self.runtime.compile(steps + zero + [self.grad_norm], self.n_threads)
+                self._zero = self.runtime.compile([self._zero_grads()], self.n_threads)
+            self._search = LBFGSSearch(optimizer, graph, self.params, self.grad_flat, self.grad_norm)
+            self._search.compile(self.runtime, self.n_threads)
+            self.state = self._search.buffers
+            self._update = None
+        else:
+            steps, self.state = optimizer.build(graph, self.params, bufs, self.hyper, self.grad_norm)
+            if n_batches == 1:   # one plan: forward, backward and update fused
+                self._update = self.runtime.compile(outs + written + steps + [self.grad_norm], self.n_threads)
+            else:   # split between backward and update: accumulation, the all-reduce (_reduce)
+                self._micro = self.runtime.compile(outs + written, self.n_threads)
+                # the steps read the norm and gradients before the fill (when the micro plan
+                # accumulates, the update zeroes the buffer): creation order
+                zero = [self._zero_grads()] if grad_acc > 1 else []
+                self._update = self.runtime.compile(steps + zero + [self.grad_norm], self.n_threads)
         self.extra_outputs = list(extra_outputs)
         self.last_outputs = []   # per physical batch: [value of each extra output]
         self.last_grad_norm = float("nan")
+        self.last_search = {}    # L-BFGS: "evals", "step_size", "converged" of the last update
+
+    def _zero_grads(self) -> Tensor:
+        """A node filling the flat gradient buffer with zeros (runs after the nodes made before it)."""
+        zero = ops.fill(self.graph, self.grad_flat.shape, 0.0)
+        zero.out = self.grad_flat
+        return zero
 
     @property
     def memory(self):
@@ -108,53 +130,113 @@ class TrainStep:
         compiled on it since, e.g. evaluation), persistent buffers and every plan's work."""
         return self.runtime.memory
 
+    @property
+    def matmul_flops(self) -> int:
+        """Matrix-product FLOPs of one update (of one evaluation for L-BFGS, whose updates
+        take several)."""
+        flops = self._update.matmul_flops if self._update is not None else 0
+        return flops + (self._micro.matmul_flops * self.grad_acc if self._micro is not None else 0)
+
     def _set_inputs(self, batch: dict) -> None:
         for t, value in batch.items():
             if not isinstance(t, Tensor) or t.kind != "input":
                 raise ShapeError(f"step: {t!r} is not an input tensor of the graph")
             self.runtime.set(t, value)
 
-    def step(self, batches: list, lr: float, stop=None) -> float:
+    def _gradients(self, batches: list) -> tuple:
+        """Forward + backward of each physical batch into the flat gradient buffer (zeroed
+        first when it accumulates and the update plan does not zero it), then, with several
+        processes, the all-reduce that sums theirs (`_reduce`). Returns ([loss of each of
+        this process's physical batches], [[value of each extra output] per physical batch])."""
+        if self._zero is not None:
+            self.runtime.run(self._zero, self.n_threads)
+        losses, outputs = [], []
+        for batch in batches:
+            self._set_inputs(batch)
+            self.runtime.run(self._micro, self.n_threads)
+            losses.append(float(self._micro.read(self.loss)))
+            outputs.append([self._micro.read(t) for t in self.extra_outputs])
+        self._reduce()
+        return losses, outputs
+
+    def _evaluation(self, batches: list) -> tuple:
+        """One L-BFGS evaluation at the current parameters: `_gradients`, and the loss summed
+        over the processes too, so that every process's line search sees the same numbers
+        (the summed gradient and loss) and takes the same decisions. Returns (mean loss of
+        the update's batch over every process, outputs as _gradients)."""
+        losses, outputs = self._gradients(batches)
+        if self.world.size == 1:
+            return float(np.mean(losses)), outputs
+        return float(self.world.sum([sum(losses)])[0] / (len(losses) * self.world.size)), outputs
+
+    def step(self, batches: list, lr: float, stop=None, same_batch: bool = False) -> float:
         """One optimizer update over grad_acc physical batches ({input tensor: array} each).
 
-        Returns the mean loss over the physical batches (of every process). stop: asked
-        after the update, whether this process wants to stop (e.g. Ctrl-C came); `self.stop`
-        then says whether any process did, so that all stop after the same update.
+        Returns the mean loss over the physical batches (of every process; before the
+        update). stop: asked after the update, whether this process wants to stop (e.g.
+        Ctrl-C came); `self.stop` then says whether any process did, so that all stop after
+        the same update. same_batch: the batches are the previous update's (full-batch
+        training); L-BFGS then starts from the evaluation it ended that update with.
         """
         if len(batches) != self.grad_acc:
             raise ConfigError(f"step: expected {self.grad_acc} physical batches, got {len(batches)}")
         self.updates += 1
+        wants = (lambda: bool(stop())) if stop is not None else (lambda: False)
+        if self._search is not None:
+            res = self._search.step(lambda: self._evaluation(batches), lr, reuse=same_batch)
+            self.last_outputs = res.pop("payload")
+            self.last_grad_norm = res.pop("grad_norm")
+            self.last_search = res
+            # the loss is every process's already; the vote is the one more sum
+            self.stop = wants() if self.world.size == 1 else self.world.sum([float(wants())])[0] > 0
+            return res["loss"]
         self.runtime.set(self.hyper, self.optimizer.hyper(self.updates, lr))
-        losses = []
-        self.last_outputs = []
         if self._micro is None:
             self._set_inputs(batches[0])
             self.runtime.run(self._update, self.n_threads)
-            losses.append(float(self._update.read(self.loss)))
-            self.last_outputs.append([self._update.read(t) for t in self.extra_outputs])
-            self.last_grad_norm = float(self._update.read(self.grad_norm))
+            losses = [float(self._update.read(self.loss))]
+            self.last_outputs = [[self._update.read(t) for t in self.extra_outputs]]
         else:
-            for batch in batches:
-                self._set_inputs(batch)
-                self.runtime.run(self._micro, self.n_threads)
-                losses.append(float(self._micro.read(self.loss)))
-                self.last_outputs.append([self._micro.read(t) for t in self.extra_outputs])
-            self._reduce()
+            losses, self.last_outputs = self._gradients(batches)
             self.runtime.run(self._update, self.n_threads)
-            self.last_grad_norm = float(self._update.read(self.grad_norm))
-        wants = bool(stop()) if stop is not None else False
+        self.last_grad_norm = float(self._update.read(self.grad_norm))
         if self.world.size == 1:
-            self.stop = wants
+            self.stop = wants()
             return float(np.mean(losses))
-        total, votes = self.world.sum([sum(losses), float(wants)])
+        # one sum after the update: the losses and the stop vote
+        total, votes = self.world.sum([sum(losses), float(wants())])
         self.stop = votes > 0
         return float(total / (len(losses) * self.world.size))
 
     def _reduce(self) -> None:
-        """Between backward and update: sum the processes' gradients (their shares of the
-        update's mean) in the flat buffer, in place."""
+        """Between backward and update (each L-BFGS evaluation): sum the processes'
+        gradients (their shares of the update's mean) in the flat buffer, in place."""
         if self.world.size > 1:
             self.world.allreduce(self.backend, self.runtime.buffer(self.grad_flat), self.grad_flat.size)
+
+    @property
+    def converged(self) -> bool:
+        """L-BFGS found no step that lowers the loss in its last update (every process
+        alike: their searches see the same numbers)."""
+        return bool(self.last_search.get("converged"))
+
+    def optimizer_state(self) -> dict:
+        """{name: f32 array} of everything the optimizer carries between updates."""
+        state = {name: self.get(t) for name, t in self.state.items()}
+        if self._search is not None:
+            state.update(self._search.host_state())
+        return state
+
+    def load_optimizer_state(self, state: dict) -> None:
+        """Restore optimizer_state(); ConfigError naming a missing entry."""
+        want = list(self.state) + (list(self._search.host_state()) if self._search is not None else [])
+        for name in want:
+            if name not in state:
+                raise ConfigError(f"checkpoint has no optimizer state {name}")
+        if self._search is not None:   # first: it checks the history length
+            self._search.load_host_state(state)
+        for name, t in self.state.items():
+            self.set(t, state[name])
 
     def get(self, t: Tensor) -> np.ndarray:
         """Current value of a parameter or state tensor."""
@@ -181,10 +263,15 @@ class ClassifierConfig:
     weight_decay: float = 0.0
     val_split: float = 0.05
     seed: int = 0
+    optimizer: str = "adamw"    # one of optim.OPTIMIZERS
+    momentum: float = 0.0       # SGD
+    early_stop_patience: int = 0
+    min_delta: float = 0.0
 
     def __post_init__(self):
         if self.epochs < 0:
             raise ConfigError(f"--epochs must be >= 0, got {self.epochs}")
+        check_early_stop(self.early_stop_patience, self.min_delta)
         if self.physical_batch < 1 or self.batch < 1 or self.batch % self.physical_batch:
             raise ConfigError(f"--batch ({self.batch}) must be a positive multiple of "
                               f"--physical-batch ({self.physical_batch})")
@@ -192,6 +279,48 @@ class ClassifierConfig:
             raise ConfigError(f"--val-split must be in [0, 1), got {self.val_split}")
         if self.lr <= 0:
             raise ConfigError(f"--lr must be > 0, got {self.lr}")
+
+
+def check_early_stop(patience: int, min_delta: float) -> None:
+    if patience < 0 or min_delta < 0:
+        raise ConfigError(f"--early-stop-patience and --min-delta must be >= 0, got {patience}, {min_delta}")
+    if min_delta and not patience:
+        raise ConfigError("--min-delta needs --early-stop-patience")
+
+
+@dataclass
+class EarlyStopping:
+    """Stopping on convergence of the validation loss: `update` after each evaluation;
+    the run should stop once `patience` evaluations in a row have not improved on the best
+    by more than min_delta."""
+
+    patience: int
+    min_delta: float = 0.0
+    unit: str = "update"  # what the steps passed to update count (ClassifierRun: epochs)
+    best: float = float("inf")
+    best_step: int = 0
+    bad: int = 0          # evaluations since the best
+
+    def update(self, step: int, val_loss: float) -> bool:
+        """Record an evaluation; True when it is a new best."""
+        if val_loss < self.best - self.min_delta:
+            self.best, self.best_step, self.bad = float(val_loss), step, 0
+            return True
+        self.bad += 1
+        return False
+
+    @property
+    def exhausted(self) -> bool:
+        return self.patience > 0 and self.bad >= self.patience
+
+    def reason(self) -> str:
+        return (f"validation loss did not improve by more than {self.min_delta:g} for {self.bad} "
+                f"evaluations (best {self.best:.4f} at {self.unit} {self.best_step})")
+
+
+# Why a run ended (the summary and the log's "done" line say it): ran its --steps/--epochs,
+# early stopping, L-BFGS found no step that lowers the loss, Ctrl-C.
+STOP_REASONS = ("finished", "early_stop", "converged", "interrupted")
 
 
 def split_train_val(n: int, val_split: float, seed: int) -> tuple:
@@ -233,8 +362,9 @@ class ClassifierRun:
         self.params = {name: g.param(value.shape, value, name=name) for name, value in init.items()}
         self.logits = forward(self.params, self.x)
         self.loss = ops.cross_entropy(self.logits, self.y)
-        self.optimizer = AdamW(lr=config.lr, beta1=config.beta1, beta2=config.beta2, eps=config.eps,
-                               weight_decay=config.weight_decay)
+        self.optimizer = make_optimizer(config.optimizer, config.lr, weight_decay=config.weight_decay,
+                                        momentum=config.momentum, beta1=config.beta1, beta2=config.beta2,
+                                        eps=config.eps)
         self.step = TrainStep(self.loss, list(self.params.values()), self.optimizer, backend,
                               grad_acc=grad_acc, checkpointing=False, n_threads=n_threads,
                               extra_outputs=[self.logits], world=self.world)
@@ -283,21 +413,33 @@ class ClassifierRun:
                 "n": len(loss)}
 
     def fit(self, images: np.ndarray, labels: np.ndarray, on_step=None, on_epoch=None) -> list:
-        """Train for config.epochs on (images, labels); returns the per-epoch summaries."""
+        """Train for config.epochs on (images, labels); returns the per-epoch summaries.
+
+        A batch that covers the whole training split (full batch) keeps one order, so every
+        update sees the same batch (L-BFGS then reuses the evaluation it ended an update
+        with). With early stopping the best epoch's parameters are restored at the end.
+        `stop_reason` (one of STOP_REASONS) says why the run ended.
+        """
         cfg = self.config
         world = self.world
         train_idx, val_idx = split_train_val(len(labels), cfg.val_split, cfg.seed)
         batch = cfg.batch * world.size      # samples per update, over every process
         if len(train_idx) < batch:
             raise ConfigError(f"{len(train_idx)} training samples is fewer than one batch ({batch})")
+        if cfg.early_stop_patience and not len(val_idx):
+            raise ConfigError("--early-stop-patience needs validation data (--val-split > 0)")
         rng = np.random.default_rng(cfg.seed + 1)
         p, k = cfg.physical_batch * world.size, cfg.batch // cfg.physical_batch
         n_updates = len(train_idx) // batch
+        full = n_updates == 1 and batch == len(train_idx)
+        stopping = EarlyStopping(cfg.early_stop_patience, cfg.min_delta, unit="epoch")
+        self.early_stopping, self.best, best = stopping, None, None
         history = []
         t0 = time.perf_counter()
         step_no = 0
+        self.stop_reason = "finished"
         for epoch in range(cfg.epochs):
-            order = train_idx[rng.permutation(len(train_idx))]
+            order = train_idx if full else train_idx[rng.permutation(len(train_idx))]
             epoch_loss, epoch_hits, epoch_n = 0.0, 0, 0
             t_epoch = time.perf_counter()
             for u in range(n_updates):
@@ -306,7 +448,7 @@ class ClassifierRun:
                 for j in range(k):
                     idx = world.shard(order[(u * k + j) * p:(u * k + j + 1) * p])
                     batches.append({self.x: images[idx], self.y: labels[idx]})
-                loss = self.step.step(batches, cfg.lr, stop=self.stopped)
+                loss = self.step.step(batches, cfg.lr, stop=self.stopped, same_batch=full and step_no > 0)
                 for (logits,), b in zip(self.step.last_outputs, batches):
                     epoch_hits += int((logits.argmax(axis=1) == b[self.y]).sum())
                 epoch_loss += loss * batch
@@ -319,8 +461,13 @@ class ClassifierRun:
                     on_step({"step": step_no, "epoch": epoch + 1, "loss": loss, "lr": cfg.lr,
                              "grad_norm": self.step.last_grad_norm,
                              "samples_per_s": batch / max(now - t_step, 1e-9),
-                             "elapsed_s": now - t0, "update_in_epoch": u + 1, "updates_per_epoch": n_updates})
-                if self.step.stop:
+                             "elapsed_s": now - t0, "update_in_epoch": u + 1, "updates_per_epoch": n_updates,
+                             **_search_fields(self.step)})
+                if self.step.converged:
+                    self.stop_reason = "converged"
+                    break
+                if self.interrupted:
+                    self.stop_reason = "interrupted"
                     break
             epoch_hits = int(world.sum([epoch_hits])[0])    # each process counted its rows
             summary = {"epoch": epoch + 1, "step": step_no, "train_loss": epoch_loss / max(1, epoch_n),
@@ -329,12 +476,27 @@ class ClassifierRun:
             if len(val_idx):
                 ev = self.evaluate(images[val_idx], labels[val_idx])
                 summary.update(val_loss=ev["loss"], val_accuracy=ev["accuracy"])
+                if stopping.patience and stopping.update(epoch + 1, ev["loss"]):
+                    best = (self.param_values(), summary)
             history.append(summary)
             if on_epoch is not None:
                 on_epoch(summary)
-            if self.step.stop:
+            if self.stop_reason != "finished":
                 break
+            if stopping.exhausted:
+                self.stop_reason = "early_stop"
+                break
+        if best is not None and self.stop_reason != "interrupted":
+            for name, value in best[0].items():   # keep the best model, not the last
+                self.step.set(self.params[name], value)
+            self.best = best[1]
         return history
+
+
+def _search_fields(step: TrainStep) -> dict:
+    """The log fields of an L-BFGS update (evaluations, accepted step); none for the others."""
+    s = step.last_search
+    return {"evals": s["evals"], "step_size": s["step_size"]} if s else {}
 
 
 # ---- language-model training (llama) -------------------------------------------------------
@@ -357,10 +519,17 @@ class TextConfig:
     eval_batches: int = 8
     seed: int = 0
     world: int = 1              # processes; batch is each one's share, batch x world the global batch
+    optimizer: str = "adamw"    # one of optim.OPTIMIZERS
+    momentum: float = 0.0       # SGD
+    early_stop_patience: int = 0
+    min_delta: float = 0.0
 
     def __post_init__(self):
         if self.world < 1:
             raise ConfigError(f"world must be >= 1 processes, got {self.world}")
+        check_early_stop(self.early_stop_patience, self.min_delta)
+        if self.early_stop_patience and not self.eval_every:
+            raise ConfigError("--early-stop-patience counts evaluations: it needs --eval-every N")
         if self.steps < 1:
             raise ConfigError(f"--steps must be >= 1, got {self.steps}")
         if self.batch < 1 or self.grad_acc < 1:
@@ -465,8 +634,12 @@ class TextRun:
             plain = {w: f[:3] for w, f in adapters.items()}
             self.eval_loss = llama.loss(llama.forward(model, weights, self.tokens, self.pos, lora=plain,
                                                       seg=self.seg, rows=rows), targets)
-        self.optimizer = AdamW(lr=config.lr, weight_decay=config.weight_decay, max_grad_norm=config.grad_clip)
-        self.schedule = CosineLR(config.lr, config.lr_min, min(config.warmup, config.steps), config.steps)
+        self.optimizer = make_optimizer(config.optimizer, config.lr, weight_decay=config.weight_decay,
+                                        max_grad_norm=config.grad_clip, momentum=config.momentum)
+        if isinstance(self.optimizer, LBFGS):   # lr is its first trial step, the line search scales it
+            self.schedule = ConstantLR(config.lr)
+        else:
+            self.schedule = CosineLR(config.lr, config.lr_min, min(config.warmup, config.steps), config.steps)
         self.step = TrainStep(self.loss, list(self.params.values()), self.optimizer, backend,
                               grad_acc=config.grad_acc, checkpointing=config.checkpointing, n_threads=n_threads,
                               bind=bind, keep=_frozen_product if lora is not None else None,
@@ -476,6 +649,9 @@ class TextRun:
         self._eval = self.step.runtime.compile([self.eval_loss], self.step.n_threads)
         self.tokens_seen = 0
         self._stop = False
+        self.early_stopping = EarlyStopping(config.early_stop_patience, config.min_delta)
+        self.best_params = None   # with early stopping: the parameters of the best evaluation
+        self.stop_reason = None
 
     def stop(self) -> None:
         self._stop = True
@@ -498,31 +674,36 @@ class TextRun:
     @property
     def flop_per_token(self) -> float:
         """Matrix-product FLOPs of one update (forward, backward, recomputation) per token."""
-        st = self.step
-        flops = st._update.matmul_flops + (st._micro.matmul_flops * st.grad_acc if st._micro else 0)
-        return flops / (self.config.batch * self.config.grad_acc * self.ctx)   # per process: the same
+        return self.step.matmul_flops / (self.config.batch * self.config.grad_acc * self.ctx)   # per process: the same
 
     def param_values(self) -> dict:
         """{name: f32 array} of what is trained (model parameters, or adapter factors)."""
         return {k: self.step.get(t) for k, t in self.params.items()}
 
     def state(self) -> dict:
-        """{"params", "optimizer" ({state name: array}), "updates", "tokens_seen"}."""
-        return {"params": self.param_values(),
-                "optimizer": {name: self.step.get(t) for name, t in self.step.state.items()},
-                "updates": self.step.updates, "tokens_seen": self.tokens_seen}
+        """{"params", "optimizer" ({state name: array}), "updates", "tokens_seen"}; with early
+        stopping also "early_stop" ({"best", "best_step", "bad"}) and "best_params"."""
+        state = {"params": self.param_values(), "optimizer": self.step.optimizer_state(),
+                 "updates": self.step.updates, "tokens_seen": self.tokens_seen}
+        if self.early_stopping.patience:
+            es = self.early_stopping
+            state["early_stop"] = {"best": es.best, "best_step": es.best_step, "bad": es.bad}
+            state["best_params"] = self.best_params or {}
+        return state
 
     def load_state(self, state: dict) -> None:
         for k, t in self.params.items():
             if k not in state["params"]:
                 raise ConfigError(f"the checkpoint has no tensor {k}")
             self.step.set(t, state["params"][k])
-        for name, t in self.step.state.items():
-            if name not in state["optimizer"]:
-                raise ConfigError(f"checkpoint has no optimizer state {name}")
-            self.step.set(t, state["optimizer"][name])
+        self.step.load_optimizer_state(state["optimizer"])
         self.step.updates = int(state["updates"])
         self.tokens_seen = int(state["tokens_seen"])
+        if self.early_stopping.patience and state.get("early_stop"):
+            es = state["early_stop"]
+            self.early_stopping.best, self.early_stopping.best_step = float(es["best"]), int(es["best_step"])
+            self.early_stopping.bad = int(es["bad"])
+            self.best_params = dict(state.get("best_params") or {}) or None
 
     def _feed(self, batch, number: int = 0) -> dict:
         """{input tensor: array} of a batch (a dict, or a (batch, ctx + 1) window array);
@@ -568,9 +749,12 @@ class TextRun:
         """Run updates until config.steps (continuing from self.updates), drawing physical
         batches from `batches` (see the class docstring)."""
         cfg = self.config
+        if cfg.early_stop_patience and not val_batches:
+            raise ConfigError("--early-stop-patience needs validation data (--val-split > 0)")
         t0 = time.perf_counter()
         per_update = cfg.global_batch * cfg.grad_acc * self.ctx
-        while self.step.updates < cfg.steps and not self.step.stop:
+        self.stop_reason = None
+        while self.step.updates < cfg.steps and self.stop_reason is None:
             t_step = time.perf_counter()
             lr = self.schedule(self.step.updates)
             first = self.step.updates * cfg.grad_acc
@@ -583,10 +767,43 @@ class TextRun:
             now = time.perf_counter()
             info = {"step": self.step.updates, "epoch": batches.epoch,
                     "loss": loss, "lr": lr, "grad_norm": self.step.last_grad_norm,
-                    "tokens_per_s": per_update / max(now - t_step, 1e-9), "elapsed_s": now - t0}
+                    "tokens_per_s": per_update / max(now - t_step, 1e-9), "elapsed_s": now - t0,
+                    **_search_fields(self.step)}
             if on_step is not None:
                 on_step(info)
+            if self.step.converged:
+                self.stop_reason = "converged"
             if cfg.eval_every and val_batches and self.step.updates % cfg.eval_every == 0:
                 ev = {"step": self.step.updates, "val_loss": self.evaluate(val_batches)}
+                if cfg.early_stop_patience and self.early_stopping.update(self.step.updates, ev["val_loss"]):
+                    self.best_params = self.param_values()
                 if on_eval is not None:
                     on_eval(ev)
+                if self.early_stopping.exhausted:
+                    self.stop_reason = "early_stop"
+            if self.interrupted:
+                self.stop_reason = "interrupted"
+        if self.stop_reason is None:
+            self.stop_reason = "finished"
+        if self.best_params and self.stop_reason != "interrupted":
+            for k, value in self.best_params.items():   # keep the best model, not the last
+                self.step.set(self.params[k], value)
+
+    def why_stopped(self) -> str:
+        """One line on why fit ended (after fit)."""
+        return stop_message(self.stop_reason, self.early_stopping, self.updates)
+
+
+def stop_message(reason: str, stopping: EarlyStopping, done: int) -> str:
+    """The summary's words for a STOP_REASONS entry; done: the updates (epochs for
+    ClassifierRun: stopping.unit) the run did."""
+    at = f"{stopping.unit} {done}"
+    if reason == "early_stop":
+        return f"stopped early at {at}: {stopping.reason()}; kept the best model"
+    if reason == "converged":
+        return f"stopped at {at}: L-BFGS found no step that lowers the loss (converged)"
+    if reason == "interrupted":
+        return f"interrupted at {at}"
+    kept = (f"; kept the best model ({stopping.unit} {stopping.best_step}, validation loss {stopping.best:.4f})"
+            if stopping.patience and stopping.best_step else "")
+    return f"ran all {done} {stopping.unit}s{kept}"

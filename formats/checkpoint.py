@@ -20,11 +20,15 @@ Keys (besides llama.cpp's llama.* / general.* / tokenizer.ggml.* keys):
     ggtrain.tokens_seen          UINT64   training tokens consumed
     ggtrain.data_rng             STRING   the batch source's state (JSON: numpy RNG state, cursor)
     ggtrain.data_fingerprint     STRING   sha256 of the training data as tokens
+    ggtrain.early_stop           STRING   JSON {"best", "best_step", "bad"} (only with early stopping)
 Tensors: what is trained (the model's parameters under llama.cpp names, or the adapter
-factors "<weight>.lora_a" / ".lora_b"), F32, then for each its AdamW moments
-`adam_m.<name>` and `adam_v.<name>` (F32, same shape). All bit-exact. The keys a model
-carries besides hparams and vocabulary (its chat template: llama_model.CARRIED_PREFIXES)
-are kept, so the model written from a checkpoint has them.
+factors "<weight>.lora_a" / ".lora_b"), F32, then the optimizer's state: for each
+parameter its AdamW moments `adam_m.<name>` and `adam_v.<name>` or its SGD momentum
+`momentum.<name>` (F32, same shape), or L-BFGS's history of the whole run, `lbfgs.s` and
+`lbfgs.y` (m, n), `lbfgs.curv` (m, 2: y.s, y.y) and `lbfgs.ring` (pair count, newest slot);
+with early stopping, the best evaluation's parameters `best.<name>`. All bit-exact. The
+keys a model carries besides hparams and vocabulary (its chat template:
+llama_model.CARRIED_PREFIXES) are kept, so the model written from a checkpoint has them.
 """
 from __future__ import annotations
 
@@ -42,14 +46,17 @@ from ggtrain.formats.tokenizer import tokenizer_from_gguf
 VERSION = 2
 READ_VERSIONS = (1, 2)
 KINDS = ("train", "finetune-lora", "finetune-full", "model")
-_MOMENTS = {".adam_m": "adam_m.", ".adam_v": "adam_v."}
+_MOMENTS = {".adam_m": "adam_m.", ".adam_v": "adam_v.", ".momentum": "momentum."}
+_RUN_STATE = "lbfgs."   # optimizer state of the whole run, not per parameter: stored under its name
+_BEST = "best."
 
 
 def save_checkpoint(path, model_config: dict, train_config: dict, state: dict, tokenizer,
                     data_rng: str, data_fingerprint: str, kind: str = "train",
                     run_config: dict | None = None, extra_kv=(), progress=None) -> None:
     """Write a checkpoint atomically. state: TextRun.state() ({"params", "optimizer",
-    "updates", "tokens_seen"}); optimizer names are "<param>.adam_m" / "<param>.adam_v";
+    "updates", "tokens_seen"[, "early_stop", "best_params"]}); optimizer names are
+    "<param>.adam_m" / ".adam_v" / ".momentum", or "lbfgs.*" for the whole run;
     extra_kv: key/values of the model to keep (llama_model.carried_kv of the base)."""
     if kind not in KINDS:
         raise ValueError(f"checkpoint kind {kind!r} is not one of {KINDS}")
@@ -64,14 +71,22 @@ def save_checkpoint(path, model_config: dict, train_config: dict, state: dict, t
            ("ggtrain.tokens_seen", int(state["tokens_seen"]), VT.UINT64),
            ("ggtrain.data_rng", data_rng, VT.STRING),
            ("ggtrain.data_fingerprint", data_fingerprint, VT.STRING)]
+    if "early_stop" in state:
+        kv.append(("ggtrain.early_stop", json.dumps(state["early_stop"], sort_keys=True), VT.STRING))
     tensors = [(name, np.ascontiguousarray(v, np.float32), "F32") for name, v in state["params"].items()]
     for name, v in state["optimizer"].items():
+        v = np.ascontiguousarray(v, np.float32)
+        if name.startswith(_RUN_STATE):
+            tensors.append((name, v, "F32"))
+            continue
         for suffix, prefix in _MOMENTS.items():
             if name.endswith(suffix):
-                tensors.append((prefix + name[:-len(suffix)], np.ascontiguousarray(v, np.float32), "F32"))
+                tensors.append((prefix + name[:-len(suffix)], v, "F32"))
                 break
         else:
             raise FormatError(f"{path}: optimizer state {name!r} has no checkpoint name")
+    for name, v in (state.get("best_params") or {}).items():
+        tensors.append((_BEST + name, np.ascontiguousarray(v, np.float32), "F32"))
     write_gguf(path, kv, tensors, progress=progress)
 
 
@@ -98,9 +113,15 @@ def load_checkpoint(path) -> dict:
         run_config = json.loads(f.value("ggtrain.run_config", "{}"))
     except json.JSONDecodeError as exc:
         raise FormatError(f"{path}: damaged ggtrain config ({exc})") from None
-    params, optimizer = {}, {}
+    params, optimizer, best = {}, {}, {}
     for name in f.tensors:
         arr = f.read_tensor(name)
+        if name.startswith(_RUN_STATE):
+            optimizer[name] = arr
+            continue
+        if name.startswith(_BEST):
+            best[name[len(_BEST):]] = arr
+            continue
         for suffix, prefix in _MOMENTS.items():
             if name.startswith(prefix):
                 optimizer[name[len(prefix):] + suffix] = arr
@@ -109,6 +130,13 @@ def load_checkpoint(path) -> dict:
             params[name] = arr
     state = {"params": params, "optimizer": optimizer, "updates": int(f.value("ggtrain.updates")),
              "tokens_seen": int(f.value("ggtrain.tokens_seen"))}
+    early_stop = f.value("ggtrain.early_stop", None)
+    if early_stop is not None:
+        try:
+            state["early_stop"] = json.loads(early_stop)
+        except json.JSONDecodeError as exc:
+            raise FormatError(f"{path}: damaged ggtrain.early_stop ({exc})") from None
+        state["best_params"] = best
     return {"kind": kind, "model_config": model_config, "train_config": train_config,
             "run_config": run_config, "state": state,
             "tokenizer": tokenizer_from_gguf(f), "data_rng": f.value("ggtrain.data_rng"),
@@ -132,8 +160,8 @@ def checkpoint_summary(f: GGUFFile) -> dict:
             raise FormatError(f"{f.path}: damaged {key}") from None
     kind = f.value("ggtrain.checkpoint.kind", "train")
     run, train = config("ggtrain.run_config"), config("ggtrain.train_config")
-    moments = [n for n in f.tensors if n.startswith(tuple(_MOMENTS.values()))]
-    trained = [t for n, t in f.tensors.items() if n not in moments]
+    not_trained = tuple(_MOMENTS.values()) + (_RUN_STATE, _BEST)   # optimizer state, best model
+    trained = [t for n, t in f.tensors.items() if not n.startswith(not_trained)]
     base = None
     if run.get("base_fingerprint"):
         base = {"path": run.get("base"), "fingerprint": run["base_fingerprint"]}

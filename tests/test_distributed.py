@@ -135,7 +135,7 @@ def test_two_processes_equal_one_with_the_doubled_batch(tmp_path, text, mpiexec)
               "--checkpoint-dir", two / "ck", "--save-every", 3, *common, n=2, mpiexec=mpiexec)
     assert r2.returncode == 0, r2.stderr
     assert "data parallel over 2 processes" in r2.stderr
-    assert r2.stderr.count("done: 6 updates") == 1        # rank 0 alone reports
+    assert r2.stderr.count("done: ran all 6 updates") == 1        # rank 0 alone reports
 
     log1, log2 = _log(one / "log.jsonl"), _log(two / "log.jsonl")
     assert [e.get("step") for e in log2] == [e.get("step") for e in log1]   # one writer: no duplicate line
@@ -185,6 +185,56 @@ def test_mnist_on_two_processes_equals_one(tmp_path, mpiexec):
     from ggtrain.core.models.mnist import PARAM_SHAPES
     from ggtrain.formats.mnist import load_mnist_model
     _close(load_mnist_model(tmp_path / "one.gguf", PARAM_SHAPES)[1], load_mnist_model(tmp_path / "two.gguf", PARAM_SHAPES)[1])
+
+
+def _evals(path) -> dict:
+    return {e["step"]: e["evals"] for e in _log(path) if "evals" in e}
+
+
+def test_lbfgs_on_two_processes_equals_one_and_resumes(tmp_path, text, mpiexec):
+    """L-BFGS: every line-search evaluation all-reduces the gradient and the loss, so both
+    processes take the single process's decisions: the same evaluations per update, its
+    losses and model; its checkpoint (the history) resumes on two processes bit for bit and
+    on one to the same model."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    one.mkdir(), two.mkdir()
+    # lr 1 (L-BFGS's first trial step; TINY's 3e-3 is AdamW's): the searches then decide by
+    # margins far above the rounding in which one and two processes differ
+    common = ["--data", text, "--steps", 5, "--eval-every", 5, "--optimizer", "lbfgs", *TINY, "--lr", 1]
+    r1 = _run("train", "--out", one / "m.gguf", "--log", one / "log.jsonl", "--batch", 8, *common)
+    assert r1.returncode == 0, r1.stderr
+    r2 = _run("train", "--out", two / "m.gguf", "--log", two / "log.jsonl", "--batch", 4,
+              "--checkpoint-dir", two / "ck", "--save-every", 3, *common, n=2, mpiexec=mpiexec)
+    assert r2.returncode == 0, r2.stderr
+    evals = _evals(one / "log.jsonl")
+    assert evals == _evals(two / "log.jsonl") and len(evals) == 5 and max(evals.values()) > 1
+    _close(_losses(one / "log.jsonl"), _losses(two / "log.jsonl"))
+    _close(load_llama(one / "m.gguf")[1], load_llama(two / "m.gguf")[1])
+    ckpt = two / "ck" / "ckpt-000003.gguf"
+    r = _run("train", "--out", tmp_path / "r2.gguf", "--resume", ckpt, *common, n=2, mpiexec=mpiexec)
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "r2.gguf").read_bytes() == (two / "m.gguf").read_bytes()
+    r = _run("train", "--out", tmp_path / "r1.gguf", "--resume", ckpt, *common)
+    assert r.returncode == 0, r.stderr
+    _close(load_llama(tmp_path / "r1.gguf")[1], load_llama(two / "m.gguf")[1])
+
+    # full batch (mnist, --batch beyond the split): updates after the first reuse the last evaluation
+    mnist = ["mnist", "train", "--limit", 600, "--epochs", 4, "--val-split", 0.2, "--threads", 1, "--quiet",
+             "--optimizer", "lbfgs"]
+    r = _run(*mnist, "--out", tmp_path / "one.gguf", "--log", tmp_path / "one.jsonl",
+             "--batch", 480, "--physical-batch", 240)
+    assert r.returncode == 0, r.stderr
+    r = _run(*mnist, "--out", tmp_path / "two.gguf", "--log", tmp_path / "two.jsonl",
+             "--batch", 120000, "--physical-batch", 120, n=2, mpiexec=mpiexec)
+    assert r.returncode == 0, r.stderr
+    assert "a full batch of 480 (240 on each of 2 processes)" in r.stderr
+    evals = _evals(tmp_path / "one.jsonl")
+    assert evals == _evals(tmp_path / "two.jsonl") and list(evals.values())[1:] == [1, 1, 1]
+    _close(_losses(tmp_path / "one.jsonl"), _losses(tmp_path / "two.jsonl"))
+    from ggtrain.core.models.mnist import PARAM_SHAPES
+    from ggtrain.formats.mnist import load_mnist_model
+    _close(load_mnist_model(tmp_path / "one.gguf", PARAM_SHAPES)[1],
+           load_mnist_model(tmp_path / "two.gguf", PARAM_SHAPES)[1])
 
 
 def test_finetune_on_two_processes_equals_one(tmp_path, shared_data, mpiexec):
@@ -305,4 +355,4 @@ def test_ctrl_c_on_mpiexec_saves_one_checkpoint_that_resumes(tmp_path, text, mpi
     r = _run("train", "--data", text, "--out", tmp_path / "m.gguf", "--resume", saved[0], "--steps", step + 2,
              *TINY, n=2, mpiexec=mpiexec)
     assert r.returncode == 0, r.stderr
-    assert f"done: {step + 2} updates" in r.stderr
+    assert f"done: ran all {step + 2} updates" in r.stderr

@@ -130,6 +130,22 @@ def test_resume_is_bit_identical(tmp_path, story, chat):
     assert full.read_bytes() == part.read_bytes() == resumed.read_bytes()
 
 
+@pytest.mark.parametrize("optimizer, args, state", [("sgd", ["--lr", "0.05", "--momentum", "0.9"], "momentum."),
+                                                     ("lbfgs", [], "lbfgs.")])
+def test_other_optimizers_resume_bit_identically(tmp_path, story, text, optimizer, args, state):
+    common = ["--model", story, "--data", text, "--steps", 6, "--optimizer", optimizer, *args,
+              "--ctx", "64", "--batch", "2", "--lora-rank", "4", "--quiet"]
+    full, ck = tmp_path / "full.gguf", tmp_path / "ck"
+    r = _cli("finetune", "--out", full, "--checkpoint-dir", ck, "--save-every", 3, *common)
+    assert r.returncode == 0, r.stderr
+    names = [t.name for t in gguf.GGUFReader(ck / "ckpt-000003.gguf").tensors]
+    assert any(n.startswith(state) for n in names) and not any(n.startswith("adam_") for n in names)
+    resumed = tmp_path / "resumed.gguf"
+    r = _cli("finetune", "--out", resumed, "--resume", ck / "ckpt-000003.gguf", *common)
+    assert r.returncode == 0, r.stderr
+    assert full.read_bytes() == resumed.read_bytes()
+
+
 def test_ctrl_c_saves_a_checkpoint_that_resumes(tmp_path, story, text):
     common = ["--model", story, "--data", text, "--steps", 300, *FAST]
     full = tmp_path / "full.gguf"

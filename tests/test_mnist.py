@@ -143,7 +143,8 @@ def test_cli_train_then_eval_reports_same_accuracy(mnist, tmp_path):
              "--epochs", "1", "--batch", "100", "--physical-batch", "50", "--quiet", "--log", str(log))
     assert r.returncode == 0, r.stderr
     lines = [json.loads(l) for l in log.read_text().splitlines()]
-    assert {"step", "epoch", "loss", "lr", "grad_norm", "samples_per_s", "elapsed_s"} <= set(lines[0])
+    assert lines[0]["event"] == "config" and lines[0]["options"]["limit"] == 3000
+    assert {"step", "epoch", "loss", "lr", "grad_norm", "samples_per_s", "elapsed_s"} <= set(lines[1])
     assert lines[-1]["event"] == "done"
     r = _cli("mnist", "eval", "--model", str(out), "--data", str(folder), "--json")
     assert r.returncode == 0, r.stderr
