@@ -197,78 +197,129 @@ static int classify(const int32_t *lo, const int32_t *hi, const int32_t *ex, int
 /* NOTE: masks are combined with & and | (not && and ||): branches in a loop body stop
  * GCC from vectorizing it. */
 
-/* s[r] = scale * s[r], or -inf where key c is masked for row r (partial); cmax[r] = max(cmax[r], s[r]) */
-GT_CLONES static void scale_mask_max(float *restrict s, float *restrict cmax, float scale, int partial,
-                                     int32_t c, int32_t segc, const int32_t *restrict lo,
+/* The block helpers below run over a block's nc key rows of n query columns (row stride
+ * ld), vectorized along the columns: the per-query values (maxima, sums, LSE, Delta, mask
+ * intervals) are vectors, and each column is reduced over the keys in order. Key c's
+ * segment value is sk[c]. */
+
+/* cmax[r] = max over the keys of s[c, r], every row seeing every key */
+GT_CLONES static void block_max(float *restrict cmax, const float *restrict s, int64_t ld, int64_t nc, int64_t n) {
+    for (int64_t c = 0; c < nc; c++) {
+        const float *restrict sc = s + c * ld;
+        int64_t i = 0;
+        for (; i + LANES <= n; i += LANES)
+            for (int k = 0; k < LANES; k++) cmax[i + k] = sc[i + k] > cmax[i + k] ? sc[i + k] : cmax[i + k];
+        for (; i < n; i++) cmax[i] = sc[i] > cmax[i] ? sc[i] : cmax[i];
+    }
+}
+
+/* The same where rows see keys c0 + c only partly: s[c, r] = -inf where row r does not. */
+GT_CLONES static void block_mask_max(float *restrict cmax, float *restrict s, int64_t ld, int64_t nc, int64_t n,
+                                     int32_t c0, const int32_t *restrict sk, const int32_t *restrict lo,
                                      const int32_t *restrict hi, const int32_t *restrict ex,
-                                     const int32_t *restrict sq, int64_t n) {
-    int64_t i = 0;
-    if (!partial) {
+                                     const int32_t *restrict sq) {
+    for (int64_t c = 0; c < nc; c++) {
+        float *restrict sc = s + c * ld;
+        const int32_t key = c0 + (int32_t)c, segc = sk[c];
+        int64_t i = 0;
         for (; i + LANES <= n; i += LANES)
             for (int k = 0; k < LANES; k++) {
-                const float x = scale * s[i + k];
-                s[i + k] = x;
+                const int vis = (key >= lo[i + k]) & (key <= hi[i + k]) & ((ex[i + k] != 0) | (segc == sq[i + k]));
+                const float x = vis ? sc[i + k] : -INFINITY;
+                sc[i + k] = x;
                 cmax[i + k] = x > cmax[i + k] ? x : cmax[i + k];
             }
         for (; i < n; i++) {
-            const float x = scale * s[i];
-            s[i] = x;
+            const int vis = (key >= lo[i]) & (key <= hi[i]) & ((ex[i] != 0) | (segc == sq[i]));
+            const float x = vis ? sc[i] : -INFINITY;
+            sc[i] = x;
             cmax[i] = x > cmax[i] ? x : cmax[i];
         }
-        return;
-    }
-    for (; i + LANES <= n; i += LANES)
-        for (int k = 0; k < LANES; k++) {
-            const int vis = (c >= lo[i + k]) & (c <= hi[i + k]) & ((ex[i + k] != 0) | (segc == sq[i + k]));
-            const float x = vis ? scale * s[i + k] : -INFINITY;
-            s[i + k] = x;
-            cmax[i + k] = x > cmax[i + k] ? x : cmax[i + k];
-        }
-    for (; i < n; i++) {
-        const int vis = (c >= lo[i]) & (c <= hi[i]) & ((ex[i] != 0) | (segc == sq[i]));
-        const float x = vis ? scale * s[i] : -INFINITY;
-        s[i] = x;
-        cmax[i] = x > cmax[i] ? x : cmax[i];
     }
 }
 
-/* s[r] = exp(s[r] - m[r]); csum[r] += s[r] */
-GT_CLONES static void exp_sum(float *restrict s, float *restrict csum, const float *restrict m, int64_t n) {
+/* The online softmax's step per row, after a block's row maxima bm: the new max
+ * m' = max(m, bm), alpha = exp(m - m') (what l and O are multiplied by; 0 while m is
+ * -inf: nothing summed yet) and msafe = m', or 0 while m' is -inf (so that
+ * exp(s - msafe) of masked s = -inf is 0, never NaN). bm is then zeroed for the sums. */
+GT_CLONES static void online_max(float *restrict m, float *restrict bm, float *restrict alpha,
+                                 float *restrict msafe, int64_t n) {
     int64_t i = 0;
     for (; i + LANES <= n; i += LANES)
         for (int k = 0; k < LANES; k++) {
-            const float e = gt_expf_(s[i + k] - m[i + k]);
-            s[i + k] = e;
-            csum[i + k] += e;
+            const float mo = m[i + k], mn = bm[i + k] > mo ? bm[i + k] : mo;
+            const float e = gt_expf_(mo - mn);
+            alpha[i + k] = mo == -INFINITY ? 0.0f : e;
+            msafe[i + k] = mn == -INFINITY ? 0.0f : mn;
+            m[i + k] = mn;
+            bm[i + k] = 0.0f;
         }
     for (; i < n; i++) {
-        const float e = gt_expf_(s[i] - m[i]);
-        s[i] = e;
-        csum[i] += e;
+        const float mo = m[i], mn = bm[i] > mo ? bm[i] : mo;
+        const float e = gt_expf_(mo - mn);
+        alpha[i] = mo == -INFINITY ? 0.0f : e;
+        msafe[i] = mn == -INFINITY ? 0.0f : mn;
+        m[i] = mn;
+        bm[i] = 0.0f;
     }
 }
 
-/* Backward, one key row c of a block: p = exp(scale * s - lse) where seen, else 0;
- * s = p, dp = scale * p * (dp - delta). */
-GT_CLONES static void probs_grad(float *restrict s, float *restrict dp, float scale, int partial, int32_t c,
-                                 int32_t segc, const float *restrict lse, const float *restrict delta,
-                                 const int32_t *restrict lo, const int32_t *restrict hi,
-                                 const int32_t *restrict ex, const int32_t *restrict sq, int64_t n) {
+/* l = l * alpha + bsum */
+GT_CLONES static void online_sum(float *restrict l, const float *restrict alpha, const float *restrict bsum,
+                                 int64_t n) {
     int64_t i = 0;
     for (; i + LANES <= n; i += LANES)
-        for (int k = 0; k < LANES; k++) {
-            const int vis = (partial == 0) | ((c >= lo[i + k]) & (c <= hi[i + k]) & ((ex[i + k] != 0) | (segc == sq[i + k])));
-            const float e = gt_expf_(scale * s[i + k] - lse[i + k]);
+        for (int k = 0; k < LANES; k++) l[i + k] = l[i + k] * alpha[i + k] + bsum[i + k];
+    for (; i < n; i++) l[i] = l[i] * alpha[i] + bsum[i];
+}
+
+/* s[c, r] = exp(s[c, r] - m[r]); csum[r] += s[c, r], keys in order */
+GT_CLONES static void block_exp_sum(float *restrict s, int64_t ld, int64_t nc, int64_t n, float *restrict csum,
+                                    const float *restrict m) {
+    for (int64_t c = 0; c < nc; c++) {
+        float *restrict sc = s + c * ld;
+        int64_t i = 0;
+        for (; i + LANES <= n; i += LANES)
+            for (int k = 0; k < LANES; k++) {
+                const float e = gt_expf_(sc[i + k] - m[i + k]);
+                sc[i + k] = e;
+                csum[i + k] += e;
+            }
+        for (; i < n; i++) {
+            const float e = gt_expf_(sc[i] - m[i]);
+            sc[i] = e;
+            csum[i] += e;
+        }
+    }
+}
+
+/* Backward (s: the scaled logits of keys c0 + c): p = exp(s - lse) where seen (every key
+ * unless partial), else 0; s = p, dp = scale * p * (dp - delta). */
+GT_CLONES static void block_probs_grad(float *restrict s, float *restrict dp, int64_t ld, int64_t nc, int64_t n,
+                                       float scale, int partial, int32_t c0, const int32_t *restrict sk,
+                                       const float *restrict lse, const float *restrict delta,
+                                       const int32_t *restrict lo, const int32_t *restrict hi,
+                                       const int32_t *restrict ex, const int32_t *restrict sq) {
+    for (int64_t c = 0; c < nc; c++) {
+        float *restrict sc = s + c * ld, *restrict dc = dp + c * ld;
+        const int32_t key = c0 + (int32_t)c, segc = sk[c];
+        int64_t i = 0;
+        for (; i + LANES <= n; i += LANES)
+            for (int k = 0; k < LANES; k++) {
+                const int vis = (partial == 0) |
+                                ((key >= lo[i + k]) & (key <= hi[i + k]) & ((ex[i + k] != 0) | (segc == sq[i + k])));
+                const float e = gt_expf_(sc[i + k] - lse[i + k]);
+                const float p = vis ? e : 0.0f;
+                sc[i + k] = p;
+                dc[i + k] = scale * p * (dc[i + k] - delta[i + k]);
+            }
+        for (; i < n; i++) {
+            const int vis = (partial == 0) | ((key >= lo[i]) & (key <= hi[i]) & ((ex[i] != 0) | (segc == sq[i])));
+            const float e = gt_expf_(sc[i] - lse[i]);
             const float p = vis ? e : 0.0f;
-            s[i + k] = p;
-            dp[i + k] = scale * p * (dp[i + k] - delta[i + k]);
+            sc[i] = p;
+            dc[i] = scale * p * (dc[i] - delta[i]);
         }
-    for (; i < n; i++) {
-        const int vis = (partial == 0) | ((c >= lo[i]) & (c <= hi[i]) & ((ex[i] != 0) | (segc == sq[i])));
-        const float e = gt_expf_(scale * s[i] - lse[i]);
-        const float p = vis ? e : 0.0f;
-        s[i] = p;
-        dp[i] = scale * p * (dp[i] - delta[i]);
     }
 }
 
@@ -299,12 +350,13 @@ GT_CLONES static float dot_row(const float *a, const float *b, int64_t n) {
     return s;
 }
 
-/* dst (D x n, row stride ld) = the n rows of src (row stride rs, D contiguous floats each), transposed */
+/* dst (D x n, row stride ld) = c * the n rows of src (row stride rs, D contiguous floats
+ * each), transposed */
 static void transpose_rows(float *restrict dst, int64_t ld, const float *restrict src, int64_t rs, int64_t n,
-                           int64_t D) {
+                           int64_t D, float c) {
     for (int64_t r = 0; r < n; r++) {
         const float *s = src + r * rs;
-        for (int64_t d = 0; d < D; d++) dst[d * ld + r] = s[d];
+        for (int64_t d = 0; d < D; d++) dst[d * ld + r] = c * s[d];
     }
 }
 
@@ -312,10 +364,10 @@ static void transpose_rows(float *restrict dst, int64_t ld, const float *restric
 
 /* Per-thread work of the forward, in floats from a 64-byte aligned base: QT (D x BR),
  * ST (BC x BR), O (BR x D), then per-row vectors m, l, cmax, msafe, alpha and int32
- * lo, hi, ex, sq (BR each). */
+ * lo, hi, ex, sq (BR each), and the keys' segments sk (BC). */
 typedef struct fwd_work {
     float *qt, *st, *o, *m, *l, *cmax, *msafe, *alpha;
-    int32_t *lo, *hi, *ex, *sq;
+    int32_t *lo, *hi, *ex, *sq, *sk;
 } fwd_work;
 
 static int64_t fwd_work_layout(int64_t D, char *base, fwd_work *w) {
@@ -330,11 +382,11 @@ static int64_t fwd_work_layout(int64_t D, char *base, fwd_work *w) {
         if (w) *f[i] = (float *)(base + off);
         off += align_up(n[i] * (int64_t)sizeof(float));
     }
-    int32_t **g[4];
-    if (w) { g[0] = &w->lo; g[1] = &w->hi; g[2] = &w->ex; g[3] = &w->sq; }
-    for (int i = 0; i < 4; i++) {
+    int32_t **g[5];
+    if (w) { g[0] = &w->lo; g[1] = &w->hi; g[2] = &w->ex; g[3] = &w->sq; g[4] = &w->sk; }
+    for (int i = 0; i < 5; i++) {
         if (w) *g[i] = (int32_t *)(base + off);
-        off += align_up(BR * (int64_t)sizeof(int32_t));
+        off += align_up((i < 4 ? BR : BC) * (int64_t)sizeof(int32_t));
     }
     return off + ALIGN;   /* room to align the base */
 }
@@ -411,7 +463,7 @@ static void fwd_unit(const att *A, rows R, fwd_work *w, int64_t b, int64_t h, in
         klo = w->lo[r] < klo ? w->lo[r] : klo;
         khi = w->hi[r] > khi ? w->hi[r] : khi;
     }
-    transpose_rows(w->qt, BR, q, A->qs[1], nq, D);
+    transpose_rows(w->qt, BR, q, A->qs[1], nq, D, A->scale);   /* S comes out scaled */
     for (int64_t r = 0; r < nq; r++) {
         w->m[r] = -INFINITY;
         w->l[r] = 0.0f;
@@ -424,23 +476,17 @@ static void fwd_unit(const att *A, rows R, fwd_work *w, int64_t b, int64_t h, in
         /* ST (nc x nq) = K_j Q_i^T */
         gt_gemm_small_(w->st, BR, k + j0 * A->ks[1], A->ks[1], 1, w->qt, BR, nc, nq, D, 0);
         for (int64_t r = 0; r < nq; r++) w->cmax[r] = -INFINITY;
-        for (int64_t c = 0; c < nc; c++) {
-            const int32_t segc = A->seg ? A->seg[b * Tk + j0 + c] : 0;
-            scale_mask_max(w->st + c * BR, w->cmax, A->scale, kind == BLOCK_PARTIAL, (int32_t)(j0 + c), segc,
-                           w->lo, w->hi, w->ex, w->sq, nq);
+        if (kind == BLOCK_FULL) {
+            block_max(w->cmax, w->st, BR, nc, nq);
+        } else {
+            for (int64_t c = 0; c < nc; c++) w->sk[c] = A->seg ? A->seg[b * Tk + j0 + c] : 0;
+            block_mask_max(w->cmax, w->st, BR, nc, nq, (int32_t)j0, w->sk, w->lo, w->hi, w->ex, w->sq);
         }
-        for (int64_t r = 0; r < nq; r++) {
-            const float mo = w->m[r], mn = w->cmax[r] > mo ? w->cmax[r] : mo;
-            w->alpha[r] = mo == -INFINITY ? 0.0f : gt_expf_(mo - mn);
-            w->msafe[r] = mn == -INFINITY ? 0.0f : mn;
-            w->m[r] = mn;
-            w->cmax[r] = 0.0f;   /* now the block's column sums */
-        }
-        for (int64_t c = 0; c < nc; c++) exp_sum(w->st + c * BR, w->cmax, w->msafe, nq);
-        for (int64_t r = 0; r < nq; r++) {
-            w->l[r] = w->l[r] * w->alpha[r] + w->cmax[r];
-            if (!first) mul_row(w->o + r * D, w->alpha[r], D);
-        }
+        online_max(w->m, w->cmax, w->alpha, w->msafe, nq);
+        block_exp_sum(w->st, BR, nc, nq, w->cmax, w->msafe);
+        online_sum(w->l, w->alpha, w->cmax, nq);
+        if (!first)
+            for (int64_t r = 0; r < nq; r++) mul_row(w->o + r * D, w->alpha[r], D);
         /* O (nq x D) (+)= P V_j, P[r, c] = ST[c, r] */
         gt_gemm_small_(w->o, D, w->st, 1, BR, v + j0 * A->vs[1], A->vs[1], nq, D, nc, !first);
         first = 0;
@@ -510,10 +556,10 @@ int gt_attention_fwd_f32(const gt_node *node, const gt_ctx *ctx) {
 
 /* Per-thread work of the backward: QT and dOT (D x Tq each: one head's queries and
  * output gradients, transposed), ST and dPT (BC x BR), then per-row vectors lse, delta
- * (floats) and lo, hi, ex, sq (int32), BR each. */
+ * (floats) and lo, hi, ex, sq (int32), BR each, and the keys' segments sk (BC). */
 typedef struct bwd_work {
     float *qt, *dot, *st, *dpt, *lse, *delta;
-    int32_t *lo, *hi, *ex, *sq;
+    int32_t *lo, *hi, *ex, *sq, *sk;
 } bwd_work;
 
 static int64_t bwd_work_layout(int64_t D, int64_t Tq, char *base, bwd_work *w) {
@@ -525,11 +571,11 @@ static int64_t bwd_work_layout(int64_t D, int64_t Tq, char *base, bwd_work *w) {
         if (w) *f[i] = (float *)(base + off);
         off += align_up(n[i] * (int64_t)sizeof(float));
     }
-    int32_t **g[4];
-    if (w) { g[0] = &w->lo; g[1] = &w->hi; g[2] = &w->ex; g[3] = &w->sq; }
-    for (int i = 0; i < 4; i++) {
+    int32_t **g[5];
+    if (w) { g[0] = &w->lo; g[1] = &w->hi; g[2] = &w->ex; g[3] = &w->sq; g[4] = &w->sk; }
+    for (int i = 0; i < 5; i++) {
         if (w) *g[i] = (int32_t *)(base + off);
-        off += align_up(BR * (int64_t)sizeof(int32_t));
+        off += align_up((i < 4 ? BR : BC) * (int64_t)sizeof(int32_t));
     }
     return off + ALIGN;
 }
@@ -551,8 +597,8 @@ static void bwd_unit(const att *A, rows R, const float *delta, const float *lse_
         const float *q = A->q + b * A->qs[0] + h * A->qs[2];
         const float *gq = go + b * gs[0] + h * gs[2];
         float *dqb = dq + (b * Tq * H + h) * D;
-        transpose_rows(w->qt, Tq, q, A->qs[1], Tq, D);
-        transpose_rows(w->dot, Tq, gq, gs[1], Tq, D);
+        transpose_rows(w->qt, Tq, q, A->qs[1], Tq, D, A->scale);  /* as in the forward */
+        transpose_rows(w->dot, Tq, gq, gs[1], Tq, D, 1.0f);
         for (int64_t t = 0; t < Tq; t++) memset(dqb + t * ldq, 0, (size_t)D * sizeof(float));
         for (int64_t i0 = 0; i0 < Tq; i0 += BR) {
             const int64_t nq = Tq - i0 < BR ? Tq - i0 : BR;
@@ -573,11 +619,9 @@ static void bwd_unit(const att *A, rows R, const float *delta, const float *lse_
                 /* ST = K_j Q_i^T, dPT = V_j dO_i^T (nc x nq) */
                 gt_gemm_small_(w->st, BR, kj, A->ks[1], 1, w->qt + i0, Tq, nc, nq, D, 0);
                 gt_gemm_small_(w->dpt, BR, vj, A->vs[1], 1, w->dot + i0, Tq, nc, nq, D, 0);
-                for (int64_t c = 0; c < nc; c++) {
-                    const int32_t segc = A->seg ? A->seg[b * Tk + j0 + c] : 0;
-                    probs_grad(w->st + c * BR, w->dpt + c * BR, A->scale, kind == BLOCK_PARTIAL,
-                               (int32_t)(j0 + c), segc, w->lse, w->delta, w->lo, w->hi, w->ex, w->sq, nq);
-                }
+                for (int64_t c = 0; c < nc; c++) w->sk[c] = A->seg ? A->seg[b * Tk + j0 + c] : 0;
+                block_probs_grad(w->st, w->dpt, BR, nc, nq, A->scale, kind == BLOCK_PARTIAL, (int32_t)j0, w->sk,
+                                 w->lse, w->delta, w->lo, w->hi, w->ex, w->sq);
                 /* dV_j += P^T dO_i, dK_j += dS^T Q_i (nc x D), dQ_i += dS K_j (nq x D) */
                 gt_gemm_small_(dvb + j0 * ldk, ldk, w->st, BR, 1, gq + i0 * gs[1], gs[1], nc, D, nq, 1);
                 gt_gemm_small_(dkb + j0 * ldk, ldk, w->dpt, BR, 1, q + i0 * A->qs[1], A->qs[1], nc, D, nq, 1);
