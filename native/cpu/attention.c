@@ -8,13 +8,15 @@
  * by exp(m_old - m_new). At the end O / l is the output and m + log(l), the row's
  * log-sum-exp, is all that is kept for the backward.
  * Backward, for one KV head (and its G query heads): Delta_i = dO_i . O_i - dLSE_i first
- * (every row, before the products); then per key block j and query block i, P is
- * recomputed from the saved LSE, P = exp(scale * Q_i K_j^T - LSE), and
+ * (every row, before the products); then per query head, query block i and key block j,
+ * P is recomputed from the saved LSE, P = exp(scale * Q_i K_j^T - LSE), and
  *     dV_j += P^T dO_i,  dP = dO_i V_j^T,  dS = scale * P * (dP - Delta),
  *     dK_j += dS^T Q_i,  dQ_i += dS K_j.
  * The block products run on gt_gemm_small_ (matmul.c's register tiles). Blocks are held
  * transposed, keys by queries (S^T = K_j Q_i^T), so K, V, dO and Q rows are read where
  * they lie (any row strides) and the softmax's per-query reductions run along vectors.
+ * Only Q^T (and dO^T in the backward) is packed, and Q is multiplied by scale as it is,
+ * so S comes out scaled (the same bits in both directions).
  *
  * Masks (one per call): a query row r sees the keys of an interval [lo_r, hi_r], all of
  * them, or (segment mask with a repeated segment value) only those of its segment. A
@@ -23,9 +25,11 @@
  *
  * Determinism: work units are whole (batch, head, query block)s in the forward and whole
  * (batch, KV head)s in the backward; each output element is computed by the unit that
- * owns it, in a fixed order (key blocks, then query heads and blocks, ascending), so which
- * thread takes which unit (threads take the next unit from a shared counter, which
- * balances causal masks' unequal blocks) changes nothing in the results.
+ * owns it, in a fixed order (O: key blocks ascending; dQ: key blocks ascending; dK, dV:
+ * query heads, then query blocks, ascending), so which thread takes which unit (threads
+ * take the next unit from a shared counter, which balances causal masks' unequal blocks)
+ * changes nothing in the results. Backward units are few (B * H_kv): with fewer of them
+ * than threads some threads idle.
  */
 #include <math.h>
 #include <stdatomic.h>
