@@ -307,17 +307,23 @@ def test_decoder_matches_unfused_graph(backend, monkeypatch):
 
 def test_ctx2048_training_plans_a_quarter_of_the_unfused_arena(monkeypatch):
     """dim 256, 4 layers, 8 heads, batch 1, ctx 2048, no checkpointing: the fused graph's
-    arena is at most a quarter of the unfused one's (planning only, nothing runs)."""
+    arena is at most a quarter of the unfused one's (planning only, nothing runs), and its
+    training step copies nothing around attention (no cont of q, v or the output, no
+    zeros around dO) and holds no (T, T) tensor."""
     from ggtrain.core.train import TextConfig, TextRun
 
     cfg = llama.LlamaConfig(vocab=256, dim=256, layers=4, heads=8, kv_heads=8, ff=768, ctx=2048)
     init = llama.init_params(cfg, 0)
 
-    def arena():
+    def plan():
         run = TextRun(cfg, init, TextConfig(steps=10, batch=1, checkpointing=False), CpuBackend(2))
-        return run.step.memory.arena
+        return run.step.memory.arena, run.step._update.plan.calls
 
-    fused = arena()
+    fused, calls = plan()
+    kernels = {c.kernel for c in calls}
+    assert "attention_fwd_f32" in kernels and "attention_bwd_f32" in kernels
+    assert not kernels & {"cast_fwd_f32", "view_bwd_f32", "softmax_fwd_f32"}, sorted(kernels)
+    assert not [c.label for c in calls if list(c.dst.shape).count(cfg.ctx) > 1]   # no (T, T) tensor
     monkeypatch.setattr(ops, "attention", unfused_attention)
-    unfused = arena()
+    unfused = plan()[0]
     assert fused * 4 <= unfused, f"fused arena {fused / 2**20:.0f} MiB vs unfused {unfused / 2**20:.0f} MiB"
