@@ -7,7 +7,9 @@ its own venv (bench/.venv-torch, torch==2.13.0; never a ggtrain dependency).
 Prints tokens/s and the ratio ours/PyTorch (higher is better), with gradient
 checkpointing off and on (torch.utils.checkpoint per block on the PyTorch side).
 
-    python bench/bench_llama.py [--steps 6] [--threads 2] [--configs a,b]
+    python bench/bench_llama.py [--steps 6] [--threads 2] [--configs a,b,c]
+
+Config c is a long context (2048 tokens, batch 1), where attention dominates (fused on both sides).
 """
 from __future__ import annotations
 
@@ -29,10 +31,11 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 CONFIGS = {
     "a": dict(vocab=256, dim=256, layers=4, heads=8, kv_heads=8, ff=768, ctx=128, batch=8),
     "b": dict(vocab=256, dim=512, layers=8, heads=8, kv_heads=8, ff=1376, ctx=256, batch=4),
+    "c": dict(vocab=256, dim=256, layers=4, heads=8, kv_heads=8, ff=768, ctx=2048, batch=1),   # long context
 }
 
 TORCH_SCRIPT = r"""
-import json, sys, time, math
+import json, sys, time, math, resource
 import numpy as np, torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint as ckpt
@@ -88,7 +91,7 @@ for s in range(len(windows)):
     opt.step()
     times.append(time.perf_counter() - t0)
     losses.append(float(loss))
-print(json.dumps({"times": times, "losses": losses}))
+print(json.dumps({"times": times, "losses": losses, "peak_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}))
 """
 
 
@@ -125,7 +128,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=6, help="timed steps (after 2 warm-up steps)")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--configs", default="a,b")
+    ap.add_argument("--configs", default="a,b,c")
     args = ap.parse_args()
     from ggtrain.core.models.llama import LlamaConfig, init_params
 

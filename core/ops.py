@@ -601,6 +601,106 @@ register(OpDef("cross_entropy_bwd", _infer_ce, "cross_entropy_bwd", contiguous=(
                lower=lambda y: ((0,), ()), inplace=(0,)))
 
 
+# ---- attention (fused) --------------------------------------------------------------
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool = False, pos: Tensor | None = None,
+              seg: Tensor | None = None, with_lse: bool = False):
+    """softmax(scale * q k^T + mask) v for each query head, fused (gt_attention_fwd_f32):
+    no (Tq, Tk) tensor is made, here or in the backward.
+
+    q (B, Tq, H, D), k and v (B, Tk, Hkv, D) with Hkv dividing H (query head h reads KV
+    head h // (H / Hkv)), read in place through their strides (a copy only when D is not
+    the unit-stride dim). Masks as softmax's: causal, pos (Tq,) i32, or seg (B, T) i32.
+    Returns O (B, Tq, H, D), or (O, LSE (B, H, Tq)) with with_lse: each row's log-sum-exp
+    over the keys it sees (-inf, and O = 0, for a row that sees none). Both are views of
+    one node, which is all the backward keeps (besides q, k, v).
+    Raises ValueError for two masks, ShapeError / DTypeError for bad shapes or types.
+    """
+    if int(bool(causal)) + (pos is not None) + (seg is not None) > 1:
+        raise ValueError("attention: give one of causal, pos and seg")
+    qkv = [x if x.ndim == 4 and (x.strides[-1] == 1 or x.shape[-1] == 1) else cont(x) for x in (q, k, v)]
+    mask = "pos" if pos is not None else "seg" if seg is not None else "causal" if causal else "none"
+    extra = [pos] if pos is not None else [seg] if seg is not None else []
+    y = apply("attention", qkv + extra, scale=float(scale), mask=mask)
+    b, tq, h, _ = q.shape
+    o = view(y, q.shape)
+    return (o, view(y, (b, h, tq), offset=q.size)) if with_lse else o
+
+
+def _infer_attention(name):
+    def infer(srcs, params):
+        q, k, v = srcs[:3]
+        _f32(name, q, k, v)
+        mask = params["mask"]
+        n_in = (3 if name == "attention" else 5) + (mask in ("pos", "seg"))
+        _need(mask in _SOFTMAX_MASKS and len(srcs) == n_in, f"{name}: mask {mask!r} with {len(srcs)} inputs",
+              ValueError)
+        _need(q.ndim == 4 and k.ndim == 4 and v.shape == k.shape and k.shape[0] == q.shape[0]
+              and k.shape[3] == q.shape[3] and k.shape[2] >= 1 and q.shape[2] % k.shape[2] == 0,
+              f"{name}: expected q (B, Tq, H, D), k and v (B, Tk, Hkv, D) with Hkv dividing H, got "
+              f"{q.shape}, {k.shape}, {v.shape}")
+        for x in (q, k, v):
+            _need(x.strides[-1] == 1 or x.shape[-1] == 1, f"{name}: {x!r} needs unit stride along D")
+        b, tq, h, d = q.shape
+        tk = k.shape[1]
+        if mask in ("pos", "seg"):
+            m = srcs[-1]
+            if m.dtype != "i32":
+                raise DTypeError(f"{name}: {'positions' if mask == 'pos' else 'segments'} must be i32, got {m.dtype}")
+            _need(mask != "pos" or m.shape == (tq,), f"{name}: positions {m.shape} do not match Tq of q {q.shape}")
+            _need(mask != "seg" or (tq == tk and m.shape == (b, tq)),
+                  f"{name}: segments {m.shape} need q and k of one length T and shape (B, T) = {(b, tq)}")
+        _need(mask != "causal" or tq <= tk, f"{name}: causal mask needs Tq <= Tk, got q {q.shape} and k {k.shape}")
+        n_out = q.size + b * h * tq    # O, then LSE
+        if name == "attention":
+            return (n_out,), "f32"
+        y, g = srcs[3], srcs[4]
+        _f32(name, y, g)
+        _need(y.shape == (n_out,), f"{name}: y {y.shape} is not the forward's ({n_out},)")
+        _need(g.shape in (q.shape, (n_out,)), f"{name}: g {g.shape} is neither dO {q.shape} nor of y {y.shape}")
+        return (q.size + 2 * k.size,), "f32"
+    return infer
+
+
+def _attention_bwd(y, g):
+    q, k, v = y.srcs[:3]
+    extra = list(y.srcs[3:])
+    if (g.op == "view_bwd" and g.params["voffset"] == 0 and g.srcs[0].shape == q.shape
+            and g.params["vstrides"] == contiguous_strides(q.shape)):
+        g = g.srcs[0]   # only O was read: its gradient itself, not zeros around it
+    # the kernel reads dO rows with unit stride along D, or all of y's gradient contiguous
+    if not (g.strides[-1] == 1 or q.shape[-1] == 1 if g.shape == q.shape else g.is_contiguous()):
+        g = cont(g)
+    grads = apply("attention_bwd", [q, k, v, y, g] + extra, **y.params)   # [dq | dk | dv]
+    return [view(grads, q.shape), view(grads, k.shape, offset=q.size),
+            view(grads, v.shape, offset=q.size + k.size)] + [None] * len(extra)
+
+
+_attention_lower = lambda y: ((_SOFTMAX_MASKS[y.params["mask"]],), (y.params["scale"],))  # noqa: E731
+register(OpDef("attention", _infer_attention("attention"), "attention_fwd", backward=_attention_bwd,
+               lower=_attention_lower, contiguous=(3,), differentiable=(0, 1, 2)))
+register(OpDef("attention_bwd", _infer_attention("attention_bwd"), "attention_bwd", lower=_attention_lower,
+               contiguous=(3, 5)))
+
+
+def product_flops(t: Tensor) -> int:
+    """FLOPs (2 per multiply-add) of node t's matrix products: a matmul's, or those inside
+    fused attention (forward: q k^T and p v; backward: q k^T again and four more) over the
+    (query, key) pairs its mask lets through; a position or segment mask counts as causal,
+    a bound. 0 for other ops."""
+    if t.op == "matmul":
+        return 2 * t.size * t.srcs[0].shape[-1]
+    if t.op not in ("attention", "attention_bwd"):
+        return 0
+    b, tq, h, d = t.srcs[0].shape
+    tk = t.srcs[1].shape[1]
+    # causal: query i sees min(tk, i + 1 + tk - tq) keys
+    pairs = tq * tk if t.params["mask"] == "none" else tq * (tk - tq) + tq * (tq + 1) // 2 if tq <= tk else \
+        builtins.sum(min(tk, max(0, i + 1 + tk - tq)) for i in range(tq))
+    return 2 * (2 if t.op == "attention" else 5) * b * h * d * pairs
+
+
 # ---- rope, embeddings -------------------------------------------------------------
 
 

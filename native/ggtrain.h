@@ -263,6 +263,25 @@ int gt_rms_norm_bwd_f32(const struct gt_node *node, const gt_ctx *ctx);
 int gt_softmax_fwd_f32(const struct gt_node *node, const gt_ctx *ctx);
 int gt_softmax_bwd_f32(const struct gt_node *node, const gt_ctx *ctx);
 
+/* attention: fused softmax(scale q k^T + mask) v per head, by blocks (attention.c), no
+ * T_q x T_k matrix. src0 q (B, T_q, H, D), src1 k and src2 v (B, T_k, H_kv, D), H_kv
+ * dividing H (query head h reads KV head h / (H / H_kv)); any strides but unit stride
+ * along D. ip[0] = mask as in softmax: 0 none; 1 causal, row i sees keys j <= i +
+ * (T_k - T_q); 2 by position, src3 pos (T_q,) i32, row i sees j <= pos[i]; 3 by
+ * segment, src3 seg (B, T) i32 (T_q == T_k), row i sees j <= i with seg[b, j] ==
+ * seg[b, i]; fp[0] = scale. dst: contiguous f32 of B*T_q*H*D + B*H*T_q elements,
+ * O (B, T_q, H, D) then LSE (B, H, T_q), each row's log(sum_j exp(scale q.k_j)) over
+ * the keys it sees; a row seeing none has O = 0 and LSE = -inf.
+ * attention_bwd: src0..2 q, k, v as above, src3 y (the forward's dst), src4 g: dO of
+ * q's shape (unit stride along D), or contiguous of y's size (dO then dLSE), src5 the
+ * mask input; ip, fp as above. dst: contiguous f32 [dq | dk | dv], each contiguous in
+ * its input's shape. Scratch (both): mask rows, Delta, a unit counter; work: one block's
+ * buffers (gt_attention_<fwd|bwd>_f32_sizes). */
+int gt_attention_fwd_f32(const struct gt_node *node, const gt_ctx *ctx);
+int gt_attention_fwd_f32_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
+int gt_attention_bwd_f32(const struct gt_node *node, const gt_ctx *ctx);
+int gt_attention_bwd_f32_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
+
 /* cross_entropy: dst scalar = mean over counted rows of -log softmax(src0)[row, src1[row]];
  * src0 logits (N, V) f32 contiguous, src1 targets (N,) i32; rows whose target
  * is negative are ignored (no loss, not counted); a target >= V is

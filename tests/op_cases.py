@@ -170,6 +170,60 @@ case("cross_entropy", [In((6, 33), -3, 3), In((6,), values=np.array([3, -1, 0, 3
 case("cross_entropy_bwd", [In((5, 7), -3, 3), In((5,), ints=(0, 7)), In((), 0.5, 2)],
      ops.cross_entropy_bwd, refs.cross_entropy_bwd, backward=False)
 
+# ---- attention (fused): O, LSE and the backward kernel, against refs.attention -------------------
+def _att_in(b, tq, h, hkv, d, tk=None):
+    return [In((b, tq, h, d)), In((b, tk or tq, hkv, d)), In((b, tk or tq, hkv, d))]
+
+
+# grouped heads (4 query heads on 2 KV heads), causal; the backward reads dO itself
+case("attention", _att_in(2, 7, 4, 2, 8), lambda q, k, v: ops.attention(q, k, v, 0.35, causal=True),
+     lambda q, k, v: refs.attention(q, k, v, 0.35, causal=True)[0], name="causal-gqa")
+case("attention", _att_in(1, 33, 4, 1, 8), lambda q, k, v: ops.attention(q, k, v, 0.5, causal=True),
+     lambda q, k, v: refs.attention(q, k, v, 0.5, causal=True)[0], name="causal-t33")
+case("attention", _att_in(1, 3, 2, 1, 4), lambda q, k, v: ops.attention(q, k, v, 0.9, causal=True),
+     lambda q, k, v: refs.attention(q, k, v, 0.9, causal=True)[0], name="tiny")
+case("attention", _att_in(1, 3, 2, 1, 4, tk=5), lambda q, k, v: ops.attention(q, k, v, 0.7),
+     lambda q, k, v: refs.attention(q, k, v, 0.7)[0], name="no-mask-tq<tk")
+# packed rows (samples and padding, _SEG above) and a segment that comes back
+case("attention", _att_in(2, 8, 2, 1, 4) + [In((2, 8), values=_SEG, grad=False)],
+     lambda q, k, v, s: ops.attention(q, k, v, 0.6, seg=s),
+     lambda q, k, v, s: refs.attention(q, k, v, 0.6, seg=s)[0], name="seg")
+case("attention", _att_in(1, 5, 2, 2, 4) + [In((1, 5), values=np.array([[0, 1, 0, 1, 1]], np.int32), grad=False)],
+     lambda q, k, v, s: ops.attention(q, k, v, 1.1, seg=s),
+     lambda q, k, v, s: refs.attention(q, k, v, 1.1, seg=s)[0], name="seg-interleaved")
+# a KV cache of 6 positions read at positions 3, 0, 5, 2
+case("attention", _att_in(1, 4, 2, 1, 4, tk=6) + [In((4,), values=np.array([3, 0, 5, 2], np.int32), grad=False)],
+     lambda q, k, v, p: ops.attention(q, k, v, 0.8, pos=p),
+     lambda q, k, v, p: refs.attention(q, k, v, 0.8, pos=p)[0], name="pos")
+# the log-sum-exp, alone and with O: gradients through LSE (the kernel's dLSE path)
+case("attention", _att_in(1, 5, 2, 1, 4), lambda q, k, v: ops.attention(q, k, v, 0.8, causal=True, with_lse=True)[1],
+     lambda q, k, v: refs.attention(q, k, v, 0.8, causal=True)[1], name="lse")
+case("attention", _att_in(2, 4, 2, 2, 4),
+     lambda q, k, v: ops.mul(*_o_times_lse(ops.attention(q, k, v, 0.5, causal=True, with_lse=True))),
+     lambda q, k, v: _o_times_lse_ref(*refs.attention(q, k, v, 0.5, causal=True)), name="o-and-lse",
+     ops_covered=("view", "permute", "cont", "reshape", "mul"))
+
+
+def _o_times_lse(o_lse):
+    o, lse = o_lse                                         # (B, T, H, D), (B, H, T)
+    b, t, h, _ = o.shape
+    return o, ops.reshape(ops.permute(lse, (0, 2, 1)), (b, t, h, 1))
+
+
+def _o_times_lse_ref(o, lse):
+    return o * lse.transpose(0, 2, 1)[..., None]
+
+
+def _attention_bwd(q, k, v, g, **mask):
+    y = ops.apply("attention", [q, k, v], scale=0.45, mask="causal")
+    return ops.apply("attention_bwd", [q, k, v, y, g], scale=0.45, mask="causal")
+
+
+# the backward kernel as an op: [dq | dk | dv] for dO g
+case("attention_bwd", _att_in(2, 7, 4, 2, 8) + [In((2, 7, 4, 8))], _attention_bwd,
+     lambda q, k, v, g: np.concatenate([x.reshape(-1) for x in refs.attention_bwd(q, k, v, g, 0.45, causal=True)]),
+     backward=False)
+
 # ---- rope, rows ------------------------------------------------------------------------------
 case("rope", [In((2, 5, 3, 8)), In((5,), values=np.array([0, 1, 2, 7, 40]))],
      lambda x, p: ops.rope(x, p, 8, 10000.0), lambda x, p: refs.rope(x, p, 8, 10000.0))

@@ -1,4 +1,4 @@
-"""float64 numpy references of the fused kernels (norm, softmax, cross_entropy,
+"""float64 numpy references of the fused kernels (norm, softmax, attention, cross_entropy,
 rope, get_rows, im2col, max_pool2d, dropout), forward and backward.
 
 Plain loops and formulas, written to be obviously right rather than fast; the
@@ -67,6 +67,68 @@ def softmax_bwd(y, g, scale=1.0):
     """dx of softmax(scale * x) given its output y and upstream gradient g."""
     y, g = _f64(y), _f64(g)
     return scale * y * (g - np.sum(g * y, axis=-1, keepdims=True))
+
+
+def attention_mask(tq, tk, b, causal=False, pos=None, seg=None):
+    """(B, 1, Tq, Tk) bool: which keys each query row sees (at most one mask given)."""
+    if seg is not None:
+        return seg_mask(seg)[:, None]
+    if pos is not None:
+        m = np.arange(tk)[None, :] <= np.asarray(pos)[:, None]
+    elif causal:
+        m = _causal_mask(tq, tk)
+    else:
+        m = np.ones((tq, tk), bool)
+    return np.broadcast_to(m, (b, 1, tq, tk))
+
+
+def _attention_probs(q, k, scale, mask):
+    """(B, H, Tq, Tk) probabilities and (B, H, Tq) log-sum-exp of scale * q.k over the
+    keys seen (grouped heads: query head h reads KV head h // (H / Hkv)); a row that sees
+    nothing has probabilities 0 and LSE -inf."""
+    q, k = _f64(q), _f64(k)
+    g = q.shape[2] // k.shape[2]
+    kk = np.repeat(k, g, axis=2)                                    # (B, Tk, H, D)
+    z = np.einsum("bihd,bjhd->bhij", q, kk) * scale
+    z = np.where(mask, z, -np.inf)
+    m = np.max(z, axis=-1, keepdims=True)
+    m = np.where(np.isfinite(m), m, 0.0)
+    e = np.exp(z - m)
+    s = np.sum(e, axis=-1, keepdims=True)
+    p = np.divide(e, s, out=np.zeros_like(e), where=s > 0)
+    with np.errstate(divide="ignore"):
+        lse = np.where(s[..., 0] > 0, m[..., 0] + np.log(s[..., 0]), -np.inf)
+    return p, lse
+
+
+def attention(q, k, v, scale, causal=False, pos=None, seg=None):
+    """(O (B, Tq, H, D), LSE (B, H, Tq)) of softmax(scale q k^T + mask) v per head, for
+    q (B, Tq, H, D), k and v (B, Tk, Hkv, D)."""
+    b, tq, h, _ = np.shape(q)
+    mask = attention_mask(tq, np.shape(k)[1], b, causal, pos, seg)
+    p, lse = _attention_probs(q, k, scale, mask)
+    vv = np.repeat(_f64(v), h // np.shape(v)[2], axis=2)
+    return np.einsum("bhij,bjhd->bihd", p, vv), lse
+
+
+def attention_bwd(q, k, v, g_o, scale, causal=False, pos=None, seg=None, g_lse=None):
+    """(dq, dk, dv) of attention for upstream gradients g_o of O and g_lse of LSE."""
+    q, k, v, g_o = _f64(q), _f64(k), _f64(v), _f64(g_o)
+    b, tq, h, _ = q.shape
+    hkv = k.shape[2]
+    g = h // hkv
+    mask = attention_mask(tq, k.shape[1], b, causal, pos, seg)
+    p, _ = _attention_probs(q, k, scale, mask)                    # (B, H, Tq, Tk)
+    kk, vv = np.repeat(k, g, axis=2), np.repeat(v, g, axis=2)
+    dp = np.einsum("bihd,bjhd->bhij", g_o, vv)
+    dz = p * (dp - np.sum(dp * p, axis=-1, keepdims=True))        # d(scaled logits)
+    if g_lse is not None:
+        dz = dz + p * _f64(g_lse)[..., None]
+    dq = scale * np.einsum("bhij,bjhd->bihd", dz, kk)
+    dk = scale * np.einsum("bhij,bihd->bjhd", dz, q)
+    dv = np.einsum("bhij,bihd->bjhd", p, g_o)
+    fold = lambda x: x.reshape(x.shape[:2] + (hkv, g) + x.shape[3:]).sum(axis=3)  # noqa: E731
+    return dq, fold(dk), fold(dv)
 
 
 def _ce_count(targets):

@@ -8,9 +8,9 @@ Parameters use llama.cpp's tensor names with numpy-order shapes (ggml's ne rever
 token_embd.weight (V, C), blk.{i}.attn_q.weight (H*D, C), attn_k/attn_v (Hkv*D, C),
 attn_output (C, H*D), ffn_gate/ffn_up (F, C), ffn_down (C, F), norms (C,).
 
-Grouped-query attention without copies: q heads h = kv*G + g share kv head `kv`, so
-q (B, H, T, D) reshapes to (B, Hkv, G*T, D) and one batched matmul per kv head
-serves its G query heads.
+Attention is one fused op (ops.attention): q, k, v are read in the (B, T, heads, D)
+layout the projections give, query heads h = kv*G + g sharing kv head `kv` (grouped
+KV heads), and its output is already the (B, T, H*D) input of attn_output.
 """
 from __future__ import annotations
 
@@ -120,35 +120,23 @@ def _attention(cfg: LlamaConfig, x, p: str, params: dict, pos, lora=None, kv=Non
     rows 0..n_kv-1, query i seeing rows <= pos[i]."""
     b, t, c = x.shape
     h, hkv, d = cfg.heads, cfg.kv_heads, cfg.head_dim
-    g = h // hkv
     q = ops.reshape(linear(x, params, p + "attn_q.weight", lora), (b, t, h, d))
     k = ops.reshape(linear(x, params, p + "attn_k.weight", lora), (b, t, hkv, d))
     v = ops.reshape(linear(x, params, p + "attn_v.weight", lora), (b, t, hkv, d))
     q = ops.rope(q, pos, cfg.n_rot, cfg.rope_base)
     k = ops.rope(k, pos, cfg.n_rot, cfg.rope_base)
-    q = ops.reshape(ops.cont(ops.permute(q, (0, 2, 1, 3))), (b, hkv, g * t, d))   # (B, Hkv, G*T, D)
+    scale = 1.0 / math.sqrt(d)
     if kv is None:
-        k = ops.permute(k, (0, 2, 3, 1))                                             # (B, Hkv, D, T) view
-        v = ops.cont(ops.permute(v, (0, 2, 1, 3)))                                   # (B, Hkv, T, D)
-        scores = ops.reshape(ops.matmul(q, k), (b, h, t, t))
-        if seg is None:
-            probs = ops.softmax(scores, 1.0 / math.sqrt(d), causal=True)
-        else:
-            probs = ops.softmax(scores, 1.0 / math.sqrt(d), seg=seg)
-        probs = ops.reshape(probs, (b, hkv, g * t, t))
+        out = ops.attention(q, k, v, scale, causal=seg is None, seg=seg)                 # (B, T, H, D)
     else:
         if b != 1:
             raise ConfigError(f"llama: a KV cache serves one sequence, got a batch of {b}")
         cache_k = ops.set_rows(kv[0], ops.reshape(k, (t, hkv * d)), pos)              # (S, Hkv*D)
         cache_v = ops.set_rows(kv[1], ops.reshape(v, (t, hkv * d)), pos)
-        k = ops.view(cache_k, (1, hkv, d, n_kv), (0, d, 1, hkv * d))                 # (1, Hkv, D, n_kv)
-        v = ops.view(cache_v, (1, hkv, n_kv, d), (0, d, hkv * d, 1))                 # (1, Hkv, n_kv, D)
-        scores = ops.reshape(ops.matmul(q, k), (h, t, n_kv))
-        probs = ops.reshape(ops.softmax(scores, 1.0 / math.sqrt(d), pos=pos), (b, hkv, g * t, n_kv))
-    out = ops.matmul(probs, v)                                                       # (B, Hkv, G*T, D)
-    out = ops.permute(ops.reshape(out, (b, h, t, d)), (0, 2, 1, 3))                  # (B, T, H, D) view
-    out = ops.reshape(out, (b, t, h * d))                                            # copies (cont)
-    return linear(out, params, p + "attn_output.weight", lora)
+        k = ops.view(cache_k, (1, n_kv, hkv, d))                                        # rows 0..n_kv-1
+        v = ops.view(cache_v, (1, n_kv, hkv, d))
+        out = ops.attention(q, k, v, scale, pos=pos)
+    return linear(ops.reshape(out, (b, t, h * d)), params, p + "attn_output.weight", lora)
 
 
 def forward(cfg: LlamaConfig, params: dict, tokens, pos, graph=None, checkpoint: bool = False,

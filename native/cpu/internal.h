@@ -145,6 +145,15 @@ gt_dequant_fn gt_dequantizer_(int32_t dtype);
 void gt_qdot_rows_(float *y, int64_t ldy, const float *x, int64_t ldx, int m, const uint8_t *w,
                    int64_t row_bytes, int32_t dtype, int64_t K, int64_t n0, int64_t n1, float *scratch);
 
+/* C (M x N, row stride ldc) = (acc ? C : 0) + A @ B for the small products inside fused
+ * kernels (matmul.c, the skinny path's register tiles): A[m, k] at a[m*ars + k*acs] (any
+ * strides, read one element at a time), row k of B at b + k*ldb (N contiguous floats,
+ * read only within them), C written only within its N columns. Each element is one chain
+ * fma(A[m, k], B[k, n], acc) over k in order, as in gt_matmul_fwd_f32 (multiply-then-add
+ * at SIMD level 0), so results do not depend on how a caller splits M or N. */
+void gt_gemm_small_(float *c, int64_t ldc, const float *a, int64_t ars, int64_t acs, const float *b,
+                    int64_t ldb, int64_t M, int64_t N, int64_t K, int acc);
+
 #define GT_CHECK_F32(t, op, what) do { int rc_ = gt_check_f32_((t), (op), (what)); if (rc_) return rc_; } while (0)
 
 float gt_f16_to_f32_1(uint16_t h);

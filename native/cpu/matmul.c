@@ -715,6 +715,45 @@ static void gemm_skinny(const skimpl *s, int64_t m0, int64_t m1, int64_t N, int6
     }
 }
 
+/* ---- small products for fused kernels ------------------------------------------------ */
+
+/* See internal.h. Columns go in chunks a skinny kernel spans (N <= 80 in one, else 64
+ * at a time with AVX-512; 32 with AVX2), rows in that kernel's tiles, the last tile
+ * through its row-count instantiation; so nothing is packed or padded. */
+void gt_gemm_small_(float *c, int64_t ldc, const float *a, int64_t ars, int64_t acs, const float *b,
+                    int64_t ldb, int64_t M, int64_t N, int64_t K, int acc) {
+    if (M <= 0 || N <= 0) return;
+    if (K <= 0) {
+        if (!acc)
+            for (int64_t i = 0; i < M; i++) memset(c + i * ldc, 0, (size_t)N * sizeof(float));
+        return;
+    }
+#if defined(__x86_64__)
+    const int level = gt_simd_level_();
+    if (level >= 1) {
+        const int64_t cap = level >= 2 ? (N <= 16 * SK_NV_CAP ? N : 64) : 32;
+        for (int64_t n0 = 0; n0 < N; n0 += cap) {
+            const int64_t n = N - n0 < cap ? N - n0 : cap;
+            const skimpl *s = pick_skinny(n);
+            const int nlast = (int)(n - (int64_t)(s->nv - 1) * s->vw);
+            for (int64_t i = 0; i < M; i += s->mr) {
+                const int mm = M - i < s->mr ? (int)(M - i) : s->mr;
+                s->fn(mm, K, a + i * ars, ars, acs, b + n0, ldb, c + i * ldc + n0, ldc, acc, nlast);
+            }
+        }
+        return;
+    }
+#endif
+    for (int64_t i = 0; i < M; i++) {
+        float *ci = c + i * ldc;
+        for (int64_t j = 0; j < N; j++) {
+            float t = acc ? ci[j] : 0.0f;
+            for (int64_t k = 0; k < K; k++) t = t + a[i * ars + k * acs] * b[k * ldb + j];
+            ci[j] = t;
+        }
+    }
+}
+
 /* ---- the kernel ------------------------------------------------------------------ */
 
 /* Strides of t's last two dims, with the stride of a size-1 dim replaced by 1

@@ -1,0 +1,720 @@
+/* attention.c: fused scaled-dot-product attention, forward and backward, by blocks
+ * (FlashAttention-2's scheme): no T_q x T_k matrix is ever stored.
+ *
+ * Forward, for one block of BR query rows of one head: walk the key blocks of BC keys
+ * the rows can see; per block, S = Q K_j^T (block product), mask, then the online
+ * softmax: m = running row max of scale * S, l = running sum of exp(scale * S - m),
+ * O = running sum of exp(scale * S - m) V_j; when m grows, l and O are first multiplied
+ * by exp(m_old - m_new). At the end O / l is the output and m + log(l), the row's
+ * log-sum-exp, is all that is kept for the backward.
+ * Backward, for one KV head (and its G query heads): Delta_i = dO_i . O_i - dLSE_i first
+ * (every row, before the products); then per query head, query block i and key block j,
+ * P is recomputed from the saved LSE, P = exp(scale * Q_i K_j^T - LSE), and
+ *     dV_j += P^T dO_i,  dP = dO_i V_j^T,  dS = scale * P * (dP - Delta),
+ *     dK_j += dS^T Q_i,  dQ_i += dS K_j.
+ * The block products run on gt_gemm_small_ (matmul.c's register tiles). Blocks are held
+ * transposed, keys by queries (S^T = K_j Q_i^T), so K, V, dO and Q rows are read where
+ * they lie (any row strides) and the softmax's per-query reductions run along vectors.
+ * Only Q^T (and dO^T in the backward) is packed, and Q is multiplied by scale as it is,
+ * so S comes out scaled (the same bits in both directions).
+ *
+ * Masks (one per call): a query row r sees the keys of an interval [lo_r, hi_r], all of
+ * them, or (segment mask with a repeated segment value) only those of its segment. A
+ * block of keys is skipped when no row sees any of it, taken whole when every row sees
+ * all of it, and masked key by key otherwise.
+ *
+ * Determinism: work units are whole (batch, head, query block)s in the forward and whole
+ * (batch, KV head)s in the backward; each output element is computed by the unit that
+ * owns it, in a fixed order (O: key blocks ascending; dQ: key blocks ascending; dK, dV:
+ * query heads, then query blocks, ascending), so which thread takes which unit (threads
+ * take the next unit from a shared counter, which balances causal masks' unequal blocks)
+ * changes nothing in the results. Backward units are few (B * H_kv): with fewer of them
+ * than threads some threads idle.
+ */
+#include <math.h>
+#include <stdatomic.h>
+
+#include "internal.h"
+#include "shape.h"
+#include "simd.h"
+
+#define BR 64       /* query rows per block */
+#define BC 64       /* keys per block */
+#define LANES 16
+#define ALIGN 64
+
+enum { MASK_NONE = 0, MASK_CAUSAL = 1, MASK_POS = 2, MASK_SEG = 3 };
+
+/* Shapes and strides of one call. q (B, Tq, H, D), k and v (B, Tk, Hkv, D): strides of
+ * b, t, h in elements (d has stride 1). */
+typedef struct att {
+    int64_t B, Tq, Tk, H, Hkv, G, D;
+    const float *q, *k, *v;
+    int64_t qs[3], ks[3], vs[3];
+    int mode;
+    float scale;
+    const int32_t *pos, *seg;       /* mode MASK_POS: (Tq,); MASK_SEG: (B, Tk) */
+} att;
+
+static int64_t align_up(int64_t n) { return (n + ALIGN - 1) / ALIGN * ALIGN; }
+static int64_t div_up(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+/* ---- arguments ------------------------------------------------------------------- */
+
+/* q, k, v of src[0..2]; with data == 0 (sizing: no memory yet) their shapes alone. */
+static int check_qkv(const gt_node *node, const char *op, int data, att *A) {
+    const gt_tensor *q = &node->src[0], *k = &node->src[1], *v = &node->src[2];
+    const char *names[3] = {"q", "k", "v"};
+    char a[128], b[128];
+    GT_TRY(gt_check_n_src(node, 3, op));
+    for (int i = 0; i < 3; i++) {
+        const gt_tensor *t = &node->src[i];
+        if (data) GT_CHECK_F32(t, op, names[i]);
+        if (t->ndim != 4)
+            return GT_FAIL(GT_ERR_SHAPE, "%s: expected %s (B, T, heads, D), got %s", op, names[i],
+                           gt_shape_str(t, a, sizeof a));
+        if (t->shape[3] > 1 && t->strides[3] != 1)
+            return GT_FAIL(GT_ERR_INVALID, "%s: expected %s with unit stride along D, got stride %lld", op,
+                           names[i], (long long)t->strides[3]);
+    }
+    if (k->shape[0] != q->shape[0] || k->shape[3] != q->shape[3] || k->shape[2] < 1 ||
+        q->shape[2] % k->shape[2] != 0)
+        return GT_FAIL(GT_ERR_SHAPE, "%s: expected k (%lld, T_k, H_kv, %lld) with H_kv dividing the %lld heads "
+                       "of q %s, got %s", op, (long long)q->shape[0], (long long)q->shape[3],
+                       (long long)q->shape[2], gt_shape_str(q, a, sizeof a), gt_shape_str(k, b, sizeof b));
+    if (!gt_same_shape(v, k))
+        return GT_FAIL(GT_ERR_SHAPE, "%s: expected v of k's shape %s, got %s", op, gt_shape_str(k, a, sizeof a),
+                       gt_shape_str(v, b, sizeof b));
+    A->B = q->shape[0];
+    A->Tq = q->shape[1];
+    A->H = q->shape[2];
+    A->D = q->shape[3];
+    A->Tk = k->shape[1];
+    A->Hkv = k->shape[2];
+    A->G = A->H / A->Hkv;
+    A->q = q->data;
+    A->k = k->data;
+    A->v = v->data;
+    for (int i = 0; i < 3; i++) {
+        A->qs[i] = q->strides[i];
+        A->ks[i] = k->strides[i];
+        A->vs[i] = v->strides[i];
+    }
+    return GT_OK;
+}
+
+/* The mask: ip[0] (0 none, 1 causal, 2 by position, 3 by segment) and its input src[im]. */
+static int check_mask(const gt_node *node, const char *op, int im, att *A) {
+    const int64_t mode = node->ip[0];
+    char a[128], b[128];
+    if (mode < MASK_NONE || mode > MASK_SEG)
+        return GT_FAIL(GT_ERR_INVALID, "%s: expected mask ip[0] 0, 1, 2 or 3, got %lld", op, (long long)mode);
+    A->mode = (int)mode;
+    A->scale = node->fp[0];
+    A->pos = A->seg = NULL;
+    if (mode < MASK_POS) return GT_OK;
+    GT_TRY(gt_check_n_src(node, im + 1, op));
+    const gt_tensor *m = &node->src[im];
+    const char *what = mode == MASK_POS ? "pos" : "seg";
+    GT_TRY(gt_check_i32(m, op, what));
+    GT_TRY(gt_check_contig(m, op, what));
+    if (mode == MASK_POS) {
+        if (m->ndim != 1 || m->shape[0] != A->Tq)
+            return GT_FAIL(GT_ERR_SHAPE, "%s: expected pos (%lld,) (T_q), got %s", op, (long long)A->Tq,
+                           gt_shape_str(m, a, sizeof a));
+        A->pos = m->data;
+        return GT_OK;
+    }
+    if (A->Tq != A->Tk)
+        return GT_FAIL(GT_ERR_SHAPE, "%s: the segment mask needs T_q == T_k, got %lld and %lld", op,
+                       (long long)A->Tq, (long long)A->Tk);
+    if (m->ndim != 2 || m->shape[0] != A->B || m->shape[1] != A->Tk)
+        return GT_FAIL(GT_ERR_SHAPE, "%s: expected seg (%lld, %lld) (B, T), got %s for q %s", op, (long long)A->B,
+                       (long long)A->Tk, gt_shape_str(m, a, sizeof a), gt_shape_str(&node->src[0], b, sizeof b));
+    A->seg = m->data;
+    return GT_OK;
+}
+
+/* ---- which keys each query row sees -------------------------------------------------- */
+
+/* Rows of the mask, (B, Tq) each: row r of batch b sees keys in [lo, hi] (none when
+ * hi < lo); ex != 0: every key of the interval, else (segment mask, the value seen
+ * before an earlier run of another) only the keys with seg[key] == seg[r]. */
+typedef struct rows {
+    int32_t *lo, *hi, *ex;
+} rows;
+
+/* Fill the rows of batches [b0, b1). Segment mask: a row's interval starts at the
+ * first key with its segment value; for packed samples (contiguous runs) that is its
+ * run's start and the interval is exact. */
+static void fill_rows(const att *A, rows R, int64_t b0, int64_t b1) {
+    const int64_t Tq = A->Tq, Tk = A->Tk;
+    for (int64_t b = b0; b < b1; b++) {
+        int32_t *lo = R.lo + b * Tq, *hi = R.hi + b * Tq, *ex = R.ex + b * Tq;
+        if (A->mode == MASK_SEG) {
+            const int32_t *sg = A->seg + b * Tk;
+            int32_t first = 0, exact = 1;
+            for (int64_t r = 0; r < Tq; r++) {
+                if (r == 0 || sg[r] != sg[r - 1]) {   /* a new run: is its value seen earlier? */
+                    first = (int32_t)r;
+                    exact = 1;
+                    for (int64_t j = 0; j < r; j++)
+                        if (sg[j] == sg[r]) {
+                            first = (int32_t)j;
+                            exact = 0;
+                            break;
+                        }
+                }
+                lo[r] = first;
+                hi[r] = (int32_t)r;
+                ex[r] = exact;
+            }
+            continue;
+        }
+        for (int64_t r = 0; r < Tq; r++) {
+            int64_t h = Tk - 1;
+            if (A->mode == MASK_CAUSAL) h = r + (Tk - Tq);
+            else if (A->mode == MASK_POS) h = A->pos[r];
+            h = h < -1 ? -1 : h > Tk - 1 ? Tk - 1 : h;
+            lo[r] = 0;
+            hi[r] = (int32_t)h;
+            ex[r] = 1;
+        }
+    }
+}
+
+/* How rows [r0, r0 + n) of batch b see keys [c0, c1]. */
+enum { BLOCK_SKIP, BLOCK_FULL, BLOCK_PARTIAL };
+
+static int classify(const int32_t *lo, const int32_t *hi, const int32_t *ex, int64_t n, int64_t c0, int64_t c1) {
+    int any = 0, full = 1;
+    for (int64_t r = 0; r < n; r++) {
+        const int64_t l = lo[r], h = hi[r];
+        if (h >= l && h >= c0 && l <= c1) any = 1;
+        if (!(l <= c0 && h >= c1 && ex[r])) full = 0;
+    }
+    return !any ? BLOCK_SKIP : full ? BLOCK_FULL : BLOCK_PARTIAL;
+}
+
+/* ---- vector helpers (contiguous rows, LANES at a time, fixed order) ------------------ */
+
+/* NOTE: masks are combined with & and | (not && and ||): branches in a loop body stop
+ * GCC from vectorizing it. */
+
+/* The block helpers below run over a block's nc key rows of n query columns (row stride
+ * ld), vectorized along the columns: the per-query values (maxima, sums, LSE, Delta, mask
+ * intervals) are vectors, and each column is reduced over the keys in order. Key c's
+ * segment value is sk[c]. */
+
+/* cmax[r] = max over the keys of s[c, r], every row seeing every key */
+GT_CLONES static void block_max(float *restrict cmax, const float *restrict s, int64_t ld, int64_t nc, int64_t n) {
+    for (int64_t c = 0; c < nc; c++) {
+        const float *restrict sc = s + c * ld;
+        int64_t i = 0;
+        for (; i + LANES <= n; i += LANES)
+            for (int k = 0; k < LANES; k++) cmax[i + k] = sc[i + k] > cmax[i + k] ? sc[i + k] : cmax[i + k];
+        for (; i < n; i++) cmax[i] = sc[i] > cmax[i] ? sc[i] : cmax[i];
+    }
+}
+
+/* The same where rows see keys c0 + c only partly: s[c, r] = -inf where row r does not. */
+GT_CLONES static void block_mask_max(float *restrict cmax, float *restrict s, int64_t ld, int64_t nc, int64_t n,
+                                     int32_t c0, const int32_t *restrict sk, const int32_t *restrict lo,
+                                     const int32_t *restrict hi, const int32_t *restrict ex,
+                                     const int32_t *restrict sq) {
+    for (int64_t c = 0; c < nc; c++) {
+        float *restrict sc = s + c * ld;
+        const int32_t key = c0 + (int32_t)c, segc = sk[c];
+        int64_t i = 0;
+        for (; i + LANES <= n; i += LANES)
+            for (int k = 0; k < LANES; k++) {
+                const int vis = (key >= lo[i + k]) & (key <= hi[i + k]) & ((ex[i + k] != 0) | (segc == sq[i + k]));
+                const float x = vis ? sc[i + k] : -INFINITY;
+                sc[i + k] = x;
+                cmax[i + k] = x > cmax[i + k] ? x : cmax[i + k];
+            }
+        for (; i < n; i++) {
+            const int vis = (key >= lo[i]) & (key <= hi[i]) & ((ex[i] != 0) | (segc == sq[i]));
+            const float x = vis ? sc[i] : -INFINITY;
+            sc[i] = x;
+            cmax[i] = x > cmax[i] ? x : cmax[i];
+        }
+    }
+}
+
+/* The online softmax's step per row, after a block's row maxima bm: the new max
+ * m' = max(m, bm), alpha = exp(m - m') (what l and O are multiplied by; 0 while m is
+ * -inf: nothing summed yet) and msafe = m', or 0 while m' is -inf (so that
+ * exp(s - msafe) of masked s = -inf is 0, never NaN). bm is then zeroed for the sums. */
+GT_CLONES static void online_max(float *restrict m, float *restrict bm, float *restrict alpha,
+                                 float *restrict msafe, int64_t n) {
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES)
+        for (int k = 0; k < LANES; k++) {
+            const float mo = m[i + k], mn = bm[i + k] > mo ? bm[i + k] : mo;
+            const float e = gt_expf_(mo - mn);
+            alpha[i + k] = mo == -INFINITY ? 0.0f : e;
+            msafe[i + k] = mn == -INFINITY ? 0.0f : mn;
+            m[i + k] = mn;
+            bm[i + k] = 0.0f;
+        }
+    for (; i < n; i++) {
+        const float mo = m[i], mn = bm[i] > mo ? bm[i] : mo;
+        const float e = gt_expf_(mo - mn);
+        alpha[i] = mo == -INFINITY ? 0.0f : e;
+        msafe[i] = mn == -INFINITY ? 0.0f : mn;
+        m[i] = mn;
+        bm[i] = 0.0f;
+    }
+}
+
+/* l = l * alpha + bsum */
+GT_CLONES static void online_sum(float *restrict l, const float *restrict alpha, const float *restrict bsum,
+                                 int64_t n) {
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES)
+        for (int k = 0; k < LANES; k++) l[i + k] = l[i + k] * alpha[i + k] + bsum[i + k];
+    for (; i < n; i++) l[i] = l[i] * alpha[i] + bsum[i];
+}
+
+/* s[c, r] = exp(s[c, r] - m[r]); csum[r] += s[c, r], keys in order */
+GT_CLONES static void block_exp_sum(float *restrict s, int64_t ld, int64_t nc, int64_t n, float *restrict csum,
+                                    const float *restrict m) {
+    for (int64_t c = 0; c < nc; c++) {
+        float *restrict sc = s + c * ld;
+        int64_t i = 0;
+        for (; i + LANES <= n; i += LANES)
+            for (int k = 0; k < LANES; k++) {
+                const float e = gt_expf_(sc[i + k] - m[i + k]);
+                sc[i + k] = e;
+                csum[i + k] += e;
+            }
+        for (; i < n; i++) {
+            const float e = gt_expf_(sc[i] - m[i]);
+            sc[i] = e;
+            csum[i] += e;
+        }
+    }
+}
+
+/* Backward (s: the scaled logits of keys c0 + c): p = exp(s - lse) where seen (every key
+ * unless partial), else 0; s = p, dp = scale * p * (dp - delta). */
+GT_CLONES static void block_probs_grad(float *restrict s, float *restrict dp, int64_t ld, int64_t nc, int64_t n,
+                                       float scale, int partial, int32_t c0, const int32_t *restrict sk,
+                                       const float *restrict lse, const float *restrict delta,
+                                       const int32_t *restrict lo, const int32_t *restrict hi,
+                                       const int32_t *restrict ex, const int32_t *restrict sq) {
+    for (int64_t c = 0; c < nc; c++) {
+        float *restrict sc = s + c * ld, *restrict dc = dp + c * ld;
+        const int32_t key = c0 + (int32_t)c, segc = sk[c];
+        int64_t i = 0;
+        for (; i + LANES <= n; i += LANES)
+            for (int k = 0; k < LANES; k++) {
+                const int vis = (partial == 0) |
+                                ((key >= lo[i + k]) & (key <= hi[i + k]) & ((ex[i + k] != 0) | (segc == sq[i + k])));
+                const float e = gt_expf_(sc[i + k] - lse[i + k]);
+                const float p = vis ? e : 0.0f;
+                sc[i + k] = p;
+                dc[i + k] = scale * p * (dc[i + k] - delta[i + k]);
+            }
+        for (; i < n; i++) {
+            const int vis = (partial == 0) | ((key >= lo[i]) & (key <= hi[i]) & ((ex[i] != 0) | (segc == sq[i])));
+            const float e = gt_expf_(sc[i] - lse[i]);
+            const float p = vis ? e : 0.0f;
+            sc[i] = p;
+            dc[i] = scale * p * (dc[i] - delta[i]);
+        }
+    }
+}
+
+/* d = x * c */
+GT_CLONES static void scale_row(float *restrict d, const float *restrict x, float c, int64_t n) {
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES)
+        for (int k = 0; k < LANES; k++) d[i + k] = x[i + k] * c;
+    for (; i < n; i++) d[i] = x[i] * c;
+}
+
+/* d = d * c */
+GT_CLONES static void mul_row(float *restrict d, float c, int64_t n) {
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES)
+        for (int k = 0; k < LANES; k++) d[i + k] *= c;
+    for (; i < n; i++) d[i] *= c;
+}
+
+GT_CLONES static float dot_row(const float *a, const float *b, int64_t n) {
+    float acc[LANES] = {0};
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES)
+        for (int k = 0; k < LANES; k++) acc[k] += a[i + k] * b[i + k];
+    float s = 0.0f;
+    for (int k = 0; k < LANES; k++) s += acc[k];
+    for (; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+/* dst (D x n, row stride ld) = c * the n rows of src (row stride rs, D contiguous floats
+ * each), transposed */
+static void transpose_rows(float *restrict dst, int64_t ld, const float *restrict src, int64_t rs, int64_t n,
+                           int64_t D, float c) {
+    for (int64_t r = 0; r < n; r++) {
+        const float *s = src + r * rs;
+        for (int64_t d = 0; d < D; d++) dst[d * ld + r] = c * s[d];
+    }
+}
+
+/* ---- forward ------------------------------------------------------------------------ */
+
+/* Per-thread work of the forward, in floats from a 64-byte aligned base: QT (D x BR),
+ * ST (BC x BR), O (BR x D), then per-row vectors m, l, cmax, msafe, alpha and int32
+ * lo, hi, ex, sq (BR each), and the keys' segments sk (BC). */
+typedef struct fwd_work {
+    float *qt, *st, *o, *m, *l, *cmax, *msafe, *alpha;
+    int32_t *lo, *hi, *ex, *sq, *sk;
+} fwd_work;
+
+static int64_t fwd_work_layout(int64_t D, char *base, fwd_work *w) {
+    int64_t off = 0;
+    float **f[8];
+    int64_t n[8] = {D * BR, (int64_t)BC * BR, BR * D, BR, BR, BR, BR, BR};
+    if (w) {
+        f[0] = &w->qt; f[1] = &w->st; f[2] = &w->o; f[3] = &w->m;
+        f[4] = &w->l; f[5] = &w->cmax; f[6] = &w->msafe; f[7] = &w->alpha;
+    }
+    for (int i = 0; i < 8; i++) {
+        if (w) *f[i] = (float *)(base + off);
+        off += align_up(n[i] * (int64_t)sizeof(float));
+    }
+    int32_t **g[5];
+    if (w) { g[0] = &w->lo; g[1] = &w->hi; g[2] = &w->ex; g[3] = &w->sq; g[4] = &w->sk; }
+    for (int i = 0; i < 5; i++) {
+        if (w) *g[i] = (int32_t *)(base + off);
+        off += align_up((i < 4 ? BR : BC) * (int64_t)sizeof(int32_t));
+    }
+    return off + ALIGN;   /* room to align the base */
+}
+
+/* Node scratch of either direction: a unit counter, the mask rows (3 x B x Tq int32),
+ * then (backward) Delta (B x H x Tq floats). */
+typedef struct scratch {
+    _Atomic int64_t *next;
+    rows R;
+    float *delta;
+} scratch;
+
+static int64_t scratch_layout(const att *A, int with_delta, char *base, scratch *s) {
+    int64_t off = ALIGN;
+    const int64_t nr = align_up(A->B * A->Tq * (int64_t)sizeof(int32_t));
+    if (s) {
+        s->next = (_Atomic int64_t *)base;
+        s->R.lo = (int32_t *)(base + off);
+        s->R.hi = (int32_t *)(base + off + nr);
+        s->R.ex = (int32_t *)(base + off + 2 * nr);
+    }
+    off += 3 * nr;
+    if (with_delta) {
+        if (s) s->delta = (float *)(base + off);
+        off += align_up(A->B * A->H * A->Tq * (int64_t)sizeof(float));
+    }
+    return off;
+}
+
+static int check_scratch(const gt_node *node, const char *op, int64_t need) {
+    if (!node->scratch || node->scratch_size < need)
+        return GT_FAIL(GT_ERR_INVALID, "%s: expected %lld bytes of node scratch, got %lld", op, (long long)need,
+                       (long long)(node->scratch ? node->scratch_size : 0));
+    if ((uintptr_t)node->scratch % ALIGN)
+        return GT_FAIL(GT_ERR_INVALID, "%s: node scratch must be %d-byte aligned", op, ALIGN);
+    return GT_OK;
+}
+
+static int check_work(const gt_ctx *ctx, const char *op, int64_t need) {
+    if (!ctx->wdata || ctx->wsize < need)
+        return GT_FAIL(GT_ERR_INVALID, "%s: expected %lld bytes of per-thread work, got %lld", op, (long long)need,
+                       (long long)(ctx->wdata ? ctx->wsize : 0));
+    return GT_OK;
+}
+
+static char *aligned_work(const gt_ctx *ctx) {
+    return (char *)(((uintptr_t)ctx->wdata + ALIGN - 1) & ~(uintptr_t)(ALIGN - 1));
+}
+
+/* This row's mask inputs into the per-row vectors of a block: rows [i0, i0 + n) of batch
+ * b; rows past Tq see nothing. */
+static void block_rows(const att *A, rows R, int64_t b, int64_t i0, int64_t n, int32_t *lo, int32_t *hi,
+                       int32_t *ex, int32_t *sq) {
+    const int64_t base = b * A->Tq + i0;
+    for (int64_t r = 0; r < n; r++) {
+        lo[r] = R.lo[base + r];
+        hi[r] = R.hi[base + r];
+        ex[r] = R.ex[base + r];
+        sq[r] = A->seg ? A->seg[b * A->Tk + i0 + r] : 0;
+    }
+}
+
+/* One forward unit: query rows [i0, i0 + nq) of head h, batch b. o: dst's O, lse: its LSE. */
+static void fwd_unit(const att *A, rows R, fwd_work *w, int64_t b, int64_t h, int64_t i0, float *o, float *lse) {
+    const int64_t D = A->D, Tk = A->Tk, kvh = h / A->G;
+    const int64_t nq = A->Tq - i0 < BR ? A->Tq - i0 : BR;
+    const float *q = A->q + b * A->qs[0] + i0 * A->qs[1] + h * A->qs[2];
+    const float *k = A->k + b * A->ks[0] + kvh * A->ks[2];
+    const float *v = A->v + b * A->vs[0] + kvh * A->vs[2];
+    block_rows(A, R, b, i0, nq, w->lo, w->hi, w->ex, w->sq);
+    int64_t klo = Tk, khi = -1;
+    for (int64_t r = 0; r < nq; r++) {
+        if (w->hi[r] < w->lo[r]) continue;
+        klo = w->lo[r] < klo ? w->lo[r] : klo;
+        khi = w->hi[r] > khi ? w->hi[r] : khi;
+    }
+    transpose_rows(w->qt, BR, q, A->qs[1], nq, D, A->scale);   /* S comes out scaled */
+    for (int64_t r = 0; r < nq; r++) {
+        w->m[r] = -INFINITY;
+        w->l[r] = 0.0f;
+    }
+    int first = 1;
+    for (int64_t j0 = klo >= 0 && klo < Tk ? klo / BC * BC : Tk; j0 <= khi; j0 += BC) {
+        const int64_t nc = Tk - j0 < BC ? Tk - j0 : BC;
+        const int kind = classify(w->lo, w->hi, w->ex, nq, j0, j0 + nc - 1);
+        if (kind == BLOCK_SKIP) continue;
+        /* ST (nc x nq) = K_j Q_i^T */
+        gt_gemm_small_(w->st, BR, k + j0 * A->ks[1], A->ks[1], 1, w->qt, BR, nc, nq, D, 0);
+        for (int64_t r = 0; r < nq; r++) w->cmax[r] = -INFINITY;
+        if (kind == BLOCK_FULL) {
+            block_max(w->cmax, w->st, BR, nc, nq);
+        } else {
+            for (int64_t c = 0; c < nc; c++) w->sk[c] = A->seg ? A->seg[b * Tk + j0 + c] : 0;
+            block_mask_max(w->cmax, w->st, BR, nc, nq, (int32_t)j0, w->sk, w->lo, w->hi, w->ex, w->sq);
+        }
+        online_max(w->m, w->cmax, w->alpha, w->msafe, nq);
+        block_exp_sum(w->st, BR, nc, nq, w->cmax, w->msafe);
+        online_sum(w->l, w->alpha, w->cmax, nq);
+        if (!first)
+            for (int64_t r = 0; r < nq; r++) mul_row(w->o + r * D, w->alpha[r], D);
+        /* O (nq x D) (+)= P V_j, P[r, c] = ST[c, r] */
+        gt_gemm_small_(w->o, D, w->st, 1, BR, v + j0 * A->vs[1], A->vs[1], nq, D, nc, !first);
+        first = 0;
+    }
+    for (int64_t r = 0; r < nq; r++) {
+        float *orow = o + ((b * A->Tq + i0 + r) * A->H + h) * D;
+        const float l = w->l[r];
+        if (first || !(l > 0.0f)) {   /* sees no key */
+            memset(orow, 0, (size_t)D * sizeof(float));
+            lse[(b * A->H + h) * A->Tq + i0 + r] = -INFINITY;
+            continue;
+        }
+        scale_row(orow, w->o + r * D, 1.0f / l, D);
+        lse[(b * A->H + h) * A->Tq + i0 + r] = w->m[r] + logf(l);
+    }
+}
+
+/* attention (see ggtrain.h): dst = [O (B, Tq, H, D) | LSE (B, H, Tq)]. */
+int gt_attention_fwd_f32_sizes(const gt_node *node, int64_t *scratch, int64_t *work) {
+    att A;
+    GT_TRY(check_qkv(node, "attention", 0, &A));
+    *scratch = scratch_layout(&A, 0, NULL, NULL);
+    *work = fwd_work_layout(A.D, NULL, NULL);
+    return GT_OK;
+}
+
+int gt_attention_fwd_f32(const gt_node *node, const gt_ctx *ctx) {
+    const char *op = "attention";
+    att A;
+    GT_TRY(check_qkv(node, op, 1, &A));
+    GT_TRY(check_mask(node, op, 3, &A));
+    const gt_tensor *d = &node->dst;
+    GT_CHECK_F32(d, op, "dst");
+    GT_TRY(gt_check_contig(d, op, "dst"));
+    const int64_t no = A.B * A.Tq * A.H * A.D, nl = A.B * A.H * A.Tq;
+    if (gt_numel(d) != no + nl) {
+        char a[128];
+        return GT_FAIL(GT_ERR_SHAPE, "%s: expected dst of %lld elements (O and LSE), got %s", op,
+                       (long long)(no + nl), gt_shape_str(d, a, sizeof a));
+    }
+    GT_TRY(check_scratch(node, op, scratch_layout(&A, 0, NULL, NULL)));
+    GT_TRY(check_work(ctx, op, fwd_work_layout(A.D, NULL, NULL)));
+    scratch S;
+    scratch_layout(&A, 0, node->scratch, &S);
+    fwd_work w;
+    fwd_work_layout(A.D, aligned_work(ctx), &w);
+
+    int64_t lo, hi;
+    gt_split(A.B, ctx, &lo, &hi);
+    fill_rows(&A, S.R, lo, hi);
+    if (ctx->ith == 0) atomic_store_explicit(S.next, 0, memory_order_relaxed);
+    gt_barrier(ctx);
+
+    float *o = d->data, *lse = o + no;
+    const int64_t nqb = div_up(A.Tq, BR), bh = A.B * A.H, units = nqb * bh;
+    for (;;) {
+        const int64_t u = atomic_fetch_add_explicit(S.next, 1, memory_order_relaxed);
+        if (u >= units) break;
+        /* the last query blocks (most keys under a causal mask) first */
+        const int64_t ib = nqb - 1 - u / bh, b = u % bh / A.H, h = u % A.H;
+        fwd_unit(&A, S.R, &w, b, h, ib * BR, o, lse);
+    }
+    return GT_OK;
+}
+
+/* ---- backward ------------------------------------------------------------------------ */
+
+/* Per-thread work of the backward: QT and dOT (D x Tq each: one head's queries and
+ * output gradients, transposed), ST and dPT (BC x BR), then per-row vectors lse, delta
+ * (floats) and lo, hi, ex, sq (int32), BR each, and the keys' segments sk (BC). */
+typedef struct bwd_work {
+    float *qt, *dot, *st, *dpt, *lse, *delta;
+    int32_t *lo, *hi, *ex, *sq, *sk;
+} bwd_work;
+
+static int64_t bwd_work_layout(int64_t D, int64_t Tq, char *base, bwd_work *w) {
+    int64_t off = 0;
+    float **f[6];
+    const int64_t n[6] = {D * Tq, D * Tq, (int64_t)BC * BR, (int64_t)BC * BR, BR, BR};
+    if (w) { f[0] = &w->qt; f[1] = &w->dot; f[2] = &w->st; f[3] = &w->dpt; f[4] = &w->lse; f[5] = &w->delta; }
+    for (int i = 0; i < 6; i++) {
+        if (w) *f[i] = (float *)(base + off);
+        off += align_up(n[i] * (int64_t)sizeof(float));
+    }
+    int32_t **g[5];
+    if (w) { g[0] = &w->lo; g[1] = &w->hi; g[2] = &w->ex; g[3] = &w->sq; g[4] = &w->sk; }
+    for (int i = 0; i < 5; i++) {
+        if (w) *g[i] = (int32_t *)(base + off);
+        off += align_up((i < 4 ? BR : BC) * (int64_t)sizeof(int32_t));
+    }
+    return off + ALIGN;
+}
+
+/* One backward unit: KV head kvh of batch b and its G query heads. dq, dk, dv: dst's parts. */
+static void bwd_unit(const att *A, rows R, const float *delta, const float *lse_all, const float *go,
+                     const int64_t *gs, bwd_work *w, int64_t b, int64_t kvh, float *dq, float *dk, float *dv) {
+    const int64_t D = A->D, Tq = A->Tq, Tk = A->Tk, H = A->H, Hkv = A->Hkv;
+    const int64_t ldq = H * D, ldk = Hkv * D;   /* dst row strides */
+    float *dkb = dk + (b * Tk * Hkv + kvh) * D, *dvb = dv + (b * Tk * Hkv + kvh) * D;
+    const float *k = A->k + b * A->ks[0] + kvh * A->ks[2];
+    const float *v = A->v + b * A->vs[0] + kvh * A->vs[2];
+    for (int64_t t = 0; t < Tk; t++) {
+        memset(dkb + t * ldk, 0, (size_t)D * sizeof(float));
+        memset(dvb + t * ldk, 0, (size_t)D * sizeof(float));
+    }
+    for (int64_t g = 0; g < A->G; g++) {
+        const int64_t h = kvh * A->G + g;
+        const float *q = A->q + b * A->qs[0] + h * A->qs[2];
+        const float *gq = go + b * gs[0] + h * gs[2];
+        float *dqb = dq + (b * Tq * H + h) * D;
+        transpose_rows(w->qt, Tq, q, A->qs[1], Tq, D, A->scale);  /* as in the forward */
+        transpose_rows(w->dot, Tq, gq, gs[1], Tq, D, 1.0f);
+        for (int64_t t = 0; t < Tq; t++) memset(dqb + t * ldq, 0, (size_t)D * sizeof(float));
+        for (int64_t i0 = 0; i0 < Tq; i0 += BR) {
+            const int64_t nq = Tq - i0 < BR ? Tq - i0 : BR;
+            block_rows(A, R, b, i0, nq, w->lo, w->hi, w->ex, w->sq);
+            int64_t klo = Tk, khi = -1;
+            for (int64_t r = 0; r < nq; r++) {
+                w->lse[r] = lse_all[(b * H + h) * Tq + i0 + r];
+                w->delta[r] = delta[(b * H + h) * Tq + i0 + r];
+                if (w->hi[r] < w->lo[r]) continue;
+                klo = w->lo[r] < klo ? w->lo[r] : klo;
+                khi = w->hi[r] > khi ? w->hi[r] : khi;
+            }
+            for (int64_t j0 = klo < Tk ? klo / BC * BC : Tk; j0 <= khi; j0 += BC) {
+                const int64_t nc = Tk - j0 < BC ? Tk - j0 : BC;
+                const int kind = classify(w->lo, w->hi, w->ex, nq, j0, j0 + nc - 1);
+                if (kind == BLOCK_SKIP) continue;
+                const float *kj = k + j0 * A->ks[1], *vj = v + j0 * A->vs[1];
+                /* ST = K_j Q_i^T, dPT = V_j dO_i^T (nc x nq) */
+                gt_gemm_small_(w->st, BR, kj, A->ks[1], 1, w->qt + i0, Tq, nc, nq, D, 0);
+                gt_gemm_small_(w->dpt, BR, vj, A->vs[1], 1, w->dot + i0, Tq, nc, nq, D, 0);
+                for (int64_t c = 0; c < nc; c++) w->sk[c] = A->seg ? A->seg[b * Tk + j0 + c] : 0;
+                block_probs_grad(w->st, w->dpt, BR, nc, nq, A->scale, kind == BLOCK_PARTIAL, (int32_t)j0, w->sk,
+                                 w->lse, w->delta, w->lo, w->hi, w->ex, w->sq);
+                /* dV_j += P^T dO_i, dK_j += dS^T Q_i (nc x D), dQ_i += dS K_j (nq x D) */
+                gt_gemm_small_(dvb + j0 * ldk, ldk, w->st, BR, 1, gq + i0 * gs[1], gs[1], nc, D, nq, 1);
+                gt_gemm_small_(dkb + j0 * ldk, ldk, w->dpt, BR, 1, q + i0 * A->qs[1], A->qs[1], nc, D, nq, 1);
+                gt_gemm_small_(dqb + i0 * ldq, ldq, w->dpt, 1, BR, kj, A->ks[1], nq, D, nc, 1);
+            }
+        }
+    }
+}
+
+int gt_attention_bwd_f32_sizes(const gt_node *node, int64_t *scratch, int64_t *work) {
+    att A;
+    GT_TRY(check_qkv(node, "attention_bwd", 0, &A));
+    *scratch = scratch_layout(&A, 1, NULL, NULL);
+    *work = bwd_work_layout(A.D, A.Tq, NULL, NULL);
+    return GT_OK;
+}
+
+/* attention_bwd (see ggtrain.h): dst = [dQ | dK | dV]. */
+int gt_attention_bwd_f32(const gt_node *node, const gt_ctx *ctx) {
+    const char *op = "attention_bwd";
+    att A;
+    char a[128];
+    GT_TRY(gt_check_n_src(node, 5, op));
+    GT_TRY(check_qkv(node, op, 1, &A));
+    GT_TRY(check_mask(node, op, 5, &A));
+    const gt_tensor *d = &node->dst, *y = &node->src[3], *g = &node->src[4];
+    const int64_t no = A.B * A.Tq * A.H * A.D, nl = A.B * A.H * A.Tq, nk = A.B * A.Tk * A.Hkv * A.D;
+    GT_CHECK_F32(d, op, "dst");
+    GT_CHECK_F32(y, op, "y");
+    GT_CHECK_F32(g, op, "g");
+    GT_TRY(gt_check_contig(d, op, "dst"));
+    GT_TRY(gt_check_contig(y, op, "y"));
+    if (gt_numel(d) != no + 2 * nk)
+        return GT_FAIL(GT_ERR_SHAPE, "%s: expected dst of %lld elements (dq, dk, dv), got %s", op,
+                       (long long)(no + 2 * nk), gt_shape_str(d, a, sizeof a));
+    if (gt_numel(y) != no + nl)
+        return GT_FAIL(GT_ERR_SHAPE, "%s: expected y (the forward's O and LSE) of %lld elements, got %s", op,
+                       (long long)(no + nl), gt_shape_str(y, a, sizeof a));
+    /* g: dO (B, Tq, H, D) with unit stride along D, or the gradient of all of y (dO and dLSE) */
+    const gt_tensor *q = &node->src[0];
+    int64_t gs[3];
+    const float *dlse = NULL;
+    if (gt_same_shape(g, q)) {
+        if (A.D > 1 && g->strides[3] != 1)
+            return GT_FAIL(GT_ERR_INVALID, "%s: expected g with unit stride along D, got stride %lld", op,
+                           (long long)g->strides[3]);
+        for (int i = 0; i < 3; i++) gs[i] = g->strides[i];
+    } else if (gt_numel(g) == no + nl && gt_is_contiguous(g)) {
+        gs[0] = A.Tq * A.H * A.D;
+        gs[1] = A.H * A.D;
+        gs[2] = A.D;
+        dlse = (const float *)g->data + no;
+    } else {
+        char b[128];
+        return GT_FAIL(GT_ERR_SHAPE, "%s: expected g of q's shape %s (dO), or contiguous of y's %lld elements, "
+                       "got %s", op, gt_shape_str(q, b, sizeof b), (long long)(no + nl),
+                       gt_shape_str(g, a, sizeof a));
+    }
+    GT_TRY(check_scratch(node, op, scratch_layout(&A, 1, NULL, NULL)));
+    GT_TRY(check_work(ctx, op, bwd_work_layout(A.D, A.Tq, NULL, NULL)));
+    scratch S;
+    scratch_layout(&A, 1, node->scratch, &S);
+    bwd_work w;
+    bwd_work_layout(A.D, A.Tq, aligned_work(ctx), &w);
+    const float *o = y->data, *lse = o + no, *go = g->data;
+
+    /* phase 1: the mask rows and Delta = rowsum(dO * O) - dLSE */
+    int64_t lo, hi;
+    gt_split(A.B, ctx, &lo, &hi);
+    fill_rows(&A, S.R, lo, hi);
+    gt_split(A.B * A.Tq, ctx, &lo, &hi);
+    for (int64_t bt = lo; bt < hi; bt++) {
+        const int64_t b = bt / A.Tq, t = bt % A.Tq;
+        for (int64_t h = 0; h < A.H; h++) {
+            const int64_t i = (b * A.H + h) * A.Tq + t;
+            const float dd = dot_row(go + b * gs[0] + t * gs[1] + h * gs[2], o + (bt * A.H + h) * A.D, A.D);
+            S.delta[i] = dlse ? dd - dlse[i] : dd;
+        }
+    }
+    if (ctx->ith == 0) atomic_store_explicit(S.next, 0, memory_order_relaxed);
+    gt_barrier(ctx);
+
+    /* phase 2: one (batch, KV head) per unit */
+    float *dq = d->data, *dk = dq + no, *dv = dk + nk;
+    const int64_t units = A.B * A.Hkv;
+    for (;;) {
+        const int64_t u = atomic_fetch_add_explicit(S.next, 1, memory_order_relaxed);
+        if (u >= units) break;
+        bwd_unit(&A, S.R, S.delta, lse, go, gs, &w, u / A.Hkv, u % A.Hkv, dq, dk, dv);
+    }
+    return GT_OK;
+}
