@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 import traceback
 
 import typer
@@ -84,6 +85,10 @@ def main(argv: list | None = None) -> None:
         world = distributed.started()
         if world is None:
             raise
+        if type(exc).__module__.startswith("mpi4py"):
+            # an MPI error here is most often a peer that died: its supervisor names it, given
+            # a moment before this abort ends every process
+            time.sleep(1.0)
         traceback.print_exc()
         print(f"error: rank {world.rank}: {type(exc).__name__}: {exc}", file=sys.stderr)
         world.abort(1)

@@ -112,6 +112,9 @@ class World:
         """End every process of the run now (after this one printed why)."""
         sys.stderr.flush()
         if self.comm is not None:
+            # NOTE: the launcher forwards this process's stderr through a proxy that the abort
+            # kills; a moment's wait lets the line just printed reach the user
+            time.sleep(0.3)
             self.comm.Abort(code)
         os._exit(code)
 
