@@ -9,7 +9,7 @@ Kernel names: an op `foo` runs `gt_foo_fwd_<dtypes>`; an op named `foo_bwd` runs
 `gt_foo_bwd_<dtypes>`, where <dtypes> is the output's dtype, followed by an input's
 where the inputs differ (`matmul_fwd_f32_q4_0`: f32 activations times a Q4_0 weight).
 Each OpDef lists the variants it may run (`dtypes`) and picks one per node (`suffix`).
-Composite ops (mean, transpose, conv2d, linear) build other ops and have no kernel.
+Composite ops (mean, transpose, linear) build other ops and have no kernel.
 View ops (reshape, permute, view) have no kernel either: they alias their input's
 memory with other strides. What memory a kernel needs besides its tensors (scratch,
 work) is asked of the backend when a graph is compiled, never computed here.
@@ -817,21 +817,81 @@ register(OpDef("im2col", _infer_im2col, "im2col_fwd", contiguous=(0,), lower=_co
 register(OpDef("im2col_bwd", _infer_im2col_bwd, "im2col_bwd", contiguous=(0,), lower=_conv_lower))
 
 
-def conv2d(x: Tensor, kernel: Tensor, bias: Tensor | None = None, stride: int = 1, pad: int = 0) -> Tensor:
-    """2-D convolution over NHWC (composite: im2col then matmul).
+def conv2d(x: Tensor, kernel: Tensor, bias: Tensor | None = None, stride: int = 1, pad: int = 0,
+           relu: bool = False, pool: int = 1) -> Tensor:
+    """2-D convolution over NHWC, direct (no im2col buffer), with relu and max-pool fused.
 
-    x (N, H, W, Cin), kernel (Cout, Cin, KH, KW) as ggml stores it, bias broadcastable
-    to (N, OH, OW, Cout). Returns (N, OH, OW, Cout).
+    x (N, H, W, Cin), kernel (Cout, Cin, KH, KW) as ggml stores it, bias (Cout,) or None.
+    Returns relu?(conv + bias) (N, OH, OW, Cout), max-pooled over pool x pool windows
+    (stride pool, floor) when pool > 1: the same values as im2col, matmul, add, relu and
+    max_pool2d. With pool > 1 the node holds (2, N, OH/pool, OW/pool, Cout), the values
+    and the window index of each maximum (what the backward routes g by), and this returns
+    a view of the values.
     """
+    srcs = [x, kernel] if bias is None else [x, kernel, bias]
+    y = apply("conv2d", srcs, stride=int(stride), pad=int(pad), relu=bool(relu), pool=int(pool))
+    return view(y, y.shape[1:]) if y.params["pool"] > 1 else y
+
+
+def _infer_conv2d(srcs, params):
+    x, kernel = srcs[0], srcs[1]
+    _f32("conv2d", *srcs)
+    _need(kernel.ndim == 4, f"conv2d: kernel must be (Cout, Cin, KH, KW), got {kernel.shape}")
     cout, cin, kh, kw = kernel.shape
-    if x.ndim != 4 or x.shape[3] != cin:
-        raise ShapeError(f"conv2d: x {x.shape} must be (N, H, W, {cin}) for kernel {kernel.shape}")
-    cols = im2col(x, kh, kw, stride, pad)                       # (N, OH, OW, Cin*KH*KW)
-    n, oh, ow, ckk = cols.shape
-    w2 = reshape(kernel, (cout, ckk))
-    y = matmul(reshape(cols, (n * oh * ow, ckk)), transpose(w2, 0, 1))   # (N*OH*OW, Cout)
-    y = reshape(y, (n, oh, ow, cout))
-    return add(y, bias) if bias is not None else y
+    _need(x.ndim == 4 and x.shape[3] == cin, f"conv2d: x {x.shape} must be (N, H, W, {cin}) for kernel {kernel.shape}")
+    if len(srcs) == 3:
+        _need(srcs[2].shape == (cout,), f"conv2d: bias {srcs[2].shape} must be ({cout},) for kernel {kernel.shape}")
+    st, pad, pool = params["stride"], params["pad"], params["pool"]
+    _need(st > 0 and pad >= 0 and pool > 0, f"conv2d: bad stride/pad/pool {st, pad, pool}")
+    n, h, w, _ = x.shape
+    oh, ow = _conv_out(h, kh, st, pad), _conv_out(w, kw, st, pad)
+    _need(oh > 0 and ow > 0, f"conv2d: kernel {kh}x{kw} larger than padded input {x.shape} (pad {pad})")
+    _need(pool <= min(oh, ow), f"conv2d: pool window {pool} does not fit the output {oh}x{ow}")
+    if pool == 1:
+        return (n, oh, ow, cout), "f32"
+    return (2, n, oh // pool, ow // pool, cout), "f32"
+
+
+def _conv2d_ip(y, kernel_shape):
+    p = y.params
+    return (kernel_shape[2], kernel_shape[3], p["stride"], p["pad"], int(p["relu"]), p["pool"])
+
+
+def _conv2d_bwd(y, g):
+    x, kernel = y.srcs[0], y.srcs[1]
+    bias = y.srcs[2] if len(y.srcs) == 3 else None
+    params = dict(y.params)
+    if params["pool"] > 1:
+        g = view(g, y.shape[1:])   # the values' gradient (the codes have none)
+    gx = gk = gb = None
+    if x.requires_grad:
+        gx = apply("conv2d_input_bwd", [kernel, y, g], x_shape=x.shape, **params)
+    if kernel.requires_grad or (bias is not None and bias.requires_grad):
+        cout, cin, kh, kw = kernel.shape
+        k = cin * kh * kw
+        gw = apply("conv2d_weight_bwd", [x, y, g], kernel_shape=kernel.shape, **params)  # (K + 1, Cout)
+        gk = view(gw, kernel.shape, (1, kh * kw * cout, kw * cout, cout))
+        gb = view(gw, (cout,), (1,), k * cout)
+    return [gx, gk, gb]
+
+
+def _infer_conv2d_input_bwd(srcs, params):
+    _f32("conv2d_input_bwd", *srcs)
+    return tuple(params["x_shape"]), "f32"
+
+
+def _infer_conv2d_weight_bwd(srcs, params):
+    _f32("conv2d_weight_bwd", *srcs)
+    cout, cin, kh, kw = params["kernel_shape"]
+    return (cin * kh * kw + 1, cout), "f32"
+
+
+register(OpDef("conv2d", _infer_conv2d, "conv2d_fwd", contiguous=(0, 1, 2), backward=_conv2d_bwd,
+               lower=lambda y: (_conv2d_ip(y, y.srcs[1].shape), ())))
+register(OpDef("conv2d_input_bwd", _infer_conv2d_input_bwd, "conv2d_input_bwd", contiguous=(0, 1, 2),
+               lower=lambda y: (_conv2d_ip(y, y.srcs[0].shape), ())))
+register(OpDef("conv2d_weight_bwd", _infer_conv2d_weight_bwd, "conv2d_weight_bwd", contiguous=(0, 1, 2),
+               lower=lambda y: (_conv2d_ip(y, y.params["kernel_shape"]), ())))
 
 
 def max_pool2d(x: Tensor, k: int = 2) -> Tensor:
@@ -948,6 +1008,9 @@ def view(x: Tensor, shape: tuple, strides: tuple | None = None, offset: int = 0)
     if numel(shape) and reach >= x.size:
         raise ShapeError(f"view: shape {shape} strides {strides} offset {offset} reaches element "
                          f"{reach} of a {x.size}-element tensor {x.shape}")
+    if (x.op == "view_bwd" and x.srcs[0].shape == shape and x.params["vstrides"] == strides
+            and x.params["voffset"] == offset):
+        return x.srcs[0]   # the window view_bwd wrote g into: g itself, and view_bwd never runs
     return apply("view", [x], shape=shape, vstrides=strides, voffset=int(offset))
 
 

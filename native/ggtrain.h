@@ -321,6 +321,27 @@ int gt_get_rows_bwd_f32(const struct gt_node *node, const gt_ctx *ctx);
 int gt_im2col_fwd_f32(const struct gt_node *node, const gt_ctx *ctx);
 int gt_im2col_bwd_f32(const struct gt_node *node, const gt_ctx *ctx);
 
+/* conv2d: direct convolution over NHWC with bias, relu and max-pool fused.
+ * src0 x (N, H, W, C), src1 kernel (CO, C, KH, KW), src2 bias (CO,) (optional),
+ * all contiguous; ip = {KH, KW, stride, pad, relu (0/1), pool (1: none)}; zero
+ * padding, OH = (H + 2 pad - KH) / stride + 1 (floor), OW alike. v = relu?(conv
+ * + bias), bit for bit what im2col, matmul, add and relu give. dst: v (N, OH,
+ * OW, CO) when pool == 1; else (2, N, OH/pool, OW/pool, CO): [0] the max of v
+ * over each pool x pool window (stride pool, floor), [1] the window index
+ * i*pool + j of its first maximum as f32, or -1 where relu made it 0.
+ * conv2d_weight_bwd: src0 x, src1 conv2d's dst, src2 g (N, OH/pool, OW/pool, CO)
+ * (gradient of the values); dst (C*KH*KW + 1, CO): row ci*KH*KW + kh*KW + kw
+ * holds d kernel[:, ci, kh, kw], the last row d bias. Node scratch: partial sums
+ * per fixed block of images (gt_conv2d_weight_bwd_f32_sizes).
+ * conv2d_input_bwd: src0 kernel, src1 conv2d's dst, src2 g; dst dx (N, H, W, C).
+ * wdata: padded images and packed weights (the _sizes functions). */
+int gt_conv2d_fwd_f32(const struct gt_node *node, const gt_ctx *ctx);
+int gt_conv2d_fwd_f32_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
+int gt_conv2d_weight_bwd_f32(const struct gt_node *node, const gt_ctx *ctx);
+int gt_conv2d_weight_bwd_f32_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
+int gt_conv2d_input_bwd_f32(const struct gt_node *node, const gt_ctx *ctx);
+int gt_conv2d_input_bwd_f32_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
+
 /* max_pool2d over NHWC, window and stride ip[0], no padding (floor):
  * src (N, H, W, C) -> dst (N, H/k, W/k, C). max_pool2d_bwd: src0 x, src1 g ->
  * dst dx; the gradient goes to the first maximum of each window (row-major

@@ -249,10 +249,65 @@ case("im2col", [In((1, 7, 6, 2))], lambda x: ops.im2col(x, 3, 2, 2, 0),
      lambda x: refs.im2col(x, 3, 2, 2, 0), name="stride2")
 case("im2col_bwd", [In((2, 5, 4, 27))], lambda g: ops.im2col_bwd(g, (2, 5, 4, 3), 3, 3, 1, 1),
      lambda g: refs.im2col_bwd(g, (2, 5, 4, 3), 3, 3, 1, 1), backward=False)
+# the im2col convolution (what conv2d computes in one pass)
 case("im2col", [In((2, 6, 5, 2)), In((3, 2, 3, 3)), In((3,))],
-     lambda x, k, b: ops.conv2d(x, k, b, 1, 1),
+     lambda x, k, b: ops.add(ops.reshape(ops.matmul(ops.reshape(ops.im2col(x, 3, 3, 1, 1), (60, 18)),
+                                                    ops.transpose(ops.reshape(k, (3, 18)))), (2, 6, 5, 3)), b),
      lambda x, k, b: refs.im2col(x, 3, 3, 1, 1) @ k.reshape(3, -1).T + b, name="conv2d",
      ops_covered=("matmul", "reshape", "permute", "add"))
+# conv2d: (x shape, kernel shape, bias?, stride, pad, relu, pool); covers 8, 16, 20 and 70
+# output channels (one masked vector, one full, two, five), strides, pools with floor
+_CONV = {"mnist1": ((2, 6, 6, 1), (8, 1, 3, 3), True, 1, 1, True, 2),
+         "mnist2": ((2, 6, 4, 8), (16, 8, 3, 3), True, 1, 1, True, 2),
+         "c20-pool3": ((1, 9, 8, 2), (20, 2, 2, 3), True, 1, 0, True, 3),
+         "stride2-nobias": ((1, 7, 6, 2), (3, 2, 3, 2), False, 2, 0, False, 1),
+         "relu-nopool": ((2, 5, 4, 3), (5, 3, 3, 3), True, 1, 1, True, 1),
+         "pool-norelu": ((1, 5, 7, 2), (4, 2, 3, 3), True, 1, 1, False, 2),
+         "c70-pad2": ((1, 4, 5, 2), (70, 2, 3, 3), True, 1, 2, True, 1)}
+for _name, (_xs, _ks, _hb, _st, _pad, _relu, _pool) in _CONV.items():
+    _ins = [In(_xs), In(_ks)] + ([In((_ks[0],))] if _hb else [])
+    case("conv2d", _ins,
+         lambda x, k, b=None, p=(_st, _pad, _relu, _pool): ops.conv2d(x, k, b, *p),
+         lambda x, k, b=None, p=(_st, _pad, _relu, _pool): refs.conv2d(x, k, b, *p), name=_name,
+         ops_covered=("view",))
+case("conv2d", [In((6, 6, 2, 1)), In((8, 1, 3, 3)), In((8,))],
+     lambda x, k, b: ops.conv2d(ops.permute(x, (2, 0, 1, 3)), k, b, 1, 1, True, 2),
+     lambda x, k, b: refs.conv2d(x.transpose(2, 0, 1, 3), k, b, 1, 1, True, 2), name="strided",
+     ops_covered=("permute", "cont"))
+
+
+def _conv_raw(x, k, b, p):
+    """The conv2d node itself (values and codes when pooled) and its parameters."""
+    y = ops.conv2d(x, k, b, *p)
+    return (y.srcs[0] if y.op == "view" else y), y.shape
+
+
+def _conv_bwd_case(name, xs, ks, p):
+    ins = [In(xs), In(ks), In((ks[0],))]
+    g_shape = refs.conv2d(np.zeros(xs), np.zeros(ks), None, *p).shape
+    ins.append(In(g_shape))
+    params = dict(stride=p[0], pad=p[1], relu=p[2], pool=p[3])
+
+    def gx(x, k, b, g):
+        raw, _ = _conv_raw(x, k, b, p)
+        return ops.apply("conv2d_input_bwd", [k, raw, g], x_shape=x.shape, **params)
+
+    def gw(x, k, b, g):
+        raw, _ = _conv_raw(x, k, b, p)
+        return ops.apply("conv2d_weight_bwd", [x, raw, g], kernel_shape=k.shape, **params)
+
+    def gw_ref(x, k, b, g):
+        _, dk, db = refs.conv2d_bwd(x, k, b, *p, g)
+        return np.concatenate([dk.reshape(ks[0], -1).T, db[None, :]])
+
+    case("conv2d_input_bwd", ins, gx, lambda x, k, b, g: refs.conv2d_bwd(x, k, b, *p, g)[0], name=name,
+         backward=False)
+    case("conv2d_weight_bwd", ins, gw, gw_ref, name=name, backward=False)
+
+
+_conv_bwd_case("mnist2", (3, 6, 4, 8), (16, 8, 3, 3), (1, 1, True, 2))
+_conv_bwd_case("c20-stride2", (1, 9, 8, 3), (20, 3, 3, 2), (2, 1, False, 1))
+_conv_bwd_case("relu-pad3", (2, 4, 5, 2), (6, 2, 3, 3), (1, 3, True, 1))
 case("max_pool2d", [In((2, 4, 6, 3), values=_distinct((2, 4, 6, 3)))], lambda x: ops.max_pool2d(x, 2),
      lambda x: refs.max_pool2d(x, 2))
 case("max_pool2d", [In((1, 7, 5, 2), values=_distinct((1, 7, 5, 2), 3))], lambda x: ops.max_pool2d(x, 2),

@@ -307,3 +307,31 @@ def dropout(x, p, seed, salt):
     """x * keep / (1 - p) with dropout_keep's mask; dropped elements exactly 0."""
     x = _f64(x)
     return np.where(dropout_keep(x.shape, p, seed, salt), x * float(dropout_scale(p)), 0.0)
+
+
+def conv2d_parts(x, k, b, stride, pad, relu):
+    """The pieces of conv2d in float64: patches (N, OH, OW, K), pre-activation v and relu?(v)."""
+    x, k = _f64(x), _f64(k)
+    cout, cin, kh, kw = k.shape
+    cols = im2col(x, kh, kw, stride, pad)
+    v = cols @ k.reshape(cout, -1).T + (0.0 if b is None else _f64(b))
+    return cols, v, (np.maximum(v, 0) if relu else v)
+
+
+def conv2d(x, k, b, stride, pad, relu=False, pool=1):
+    """relu?(convolution + bias) over NHWC, then max over pool x pool windows (pool > 1)."""
+    r = conv2d_parts(x, k, b, stride, pad, relu)[2]
+    return max_pool2d(r, pool) if pool > 1 else r
+
+
+def conv2d_bwd(x, k, b, stride, pad, relu, pool, g):
+    """(dx, dkernel, dbias) of conv2d for the gradient g of its values (the unfused chain:
+    max_pool2d_bwd, relu_bwd, then the products of im2col and matmul)."""
+    cols, v, r = conv2d_parts(x, k, b, stride, pad, relu)
+    cout, cin, kh, kw = k.shape
+    gv = max_pool2d_bwd(r, g, pool) if pool > 1 else _f64(g)
+    if relu:
+        gv = gv * (v > 0)
+    dk = (gv.reshape(-1, cout).T @ cols.reshape(-1, cols.shape[-1])).reshape(k.shape)
+    dx = im2col_bwd(gv @ _f64(k).reshape(cout, -1), np.shape(x), kh, kw, stride, pad)
+    return dx, dk, gv.sum(axis=(0, 1, 2))

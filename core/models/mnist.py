@@ -41,9 +41,10 @@ def forward(arch: str, params: dict, x):
         return ops.linear(h, params["fc2.weight"], params["fc2.bias"])
     if arch == "cnn":
         h = ops.reshape(x, (batch, 28, 28, 1))
-        h = ops.conv2d(h, params["conv1.kernel"], ops.reshape(params["conv1.bias"], (8,)), 1, 1)
-        h = ops.max_pool2d(ops.relu(h), 2)                        # (B, 14, 14, 8)
-        h = ops.conv2d(h, params["conv2.kernel"], ops.reshape(params["conv2.bias"], (16,)), 1, 1)
-        h = ops.max_pool2d(ops.relu(h), 2)                        # (B, 7, 7, 16)
+        # each conv2d node is the convolution, bias, relu and 2x2 max-pool in one pass
+        h = ops.conv2d(h, params["conv1.kernel"], ops.reshape(params["conv1.bias"], (8,)), 1, 1,
+                       relu=True, pool=2)                          # (B, 14, 14, 8)
+        h = ops.conv2d(h, params["conv2.kernel"], ops.reshape(params["conv2.bias"], (16,)), 1, 1,
+                       relu=True, pool=2)                          # (B, 7, 7, 16)
         return ops.linear(ops.reshape(h, (batch, 784)), params["dense.weight"], params["dense.bias"])
     raise ValueError(f"unknown MNIST architecture {arch!r} (expected one of {ARCHS})")
