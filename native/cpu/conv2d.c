@@ -17,10 +17,11 @@
  * kh*KW + kw in order, then + bias, then relu, then the pool: exactly the bits
  * of im2col, matmul (whose chains run the same way), add, relu and max_pool2d.
  * The weight gradient of each element is one chain per block of WB_IMAGES
- * images (pixels in order), the blocks' partial sums then added in block order
- * through node scratch; the input gradient of each element is one chain over
- * (kh, kw, co). Work is split by images (blocks of images for the weight
- * gradient), so results do not depend on the thread count. */
+ * images (pixels in order; with pairs, see below, one for the even and one for
+ * the odd pixel columns, then added), the blocks' partial sums then added in
+ * block order through node scratch; the input gradient of each element is one
+ * chain over (kh, kw, co). Work is split by images (blocks of images for the
+ * weight gradient), so results do not depend on the thread count. */
 #include <math.h>
 
 #include "internal.h"
@@ -46,6 +47,9 @@ typedef struct cgeom {
     int64_t K;              /* C * KH * KW */
     int64_t CV;             /* CO rounded up to VL */
     int64_t Hp, Wp;         /* zero-padded input */
+    int pair;               /* CO <= 8, stride 1: pixel pairs share a vector (see "pairs") */
+    int64_t T;              /* taps: K, or C * KH * (KW + 1) for pairs */
+    int64_t tps, OWe;       /* pixel stride of conv rows and gradients (CV, or 8 for pairs); OW even */
 } cgeom;
 
 static int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
@@ -76,6 +80,10 @@ static int geom_init(cgeom *g, const gt_node *node, int64_t N, int64_t H, int64_
     g->K = C * g->KH * g->KW;
     g->CV = round_up(CO, VL);
     g->Hp = H + 2 * g->P, g->Wp = W + 2 * g->P;
+    g->pair = CO <= VL / 2 && g->S == 1;
+    g->T = g->pair ? C * g->KH * (g->KW + 1) : g->K;
+    g->tps = g->pair ? VL / 2 : g->CV;
+    g->OWe = round_up(g->OW, 2);
     return GT_OK;
 }
 
@@ -134,6 +142,10 @@ static void *align64(void *p) { return (void *)(((uintptr_t)p + 63) & ~(uintptr_
 
 /* ---- shared pieces ------------------------------------------------------------------ */
 
+/* Zeros after a padded image: a pair's second pixel past the row's end (odd OW)
+ * reads up to KW + 1 pixels beyond it. */
+#define XP_SLACK(g) (((g)->KW + 2) * (g)->C)
+
 /* Image n of x (H, W, C) into xp (Hp, Wp, C), zeros in the border. */
 static void pad_image(float *restrict xp, const float *restrict x, const cgeom *g) {
     const int64_t C = g->C, P = g->P, WC = g->W * C, WpC = g->Wp * C;
@@ -145,38 +157,62 @@ static void pad_image(float *restrict xp, const float *restrict x, const cgeom *
         if (P) memset(row + P * C + WC, 0, (size_t)(P * C) * sizeof(float));
     }
     if (P) memset(xp + (g->H + P) * WpC, 0, (size_t)(P * WpC) * sizeof(float));
+    memset(xp + g->Hp * WpC, 0, (size_t)(XP_SLACK(g)) * sizeof(float));
 }
 
-/* off[k] for k = ci*KH*KW + kh*KW + kw: where patch element k of a pixel sits
- * in xp relative to the pixel's window origin. */
-static void patch_offsets(int32_t *off, const cgeom *g) {
+/* Pairs. With at most 8 output channels a vector would be half empty, so two
+ * neighbouring pixels of a row share one: lanes 0-7 pixel p, lanes 8-15 pixel
+ * p + 1, whose window starts one pixel (C floats) further. Tap d of a row of
+ * the window (d = 0..KW) is the input value at column d from p's origin: it
+ * meets kernel column d in pixel p (d < KW) and column d - 1 in pixel p + 1
+ * (d >= 1), so the packed weight row holds both and the missing one is 0. Each
+ * pixel still sees its taps in order, plus exact zero terms (fma(a, 0, acc) =
+ * acc for finite a): the same chains, KH * (KW + 1) FMAs per pair for 2 * KH * KW
+ * half-empty ones. */
+
+/* Taps of conv2d's patches: off[t] = where tap t of a pixel sits in xp from the
+ * pixel's window origin; wp[t*CV + c] its weights. Without pairs t = k =
+ * ci*KH*KW + kh*KW + kw and wp[k*CV + co] = kernel[co, k]; with pairs t =
+ * (ci*KH + kh)*(KW + 1) + d, lanes 0-7 kernel[:, ci, kh, d], lanes 8-15
+ * kernel[:, ci, kh, d - 1]. Channels past CO are 0. */
+static void tap_offsets(int32_t *off, const cgeom *g) {
+    const int64_t KWt = g->pair ? g->KW + 1 : g->KW;
     for (int64_t ci = 0; ci < g->C; ci++)
         for (int64_t kh = 0; kh < g->KH; kh++)
-            for (int64_t kw = 0; kw < g->KW; kw++)
-                *off++ = (int32_t)((kh * g->Wp + kw) * g->C + ci);
+            for (int64_t d = 0; d < KWt; d++) *off++ = (int32_t)((kh * g->Wp + d) * g->C + ci);
 }
 
-/* wp[k*CV + co] = kernel[co, k] (K x CV, channels past CO zero). */
-static void pack_weights(float *restrict wp, const float *restrict kern, int64_t K, int64_t CO, int64_t CV) {
-    for (int64_t k = 0; k < K; k++) {
-        float *row = wp + k * CV;
-        for (int64_t co = 0; co < CO; co++) row[co] = kern[co * K + k];
-        for (int64_t co = CO; co < CV; co++) row[co] = 0.0f;
-    }
+static void pack_taps(int32_t *off, float *restrict wp, const float *restrict kern, const cgeom *g) {
+    const int64_t C = g->C, KH = g->KH, KW = g->KW, CO = g->CO, CV = g->CV, K = g->K, h = VL / 2;
+    const int64_t KWt = g->pair ? KW + 1 : KW;
+    tap_offsets(off, g);
+    for (int64_t ci = 0; ci < C; ci++)
+        for (int64_t kh = 0; kh < KH; kh++)
+            for (int64_t d = 0; d < KWt; d++) {
+                const int64_t t = (ci * KH + kh) * KWt + d;
+                float *row = wp + t * CV;
+                for (int64_t c = 0; c < CV; c++) row[c] = 0.0f;
+                const int64_t k = (ci * KH + kh) * KW + d;   /* kernel column d, and d - 1 */
+                for (int64_t co = 0; co < CO; co++) {
+                    if (d < KW) row[co] = kern[co * K + k];
+                    if (g->pair && d >= 1) row[h + co] = kern[co * K + k - 1];
+                }
+            }
 }
 
 /* The gradient at row oh of image n's convolution output (before relu and the
- * pool), OW pixels of CV floats (channels past CO zero): g routed to the
- * window element the forward's code names (pool > 1; codes are -1 where relu
- * cut the output), or g where the output is positive (relu, pool == 1), or g. */
+ * pool): OWe (pairs) or OW pixels, tps floats apart, channels past CO and pixels
+ * past OW zero. g routed to the window element the forward's code names (pool >
+ * 1; codes are -1 where relu cut the output), or g where the output is positive
+ * (relu, pool == 1), or g. */
 GT_CLONES static void grad_row_plain(float *restrict row, int64_t n, int64_t oh, const float *restrict gd,
-                               const float *restrict out, const cgeom *g) {
-    const int64_t CO = g->CO, CV = g->CV, OW = g->OW, k = g->pool;
-    memset(row, 0, (size_t)(OW * CV) * sizeof(float));
+                                     const float *restrict out, const cgeom *g) {
+    const int64_t CO = g->CO, ps = g->tps, OW = g->OW, k = g->pool;
+    memset(row, 0, (size_t)((g->pair ? g->OWe : OW) * ps) * sizeof(float));
     if (k == 1) {
         const float *gr = gd + (n * g->OH + oh) * OW * CO, *yr = out + (n * g->OH + oh) * OW * CO;
         for (int64_t ow = 0; ow < OW; ow++) {
-            float *o = row + ow * CV;
+            float *o = row + ow * ps;
             const float *gp = gr + ow * CO, *yp = yr + ow * CO;
             if (g->relu)
                 for (int64_t co = 0; co < CO; co++) o[co] = yp[co] > 0.0f ? gp[co] : 0.0f;
@@ -193,24 +229,24 @@ GT_CLONES static void grad_row_plain(float *restrict row, int64_t n, int64_t oh,
         for (int64_t j = 0; j < k; j++) {
             const float code = (float)(i * k + j);
             const float *gp = gr + pc * CO, *cp = cr + pc * CO;
-            float *o = row + (pc * k + j) * CV;
+            float *o = row + (pc * k + j) * ps;
             for (int64_t co = 0; co < CO; co++) o[co] = cp[co] == code ? gp[co] : 0.0f;
         }
 }
 
 /* The forward's epilogue for one row of windows: tile holds the pool rows of
- * the convolution (OW pixels of CV floats each, rows OW*CV apart); vals[pc*CO
+ * the convolution (pixels tps floats apart, rows trs apart); vals[pc*CO
  * + co] = the max over window pc of relu?(tile + bias), codes[...] = the index
  * of its first maximum (or -1 where relu made it 0); codes unused when pk == 1. */
 GT_CLONES static void epilogue_plain(float *restrict vals, float *restrict codes, const float *restrict tile,
-                               const float *restrict bias, int64_t OW, int64_t CV, int64_t CO, int64_t PW,
-                               int64_t pk, int relu) {
+                                     const float *restrict bias, int64_t trs, int64_t tps, int64_t CO, int64_t PW,
+                                     int64_t pk, int relu) {
     const int hb = bias != NULL;
     for (int64_t pc = 0; pc < PW; pc++) {
         float *m = vals + pc * CO, *cd = codes + pc * CO;
         for (int64_t i = 0; i < pk; i++)
             for (int64_t j = 0; j < pk; j++) {
-                const float *t = tile + (i * OW + pc * pk + j) * CV;
+                const float *t = tile + i * trs + (pc * pk + j) * tps;
                 const float idx = (float)(i * pk + j);
                 if (i == 0 && j == 0) {
                     for (int64_t co = 0; co < CO; co++) {
@@ -243,41 +279,86 @@ static inline __attribute__((always_inline, target("avx512f"))) __mmask16 lanes(
 __attribute__((target("avx512f"))) static void grad_row512(float *restrict row, int64_t n, int64_t oh,
                                                            const float *restrict gd, const float *restrict out,
                                                            const cgeom *g) {
-    const int64_t CO = g->CO, CV = g->CV, OW = g->OW, k = g->pool;
+    const int64_t CO = g->CO, ps = g->tps, k = g->pool, npix = g->pair ? g->OWe : g->OW;
     if (k == 1 || oh / k >= g->PH) {
         grad_row_plain(row, n, oh, gd, out, g);
         return;
     }
     const int64_t pr = oh / k, i = oh - pr * k, plane = g->N * g->PH * g->PW * CO;
     const float *gr = gd + (n * g->PH + pr) * g->PW * CO, *cr = out + plane + (n * g->PH + pr) * g->PW * CO;
-    for (int64_t pc = 0; pc < g->PW; pc++)
-        for (int64_t c0 = 0; c0 < CV; c0 += VL) {
-            const __mmask16 lm = lanes(CO - c0 > 0 ? CO - c0 : 0);
+    int64_t pc = 0;
+    if (ps == 8 && CO == 8 && k == 2) {
+        /* two windows at a time: g and codes of windows pc, pc + 1 are one vector, and
+         * each window's two pixels of this row are one vector of the row */
+        const __m512 want = _mm512_set_ps(2 * i + 1, 2 * i + 1, 2 * i + 1, 2 * i + 1, 2 * i + 1, 2 * i + 1, 2 * i + 1,
+                                          2 * i + 1, 2 * i, 2 * i, 2 * i, 2 * i, 2 * i, 2 * i, 2 * i, 2 * i);
+        for (; pc + 2 <= g->PW; pc += 2) {
+            const __m512 gv = _mm512_loadu_ps(gr + pc * 8), cv = _mm512_loadu_ps(cr + pc * 8);
+            const __m512 g0 = _mm512_shuffle_f32x4(gv, gv, 0x44), c0 = _mm512_shuffle_f32x4(cv, cv, 0x44);
+            const __m512 g1 = _mm512_shuffle_f32x4(gv, gv, 0xEE), c1 = _mm512_shuffle_f32x4(cv, cv, 0xEE);
+            _mm512_storeu_ps(row + pc * 16, _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(c0, want, _CMP_EQ_OQ), g0));
+            _mm512_storeu_ps(row + pc * 16 + 16, _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(c1, want, _CMP_EQ_OQ), g1));
+        }
+    }
+    for (; pc < g->PW; pc++)
+        for (int64_t c0 = 0; c0 < ps; c0 += VL) {
+            const __mmask16 lm = lanes(CO - c0 > 0 ? CO - c0 : 0), wm = lanes(ps - c0);
             const __m512 gv = _mm512_maskz_loadu_ps(lm, gr + pc * CO + c0);
             const __m512 cv = _mm512_maskz_loadu_ps(lm, cr + pc * CO + c0);
             for (int64_t j = 0; j < k; j++) {
                 const __mmask16 eq = _mm512_mask_cmp_ps_mask(lm, cv, _mm512_set1_ps((float)(i * k + j)), _CMP_EQ_OQ);
-                _mm512_storeu_ps(row + (pc * k + j) * CV + c0, _mm512_maskz_mov_ps(eq, gv));
+                _mm512_mask_storeu_ps(row + (pc * k + j) * ps + c0, wm, _mm512_maskz_mov_ps(eq, gv));
             }
         }
-    if (g->PW * k < OW) memset(row + g->PW * k * CV, 0, (size_t)((OW - g->PW * k) * CV) * sizeof(float));
+    if (g->PW * k < npix) memset(row + g->PW * k * ps, 0, (size_t)((npix - g->PW * k) * ps) * sizeof(float));
 }
 
 /* epilogue_plain with vectors: the same operations lane by lane (max_ps(v, 0)
  * is v > 0 ? v : 0, NaN included) */
 __attribute__((target("avx512f"))) static void epilogue512(float *restrict vals, float *restrict codes,
                                                           const float *restrict tile, const float *restrict bias,
-                                                          int64_t OW, int64_t CV, int64_t CO, int64_t PW,
+                                                          int64_t trs, int64_t tps, int64_t CO, int64_t PW,
                                                           int64_t pk, int relu) {
     const __m512 zero = _mm512_setzero_ps(), minus1 = _mm512_set1_ps(-1.0f);
+    int64_t pc0 = 0;
+    if (tps == 8 && CO == 8 && pk == 2) {
+        /* pairs: a window's two pixels of a tile row are one vector; two windows at a
+         * time, their first and second columns gathered into full vectors */
+        const __m512 b = bias ? _mm512_shuffle_f32x4(_mm512_castps256_ps512(_mm256_loadu_ps(bias)),
+                                                     _mm512_castps256_ps512(_mm256_loadu_ps(bias)), 0x44)
+                              : zero;
+        for (; pc0 + 2 <= PW; pc0 += 2) {
+            __m512 m = zero, cd = zero;
+            for (int64_t i = 0; i < 2; i++) {
+                const __m512 u = _mm512_loadu_ps(tile + i * trs + pc0 * 16);
+                const __m512 w = _mm512_loadu_ps(tile + i * trs + pc0 * 16 + 16);
+                __m512 col[2] = {_mm512_shuffle_f32x4(u, w, 0x44), _mm512_shuffle_f32x4(u, w, 0xEE)};
+                for (int64_t j = 0; j < 2; j++) {
+                    __m512 v = col[j];
+                    if (bias) v = _mm512_add_ps(v, b);
+                    if (relu) v = _mm512_max_ps(v, zero);
+                    if (i == 0 && j == 0) {
+                        m = v;
+                        continue;
+                    }
+                    const __mmask16 gt = _mm512_cmp_ps_mask(v, m, _CMP_GT_OQ);
+                    m = _mm512_mask_blend_ps(gt, m, v);
+                    cd = _mm512_mask_blend_ps(gt, cd, _mm512_set1_ps((float)(i * 2 + j)));
+                }
+            }
+            _mm512_storeu_ps(vals + pc0 * 8, m);
+            if (relu) cd = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(m, zero, _CMP_GT_OQ), minus1, cd);
+            _mm512_storeu_ps(codes + pc0 * 8, cd);
+        }
+    }
     for (int64_t c0 = 0; c0 < CO; c0 += VL) {
         const __mmask16 lm = lanes(CO - c0);
         const __m512 b = bias ? _mm512_maskz_loadu_ps(lm, bias + c0) : zero;
-        for (int64_t pc = 0; pc < PW; pc++) {
+        for (int64_t pc = pc0; pc < PW; pc++) {
             __m512 m = zero, cd = zero;
             for (int64_t i = 0; i < pk; i++)
                 for (int64_t j = 0; j < pk; j++) {
-                    __m512 v = _mm512_loadu_ps(tile + (i * OW + pc * pk + j) * CV + c0);
+                    __m512 v = _mm512_maskz_loadu_ps(lm, tile + i * trs + (pc * pk + j) * tps + c0);
                     if (bias) v = _mm512_add_ps(v, b);
                     if (relu) v = _mm512_max_ps(v, zero);
                     if (i == 0 && j == 0) {
@@ -309,16 +390,16 @@ static void grad_row(float *row, int64_t n, int64_t oh, const float *gd, const f
     grad_row_plain(row, n, oh, gd, out, g);
 }
 
-static void epilogue(float *vals, float *codes, const float *tile, const float *bias, int64_t OW, int64_t CV,
+static void epilogue(float *vals, float *codes, const float *tile, const float *bias, int64_t trs, int64_t tps,
                      int64_t CO, int64_t PW, int64_t pk, int relu, int simd) {
 #if defined(__x86_64__)
     if (simd) {
-        epilogue512(vals, codes, tile, bias, OW, CV, CO, PW, pk, relu);
+        epilogue512(vals, codes, tile, bias, trs, tps, CO, PW, pk, relu);
         return;
     }
 #endif
     (void)simd;
-    epilogue_plain(vals, codes, tile, bias, OW, CV, CO, PW, pk, relu);
+    epilogue_plain(vals, codes, tile, bias, trs, tps, CO, PW, pk, relu);
 }
 
 /* ---- the register tiles ----------------------------------------------------------------- */
@@ -538,12 +619,21 @@ static int use_simd(void) { return gt_simd_level_() >= 2; }
 
 /* ---- forward -------------------------------------------------------------------------- */
 
+/* A padded image, the taps, and `pool` rows of convolution output (OWe pixels). */
 static int64_t fwd_work(const cgeom *g, carver *c, float **xp, int32_t **off, float **wp, float **tile) {
-    *xp = carve(c, g->Hp * g->Wp * g->C * (int64_t)sizeof(float));
-    *off = carve(c, g->K * (int64_t)sizeof(int32_t));
-    *wp = carve(c, g->K * g->CV * (int64_t)sizeof(float));
-    *tile = carve(c, g->pool * g->OW * g->CV * (int64_t)sizeof(float));
+    *xp = carve(c, (g->Hp * g->Wp * g->C + XP_SLACK(g)) * (int64_t)sizeof(float));
+    *off = carve(c, g->T * (int64_t)sizeof(int32_t));
+    *wp = carve(c, g->T * g->CV * (int64_t)sizeof(float));
+    *tile = carve(c, g->pool * g->OWe * g->CV * (int64_t)sizeof(float));
     return c->used + 64;
+}
+
+/* Convolution output of n pixels from src (pixel origins ps floats apart) into
+ * out (pixels tps floats apart), through the taps. */
+static void conv_pixels(float *out, const float *src, int64_t ps, int64_t n, const int32_t *off, const float *wp,
+                        const cgeom *g, int simd) {
+    if (g->pair) conv_row(out, VL, src, 2 * ps, (n + 1) / 2, off, wp, g->T, VL, simd);
+    else conv_row(out, g->CV, src, ps, n, off, wp, g->T, g->CV, simd);
 }
 
 static int fwd_geom(const gt_node *node, cgeom *g, const char *op) {
@@ -605,10 +695,9 @@ int gt_conv2d_fwd_f32(const gt_node *node, const gt_ctx *ctx) {
     if (fwd_work(&g, &c, &xp, &off, &wp, &tile) > ctx->wsize)
         return GT_FAIL(GT_ERR_INVALID, "%s: work memory %lld bytes, need %lld", op, (long long)ctx->wsize,
                        (long long)c.used + 64);
-    patch_offsets(off, &g);
-    pack_weights(wp, k->data, g.K, g.CO, g.CV);
+    pack_taps(off, wp, k->data, &g);
     const int simd = use_simd();
-    const int64_t CO = g.CO, CV = g.CV, OW = g.OW, pk = g.pool, S = g.S, C = g.C;
+    const int64_t CO = g.CO, trs = g.OWe * g.tps, OW = g.OW, pk = g.pool, S = g.S, C = g.C;
     const int64_t rowlen = g.Wp * C, plane = g.N * g.PH * g.PW * CO;
     const int64_t ncols = pk == 1 ? OW : g.PW * pk;   /* columns a window uses */
     float *dd = d->data;
@@ -619,10 +708,10 @@ int gt_conv2d_fwd_f32(const gt_node *node, const gt_ctx *ctx) {
         for (int64_t pr = 0; pr < g.PH; pr++) {
             for (int64_t i = 0; i < pk; i++) {
                 const int64_t oh = pr * pk + i;
-                conv_row(tile + i * OW * CV, CV, xp + oh * S * rowlen, S * C, ncols, off, wp, g.K, CV, simd);
+                conv_pixels(tile + i * trs, xp + oh * S * rowlen, S * C, ncols, off, wp, &g, simd);
             }
             float *vals = dd + (n * g.PH + pr) * g.PW * CO;
-            epilogue(vals, vals + plane, tile, bias, OW, CV, CO, g.PW, pk, (int)g.relu, simd);
+            epilogue(vals, vals + plane, tile, bias, trs, g.tps, CO, g.PW, pk, (int)g.relu, simd);
         }
     }
     return GT_OK;
@@ -639,10 +728,11 @@ static int bwd_geom(const gt_node *node, cgeom *g, const gt_tensor *img, int64_t
 
 static int64_t wbwd_nblocks(const cgeom *g) { return (g->N + WB_IMAGES - 1) / WB_IMAGES; }
 
+/* A padded image, the tap offsets, and the image's gradient rows (OWe pixels). */
 static int64_t wbwd_work(const cgeom *g, carver *c, float **xp, int32_t **off, float **gc) {
-    *xp = carve(c, g->Hp * g->Wp * g->C * (int64_t)sizeof(float));
-    *off = carve(c, g->K * (int64_t)sizeof(int32_t));
-    *gc = carve(c, g->OH * g->OW * g->CV * (int64_t)sizeof(float));
+    *xp = carve(c, (g->Hp * g->Wp * g->C + XP_SLACK(g)) * (int64_t)sizeof(float));
+    *off = carve(c, g->T * (int64_t)sizeof(int32_t));
+    *gc = carve(c, g->OH * g->OWe * g->CV * (int64_t)sizeof(float));
     return c->used + 64;
 }
 
@@ -665,7 +755,7 @@ int gt_conv2d_weight_bwd_f32_sizes(const gt_node *node, int64_t *scratch, int64_
     float *a, *b;
     int32_t *o;
     *work = wbwd_work(&g, &c, &a, &o, &b);
-    *scratch = wbwd_nblocks(&g) * (g.K + 1) * g.CV * (int64_t)sizeof(float) + 64;
+    *scratch = wbwd_nblocks(&g) * (g.T + 1) * g.CV * (int64_t)sizeof(float) + 64;
     return GT_OK;
 }
 
@@ -674,8 +764,10 @@ int gt_conv2d_weight_bwd_f32_sizes(const gt_node *node, int64_t *scratch, int64_
  * f32 contiguous; ip as in conv2d. dst (C*KH*KW + 1, CO): row k = ci*KH*KW +
  * kh*KW + kw holds d kernel[:, ci, kh, kw], the last row d bias.
  * Phase 1: each block of WB_IMAGES images accumulates its partial sums in node
- * scratch (threads own blocks); phase 2 (after a barrier): dst = the partials
- * added in block order (threads own elements). */
+ * scratch, one row per tap and one for the bias (threads own blocks); phase 2
+ * (after a barrier): dst = the partials added in block order (threads own
+ * elements); with pairs a block's partial is its even pixels' chain (lanes 0-7
+ * of tap kw) plus its odd pixels' (lanes 8-15 of tap kw + 1). */
 int gt_conv2d_weight_bwd_f32(const gt_node *node, const gt_ctx *ctx) {
     const char *op = "conv2d_weight_bwd";
     const gt_tensor *d = &node->dst, *x = &node->src[0], *out = &node->src[1], *gt = &node->src[2];
@@ -692,7 +784,7 @@ int gt_conv2d_weight_bwd_f32(const gt_node *node, const gt_ctx *ctx) {
     GT_TRY(gt_check_contig(out, op, "out"));
     GT_TRY(gt_check_contig(gt, op, "g"));
     GT_TRY(gt_check_contig(d, op, "dst"));
-    const int64_t nb = wbwd_nblocks(&g), rows = g.K + 1, CV = g.CV, CO = g.CO;
+    const int64_t nb = wbwd_nblocks(&g), rows = g.T + 1, CV = g.CV, CO = g.CO, h = VL / 2;
     if (!node->scratch || node->scratch_size < nb * rows * CV * (int64_t)sizeof(float) + 64)
         return GT_FAIL(GT_ERR_INVALID, "%s: node scratch %lld bytes, need %lld", op, (long long)node->scratch_size,
                        (long long)(nb * rows * CV * (int64_t)sizeof(float) + 64));
@@ -702,10 +794,10 @@ int gt_conv2d_weight_bwd_f32(const gt_node *node, const gt_ctx *ctx) {
     if (wbwd_work(&g, &c, &xp, &off, &gc) > ctx->wsize)
         return GT_FAIL(GT_ERR_INVALID, "%s: work memory %lld bytes, need %lld", op, (long long)ctx->wsize,
                        (long long)c.used + 64);
-    patch_offsets(off, &g);
+    tap_offsets(off, &g);
     float *partial = align64(node->scratch);
     const int simd = use_simd();
-    const int64_t np = g.OH * g.OW;
+    const int64_t rs = g.S * g.Wp * g.C, ps = g.S * g.C, grs = (g.pair ? g.OWe : g.OW) * g.tps;
     int64_t lo, hi;
     gt_split(nb, ctx, &lo, &hi);
     for (int64_t b = lo; b < hi; b++) {
@@ -714,17 +806,29 @@ int gt_conv2d_weight_bwd_f32(const gt_node *node, const gt_ctx *ctx) {
         for (int64_t n = b * WB_IMAGES; n < n1; n++) {
             const int first = n == b * WB_IMAGES;
             pad_image(xp, (const float *)x->data + n * g.H * g.W * g.C, &g);
-            for (int64_t oh = 0; oh < g.OH; oh++) grad_row(gc + oh * g.OW * CV, n, oh, gt->data, out->data, &g, simd);
-            wgrad_pixels(acc, xp, g.S * g.Wp * g.C, g.S * g.C, g.OW, np, off, gc, g.K, CV, first, simd);
+            for (int64_t oh = 0; oh < g.OH; oh++) grad_row(gc + oh * grs, n, oh, gt->data, out->data, &g, simd);
+            if (g.pair) wgrad_pixels(acc, xp, rs, 2 * ps, g.OWe / 2, g.OH * g.OWe / 2, off, gc, g.T, CV, first, simd);
+            else wgrad_pixels(acc, xp, rs, ps, g.OW, g.OH * g.OW, off, gc, g.T, CV, first, simd);
         }
     }
     gt_barrier(ctx);
     float *dd = d->data;
-    gt_split(rows * CO, ctx, &lo, &hi);
+    gt_split((g.K + 1) * CO, ctx, &lo, &hi);
     for (int64_t e = lo; e < hi; e++) {
         const int64_t r = e / CO, co = e - r * CO;
-        float s = partial[r * CV + co];
-        for (int64_t b = 1; b < nb; b++) s += partial[(b * rows + r) * CV + co];
+        float s = 0.0f;
+        if (g.pair) {
+            /* tap of kernel column kw for even pixels, kw + 1 for odd ones; the bias row alike */
+            const int64_t t = r == g.K ? g.T : r / g.KW * (g.KW + 1) + r % g.KW, t2 = r == g.K ? g.T : t + 1;
+            for (int64_t b = 0; b < nb; b++) {
+                const float *pb = partial + b * rows * CV;
+                const float v = pb[t * CV + co] + pb[t2 * CV + h + co];
+                s = b ? s + v : v;
+            }
+        } else {
+            s = partial[r * CV + co];
+            for (int64_t b = 1; b < nb; b++) s += partial[(b * rows + r) * CV + co];
+        }
         dd[e] = s;
     }
     return GT_OK;
@@ -738,20 +842,28 @@ int gt_conv2d_weight_bwd_f32(const gt_node *node, const gt_ctx *ctx) {
  * dx[ih, iw, ci] = sum over kh', kw', co of gq[ih + kh', iw + kw', co] *
  * kernel[co, ci, KH-1-kh', KW-1-kw'], one chain over (kh', kw', co) in order. */
 typedef struct igeom {
-    int64_t Hq, Wq, K2, CV2;   /* gq image, its patch length KH*KW*CO, C rounded up to VL */
+    int64_t Hq, Wq;     /* the gq image */
+    int pair;           /* C <= 8: pixel pairs (the gq correlation has stride 1) */
+    int64_t KWt, K2;    /* taps per kernel row (KW, or KW + 1 with pairs), taps KH*KWt*CO */
+    int64_t CV2, tps;   /* C rounded up to VL; dx pixel stride in the tile (CV2, or 8) */
 } igeom;
 
 static void igeom_init(igeom *q, const cgeom *g) {
-    q->Hq = g->H + g->KH - 1, q->Wq = g->W + g->KW - 1, q->K2 = g->KH * g->KW * g->CO, q->CV2 = round_up(g->C, VL);
+    q->Hq = g->H + g->KH - 1, q->Wq = g->W + g->KW - 1;
+    q->pair = g->C <= VL / 2;
+    q->KWt = q->pair ? g->KW + 1 : g->KW;
+    q->K2 = g->KH * q->KWt * g->CO;
+    q->CV2 = round_up(g->C, VL);
+    q->tps = q->pair ? VL / 2 : q->CV2;
 }
 
 static int64_t ibwd_work(const cgeom *g, const igeom *q, carver *c, float **gq, int32_t **off, float **wp,
                          float **grow, float **tile) {
-    *gq = carve(c, q->Hq * q->Wq * g->CO * (int64_t)sizeof(float));
+    *gq = carve(c, (q->Hq * q->Wq + g->KW + 2) * g->CO * (int64_t)sizeof(float));
     *off = carve(c, q->K2 * (int64_t)sizeof(int32_t));
     *wp = carve(c, q->K2 * q->CV2 * (int64_t)sizeof(float));
-    *grow = carve(c, g->OW * g->CV * (int64_t)sizeof(float));
-    *tile = carve(c, g->W * q->CV2 * (int64_t)sizeof(float));
+    *grow = carve(c, g->OWe * g->CV * (int64_t)sizeof(float));
+    *tile = carve(c, round_up(g->W, 2) * q->CV2 * (int64_t)sizeof(float));
     return c->used + 64;
 }
 
@@ -798,25 +910,29 @@ int gt_conv2d_input_bwd_f32(const gt_node *node, const gt_ctx *ctx) {
     if (ibwd_work(&g, &q, &c, &gq, &off, &wp, &grow, &tile) > ctx->wsize)
         return GT_FAIL(GT_ERR_INVALID, "%s: work memory %lld bytes, need %lld", op, (long long)ctx->wsize,
                        (long long)c.used + 64);
-    const int64_t CO = g.CO, C = g.C, KH = g.KH, KW = g.KW, CV = g.CV, CV2 = q.CV2;
-    /* patch k' = (kh'*KW + kw')*CO + co of gq, and the flipped kernel */
+    const int64_t CO = g.CO, C = g.C, KH = g.KH, KW = g.KW, CV2 = q.CV2, h = VL / 2;
+    /* tap (kh'*KWt + d)*CO + co of gq, and the flipped kernel: column d (lanes 0-7
+     * with pairs), column d - 1 for the pair's second pixel (lanes 8-15) */
     const float *kd = k->data;
     for (int64_t kh = 0; kh < KH; kh++)
-        for (int64_t kw = 0; kw < KW; kw++)
+        for (int64_t d = 0; d < q.KWt; d++)
             for (int64_t co = 0; co < CO; co++) {
-                const int64_t kk = (kh * KW + kw) * CO + co;
-                off[kk] = (int32_t)((kh * q.Wq + kw) * CO + co);
-                float *row = wp + kk * CV2;
-                for (int64_t ci = 0; ci < C; ci++)
-                    row[ci] = kd[((co * C + ci) * KH + (KH - 1 - kh)) * KW + (KW - 1 - kw)];
-                for (int64_t ci = C; ci < CV2; ci++) row[ci] = 0.0f;
+                const int64_t t = (kh * q.KWt + d) * CO + co;
+                const float *kr = kd + ((co * C) * KH + (KH - 1 - kh)) * KW;   /* kernel[co, 0, KH-1-kh', :] */
+                off[t] = (int32_t)((kh * q.Wq + d) * CO + co);
+                float *row = wp + t * CV2;
+                for (int64_t c2 = 0; c2 < CV2; c2++) row[c2] = 0.0f;
+                for (int64_t ci = 0; ci < C; ci++) {
+                    if (d < KW) row[ci] = kr[ci * KH * KW + (KW - 1 - d)];
+                    if (q.pair && d >= 1) row[h + ci] = kr[ci * KH * KW + (KW - d)];
+                }
             }
     const int simd = use_simd();
     float *dd = d->data;
     int64_t lo, hi;
     gt_split(g.N, ctx, &lo, &hi);
     for (int64_t n = lo; n < hi; n++) {
-        memset(gq, 0, (size_t)(q.Hq * q.Wq * CO) * sizeof(float));
+        memset(gq, 0, (size_t)((q.Hq * q.Wq + KW + 2) * CO) * sizeof(float));
         for (int64_t oh = 0; oh < g.OH; oh++) {
             const int64_t y = oh * g.S - g.P + KH - 1;
             if (y < 0 || y >= q.Hq) continue;   /* a window wholly in the padding */
@@ -824,13 +940,15 @@ int gt_conv2d_input_bwd_f32(const gt_node *node, const gt_ctx *ctx) {
             for (int64_t ow = 0; ow < g.OW; ow++) {
                 const int64_t xq = ow * g.S - g.P + KW - 1;
                 if (xq < 0 || xq >= q.Wq) continue;
-                memcpy(gq + (y * q.Wq + xq) * CO, grow + ow * CV, (size_t)CO * sizeof(float));
+                memcpy(gq + (y * q.Wq + xq) * CO, grow + ow * g.tps, (size_t)CO * sizeof(float));
             }
         }
         for (int64_t ih = 0; ih < g.H; ih++) {
-            conv_row(tile, CV2, gq + ih * q.Wq * CO, CO, g.W, off, wp, q.K2, CV2, simd);
+            const float *src = gq + ih * q.Wq * CO;
+            if (q.pair) conv_row(tile, VL, src, 2 * CO, (g.W + 1) / 2, off, wp, q.K2, VL, simd);
+            else conv_row(tile, CV2, src, CO, g.W, off, wp, q.K2, CV2, simd);
             float *o = dd + (n * g.H + ih) * g.W * C;
-            for (int64_t iw = 0; iw < g.W; iw++) memcpy(o + iw * C, tile + iw * CV2, (size_t)C * sizeof(float));
+            for (int64_t iw = 0; iw < g.W; iw++) memcpy(o + iw * C, tile + iw * q.tps, (size_t)C * sizeof(float));
         }
     }
     return GT_OK;
