@@ -447,8 +447,8 @@ GT_CLONES static void wgrad_plain(float *restrict acc, int64_t ldc, const float 
 
 #if defined(__x86_64__)
 static inline __attribute__((always_inline, target("avx512f"))) void
-tile512_body(float *out, int64_t ldo, const float *src, int64_t ps, const int32_t *off, const float *wp, int64_t K,
-             int64_t CV, const int MR, const int NV) {
+tile512_body(float *out, int64_t ldo, const float *src, int64_t ps, int64_t rs, const int32_t *off, const float *wp,
+             int64_t K, int64_t CV, const int MR, const int MRH, const int NV) {
     __m512 acc[MR_MAX][NV_MAX];
 #pragma GCC unroll 16
     for (int r = 0; r < MR; r++)
@@ -462,7 +462,8 @@ tile512_body(float *out, int64_t ldo, const float *src, int64_t ps, const int32_
         for (int v = 0; v < NV; v++) wv[v] = _mm512_loadu_ps(w + v * VL);
 #pragma GCC unroll 16
         for (int r = 0; r < MR; r++) {
-            const __m512 a = _mm512_set1_ps(s[r * ps]);
+            /* the first MRH pixels from src's row, the rest from the row rs further */
+            const __m512 a = _mm512_set1_ps(r < MRH ? s[r * ps] : s[rs + (r - MRH) * ps]);
 #pragma GCC unroll 4
             for (int v = 0; v < NV; v++) acc[r][v] = _mm512_fmadd_ps(a, wv[v], acc[r][v]);
         }
@@ -526,7 +527,13 @@ typedef void (*wgrad_fn)(float *, int64_t, const float *, int64_t, int64_t, int6
     __attribute__((target("avx512f"))) static void tile512_##MR##_##NV(                                  \
         float *o, int64_t ldo, const float *s, int64_t ps, const int32_t *off, const float *wp, int64_t K, \
         int64_t CV) {                                                                                     \
-        tile512_body(o, ldo, s, ps, off, wp, K, CV, MR, NV);                                              \
+        tile512_body(o, ldo, s, ps, 0, off, wp, K, CV, MR, MR, NV);                                       \
+    }
+#define TILE2_FN(MRH)                                                                                     \
+    __attribute__((target("avx512f"))) static void tile512x2_##MRH(                                      \
+        float *o, int64_t ldo, const float *s, int64_t ps, int64_t rs, const int32_t *off, const float *wp, \
+        int64_t K, int64_t CV) {                                                                          \
+        tile512_body(o, ldo, s, ps, rs, off, wp, K, CV, 2 * MRH, MRH, 1);                                 \
     }
 #define WGRAD_FN(KCN, NV)                                                                                 \
     __attribute__((target("avx512f"))) static void wgrad512_##KCN##_##NV(                                \
@@ -550,6 +557,13 @@ static const tile_fn tiles3[] = {NULL, REF_T(1, 3) REF_T(2, 3) REF_T(3, 3) REF_T
 static const tile_fn tiles4[] = {NULL, REF_T(1, 4) REF_T(2, 4) REF_T(3, 4) REF_T(4, 4) REF_T(5, 4)};
 static const tile_fn *const tiles[NV_MAX + 1] = {NULL, tiles1, tiles2, tiles3, tiles4};
 static const int tile_rows[NV_MAX + 1] = {0, 14, 7, 6, 5};
+
+/* two rows of up to 7 pixels in one tile (one channel vector): 14 chains in flight */
+typedef void (*tile2_fn)(float *, int64_t, const float *, int64_t, int64_t, const int32_t *, const float *, int64_t,
+                         int64_t);
+TILE2_FN(1) TILE2_FN(2) TILE2_FN(3) TILE2_FN(4) TILE2_FN(5) TILE2_FN(6) TILE2_FN(7)
+static const tile2_fn tiles_x2[] = {NULL, tile512x2_1, tile512x2_2, tile512x2_3, tile512x2_4, tile512x2_5,
+                                    tile512x2_6, tile512x2_7};
 
 /* weight-gradient chunks: KCN k values x NV vectors, KCN * NV <= 24 */
 #define KS_1(X, NV) X(1, NV) X(2, NV) X(3, NV) X(4, NV) X(5, NV) X(6, NV)
@@ -592,6 +606,20 @@ static void conv_row(float *out, int64_t ldo, const float *src, int64_t ps, int6
         (void)simd;
         tile_plain(out + c0, ldo, src, ps, off, wp + c0, K, CV, (int)n, nv);
     }
+}
+
+/* Two rows of n pixels (the second's at src + rs), written one after the other
+ * into out: conv_row twice, in one register tile when the rows are short. */
+static void conv_rows2(float *out, int64_t ldo, const float *src, int64_t ps, int64_t rs, int64_t n,
+                       const int32_t *off, const float *wp, int64_t K, int64_t CV, int simd) {
+#if defined(__x86_64__)
+    if (simd && CV == VL && 2 * n <= MR_MAX) {
+        tiles_x2[n](out, ldo, src, ps, rs, off, wp, K, CV);
+        return;
+    }
+#endif
+    conv_row(out, ldo, src, ps, n, off, wp, K, CV, simd);
+    conv_row(out + n * ldo, ldo, src + rs, ps, n, off, wp, K, CV, simd);
 }
 
 /* acc (K + 1 rows of CV) (+)= the weight-gradient chains over np pixels; row K
@@ -863,7 +891,7 @@ static int64_t ibwd_work(const cgeom *g, const igeom *q, carver *c, float **gq, 
     *off = carve(c, q->K2 * (int64_t)sizeof(int32_t));
     *wp = carve(c, q->K2 * q->CV2 * (int64_t)sizeof(float));
     *grow = carve(c, g->OWe * g->CV * (int64_t)sizeof(float));
-    *tile = carve(c, round_up(g->W, 2) * q->CV2 * (int64_t)sizeof(float));
+    *tile = carve(c, 2 * round_up(g->W, 2) * q->CV2 * (int64_t)sizeof(float));
     return c->used + 64;
 }
 
@@ -940,15 +968,25 @@ int gt_conv2d_input_bwd_f32(const gt_node *node, const gt_ctx *ctx) {
             for (int64_t ow = 0; ow < g.OW; ow++) {
                 const int64_t xq = ow * g.S - g.P + KW - 1;
                 if (xq < 0 || xq >= q.Wq) continue;
-                memcpy(gq + (y * q.Wq + xq) * CO, grow + ow * g.tps, (size_t)CO * sizeof(float));
+                float *dst = gq + (y * q.Wq + xq) * CO;
+                const float *src = grow + ow * g.tps;
+                for (int64_t co = 0; co < CO; co++) dst[co] = src[co];
             }
         }
-        for (int64_t ih = 0; ih < g.H; ih++) {
-            const float *src = gq + ih * q.Wq * CO;
-            if (q.pair) conv_row(tile, VL, src, 2 * CO, (g.W + 1) / 2, off, wp, q.K2, VL, simd);
-            else conv_row(tile, CV2, src, CO, g.W, off, wp, q.K2, CV2, simd);
-            float *o = dd + (n * g.H + ih) * g.W * C;
-            for (int64_t iw = 0; iw < g.W; iw++) memcpy(o + iw * C, tile + iw * q.tps, (size_t)C * sizeof(float));
+        /* rows of dx two at a time; with pairs a row is (W + 1) / 2 tile pixels */
+        const int64_t rs = q.Wq * CO, tn = q.pair ? (g.W + 1) / 2 : g.W, tld = q.pair ? VL : CV2;
+        const int64_t tps2 = q.pair ? 2 * CO : CO, trow = q.pair ? 2 * tn * (VL / 2) : g.W * CV2;
+        for (int64_t ih = 0; ih < g.H; ih += 2) {
+            const float *src = gq + ih * rs;
+            const int64_t rows = g.H - ih < 2 ? 1 : 2;
+            if (rows == 2) conv_rows2(tile, tld, src, tps2, rs, tn, off, wp, q.K2, tld, simd);
+            else conv_row(tile, tld, src, tps2, tn, off, wp, q.K2, tld, simd);
+            for (int64_t j = 0; j < rows; j++) {
+                float *o = dd + (n * g.H + ih + j) * g.W * C;
+                const float *t = tile + j * trow;
+                for (int64_t iw = 0; iw < g.W; iw++)
+                    for (int64_t ci = 0; ci < C; ci++) o[iw * C + ci] = t[iw * q.tps + ci];
+            }
         }
     }
     return GT_OK;
