@@ -30,6 +30,7 @@ import tempfile
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from bench_generate import _measured  # noqa: E402  (fork + wait4: peak RSS of one child)
+from peak import Peak  # noqa: E402
 from torch_venv import ensure_torch  # noqa: E402
 
 SHARED = HERE.parents[1] / "shared" / "data"
@@ -116,13 +117,13 @@ def main() -> None:
     ap.add_argument("--tinyllama", action="store_true",
                     help="also LoRA on the TinyLlama-1.1B-shaped Q4_0 model (ctx 256, batch 1), ours only")
     args = ap.parse_args()
-    from bench_matmul import measured_peak
-    peak_1, how = measured_peak()
-    peak = peak_1 * args.threads
+    peak = Peak(args.threads)
     a = ours(SMOLLM2, args.steps, args.threads)
+    peak.sample()
     b = theirs(SMOLLM2, args.steps, args.threads)
+    peak.sample()
     print(f"LoRA r {RANK}, alpha {ALPHA}, 7 targets, ctx {CTX}, batch {BATCH}, AdamW, {args.threads} threads, "
-          f"{args.steps} steps (median after 2); FP32 peak {how}")
+          f"{args.steps} steps (median after 2); {peak.describe()}")
     print(f"{'SmolLM2-135M-Instruct':24s} {'ours (Q4_1)':>12s} {'HF+PEFT (f32)':>14s} {'ratio':>7s} target")
     print(f"{'tokens/s':24s} {a['tokens_per_s']:12.0f} {b['tokens_per_s']:14.0f} "
           f"{a['tokens_per_s'] / b['tokens_per_s']:7.2f} >= 2")
@@ -130,7 +131,7 @@ def main() -> None:
     print(f"{'load s':24s} {a['load_s']:12.2f} {b['load_s']:14.2f} {'':7s} <= 2 (ours)")
     if a["flop_per_token"]:
         gf = a["flop_per_token"] * a["tokens_per_s"] / 1e9
-        print(f"ours: {gf:.0f} GFLOP/s = {100 * gf / peak:.0f}% of the {peak:.0f} GFLOP/s FP32 peak "
+        print(f"ours: {gf:.0f} GFLOP/s = {peak.percent(gf):.0f}% of the {peak.gflops:.0f} GFLOP/s FP32 peak "
               f"({a['flop_per_token'] / 1e6:.0f} MFLOP per token, counted by the graph)")
     if args.tinyllama:
         from tinyllama import tinyllama_q4_0
@@ -138,7 +139,7 @@ def main() -> None:
         gf = (t["flop_per_token"] or 0) * t["tokens_per_s"] / 1e9
         print(f"\nTinyLlama-1.1B-shaped Q4_0, LoRA ctx 256 batch 1: {t['tokens_per_s']:.0f} tokens/s, "
               f"peak RSS {t['rss_mib']:.0f} MiB (target < 1600), load {t['load_s']:.2f} s, "
-              f"{gf:.0f} GFLOP/s = {100 * gf / peak:.0f}% of peak (target >= 25%)")
+              f"{gf:.0f} GFLOP/s = {peak.percent(gf):.0f}% of peak (target >= 25%)")
 
 
 if __name__ == "__main__":

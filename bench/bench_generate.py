@@ -14,6 +14,9 @@ and context (--ctx; ours keeps an f32 cache of that many positions).
 Default model: SmolLM2-135M-Instruct Q4_1 from ../shared/data. --tinyllama adds the
 TinyLlama-1.1B-shaped Q4_0 model of bench/tinyllama.py (built on first use).
 Targets (issue 8): tokens/s ratio ours/llama.cpp >= 0.5, peak RSS ratio <= 1.5.
+Also our GFLOP/s (2 per weight element per token: the products with the model's matrices)
+as a percentage of the FP32 peak measured in the same sitting (bench/peak.py); generation
+is bound by reading the weights, so this stays far below the peak.
 """
 from __future__ import annotations
 
@@ -24,6 +27,8 @@ import pathlib
 import sys
 
 HERE = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from peak import Peak  # noqa: E402
 SHARED = HERE.parents[1] / "shared" / "data"
 SMOLLM2 = SHARED / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -72,6 +77,16 @@ def _measured(cmd: list) -> tuple:
     return out, err, os.waitstatus_to_exitcode(status), usage.ru_maxrss / 1024
 
 
+def flop_per_token(model) -> float:
+    """2 x the elements of the matrices a token is multiplied by: every 2-D tensor but the
+    embedding table, which counts only when it is also the output projection (tied)."""
+    from gguf import GGUFReader
+
+    tensors = {t.name: int(t.n_elements) for t in GGUFReader(str(model)).tensors if len(t.shape) == 2}
+    embd = tensors.pop("token_embd.weight", 0)
+    return 2.0 * (sum(tensors.values()) + (0 if "output.weight" in tensors else embd))
+
+
 def ours(model, prompt, n, threads, ctx) -> dict:
     out, err, rc, rss = _measured([sys.executable, "-m", "ggtrain", "generate", "--model", str(model),
                                    "--prompt", prompt, "-n", str(n), "--temp", "0", "--threads",
@@ -106,9 +121,9 @@ def main() -> None:
     args = ap.parse_args()
     models = list(args.model or [SMOLLM2])
     if args.tinyllama:
-        sys.path.insert(0, str(HERE))
         from tinyllama import tinyllama_q4_0
         models.append(tinyllama_q4_0())
+    peak = Peak(args.threads)
     rows = []
     for model in models:
         if not model.is_file():
@@ -117,20 +132,22 @@ def main() -> None:
         for _ in range(args.rounds):
             a.append(ours(model, args.prompt, args.n, args.threads, args.ctx))
             b.append(theirs(model, args.prompt, args.n, args.threads, args.ctx))
+            peak.sample()
         best_a = max(r["tokens_per_s"] for r in a)
         best_b = max(r["tokens_per_s"] for r in b)
         rss_a = max(r["rss_mib"] for r in a)
         rss_b = max(r["rss_mib"] for r in b)
         same = a[0]["text"] == b[0]["text"]
         common = os.path.commonprefix([a[0]["text"], b[0]["text"]])
-        rows.append((model.name, best_a, best_b, rss_a, rss_b, same, a[0], b[0], len(common)))
+        gf = flop_per_token(model) * best_a / 1e9
+        rows.append((model.name, best_a, best_b, rss_a, rss_b, same, gf, a[0], b[0], len(common)))
     print(f"generate: {args.n} tokens after {args.prompt!r}, greedy, {args.threads} threads, context "
-          f"{args.ctx}, best of {args.rounds} alternating rounds")
+          f"{args.ctx}, best of {args.rounds} alternating rounds; {peak.describe()}")
     print(f"{'model':38s} {'ours t/s':>9s} {'llama.cpp':>9s} {'ratio':>6s} | {'ours MiB':>8s} "
-          f"{'llama.cpp':>9s} {'ratio':>6s} | same text")
-    for name, ta, tb, ra, rb, same, ra0, rb0, common in rows:
+          f"{'llama.cpp':>9s} {'ratio':>6s} | {'GFLOP/s':>7s} {'%peak':>6s} | same text")
+    for name, ta, tb, ra, rb, same, gf, ra0, rb0, common in rows:
         print(f"{name:38s} {ta:9.1f} {tb:9.1f} {ta / tb:6.2f} | {ra:8.0f} {rb:9.0f} {ra / rb:6.2f} | "
-              f"{'yes' if same else f'first {common} chars'}")
+              f"{gf:7.1f} {peak.percent(gf):5.1f}% | {'yes' if same else f'first {common} chars'}")
     for name, *_, ra0, rb0, _ in rows:
         print(f"\n{name}: load {ra0['load_s']:.2f} s (llama.cpp {rb0['load_s']:.2f} s), prompt of "
               f"{ra0['prompt_tokens']} tokens {ra0['prompt_s']:.3f} s (llama.cpp {rb0['prompt_s']:.3f} s)")

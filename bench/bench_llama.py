@@ -5,7 +5,10 @@ output), same initial weights (ours, copied into PyTorch), same batches, AdamW w
 weight decay 0.1 on matrices and global-norm clipping 1.0, 2 threads. PyTorch runs in
 its own venv (bench/.venv-torch, torch==2.13.0; never a ggtrain dependency).
 Prints tokens/s and the ratio ours/PyTorch (higher is better), with gradient
-checkpointing off and on (torch.utils.checkpoint per block on the PyTorch side).
+checkpointing off and on (torch.utils.checkpoint per block on the PyTorch side), and our
+GFLOP/s (the graph's count of an update's products, recomputation included) as a
+percentage of the FP32 peak measured in the same sitting (bench/peak.py, sampled between
+the runs).
 
     python bench/bench_llama.py [--steps 6] [--threads 2] [--configs a,b,c]
 
@@ -25,6 +28,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from peak import Peak  # noqa: E402
 from torch_venv import ensure_torch  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -109,7 +113,7 @@ def run_ours(cfg: dict, init: dict, windows: np.ndarray, threads: int, checkpoin
         t0 = time.perf_counter()
         losses.append(run.step.step([{run.tokens: w[:, :-1], run.targets: w[:, 1:]}], 1e-3))
         times.append(time.perf_counter() - t0)
-    return {"times": times, "losses": losses, "arena": run.step.memory.arena}
+    return {"times": times, "losses": losses, "arena": run.step.memory.arena, "flop_per_token": run.flop_per_token}
 
 
 def run_torch(cfg, init, windows, threads, checkpointing, tmp):
@@ -132,7 +136,9 @@ def main():
     args = ap.parse_args()
     from ggtrain.core.models.llama import LlamaConfig, init_params
 
-    print(f"{'config':<7} {'ckpt':<5} {'ours tok/s':>11} {'torch tok/s':>12} {'ratio':>6}  first losses ours / torch")
+    peak = Peak(args.threads)
+    print(f"{'config':<7} {'ckpt':<5} {'ours tok/s':>11} {'torch tok/s':>12} {'ratio':>6} {'GFLOP/s':>8} "
+          f"{'%peak':>6}  first losses ours / torch")
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.configs.split(","):
             cfg = CONFIGS[name]
@@ -143,12 +149,16 @@ def main():
             tokens = cfg["batch"] * cfg["ctx"]
             for checkpointing in (False, True):
                 ours = run_ours(cfg, init, windows, args.threads, checkpointing)
+                peak.sample()
                 theirs = run_torch(cfg, init, windows, args.threads, checkpointing, tmp)
+                peak.sample()
                 t_ours = float(np.median(ours["times"][2:]))
                 t_torch = float(np.median(theirs["times"][2:]))
+                gf = ours["flop_per_token"] * tokens / t_ours / 1e9
                 print(f"{name:<7} {'on' if checkpointing else 'off':<5} {tokens / t_ours:>11.0f} "
-                      f"{tokens / t_torch:>12.0f} {t_torch / t_ours:>6.2f}  "
+                      f"{tokens / t_torch:>12.0f} {t_torch / t_ours:>6.2f} {gf:>8.1f} {peak.percent(gf):>5.0f}%  "
                       f"{ours['losses'][0]:.4f} / {theirs['losses'][0]:.4f}", flush=True)
+    print(peak.describe())
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@ For each shape M x K . K x N and each operand layout used in training
     A.B    plain              (dx = g @ W)
     At.B   src0 a transposed view of a (K, M) array   (dW = g.T @ x)
     A.Bt   src1 a transposed view of an (N, K) array  (y = x @ W.T)
-it prints our GFLOP/s and numpy's at 1 and 2 threads and the ratio ours/numpy.
+it prints our GFLOP/s and numpy's at 1 and 2 threads, the ratio ours/numpy and ours as a
+percentage of the FP32 peak of that many cores (bench/peak.py, measured in the same sitting).
 Extra lines (not in the worst ratio): attention-like batches, and the skinny
 products of the MNIST CNN with the time per call of both sides.
 
@@ -19,10 +20,8 @@ weights W (R, C) of the fine-tuning shapes, with 512 rows of x, both products
     g @ W     src1 W itself                   (its input gradient)
 it prints gt_matmul_fwd_f32_<w> against gt_matmul_fwd_f32 on the dequantized f32
 matrix in the same layout (measured alternately in the same run), the ratio (target
->= 0.8) and the fraction of the machine's FP32 peak. The peak is measured, not looked
-up: a small C loop of 12 independent FMA chains on the widest vectors dispatch uses
-(zmm with AVX-512, ymm with AVX2) gives one core's FMA throughput (flops per second,
-so clock and FMA ports are both in it); the peak at n threads is n times that.
+>= 0.8) and the fraction of the machine's FP32 peak (bench/peak.py: measured, not looked
+up, on as many threads as the line uses).
 Then the generation products (M = 1, x @ W.T, the row-dot path): GB/s of weight bytes
 read and GFLOP/s, SmolLM2-135M's per-token products (30 blocks of Q4_1 q, k, v, o,
 gate, up, down and the tied Q8_0 output projection 49152 x 576) summed into an upper
@@ -35,19 +34,19 @@ Usage (repo root, after `pip install -e .`):
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import pathlib
 import sys
-import tempfile
 import time
 
 import numpy as np
-from cffi import FFI
 
 from ggtrain.core.backend import KernelCall, TensorRef
 from ggtrain.core.backend_cpu import CpuBackend
 from ggtrain.native import lib
 from ggtrain.native.dtypes import dtype
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from peak import Peak  # noqa: E402
 
 try:
     from threadpoolctl import threadpool_limits
@@ -59,8 +58,9 @@ SHAPES = [(500, 784, 500), (2048, 256, 768), (2048, 768, 256)]
 # extra lines, for information (not part of the worst ratio): attention-like
 # batches of small products, (batch, M, K, N), plain layout
 BATCHED = [(64, 128, 32, 128), (64, 128, 128, 32)]
-# extra lines: the skinny products of the MNIST CNN (2 x 500 images), (M, K, N, layout):
-# conv1 weight grad, conv2 weight grad, conv2 forward, conv2 input grad, conv1 forward
+# extra lines: the skinny products of an im2col MNIST CNN (2 x 500 images; conv2d now
+# convolves directly), (M, K, N, layout): conv1 weight grad, conv2 weight grad, conv2
+# forward, conv2 input grad, conv1 forward
 SKINNY = [(9, 392000, 8, "At.B"), (72, 98000, 16, "At.B"), (98000, 72, 16, "A.Bt"),
           (98000, 16, 72, "A.B"), (392000, 9, 8, "A.Bt")]
 LAYOUTS = ["A.B", "At.B", "A.Bt"]
@@ -156,59 +156,6 @@ SMOLLM2 = pathlib.Path(__file__).resolve().parents[2] / "shared" / "data" / "mod
 # SmolLM2-135M's matrices per block (R, C): q, k, v, o, gate, up, down
 SMOLLM2_BLOCK = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]
 
-_PEAK_SRC = r"""
-#include <immintrin.h>
-/* distinct starting values and run-time m, c: the 12 chains cannot be merged */
-#define CHAINS(T, SET1, FMA, STORE, W)                                                  \
-    T a0 = SET1(s), a1 = SET1(s + 1), a2 = SET1(s + 2), a3 = SET1(s + 3);               \
-    T a4 = SET1(s + 4), a5 = SET1(s + 5), a6 = SET1(s + 6), a7 = SET1(s + 7);           \
-    T a8 = SET1(s + 8), a9 = SET1(s + 9), a10 = SET1(s + 10), a11 = SET1(s + 11);       \
-    const T m = SET1(mf), c = SET1(cf);                                                 \
-    for (long i = 0; i < n; i++) {                                                      \
-        a0 = FMA(a0, m, c); a1 = FMA(a1, m, c); a2 = FMA(a2, m, c); a3 = FMA(a3, m, c); \
-        a4 = FMA(a4, m, c); a5 = FMA(a5, m, c); a6 = FMA(a6, m, c); a7 = FMA(a7, m, c); \
-        a8 = FMA(a8, m, c); a9 = FMA(a9, m, c); a10 = FMA(a10, m, c); a11 = FMA(a11, m, c); \
-    }                                                                                   \
-    float out[W];                                                                       \
-    STORE(out, a0 + a1 + a2 + a3 + a4 + a5 + a6 + a7 + a8 + a9 + a10 + a11);            \
-    return out[0];
-__attribute__((target("avx512f"))) static float fma512(long n, float s, float mf, float cf) {
-    CHAINS(__m512, _mm512_set1_ps, _mm512_fmadd_ps, _mm512_storeu_ps, 16)
-}
-__attribute__((target("avx2,fma"))) static float fma256(long n, float s, float mf, float cf) {
-    CHAINS(__m256, _mm256_set1_ps, _mm256_fmadd_ps, _mm256_storeu_ps, 8)
-}
-/* 12 chains x lanes x 2 flops per iteration; the sum keeps the loop alive */
-float fma_loop(long n, int wide, float s, float m, float c) {
-    return wide ? fma512(n, s, m, c) : fma256(n, s, m, c);
-}
-"""
-
-
-def measured_peak() -> tuple:
-    """One core's FP32 FMA throughput (GFLOP/s) on the widest vectors dispatch uses,
-    from a C loop built here (gcc, as the extension is), and how it was measured."""
-    feats = lib.gt_cpu_features()
-    if not feats & 1:
-        return float("nan"), "no AVX2/AVX-512: peak not measured"
-    wide = 1 if feats & 2 else 0
-    ffi = FFI()
-    ffi.cdef("float fma_loop(long n, int wide, float s, float m, float c);")
-    ffi.set_source("_ggtrain_bench_peak", _PEAK_SRC, extra_compile_args=["-O2"])
-    tmp = tempfile.mkdtemp(prefix="ggtrain-peak-")
-    so = ffi.compile(tmpdir=tmp, verbose=False)
-    spec = importlib.util.spec_from_file_location("_ggtrain_bench_peak", so)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    n, lanes = 20_000_000, 16 if wide else 8
-    mod.lib.fma_loop(n // 10, wide, 1.0, 0.999999, 1e-7)
-    best = min(_timed(lambda: mod.lib.fma_loop(n, wide, 1.0, 0.999999, 1e-7)) for _ in range(10))
-    gflops = 12 * lanes * 2 * n / best / 1e9
-    how = (f"measured: 12 independent {'zmm' if wide else 'ymm'} FMA chains on one core, "
-           f"{gflops:.1f} GFLOP/s per core (x threads)")
-    return gflops, how
-
-
 def _timed(fn) -> float:
     t0 = time.perf_counter()
     fn()
@@ -265,9 +212,9 @@ def _alternate(backend, plans, n_threads, rounds, reps):
     return best
 
 
-def bench_weights(backend, threads, rounds, reps, rng, peak) -> None:
+def bench_weights(backend, threads, rounds, reps, rng, peaks) -> None:
     print(f"\nfrozen weights: gt_matmul_fwd_f32_<w> vs gt_matmul_fwd_f32 on the dequantized matrix, "
-          f"M = {WEIGHT_ROWS} rows of x; peak = measured FMA throughput x threads")
+          f"M = {WEIGHT_ROWS} rows of x")
     print(f"{'weight':<7} {'W (R x C)':<11} {'product':<7} {'thr':>3} {'ours GF/s':>10} {'f32 GF/s':>9} "
           f"{'ratio':>6} {'%peak':>6} {'same bits':>9}")
     worst = float("inf")
@@ -288,7 +235,7 @@ def bench_weights(backend, threads, rounds, reps, rng, peak) -> None:
                     flag = "" if g_ours / g_f32 >= 0.8 else "  <0.8"
                     print(f"{w:<7} {f'{R}x{C}':<11} {'x@W.T' if transposed else 'g@W':<7} {nt:>3} "
                           f"{g_ours:>10.1f} {g_f32:>9.1f} {g_ours / g_f32:>6.2f} "
-                          f"{100 * g_ours / (peak * nt):>5.0f}% {'yes' if same else 'NO':>9}{flag}", flush=True)
+                          f"{peaks[nt].percent(g_ours):>5.0f}% {'yes' if same else 'NO':>9}{flag}", flush=True)
     print(f"worst ratio stored weight / f32: {worst:.2f}")
 
 
@@ -364,18 +311,18 @@ def main() -> None:
     feats = lib.gt_cpu_features()
     level = "avx512" if feats & 2 else "avx2" if feats & 1 else "scalar"
     blas = "threadpoolctl"
+    peaks = {nt: Peak(nt) for nt in threads}
     if args.only in ("weights", "gen"):
-        peak, how = measured_peak()
-        print(f"ggtrain ({level}); FP32 peak {how}; best of {rounds}x{reps}")
+        print(f"ggtrain ({level}); {'; '.join(p.describe() for p in peaks.values())}; best of {rounds}x{reps}")
         if args.only == "weights":
-            bench_weights(backend, threads, rounds, reps, rng, peak)
+            bench_weights(backend, threads, rounds, reps, rng, peaks)
         else:
             bench_generation(backend, threads, rounds, reps, rng)
         return
     print(f"matmul f32, ggtrain ({level}) vs numpy {np.__version__} (BLAS threads via {blas}); "
           f"best of {rounds}x{reps}")
     print(f"{'shape MxK.KxN':<18} {'layout':<6} {'thr':>3} {'ours GF/s':>10} {'numpy GF/s':>11} "
-          f"{'ratio':>6} {'relerr':>8}")
+          f"{'ratio':>6} {'%peak':>6} {'relerr':>8}")
     worst = float("inf")
     for M, K, N in SHAPES:
         for layout in LAYOUTS:
@@ -385,8 +332,10 @@ def main() -> None:
                 worst = min(worst, ratio)
                 flag = "" if ratio >= 0.7 else "  <0.7"
                 print(f"{f'{M}x{K}.{K}x{N}':<18} {layout:<6} {nt:>3} {ours:>10.1f} {ref:>11.1f} "
-                      f"{ratio:>6.2f} {err:>8.1e}{flag}", flush=True)
-    print(f"worst ratio ours/numpy: {worst:.2f}")
+                      f"{ratio:>6.2f} {peaks[nt].percent(ours):>5.0f}% {err:>8.1e}{flag}", flush=True)
+        for p in peaks.values():
+            p.sample()
+    print(f"worst ratio ours/numpy: {worst:.2f}; {'; '.join(p.describe() for p in peaks.values())}")
     for B, M, K, N in BATCHED:
         for nt in threads:
             ours, ref, err = bench_line(backend, M, K, N, "A.B", nt, rounds, reps, rng, batch=B)
@@ -401,9 +350,7 @@ def main() -> None:
                   flush=True)
     if args.only == "f32":
         return
-    peak, how = measured_peak()
-    print(f"\nFP32 peak: {how}")
-    bench_weights(backend, threads, rounds, reps, rng, peak)
+    bench_weights(backend, threads, rounds, reps, rng, peaks)
     bench_generation(backend, threads, rounds, reps, rng)
 
 

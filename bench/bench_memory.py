@@ -4,10 +4,12 @@ Configs: "deep": dim 256, 12 layers, 8 heads, ff 768, ctx 256, batch 8 (the llam
 setting); "long": dim 256, 4 layers, 8 heads, ff 768, ctx 2048, batch 1 (issue 12: fused
 attention keeps no T x T tensor), also run in PyTorch (bench_llama's model, fused SDPA, its
 own process) for its peak RSS. Prints the planner's predicted peak, the measured peak RSS,
-the ratios checkpointing/plain and ours/PyTorch, and the losses of the first steps (which
-must be identical with and without checkpointing).
+the ratios checkpointing/plain and ours/PyTorch, the losses of the first steps (which
+must be identical with and without checkpointing), and the speed of the steps after the
+first: tokens/s, the time ratio checkpointing/plain, and GFLOP/s (the graph's count,
+recomputation included) as a percentage of the FP32 peak (bench/peak.py, same sitting).
 
-    python bench/bench_memory.py [--steps 2] [--configs deep,long]
+    python bench/bench_memory.py [--steps 3] [--configs deep,long]
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import resource
 import subprocess
 import sys
 import tempfile
+import time
 
 CONFIGS = {
     "deep": (dict(vocab=256, dim=256, layers=12, heads=8, kv_heads=8, ff=768, ctx=256), 8),
@@ -39,12 +42,15 @@ def child(config: str, checkpointing: bool, steps: int) -> None:
     run = TextRun(model, init_params(model, 0), TextConfig(steps=10**6, batch=batch, checkpointing=checkpointing),
                   CpuBackend(2))
     rng = np.random.default_rng(0)
-    losses = []
+    losses, times = [], []
     for _ in range(steps):
         w = rng.integers(0, cfg["vocab"], (batch, cfg["ctx"] + 1)).astype(np.int32)
+        t0 = time.perf_counter()
         losses.append(run.step.step([{run.tokens: w[:, :-1], run.targets: w[:, 1:]}], 1e-3))
+        times.append(time.perf_counter() - t0)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    print(json.dumps({"peak_kib": peak, "import_kib": base, "planned": run.step.memory.peak, "losses": losses}))
+    print(json.dumps({"peak_kib": peak, "import_kib": base, "planned": run.step.memory.peak, "losses": losses,
+                      "step_s": min(times[1:] or times), "flop_per_token": run.flop_per_token}))
 
 
 def torch_peak(config: str, checkpointing: bool, steps: int, tmp: str) -> int:
@@ -64,7 +70,7 @@ def torch_peak(config: str, checkpointing: bool, steps: int, tmp: str) -> int:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=3, help="steps per side (the first is not timed)")
     ap.add_argument("--configs", default="deep,long")
     ap.add_argument("--child", choices=["on", "off"])
     ap.add_argument("--config", choices=list(CONFIGS), default="deep")
@@ -72,6 +78,9 @@ def main():
     if args.child:
         child(args.config, args.child == "on", args.steps)
         return
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+    from peak import Peak
+    peak = Peak(2)
     for config in args.configs.split(","):
         cfg, batch = CONFIGS[config]
         print(f"{config}: dim {cfg['dim']}, {cfg['layers']} layers, ctx {cfg['ctx']}, batch {batch}")
@@ -80,17 +89,24 @@ def main():
             out = subprocess.run([sys.executable, __file__, "--child", mode, "--config", config, "--steps",
                                   str(args.steps)], capture_output=True, text=True, check=True)
             res[mode] = json.loads(out.stdout.strip().splitlines()[-1])
+            peak.sample()
             if config in TORCH:
                 with tempfile.TemporaryDirectory() as tmp:
                     torch[mode] = torch_peak(config, mode == "on", args.steps, tmp)
-        print(f"{'checkpointing':<14} {'planned MiB':>12} {'peak RSS MiB':>13} {'torch MiB':>10} {'ratio':>6}  losses")
+        tokens = batch * cfg["ctx"]
+        print(f"{'checkpointing':<14} {'planned MiB':>12} {'peak RSS MiB':>13} {'torch MiB':>10} {'ratio':>6} "
+              f"{'tokens/s':>9} {'GFLOP/s':>8} {'%peak':>6}  losses")
         for mode in ("off", "on"):
             r = res[mode]
             t = f"{torch[mode] / 1024:>10.1f} {r['peak_kib'] / torch[mode]:>6.2f}" if mode in torch else f"{'':>17}"
-            print(f"{mode:<14} {r['planned'] / 2**20:>12.1f} {r['peak_kib'] / 1024:>13.1f} {t}  {r['losses']}")
+            gf = r["flop_per_token"] * tokens / r["step_s"] / 1e9
+            print(f"{mode:<14} {r['planned'] / 2**20:>12.1f} {r['peak_kib'] / 1024:>13.1f} {t} "
+                  f"{tokens / r['step_s']:>9.0f} {gf:>8.1f} {peak.percent(gf):>5.0f}%  {r['losses']}")
         print(f"ratio on/off: planned {res['on']['planned'] / res['off']['planned']:.2f}, "
-              f"peak RSS {res['on']['peak_kib'] / res['off']['peak_kib']:.2f}; "
+              f"peak RSS {res['on']['peak_kib'] / res['off']['peak_kib']:.2f}, "
+              f"step time {res['on']['step_s'] / res['off']['step_s']:.2f}; "
               f"losses identical: {res['on']['losses'] == res['off']['losses']}", flush=True)
+    print(peak.describe())
 
 
 if __name__ == "__main__":

@@ -152,7 +152,7 @@ class CompiledPlan:
         self.work_bytes = work_bytes   # per thread
         self.report = report
         self.n_nodes = n_nodes
-        self.matmul_flops = 0          # FLOPs of its matrix products (ops.product_flops)
+        self.flops = 0                 # FLOPs of its products and convolutions (ops.product_flops)
         self.plan = None
         self.refs: dict = {}
 
@@ -347,7 +347,7 @@ class Runtime:
 
         work_max = max([w for _, _, _, w in nodes] + [0])
         plan = CompiledPlan(self, emit, n_threads, arena_size, work_max, None, len(nodes))
-        plan.matmul_flops = sum(_ops.product_flops(t) for t, *_ in nodes)
+        plan.flops = sum(_ops.product_flops(t) for t, *_ in nodes)
         self._plans = [p for p in self._plans if p() is not None] + [weakref.ref(plan)]
         if self._arena is None or self._arena.nbytes < arena_size:
             self._arena = self.backend.alloc(max(arena_size, 1))

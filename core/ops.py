@@ -688,9 +688,15 @@ def product_flops(t: Tensor) -> int:
     """FLOPs (2 per multiply-add) of node t's matrix products: a matmul's, or those inside
     fused attention (forward: q k^T and p v; backward: q k^T again and four more) over the
     (query, key) pairs its mask lets through; a position or segment mask counts as causal,
-    a bound. 0 for other ops."""
+    a bound; or conv2d's (forward, and each gradient: the same count). 0 for other ops."""
     if t.op == "matmul":
         return 2 * t.size * t.srcs[0].shape[-1]
+    if t.op == "conv2d":
+        return _conv2d_flops(t.srcs[0].shape, t.srcs[1].shape, t.params)
+    if t.op == "conv2d_input_bwd":
+        return _conv2d_flops(t.shape, t.srcs[0].shape, t.params)
+    if t.op == "conv2d_weight_bwd":
+        return _conv2d_flops(t.srcs[0].shape, t.params["kernel_shape"], t.params)
     if t.op not in ("attention", "attention_bwd"):
         return 0
     b, tq, h, d = t.srcs[0].shape
@@ -884,6 +890,13 @@ def _infer_conv2d_weight_bwd(srcs, params):
     _f32("conv2d_weight_bwd", *srcs)
     cout, cin, kh, kw = params["kernel_shape"]
     return (cin * kh * kw + 1, cout), "f32"
+
+
+def _conv2d_flops(x_shape, kernel_shape, p):
+    """2 N OH OW Cout Cin KH KW: the forward's products, and each gradient's."""
+    n, h, w, _ = x_shape
+    cout, cin, kh, kw = kernel_shape
+    return 2 * n * _conv_out(h, kh, p["stride"], p["pad"]) * _conv_out(w, kw, p["stride"], p["pad"]) * cout * cin * kh * kw
 
 
 register(OpDef("conv2d", _infer_conv2d, "conv2d_fwd", contiguous=(0, 1, 2), backward=_conv2d_bwd,

@@ -131,11 +131,12 @@ class TrainStep:
         return self.runtime.memory
 
     @property
-    def matmul_flops(self) -> int:
-        """Matrix-product FLOPs of one update (of one evaluation for L-BFGS, whose updates
-        take several)."""
-        flops = self._update.matmul_flops if self._update is not None else 0
-        return flops + (self._micro.matmul_flops * self.grad_acc if self._micro is not None else 0)
+    def flops(self) -> int:
+        """FLOPs of the products and convolutions (ops.product_flops) of one update (of one
+        evaluation for L-BFGS, whose updates take several): forward, backward, recomputation,
+        the physical-batch plan counted grad_acc times."""
+        flops = self._update.flops if self._update is not None else 0
+        return flops + (self._micro.flops * self.grad_acc if self._micro is not None else 0)
 
     def _set_inputs(self, batch: dict) -> None:
         for t, value in batch.items():
@@ -382,6 +383,11 @@ class ClassifierRun:
     def interrupted(self) -> bool:
         """As TextRun.interrupted."""
         return self.step.stop or (self.world.size == 1 and self._stop)
+
+    @property
+    def flop_per_sample(self) -> float:
+        """FLOPs of one update (products and convolutions, forward and backward) per sample."""
+        return self.step.flops / self.config.batch
 
     def param_values(self) -> dict:
         return {name: self.step.get(t) for name, t in self.params.items()}
@@ -673,8 +679,9 @@ class TextRun:
 
     @property
     def flop_per_token(self) -> float:
-        """Matrix-product FLOPs of one update (forward, backward, recomputation) per token."""
-        return self.step.matmul_flops / (self.config.batch * self.config.grad_acc * self.ctx)   # per process: the same
+        """FLOPs of one update (products: forward, backward, recomputation) per token (the same
+        per process)."""
+        return self.step.flops / (self.config.batch * self.config.grad_acc * self.ctx)
 
     def param_values(self) -> dict:
         """{name: f32 array} of what is trained (model parameters, or adapter factors)."""

@@ -141,3 +141,15 @@ def test_bad_input():
         run_kernel("conv2d_weight_bwd_f32", np.zeros((19, 4), np.float32),
                    [img, np.zeros((1, 3, 3, 4), np.float32), np.zeros((1, 2, 2, 4), np.float32)],
                    ip=(3, 3, 1, 0, 1, 1))
+
+
+def test_plans_count_convolution_flops():
+    """An update's FLOPs (bench figures, % of peak) include conv2d's three kernels: for the
+    MNIST CNN, conv1 forward and weight gradient (x needs none), conv2 all three, the dense
+    layer's three products."""
+    from ggtrain.core.train import ClassifierConfig, ClassifierRun
+
+    run = ClassifierRun(lambda p, t: mnist.forward("cnn", p, t), mnist.init_params("cnn", 0), (28, 28),
+                        ClassifierConfig(batch=4, physical_batch=2, epochs=1), CpuBackend(1))
+    conv1, conv2, dense = 2 * 28 * 28 * 8 * 9, 2 * 14 * 14 * 16 * 72, 2 * 784 * 10
+    assert run.flop_per_sample == 2 * conv1 + 3 * conv2 + 3 * dense
