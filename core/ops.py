@@ -844,7 +844,8 @@ def _infer_conv2d(srcs, params):
     _f32("conv2d", *srcs)
     _need(kernel.ndim == 4, f"conv2d: kernel must be (Cout, Cin, KH, KW), got {kernel.shape}")
     cout, cin, kh, kw = kernel.shape
-    _need(x.ndim == 4 and x.shape[3] == cin, f"conv2d: x {x.shape} must be (N, H, W, {cin}) for kernel {kernel.shape}")
+    _need(x.ndim == 4 and x.shape[3] == cin,
+          f"conv2d: x {x.shape} must be (N, H, W, {cin}) for kernel {kernel.shape}")
     if len(srcs) == 3:
         _need(srcs[2].shape == (cout,), f"conv2d: bias {srcs[2].shape} must be ({cout},) for kernel {kernel.shape}")
     st, pad, pool = params["stride"], params["pad"], params["pool"]
@@ -896,7 +897,8 @@ def _conv2d_flops(x_shape, kernel_shape, p):
     """2 N OH OW Cout Cin KH KW: the forward's products, and each gradient's."""
     n, h, w, _ = x_shape
     cout, cin, kh, kw = kernel_shape
-    return 2 * n * _conv_out(h, kh, p["stride"], p["pad"]) * _conv_out(w, kw, p["stride"], p["pad"]) * cout * cin * kh * kw
+    oh, ow = _conv_out(h, kh, p["stride"], p["pad"]), _conv_out(w, kw, p["stride"], p["pad"])
+    return 2 * n * oh * ow * cout * cin * kh * kw
 
 
 register(OpDef("conv2d", _infer_conv2d, "conv2d_fwd", contiguous=(0, 1, 2), backward=_conv2d_bwd,

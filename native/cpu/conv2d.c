@@ -113,7 +113,8 @@ static int check_grad(const gt_tensor *t, const cgeom *g, const char *op) {
         return GT_OK;
     char a[128];
     return GT_FAIL(GT_ERR_SHAPE, "%s: expected g (N, OH/pool, OW/pool, CO) = (%lld, %lld, %lld, %lld), got %s", op,
-                   (long long)g->N, (long long)g->PH, (long long)g->PW, (long long)g->CO, gt_shape_str(t, a, sizeof a));
+                   (long long)g->N, (long long)g->PH, (long long)g->PW, (long long)g->CO,
+                   gt_shape_str(t, a, sizeof a));
 }
 
 static int check_kernel(const gt_tensor *k, const cgeom *g, const char *op) {
@@ -121,7 +122,8 @@ static int check_kernel(const gt_tensor *k, const cgeom *g, const char *op) {
         return GT_OK;
     char a[128];
     return GT_FAIL(GT_ERR_SHAPE, "%s: expected kernel (CO, C, KH, KW) = (%lld, %lld, %lld, %lld), got %s", op,
-                   (long long)g->CO, (long long)g->C, (long long)g->KH, (long long)g->KW, gt_shape_str(k, a, sizeof a));
+                   (long long)g->CO, (long long)g->C, (long long)g->KH, (long long)g->KW,
+                   gt_shape_str(k, a, sizeof a));
 }
 
 /* ---- work memory ------------------------------------------------------------------ */
@@ -327,29 +329,30 @@ __attribute__((target("avx512f"))) static void epilogue512(float *restrict vals,
         const __m512 b = bias ? _mm512_shuffle_f32x4(_mm512_castps256_ps512(_mm256_loadu_ps(bias)),
                                                      _mm512_castps256_ps512(_mm256_loadu_ps(bias)), 0x44)
                               : zero;
+        const __m512 one = _mm512_set1_ps(1.0f), two = _mm512_set1_ps(2.0f), three = _mm512_set1_ps(3.0f);
+        const int hb = bias != NULL;
+#define ACT(v) (relu ? _mm512_max_ps(hb ? _mm512_add_ps((v), b) : (v), zero) : hb ? _mm512_add_ps((v), b) : (v))
+#define STEP(v, idx)                                                 \
+    do {                                                             \
+        const __m512 v_ = ACT(v);                                    \
+        const __mmask16 gt_ = _mm512_cmp_ps_mask(v_, m, _CMP_GT_OQ); \
+        m = _mm512_mask_blend_ps(gt_, m, v_);                        \
+        cd = _mm512_mask_blend_ps(gt_, cd, (idx));                   \
+    } while (0)
         for (; pc0 + 2 <= PW; pc0 += 2) {
-            __m512 m = zero, cd = zero;
-            for (int64_t i = 0; i < 2; i++) {
-                const __m512 u = _mm512_loadu_ps(tile + i * trs + pc0 * 16);
-                const __m512 w = _mm512_loadu_ps(tile + i * trs + pc0 * 16 + 16);
-                __m512 col[2] = {_mm512_shuffle_f32x4(u, w, 0x44), _mm512_shuffle_f32x4(u, w, 0xEE)};
-                for (int64_t j = 0; j < 2; j++) {
-                    __m512 v = col[j];
-                    if (bias) v = _mm512_add_ps(v, b);
-                    if (relu) v = _mm512_max_ps(v, zero);
-                    if (i == 0 && j == 0) {
-                        m = v;
-                        continue;
-                    }
-                    const __mmask16 gt = _mm512_cmp_ps_mask(v, m, _CMP_GT_OQ);
-                    m = _mm512_mask_blend_ps(gt, m, v);
-                    cd = _mm512_mask_blend_ps(gt, cd, _mm512_set1_ps((float)(i * 2 + j)));
-                }
-            }
+            const float *t0 = tile + pc0 * 16, *t1 = tile + trs + pc0 * 16;
+            const __m512 u0 = _mm512_loadu_ps(t0), w0 = _mm512_loadu_ps(t0 + 16);
+            const __m512 u1 = _mm512_loadu_ps(t1), w1 = _mm512_loadu_ps(t1 + 16);
+            __m512 m = ACT(_mm512_shuffle_f32x4(u0, w0, 0x44)), cd = zero;   /* window element (0, 0) */
+            STEP(_mm512_shuffle_f32x4(u0, w0, 0xEE), one);                   /* (0, 1) */
+            STEP(_mm512_shuffle_f32x4(u1, w1, 0x44), two);                   /* (1, 0) */
+            STEP(_mm512_shuffle_f32x4(u1, w1, 0xEE), three);                 /* (1, 1) */
             _mm512_storeu_ps(vals + pc0 * 8, m);
             if (relu) cd = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(m, zero, _CMP_GT_OQ), minus1, cd);
             _mm512_storeu_ps(codes + pc0 * 8, cd);
         }
+#undef STEP
+#undef ACT
     }
     for (int64_t c0 = 0; c0 < CO; c0 += VL) {
         const __mmask16 lm = lanes(CO - c0);
@@ -667,8 +670,10 @@ static void conv_pixels(float *out, const float *src, int64_t ps, int64_t n, con
 static int fwd_geom(const gt_node *node, cgeom *g, const char *op) {
     const gt_tensor *x = &node->src[0], *k = &node->src[1];
     char a[128];
-    if (x->ndim != 4) return GT_FAIL(GT_ERR_SHAPE, "%s: expected x (N, H, W, C), got %s", op, gt_shape_str(x, a, sizeof a));
-    if (k->ndim != 4) return GT_FAIL(GT_ERR_SHAPE, "%s: expected kernel (CO, C, KH, KW), got %s", op, gt_shape_str(k, a, sizeof a));
+    if (x->ndim != 4)
+        return GT_FAIL(GT_ERR_SHAPE, "%s: expected x (N, H, W, C), got %s", op, gt_shape_str(x, a, sizeof a));
+    if (k->ndim != 4)
+        return GT_FAIL(GT_ERR_SHAPE, "%s: expected kernel (CO, C, KH, KW), got %s", op, gt_shape_str(k, a, sizeof a));
     GT_TRY(geom_init(g, node, x->shape[0], x->shape[1], x->shape[2], x->shape[3], k->shape[0], op));
     return check_kernel(k, g, op);
 }
@@ -750,7 +755,8 @@ int gt_conv2d_fwd_f32(const gt_node *node, const gt_ctx *ctx) {
 static int bwd_geom(const gt_node *node, cgeom *g, const gt_tensor *img, int64_t CO, const char *op) {
     char a[128];
     if (img->ndim != 4)
-        return GT_FAIL(GT_ERR_SHAPE, "%s: expected an image (N, H, W, C), got %s", op, gt_shape_str(img, a, sizeof a));
+        return GT_FAIL(GT_ERR_SHAPE, "%s: expected an image (N, H, W, C), got %s", op,
+                       gt_shape_str(img, a, sizeof a));
     return geom_init(g, node, img->shape[0], img->shape[1], img->shape[2], img->shape[3], CO, op);
 }
 
@@ -922,7 +928,8 @@ int gt_conv2d_input_bwd_f32(const gt_node *node, const gt_ctx *ctx) {
     GT_CHECK_F32(k, op, "kernel");
     GT_CHECK_F32(out, op, "out");
     GT_CHECK_F32(gt, op, "g");
-    if (k->ndim != 4) return GT_FAIL(GT_ERR_SHAPE, "%s: expected kernel (CO, C, KH, KW), got %s", op, gt_shape_str(k, a, sizeof a));
+    if (k->ndim != 4)
+        return GT_FAIL(GT_ERR_SHAPE, "%s: expected kernel (CO, C, KH, KW), got %s", op, gt_shape_str(k, a, sizeof a));
     GT_TRY(bwd_geom(node, &g, d, k->shape[0], op));
     GT_TRY(check_kernel(k, &g, op));
     GT_TRY(check_out(out, &g, op, "out"));
