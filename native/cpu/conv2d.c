@@ -16,6 +16,8 @@
  * Numerics: every forward value is one FMA chain from 0 over k = ci*KH*KW +
  * kh*KW + kw in order, then + bias, then relu, then the pool: exactly the bits
  * of im2col, matmul (whose chains run the same way), add, relu and max_pool2d.
+ * (NOTE: with pairs the chains also hold exact zero terms, fma(a, 0, acc) = acc,
+ * which holds for finite inputs; an infinite input gives NaN there.)
  * The weight gradient of each element is one chain per block of WB_IMAGES
  * images (pixels in order; with pairs, see below, one for the even and one for
  * the odd pixel columns, then added), the blocks' partial sums then added in
@@ -37,7 +39,6 @@
 #define NV_MAX 4        /* channel vectors per pass (64 channels) */
 #define KC_MAX 24       /* k values per weight-gradient pass (times vectors <= 24) */
 #define WB_IMAGES 4     /* images per weight-gradient block (fixed: the summation order) */
-#define ALIGNF 16       /* work regions start on 64-byte boundaries */
 
 typedef struct cgeom {
     int64_t N, H, W, C;     /* input image */
