@@ -861,7 +861,7 @@ int gt_conv2d_weight_bwd_f32(const gt_node *node, const gt_ctx *ctx) {
                 s = b ? s + v : v;
             }
         } else {
-            s = partial[r * CV + co];
+            s = nb ? partial[r * CV + co] : 0.0f;   /* no images: zero gradients */
             for (int64_t b = 1; b < nb; b++) s += partial[(b * rows + r) * CV + co];
         }
         dd[e] = s;
