@@ -36,3 +36,13 @@ def llama():
             pytest.fail("CI must run the llama.cpp interop tests: " + msg, pytrace=False)
         pytest.skip(msg)
     return llama_cpp
+
+
+@pytest.fixture
+def shakespeare(tmp_path):
+    """A 30 kB text file: the start of tiny shakespeare (a repeated sentence without ../shared)."""
+    src = SHARED_DATA / "text" / "tinyshakespeare.txt"
+    body = src.read_text()[:30000] if src.exists() else ("the quick brown fox jumps over the lazy dog. " * 700)
+    p = tmp_path / "t.txt"
+    p.write_text(body)
+    return p

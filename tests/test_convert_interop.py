@@ -2,8 +2,6 @@
 as ggml-org's stories260K.gguf, a checkpoint's model generates as `ggtrain generate` does,
 merged models run as the base with the adapter, and the quantizers give llama.cpp's bytes."""
 import itertools
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -11,27 +9,12 @@ import pytest
 from ggtrain.formats.gguf import read_gguf
 from ggtrain.formats.llama_model import load_llama
 from ggtrain.formats.lora import write_lora
+from tests.interop import greedy, open_llm, run_cli
 
 PROMPT = "Once upon a time, there was a little"
 # where a quantized merged model's greedy run parts from llama.cpp's base + adapter, llama.cpp's
 # own top-2 logits there must be this close (its 8-bit activations move logits by up to ~0.25)
 NEAR_TIE = 0.5
-
-
-def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "ggtrain", *map(str, args)], capture_output=True, text=True)
-
-
-def _llm(llama, model, lora=None, scale=1.0):
-    kw = dict(lora_path=str(lora), lora_scale=scale) if lora else {}
-    return llama.Llama(model_path=str(model), n_ctx=256, n_threads=2, n_threads_batch=2, seed=0, logits_all=True,
-                       verbose=False, type_k=llama.GGML_TYPE_F32, type_v=llama.GGML_TYPE_F32, flash_attn=False, **kw)
-
-
-def _greedy(llm, ids, n):
-    llm.reset()
-    return [int(t) for t in itertools.islice(llm.generate(list(ids), top_k=1, top_p=1.0, min_p=0.0, temp=0.0,
-                                                           repeat_penalty=1.0), n)]
 
 
 def _ids(model):
@@ -41,14 +24,14 @@ def _ids(model):
 
 def test_llama2c_import_runs_in_llama_cpp_as_stories260k(llama, shared_data, tmp_path):
     out = tmp_path / "s.gguf"
-    r = _cli("convert-checkpoint", shared_data / "llama2c" / "stories260K.bin", out, "--from", "llama2c",
+    r = run_cli("convert-checkpoint", shared_data / "llama2c" / "stories260K.bin", out, "--from", "llama2c",
              "--tokenizer", shared_data / "llama2c" / "tok512.bin")
     assert r.returncode == 0, r.stderr
     ref = shared_data / "gguf" / "stories260K.gguf"
     tok, ids = _ids(ref)
-    ours, theirs = _llm(llama, out), _llm(llama, ref)
+    ours, theirs = open_llm(llama, out), open_llm(llama, ref)
     assert ours.tokenize(PROMPT.encode(), add_bos=True, special=False) == ids
-    assert _greedy(ours, ids, 40) == _greedy(theirs, ids, 40)
+    assert greedy(ours, ids, 40) == greedy(theirs, ids, 40)
     ours.reset()
     ours.eval(ids)
     theirs.reset()
@@ -60,18 +43,18 @@ def test_checkpoint_model_generates_in_llama_cpp_as_ggtrain_generate(llama, shar
     text = tmp_path / "t.txt"
     text.write_text((shared_data / "text" / "tinyshakespeare.txt").read_text()[:40000])
     ckdir, out = tmp_path / "ck", tmp_path / "m.gguf"
-    r = _cli("train", "--data", text, "--out", tmp_path / "final.gguf", "--dim", "64", "--layers", "2", "--heads", "4",
+    r = run_cli("train", "--data", text, "--out", tmp_path / "final.gguf", "--dim", "64", "--layers", "2", "--heads", "4",
              "--kv-heads", "2", "--ff", "128", "--ctx", "64", "--batch", "4", "--steps", "30", "--warmup", "3",
              "--lr", "5e-3", "--checkpoint-dir", ckdir, "--save-every", "20", "--quiet")
     assert r.returncode == 0, r.stderr
-    r = _cli("convert-checkpoint", ckdir / "ckpt-000020.gguf", out)
+    r = run_cli("convert-checkpoint", ckdir / "ckpt-000020.gguf", out)
     assert r.returncode == 0, r.stderr
     prompt = "KING RICHARD:\nWhat say you"
     _, _, tok = load_llama(out)
     ids = tok.encode(prompt, add_bos=True).tolist()
-    theirs = _greedy(_llm(llama, out), ids, 24)
+    theirs = greedy(open_llm(llama, out), ids, 24)
     shown = list(itertools.takewhile(lambda t: t != tok.eos_id, theirs))
-    r = _cli("generate", "--model", out, "--prompt", prompt, "-n", 24, "--temp", 0)
+    r = run_cli("generate", "--model", out, "--prompt", prompt, "-n", 24, "--temp", 0)
     assert r.returncode == 0, r.stderr
     assert r.stdout == tok.decode(shown) + "\n"
 
@@ -90,14 +73,14 @@ def test_merged_model_runs_as_base_with_adapter(llama, shared_data, tmp_path, na
                         rng.standard_normal((n_out, 4)).astype(np.float32) * 0.3)
     adapter, merged = tmp_path / "a.gguf", tmp_path / "m.gguf"
     write_lora(adapter, "llama", 8.0, pairs)
-    r = _cli("convert-checkpoint", base, merged, "--adapter", adapter, "--scale", 0.5)
+    r = run_cli("convert-checkpoint", base, merged, "--adapter", adapter, "--scale", 0.5)
     assert r.returncode == 0, r.stderr
     assert {t.type for t in read_gguf(merged).tensors.values()} == {t.type for t in read_gguf(base).tensors.values()}
     _, ids = _ids(base)
-    with_adapter = _llm(llama, base, adapter, scale=0.5)
-    theirs = _greedy(with_adapter, ids, 32)
-    assert theirs != _greedy(_llm(llama, base), ids, 32)        # the adapter changes the model
-    ours = _greedy(_llm(llama, merged), ids, 32)
+    with_adapter = open_llm(llama, base, adapter, scale=0.5)
+    theirs = greedy(with_adapter, ids, 32)
+    assert theirs != greedy(open_llm(llama, base), ids, 32)        # the adapter changes the model
+    ours = greedy(open_llm(llama, merged), ids, 32)
     if ours == theirs:
         return
     assert name != "stories260K", (ours, theirs)                # F32: exactly the same run
@@ -118,7 +101,7 @@ def test_out_types_are_llama_cpps_quantizations(llama, shared_data, tmp_path, ou
     params.ftype = getattr(llama, f"LLAMA_FTYPE_{ftype}")
     params.nthread = 2
     assert llama.llama_model_quantize(str(src).encode(), str(ref).encode(), params) == 0
-    r = _cli("convert-checkpoint", src, out, "--out-type", out_type)
+    r = run_cli("convert-checkpoint", src, out, "--out-type", out_type)
     assert r.returncode == 0, r.stderr
     a, b = read_gguf(out), read_gguf(ref)
     assert sorted(a.tensors) == sorted(b.tensors)

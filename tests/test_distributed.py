@@ -57,16 +57,6 @@ def _losses(path) -> dict:
     return {e["step"]: e["loss"] for e in _log(path) if "loss" in e}
 
 
-@pytest.fixture
-def text(tmp_path):
-    from tests.conftest import SHARED_DATA
-    src = SHARED_DATA / "text" / "tinyshakespeare.txt"
-    body = src.read_text()[:30000] if src.exists() else ("the quick brown fox jumps over the lazy dog. " * 700)
-    p = tmp_path / "t.txt"
-    p.write_text(body)
-    return p
-
-
 def _close(a: dict, b: dict, rtol=1e-5):
     assert a.keys() == b.keys()
     for k in a:
@@ -356,3 +346,8 @@ def test_ctrl_c_on_mpiexec_saves_one_checkpoint_that_resumes(tmp_path, text, mpi
              *TINY, n=2, mpiexec=mpiexec)
     assert r.returncode == 0, r.stderr
     assert f"done: ran all {step + 2} updates" in r.stderr
+
+
+@pytest.fixture
+def text(shakespeare):
+    return shakespeare

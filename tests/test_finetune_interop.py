@@ -6,8 +6,6 @@ end-to-end check of the issue: SmolLM2 fine-tuned on the Vicuna identity data an
 Without llama_cpp these tests skip, except under CI=true, where they fail (conftest.llama).
 """
 import itertools
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -16,6 +14,7 @@ from ggtrain.core.backend_cpu import CpuBackend
 from ggtrain.core.models.llama import LlamaConfig, LlamaRunner
 from ggtrain.formats.llama_model import load_llama
 from ggtrain.formats.lora import lora_adapters
+from tests.interop import greedy, open_llm, run_cli
 
 TEXT = "Tom had a red kite. The kite flew high over the park and Tom laughed. " * 40
 FAST = ["--ctx", "64", "--batch", "2", "--lora-rank", "4", "--lr", "3e-3", "--quiet"]
@@ -26,26 +25,10 @@ FAST = ["--ctx", "64", "--batch", "2", "--lora-rank", "4", "--lr", "3e-3", "--qu
 ATOL = {"stories260K": 1e-3, "stories260K-Q8_0": 0.5, "stories260K-Q4_0": 0.5}
 
 
-def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "ggtrain", *map(str, args)], capture_output=True, text=True)
-
-
-def _llm(llama, model, lora=None, scale=1.0):
-    kw = dict(lora_path=str(lora), lora_scale=scale) if lora else {}
-    return llama.Llama(model_path=str(model), n_ctx=128, n_threads=2, n_threads_batch=2, seed=0, logits_all=True,
-                       verbose=False, type_k=llama.GGML_TYPE_F32, type_v=llama.GGML_TYPE_F32, flash_attn=False, **kw)
-
-
 def _their_logits(llm, ids):
     llm.reset()
     llm.eval(list(ids))
     return np.array(llm.scores[:len(ids)], dtype=np.float32)
-
-
-def _greedy(llm, ids, n):
-    llm.reset()
-    return [int(t) for t in itertools.islice(llm.generate(list(ids), top_k=1, top_p=1.0, min_p=0.0, temp=0.0,
-                                                           repeat_penalty=1.0), n)]
 
 
 @pytest.mark.parametrize("name", list(ATOL))
@@ -54,7 +37,7 @@ def test_adapter_and_merged_model_run_in_llama_cpp(llama, shared_data, tmp_path,
     text = tmp_path / "t.txt"
     text.write_text(TEXT)
     adapter, merged = tmp_path / "a.gguf", tmp_path / "m.gguf"
-    r = _cli("finetune", "--model", base, "--data", text, "--out", adapter, "--merged-out", merged, "--steps", 25,
+    r = run_cli("finetune", "--model", base, "--data", text, "--out", adapter, "--merged-out", merged, "--steps", 25,
              *FAST)
     assert r.returncode == 0, r.stderr
     config, weights, tok = load_llama(base)
@@ -62,17 +45,17 @@ def test_adapter_and_merged_model_run_in_llama_cpp(llama, shared_data, tmp_path,
     adapters = lora_adapters(adapter, {k: v.shape for k, v in weights.items()})
     ours = LlamaRunner(LlamaConfig(**config), weights, CpuBackend(2), length=len(ids), adapters=adapters) \
         .logits(np.asarray(ids, np.int32)[None])[0, :len(ids)]
-    with_adapter = _llm(llama, base, adapter)
+    with_adapter = open_llm(llama, base, adapter, n_ctx=128)
     np.testing.assert_allclose(_their_logits(with_adapter, ids), ours, rtol=0, atol=ATOL[name])
     # our greedy continuation with the adapter (the CLI) is llama.cpp's
-    theirs = _greedy(with_adapter, ids, 16)
+    theirs = greedy(with_adapter, ids, 16)
     shown = list(itertools.takewhile(lambda t: t not in tok.eog_ids, theirs))
-    r = _cli("generate", "--model", base, "--lora", adapter, "--prompt", "Tom had a red kite. The kite", "-n", 16)
+    r = run_cli("generate", "--model", base, "--lora", adapter, "--prompt", "Tom had a red kite. The kite", "-n", 16)
     assert r.returncode == 0, r.stderr
     assert r.stdout == tok.decode(shown) + "\n"
     # the merged model runs in llama.cpp as the base does with the adapter
-    assert _greedy(_llm(llama, merged), ids, 16) == theirs
-    assert _greedy(_llm(llama, base), ids, 16) != theirs          # the adapter changed the model
+    assert greedy(open_llm(llama, merged, n_ctx=128), ids, 16) == theirs
+    assert greedy(open_llm(llama, base, n_ctx=128), ids, 16) != theirs          # the adapter changed the model
 
 
 def test_full_finetune_model_runs_in_llama_cpp(llama, shared_data, tmp_path):
@@ -80,13 +63,13 @@ def test_full_finetune_model_runs_in_llama_cpp(llama, shared_data, tmp_path):
     text = tmp_path / "t.txt"
     text.write_text(TEXT)
     out = tmp_path / "full.gguf"
-    r = _cli("finetune", "--model", base, "--data", text, "--out", out, "--full", "--steps", 10, *FAST)
+    r = run_cli("finetune", "--model", base, "--data", text, "--out", out, "--full", "--steps", 10, *FAST)
     assert r.returncode == 0, r.stderr
     config, weights, tok = load_llama(out)
     ids = tok.encode("Tom had a red kite.", add_bos=True).tolist()
     ours = LlamaRunner(LlamaConfig(**config), weights, CpuBackend(2), length=len(ids)) \
         .logits(np.asarray(ids, np.int32)[None])[0, :len(ids)]
-    np.testing.assert_allclose(_their_logits(_llm(llama, out), ids), ours, rtol=0, atol=1e-3)
+    np.testing.assert_allclose(_their_logits(open_llm(llama, out, n_ctx=128), ids), ours, rtol=0, atol=1e-3)
 
 
 # The issue's end-to-end check, shortened for the suite (the whole epoch with the defaults takes
@@ -103,7 +86,7 @@ def test_smollm2_learns_the_vicuna_identity(llama, shared_data, tmp_path):
     data = tmp_path / "identity.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in keep))
     out = tmp_path / "vicuna.gguf"
-    r = _cli("finetune", "--model", model, "--data", data, "--out", out, "--epochs", "1", "--ctx", "256",
+    r = run_cli("finetune", "--model", model, "--data", data, "--out", out, "--epochs", "1", "--ctx", "256",
              "--batch", "1", "--lr", "1e-3", "--quiet")
     assert r.returncode == 0, r.stderr
     from ggtrain.formats.chat import chat_template

@@ -21,16 +21,6 @@ def _lines(path):
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-@pytest.fixture
-def text(tmp_path):
-    from tests.conftest import SHARED_DATA
-    src = SHARED_DATA / "text" / "tinyshakespeare.txt"
-    body = src.read_text()[:30000] if src.exists() else ("the quick brown fox jumps over the lazy dog. " * 700)
-    p = tmp_path / "t.txt"
-    p.write_text(body)
-    return p
-
-
 # ---- rough edges --------------------------------------------------------------------------
 
 
@@ -238,3 +228,8 @@ def test_plot_bad_input_and_missing_matplotlib(tmp_path):
     assert r.returncode == 1 and r.stderr.strip().splitlines() == [
         "error: ggtrain plot needs matplotlib, the `plot` extra: pip install 'ggtrain[plot]'"]
     assert not (tmp_path / "p.png").exists()
+
+
+@pytest.fixture
+def text(shakespeare):
+    return shakespeare

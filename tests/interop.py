@@ -1,0 +1,25 @@
+"""Helpers of the tests that ask real llama.cpp (llama-cpp-python, the interop extra) and run
+the `ggtrain` command."""
+import itertools
+import subprocess
+import sys
+
+
+def run_cli(*args):
+    """`python -m ggtrain ARGS` in a subprocess (stdout and stderr captured as text)."""
+    return subprocess.run([sys.executable, "-m", "ggtrain", *map(str, args)], capture_output=True, text=True)
+
+
+def open_llm(llama, model, lora=None, scale=1.0, n_ctx=256):
+    """A quiet 2-thread llama.cpp context on `model` (with an adapter at `scale`): logits of every
+    position, F32 KV cache (so its logits can be compared with ours)."""
+    kw = dict(lora_path=str(lora), lora_scale=scale) if lora else {}
+    return llama.Llama(model_path=str(model), n_ctx=n_ctx, n_threads=2, n_threads_batch=2, seed=0, logits_all=True,
+                       verbose=False, type_k=llama.GGML_TYPE_F32, type_v=llama.GGML_TYPE_F32, flash_attn=False, **kw)
+
+
+def greedy(llm, ids, n):
+    """llama.cpp's greedy continuation of ids: n token ids."""
+    llm.reset()
+    return [int(t) for t in itertools.islice(llm.generate(list(ids), top_k=1, top_p=1.0, min_p=0.0, temp=0.0,
+                                                           repeat_penalty=1.0), n)]
