@@ -1,25 +1,74 @@
-"""Per-node time of one MNIST training update (in-plan profiling): python bench/profile_step.py [fc|cnn] [threads]."""
-import time, collections, sys
+"""Per-node time of one training update (in-plan profiling), grouped by kernel and shapes.
+
+    python bench/profile_step.py [fc|cnn|llama-a|llama-b|llama-c] [threads] [--ckpt]
+
+MNIST: a 1000-image update of two 500-image micro-batches. llama-X: bench_llama.py's
+config X, one update (checkpointing with --ckpt)."""
+import collections
+import pathlib
+import sys
+import time
+
 import numpy as np
-from ggtrain.core.backend_cpu import CpuBackend
-from ggtrain.core.models import mnist as model
-from ggtrain.core.train import ClassifierConfig, ClassifierRun
-arch = sys.argv[1] if len(sys.argv) > 1 else "cnn"
-nt = int(sys.argv[2]) if len(sys.argv) > 2 else 2
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from ggtrain.core.backend_cpu import CpuBackend  # noqa: E402
+
+args = [a for a in sys.argv[1:] if not a.startswith("--")]
+arch = args[0] if args else "cnn"
+nt = int(args[1]) if len(args) > 1 else 2
+ckpt = "--ckpt" in sys.argv
 be = CpuBackend(nt)
-run = ClassifierRun(lambda p, t: model.forward(arch, p, t), model.init_params(arch, 0), (28, 28), ClassifierConfig(epochs=1), be)
+if arch.startswith("llama-"):
+    from bench_llama import CONFIGS
+    from ggtrain.core.models.llama import LlamaConfig, init_params
+    from ggtrain.core.train import TextConfig, TextRun
+    cfg = CONFIGS[arch[6:]]
+    model = LlamaConfig(**{k: v for k, v in cfg.items() if k != "batch"})
+    run = TextRun(model, init_params(model, 0), TextConfig(steps=10**6, batch=cfg["batch"], lr=1e-3, warmup=0,
+                                                           checkpointing=ckpt), be, n_threads=nt)
+    w = np.random.default_rng(0).integers(0, cfg["vocab"], (cfg["batch"], cfg["ctx"] + 1)).astype(np.int32)
+    feed = [{run.tokens: w[:, :-1], run.targets: w[:, 1:]}]
+    per_epoch, unit = None, "update"
+else:
+    from ggtrain.core.models import mnist as model
+    from ggtrain.core.train import ClassifierConfig, ClassifierRun
+    run = ClassifierRun(lambda p, t: model.forward(arch, p, t), model.init_params(arch, 0), (28, 28),
+                        ClassifierConfig(epochs=1), be)
+    x = np.random.rand(500, 28, 28).astype(np.float32)
+    y = np.random.randint(0, 10, 500).astype(np.int32)
+    feed = [{run.x: x, run.y: y}] * 2
+    per_epoch = 57
 st = run.step
-x = np.random.rand(500, 28, 28).astype(np.float32); y = np.random.randint(0, 10, 500).astype(np.int32)
-st.step([{run.x: x, run.y: y}] * 2, 1e-3)
-for plan in (st._micro, st._update): plan.plan.profile()
+st.step(feed, 1e-3)
+plans = [p for p in (st._micro, st._update) if p is not None]
+for plan in plans:
+    plan.plan.profile()
 N = 5
 t = time.perf_counter()
-for _ in range(N): st.step([{run.x: x, run.y: y}] * 2, 1e-3)
+for _ in range(N):
+    st.step(feed, 1e-3)
 step = (time.perf_counter() - t) / N
 tot = collections.Counter()
-for plan in (st._micro, st._update):
+kern = collections.Counter()
+fl = collections.Counter()
+cnt = collections.Counter()
+for plan in plans:
     for call, sec in zip(plan.plan.calls, plan.plan.node_seconds()):
-        key = call.kernel + " " + "x".join(map(str, call.dst.shape)) + " <- " + ", ".join("x".join(map(str, s.shape)) + ("T" if len(s.strides) > 1 and s.strides[-1] != 1 else "") for s in call.srcs)
+        shapes = ", ".join("x".join(map(str, s.shape)) + ("T" if len(s.strides) > 1 and s.strides[-1] != 1 else "")
+                           for s in call.srcs)
+        key = f"{call.kernel} {'x'.join(map(str, call.dst.shape))} <- {shapes}"
         tot[key] += sec / N
-print(f"full update: {step*1e3:.1f} ms  -> epoch {step*57:.2f} s; sum of nodes {sum(tot.values())*1e3:.1f} ms")
-for k, v in tot.most_common(22): print(f"{v*1e3:8.2f} ms  {k}")
+        cnt[key] += 1
+        if call.kernel.startswith("matmul"):
+            fl[key] += 2 * int(np.prod(call.dst.shape)) * call.srcs[0].shape[-1]
+        kern[call.kernel] += sec / N
+print(f"full update: {step * 1e3:.1f} ms" + (f"  -> epoch {step * per_epoch:.2f} s" if per_epoch else "")
+      + f"; sum of nodes {sum(tot.values()) * 1e3:.1f} ms; {st.flops / step / 1e9:.1f} GFLOP/s")
+print("by kernel:")
+for k, v in kern.most_common(12):
+    print(f"{v * 1e3:8.2f} ms {100 * v / step:5.1f}%  {k}")
+print("by node:")
+for k, v in tot.most_common(25):
+    rate = f"{fl[k] / v / 1e9:6.1f} GF/s" if fl[k] else " " * 11
+    print(f"{v * 1e3:8.2f} ms {rate} x{cnt[k]:<3} {k}")

@@ -155,10 +155,11 @@ static inline __attribute__((always_inline)) void pack_cols_gen(float *restrict 
     } while (0)
 
 /* pack_lines with 8x8 AVX transposes: 8 loads, 24 shuffles, 8 stores per 64
- * values. w is 6, 12 or a multiple of 8 (groups of 8 lines, the last 4 or 6). */
+ * values. w is 6, 12 or a multiple of 8 (groups of 8 lines, the last 4 or 6).
+ * A group of 6 is stored as 4 + 2 floats, not with vmaskmovps: that store is
+ * microcoded on AMD, and took 10% of a llama step's matmul time. */
 static inline __attribute__((always_inline, target("avx2"))) void
 pack_lines_avx2(float *restrict dst, const float *src, int64_t ls, int64_t n, int64_t kc, const int w) {
-    const __m256i mask6 = _mm256_setr_epi32(-1, -1, -1, -1, -1, -1, 0, 0);
     for (int64_t i0 = 0; i0 < n; i0 += w, dst += (int64_t)w * kc) {
         const int lines = n - i0 < w ? (int)(n - i0) : w;
         const float *s0 = src + i0 * ls;
@@ -175,9 +176,12 @@ pack_lines_avx2(float *restrict dst, const float *src, int64_t ls, int64_t n, in
                 float *d = dst + k * w + g;
 #pragma GCC unroll 8
                 for (int q = 0; q < 8; q++) {
-                    if (gl == 8) _mm256_storeu_ps(d + q * w, r[q]);
-                    else if (gl == 4) _mm_storeu_ps(d + q * w, _mm256_castps256_ps128(r[q]));
-                    else _mm256_maskstore_ps(d + q * w, mask6, r[q]);
+                    if (gl == 8) {
+                        _mm256_storeu_ps(d + q * w, r[q]);
+                    } else {
+                        _mm_storeu_ps(d + q * w, _mm256_castps256_ps128(r[q]));
+                        if (gl == 6) _mm_storel_pi((__m64 *)(d + q * w + 4), _mm256_extractf128_ps(r[q], 1));
+                    }
                 }
             }
         }
