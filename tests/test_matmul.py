@@ -145,6 +145,28 @@ def test_simd_levels(level, layout):
     assert np.array_equal(got1, got2)
 
 
+
+@pytest.mark.skipif(not FEATURES & 2, reason="needs AVX-512F")
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_packed_path_in_place_operands(layout):
+    # N > 80 takes the packed path, which reads a plain B's full panels and a transposed
+    # A's full tiles where they lie and packs only the edges (N = 150: a 22- or 6-wide
+    # tail panel; M = 31: an edge tile; K = 300: two K slices). Every SIMD level and
+    # thread count gives the same bits (one FMA chain per element), all close to float64.
+    rng = np.random.default_rng(8)
+    a = operand(rng, 31, 300, layout.startswith("At"))
+    b = operand(rng, 300, 150, layout.endswith("Bt"))
+    got = {}
+    for level in (1, 2):
+        lib.gt_set_simd_level(level)
+        try:
+            got[level, 1], got[level, 2] = mm(a, b), mm(a, b, n_threads=2)
+        finally:
+            lib.gt_set_simd_level(2)
+    check(got[2, 1], a, b)
+    for key, value in got.items():
+        assert np.array_equal(value, got[2, 1]), key
+
 @pytest.mark.skipif(not FEATURES & 2, reason="needs AVX-512F")
 def test_avx2_and_avx512_agree_bitwise():
     # Both compute each element as the same in-order FMA chain over k.

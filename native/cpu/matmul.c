@@ -4,9 +4,11 @@
  * For each batch matrix: loop over NC-wide column panels of B, KC-deep slices
  * of K and MC-tall row blocks of A; pack the B panel (KC x NC) and the A block
  * (MC x KC) into this thread's scratch as micro-panels (NR columns of B, MR rows
- * of A, k-major, zero-padded at the edges, whatever the source strides), then
- * run an MR x NR register micro-kernel over every tile. Edge tiles go through a
- * small tile on the stack. Micro-kernels: AVX-512F 12 x 32 (or 6 x 64 where that
+ * of A, k-major, zero-padded at the edges), then run an MR x NR register
+ * micro-kernel over every tile. Operands already k-major (a plain B, a
+ * transposed A) are packed only at their edges: the micro-kernel reads their
+ * full panels in place, with the source's stride from one k to the next. Edge
+ * tiles go through a small tile on the stack. Micro-kernels: AVX-512F 12 x 32 (or 6 x 64 where that
  * pads less, e.g. M <= 6), AVX2+FMA 6 x 16, plain C 4 x 8 (gt_simd_level_).
  *
  * Narrow products (N <= 80 with AVX-512, N <= 32 with AVX2; the im2col convolutions'
@@ -64,7 +66,8 @@ int gt_matmul_fwd_f32_sizes(const gt_node *node, int64_t *scratch, int64_t *work
     return GT_OK;
 }
 
-typedef void (*ukernel_fn)(int64_t kc, const float *a, const float *b, float *c, int64_t ldc, int acc);
+typedef void (*ukernel_fn)(int64_t kc, const float *a, int64_t lda, const float *b, int64_t ldb, float *c,
+                           int64_t ldc, int acc);
 typedef void (*pack_fn)(float *dst, const float *src, int64_t rs, int64_t cs, int64_t n, int64_t kc);
 
 typedef struct impl {
@@ -208,12 +211,12 @@ PACKER(8, pack_lines_gen)
 
 /* c[4 x 8] (row stride ldc) = (acc ? c : 0) + a-panel x b-panel over kc, one
  * multiply-then-add per k in order. */
-static void ukernel_scalar(int64_t kc, const float *restrict a, const float *restrict b,
+static void ukernel_scalar(int64_t kc, const float *restrict a, int64_t lda, const float *restrict b, int64_t ldb,
                            float *restrict c, int64_t ldc, int acc) {
     float t[4][8];
     for (int r = 0; r < 4; r++)
         for (int j = 0; j < 8; j++) t[r][j] = acc ? c[r * ldc + j] : 0.0f;
-    for (int64_t k = 0; k < kc; k++, a += 4, b += 8)
+    for (int64_t k = 0; k < kc; k++, a += lda, b += ldb)
         for (int r = 0; r < 4; r++)
             for (int j = 0; j < 8; j++) t[r][j] = t[r][j] + a[r] * b[j];
     for (int r = 0; r < 4; r++)
@@ -244,7 +247,7 @@ PACKER_AVX2(16)
 
 /* c[6 x 16] = (acc ? c : 0) + a-panel x b-panel, one FMA chain per element. */
 __attribute__((target("avx2,fma"))) static void ukernel_avx2(int64_t kc, const float *restrict a,
-                                                             const float *restrict b,
+                                                             int64_t lda, const float *restrict b, int64_t ldb,
                                                              float *restrict c, int64_t ldc,
                                                              int acc) {
     __m256 c00, c01, c10, c11, c20, c21, c30, c31, c40, c41, c50, c51;
@@ -254,9 +257,9 @@ __attribute__((target("avx2,fma"))) static void ukernel_avx2(int64_t kc, const f
         c00 = c01 = c10 = c11 = c20 = c21 = _mm256_setzero_ps();
         c30 = c31 = c40 = c41 = c50 = c51 = _mm256_setzero_ps();
     }
-    for (int64_t k = 0; k < kc; k++, a += 6, b += 16) {
-        _mm_prefetch((const char *)(b + 16 * 8), _MM_HINT_T0);
-        const __m256 b0 = _mm256_load_ps(b), b1 = _mm256_load_ps(b + 8);
+    for (int64_t k = 0; k < kc; k++, a += lda, b += ldb) {
+        _mm_prefetch((const char *)(b + ldb * 8), _MM_HINT_T0);
+        const __m256 b0 = _mm256_loadu_ps(b), b1 = _mm256_loadu_ps(b + 8);
         AVX2_ROW(0) AVX2_ROW(1) AVX2_ROW(2) AVX2_ROW(3) AVX2_ROW(4) AVX2_ROW(5)
     }
     AVX2_STORE(0) AVX2_STORE(1) AVX2_STORE(2) AVX2_STORE(3) AVX2_STORE(4) AVX2_STORE(5)
@@ -290,7 +293,7 @@ PACKER_AVX2(64)
 
 /* c[6 x 64] = (acc ? c : 0) + a-panel x b-panel, one FMA chain per element. */
 __attribute__((target("avx512f"))) static void ukernel_avx512_6x64(int64_t kc, const float *restrict a,
-                                                              const float *restrict b,
+                                                              int64_t lda, const float *restrict b, int64_t ldb,
                                                               float *restrict c, int64_t ldc,
                                                               int acc) {
     __m512 c00, c01, c02, c03, c10, c11, c12, c13, c20, c21, c22, c23;
@@ -300,9 +303,9 @@ __attribute__((target("avx512f"))) static void ukernel_avx512_6x64(int64_t kc, c
     } else {
         Z_ZERO(0) Z_ZERO(1) Z_ZERO(2) Z_ZERO(3) Z_ZERO(4) Z_ZERO(5)
     }
-    for (int64_t k = 0; k < kc; k++, a += 6, b += 64) {
-        const __m512 b0 = _mm512_load_ps(b), b1 = _mm512_load_ps(b + 16);
-        const __m512 b2 = _mm512_load_ps(b + 32), b3 = _mm512_load_ps(b + 48);
+    for (int64_t k = 0; k < kc; k++, a += lda, b += ldb) {
+        const __m512 b0 = _mm512_loadu_ps(b), b1 = _mm512_loadu_ps(b + 16);
+        const __m512 b2 = _mm512_loadu_ps(b + 32), b3 = _mm512_loadu_ps(b + 48);
         Z_ROW(0) Z_ROW(1) Z_ROW(2) Z_ROW(3) Z_ROW(4) Z_ROW(5)
     }
     Z_STORE(0) Z_STORE(1) Z_STORE(2) Z_STORE(3) Z_STORE(4) Z_STORE(5)
@@ -331,7 +334,7 @@ PACKER_AVX2(32)
 
 /* c[12 x 32] = (acc ? c : 0) + a-panel x b-panel, one FMA chain per element. */
 __attribute__((target("avx512f"))) static void ukernel_avx512_12x32(int64_t kc, const float *restrict a,
-                                                                    const float *restrict b,
+                                                                    int64_t lda, const float *restrict b, int64_t ldb,
                                                                     float *restrict c, int64_t ldc,
                                                                     int acc) {
     __m512 c00, c01, c10, c11, c20, c21, c30, c31, c40, c41, c50, c51;
@@ -344,8 +347,8 @@ __attribute__((target("avx512f"))) static void ukernel_avx512_12x32(int64_t kc, 
         Y_ZERO(0) Y_ZERO(1) Y_ZERO(2) Y_ZERO(3) Y_ZERO(4) Y_ZERO(5)
         Y_ZERO(6) Y_ZERO(7) Y_ZERO(8) Y_ZERO(9) Y_ZERO(10) Y_ZERO(11)
     }
-    for (int64_t k = 0; k < kc; k++, a += 12, b += 32) {
-        const __m512 b0 = _mm512_load_ps(b), b1 = _mm512_load_ps(b + 16);
+    for (int64_t k = 0; k < kc; k++, a += lda, b += ldb) {
+        const __m512 b0 = _mm512_loadu_ps(b), b1 = _mm512_loadu_ps(b + 16);
         Y_ROW(0) Y_ROW(1) Y_ROW(2) Y_ROW(3) Y_ROW(4) Y_ROW(5)
         Y_ROW(6) Y_ROW(7) Y_ROW(8) Y_ROW(9) Y_ROW(10) Y_ROW(11)
     }
@@ -659,6 +662,14 @@ static void pack_b_weight(const impl *im, const wsource *W, float *restrict bp, 
 static void gemm(const impl *im, int64_t m0, int64_t m1, int64_t n0, int64_t n1, int64_t K,
                  operand A, operand B, const wsource *W, float *C, int64_t ldc, float *ap, float *bp) {
     const int mr = im->mr, nr = im->nr;
+    /* A plain f32 B (rows contiguous) is not packed: the micro-kernel reads its full
+     * nr-wide panels where they lie, row k at B.rs floats from row k - 1 (packing cost
+     * as much as 30% of the kernel's time when threads split M, each packing all of
+     * B); only a last, narrower panel is packed, zero-padded. */
+    const int inplace = !W && B.cs == 1;
+    /* Likewise a transposed A (the MR values of one k together: x^T of a weight
+     * gradient): full MR-row tiles read in place, row k at A.cs floats from row k - 1. */
+    const int ainplace = A.rs == 1;
     _Alignas(ALIGN) float tile[MR_MAX * NR_MAX];
     for (int64_t jc = n0; jc < n1; jc += NC) {
         const int64_t nc = n1 - jc < NC ? n1 - jc : NC;
@@ -666,25 +677,32 @@ static void gemm(const impl *im, int64_t m0, int64_t m1, int64_t n0, int64_t n1,
             const int64_t kc = K - pc < KC ? K - pc : KC;
             const int acc = pc > 0;
             if (W) pack_b_weight(im, W, bp, pc, kc, jc, nc);
-            else im->pack_b(bp, B.p + pc * B.rs + jc * B.cs, B.cs, B.rs, nc, kc);
+            else if (!inplace) im->pack_b(bp, B.p + pc * B.rs + jc * B.cs, B.cs, B.rs, nc, kc);
+            else if (nc % nr) im->pack_b(bp, B.p + pc * B.rs + jc + nc / nr * nr, 1, B.rs, nc % nr, kc);
             for (int64_t ic = m0; ic < m1; ic += MC) {
                 const int64_t mc = m1 - ic < MC ? m1 - ic : MC;
-                im->pack_a(ap, A.p + ic * A.rs + pc * A.cs, A.rs, A.cs, mc, kc);
+                const int64_t mfull = ainplace ? mc / mr * mr : 0;
+                if (!ainplace) im->pack_a(ap, A.p + ic * A.rs + pc * A.cs, A.rs, A.cs, mc, kc);
+                else if (mc > mfull) im->pack_a(ap, A.p + (ic + mfull) + pc * A.cs, 1, A.cs, mc - mfull, kc);
                 for (int64_t jr = 0; jr < nc; jr += nr) {
                     const int nn = nc - jr < nr ? (int)(nc - jr) : nr;
-                    const float *bq = bp + jr * kc;
+                    const int own = inplace && nn == nr;   /* else packed (the tail panel at bp) */
+                    const float *bq = own ? B.p + pc * B.rs + jc + jr : inplace ? bp : bp + jr * kc;
+                    const int64_t ldb = own ? B.rs : nr;
                     for (int64_t ir = 0; ir < mc; ir += mr) {
                         const int mm = mc - ir < mr ? (int)(mc - ir) : mr;
-                        const float *aq = ap + ir * kc;
+                        const int owna = ainplace && mm == mr;
+                        const float *aq = owna ? A.p + ic + ir + pc * A.cs : ainplace ? ap : ap + ir * kc;
+                        const int64_t lda = owna ? A.cs : mr;
                         float *cq = C + (ic + ir) * ldc + jc + jr;
                         if (mm == mr && nn == nr) {
-                            im->kernel(kc, aq, bq, cq, ldc, acc);
+                            im->kernel(kc, aq, lda, bq, ldb, cq, ldc, acc);
                             continue;
                         }
                         if (acc)
                             for (int r = 0; r < mm; r++)
                                 for (int j = 0; j < nn; j++) tile[r * nr + j] = cq[r * ldc + j];
-                        im->kernel(kc, aq, bq, tile, nr, acc);
+                        im->kernel(kc, aq, lda, bq, ldb, tile, nr, acc);
                         for (int r = 0; r < mm; r++)
                             for (int j = 0; j < nn; j++) cq[r * ldc + j] = tile[r * nr + j];
                     }
