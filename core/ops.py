@@ -339,6 +339,12 @@ def sum(x: Tensor) -> Tensor:  # noqa: A001 - the op's name
     return apply("sum", [x])
 
 
+def sumsq(x: Tensor) -> Tensor:
+    """Sum of the squares of all elements, a scalar (shape ()), in one pass (no squared
+    copy): a gradient's squared norm. (f32)"""
+    return apply("sumsq", [x])
+
+
 def mean(x: Tensor) -> Tensor:
     """Mean of all elements, a scalar (composite: sum then scale)."""
     return scale(sum(x), 1.0 / max(1, x.size))
@@ -359,9 +365,11 @@ def repeat_bwd(g: Tensor, shape: tuple) -> Tensor:
     return apply("repeat_bwd", [g], shape=tuple(shape))
 
 
-def _infer_sum(srcs, params):
-    _f32("sum", srcs[0])
-    return (), "f32"
+def _infer_total(name):
+    def infer(srcs, params):
+        _f32(name, srcs[0])
+        return (), "f32"
+    return infer
 
 
 def _infer_sum_rows(srcs, params):
@@ -389,8 +397,10 @@ def _infer_repeat_bwd(srcs, params):
     return shape, "f32"
 
 
-register(OpDef("sum", _infer_sum, "sum_fwd",
+register(OpDef("sum", _infer_total("sum"), "sum_fwd",
                backward=lambda y, g: [repeat(g, y.srcs[0].shape)]))
+register(OpDef("sumsq", _infer_total("sumsq"), "sumsq_fwd",
+               backward=lambda y, g: [mul(scale(y.srcs[0], 2.0), repeat(g, y.srcs[0].shape))]))
 register(OpDef("sum_rows", _infer_sum_rows, "sum_rows_fwd",
                backward=lambda y, g: [repeat(g, y.srcs[0].shape)]))
 register(OpDef("repeat", _infer_repeat, "repeat_fwd",

@@ -306,7 +306,7 @@ class LBFGSSearch:
         for j in range(m):
             s_new = assign(ops.mul(d, t), s_rows[j])
             y_new = assign(ops.sub(grad_flat, g0), y_rows[j])
-            self._accept_outs.append((ops.sum(ops.mul(s_new, y_new)), ops.sum(ops.sqr(y_new))))
+            self._accept_outs.append((ops.sum(ops.mul(s_new, y_new)), ops.sumsq(y_new)))
         # host side of the ring
         self.curv = np.zeros((m, 2), np.float32)   # y.s, y.y of each slot
         self.count, self.newest = 0, m - 1

@@ -93,7 +93,7 @@ class TrainStep:
                 a.out = buf
                 written.append(a)
         # created after every gradient is written, so it reads the finished buffer
-        self.grad_norm = ops.sqrt(ops.sum(ops.sqr(self.grad_flat)))
+        self.grad_norm = ops.sqrt(ops.sumsq(self.grad_flat))
         self._micro = self._zero = self._search = None
         if isinstance(optimizer, LBFGS):
             self._micro = self.runtime.compile(outs + written, self.n_threads)

@@ -173,12 +173,15 @@ int gt_silu_bwd_f32(const struct gt_node *node, const gt_ctx *ctx);
  * backward is dropout of g with the same seed, salt and p (elementwise.c). */
 int gt_dropout_fwd_f32(const struct gt_node *node, const gt_ctx *ctx);
 
-/* Reductions. sum: dst scalar = sum of all of src (any strides), fixed order.
+/* Reductions. sum: dst scalar = sum of all of src (any strides), fixed order;
+ * sumsq: the same of src's squares (a gradient's squared norm, one pass).
  * sum_rows: dst (..., 1) = sum over the last dim of src (..., N).
  * repeat: dst = src broadcast to dst's shape (src dims 1 or equal).
  * repeat_bwd: dst (shape with 1s) = src summed over the dims where dst is 1. */
 int gt_sum_fwd_f32(const struct gt_node *node, const gt_ctx *ctx);
 int gt_sum_fwd_f32_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
+int gt_sumsq_fwd_f32(const struct gt_node *node, const gt_ctx *ctx);
+int gt_sumsq_fwd_f32_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
 int gt_sum_rows_fwd_f32(const struct gt_node *node, const gt_ctx *ctx);
 int gt_repeat_fwd_f32(const struct gt_node *node, const gt_ctx *ctx);
 int gt_repeat_bwd_f32(const struct gt_node *node, const gt_ctx *ctx);

@@ -112,6 +112,10 @@ CASES.append(Case("fill", [In((3,))], lambda x: ops.add(x, ops.fill(x.graph, (2,
 case("sum", [In((3, 7))], ops.sum, np.sum)
 case("sum", [In((5000,))], ops.sum, np.sum, name="chunks", backward=False)
 case("sum", [In((7, 3))], lambda x: ops.sum(ops.transpose(x)), lambda x: x.T.sum(), name="strided")
+case("sumsq", [In((3, 7))], ops.sumsq, lambda x: np.sum(np.square(x)))
+case("sumsq", [In((5003,))], ops.sumsq, lambda x: np.sum(np.square(x)), name="chunks", backward=False)
+case("sumsq", [In((7, 3))], lambda x: ops.sumsq(ops.transpose(x)), lambda x: np.sum(np.square(x)),
+     name="strided", ops_covered=("permute",))
 case("mean", [In((4, 5))], ops.mean, np.mean, ops_covered=("sum", "scale"))
 case("sum_rows", [In((2, 3, 33))], ops.sum_rows, lambda x: x.sum(-1, keepdims=True))
 case("sum_rows", [In((5, 3))], lambda x: ops.sum_rows(ops.transpose(x)),

@@ -4,6 +4,7 @@
 #include <math.h>
 
 #include "internal.h"
+#include "simd.h"
 
 static int check_step(const gt_node *node, int n_src, const char *op) {
     if (node->n_src != n_src) return GT_FAIL(GT_ERR_INVALID, "%s: needs %d inputs", op, n_src);
@@ -33,6 +34,23 @@ static float clip_scale(const float *h, float norm) {
     return 1.0f;
 }
 
+/* The AdamW update of n elements (below). Compiled per SIMD level: the scalar
+ * build's SSE code was bound by its divisions. Same bits at every level (IEEE
+ * division and square root, no contraction). */
+GT_CLONES static void adamw_range(float *restrict p, const float *restrict g, float *restrict m, float *restrict v,
+                                  int64_t n, float scale, float lr, float b1, float b2, float eps, float decay,
+                                  float bc1, float bc2) {
+    for (int64_t i = 0; i < n; i++) {
+        const float gi = g[i] * scale;
+        const float mi = b1 * m[i] + (1.0f - b1) * gi;
+        const float vi = b2 * v[i] + (1.0f - b2) * gi * gi;
+        m[i] = mi;
+        v[i] = vi;
+        const float mhat = mi / bc1, vhat = vi / bc2;
+        p[i] = p[i] - decay * p[i] - lr * mhat / (sqrtf(vhat) + eps);
+    }
+}
+
 /* AdamW with decoupled weight decay (Loshchilov & Hutter), bias-corrected:
  *   g = clip * grad;  m = b1 m + (1-b1) g;  v = b2 v + (1-b2) g^2
  *   p -= lr * (m / bc1) / (sqrt(v / bc2) + eps) + lr * wd * fp[0] * p      */
@@ -48,15 +66,7 @@ int gt_adamw_step_fwd_f32(const gt_node *node, const gt_ctx *ctx) {
     if (!(bc1 > 0.0f) || !(bc2 > 0.0f)) return GT_FAIL(GT_ERR_INVALID, "adamw_step: bias corrections must be > 0 (step count 0?)");
     int64_t lo, hi;
     gt_split(gt_numel(&node->src[0]), ctx, &lo, &hi);
-    for (int64_t i = lo; i < hi; i++) {
-        const float gi = g[i] * scale;
-        const float mi = b1 * m[i] + (1.0f - b1) * gi;
-        const float vi = b2 * v[i] + (1.0f - b2) * gi * gi;
-        m[i] = mi;
-        v[i] = vi;
-        const float mhat = mi / bc1, vhat = vi / bc2;
-        p[i] = p[i] - decay * p[i] - lr * mhat / (sqrtf(vhat) + eps);
-    }
+    adamw_range(p + lo, g + lo, m + lo, v + lo, hi - lo, scale, lr, b1, b2, eps, decay, bc1, bc2);
     return GT_OK;
 }
 

@@ -1,4 +1,4 @@
-/* reduce.c: sum (to a scalar), sum_rows, repeat (broadcast copy) and its
+/* reduce.c: sum and sumsq (to a scalar), sum_rows, repeat (broadcast copy) and its
  * backward repeat_bwd (sum over broadcast dims). All reductions run in a fixed
  * order that does not depend on the thread count. */
 #include "internal.h"
@@ -7,35 +7,66 @@
 #define SUM_CHUNK 4096
 #define REDUCE_BLOCK 256   /* rows per partial sum in repeat_bwd */
 
-/* Partial sums of sum: one per SUM_CHUNK elements of a contiguous src, one per
- * row of a strided one. */
+/* Partial sums of sum and sumsq: one per SUM_CHUNK elements of a contiguous src,
+ * one per row of a strided one. */
 static int64_t sum_parts(const gt_tensor *a) {
     return gt_is_contiguous(a) ? (gt_numel(a) + SUM_CHUNK - 1) / SUM_CHUNK : gt_nrows(a);
 }
 
-int gt_sum_fwd_f32_sizes(const gt_node *node, int64_t *scratch, int64_t *work) {
+static int sum_sizes(const gt_node *node, int64_t *scratch, int64_t *work) {
     const int64_t parts = sum_parts(&node->src[0]);
     *scratch = (parts > 1 ? parts : 1) * (int64_t)sizeof(double);
     *work = 0;
     return GT_OK;
 }
 
-/* sum: dst scalar = sum of every element of src0 (any strides). Contiguous src
- * is cut into SUM_CHUNK-element chunks, non-contiguous into rows; threads fill
- * per-chunk partial sums (double) in node scratch, thread 0 adds them in order.
- * scratch: see gt_sum_fwd_f32_sizes. */
-int gt_sum_fwd_f32(const gt_node *node, const gt_ctx *ctx) {
+int gt_sum_fwd_f32_sizes(const gt_node *node, int64_t *scratch, int64_t *work) {
+    return sum_sizes(node, scratch, work);
+}
+
+int gt_sumsq_fwd_f32_sizes(const gt_node *node, int64_t *scratch, int64_t *work) {
+    return sum_sizes(node, scratch, work);
+}
+
+#define SUM_LANES 16
+
+/* Sum of x[0..n) (sq: of x[i]^2, exact in double), in double: SUM_LANES interleaved
+ * partial sums added in lane order, then the tail. A fixed order, vectorized. */
+GT_CLONES static double sum_chunk(const float *restrict x, int64_t n, int sq) {
+    double acc[SUM_LANES] = {0};
+    int64_t i = 0;
+    if (sq) {
+        for (; i + SUM_LANES <= n; i += SUM_LANES)
+            for (int k = 0; k < SUM_LANES; k++) {
+                const double v = x[i + k];
+                acc[k] += v * v;
+            }
+    } else {
+        for (; i + SUM_LANES <= n; i += SUM_LANES)
+            for (int k = 0; k < SUM_LANES; k++) acc[k] += (double)x[i + k];
+    }
+    double s = 0.0;
+    for (int k = 0; k < SUM_LANES; k++) s += acc[k];
+    for (; i < n; i++) s += sq ? (double)x[i] * x[i] : (double)x[i];
+    return s;
+}
+
+/* sum (sq = 0) / sumsq (sq = 1): dst scalar = the sum of every element of src0 (or
+ * of its squares), any strides. A contiguous src is cut into SUM_CHUNK-element
+ * chunks, a non-contiguous one into rows; threads fill per-chunk partial sums
+ * (double) in node scratch, thread 0 adds them in order. */
+static int sum_run(const gt_node *node, const gt_ctx *ctx, const char *op, int sq) {
     const gt_tensor *d = &node->dst, *a = &node->src[0];
-    GT_CHECK_F32(d, "sum", "dst");
-    GT_CHECK_F32(a, "sum", "src0");
-    if (gt_numel(d) != 1) return GT_FAIL(GT_ERR_SHAPE, "sum: dst must hold one element");
+    GT_CHECK_F32(d, op, "dst");
+    GT_CHECK_F32(a, op, "src0");
+    if (gt_numel(d) != 1) return GT_FAIL(GT_ERR_SHAPE, "%s: dst must hold one element", op);
     const int contig = gt_is_contiguous(a);
     const int64_t n = gt_numel(a);
     const int64_t ncols = gt_ncols(a);
     const int64_t nparts = sum_parts(a);
     double *part = node->scratch;
     if (nparts > 0 && (!part || node->scratch_size < nparts * (int64_t)sizeof(double)))
-        return GT_FAIL(GT_ERR_INVALID, "sum: scratch too small (%lld bytes, need %lld)",
+        return GT_FAIL(GT_ERR_INVALID, "%s: scratch too small (%lld bytes, need %lld)", op,
                        (long long)node->scratch_size, (long long)(nparts * sizeof(double)));
     const float *ad = a->data;
     const int64_t sa = a->ndim ? a->strides[a->ndim - 1] : 1;
@@ -44,11 +75,13 @@ int gt_sum_fwd_f32(const gt_node *node, const gt_ctx *ctx) {
     for (int64_t p = lo; p < hi; p++) {
         double s = 0.0;
         if (contig) {
-            int64_t end = (p + 1) * SUM_CHUNK < n ? (p + 1) * SUM_CHUNK : n;
-            for (int64_t i = p * SUM_CHUNK; i < end; i++) s += ad[i];
+            const int64_t end = (p + 1) * SUM_CHUNK < n ? (p + 1) * SUM_CHUNK : n;
+            s = sum_chunk(ad + p * SUM_CHUNK, end - p * SUM_CHUNK, sq);
+        } else if (sa == 1) {
+            s = sum_chunk(ad + gt_row_offset(a, p), ncols, sq);
         } else {
             const float *row = ad + gt_row_offset(a, p);
-            for (int64_t i = 0; i < ncols; i++) s += row[i * sa];
+            for (int64_t i = 0; i < ncols; i++) s += sq ? (double)row[i * sa] * row[i * sa] : (double)row[i * sa];
         }
         part[p] = s;
     }
@@ -60,6 +93,11 @@ int gt_sum_fwd_f32(const gt_node *node, const gt_ctx *ctx) {
     }
     return GT_OK;
 }
+
+/* scratch: see gt_sum_fwd_f32_sizes. */
+int gt_sum_fwd_f32(const gt_node *node, const gt_ctx *ctx) { return sum_run(node, ctx, "sum", 0); }
+
+int gt_sumsq_fwd_f32(const gt_node *node, const gt_ctx *ctx) { return sum_run(node, ctx, "sumsq", 1); }
 
 /* sum_rows: dst (..., 1) contiguous = sum over the last dim of src (..., N). */
 int gt_sum_rows_fwd_f32(const gt_node *node, const gt_ctx *ctx) {
