@@ -464,13 +464,19 @@ def _matmul_bwd(y, g):
     if a.requires_grad:
         ga = sum_to(matmul(g, transpose(b, -1, -2)), a.shape)
     if b.requires_grad:
-        if b.ndim == 2 and a.ndim > 2:
+        if b.ndim == 2 and a.ndim >= 2:
             # b shared across the batch: one (K, B*M) @ (B*M, N) product, no batch sum
-            a2 = reshape(a if a.is_contiguous() else cont(a), (numel(a.shape[:-1]), a.shape[-1]))
-            g2 = reshape(g if g.is_contiguous() else cont(g), (numel(g.shape[:-1]), g.shape[-1]))
-            # computed as (g2.T @ a2).T: when b is a transposed weight (x @ W.T), W's
-            # gradient then lands in W's own layout, with no transposing copy
-            gb = transpose(matmul(transpose(g2, 0, 1), a2), 0, 1)
+            a2 = a if a.ndim == 2 else reshape(a if a.is_contiguous() else cont(a),
+                                               (numel(a.shape[:-1]), a.shape[-1]))
+            g2 = g if g.ndim == 2 else reshape(g if g.is_contiguous() else cont(g),
+                                               (numel(g.shape[:-1]), g.shape[-1]))
+            # in b's own layout, so that its gradient needs no transposing copy or add:
+            # (g2.T @ a2).T when b is a transposed weight (x @ W.T), else a2.T @ g2 (the
+            # same bits: one in-order FMA chain over the rows per element either way)
+            if b.strides[-1] != 1 and b.shape[-1] > 1:
+                gb = transpose(matmul(transpose(g2, 0, 1), a2), 0, 1)
+            else:
+                gb = matmul(transpose(a2, 0, 1), g2)
         else:
             gb = sum_to(matmul(transpose(a, -1, -2), g), b.shape)
     return [ga, gb]
