@@ -21,7 +21,8 @@ def backward(loss: Tensor, wrt: list, seed: float = 1.0, checkpointing: bool = T
     loss must hold one element. A tensor loss does not depend on gets a zero gradient.
     keep: with checkpointing, a predicate on forward nodes whose outputs are kept rather
     than recomputed (selective checkpointing: e.g. the products with frozen weights, which
-    cost most to recompute); None recomputes whole segments.
+    cost most to recompute), besides those the graph marks (Graph.keep); with neither,
+    whole segments are recomputed.
     Raises ShapeError for a non-scalar loss.
     """
     if loss.size != 1:
@@ -49,7 +50,7 @@ def backward(loss: Tensor, wrt: list, seed: float = 1.0, checkpointing: bool = T
         nodes = segments[seg]
         clones = {}
         if checkpointing and seg != last:
-            clones = _recompute(graph, nodes, keep)
+            clones = _recompute(graph, nodes, lambda t: t.id in graph.kept or (keep is not None and keep(t)))
         for t in reversed(nodes):
             contribs = grads.pop(t.id, None)
             if contribs is None:
@@ -83,12 +84,13 @@ def _total(contribs: list) -> Tensor:
 
 def _recompute(graph, nodes: list, keep=None) -> dict:
     """Clone a segment's forward nodes (original id -> clone) reading the kept inputs; a node
-    `keep` selects is not cloned (its forward output stays alive until its readers' backward).
+    `keep` selects is not cloned (its forward output stays alive until its readers' backward,
+    and so do the inputs its own backward reads).
     Only the clones some gradient reads are ever run (plans take the outputs' ancestors)."""
     clones: dict = {}
     for t in nodes:
         if keep is not None and keep(t):
-            continue
+            continue   # read where the forward left it
         srcs = [clones.get(s.id, s) for s in t.srcs]
         if t.op == "fill":
             c = ops.fill(graph, t.shape, t.params["value"])

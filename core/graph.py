@@ -38,6 +38,7 @@ class Graph:
         self.nodes: list = []
         self.segment = 0
         self.boundaries: set = set()
+        self.kept: set = set()
 
     def _register(self, t: Tensor) -> int:
         self.nodes.append(t)
@@ -84,6 +85,15 @@ class Graph:
         """
         self.boundaries.add(x.id)
         self.segment += 1
+        return x
+
+    def keep(self, x: Tensor) -> Tensor:
+        """Mark x (an op node) as kept under gradient checkpointing: backward reads its
+        forward output instead of recomputing it (selective checkpointing, for outputs
+        that cost much more to recompute than to hold). Returns x."""
+        if x.kind != "op":
+            raise ValueError(f"keep: {x!r} is not an op node")
+        self.kept.add(x.id)
         return x
 
     def ancestors(self, outputs) -> list:

@@ -88,3 +88,23 @@ def test_checkpointed_training_equals_plain_and_lowers_loss():
     for k in p0:
         np.testing.assert_array_equal(p0[k], p1[k])
     assert l0[-1] < l0[0] - 0.3
+
+
+def test_checkpointing_keeps_attention_and_the_mid_residual():
+    # Checkpointed blocks keep the fused attention node (its output, and its inputs q, k,
+    # v, which its backward reads) and the residual after it: backward never runs
+    # attention's forward again, nor the q, k, v and output projections, but still
+    # recomputes each block's gate and up products (every block ends a segment); and it
+    # plans less memory than no checkpointing.
+    cfg = llama.LlamaConfig(**dict(TINY, layers=3))
+    b, t = 2, 16
+    counts, arenas = {}, {}
+    for checkpoint in (False, True):
+        g, init, params, tokens, targets, pos, logits, loss = _graph(cfg, b, t, checkpoint=checkpoint)
+        st = TrainStep(loss, list(params.values()), AdamW(lr=1e-3), CpuBackend(2), checkpointing=checkpoint)
+        calls = st._update.plan.calls
+        counts[checkpoint] = {k: sum(c.kernel == k for c in calls) for k in ("attention_fwd_f32", "matmul_fwd_f32")}
+        arenas[checkpoint] = st.memory.arena
+    assert counts[False]["attention_fwd_f32"] == counts[True]["attention_fwd_f32"] == cfg.layers
+    assert counts[True]["matmul_fwd_f32"] - counts[False]["matmul_fwd_f32"] == 2 * cfg.layers
+    assert arenas[True] < arenas[False]

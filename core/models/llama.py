@@ -112,12 +112,14 @@ def linear(x, params: dict, name: str, lora: dict | None = None):
     return y
 
 
-def _attention(cfg: LlamaConfig, x, p: str, params: dict, pos, lora=None, kv=None, n_kv: int = 0, seg=None):
+def _attention(cfg: LlamaConfig, x, p: str, params: dict, pos, lora=None, kv=None, n_kv: int = 0, seg=None,
+               keep=None):
     """Self-attention of x (B, T, C), causal; with seg (B, T) i32 (packed samples), query i
     sees key j only when j <= i and seg[., j] == seg[., i] (pos (B, T) then restarts per
     sample). With kv = (k_cache, v_cache), persistent (S, Hkv*D) tensors (B must be 1):
     this step's keys and values are written at rows pos, and the queries attend over cache
-    rows 0..n_kv-1, query i seeing rows <= pos[i]."""
+    rows 0..n_kv-1, query i seeing rows <= pos[i]. keep: called with the fused attention
+    node (Graph.keep under checkpointing)."""
     b, t, c = x.shape
     h, hkv, d = cfg.heads, cfg.kv_heads, cfg.head_dim
     q = ops.reshape(linear(x, params, p + "attn_q.weight", lora), (b, t, h, d))
@@ -128,6 +130,8 @@ def _attention(cfg: LlamaConfig, x, p: str, params: dict, pos, lora=None, kv=Non
     scale = 1.0 / math.sqrt(d)
     if kv is None:
         out = ops.attention(q, k, v, scale, causal=seg is None, seg=seg)                 # (B, T, H, D)
+        if keep is not None:
+            keep(out.root)
     else:
         if b != 1:
             raise ConfigError(f"llama: a KV cache serves one sequence, got a batch of {b}")
@@ -147,7 +151,12 @@ def forward(cfg: LlamaConfig, params: dict, tokens, pos, graph=None, checkpoint:
     params: {name: Tensor} as param_shapes (weights f32, or frozen in their stored types).
     lora: {weight name: (A, B, scale)} adapters added to those weights (see `linear`).
     With checkpoint, each block ends a segment of `graph` (gradient checkpointing
-    recomputes blocks in backward). seg (B, T) i32: packed samples (pos then (B, T),
+    recomputes blocks in backward), except what Graph.keep marks: the fused attention
+    node (so its output and the q, k, v its backward reads stay, and neither attention nor
+    the q, k, v products run again) and the residual after it (so the output projection
+    does not either). Backward then recomputes only the norms and the FFN's gate and up
+    products: ~40% of a block's forward (less at long contexts), for ~5 (B, T, C) tensors
+    a block instead of the ~6 C + 4 ff per token that no checkpointing keeps. seg (B, T) i32: packed samples (pos then (B, T),
     restarting per sample; see _attention). cache: per layer (k_cache, v_cache) persistent
     (S, Hkv*D) tensors for incremental decoding (B = 1; see _attention), attending over
     n_kv cache rows. last_only: logits of the last position only, (B, 1, V). rows (M,) i32:
@@ -162,7 +171,10 @@ def forward(cfg: LlamaConfig, params: dict, tokens, pos, graph=None, checkpoint:
         p = f"blk.{i}."
         h = ops.mul(ops.rms_norm(x, eps), params[p + "attn_norm.weight"])
         kv = cache[i] if cache is not None else None
-        x = ops.add(x, _attention(cfg, h, p, params, pos, lora, kv, n_kv, seg))
+        keep = graph.keep if checkpoint and graph is not None else None
+        x = ops.add(x, _attention(cfg, h, p, params, pos, lora, kv, n_kv, seg, keep=keep))
+        if keep is not None:
+            keep(x)
         h = ops.mul(ops.rms_norm(x, eps), params[p + "ffn_norm.weight"])
         gate = ops.silu(linear(h, params, p + "ffn_gate.weight", lora))
         up = linear(h, params, p + "ffn_up.weight", lora)
