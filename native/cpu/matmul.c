@@ -441,28 +441,34 @@ typedef struct skimpl {
  * accumulator arrays live in registers. */
 static inline __attribute__((always_inline, target("avx512f"))) void
 sk512_body(int64_t kc, const float *a, int64_t ars, int64_t acs, const float *b, int64_t ldb,
-           float *c, int64_t ldc, int acc, __mmask16 lm, const int MR, const int NV) {
+           float *c, int64_t ldc, int acc, __mmask16 lm, const int MR, const int NV, const int FULL) {
     __m512 t[SK_MR_CAP][SK_NV_CAP];
 #pragma GCC unroll 16
     for (int r = 0; r < MR; r++)
 #pragma GCC unroll 8
         for (int v = 0; v < NV; v++)
             t[r][v] = !acc ? _mm512_setzero_ps()
-                      : v + 1 < NV ? _mm512_loadu_ps(c + r * ldc + v * 16)
-                                   : _mm512_maskz_loadu_ps(lm, c + r * ldc + v * 16);
-    const int pf = ars == 1 && acs >= 32, pfrows = acs == 1 && ars >= 32;
+                      : v + 1 < NV || FULL ? _mm512_loadu_ps(c + r * ldc + v * 16)
+                                           : _mm512_maskz_loadu_ps(lm, c + r * ldc + v * 16);
+    /* prefetching pays for long K only (the CNN's weight gradients), not for the short
+     * block products of fused kernels */
+    const int pf = ars == 1 && acs >= 32 && kc >= 128, pfrows = acs == 1 && ars >= 32 && kc >= 128;
     const float *pn = a + MR * ars;  /* the next tile's rows */
     int pr = 0;
-    for (int64_t k = 0; k < kc; k++, a += acs, b += ldb) {
-        if (pf) SK_PREFETCH(a, acs, MR);
+    /* row r of A at q[r / 4] + (r % 4) * ars: 3 pointers and 3 offsets in registers
+     * rather than MR offsets (which spilled for MR = 12) */
+    const float *q[3] = {a, a + 4 * ars, a + 8 * ars};
+    const int64_t off[4] = {0, ars, 2 * ars, 3 * ars};
+    for (int64_t k = 0; k < kc; k++, q[0] += acs, q[1] += acs, q[2] += acs, b += ldb) {
+        if (pf) SK_PREFETCH(q[0], acs, MR);
         if (pfrows) SK_PREFETCH_NEXT(pn, pr, ars, MR);
         __m512 bv[SK_NV_CAP];
 #pragma GCC unroll 8
         for (int v = 0; v < NV; v++)
-            bv[v] = v + 1 < NV ? _mm512_loadu_ps(b + v * 16) : _mm512_maskz_loadu_ps(lm, b + v * 16);
+            bv[v] = v + 1 < NV || FULL ? _mm512_loadu_ps(b + v * 16) : _mm512_maskz_loadu_ps(lm, b + v * 16);
 #pragma GCC unroll 16
         for (int r = 0; r < MR; r++) {
-            const __m512 s = _mm512_set1_ps(a[r * ars]);
+            const __m512 s = _mm512_set1_ps(q[r / 4][off[r % 4]]);
 #pragma GCC unroll 8
             for (int v = 0; v < NV; v++) t[r][v] = _mm512_fmadd_ps(s, bv[v], t[r][v]);
         }
@@ -471,7 +477,7 @@ sk512_body(int64_t kc, const float *a, int64_t ars, int64_t acs, const float *b,
     for (int r = 0; r < MR; r++)
 #pragma GCC unroll 8
         for (int v = 0; v < NV; v++) {
-            if (v + 1 < NV) _mm512_storeu_ps(c + r * ldc + v * 16, t[r][v]);
+            if (v + 1 < NV || FULL) _mm512_storeu_ps(c + r * ldc + v * 16, t[r][v]);
             else _mm512_mask_storeu_ps(c + r * ldc + v * 16, lm, t[r][v]);
         }
 }
@@ -552,7 +558,18 @@ sk256_body(int64_t kc, const float *a, int64_t ars, int64_t acs, const float *b,
         (void)nlast;                                                                          \
         SK_SWITCH(SK_CALL_##BITS##_##NV)                                                      \
     }
-#define SK_CALL_512(R, NV) sk512_body(kc, a, ars, acs, b, ldb, c, ldc, acc, (__mmask16)((1u << nlast) - 1u), R, NV)
+/* AVX-512 tiles come in four builds: the last vector full (nlast = 16: no masked loads
+ * and stores, whose mask register GCC reloaded from the stack every k) or not, and A's
+ * rows adjacent (ars = 1, a transposed A: the MR broadcasts at constant offsets) or
+ * not (MR row offsets in registers, which spilled for MR = 12). */
+#define SK_CALL_512(R, NV)                                                                    \
+    do {                                                                                     \
+        const __mmask16 lm_ = (__mmask16)((1u << nlast) - 1u);                                \
+        if (nlast == 16 && ars == 1) sk512_body(kc, a, 1, acs, b, ldb, c, ldc, acc, lm_, R, NV, 1); \
+        else if (nlast == 16) sk512_body(kc, a, ars, acs, b, ldb, c, ldc, acc, lm_, R, NV, 1);  \
+        else if (ars == 1) sk512_body(kc, a, 1, acs, b, ldb, c, ldc, acc, lm_, R, NV, 0);      \
+        else sk512_body(kc, a, ars, acs, b, ldb, c, ldc, acc, lm_, R, NV, 0);                 \
+    } while (0)
 #define SK_CALL_256(R, NV) sk256_body(kc, a, ars, acs, b, ldb, c, ldc, acc, nlast, R, NV)
 #define SK_CALL_512_1(R) SK_CALL_512(R, 1)
 #define SK_CALL_512_2(R) SK_CALL_512(R, 2)
