@@ -153,6 +153,7 @@ def test_packed_path_in_place_operands(layout):
     # A's full tiles where they lie and packs only the edges (N = 150: a 22- or 6-wide
     # tail panel; M = 31: an edge tile; K = 300: two K slices). Every SIMD level and
     # thread count gives the same bits (one FMA chain per element), all close to float64.
+    # (N > M: threads split N.)
     rng = np.random.default_rng(8)
     a = operand(rng, 31, 300, layout.startswith("At"))
     b = operand(rng, 300, 150, layout.endswith("Bt"))
@@ -160,7 +161,8 @@ def test_packed_path_in_place_operands(layout):
     for level in (1, 2):
         lib.gt_set_simd_level(level)
         try:
-            got[level, 1], got[level, 2] = mm(a, b), mm(a, b, n_threads=2)
+            for t in (1, 2, 3, 5):   # row or column splits at tile multiples, uneven shares
+                got[level, t] = mm(a, b, n_threads=t)
         finally:
             lib.gt_set_simd_level(2)
     check(got[2, 1], a, b)
