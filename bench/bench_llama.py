@@ -5,12 +5,14 @@ output), same initial weights (ours, copied into PyTorch), same batches, AdamW w
 weight decay 0.1 on matrices and global-norm clipping 1.0, 2 threads. PyTorch runs in
 its own venv (bench/.venv-torch, torch==2.13.0; never a ggtrain dependency).
 Prints tokens/s and the ratio ours/PyTorch (higher is better), with gradient
-checkpointing off and on (torch.utils.checkpoint per block on the PyTorch side), and our
+checkpointing off and on (torch.utils.checkpoint per block on the PyTorch side), our
 GFLOP/s (the graph's count of an update's products, recomputation included) as a
 percentage of the FP32 peak measured in the same sitting (bench/peak.py, sampled between
-the runs).
+the runs), and on the checkpointing lines what it costs: our step time with it over
+without. Step times are each side's best of the timed steps (a shared machine's noise
+only ever adds time), as in bench_mnist and bench_matmul.
 
-    python bench/bench_llama.py [--steps 6] [--threads 2] [--configs a,b,c]
+    python bench/bench_llama.py [--steps 8] [--threads 2] [--configs a,b,c]
 
 Config c is a long context (2048 tokens, batch 1), where attention dominates (fused on both sides).
 """
@@ -130,7 +132,7 @@ def run_torch(cfg, init, windows, threads, checkpointing, tmp):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=6, help="timed steps (after 2 warm-up steps)")
+    ap.add_argument("--steps", type=int, default=8, help="timed steps (after 2 warm-up steps)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--configs", default="a,b,c")
     args = ap.parse_args()
@@ -138,7 +140,7 @@ def main():
 
     peak = Peak(args.threads)
     print(f"{'config':<7} {'ckpt':<5} {'ours tok/s':>11} {'torch tok/s':>12} {'ratio':>6} {'GFLOP/s':>8} "
-          f"{'%peak':>6}  first losses ours / torch")
+          f"{'%peak':>6} {'ckpt cost':>9}  first losses ours / torch")
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.configs.split(","):
             cfg = CONFIGS[name]
@@ -147,17 +149,20 @@ def main():
             rng = np.random.default_rng(0)
             windows = rng.integers(0, cfg["vocab"], (args.steps + 2, cfg["batch"], cfg["ctx"] + 1)).astype(np.int32)
             tokens = cfg["batch"] * cfg["ctx"]
+            t_off = None
             for checkpointing in (False, True):
                 ours = run_ours(cfg, init, windows, args.threads, checkpointing)
                 peak.sample()
                 theirs = run_torch(cfg, init, windows, args.threads, checkpointing, tmp)
                 peak.sample()
-                t_ours = float(np.median(ours["times"][2:]))
-                t_torch = float(np.median(theirs["times"][2:]))
+                t_ours = float(np.min(ours["times"][2:]))
+                t_torch = float(np.min(theirs["times"][2:]))
                 gf = ours["flop_per_token"] * tokens / t_ours / 1e9
+                cost = f"{t_ours / t_off:>8.2f}x" if checkpointing else " " * 9
+                t_off = t_off or t_ours
                 print(f"{name:<7} {'on' if checkpointing else 'off':<5} {tokens / t_ours:>11.0f} "
-                      f"{tokens / t_torch:>12.0f} {t_torch / t_ours:>6.2f} {gf:>8.1f} {peak.percent(gf):>5.0f}%  "
-                      f"{ours['losses'][0]:.4f} / {theirs['losses'][0]:.4f}", flush=True)
+                      f"{tokens / t_torch:>12.0f} {t_torch / t_ours:>6.2f} {gf:>8.1f} {peak.percent(gf):>5.0f}% "
+                      f"{cost}  {ours['losses'][0]:.4f} / {theirs['losses'][0]:.4f}", flush=True)
     print(peak.describe())
 
 
