@@ -110,9 +110,12 @@ class OursSide:
         self._updates(5)
 
     def _updates(self, count):
+        from ggtrain.core.graph import Rows
+
         x, y, perm, run = self.x, self.y, self.perm, self.run
         for u in range(count):
-            batches = [{run.x: x[perm[(2 * u + j) * 500:(2 * u + j + 1) * 500]],
+            # as ClassifierRun.fit feeds them: images gathered straight into the input buffer
+            batches = [{run.x: Rows(x, perm[(2 * u + j) * 500:(2 * u + j + 1) * 500]),
                         run.y: y[perm[(2 * u + j) * 500:(2 * u + j + 1) * 500]]} for j in range(2)]
             run.step.step(batches, 1e-3)
 

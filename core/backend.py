@@ -84,6 +84,12 @@ class Backend(ABC):
     @abstractmethod
     def copy_out(self, buffer: Buffer, offset: int, out: np.ndarray) -> np.ndarray: ...
 
+    def gather_in(self, buffer: Buffer, offset: int, source: np.ndarray, index: np.ndarray) -> None:
+        """Copy the rows source[index] (a batch drawn from a dataset) into buffer at offset.
+        This default gathers on the host, then copies in; a backend that can write its
+        buffers from numpy gathers straight into them (one copy, not two)."""
+        self.copy_in(buffer, offset, np.ascontiguousarray(source[index]))
+
     @abstractmethod
     def supports(self, kernel: str) -> bool:
         """Whether this backend has the kernel `<op>_<fwd|bwd>_<dtypes>`."""

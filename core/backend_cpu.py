@@ -147,6 +147,14 @@ class CpuBackend(Backend):
             raise ShapeError(f"copy_in of {data.size} bytes at {offset} overflows a {buffer.nbytes}-byte buffer")
         buffer.bytes[offset:offset + data.size] = data
 
+    def gather_in(self, buffer: CpuBuffer, offset: int, source: np.ndarray, index: np.ndarray) -> None:
+        shape = (len(index),) + source.shape[1:]
+        size = int(np.prod(shape)) * source.itemsize
+        if offset < 0 or offset + size > buffer.nbytes:
+            raise ShapeError(f"gather_in of {size} bytes at {offset} overflows a {buffer.nbytes}-byte buffer")
+        dest = buffer.bytes[offset:offset + size].view(source.dtype).reshape(shape)
+        np.take(source, index, axis=0, out=dest)
+
     def copy_out(self, buffer: CpuBuffer, offset: int, out: np.ndarray) -> np.ndarray:
         flat = out.reshape(-1).view(np.uint8)
         if offset < 0 or offset + flat.size > buffer.nbytes:

@@ -19,7 +19,7 @@ import numpy as np
 from ggtrain.core import ops
 from ggtrain.core.autograd import backward
 from ggtrain.core.distributed import World
-from ggtrain.core.graph import Graph, Runtime, assign
+from ggtrain.core.graph import Graph, Rows, Runtime, assign
 from ggtrain.core.optim import LBFGS, ConstantLR, CosineLR, LBFGSSearch, make_optimizer
 from ggtrain.core.ops import HYPER_COUNT
 from ggtrain.core.tensor import Tensor
@@ -142,7 +142,10 @@ class TrainStep:
         for t, value in batch.items():
             if not isinstance(t, Tensor) or t.kind != "input":
                 raise ShapeError(f"step: {t!r} is not an input tensor of the graph")
-            self.runtime.set(t, value)
+            if isinstance(value, Rows):
+                self.runtime.set_rows(t, value.source, value.index)
+            else:
+                self.runtime.set(t, value)
 
     def _gradients(self, batches: list) -> tuple:
         """Forward + backward of each physical batch into the flat gradient buffer (zeroed
@@ -428,6 +431,7 @@ class ClassifierRun:
         """
         cfg = self.config
         world = self.world
+        images = np.ascontiguousarray(images, dtype=np.float32)   # batches are gathered from it (Rows)
         train_idx, val_idx = split_train_val(len(labels), cfg.val_split, cfg.seed)
         batch = cfg.batch * world.size      # samples per update, over every process
         if len(train_idx) < batch:
@@ -453,7 +457,7 @@ class ClassifierRun:
                 batches = []
                 for j in range(k):
                     idx = world.shard(order[(u * k + j) * p:(u * k + j + 1) * p])
-                    batches.append({self.x: images[idx], self.y: labels[idx]})
+                    batches.append({self.x: Rows(images, idx), self.y: labels[idx]})
                 loss = self.step.step(batches, cfg.lr, stop=self.stopped, same_batch=full and step_no > 0)
                 for (logits,), b in zip(self.step.last_outputs, batches):
                     epoch_hits += int((logits.argmax(axis=1) == b[self.y]).sum())

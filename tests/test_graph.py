@@ -7,7 +7,8 @@ import pytest
 from ggtrain.core import ops
 from ggtrain.core.autograd import backward
 from ggtrain.core.backend_cpu import CpuBackend
-from ggtrain.core.graph import Graph, Runtime, _pack
+from ggtrain.core.backend import Backend
+from ggtrain.core.graph import Graph, Rows, Runtime, _pack
 from ggtrain.core.optim import SGD, AdamW, ConstantLR, CosineLR
 from ggtrain.core.train import TrainStep
 from ggtrain.errors import ConfigError, DTypeError, GgtrainError, ShapeError
@@ -366,3 +367,48 @@ def test_cross_entropy_gradient_takes_the_logits_memory(backend):
     p /= p.sum(1, keepdims=True)
     p[np.arange(n), Y] -= 1
     np.testing.assert_allclose(plan.read(grads[w]), (p / n).T @ X, rtol=1e-4, atol=1e-6)
+
+
+def test_set_rows_gathers_a_batch_into_the_input():
+    # Runtime.set_rows (ClassifierRun's batches, as Rows values) writes source[index]
+    # straight into the input's buffer: the same values as set(source[index]), through the
+    # CPU backend's gather and through Backend's default (gather, then copy in).
+    g = Graph()
+    x = g.input((4, 3, 2), name="x")
+    y = g.input((4,), "i32", name="y")
+    rt = Runtime(g, CpuBackend(1))
+    rng = np.random.default_rng(0)
+    images = rng.standard_normal((10, 3, 2)).astype(np.float32)
+    labels = rng.integers(0, 9, 10).astype(np.int32)
+    idx = np.array([7, 0, 7, 3])
+    rt.set_rows(x, images, idx)
+    rt.set_rows(y, labels, idx)
+    np.testing.assert_array_equal(rt.get(x), images[idx])
+    np.testing.assert_array_equal(rt.get(y), labels[idx])
+    Backend.gather_in(rt.backend, rt.buffer(x), 0, images, idx[::-1])
+    np.testing.assert_array_equal(rt.get(x), images[idx[::-1]])
+    with pytest.raises(DTypeError, match="f32 tensor cannot take rows of a float64"):
+        rt.set_rows(x, images.astype(np.float64), idx)
+    with pytest.raises(ShapeError, match="3 rows"):
+        rt.set_rows(x, images, idx[:3])
+    with pytest.raises(ShapeError, match="1-D integer"):
+        rt.set_rows(x, images, idx.astype(np.float32))
+    with pytest.raises(IndexError):
+        rt.set_rows(x, images, np.array([0, 1, 2, 10]))
+
+
+def test_train_step_takes_rows_values():
+    # a step fed Rows(source, index) trains exactly as one fed the gathered arrays
+    rng = np.random.default_rng(1)
+    data = rng.standard_normal((20, 5)).astype(np.float32)
+    init = rng.standard_normal((5, 1)).astype(np.float32)
+    idx = np.array([3, 1, 4, 1, 5, 9])
+    results = []
+    for value in (data[idx], Rows(data, idx)):
+        g = Graph()
+        w = g.param((5, 1), init)
+        x = g.input((6, 5), name="x")
+        st = TrainStep(ops.sum(ops.sqr(ops.matmul(x, w))), [w], SGD(lr=0.01), CpuBackend(1), checkpointing=False)
+        results.append(([st.step([{x: value}], 0.01) for _ in range(3)], st.get(w)))
+    assert results[0][0] == results[1][0] and results[0][0][2] < results[0][0][0]
+    np.testing.assert_array_equal(results[0][1], results[1][1])
