@@ -67,14 +67,15 @@ int gt_matmul_fwd_f32_sizes(const gt_node *node, int64_t *scratch, int64_t *work
     return GT_OK;
 }
 
-typedef void (*ukernel_fn)(int64_t kc, const float *a, int64_t lda, const float *b, int64_t ldb, float *c,
-                           int64_t ldc, int acc);
+typedef void (*ukernel_fn)(int64_t kc, const float *a, int64_t ars, int64_t acs, const float *b, int64_t ldb,
+                           float *c, int64_t ldc, int acc);
 typedef void (*pack_fn)(float *dst, const float *src, int64_t rs, int64_t cs, int64_t n, int64_t kc);
 
 typedef struct impl {
     int mr, nr;
-    ukernel_fn kernel;
+    ukernel_fn kernel;  /* A's element (r, k) at a[r * ars + k * acs], ars or acs 1 */
     pack_fn pack_a, pack_b;
+    int plain_a;        /* reads a plain A (acs = 1) in place as fast as packed */
 } impl;
 
 /* ---- packing --------------------------------------------------------------- */
@@ -212,19 +213,19 @@ PACKER(8, pack_lines_gen)
 
 /* c[4 x 8] (row stride ldc) = (acc ? c : 0) + a-panel x b-panel over kc, one
  * multiply-then-add per k in order. */
-static void ukernel_scalar(int64_t kc, const float *restrict a, int64_t lda, const float *restrict b, int64_t ldb,
-                           float *restrict c, int64_t ldc, int acc) {
+static void ukernel_scalar(int64_t kc, const float *restrict a, int64_t ars, int64_t acs, const float *restrict b,
+                           int64_t ldb, float *restrict c, int64_t ldc, int acc) {
     float t[4][8];
     for (int r = 0; r < 4; r++)
         for (int j = 0; j < 8; j++) t[r][j] = acc ? c[r * ldc + j] : 0.0f;
-    for (int64_t k = 0; k < kc; k++, a += lda, b += ldb)
+    for (int64_t k = 0; k < kc; k++, a += acs, b += ldb)
         for (int r = 0; r < 4; r++)
-            for (int j = 0; j < 8; j++) t[r][j] = t[r][j] + a[r] * b[j];
+            for (int j = 0; j < 8; j++) t[r][j] = t[r][j] + a[r * ars] * b[j];
     for (int r = 0; r < 4; r++)
         for (int j = 0; j < 8; j++) c[r * ldc + j] = t[r][j];
 }
 
-static const impl impl_scalar = {4, 8, ukernel_scalar, pack_4, pack_8};
+static const impl impl_scalar = {4, 8, ukernel_scalar, pack_4, pack_8, 0};
 
 #if defined(__x86_64__)
 
@@ -235,7 +236,7 @@ PACKER_AVX2(16)
 
 #define AVX2_ROW(r)                                                       \
     {                                                                     \
-        const __m256 t = _mm256_broadcast_ss(a + (r));                    \
+        const __m256 t = _mm256_broadcast_ss(a + (r) * ars);              \
         c##r##0 = _mm256_fmadd_ps(t, b0, c##r##0);                        \
         c##r##1 = _mm256_fmadd_ps(t, b1, c##r##1);                        \
     }
@@ -248,7 +249,8 @@ PACKER_AVX2(16)
 
 /* c[6 x 16] = (acc ? c : 0) + a-panel x b-panel, one FMA chain per element. */
 __attribute__((target("avx2,fma"))) static void ukernel_avx2(int64_t kc, const float *restrict a,
-                                                             int64_t lda, const float *restrict b, int64_t ldb,
+                                                             int64_t ars, int64_t acs,
+                                                             const float *restrict b, int64_t ldb,
                                                              float *restrict c, int64_t ldc,
                                                              int acc) {
     __m256 c00, c01, c10, c11, c20, c21, c30, c31, c40, c41, c50, c51;
@@ -258,7 +260,7 @@ __attribute__((target("avx2,fma"))) static void ukernel_avx2(int64_t kc, const f
         c00 = c01 = c10 = c11 = c20 = c21 = _mm256_setzero_ps();
         c30 = c31 = c40 = c41 = c50 = c51 = _mm256_setzero_ps();
     }
-    for (int64_t k = 0; k < kc; k++, a += lda, b += ldb) {
+    for (int64_t k = 0; k < kc; k++, a += acs, b += ldb) {
         _mm_prefetch((const char *)(b + ldb * 8), _MM_HINT_T0);
         const __m256 b0 = _mm256_loadu_ps(b), b1 = _mm256_loadu_ps(b + 8);
         AVX2_ROW(0) AVX2_ROW(1) AVX2_ROW(2) AVX2_ROW(3) AVX2_ROW(4) AVX2_ROW(5)
@@ -266,7 +268,7 @@ __attribute__((target("avx2,fma"))) static void ukernel_avx2(int64_t kc, const f
     AVX2_STORE(0) AVX2_STORE(1) AVX2_STORE(2) AVX2_STORE(3) AVX2_STORE(4) AVX2_STORE(5)
 }
 
-static const impl impl_avx2 = {6, 16, ukernel_avx2, pack_6, pack_16};
+static const impl impl_avx2 = {6, 16, ukernel_avx2, pack_6, pack_16, 0};
 
 /* ---- AVX-512F micro-kernels: 6 x 64 and 12 x 32, 24 zmm accumulators each ---- */
 
@@ -274,7 +276,7 @@ PACKER_AVX2(64)
 
 #define Z_ROW(r)                                                          \
     {                                                                     \
-        const __m512 t = _mm512_set1_ps(a[r]);                            \
+        const __m512 t = _mm512_set1_ps(A_ROW(r));                        \
         c##r##0 = _mm512_fmadd_ps(t, b0, c##r##0);                        \
         c##r##1 = _mm512_fmadd_ps(t, b1, c##r##1);                        \
         c##r##2 = _mm512_fmadd_ps(t, b2, c##r##2);                        \
@@ -292,11 +294,31 @@ PACKER_AVX2(64)
     _mm512_storeu_ps(c + (r) * ldc + 48, c##r##3);
 #define Z_ZERO(r) c##r##0 = c##r##1 = c##r##2 = c##r##3 = _mm512_setzero_ps();
 
+/* Row r of the A tile at k: q[r / 4][o[r % 4]], the pointers q stepping by acs per k
+ * (3 pointers and 3 offsets in registers, rather than MR offsets). */
+#define A_ROW(r) q[(r) / 4][o[(r) % 4]]
+#define A_SETUP(MR)                                                        \
+    const float *q[3] = {a, (MR) > 4 ? a + 4 * ars : a, (MR) > 8 ? a + 8 * ars : a}; \
+    const int64_t o[4] = {0, ars, 2 * ars, 3 * ars};
+#define A_STEP q[0] += acs, q[1] += acs, q[2] += acs
+
+/* Each AVX-512 kernel in two builds: A packed or transposed (ars = 1: the MR values of
+ * one k adjacent, at constant offsets) or plain, read in place (acs = 1, rows ars
+ * apart). */
+#define Z_BUILDS(NAME, BODY)                                                               \
+    __attribute__((target("avx512f"))) static void NAME(int64_t kc, const float *restrict a,  \
+                                                        int64_t ars, int64_t acs,             \
+                                                        const float *restrict b, int64_t ldb, \
+                                                        float *restrict c, int64_t ldc, int acc) { \
+        if (ars == 1) BODY(kc, a, 1, acs, b, ldb, c, ldc, acc);                                \
+        else BODY(kc, a, ars, 1, b, ldb, c, ldc, acc);                                         \
+    }
+
 /* c[6 x 64] = (acc ? c : 0) + a-panel x b-panel, one FMA chain per element. */
-__attribute__((target("avx512f"))) static void ukernel_avx512_6x64(int64_t kc, const float *restrict a,
-                                                              int64_t lda, const float *restrict b, int64_t ldb,
-                                                              float *restrict c, int64_t ldc,
-                                                              int acc) {
+static inline __attribute__((always_inline, target("avx512f"))) void
+z6x64_body(int64_t kc, const float *restrict a, int64_t ars, int64_t acs, const float *restrict b, int64_t ldb,
+           float *restrict c, int64_t ldc, int acc) {
+    A_SETUP(6)
     __m512 c00, c01, c02, c03, c10, c11, c12, c13, c20, c21, c22, c23;
     __m512 c30, c31, c32, c33, c40, c41, c42, c43, c50, c51, c52, c53;
     if (acc) {
@@ -304,15 +326,16 @@ __attribute__((target("avx512f"))) static void ukernel_avx512_6x64(int64_t kc, c
     } else {
         Z_ZERO(0) Z_ZERO(1) Z_ZERO(2) Z_ZERO(3) Z_ZERO(4) Z_ZERO(5)
     }
-    for (int64_t k = 0; k < kc; k++, a += lda, b += ldb) {
+    for (int64_t k = 0; k < kc; k++, A_STEP, b += ldb) {
         const __m512 b0 = _mm512_loadu_ps(b), b1 = _mm512_loadu_ps(b + 16);
         const __m512 b2 = _mm512_loadu_ps(b + 32), b3 = _mm512_loadu_ps(b + 48);
         Z_ROW(0) Z_ROW(1) Z_ROW(2) Z_ROW(3) Z_ROW(4) Z_ROW(5)
     }
     Z_STORE(0) Z_STORE(1) Z_STORE(2) Z_STORE(3) Z_STORE(4) Z_STORE(5)
 }
+Z_BUILDS(ukernel_avx512_6x64, z6x64_body)
 
-static const impl impl_avx512_6x64 = {6, 64, ukernel_avx512_6x64, pack_6, pack_64};
+static const impl impl_avx512_6x64 = {6, 64, ukernel_avx512_6x64, pack_6, pack_64, 1};
 
 /* ---- AVX-512F micro-kernel (12 x 32): 24 zmm accumulators ------------------- */
 
@@ -321,7 +344,7 @@ PACKER_AVX2(32)
 
 #define Y_ROW(r)                                                          \
     {                                                                     \
-        const __m512 t = _mm512_set1_ps(a[r]);                            \
+        const __m512 t = _mm512_set1_ps(A_ROW(r));                        \
         c##r##0 = _mm512_fmadd_ps(t, b0, c##r##0);                        \
         c##r##1 = _mm512_fmadd_ps(t, b1, c##r##1);                        \
     }
@@ -334,10 +357,10 @@ PACKER_AVX2(32)
 #define Y_ZERO(r) c##r##0 = c##r##1 = _mm512_setzero_ps();
 
 /* c[12 x 32] = (acc ? c : 0) + a-panel x b-panel, one FMA chain per element. */
-__attribute__((target("avx512f"))) static void ukernel_avx512_12x32(int64_t kc, const float *restrict a,
-                                                                    int64_t lda, const float *restrict b, int64_t ldb,
-                                                                    float *restrict c, int64_t ldc,
-                                                                    int acc) {
+static inline __attribute__((always_inline, target("avx512f"))) void
+z12x32_body(int64_t kc, const float *restrict a, int64_t ars, int64_t acs, const float *restrict b, int64_t ldb,
+            float *restrict c, int64_t ldc, int acc) {
+    A_SETUP(12)
     __m512 c00, c01, c10, c11, c20, c21, c30, c31, c40, c41, c50, c51;
     __m512 c60, c61, c70, c71, c80, c81, c90, c91;
     __m512 c100, c101, c110, c111;
@@ -348,7 +371,7 @@ __attribute__((target("avx512f"))) static void ukernel_avx512_12x32(int64_t kc, 
         Y_ZERO(0) Y_ZERO(1) Y_ZERO(2) Y_ZERO(3) Y_ZERO(4) Y_ZERO(5)
         Y_ZERO(6) Y_ZERO(7) Y_ZERO(8) Y_ZERO(9) Y_ZERO(10) Y_ZERO(11)
     }
-    for (int64_t k = 0; k < kc; k++, a += lda, b += ldb) {
+    for (int64_t k = 0; k < kc; k++, A_STEP, b += ldb) {
         const __m512 b0 = _mm512_loadu_ps(b), b1 = _mm512_loadu_ps(b + 16);
         Y_ROW(0) Y_ROW(1) Y_ROW(2) Y_ROW(3) Y_ROW(4) Y_ROW(5)
         Y_ROW(6) Y_ROW(7) Y_ROW(8) Y_ROW(9) Y_ROW(10) Y_ROW(11)
@@ -356,8 +379,9 @@ __attribute__((target("avx512f"))) static void ukernel_avx512_12x32(int64_t kc, 
     Y_STORE(0) Y_STORE(1) Y_STORE(2) Y_STORE(3) Y_STORE(4) Y_STORE(5)
     Y_STORE(6) Y_STORE(7) Y_STORE(8) Y_STORE(9) Y_STORE(10) Y_STORE(11)
 }
+Z_BUILDS(ukernel_avx512_12x32, z12x32_body)
 
-static const impl impl_avx512_12x32 = {12, 32, ukernel_avx512_12x32, pack_12, pack_32};
+static const impl impl_avx512_12x32 = {12, 32, ukernel_avx512_12x32, pack_12, pack_32, 1};
 
 /* Padded area of an m x n product in mr x nr tiles. */
 static int64_t padded(int64_t m, int64_t n, int mr, int nr) {
@@ -697,9 +721,10 @@ static void gemm(const impl *im, int64_t m0, int64_t m1, int64_t n0, int64_t n1,
      * as much as 30% of the kernel's time when threads split M, each packing all of
      * B); only a last, narrower panel is packed, zero-padded. */
     const int inplace = !W && B.cs == 1;
-    /* Likewise a transposed A (the MR values of one k together: x^T of a weight
-     * gradient): full MR-row tiles read in place, row k at A.cs floats from row k - 1. */
-    const int ainplace = A.rs == 1;
+    /* Likewise A's full MR-row tiles, when transposed (the MR values of one k together:
+     * x^T of a weight gradient) or, with the AVX-512 kernels, plain (MR row streams):
+     * only an edge tile is packed. (The pack was 2-3% of a llama step.) */
+    const int ainplace = A.rs == 1 || (A.cs == 1 && im->plain_a);
     _Alignas(ALIGN) float tile[MR_MAX * NR_MAX];
     for (int64_t jc = n0; jc < n1; jc += NC) {
         const int64_t nc = n1 - jc < NC ? n1 - jc : NC;
@@ -713,7 +738,7 @@ static void gemm(const impl *im, int64_t m0, int64_t m1, int64_t n0, int64_t n1,
                 const int64_t mc = m1 - ic < MC ? m1 - ic : MC;
                 const int64_t mfull = ainplace ? mc / mr * mr : 0;
                 if (!ainplace) im->pack_a(ap, A.p + ic * A.rs + pc * A.cs, A.rs, A.cs, mc, kc);
-                else if (mc > mfull) im->pack_a(ap, A.p + (ic + mfull) + pc * A.cs, 1, A.cs, mc - mfull, kc);
+                else if (mc > mfull) im->pack_a(ap, A.p + (ic + mfull) * A.rs + pc * A.cs, A.rs, A.cs, mc - mfull, kc);
                 for (int64_t jr = 0; jr < nc; jr += nr) {
                     const int nn = nc - jr < nr ? (int)(nc - jr) : nr;
                     const int own = inplace && nn == nr;   /* else packed (the tail panel at bp) */
@@ -722,17 +747,17 @@ static void gemm(const impl *im, int64_t m0, int64_t m1, int64_t n0, int64_t n1,
                     for (int64_t ir = 0; ir < mc; ir += mr) {
                         const int mm = mc - ir < mr ? (int)(mc - ir) : mr;
                         const int owna = ainplace && mm == mr;
-                        const float *aq = owna ? A.p + ic + ir + pc * A.cs : ainplace ? ap : ap + ir * kc;
-                        const int64_t lda = owna ? A.cs : mr;
+                        const float *aq = owna ? A.p + (ic + ir) * A.rs + pc * A.cs : ainplace ? ap : ap + ir * kc;
+                        const int64_t ars = owna ? A.rs : 1, acs = owna ? A.cs : mr;
                         float *cq = C + (ic + ir) * ldc + jc + jr;
                         if (mm == mr && nn == nr) {
-                            im->kernel(kc, aq, lda, bq, ldb, cq, ldc, acc);
+                            im->kernel(kc, aq, ars, acs, bq, ldb, cq, ldc, acc);
                             continue;
                         }
                         if (acc)
                             for (int r = 0; r < mm; r++)
                                 for (int j = 0; j < nn; j++) tile[r * nr + j] = cq[r * ldc + j];
-                        im->kernel(kc, aq, lda, bq, ldb, tile, nr, acc);
+                        im->kernel(kc, aq, ars, acs, bq, ldb, tile, nr, acc);
                         for (int r = 0; r < mm; r++)
                             for (int j = 0; j < nn; j++) cq[r * ldc + j] = tile[r * nr + j];
                     }
