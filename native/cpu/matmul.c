@@ -5,10 +5,11 @@
  * of K and MC-tall row blocks of A; pack the B panel (KC x NC) and the A block
  * (MC x KC) into this thread's scratch as micro-panels (NR columns of B, MR rows
  * of A, k-major, zero-padded at the edges), then run an MR x NR register
- * micro-kernel over every tile. Operands already k-major (a plain B, a
- * transposed A) are packed only at their edges: the micro-kernel reads their
- * full panels in place, with the source's stride from one k to the next. Edge
- * tiles go through a small tile on the stack. Micro-kernels: AVX-512F 12 x 32 (or 6 x 64 where that
+ * micro-kernel over every tile. A plain B and a transposed A are packed only at
+ * their edges: the micro-kernel reads their full panels in place, with the
+ * source's stride from one k to the next; so is a plain A with the AVX-512
+ * kernels (its MR rows read as MR streams). Edge tiles go through a small tile
+ * on the stack. Micro-kernels: AVX-512F 12 x 32 (or 6 x 64 where that
  * pads less, e.g. M <= 6), AVX2+FMA 6 x 16, plain C 4 x 8 (gt_simd_level_).
  *
  * Narrow products (N <= 80 with AVX-512, N <= 32 with AVX2; the im2col convolutions'
