@@ -156,7 +156,9 @@ def forward(cfg: LlamaConfig, params: dict, tokens, pos, graph=None, checkpoint:
     the q, k, v products run again) and the residual after it (so the output projection
     does not either). Backward then recomputes only the norms and the FFN's gate and up
     products: ~40% of a block's forward (less at long contexts), for ~5 (B, T, C) tensors
-    a block instead of the ~6 C + 4 ff per token that no checkpointing keeps. seg (B, T) i32: packed samples (pos then (B, T),
+    a block instead of the ~6 C + 4 ff per token that no checkpointing keeps. (With lora,
+    TrainStep's own selective policy keeps the frozen products instead, and attention is
+    recomputed: fine-tuning large models is short of memory, not time.) seg (B, T) i32: packed samples (pos then (B, T),
     restarting per sample; see _attention). cache: per layer (k_cache, v_cache) persistent
     (S, Hkv*D) tensors for incremental decoding (B = 1; see _attention), attending over
     n_kv cache rows. last_only: logits of the last position only, (B, 1, V). rows (M,) i32:
@@ -171,7 +173,7 @@ def forward(cfg: LlamaConfig, params: dict, tokens, pos, graph=None, checkpoint:
         p = f"blk.{i}."
         h = ops.mul(ops.rms_norm(x, eps), params[p + "attn_norm.weight"])
         kv = cache[i] if cache is not None else None
-        keep = graph.keep if checkpoint and graph is not None else None
+        keep = graph.keep if checkpoint and graph is not None and not lora else None
         x = ops.add(x, _attention(cfg, h, p, params, pos, lora, kv, n_kv, seg, keep=keep))
         if keep is not None:
             keep(x)
