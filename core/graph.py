@@ -205,17 +205,22 @@ def _read_ref(backend: Backend, ref: TensorRef) -> np.ndarray:
         return raw.reshape(tuple(ref.shape[:-1]) + (-1,)) if ref.shape else raw
     np_dtype = dt.numpy
     size = dt.itemsize
-    n = 1
-    for d in ref.shape:
-        n *= d
-    span = 1 + sum((d - 1) * s for d, s in zip(ref.shape, ref.strides)) if n else 0
-    flat = np.empty(span, dtype=np_dtype)
-    if span:
-        backend.copy_out(ref.buffer, ref.offset, flat)
-    out = np.lib.stride_tricks.as_strided(flat, shape=ref.shape,
-                                          strides=tuple(s * size for s in ref.strides)) if n else \
-        np.empty(ref.shape, dtype=np_dtype)
-    out = np.array(out)
+    if ref.strides == contiguous_strides(ref.shape):   # the common case (losses, logits): one copy
+        out = np.empty(ref.shape, dtype=np_dtype)
+        if out.size:
+            backend.copy_out(ref.buffer, ref.offset, out)
+    else:
+        n = 1
+        for d in ref.shape:
+            n *= d
+        span = 1 + sum((d - 1) * s for d, s in zip(ref.shape, ref.strides)) if n else 0
+        flat = np.empty(span, dtype=np_dtype)
+        if span:
+            backend.copy_out(ref.buffer, ref.offset, flat)
+        out = np.lib.stride_tricks.as_strided(flat, shape=ref.shape,
+                                              strides=tuple(s * size for s in ref.strides)) if n else \
+            np.empty(ref.shape, dtype=np_dtype)
+        out = np.array(out)
     if ref.dtype == "bf16":
         out = (out.astype(np.uint32) << 16).view(np.float32)
     return out
