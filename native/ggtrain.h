@@ -164,6 +164,11 @@ int gt_sqr_fwd_f32(const struct gt_node *node, const gt_ctx *ctx);
 int gt_relu_bwd_f32(const struct gt_node *node, const gt_ctx *ctx);
 /* dx = g * s(x) * (1 + x * (1 - s(x))); src0 = x, src1 = g. */
 int gt_silu_bwd_f32(const struct gt_node *node, const gt_ctx *ctx);
+/* swiglu: dst = silu(src0) * src1 (the llama FFN's gate), one shape, contiguous.
+ * swiglu_bwd: src0 = g, src1 = u, src2 = dy; dst = [dg | du] (twice their size). Both
+ * give the bits of silu then mul, and of those ops' backward kernels. */
+int gt_swiglu_fwd_f32(const struct gt_node *node, const gt_ctx *ctx);
+int gt_swiglu_bwd_f32(const struct gt_node *node, const gt_ctx *ctx);
 
 /* dropout: dst = src0 * keep / (1 - p), keep[i] = hash(seed, salt, i) >= p * 2^32
  * over the flat index i: src0 x f32 contiguous, src1 seed i32 of one element (the

@@ -90,6 +90,7 @@ case("scale", [In((5, 3))], lambda x: ops.scale(ops.transpose(x), 0.5), lambda x
 case("relu", [In((7, 9))], ops.relu, lambda x: np.maximum(x, 0))
 case("relu", [In((9, 7))], lambda x: ops.relu(ops.transpose(x)), lambda x: np.maximum(x.T, 0), name="strided")
 case("silu", [In((3, 33), -4, 4)], ops.silu, lambda x: x * _sig(x))
+case("swiglu", [In((3, 33), -4, 4), In((3, 33))], ops.swiglu, lambda g, u: g * _sig(g) * u)
 case("exp", [In((2, 7), -2, 2)], ops.exp, np.exp)
 case("log", [In((2, 7), 0.5, 3)], ops.log, np.log)
 case("sqrt", [In((2, 7), 0.5, 3)], ops.sqrt, np.sqrt)
@@ -97,6 +98,9 @@ case("sqr", [In((1, 257))], ops.sqr, np.square)
 case("relu_bwd", [In((3, 7)), In((3, 7))], ops.relu_bwd, lambda x, g: g * (x > 0), backward=False)
 case("silu_bwd", [In((3, 7), -4, 4), In((3, 7))], ops.silu_bwd,
      lambda x, g: g * _sig(x) * (1 + x * (1 - _sig(x))), backward=False)
+case("swiglu_bwd", [In((2, 37), -4, 4), In((2, 37)), In((2, 37))],
+     lambda g, u, dy: ops.apply("swiglu_bwd", [g, u, dy]),
+     lambda g, u, dy: np.stack([dy * u * _sig(g) * (1 + g * (1 - _sig(g))), dy * g * _sig(g)]), backward=False)
 # dropout: the reference draws the same mask (a hash of seed, salt, flat index), so the
 # forward is compared exactly and finite differences see the mask fixed
 case("dropout", [In((3, 7)), In((), values=np.array(12345, np.int32), grad=False)],

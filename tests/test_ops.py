@@ -160,3 +160,30 @@ def test_every_sizes_function_belongs_to_a_kernel():
     text = HEADER.read_text()
     sizers = set(re.findall(r"int gt_(\w+)_sizes\(const struct gt_node \*node,", text))
     assert sizers and sizers <= _op_kernels(), sorted(sizers - _op_kernels())
+
+
+def test_swiglu_has_the_bits_of_silu_then_mul():
+    # the fused gate (llama's FFN) against its composition: forward and both gradients
+    # bit for bit, on 1 and 3 threads (odd sizes: SIMD tails)
+    from ggtrain.core.backend_cpu import CpuBackend
+
+    rng = np.random.default_rng(3)
+    gv, uv, wv = (rng.uniform(-6, 6, (5, 77)).astype(np.float32) for _ in range(3))
+    out = {}
+    for fused in (False, True):
+        for threads in (1, 3):
+            g = Graph()
+            gate, up = g.param(gv.shape, gv), g.param(uv.shape, uv)
+            y = ops.swiglu(gate, up) if fused else ops.mul(ops.silu(gate), up)
+            loss = ops.sum(ops.mul(y, g.const(wv)))
+            grads = backward(loss, [gate, up], checkpointing=False)
+            rt = Runtime(g, CpuBackend(threads))
+            plan = rt.compile([y, grads[gate], grads[up]], threads)
+            rt.run(plan, threads)
+            out[fused, threads] = [plan.read(t) for t in (y, grads[gate], grads[up])]
+    ref = out[False, 1]
+    for key, got in out.items():
+        for a, b in zip(ref, got):
+            np.testing.assert_array_equal(a, b, err_msg=str(key))
+    sig = 1 / (1 + np.exp(-gv.astype(np.float64)))
+    np.testing.assert_allclose(ref[0], gv * sig * uv, rtol=1e-5, atol=1e-6)

@@ -178,9 +178,9 @@ def forward(cfg: LlamaConfig, params: dict, tokens, pos, graph=None, checkpoint:
         if keep is not None:
             keep(x)
         h = ops.mul(ops.rms_norm(x, eps), params[p + "ffn_norm.weight"])
-        gate = ops.silu(linear(h, params, p + "ffn_gate.weight", lora))
+        gate = linear(h, params, p + "ffn_gate.weight", lora)
         up = linear(h, params, p + "ffn_up.weight", lora)
-        x = ops.add(x, linear(ops.mul(gate, up), params, p + "ffn_down.weight", lora))
+        x = ops.add(x, linear(ops.swiglu(gate, up), params, p + "ffn_down.weight", lora))
         if checkpoint and graph is not None:
             graph.checkpoint(x)
     if last_only and t > 1:

@@ -225,6 +225,73 @@ static int unary_bwd(const gt_node *node, const gt_ctx *ctx,
 int gt_relu_bwd_f32(const gt_node *n, const gt_ctx *c) { return unary_bwd(n, c, relu_bwd_row, "relu_bwd"); }
 int gt_silu_bwd_f32(const gt_node *n, const gt_ctx *c) { return unary_bwd(n, c, silu_bwd_row, "silu_bwd"); }
 
+/* ---- swiglu: silu(g) * u (the llama FFN's gate), and its backward -------------------- */
+
+/* The expressions (and so the bits) of silu then mul, and of their backward rules (mul's
+ * g * b and g * a, silu_bwd's), in one pass: no silu(g) tensor in memory. */
+GT_CLONES static void swiglu_row(float *restrict d, const float *restrict g, const float *restrict u, int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        const float x = g[i];
+        d[i] = x / (1.0f + gt_expf_(-x)) * u[i];
+    }
+}
+
+GT_CLONES static void swiglu_bwd_row(float *restrict dg, float *restrict du, const float *restrict g,
+                                     const float *restrict u, const float *restrict dy, int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        const float x = g[i], e = gt_expf_(-x);
+        const float s = 1.0f / (1.0f + e), gs = dy[i] * u[i];
+        du[i] = dy[i] * (x / (1.0f + e));
+        dg[i] = gs * s * (1.0f + x * (1.0f - s));
+    }
+}
+
+static int swiglu_check(const gt_node *node, int n_src, const char *op) {
+    GT_TRY(gt_check_n_src(node, n_src, op));
+    const gt_tensor *d = &node->dst;
+    GT_CHECK_F32(d, op, "dst");
+    static const char *names[] = {"g", "u", "dy"};
+    for (int i = 0; i < n_src; i++) {
+        const gt_tensor *t = &node->src[i];
+        GT_CHECK_F32(t, op, names[i]);
+        GT_TRY(check_same_shape(&node->src[0], t, op));
+        GT_TRY(gt_check_contig(t, op, names[i]));
+    }
+    GT_TRY(gt_check_contig(d, op, "dst"));
+    const int64_t want = (n_src == 2 ? 1 : 2) * gt_numel(&node->src[0]);
+    if (gt_numel(d) != want) {
+        char a[128];
+        return GT_FAIL(GT_ERR_SHAPE, "%s: expected dst of %lld elements, got %s", op, (long long)want,
+                       gt_shape_str(d, a, sizeof a));
+    }
+    return GT_OK;
+}
+
+/* swiglu: dst = silu(src0) * src1, all of one shape, contiguous. */
+int gt_swiglu_fwd_f32(const gt_node *node, const gt_ctx *ctx) {
+    GT_TRY(swiglu_check(node, 2, "swiglu"));
+    int64_t lo, hi;
+    gt_split(gt_numel(&node->dst), ctx, &lo, &hi);
+    if (hi > lo)
+        swiglu_row((float *)node->dst.data + lo, (const float *)node->src[0].data + lo,
+                   (const float *)node->src[1].data + lo, hi - lo);
+    return GT_OK;
+}
+
+/* swiglu_bwd: src0 = g, src1 = u, src2 = dy (one shape, contiguous); dst (contiguous, twice
+ * their size) = [dg | du]. */
+int gt_swiglu_bwd_f32(const gt_node *node, const gt_ctx *ctx) {
+    GT_TRY(swiglu_check(node, 3, "swiglu_bwd"));
+    const int64_t n = gt_numel(&node->src[0]);
+    int64_t lo, hi;
+    gt_split(n, ctx, &lo, &hi);
+    float *dg = node->dst.data;
+    if (hi > lo)
+        swiglu_bwd_row(dg + lo, dg + n + lo, (const float *)node->src[0].data + lo,
+                       (const float *)node->src[1].data + lo, (const float *)node->src[2].data + lo, hi - lo);
+    return GT_OK;
+}
+
 /* ---- dropout ----------------------------------------------------------------- */
 
 static inline uint32_t rotl32(uint32_t x, int r) { return (x << r) | (x >> (32 - r)); }
