@@ -298,33 +298,48 @@ GT_CLONES static void block_exp_sum(float *restrict s, int64_t ld, int64_t nc, i
 }
 
 /* Backward (s: the scaled logits of keys c0 + c): p = exp(s - lse) where seen (every key
- * unless partial), else 0; s = p, dp = scale * p * (dp - delta). */
-GT_CLONES static void block_probs_grad(float *restrict s, float *restrict dp, int64_t ld, int64_t nc, int64_t n,
-                                       float scale, int partial, int32_t c0, const int32_t *restrict sk,
-                                       const float *restrict lse, const float *restrict delta,
-                                       const int32_t *restrict lo, const int32_t *restrict hi,
-                                       const int32_t *restrict ex, const int32_t *restrict sq) {
+ * unless partial), else 0; s = p, dp = scale * p * (dp - delta). PARTIAL is a constant
+ * after inlining: a whole block (most of them) computes no visibility. */
+static inline __attribute__((always_inline)) void
+probs_grad_body(float *restrict s, float *restrict dp, int64_t ld, int64_t nc, int64_t n, float scale,
+                int32_t c0, const int32_t *restrict sk, const float *restrict lse, const float *restrict delta,
+                const int32_t *restrict lo, const int32_t *restrict hi, const int32_t *restrict ex,
+                const int32_t *restrict sq, const int PARTIAL) {
     for (int64_t c = 0; c < nc; c++) {
         float *restrict sc = s + c * ld, *restrict dc = dp + c * ld;
         const int32_t key = c0 + (int32_t)c, segc = sk[c];
         int64_t i = 0;
         for (; i + LANES <= n; i += LANES)
             for (int k = 0; k < LANES; k++) {
-                const int vis = (partial == 0) |
-                                ((key >= lo[i + k]) & (key <= hi[i + k]) & ((ex[i + k] != 0) | (segc == sq[i + k])));
                 const float e = gt_expf_(sc[i + k] - lse[i + k]);
-                const float p = vis ? e : 0.0f;
+                float p = e;
+                if (PARTIAL) {
+                    const int vis = (key >= lo[i + k]) & (key <= hi[i + k]) & ((ex[i + k] != 0) | (segc == sq[i + k]));
+                    p = vis ? e : 0.0f;
+                }
                 sc[i + k] = p;
                 dc[i + k] = scale * p * (dc[i + k] - delta[i + k]);
             }
         for (; i < n; i++) {
-            const int vis = (partial == 0) | ((key >= lo[i]) & (key <= hi[i]) & ((ex[i] != 0) | (segc == sq[i])));
             const float e = gt_expf_(sc[i] - lse[i]);
-            const float p = vis ? e : 0.0f;
+            float p = e;
+            if (PARTIAL) {
+                const int vis = (key >= lo[i]) & (key <= hi[i]) & ((ex[i] != 0) | (segc == sq[i]));
+                p = vis ? e : 0.0f;
+            }
             sc[i] = p;
             dc[i] = scale * p * (dc[i] - delta[i]);
         }
     }
+}
+
+GT_CLONES static void block_probs_grad(float *restrict s, float *restrict dp, int64_t ld, int64_t nc, int64_t n,
+                                       float scale, int partial, int32_t c0, const int32_t *restrict sk,
+                                       const float *restrict lse, const float *restrict delta,
+                                       const int32_t *restrict lo, const int32_t *restrict hi,
+                                       const int32_t *restrict ex, const int32_t *restrict sq) {
+    if (partial) probs_grad_body(s, dp, ld, nc, n, scale, c0, sk, lse, delta, lo, hi, ex, sq, 1);
+    else probs_grad_body(s, dp, ld, nc, n, scale, c0, sk, lse, delta, lo, hi, ex, sq, 0);
 }
 
 /* d = x * c */
