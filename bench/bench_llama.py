@@ -8,9 +8,10 @@ Prints tokens/s and the ratio ours/PyTorch (higher is better), with gradient
 checkpointing off and on (torch.utils.checkpoint per block on the PyTorch side), our
 GFLOP/s (the graph's count of an update's products, recomputation included) as a
 percentage of the FP32 peak measured in the same sitting (bench/peak.py, sampled between
-the runs), and on the checkpointing lines what it costs: our step time with it over
-without. Step times are each side's best of the timed steps (a shared machine's noise
-only ever adds time), as in bench_mnist and bench_matmul.
+the steps), and on the checkpointing lines what it costs: our step time with it over
+without. The two sides alternate step by step (PyTorch in a process that stays up, one
+step per command), so that a noisy moment of a shared machine hits both; step times are
+each side's best of the timed steps, as in bench_mnist and bench_matmul.
 
     python bench/bench_llama.py [--steps 8] [--threads 2] [--configs a,b,c]
 
@@ -34,6 +35,8 @@ from peak import Peak  # noqa: E402
 from torch_venv import ensure_torch  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+# a side's idle threads spin a while after its step (PyTorch's pool, ours): let them sleep
+_SPIN_S = 0.2
 CONFIGS = {
     "a": dict(vocab=256, dim=256, layers=4, heads=8, kv_heads=8, ff=768, ctx=128, batch=8),
     "b": dict(vocab=256, dim=512, layers=8, heads=8, kv_heads=8, ff=1376, ctx=256, batch=4),
@@ -41,7 +44,7 @@ CONFIGS = {
 }
 
 TORCH_SCRIPT = r"""
-import json, sys, time, math, resource
+import json, sys, time, math
 import numpy as np, torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint as ckpt
@@ -87,47 +90,69 @@ def loss_fn(w):
 decay = [p for n, p in P.items() if p.ndim >= 2]; rest = [p for n, p in P.items() if p.ndim < 2]
 opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
                         lr=1e-3, betas=(0.9, 0.999), eps=1e-8)
-losses, times = [], []
-for s in range(len(windows)):
+print("ready", flush=True)
+for line in sys.stdin:  # one timed step per command: the index of its window
+    s = int(line)
     t0 = time.perf_counter()
     opt.zero_grad(set_to_none=False)
     loss = loss_fn(windows[s])
     loss.backward()
     torch.nn.utils.clip_grad_norm_(list(P.values()), 1.0)
     opt.step()
-    times.append(time.perf_counter() - t0)
-    losses.append(float(loss))
-print(json.dumps({"times": times, "losses": losses, "peak_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}))
+    print(json.dumps({"time": time.perf_counter() - t0, "loss": float(loss)}), flush=True)
 """
 
 
-def run_ours(cfg: dict, init: dict, windows: np.ndarray, threads: int, checkpointing: bool) -> dict:
-    from ggtrain.core.backend_cpu import CpuBackend
-    from ggtrain.core.models.llama import LlamaConfig
-    from ggtrain.core.train import TextConfig, TextRun
+class OursSide:
+    """Our TextRun for a config, set up once; one timed step per call."""
 
-    model = LlamaConfig(**{k: v for k, v in cfg.items() if k != "batch"})
-    tc = TextConfig(steps=10**6, batch=cfg["batch"], lr=1e-3, lr_min=1e-3, warmup=0, weight_decay=0.1,
-                    grad_clip=1.0, checkpointing=checkpointing)
-    run = TextRun(model, init, tc, CpuBackend(threads), n_threads=threads)
-    times, losses = [], []
-    for w in windows:
+    def __init__(self, cfg: dict, init: dict, windows: np.ndarray, threads: int, checkpointing: bool):
+        from ggtrain.core.backend_cpu import CpuBackend
+        from ggtrain.core.models.llama import LlamaConfig
+        from ggtrain.core.train import TextConfig, TextRun
+
+        model = LlamaConfig(**{k: v for k, v in cfg.items() if k != "batch"})
+        tc = TextConfig(steps=10**6, batch=cfg["batch"], lr=1e-3, lr_min=1e-3, warmup=0, weight_decay=0.1,
+                        grad_clip=1.0, checkpointing=checkpointing)
+        self.run = TextRun(model, init, tc, CpuBackend(threads), n_threads=threads)
+        self.windows = windows
+
+    def step(self, s: int) -> tuple:
+        w, run = self.windows[s], self.run
         t0 = time.perf_counter()
-        losses.append(run.step.step([{run.tokens: w[:, :-1], run.targets: w[:, 1:]}], 1e-3))
-        times.append(time.perf_counter() - t0)
-    return {"times": times, "losses": losses, "arena": run.step.memory.arena, "flop_per_token": run.flop_per_token}
+        loss = run.step.step([{run.tokens: w[:, :-1], run.targets: w[:, 1:]}], 1e-3)
+        return time.perf_counter() - t0, loss
+
+    def close(self):
+        self.run = None
 
 
-def run_torch(cfg, init, windows, threads, checkpointing, tmp):
-    path = os.path.join(tmp, "data.npz")
-    np.savez(path, windows=windows, **{f"w:{k}": v for k, v in init.items()})
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
-    args = {"threads": threads, "data": path, "config": cfg, "checkpointing": checkpointing}
-    out = subprocess.run([str(ensure_torch()), "-c", TORCH_SCRIPT, json.dumps(args)], capture_output=True,
-                         text=True, env=env)
-    if out.returncode != 0:
-        raise SystemExit(f"PyTorch side failed:\n{out.stderr[-3000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+class TorchSide:
+    """The PyTorch process for a config, set up once; one timed step per call."""
+
+    def __init__(self, cfg, init, windows, threads, checkpointing, tmp):
+        path = os.path.join(tmp, "data.npz")
+        np.savez(path, windows=windows, **{f"w:{k}": v for k, v in init.items()})
+        env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+        args = {"threads": threads, "data": path, "config": cfg, "checkpointing": checkpointing}
+        self.proc = subprocess.Popen([str(ensure_torch()), "-c", TORCH_SCRIPT, json.dumps(args)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True, env=env)
+        if self.proc.stdout.readline().strip() != "ready":
+            raise SystemExit(f"PyTorch side failed:\n{self.proc.stderr.read()[-3000:]}")
+
+    def step(self, s: int) -> tuple:
+        self.proc.stdin.write(f"{s}\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise SystemExit(f"PyTorch side failed:\n{self.proc.stderr.read()[-3000:]}")
+        out = json.loads(line)
+        return out["time"], out["loss"]
+
+    def close(self):
+        self.proc.stdin.close()
+        self.proc.wait()
 
 
 def main():
@@ -151,18 +176,28 @@ def main():
             tokens = cfg["batch"] * cfg["ctx"]
             t_off = None
             for checkpointing in (False, True):
-                ours = run_ours(cfg, init, windows, args.threads, checkpointing)
-                peak.sample()
-                theirs = run_torch(cfg, init, windows, args.threads, checkpointing, tmp)
-                peak.sample()
-                t_ours = float(np.min(ours["times"][2:]))
-                t_torch = float(np.min(theirs["times"][2:]))
-                gf = ours["flop_per_token"] * tokens / t_ours / 1e9
+                ours = OursSide(cfg, init, windows, args.threads, checkpointing)
+                theirs = TorchSide(cfg, init, windows, args.threads, checkpointing, tmp)
+                times = {"ours": [], "torch": []}
+                losses = {"ours": [], "torch": []}
+                for s in range(len(windows)):   # step by step, alternating: a noisy moment hits both
+                    for side, runner in (("ours", ours), ("torch", theirs)):
+                        time.sleep(_SPIN_S)      # the other side's idle threads stop spinning
+                        t, loss = runner.step(s)
+                        times[side].append(t)
+                        losses[side].append(loss)
+                    if s % 3 == 2:
+                        peak.sample()
+                theirs.close()
+                t_ours = float(np.min(times["ours"][2:]))
+                t_torch = float(np.min(times["torch"][2:]))
+                gf = ours.run.flop_per_token * tokens / t_ours / 1e9
+                ours.close()
                 cost = f"{t_ours / t_off:>8.2f}x" if checkpointing else " " * 9
                 t_off = t_off or t_ours
                 print(f"{name:<7} {'on' if checkpointing else 'off':<5} {tokens / t_ours:>11.0f} "
                       f"{tokens / t_torch:>12.0f} {t_torch / t_ours:>6.2f} {gf:>8.1f} {peak.percent(gf):>5.0f}% "
-                      f"{cost}  {ours['losses'][0]:.4f} / {theirs['losses'][0]:.4f}", flush=True)
+                      f"{cost}  {losses['ours'][0]:.4f} / {losses['torch'][0]:.4f}", flush=True)
     print(peak.describe())
 
 
