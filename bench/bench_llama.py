@@ -44,7 +44,7 @@ CONFIGS = {
 }
 
 TORCH_SCRIPT = r"""
-import json, sys, time, math
+import json, sys, time, math, resource
 import numpy as np, torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint as ckpt
@@ -91,7 +91,10 @@ decay = [p for n, p in P.items() if p.ndim >= 2]; rest = [p for n, p in P.items(
 opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
                         lr=1e-3, betas=(0.9, 0.999), eps=1e-8)
 print("ready", flush=True)
-for line in sys.stdin:  # one timed step per command: the index of its window
+for line in sys.stdin:  # one timed step per command: the index of its window (or "peak": peak RSS)
+    if line.strip() == "peak":
+        print(json.dumps({"peak_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}), flush=True)
+        continue
     s = int(line)
     t0 = time.perf_counter()
     opt.zero_grad(set_to_none=False)
@@ -149,6 +152,12 @@ class TorchSide:
             raise SystemExit(f"PyTorch side failed:\n{self.proc.stderr.read()[-3000:]}")
         out = json.loads(line)
         return out["time"], out["loss"]
+
+    def peak_kib(self) -> int:
+        """This process's peak RSS so far (KiB)."""
+        self.proc.stdin.write("peak\n")
+        self.proc.stdin.flush()
+        return json.loads(self.proc.stdout.readline())["peak_kib"]
 
     def close(self):
         self.proc.stdin.close()

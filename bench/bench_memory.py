@@ -58,14 +58,19 @@ def torch_peak(config: str, checkpointing: bool, steps: int, tmp: str) -> int:
     import numpy as np
 
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-    from bench_llama import run_torch
+    from bench_llama import TorchSide
 
     from ggtrain.core.models.llama import LlamaConfig, init_params
 
     cfg, batch = CONFIGS[config]
     init = init_params(LlamaConfig(**cfg), 0)
     windows = np.random.default_rng(0).integers(0, cfg["vocab"], (steps, batch, cfg["ctx"] + 1)).astype(np.int32)
-    return run_torch(dict(cfg, batch=batch), init, windows, 2, checkpointing, tmp)["peak_kib"]
+    side = TorchSide(dict(cfg, batch=batch), init, windows, 2, checkpointing, tmp)
+    for s in range(steps):
+        side.step(s)
+    peak = side.peak_kib()
+    side.close()
+    return peak
 
 
 def main():
