@@ -47,6 +47,23 @@ class CpuBuffer(Buffer):
             strides=tuple(s * size for s in strides))
 
 
+class HostArray(Buffer):
+    """An existing contiguous host array's memory, for kernels to read in place (no copy);
+    keeps the array alive."""
+
+    def __init__(self, array: np.ndarray):
+        if not array.flags.c_contiguous:
+            raise ValueError("HostArray: the array must be C-contiguous")
+        self.array = array
+        self.nbytes = array.nbytes
+        self.bytes = array.reshape(-1).view(np.uint8)
+        self.address = array.ctypes.data
+
+
+# gathers of at least this many bytes run on the thread pool (get_rows), smaller ones in numpy
+_POOL_GATHER_BYTES = 1 << 16
+
+
 class CpuPlan(Plan):
     """Native nodes plus the memory they point into; freed with the object."""
 
@@ -123,6 +140,7 @@ class CpuBackend(Backend):
         self.n_threads = n_threads or default_threads()
         self._pool = None
         self._pool_size = 0
+        self._gather = None   # (key, plan, index buffer, source, destination) of the last big gather_in
 
     def pool(self, n_threads: int):
         """The thread pool (at least n_threads). A bigger request starts a new pool;
@@ -148,12 +166,33 @@ class CpuBackend(Backend):
         buffer.bytes[offset:offset + data.size] = data
 
     def gather_in(self, buffer: CpuBuffer, offset: int, source: np.ndarray, index: np.ndarray) -> None:
-        shape = (len(index),) + source.shape[1:]
+        """source[index] into buffer: f32 batches of 64 KiB and more by the thread pool
+        (get_rows reading source in place: a random row gather is bound by memory latency,
+        which two threads overlap), smaller ones or other types by numpy."""
+        n = len(index)
+        shape = (n,) + source.shape[1:]
         size = int(np.prod(shape)) * source.itemsize
         if offset < 0 or offset + size > buffer.nbytes:
             raise ShapeError(f"gather_in of {size} bytes at {offset} overflows a {buffer.nbytes}-byte buffer")
-        dest = buffer.bytes[offset:offset + size].view(source.dtype).reshape(shape)
-        np.take(source, index, axis=0, out=dest)
+        if n and (int(np.min(index)) < -len(source) or int(np.max(index)) >= len(source)):
+            raise IndexError(f"gather_in: an index is out of range for {len(source)} rows")
+        if (size < _POOL_GATHER_BYTES or source.dtype != np.float32 or not source.flags.c_contiguous
+                or self.n_threads < 2 or len(source) >= 2**31):
+            dest = buffer.bytes[offset:offset + size].view(source.dtype).reshape(shape)
+            np.take(source, index, axis=0, out=dest)
+            return
+        key = (source.ctypes.data, source.shape, id(buffer), offset, n)
+        if self._gather is None or self._gather[0] != key:
+            cols = size // (n * 4)
+            src, idx = HostArray(source), CpuBuffer(4 * n)
+            call = KernelCall("get_rows_fwd_f32", TensorRef(buffer, offset, "f32", (n, cols), (cols, 1)),
+                              (TensorRef(src, 0, "f32", (len(source), cols), (cols, 1)),
+                               TensorRef(idx, 0, "i32", (n,), (1,))), label="gather_in")
+            self._gather = (key, self.compile([call]), idx, src, buffer)
+        _, plan, idx, _, _ = self._gather
+        idx.bytes[:] = np.ascontiguousarray(np.where(index < 0, index + len(source), index),
+                                            dtype=np.int32).view(np.uint8)
+        self.run(plan)
 
     def copy_out(self, buffer: CpuBuffer, offset: int, out: np.ndarray) -> np.ndarray:
         flat = out.reshape(-1).view(np.uint8)

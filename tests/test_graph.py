@@ -397,6 +397,26 @@ def test_set_rows_gathers_a_batch_into_the_input():
         rt.set_rows(x, images, np.array([0, 1, 2, 10]))
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_set_rows_of_a_big_batch(threads):
+    # 64 KiB and more of f32 rows: gathered by the thread pool (get_rows over the source in
+    # place) with two threads; the same values as numpy's gather, negative indices too, and
+    # the plan is reused for the next batch of the same source
+    g = Graph()
+    x = g.input((300, 8, 10), name="x")
+    rt = Runtime(g, CpuBackend(threads))
+    rng = np.random.default_rng(2)
+    data = rng.standard_normal((1000, 8, 10)).astype(np.float32)
+    for _ in range(2):
+        idx = rng.integers(-1000, 1000, 300)
+        rt.set_rows(x, data, idx)
+        np.testing.assert_array_equal(rt.get(x), data[idx])
+    with pytest.raises(IndexError, match="out of range"):
+        rt.set_rows(x, data, np.full(300, 1000))
+    with pytest.raises(IndexError, match="out of range"):
+        rt.set_rows(x, data, np.full(300, -1001))
+
+
 def test_train_step_takes_rows_values():
     # a step fed Rows(source, index) trains exactly as one fed the gathered arrays
     rng = np.random.default_rng(1)
