@@ -59,6 +59,14 @@ def _register() -> None:
     from ggtrain.cli import train  # noqa: F401  (ggtrain train)
 
 
+def _say(line: str) -> None:
+    """One line on stderr in one write: under mpiexec the ranks' streams are merged, and a
+    line written in pieces (print writes the text, then the newline) could take another
+    process's output in its middle."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
 def main(argv: list | None = None) -> None:
     """Entry point of the console script and `python -m ggtrain`."""
     distributed.supervise(sys.argv[1:] if argv is None else list(argv))
@@ -70,14 +78,14 @@ def main(argv: list | None = None) -> None:
         # alone (e.g. Click's answer to a KeyboardInterrupt outside the training loop)
         world = distributed.started()
         if world is not None and exc.code not in (None, 0, 130):
-            print(f"error: rank {world.rank}: stopped with status {exc.code}", file=sys.stderr)
+            _say(f"error: rank {world.rank}: stopped with status {exc.code}")
             world.abort(exc.code if isinstance(exc.code, int) else 1)
         raise
     except (GgtrainError, FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError) as exc:
         if _state["debug"] or os.environ.get("GGTRAIN_DEBUG") == "1":
             traceback.print_exc()
         world = distributed.started()
-        print(f"error: {'' if world is None else f'rank {world.rank}: '}{exc}", file=sys.stderr)
+        _say(f"error: {'' if world is None else f'rank {world.rank}: '}{exc}")
         if world is not None:
             world.abort(1)
         sys.exit(1)
@@ -90,5 +98,5 @@ def main(argv: list | None = None) -> None:
             # a moment before this abort ends every process
             time.sleep(1.0)
         traceback.print_exc()
-        print(f"error: rank {world.rank}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        _say(f"error: rank {world.rank}: {type(exc).__name__}: {exc}")
         world.abort(1)
