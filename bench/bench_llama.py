@@ -20,10 +20,8 @@ Config c is a long context (2048 tokens, batch 1), where attention dominates (fu
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import pathlib
-import subprocess
 import sys
 import tempfile
 import time
@@ -32,7 +30,7 @@ import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from peak import Peak  # noqa: E402
-from torch_venv import ensure_torch  # noqa: E402
+from torch_venv import TorchProcess  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # a side's idle threads spin a while after its step (PyTorch's pool, ours): let them sleep
@@ -102,7 +100,7 @@ for line in sys.stdin:  # one timed step per command: the index of its window (o
     loss.backward()
     torch.nn.utils.clip_grad_norm_(list(P.values()), 1.0)
     opt.step()
-    print(json.dumps({"time": time.perf_counter() - t0, "loss": float(loss)}), flush=True)
+    print(json.dumps({"time": time.perf_counter() - t0, "loss": float(loss.detach())}), flush=True)
 """
 
 
@@ -130,38 +128,22 @@ class OursSide:
         self.run = None
 
 
-class TorchSide:
+class TorchSide(TorchProcess):
     """The PyTorch process for a config, set up once; one timed step per call."""
 
     def __init__(self, cfg, init, windows, threads, checkpointing, tmp):
         path = os.path.join(tmp, "data.npz")
         np.savez(path, windows=windows, **{f"w:{k}": v for k, v in init.items()})
-        env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
-        args = {"threads": threads, "data": path, "config": cfg, "checkpointing": checkpointing}
-        self.proc = subprocess.Popen([str(ensure_torch()), "-c", TORCH_SCRIPT, json.dumps(args)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     text=True, env=env)
-        if self.proc.stdout.readline().strip() != "ready":
-            raise SystemExit(f"PyTorch side failed:\n{self.proc.stderr.read()[-3000:]}")
+        super().__init__(TORCH_SCRIPT, {"threads": threads, "data": path, "config": cfg,
+                                        "checkpointing": checkpointing}, threads)
 
     def step(self, s: int) -> tuple:
-        self.proc.stdin.write(f"{s}\n")
-        self.proc.stdin.flush()
-        line = self.proc.stdout.readline()
-        if not line:
-            raise SystemExit(f"PyTorch side failed:\n{self.proc.stderr.read()[-3000:]}")
-        out = json.loads(line)
+        out = self.ask(str(s))
         return out["time"], out["loss"]
 
     def peak_kib(self) -> int:
         """This process's peak RSS so far (KiB)."""
-        self.proc.stdin.write("peak\n")
-        self.proc.stdin.flush()
-        return json.loads(self.proc.stdout.readline())["peak_kib"]
-
-    def close(self):
-        self.proc.stdin.close()
-        self.proc.wait()
+        return self.ask("peak")["peak_kib"]
 
 
 def main():

@@ -14,10 +14,8 @@ and convolutions) as a fraction of the peak.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import pathlib
-import subprocess
 import sys
 import tempfile
 import time
@@ -26,7 +24,7 @@ import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from peak import Peak  # noqa: E402
-from torch_venv import ensure_torch  # noqa: E402
+from torch_venv import TorchProcess  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DATA = ROOT.parent / "shared" / "data" / "mnist"
@@ -72,25 +70,14 @@ for line in sys.stdin:  # one timed epoch per command
 """
 
 
-class TorchSide:
+class TorchSide(TorchProcess):
     """The PyTorch process: set up and warmed up once, then one timed epoch per call."""
 
     def __init__(self, arch, threads, data_file):
-        env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
-        self.proc = subprocess.Popen([str(ensure_torch()), "-c", TORCH_SCRIPT,
-                                      json.dumps({"arch": arch, "threads": threads, "data": data_file})],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
-        if self.proc.stdout.readline().strip() != "ready":
-            raise SystemExit("PyTorch side failed to start")
+        super().__init__(TORCH_SCRIPT, {"arch": arch, "threads": threads, "data": data_file}, threads)
 
     def epoch(self) -> float:
-        self.proc.stdin.write("epoch\n")
-        self.proc.stdin.flush()
-        return json.loads(self.proc.stdout.readline())["epoch_s"]
-
-    def close(self):
-        self.proc.stdin.close()
-        self.proc.wait()
+        return self.ask("epoch")["epoch_s"]
 
 
 class OursSide:

@@ -1,5 +1,7 @@
 """The benchmarks' PyTorch reference lives in its own venv (bench/.venv-torch, torch==2.13.0,
 created on first use from the local CPU wheel); PyTorch is never a ggtrain dependency."""
+import json
+import os
 import pathlib
 import subprocess
 import sys
@@ -14,3 +16,30 @@ def ensure_torch() -> pathlib.Path:
         subprocess.run([sys.executable, "-m", "venv", str(TORCH_VENV)], check=True)
         subprocess.run([str(py), "-m", "pip", "install", "-q", "torch==2.13.0", "numpy"], check=True)
     return py
+
+
+class TorchProcess:
+    """A PyTorch script running in the venv that stays up: it sets up, prints "ready", then
+    answers each command line it reads on stdin with one JSON line (timed work, measured
+    there). So the benches alternate with it step by step or epoch by epoch. Its stderr is
+    the bench's own (a failure prints its traceback there)."""
+
+    def __init__(self, script: str, args: dict, threads: int):
+        env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+        self.proc = subprocess.Popen([str(ensure_torch()), "-c", script, json.dumps(args)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        if self.proc.stdout.readline().strip() != "ready":
+            raise SystemExit("the PyTorch side failed to start (its error is above)")
+
+    def ask(self, command: str) -> dict:
+        """Send one command; its JSON answer."""
+        self.proc.stdin.write(command + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise SystemExit(f"the PyTorch side failed on {command!r} (its error is above)")
+        return json.loads(line)
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait()
