@@ -36,11 +36,12 @@
 
 #include "internal.h"
 #include "shape.h"
+#include "rowops.h"
 #include "simd.h"
 
 #define BR 64       /* query rows per block */
 #define BC 64       /* keys per block */
-#define LANES 16
+#define LANES GT_LANES
 #define ALIGN 64
 
 enum { MASK_NONE = 0, MASK_CAUSAL = 1, MASK_POS = 2, MASK_SEG = 3 };
@@ -340,33 +341,6 @@ GT_CLONES static void block_probs_grad(float *restrict s, float *restrict dp, in
                                        const int32_t *restrict ex, const int32_t *restrict sq) {
     if (partial) probs_grad_body(s, dp, ld, nc, n, scale, c0, sk, lse, delta, lo, hi, ex, sq, 1);
     else probs_grad_body(s, dp, ld, nc, n, scale, c0, sk, lse, delta, lo, hi, ex, sq, 0);
-}
-
-/* d = x * c */
-GT_CLONES static void scale_row(float *restrict d, const float *restrict x, float c, int64_t n) {
-    int64_t i = 0;
-    for (; i + LANES <= n; i += LANES)
-        for (int k = 0; k < LANES; k++) d[i + k] = x[i + k] * c;
-    for (; i < n; i++) d[i] = x[i] * c;
-}
-
-/* d = d * c */
-GT_CLONES static void mul_row(float *restrict d, float c, int64_t n) {
-    int64_t i = 0;
-    for (; i + LANES <= n; i += LANES)
-        for (int k = 0; k < LANES; k++) d[i + k] *= c;
-    for (; i < n; i++) d[i] *= c;
-}
-
-GT_CLONES static float dot_row(const float *a, const float *b, int64_t n) {
-    float acc[LANES] = {0};
-    int64_t i = 0;
-    for (; i + LANES <= n; i += LANES)
-        for (int k = 0; k < LANES; k++) acc[k] += a[i + k] * b[i + k];
-    float s = 0.0f;
-    for (int k = 0; k < LANES; k++) s += acc[k];
-    for (; i < n; i++) s += a[i] * b[i];
-    return s;
 }
 
 /* dst (D x n, row stride ld) = c * the n rows of src (row stride rs, D contiguous floats

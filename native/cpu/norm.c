@@ -6,12 +6,13 @@
 
 #include "internal.h"
 #include "shape.h"
+#include "rowops.h"
 #include "simd.h"
 
 /* Row reductions keep LANES independent float partial sums (which GCC turns
  * into vector registers without reassociating anything), then add the lanes
  * and the tail in a fixed order. */
-#define LANES 16
+#define LANES GT_LANES
 
 GT_CLONES static float sumsq_row(const float *x, int64_t n) {
     float acc[LANES] = {0};
@@ -40,17 +41,7 @@ GT_CLONES static void sumsq_dot_row(const float *x, const float *g, int64_t n, f
     *sxg = t;
 }
 
-/* NOTE: plain `for i < n` loops are not vectorized at -O2 by GCC 12 (its
- * "very cheap" cost model refuses loops that need a scalar epilogue), so the
- * hot loops below run in blocks of LANES plus a scalar tail, on restrict
- * pointers. Same arithmetic per element either way. */
-GT_CLONES static void scale_row(float *restrict d, const float *restrict x, float r, int64_t n) {
-    int64_t i = 0;
-    for (; i + LANES <= n; i += LANES)
-        for (int k = 0; k < LANES; k++) d[i + k] = x[i + k] * r;
-    for (; i < n; i++) d[i] = x[i] * r;
-}
-
+/* Loops in blocks of LANES plus a scalar tail: see rowops.h's NOTE. */
 /* d = r * (g - c * x) */
 GT_CLONES static void rms_bwd_row(float *restrict d, const float *restrict x, const float *restrict g,
                                   float r, float c, int64_t n) {

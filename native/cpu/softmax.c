@@ -7,9 +7,10 @@
 
 #include "internal.h"
 #include "shape.h"
+#include "rowops.h"
 #include "simd.h"
 
-#define LANES 16
+#define LANES GT_LANES
 
 /* ---- row helpers (contiguous rows) --------------------------------------- */
 
@@ -84,27 +85,7 @@ GT_CLONES static float sumexp_row(const float *x, float m, int64_t n) {
     return sum;
 }
 
-GT_CLONES static float dot_row(const float *a, const float *b, int64_t n) {
-    float acc[LANES] = {0};
-    int64_t i = 0;
-    for (; i + LANES <= n; i += LANES)
-        for (int k = 0; k < LANES; k++) acc[k] += a[i + k] * b[i + k];
-    float s = 0.0f;
-    for (int k = 0; k < LANES; k++) s += acc[k];
-    for (; i < n; i++) s += a[i] * b[i];
-    return s;
-}
-
-/* NOTE: plain `for i < n` loops are not vectorized at -O2 by GCC 12 (its "very
- * cheap" cost model refuses loops that need a scalar epilogue), so hot loops
- * run in blocks of LANES plus a scalar tail, on restrict pointers. */
-GT_CLONES static void mul_row(float *restrict d, float c, int64_t n) {
-    int64_t i = 0;
-    for (; i + LANES <= n; i += LANES)
-        for (int k = 0; k < LANES; k++) d[i + k] *= c;
-    for (; i < n; i++) d[i] *= c;
-}
-
+/* Loops in blocks of LANES plus a scalar tail: see rowops.h's NOTE. */
 /* d = c * y * (g - t) */
 GT_CLONES static void softmax_bwd_row(float *restrict d, const float *restrict y, const float *restrict g,
                                       float c, float t, int64_t n) {

@@ -1,0 +1,46 @@
+/* rowops.h: small vector loops over one row that several kernels share (attention,
+ * softmax, rms_norm), written once. Each includer compiles its own copy (static; a
+ * call across files would go through an ifunc), per SIMD level (GT_CLONES).
+ *
+ * NOTE: plain `for i < n` loops are not vectorized at -O2 by GCC 12 (its "very cheap"
+ * cost model refuses loops that need a scalar epilogue), so these run in blocks of
+ * GT_LANES plus a scalar tail, on restrict pointers. Same arithmetic per element
+ * either way, and a fixed order: the same bits at every SIMD level. */
+#ifndef GT_ROWOPS_H
+#define GT_ROWOPS_H
+#include <stdint.h>
+
+#include "simd.h"
+
+#define GT_LANES 16
+
+/* d = x * c */
+GT_CLONES __attribute__((unused)) static void scale_row(float *restrict d, const float *restrict x, float c,
+                                                        int64_t n) {
+    int64_t i = 0;
+    for (; i + GT_LANES <= n; i += GT_LANES)
+        for (int k = 0; k < GT_LANES; k++) d[i + k] = x[i + k] * c;
+    for (; i < n; i++) d[i] = x[i] * c;
+}
+
+/* d = d * c */
+GT_CLONES __attribute__((unused)) static void mul_row(float *restrict d, float c, int64_t n) {
+    int64_t i = 0;
+    for (; i + GT_LANES <= n; i += GT_LANES)
+        for (int k = 0; k < GT_LANES; k++) d[i + k] *= c;
+    for (; i < n; i++) d[i] *= c;
+}
+
+/* sum of a[i] * b[i]: GT_LANES partial sums, added in lane order, then the tail */
+GT_CLONES __attribute__((unused)) static float dot_row(const float *a, const float *b, int64_t n) {
+    float acc[GT_LANES] = {0};
+    int64_t i = 0;
+    for (; i + GT_LANES <= n; i += GT_LANES)
+        for (int k = 0; k < GT_LANES; k++) acc[k] += a[i + k] * b[i + k];
+    float s = 0.0f;
+    for (int k = 0; k < GT_LANES; k++) s += acc[k];
+    for (; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+#endif
