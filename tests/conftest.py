@@ -38,11 +38,16 @@ def llama():
     return llama_cpp
 
 
+def write_shakespeare(path, chars: int):
+    """The first `chars` characters of tiny shakespeare written to path (a repeated sentence
+    of about that length without ../shared); returns path."""
+    src = SHARED_DATA / "text" / "tinyshakespeare.txt"
+    sentence = "the quick brown fox jumps over the lazy dog. "
+    path.write_text(src.read_text()[:chars] if src.exists() else sentence * (chars // len(sentence)))
+    return path
+
+
 @pytest.fixture
 def shakespeare(tmp_path):
-    """A 30 kB text file: the start of tiny shakespeare (a repeated sentence without ../shared)."""
-    src = SHARED_DATA / "text" / "tinyshakespeare.txt"
-    body = src.read_text()[:30000] if src.exists() else ("the quick brown fox jumps over the lazy dog. " * 700)
-    p = tmp_path / "t.txt"
-    p.write_text(body)
-    return p
+    """A 30 kB text file: the start of tiny shakespeare."""
+    return write_shakespeare(tmp_path / "t.txt", 30000)

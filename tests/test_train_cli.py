@@ -21,12 +21,8 @@ def _cli(*args, **kw):
 
 @pytest.fixture
 def text(tmp_path):
-    from tests.conftest import SHARED_DATA
-    src = SHARED_DATA / "text" / "tinyshakespeare.txt"
-    body = src.read_text()[:60000] if src.exists() else ("the quick brown fox jumps over the lazy dog. " * 1500)
-    p = tmp_path / "t.txt"
-    p.write_text(body)
-    return p
+    from tests.conftest import write_shakespeare
+    return write_shakespeare(tmp_path / "t.txt", 60000)
 
 
 def test_training_lowers_loss_and_writes_a_clean_llama_model(tmp_path, text):
