@@ -75,7 +75,8 @@ def torch_peak(config: str, checkpointing: bool, steps: int, tmp: str) -> int:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=5, help="steps per side (the first is not timed; the best of the rest)")
+    ap.add_argument("--steps", type=int, default=5,
+                    help="steps per side (the first is not timed; the best of the rest)")
     ap.add_argument("--configs", default="deep,long")
     ap.add_argument("--child", choices=["on", "off"])
     ap.add_argument("--config", choices=list(CONFIGS), default="deep")

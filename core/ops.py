@@ -247,6 +247,25 @@ def silu_bwd(x: Tensor, g: Tensor) -> Tensor:
     return apply("silu_bwd", [x, g])
 
 
+def swiglu(g: Tensor, u: Tensor) -> Tensor:
+    """silu(g) * u, the llama FFN's gate, fused (no silu(g) tensor, forward or backward);
+    the bits of mul(silu(g), u) and of its gradients. (f32, one shape)"""
+    return apply("swiglu", [g, u])
+
+
+def _infer_swiglu_bwd(srcs, params):
+    _f32("swiglu_bwd", *srcs)
+    _need(len(srcs) == 3 and all(s.shape == srcs[0].shape for s in srcs),
+          f"swiglu_bwd: g, u and dy must share a shape, got {[s.shape for s in srcs]}")
+    return (2,) + srcs[0].shape, "f32"
+
+
+def _swiglu_bwd(y, gy):
+    g, u = y.srcs
+    both = apply("swiglu_bwd", [g, u, gy])   # [dg | du]
+    return [view(both, g.shape), view(both, g.shape, offset=g.size)]
+
+
 def exp(x: Tensor) -> Tensor:
     return apply("exp", [x])
 
@@ -280,30 +299,11 @@ register(OpDef("fill", _fill_infer, "fill_fwd", lower=lambda y: ((), (y.params["
 register(OpDef("relu", _infer_same("relu"), "relu_fwd",
                backward=lambda y, g: [relu_bwd(y.srcs[0], g)]))
 register(OpDef("relu_bwd", _infer_same("relu_bwd"), "relu_bwd", contiguous=(0, 1)))
-def swiglu(g: Tensor, u: Tensor) -> Tensor:
-    """silu(g) * u, the llama FFN's gate, fused (no silu(g) tensor, forward or backward);
-    the bits of mul(silu(g), u) and of its gradients. (f32, one shape)"""
-    return apply("swiglu", [g, u])
-
-
-def _infer_swiglu_bwd(srcs, params):
-    _f32("swiglu_bwd", *srcs)
-    _need(len(srcs) == 3 and all(s.shape == srcs[0].shape for s in srcs),
-          f"swiglu_bwd: g, u and dy must share a shape, got {[s.shape for s in srcs]}")
-    return (2,) + srcs[0].shape, "f32"
-
-
-def _swiglu_bwd(y, gy):
-    g, u = y.srcs
-    both = apply("swiglu_bwd", [g, u, gy])   # [dg | du]
-    return [view(both, g.shape), view(both, g.shape, offset=g.size)]
-
-
-register(OpDef("swiglu", _infer_same("swiglu"), "swiglu_fwd", backward=_swiglu_bwd, contiguous=(0, 1)))
-register(OpDef("swiglu_bwd", _infer_swiglu_bwd, "swiglu_bwd", contiguous=(0, 1, 2)))
 register(OpDef("silu", _infer_same("silu"), "silu_fwd",
                backward=lambda y, g: [silu_bwd(y.srcs[0], g)]))
 register(OpDef("silu_bwd", _infer_same("silu_bwd"), "silu_bwd", contiguous=(0, 1)))
+register(OpDef("swiglu", _infer_same("swiglu"), "swiglu_fwd", backward=_swiglu_bwd, contiguous=(0, 1)))
+register(OpDef("swiglu_bwd", _infer_swiglu_bwd, "swiglu_bwd", contiguous=(0, 1, 2)))
 register(OpDef("exp", _infer_same("exp"), "exp_fwd", backward=lambda y, g: [mul(g, y)]))
 register(OpDef("log", _infer_same("log"), "log_fwd", backward=lambda y, g: [div(g, y.srcs[0])]))
 register(OpDef("sqrt", _infer_same("sqrt"), "sqrt_fwd",

@@ -158,10 +158,10 @@ def forward(cfg: LlamaConfig, params: dict, tokens, pos, graph=None, checkpoint:
     products: ~40% of a block's forward (less at long contexts), for ~5 (B, T, C) tensors
     a block instead of the ~6 C + 4 ff per token that no checkpointing keeps. (With lora,
     TrainStep's own selective policy keeps the frozen products instead, and attention is
-    recomputed: fine-tuning large models is short of memory, not time.) seg (B, T) i32: packed samples (pos then (B, T),
-    restarting per sample; see _attention). cache: per layer (k_cache, v_cache) persistent
-    (S, Hkv*D) tensors for incremental decoding (B = 1; see _attention), attending over
-    n_kv cache rows. last_only: logits of the last position only, (B, 1, V). rows (M,) i32:
+    recomputed: fine-tuning large models is short of memory, not time.)
+    seg (B, T) i32: packed samples (pos then (B, T), restarting per sample; see _attention).
+    cache: per layer (k_cache, v_cache) persistent (S, Hkv*D) tensors for incremental
+    decoding (B = 1; see _attention), attending over n_kv cache rows. last_only: logits of the last position only, (B, 1, V). rows (M,) i32:
     logits only at those flat positions of (B*T) (the ones a loss needs), (M, V).
     """
     b, t = tokens.shape

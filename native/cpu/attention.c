@@ -315,7 +315,8 @@ probs_grad_body(float *restrict s, float *restrict dp, int64_t ld, int64_t nc, i
                 const float e = gt_expf_(sc[i + k] - lse[i + k]);
                 float p = e;
                 if (PARTIAL) {
-                    const int vis = (key >= lo[i + k]) & (key <= hi[i + k]) & ((ex[i + k] != 0) | (segc == sq[i + k]));
+                    const int vis = (key >= lo[i + k]) & (key <= hi[i + k]) &
+                                    ((ex[i + k] != 0) | (segc == sq[i + k]));
                     p = vis ? e : 0.0f;
                 }
                 sc[i + k] = p;

@@ -739,7 +739,8 @@ static void gemm(const impl *im, int64_t m0, int64_t m1, int64_t n0, int64_t n1,
                 const int64_t mc = m1 - ic < MC ? m1 - ic : MC;
                 const int64_t mfull = ainplace ? mc / mr * mr : 0;
                 if (!ainplace) im->pack_a(ap, A.p + ic * A.rs + pc * A.cs, A.rs, A.cs, mc, kc);
-                else if (mc > mfull) im->pack_a(ap, A.p + (ic + mfull) * A.rs + pc * A.cs, A.rs, A.cs, mc - mfull, kc);
+                else if (mc > mfull)
+                    im->pack_a(ap, A.p + (ic + mfull) * A.rs + pc * A.cs, A.rs, A.cs, mc - mfull, kc);
                 for (int64_t jr = 0; jr < nc; jr += nr) {
                     const int nn = nc - jr < nr ? (int)(nc - jr) : nr;
                     const int own = inplace && nn == nr;   /* else packed (the tail panel at bp) */
