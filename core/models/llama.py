@@ -161,8 +161,9 @@ def forward(cfg: LlamaConfig, params: dict, tokens, pos, graph=None, checkpoint:
     recomputed: fine-tuning large models is short of memory, not time.)
     seg (B, T) i32: packed samples (pos then (B, T), restarting per sample; see _attention).
     cache: per layer (k_cache, v_cache) persistent (S, Hkv*D) tensors for incremental
-    decoding (B = 1; see _attention), attending over n_kv cache rows. last_only: logits of the last position only, (B, 1, V). rows (M,) i32:
-    logits only at those flat positions of (B*T) (the ones a loss needs), (M, V).
+    decoding (B = 1; see _attention), attending over n_kv cache rows. last_only: logits of
+    the last position only, (B, 1, V). rows (M,) i32: logits only at those flat positions
+    of (B*T) (the ones a loss needs), (M, V).
     """
     b, t = tokens.shape
     if t > cfg.ctx:
