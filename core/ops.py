@@ -253,17 +253,32 @@ def swiglu(g: Tensor, u: Tensor) -> Tensor:
     return apply("swiglu", [g, u])
 
 
-def _infer_swiglu_bwd(srcs, params):
-    _f32("swiglu_bwd", *srcs)
-    _need(len(srcs) == 3 and all(s.shape == srcs[0].shape for s in srcs),
-          f"swiglu_bwd: g, u and dy must share a shape, got {[s.shape for s in srcs]}")
-    return (2,) + srcs[0].shape, "f32"
+def geglu(g: Tensor, u: Tensor) -> Tensor:
+    """gelu(g) * u with gelu's tanh approximation, x/2 (1 + tanh(sqrt(2/pi) (x + 0.044715
+    x^3))): Gemma's FFN gate, fused forward and backward. (f32, one shape)"""
+    return apply("geglu", [g, u])
 
 
-def _swiglu_bwd(y, gy):
-    g, u = y.srcs
-    both = apply("swiglu_bwd", [g, u, gy])   # [dg | du]
-    return [view(both, g.shape), view(both, g.shape, offset=g.size)]
+def tanh(x: Tensor) -> Tensor:
+    """tanh(x); its gradient g (1 - y^2) from the output. (f32)"""
+    return apply("tanh", [x])
+
+
+def _infer_glu_bwd(name):
+    def infer(srcs, params):
+        _f32(name, *srcs)
+        _need(len(srcs) == 3 and all(s.shape == srcs[0].shape for s in srcs),
+              f"{name}: g, u and dy must share a shape, got {[s.shape for s in srcs]}")
+        return (2,) + srcs[0].shape, "f32"
+    return infer
+
+
+def _glu_bwd(name):
+    def rule(y, gy):
+        g, u = y.srcs
+        both = apply(name, [g, u, gy])   # [dg | du]
+        return [view(both, g.shape), view(both, g.shape, offset=g.size)]
+    return rule
 
 
 def exp(x: Tensor) -> Tensor:
@@ -302,8 +317,12 @@ register(OpDef("relu_bwd", _infer_same("relu_bwd"), "relu_bwd", contiguous=(0, 1
 register(OpDef("silu", _infer_same("silu"), "silu_fwd",
                backward=lambda y, g: [silu_bwd(y.srcs[0], g)]))
 register(OpDef("silu_bwd", _infer_same("silu_bwd"), "silu_bwd", contiguous=(0, 1)))
-register(OpDef("swiglu", _infer_same("swiglu"), "swiglu_fwd", backward=_swiglu_bwd, contiguous=(0, 1)))
-register(OpDef("swiglu_bwd", _infer_swiglu_bwd, "swiglu_bwd", contiguous=(0, 1, 2)))
+register(OpDef("swiglu", _infer_same("swiglu"), "swiglu_fwd", backward=_glu_bwd("swiglu_bwd"), contiguous=(0, 1)))
+register(OpDef("swiglu_bwd", _infer_glu_bwd("swiglu_bwd"), "swiglu_bwd", contiguous=(0, 1, 2)))
+register(OpDef("geglu", _infer_same("geglu"), "geglu_fwd", backward=_glu_bwd("geglu_bwd"), contiguous=(0, 1)))
+register(OpDef("geglu_bwd", _infer_glu_bwd("geglu_bwd"), "geglu_bwd", contiguous=(0, 1, 2)))
+register(OpDef("tanh", _infer_same("tanh"), "tanh_fwd",
+               backward=lambda y, g: [sub(g, mul(mul(g, y), y))]))
 register(OpDef("exp", _infer_same("exp"), "exp_fwd", backward=lambda y, g: [mul(g, y)]))
 register(OpDef("log", _infer_same("log"), "log_fwd", backward=lambda y, g: [div(g, y.srcs[0])]))
 register(OpDef("sqrt", _infer_same("sqrt"), "sqrt_fwd",
@@ -642,13 +661,15 @@ register(OpDef("cross_entropy_bwd", _infer_ce, "cross_entropy_bwd", contiguous=(
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool = False, pos: Tensor | None = None,
-              seg: Tensor | None = None, with_lse: bool = False):
+              seg: Tensor | None = None, with_lse: bool = False, window: int = 0):
     """softmax(scale * q k^T + mask) v for each query head, fused (gt_attention_fwd_f32):
     no (Tq, Tk) tensor is made, here or in the backward.
 
     q (B, Tq, H, D), k and v (B, Tk, Hkv, D) with Hkv dividing H (query head h reads KV
     head h // (H / Hkv)), read in place through their strides (a copy only when D is not
-    the unit-stride dim). Masks as softmax's: causal, pos (Tq,) i32, or seg (B, T) i32.
+    the unit-stride dim). Masks as softmax's: causal, pos (Tq,) i32, or seg (B, T) i32;
+    window w > 0 (with a mask): each query sees only the w keys ending at its own (query i
+    sees key j when i - j < w; by position with pos), llama.cpp's sliding window.
     Returns O (B, Tq, H, D), or (O, LSE (B, H, Tq)) with with_lse: each row's log-sum-exp
     over the keys it sees (-inf, and O = 0, for a row that sees none). Both are views of
     one node, which is all the backward keeps (besides q, k, v).
@@ -659,7 +680,9 @@ def attention(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool = Fals
     qkv = [x if x.ndim == 4 and (x.strides[-1] == 1 or x.shape[-1] == 1) else cont(x) for x in (q, k, v)]
     mask = "pos" if pos is not None else "seg" if seg is not None else "causal" if causal else "none"
     extra = [pos] if pos is not None else [seg] if seg is not None else []
-    y = apply("attention", qkv + extra, scale=float(scale), mask=mask)
+    if window and mask == "none":
+        raise ValueError("attention: a window needs a mask (causal, pos or seg)")
+    y = apply("attention", qkv + extra, scale=float(scale), mask=mask, window=int(window))
     b, tq, h, _ = q.shape
     o = view(y, q.shape)
     return (o, view(y, (b, h, tq), offset=q.size)) if with_lse else o
@@ -714,7 +737,8 @@ def _attention_bwd(y, g):
             view(grads, v.shape, offset=q.size + k.size)] + [None] * len(extra)
 
 
-_attention_lower = lambda y: ((_SOFTMAX_MASKS[y.params["mask"]],), (y.params["scale"],))  # noqa: E731
+_attention_lower = lambda y: ((_SOFTMAX_MASKS[y.params["mask"]], y.params["window"]),  # noqa: E731
+                              (y.params["scale"],))
 register(OpDef("attention", _infer_attention("attention"), "attention_fwd", backward=_attention_bwd,
                lower=_attention_lower, contiguous=(3,), differentiable=(0, 1, 2)))
 register(OpDef("attention_bwd", _infer_attention("attention_bwd"), "attention_bwd", lower=_attention_lower,
@@ -747,20 +771,31 @@ def product_flops(t: Tensor) -> int:
 # ---- rope, embeddings -------------------------------------------------------------
 
 
-def rope(x: Tensor, pos: Tensor, n_dims: int | None = None, freq_base: float = 10000.0) -> Tensor:
-    """Rotary embedding, llama.cpp mode 0 (adjacent pairs): x (..., T, H, D), pos i32 (T,)
-    shared by every row, or x's leading dims (..., T), e.g. (B, T): each row its own
-    positions (packed samples restart at 0). Raises ShapeError / DTypeError."""
+ROPE_MODES = {"norm": 0, "neox": 2}   # ggml's numbers: 0 adjacent pairs, 2 pairs n_dims/2 apart
+
+
+def rope(x: Tensor, pos: Tensor, n_dims: int | None = None, freq_base: float = 10000.0, mode: str = "norm",
+         freq_scale: float = 1.0, factors: Tensor | None = None) -> Tensor:
+    """Rotary embedding as llama.cpp's ggml_rope_ext without YaRN: x (..., T, H, D), pos i32 (T,)
+    shared by every row, or x's leading dims (..., T), e.g. (B, T): each row its own positions
+    (packed samples restart at 0). mode "norm" rotates adjacent pairs (x[2i], x[2i+1]) (llama),
+    "neox" the pairs (x[i], x[i + n_dims/2]) (qwen2, qwen3, gemma3, phi3); pair i turns by
+    freq_scale * pos * freq_base^(-2i/n_dims) / factors[i] (factors (n_dims/2,) f32: llama 3's
+    rope_freqs; freq_scale: linear rope scaling). Raises ShapeError / DTypeError."""
     n_dims = x.shape[-1] if n_dims is None else int(n_dims)
-    return apply("rope", [x, pos], n_dims=n_dims, freq_base=float(freq_base))
+    srcs = [x, pos] if factors is None else [x, pos, factors]
+    return apply("rope", srcs, n_dims=n_dims, freq_base=float(freq_base), mode=mode, freq_scale=float(freq_scale))
 
 
-def rope_bwd(g: Tensor, pos: Tensor, n_dims: int, freq_base: float) -> Tensor:
-    return apply("rope_bwd", [g, pos], n_dims=n_dims, freq_base=float(freq_base))
+def rope_bwd(g: Tensor, pos: Tensor, n_dims: int, freq_base: float, mode: str = "norm", freq_scale: float = 1.0,
+             factors: Tensor | None = None) -> Tensor:
+    srcs = [g, pos] if factors is None else [g, pos, factors]
+    return apply("rope_bwd", srcs, n_dims=n_dims, freq_base=float(freq_base), mode=mode,
+                 freq_scale=float(freq_scale))
 
 
 def _infer_rope(srcs, params):
-    x, pos = srcs
+    x, pos = srcs[:2]
     _f32("rope", x)
     if pos.dtype != "i32":
         raise DTypeError(f"rope: positions must be i32, got {pos.dtype}")
@@ -769,12 +804,23 @@ def _infer_rope(srcs, params):
           f"rope: positions {pos.shape} match neither T = {x.shape[-3]} nor {x.shape[:-2]} of {x.shape}")
     nd = params["n_dims"]
     _need(0 < nd <= x.shape[-1] and nd % 2 == 0, f"rope: n_dims {nd} must be even and <= D={x.shape[-1]}")
+    _need(params["mode"] in ROPE_MODES, f"rope: mode {params['mode']!r} is not one of {', '.join(ROPE_MODES)}")
+    _need(params["freq_scale"] > 0, f"rope: freq_scale must be > 0, got {params['freq_scale']}")
+    if len(srcs) == 3:
+        _f32("rope", srcs[2])
+        _need(srcs[2].shape == (nd // 2,), f"rope: factors {srcs[2].shape} must be (n_dims / 2,) = ({nd // 2},)")
     return x.shape, "f32"
 
 
-_rope_lower = lambda y: ((y.params["n_dims"],), (y.params["freq_base"],))  # noqa: E731
-register(OpDef("rope", _infer_rope, "rope_fwd", contiguous=(0, 1), lower=_rope_lower,
-               backward=lambda y, g: [rope_bwd(g, y.srcs[1], y.params["n_dims"], y.params["freq_base"]), None],
+def _rope_backward(y, g):
+    factors = y.srcs[2] if len(y.srcs) == 3 else None
+    p = y.params
+    return [rope_bwd(g, y.srcs[1], p["n_dims"], p["freq_base"], p["mode"], p["freq_scale"], factors), None, None]
+
+
+_rope_lower = lambda y: ((y.params["n_dims"], ROPE_MODES[y.params["mode"]]),  # noqa: E731
+                         (y.params["freq_base"], y.params["freq_scale"]))
+register(OpDef("rope", _infer_rope, "rope_fwd", contiguous=(0, 1), lower=_rope_lower, backward=_rope_backward,
                differentiable=(0,)))
 register(OpDef("rope_bwd", _infer_rope, "rope_bwd", contiguous=(0, 1), lower=_rope_lower))
 

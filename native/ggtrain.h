@@ -156,6 +156,7 @@ int gt_scale_fwd_f32(const struct gt_node *node, const gt_ctx *ctx);
 int gt_fill_fwd_f32(const struct gt_node *node, const gt_ctx *ctx);
 int gt_relu_fwd_f32(const struct gt_node *node, const gt_ctx *ctx);
 int gt_silu_fwd_f32(const struct gt_node *node, const gt_ctx *ctx);
+int gt_tanh_fwd_f32(const struct gt_node *node, const gt_ctx *ctx);
 int gt_exp_fwd_f32(const struct gt_node *node, const gt_ctx *ctx);
 int gt_log_fwd_f32(const struct gt_node *node, const gt_ctx *ctx);
 int gt_sqrt_fwd_f32(const struct gt_node *node, const gt_ctx *ctx);
@@ -169,6 +170,11 @@ int gt_silu_bwd_f32(const struct gt_node *node, const gt_ctx *ctx);
  * give the bits of silu then mul, and of those ops' backward kernels. */
 int gt_swiglu_fwd_f32(const struct gt_node *node, const gt_ctx *ctx);
 int gt_swiglu_bwd_f32(const struct gt_node *node, const gt_ctx *ctx);
+/* geglu: dst = gelu_tanh(src0) * src1 (Gemma's FFN gate; gelu's tanh approximation,
+ * x/2 (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))), one shape, contiguous. geglu_bwd: as
+ * swiglu_bwd, dst = [dg | du]. */
+int gt_geglu_fwd_f32(const struct gt_node *node, const gt_ctx *ctx);
+int gt_geglu_bwd_f32(const struct gt_node *node, const gt_ctx *ctx);
 
 /* dropout: dst = src0 * keep / (1 - p), keep[i] = hash(seed, salt, i) >= p * 2^32
  * over the flat index i: src0 x f32 contiguous, src1 seed i32 of one element (the
@@ -277,7 +283,9 @@ int gt_softmax_bwd_f32(const struct gt_node *node, const gt_ctx *ctx);
  * along D. ip[0] = mask as in softmax: 0 none; 1 causal, row i sees keys j <= i +
  * (T_k - T_q); 2 by position, src3 pos (T_q,) i32, row i sees j <= pos[i]; 3 by
  * segment, src3 seg (B, T) i32 (T_q == T_k), row i sees j <= i with seg[b, j] ==
- * seg[b, i]; fp[0] = scale. dst: contiguous f32 of B*T_q*H*D + B*H*T_q elements,
+ * seg[b, i]; ip[1] = window: 0, or (with a mask) w > 0, a row sees only the w keys
+ * ending at its own (i - j < w; with pos, pos[i] - j < w: llama.cpp's sliding window);
+ * fp[0] = scale. dst: contiguous f32 of B*T_q*H*D + B*H*T_q elements,
  * O (B, T_q, H, D) then LSE (B, H, T_q), each row's log(sum_j exp(scale q.k_j)) over
  * the keys it sees; a row seeing none has O = 0 and LSE = -inf.
  * attention_bwd: src0..2 q, k, v as above, src3 y (the forward's dst), src4 g: dO of
@@ -304,13 +312,15 @@ int gt_cross_entropy_fwd_f32(const struct gt_node *node, const gt_ctx *ctx);
 int gt_cross_entropy_fwd_f32_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
 int gt_cross_entropy_bwd_f32(const struct gt_node *node, const gt_ctx *ctx);
 
-/* rope, llama.cpp mode 0 (adjacent pairs): src0 x (..., T, H, D) contiguous,
- * src1 positions (T,) i32, or (..., T) i32 contiguous with x's leading dims
- * (per-row positions, e.g. (B, T) for packed samples); ip[0] = n_dims (rotated leading dims of D, even,
- * 2..D; the rest pass through), fp[0] = freq_base (> 0). theta_i = pos *
- * freq_base^(-2i/n_dims) rotates (x[2i], x[2i+1]) to (x0 cos - x1 sin,
- * x0 sin + x1 cos); theta, cos, sin computed in double. rope_bwd rotates by
- * -theta (src0 = g). */
+/* rope, llama.cpp modes 0 (normal: adjacent pairs) and 2 (neox: pairs n_dims/2
+ * apart): src0 x (..., T, H, D) contiguous, src1 positions (T,) i32, or (..., T)
+ * i32 contiguous with x's leading dims (per-row positions, e.g. (B, T) for packed
+ * samples), optional src2 factors (n_dims/2,) f32 (llama 3's rope_freqs); ip[0] =
+ * n_dims (rotated leading dims of D, even, 2..D; the rest pass through), ip[1] =
+ * mode (0 or 2), fp[0] = freq_base (> 0), fp[1] = freq_scale (> 0, 1 for none).
+ * theta_i = freq_scale * pos * freq_base^(-2i/n_dims) / factors[i] rotates the
+ * pair i, (x0, x1) -> (x0 cos - x1 sin, x0 sin + x1 cos); theta, cos, sin computed
+ * in double. rope_bwd rotates by -theta (src0 = g). */
 int gt_rope_fwd_f32(const struct gt_node *node, const gt_ctx *ctx);
 int gt_rope_bwd_f32(const struct gt_node *node, const gt_ctx *ctx);
 

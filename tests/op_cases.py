@@ -91,6 +91,10 @@ case("relu", [In((7, 9))], ops.relu, lambda x: np.maximum(x, 0))
 case("relu", [In((9, 7))], lambda x: ops.relu(ops.transpose(x)), lambda x: np.maximum(x.T, 0), name="strided")
 case("silu", [In((3, 33), -4, 4)], ops.silu, lambda x: x * _sig(x))
 case("swiglu", [In((3, 33), -4, 4), In((3, 33))], ops.swiglu, lambda g, u: g * _sig(g) * u)
+case("geglu", [In((3, 33), -4, 4), In((3, 33))], ops.geglu, lambda g, u: refs.gelu_tanh(g) * u)
+case("geglu", [In((2, 20), -12, 12), In((2, 20))], ops.geglu, lambda g, u: refs.gelu_tanh(g) * u, name="tails",
+     grad_atol=2e-4)
+case("tanh", [In((4, 9), -3, 3)], ops.tanh, np.tanh)
 case("exp", [In((2, 7), -2, 2)], ops.exp, np.exp)
 case("log", [In((2, 7), 0.5, 3)], ops.log, np.log)
 case("sqrt", [In((2, 7), 0.5, 3)], ops.sqrt, np.sqrt)
@@ -101,6 +105,9 @@ case("silu_bwd", [In((3, 7), -4, 4), In((3, 7))], ops.silu_bwd,
 case("swiglu_bwd", [In((2, 37), -4, 4), In((2, 37)), In((2, 37))],
      lambda g, u, dy: ops.apply("swiglu_bwd", [g, u, dy]),
      lambda g, u, dy: np.stack([dy * u * _sig(g) * (1 + g * (1 - _sig(g))), dy * g * _sig(g)]), backward=False)
+case("geglu_bwd", [In((2, 37), -5, 5), In((2, 37)), In((2, 37))],
+     lambda g, u, dy: ops.apply("geglu_bwd", [g, u, dy]),
+     lambda g, u, dy: np.stack([dy * u * refs.gelu_tanh_grad(g), dy * refs.gelu_tanh(g)]), backward=False)
 # dropout: the reference draws the same mask (a hash of seed, salt, flat index), so the
 # forward is compared exactly and finite differences see the mask fixed
 case("dropout", [In((3, 7)), In((), values=np.array(12345, np.int32), grad=False)],
@@ -222,15 +229,30 @@ def _o_times_lse_ref(o, lse):
     return o * lse.transpose(0, 2, 1)[..., None]
 
 
-def _attention_bwd(q, k, v, g, **mask):
-    y = ops.apply("attention", [q, k, v], scale=0.45, mask="causal")
-    return ops.apply("attention_bwd", [q, k, v, y, g], scale=0.45, mask="causal")
+def _attention_bwd(q, k, v, g, window=0):
+    y = ops.apply("attention", [q, k, v], scale=0.45, mask="causal", window=window)
+    return ops.apply("attention_bwd", [q, k, v, y, g], scale=0.45, mask="causal", window=window)
 
 
 # the backward kernel as an op: [dq | dk | dv] for dO g
 case("attention_bwd", _att_in(2, 7, 4, 2, 8) + [In((2, 7, 4, 8))], _attention_bwd,
      lambda q, k, v, g: np.concatenate([x.reshape(-1) for x in refs.attention_bwd(q, k, v, g, 0.45, causal=True)]),
      backward=False)
+
+# sliding windows (gemma3's local layers): causal over 70 queries (blocks of 64 skipped,
+# taken whole and cut by the window's edge), packed segments, a KV cache read by position
+case("attention", _att_in(1, 70, 2, 1, 4), lambda q, k, v: ops.attention(q, k, v, 0.7, causal=True, window=5),
+     lambda q, k, v: refs.attention(q, k, v, 0.7, causal=True, window=5)[0], name="window-causal")
+case("attention", _att_in(2, 9, 2, 2, 4) + [In((2, 9), values=np.array([[0] * 6 + [1] * 3, [2] * 9]), grad=False)],
+     lambda q, k, v, s: ops.attention(q, k, v, 0.9, seg=s, window=3),
+     lambda q, k, v, s: refs.attention(q, k, v, 0.9, seg=s, window=3)[0], name="window-seg")
+case("attention", _att_in(1, 4, 2, 1, 4, tk=8) + [In((4,), values=np.array([3, 0, 7, 2], np.int32), grad=False)],
+     lambda q, k, v, p: ops.attention(q, k, v, 0.8, pos=p, window=3),
+     lambda q, k, v, p: refs.attention(q, k, v, 0.8, pos=p, window=3)[0], name="window-pos")
+case("attention_bwd", _att_in(1, 70, 2, 1, 8) + [In((1, 70, 2, 8))], lambda q, k, v, g: _attention_bwd(q, k, v, g, 6),
+     lambda q, k, v, g: np.concatenate([x.reshape(-1) for x in refs.attention_bwd(q, k, v, g, 0.45, causal=True,
+                                                                                  window=6)]),
+     name="window", backward=False)
 
 # ---- rope, rows ------------------------------------------------------------------------------
 case("rope", [In((2, 5, 3, 8)), In((5,), values=np.array([0, 1, 2, 7, 40]))],
@@ -246,6 +268,20 @@ case("rope", [In((2, 5, 3, 8)), In((2, 5), values=_ROW_POS, grad=False)],
 case("rope_bwd", [In((2, 5, 3, 8)), In((2, 5), values=_ROW_POS, grad=False)],
      lambda g, p: ops.rope_bwd(g, p, 8, 10000.0), lambda g, p: refs.rope_bwd(g, p, 8, 10000.0),
      name="per-row", backward=False)
+# NEOX pairs (qwen2/3, gemma3, phi3), llama 3's frequency factors, linear scaling, partial rotation
+_FACTORS = np.array([1.0, 1.5, 4.0, 8.0, 32.0])
+case("rope", [In((2, 5, 3, 10)), In((5,), values=np.array([0, 1, 2, 7, 900]))],
+     lambda x, p: ops.rope(x, p, 10, 10000.0, "neox"), lambda x, p: refs.rope(x, p, 10, 10000.0, "neox"),
+     name="neox")
+case("rope", [In((2, 5, 3, 12)), In((2, 5), values=_ROW_POS, grad=False), In((5,), values=_FACTORS, grad=False)],
+     lambda x, p, f: ops.rope(x, p, 10, 500000.0, "neox", 0.25, f),
+     lambda x, p, f: refs.rope(x, p, 10, 500000.0, "neox", 0.25, f), name="neox-factors-partial")
+case("rope", [In((2, 5, 3, 10)), In((5,), values=np.array([3, 1, 2, 7, 2000])), In((5,), values=_FACTORS, grad=False)],
+     lambda x, p, f: ops.rope(x, p, 10, 500000.0, "norm", 1.0, f),
+     lambda x, p, f: refs.rope(x, p, 10, 500000.0, "norm", 1.0, f), name="factors")
+case("rope_bwd", [In((2, 5, 3, 12)), In((5,), ints=(0, 64)), In((5,), values=_FACTORS, grad=False)],
+     lambda g, p, f: ops.rope_bwd(g, p, 10, 10000.0, "neox", 0.5, f),
+     lambda g, p, f: refs.rope_bwd(g, p, 10, 10000.0, "neox", 0.5, f), name="neox-factors", backward=False)
 case("get_rows", [In((7, 5)), In((2, 3), ints=(0, 7))], ops.get_rows, refs.get_rows)
 case("get_rows_bwd", [In((4, 5)), In((4,), values=np.array([1, 6, 1, 0]))],
      lambda g, i: ops.get_rows_bwd(g, i, 7), lambda g, i: refs.get_rows_bwd(g, i, 7), backward=False)

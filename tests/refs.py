@@ -69,16 +69,26 @@ def softmax_bwd(y, g, scale=1.0):
     return scale * y * (g - np.sum(g * y, axis=-1, keepdims=True))
 
 
-def attention_mask(tq, tk, b, causal=False, pos=None, seg=None):
-    """(B, 1, Tq, Tk) bool: which keys each query row sees (at most one mask given)."""
+def attention_mask(tq, tk, b, causal=False, pos=None, seg=None, window=0):
+    """(B, 1, Tq, Tk) bool: which keys each query row sees (at most one mask given); with
+    window w > 0 only keys less than w back from the query's own (i - j < w, by position
+    with pos; with causal the query's own key is i + Tk - Tq)."""
+    keys = np.arange(tk)[None, :]
     if seg is not None:
-        return seg_mask(seg)[:, None]
+        m = seg_mask(seg)[:, None]
+        if window:
+            m = m & (np.arange(tq)[:, None] - keys < window)
+        return m
     if pos is not None:
-        m = np.arange(tk)[None, :] <= np.asarray(pos)[:, None]
+        m = keys <= np.asarray(pos)[:, None]
+        own = np.asarray(pos)[:, None]
     elif causal:
         m = _causal_mask(tq, tk)
+        own = np.arange(tq)[:, None] + (tk - tq)
     else:
-        m = np.ones((tq, tk), bool)
+        m, own = np.ones((tq, tk), bool), None
+    if window:
+        m = m & (own - keys < window)
     return np.broadcast_to(m, (b, 1, tq, tk))
 
 
@@ -101,23 +111,23 @@ def _attention_probs(q, k, scale, mask):
     return p, lse
 
 
-def attention(q, k, v, scale, causal=False, pos=None, seg=None):
+def attention(q, k, v, scale, causal=False, pos=None, seg=None, window=0):
     """(O (B, Tq, H, D), LSE (B, H, Tq)) of softmax(scale q k^T + mask) v per head, for
     q (B, Tq, H, D), k and v (B, Tk, Hkv, D)."""
     b, tq, h, _ = np.shape(q)
-    mask = attention_mask(tq, np.shape(k)[1], b, causal, pos, seg)
+    mask = attention_mask(tq, np.shape(k)[1], b, causal, pos, seg, window)
     p, lse = _attention_probs(q, k, scale, mask)
     vv = np.repeat(_f64(v), h // np.shape(v)[2], axis=2)
     return np.einsum("bhij,bjhd->bihd", p, vv), lse
 
 
-def attention_bwd(q, k, v, g_o, scale, causal=False, pos=None, seg=None, g_lse=None):
+def attention_bwd(q, k, v, g_o, scale, causal=False, pos=None, seg=None, g_lse=None, window=0):
     """(dq, dk, dv) of attention for upstream gradients g_o of O and g_lse of LSE."""
     q, k, v, g_o = _f64(q), _f64(k), _f64(v), _f64(g_o)
     b, tq, h, _ = q.shape
     hkv = k.shape[2]
     g = h // hkv
-    mask = attention_mask(tq, k.shape[1], b, causal, pos, seg)
+    mask = attention_mask(tq, k.shape[1], b, causal, pos, seg, window)
     p, _ = _attention_probs(q, k, scale, mask)                    # (B, H, Tq, Tk)
     kk, vv = np.repeat(k, g, axis=2), np.repeat(v, g, axis=2)
     dp = np.einsum("bihd,bjhd->bhij", g_o, vv)
@@ -163,34 +173,56 @@ def cross_entropy_bwd(logits, targets, g):
     return out * (float(g) / count)
 
 
-def _rope_angles(pos, n_dims, base):
-    """(..., T, n_dims/2) angles pos[..., t] * base^(-2i/n_dims) for pos (T,) or (..., T)."""
+def gelu_tanh(x):
+    """gelu's tanh approximation, x/2 (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))."""
+    x = _f64(x)
+    return 0.5 * x * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (x + 0.044715 * x**3)))
+
+
+def gelu_tanh_grad(x):
+    """d gelu_tanh / dx."""
+    x = _f64(x)
+    k = np.sqrt(2.0 / np.pi)
+    t = np.tanh(k * (x + 0.044715 * x**3))
+    return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * k * (1.0 + 3 * 0.044715 * x * x)
+
+
+def _rope_angles(pos, n_dims, base, freq_scale=1.0, factors=None):
+    """(..., T, n_dims/2) angles freq_scale * pos[..., t] * base^(-2i/n_dims) / factors[i] for
+    pos (T,) or (..., T)."""
     i = np.arange(n_dims // 2, dtype=np.float64)
-    return np.asarray(pos, dtype=np.float64)[..., None] * base ** (-2.0 * i / n_dims)
+    freq = freq_scale * base ** (-2.0 * i / n_dims)
+    if factors is not None:
+        freq = freq / _f64(factors)
+    return np.asarray(pos, dtype=np.float64)[..., None] * freq
 
 
-def _rotate(x, theta, n_dims):
-    """Rotate adjacent pairs (x[2i], x[2i+1]) of x (..., T, H, D) by theta (T, n_dims/2),
-    shared by every row, or (..., T, n_dims/2) with x's leading dims (per-row positions)."""
+def _rotate(x, theta, n_dims, mode="norm"):
+    """Rotate the pairs of x (..., T, H, D) by theta (T, n_dims/2), shared by every row, or
+    (..., T, n_dims/2) with x's leading dims (per-row positions): adjacent pairs (x[2i],
+    x[2i+1]) in mode "norm", (x[i], x[i + n_dims/2]) in mode "neox"."""
     x = _f64(x)
     out = x.copy()
     c = np.cos(theta)[..., None, :]   # (..., T, 1, n_dims/2), broadcast over heads
     s = np.sin(theta)[..., None, :]
-    x0, x1 = x[..., 0:n_dims:2], x[..., 1:n_dims:2]
-    out[..., 0:n_dims:2] = x0 * c - x1 * s
-    out[..., 1:n_dims:2] = x0 * s + x1 * c
+    half = n_dims // 2
+    first, second = (slice(0, n_dims, 2), slice(1, n_dims, 2)) if mode == "norm" else \
+        (slice(0, half), slice(half, n_dims))
+    x0, x1 = x[..., first], x[..., second]
+    out[..., first] = x0 * c - x1 * s
+    out[..., second] = x0 * s + x1 * c
     return out
 
 
-def rope(x, pos, n_dims, base):
-    """llama.cpp rope mode 0 on x (..., T, H, D) at positions pos (T,) or (..., T) (one
-    per row); dims >= n_dims unchanged."""
-    return _rotate(x, _rope_angles(pos, n_dims, base), n_dims)
+def rope(x, pos, n_dims, base, mode="norm", freq_scale=1.0, factors=None):
+    """llama.cpp rope (mode "norm" or "neox") on x (..., T, H, D) at positions pos (T,) or
+    (..., T) (one per row); dims >= n_dims unchanged."""
+    return _rotate(x, _rope_angles(pos, n_dims, base, freq_scale, factors), n_dims, mode)
 
 
-def rope_bwd(g, pos, n_dims, base):
+def rope_bwd(g, pos, n_dims, base, mode="norm", freq_scale=1.0, factors=None):
     """dx of rope: g rotated by -theta."""
-    return _rotate(g, -_rope_angles(pos, n_dims, base), n_dims)
+    return _rotate(g, -_rope_angles(pos, n_dims, base, freq_scale, factors), n_dims, mode)
 
 
 def get_rows(table, idx):

@@ -20,6 +20,8 @@
  *
  * Masks (one per call): a query row r sees the keys of an interval [lo_r, hi_r], all of
  * them, or (segment mask with a repeated segment value) only those of its segment. A
+ * sliding window of w keys (Gemma's local layers) moves lo_r up to hi_r - w + 1: the
+ * query's own key and the w - 1 before it, as llama.cpp's standard SWA masks. A
  * block of keys is skipped when no row sees any of it, taken whole when every row sees
  * all of it, and masked key by key otherwise.
  *
@@ -53,6 +55,7 @@ typedef struct att {
     const float *q, *k, *v;
     int64_t qs[3], ks[3], vs[3];
     int mode;
+    int64_t window;                 /* > 0: a query sees at most this many keys back (sliding window) */
     float scale;
     const int32_t *pos, *seg;       /* mode MASK_POS: (Tq,); MASK_SEG: (B, Tk) */
 } att;
@@ -111,6 +114,10 @@ static int check_mask(const gt_node *node, const char *op, int im, att *A) {
     if (mode < MASK_NONE || mode > MASK_SEG)
         return GT_FAIL(GT_ERR_INVALID, "%s: expected mask ip[0] 0, 1, 2 or 3, got %lld", op, (long long)mode);
     A->mode = (int)mode;
+    A->window = node->ip[1];
+    if (A->window < 0 || (A->window > 0 && mode == MASK_NONE))
+        return GT_FAIL(GT_ERR_INVALID, "%s: expected window ip[1] >= 0 (0: none; only with a mask), got %lld", op,
+                       (long long)A->window);
     A->scale = node->fp[0];
     A->pos = A->seg = NULL;
     if (mode < MASK_POS) return GT_OK;
@@ -167,6 +174,7 @@ static void fill_rows(const att *A, rows R, int64_t b0, int64_t b1) {
                         }
                 }
                 lo[r] = first;
+                if (A->window > 0 && r - A->window + 1 > first) lo[r] = (int32_t)(r - A->window + 1);
                 hi[r] = (int32_t)r;
                 ex[r] = exact;
             }
@@ -176,8 +184,11 @@ static void fill_rows(const att *A, rows R, int64_t b0, int64_t b1) {
             int64_t h = Tk - 1;
             if (A->mode == MASK_CAUSAL) h = r + (Tk - Tq);
             else if (A->mode == MASK_POS) h = A->pos[r];
+            /* the window counts back from the query's own key (its position; causal: the
+             * diagonal), before the clamp to the keys there are */
+            const int64_t l = A->window > 0 && h - A->window + 1 > 0 ? h - A->window + 1 : 0;
             h = h < -1 ? -1 : h > Tk - 1 ? Tk - 1 : h;
-            lo[r] = 0;
+            lo[r] = (int32_t)(l < Tk ? l : Tk);
             hi[r] = (int32_t)h;
             ex[r] = 1;
         }

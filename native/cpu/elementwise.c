@@ -137,6 +137,7 @@ UNARY_ROW(exp, expf(x))
 UNARY_ROW(log, logf(x))
 UNARY_ROW(sqrt, sqrtf(x))
 UNARY_ROW(sqr, x * x)
+UNARY_ROW(tanh, tanhf(x))
 
 static int check_same_shape(const gt_tensor *a, const gt_tensor *b, const char *op) {
     if (a->ndim != b->ndim) goto bad;
@@ -178,6 +179,7 @@ int gt_exp_fwd_f32(const gt_node *n, const gt_ctx *c) { return unary(n, c, exp_r
 int gt_log_fwd_f32(const gt_node *n, const gt_ctx *c) { return unary(n, c, log_row, "log"); }
 int gt_sqrt_fwd_f32(const gt_node *n, const gt_ctx *c) { return unary(n, c, sqrt_row, "sqrt"); }
 int gt_sqr_fwd_f32(const gt_node *n, const gt_ctx *c) { return unary(n, c, sqr_row, "sqr"); }
+int gt_tanh_fwd_f32(const gt_node *n, const gt_ctx *c) { return unary(n, c, tanh_row, "tanh"); }
 
 /* fill: every element of dst (contiguous) = fp[0]. */
 int gt_fill_fwd_f32(const gt_node *node, const gt_ctx *ctx) {
@@ -246,7 +248,7 @@ GT_CLONES static void swiglu_bwd_row(float *restrict dg, float *restrict du, con
     }
 }
 
-static int swiglu_check(const gt_node *node, int n_src, const char *op) {
+static int glu_check(const gt_node *node, int n_src, const char *op) {
     GT_TRY(gt_check_n_src(node, n_src, op));
     const gt_tensor *d = &node->dst;
     GT_CHECK_F32(d, op, "dst");
@@ -267,30 +269,69 @@ static int swiglu_check(const gt_node *node, int n_src, const char *op) {
     return GT_OK;
 }
 
-/* swiglu: dst = silu(src0) * src1, all of one shape, contiguous. */
-int gt_swiglu_fwd_f32(const gt_node *node, const gt_ctx *ctx) {
-    GT_TRY(swiglu_check(node, 2, "swiglu"));
+/* ---- geglu: gelu_tanh(g) * u (Gemma's FFN gate), and its backward ----------------------
+ * gelu_tanh(x) = x / 2 (1 + tanh(z)), z = sqrt(2/pi) (x + 0.044715 x^3), the approximation
+ * Gemma was trained with; its derivative is (1 + t) / 2 + x / 2 (1 - t^2) dz/dx with
+ * t = tanh(z), dz/dx = sqrt(2/pi) (1 + 3 * 0.044715 x^2). tanh through the shared exp:
+ * 1 - 2 / (exp(2z) + 1), exact at both ends (exp overflowing to inf gives 1). */
+#define GELU_K 0.7978845608028654f      /* sqrt(2 / pi) */
+#define GELU_A 0.044715f
+
+static inline float gelu_tanh_t(float x) {
+    const float z = GELU_K * x * (1.0f + GELU_A * x * x);
+    return 1.0f - 2.0f / (gt_expf_(2.0f * z) + 1.0f);
+}
+
+GT_CLONES static void geglu_row(float *restrict d, const float *restrict g, const float *restrict u, int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        const float x = g[i];
+        d[i] = 0.5f * x * (1.0f + gelu_tanh_t(x)) * u[i];
+    }
+}
+
+GT_CLONES static void geglu_bwd_row(float *restrict dg, float *restrict du, const float *restrict g,
+                                    const float *restrict u, const float *restrict dy, int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        const float x = g[i], t = gelu_tanh_t(x);
+        const float dz = GELU_K * (1.0f + 3.0f * GELU_A * x * x);
+        du[i] = dy[i] * (0.5f * x * (1.0f + t));
+        dg[i] = dy[i] * u[i] * (0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * dz);
+    }
+}
+
+typedef void (*glu_row_fn)(float *restrict, const float *restrict, const float *restrict, int64_t);
+typedef void (*glu_bwd_row_fn)(float *restrict, float *restrict, const float *restrict, const float *restrict,
+                               const float *restrict, int64_t);
+
+/* A gated unit's forward: dst = act(src0) * src1, all of one shape, contiguous. */
+static int glu_fwd(const gt_node *node, const gt_ctx *ctx, glu_row_fn fn, const char *op) {
+    GT_TRY(glu_check(node, 2, op));
     int64_t lo, hi;
     gt_split(gt_numel(&node->dst), ctx, &lo, &hi);
     if (hi > lo)
-        swiglu_row((float *)node->dst.data + lo, (const float *)node->src[0].data + lo,
-                   (const float *)node->src[1].data + lo, hi - lo);
+        fn((float *)node->dst.data + lo, (const float *)node->src[0].data + lo,
+           (const float *)node->src[1].data + lo, hi - lo);
     return GT_OK;
 }
 
-/* swiglu_bwd: src0 = g, src1 = u, src2 = dy (one shape, contiguous); dst (contiguous, twice
- * their size) = [dg | du]. */
-int gt_swiglu_bwd_f32(const gt_node *node, const gt_ctx *ctx) {
-    GT_TRY(swiglu_check(node, 3, "swiglu_bwd"));
+/* Its backward: src0 = g, src1 = u, src2 = dy (one shape, contiguous); dst (contiguous,
+ * twice their size) = [dg | du]. */
+static int glu_bwd(const gt_node *node, const gt_ctx *ctx, glu_bwd_row_fn fn, const char *op) {
+    GT_TRY(glu_check(node, 3, op));
     const int64_t n = gt_numel(&node->src[0]);
     int64_t lo, hi;
     gt_split(n, ctx, &lo, &hi);
     float *dg = node->dst.data;
     if (hi > lo)
-        swiglu_bwd_row(dg + lo, dg + n + lo, (const float *)node->src[0].data + lo,
-                       (const float *)node->src[1].data + lo, (const float *)node->src[2].data + lo, hi - lo);
+        fn(dg + lo, dg + n + lo, (const float *)node->src[0].data + lo, (const float *)node->src[1].data + lo,
+           (const float *)node->src[2].data + lo, hi - lo);
     return GT_OK;
 }
+
+int gt_swiglu_fwd_f32(const gt_node *n, const gt_ctx *c) { return glu_fwd(n, c, swiglu_row, "swiglu"); }
+int gt_swiglu_bwd_f32(const gt_node *n, const gt_ctx *c) { return glu_bwd(n, c, swiglu_bwd_row, "swiglu_bwd"); }
+int gt_geglu_fwd_f32(const gt_node *n, const gt_ctx *c) { return glu_fwd(n, c, geglu_row, "geglu"); }
+int gt_geglu_bwd_f32(const gt_node *n, const gt_ctx *c) { return glu_bwd(n, c, geglu_bwd_row, "geglu_bwd"); }
 
 /* ---- dropout ----------------------------------------------------------------- */
 

@@ -1,5 +1,7 @@
-/* rope.c: rotary position embedding, llama.cpp/ggml rope mode 0 (NORMAL:
- * adjacent pairs), and its backward (the inverse rotation). Rows (b, t) are
+/* rope.c: rotary position embedding, llama.cpp/ggml rope modes 0 (NORMAL:
+ * adjacent pairs) and 2 (NEOX: pairs half the rotated dims apart), with
+ * optional per-pair frequency factors (llama 3's rope_freqs, phi3's long/short
+ * factors) and a linear frequency scale, and its backward (the inverse rotation). Rows (b, t) are
  * split across threads in t-major order (b-major with per-row positions), and
  * a thread computes the cos/sin of a position once and reuses them while the
  * position repeats (over the batch, and always over the heads). */
@@ -29,11 +31,24 @@ GT_CLONES static void rotate_pairs(float *restrict d, const float *restrict x, c
     }
 }
 
+/* the NEOX pairing: d[i], d[i + half] from x[i], x[i + half], for i < n (x, d offset to the chunk) */
+GT_CLONES static void rotate_halves(float *restrict d, const float *restrict x, const float *restrict c,
+                                    const float *restrict s, int64_t n, int64_t half) {
+    for (int64_t i = 0; i < n; i++) {
+        const float x0 = x[i], x1 = x[i + half];
+        d[i] = x0 * c[i] - x1 * s[i];
+        d[i + half] = x0 * s[i] + x1 * c[i];
+    }
+}
+
 static int rope(const gt_node *node, const gt_ctx *ctx, const char *op, double sign) {
     const gt_tensor *d = &node->dst, *x = &node->src[0], *p = &node->src[1];
     const char *xname = sign > 0 ? "x" : "g";
     char a[128];
-    GT_TRY(gt_check_n_src(node, 2, op));
+    if (node->n_src != 2 && node->n_src != 3)
+        return GT_FAIL(GT_ERR_INVALID, "%s: expected 2 or 3 sources (x, positions[, factors]), got %d", op,
+                       (int)node->n_src);
+    const gt_tensor *ff = node->n_src == 3 ? &node->src[2] : NULL;
     GT_CHECK_F32(d, op, "dst");
     GT_CHECK_F32(x, op, xname);
     GT_TRY(gt_check_i32(p, op, "positions"));
@@ -60,9 +75,22 @@ static int rope(const gt_node *node, const gt_ctx *ctx, const char *op, double s
     if (n_dims < 2 || n_dims % 2 || n_dims > D)
         return GT_FAIL(GT_ERR_INVALID, "%s: expected n_dims (ip[0]) even and in 2..D = %lld, got %lld", op,
                        (long long)D, (long long)n_dims);
-    const float base = node->fp[0];
+    const int64_t mode = node->ip[1];
+    if (mode != 0 && mode != 2)
+        return GT_FAIL(GT_ERR_INVALID, "%s: expected mode (ip[1]) 0 (normal) or 2 (neox), got %lld", op,
+                       (long long)mode);
+    const float base = node->fp[0], fscale = node->fp[1];
     if (!(base > 0.0f) || isinf(base))
         return GT_FAIL(GT_ERR_INVALID, "%s: expected freq_base (fp[0]) > 0 and finite, got %g", op, (double)base);
+    if (!(fscale > 0.0f) || isinf(fscale))
+        return GT_FAIL(GT_ERR_INVALID, "%s: expected freq_scale (fp[1]) > 0 and finite, got %g", op,
+                       (double)fscale);
+    if (ff) {
+        GT_CHECK_F32(ff, op, "factors");
+        if (ff->ndim != 1 || ff->shape[0] != n_dims / 2)
+            return GT_FAIL(GT_ERR_SHAPE, "%s: expected factors (%lld,) (n_dims / 2), got %s", op,
+                           (long long)(n_dims / 2), gt_shape_str(ff, a, sizeof a));
+    }
     if (gt_numel(x) == 0) return GT_OK;
 
     const int64_t half = n_dims / 2;
@@ -78,7 +106,10 @@ static int rope(const gt_node *node, const gt_ctx *ctx, const char *op, double s
     gt_split(T * B, ctx, &lo, &hi);
     for (int64_t i0 = 0; i0 < half; i0 += CHUNK) {
         const int64_t ni = half - i0 < CHUNK ? half - i0 : CHUNK;
-        for (int64_t i = 0; i < ni; i++) freq[i] = pow((double)base, -2.0 * (double)(i0 + i) / (double)n_dims);
+        for (int64_t i = 0; i < ni; i++) {
+            freq[i] = (double)fscale * pow((double)base, -2.0 * (double)(i0 + i) / (double)n_dims);
+            if (ff) freq[i] /= (double)((const float *)ff->data)[(i0 + i) * ff->strides[0]];
+        }
         int have = 0;
         int32_t p_cached = 0;
         for (int64_t u = lo; u < hi; u++) {
@@ -97,7 +128,10 @@ static int rope(const gt_node *node, const gt_ctx *ctx, const char *op, double s
             const int64_t row = (b * T + t) * H * D;
             for (int64_t h = 0; h < H; h++) {
                 const int64_t off = row + h * D;
-                rotate_pairs(dd + off + 2 * i0, xd + off + 2 * i0, cs, sn, ni);
+                if (mode == 2)
+                    rotate_halves(dd + off + i0, xd + off + i0, cs, sn, ni, half);
+                else
+                    rotate_pairs(dd + off + 2 * i0, xd + off + 2 * i0, cs, sn, ni);
                 if (i0 == 0 && n_dims < D)
                     memcpy(dd + off + n_dims, xd + off + n_dims, (size_t)(D - n_dims) * sizeof(float));
             }
@@ -109,9 +143,12 @@ static int rope(const gt_node *node, const gt_ctx *ctx, const char *op, double s
 /* rope: x (..., T, H, D) f32 contiguous, positions (T,) i32 (any stride) shared
  * by every row, or x's leading dims (..., T) i32 contiguous (each row its own
  * positions: packed samples restart at 0), dst same shape as x, contiguous.
- * ip[0] = n_dims (even, 2..D), fp[0] = freq_base.
- * For i < n_dims/2: theta = pos[t] * freq_base^(-2i/n_dims) rotates the pair
- *     (x[2i], x[2i+1]) -> (x0 cos - x1 sin, x0 sin + x1 cos);
+ * ip[0] = n_dims (even, 2..D), ip[1] = mode (0 normal, 2 neox, ggml's numbers),
+ * fp[0] = freq_base, fp[1] = freq_scale (> 0; 1: none, linear rope scaling 1/factor);
+ * src2 (optional): factors (n_dims/2,) f32 (any stride) dividing each pair's frequency.
+ * For i < n_dims/2: theta = freq_scale * pos[t] * freq_base^(-2i/n_dims) / factors[i]
+ * rotates the pair (x0, x1) -> (x0 cos - x1 sin, x0 sin + x1 cos), the pair being
+ * (x[2i], x[2i+1]) in mode 0 and (x[i], x[i + n_dims/2]) in mode 2;
  * dims n_dims..D-1 pass through unchanged.
  * NOTE: theta, cos and sin are computed in double (pow, cos, sin of libm), then
  * rounded to float. ggml computes theta in float (theta *= powf(base, -2/n_dims)
@@ -121,5 +158,5 @@ static int rope(const gt_node *node, const gt_ctx *ctx, const char *op, double s
 int gt_rope_fwd_f32(const gt_node *node, const gt_ctx *ctx) { return rope(node, ctx, "rope", 1.0); }
 
 /* rope_bwd: dx = rotation of g by -theta (the transpose of the forward);
- * src0 g, src1 positions, the rest as in rope. */
+ * src0 g, src1 positions, src2 factors (optional), params as in rope. */
 int gt_rope_bwd_f32(const gt_node *node, const gt_ctx *ctx) { return rope(node, ctx, "rope_bwd", -1.0); }
