@@ -68,10 +68,10 @@ def allreduce_times(counts: list, repeats: int) -> dict:
 def step_time(cfg: dict, threads: int, steps: int) -> tuple:
     """(median seconds per update, parameter count) of ggtrain training cfg on one process."""
     from ggtrain.core.backend_cpu import CpuBackend
-    from ggtrain.core.models.llama import LlamaConfig, init_params
+    from ggtrain.core.models.decoder import ModelConfig, init_params
     from ggtrain.core.train import TextConfig, TextRun
 
-    model = LlamaConfig(**{k: v for k, v in cfg.items() if k != "batch"})
+    model = ModelConfig(**{k: v for k, v in cfg.items() if k != "batch"})
     init = init_params(model, 0)
     n_params = sum(v.size for v in init.values())
     tc = TextConfig(steps=10**6, batch=cfg["batch"], lr=1e-3, lr_min=1e-3, warmup=0, weight_decay=0.1)

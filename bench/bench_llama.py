@@ -109,10 +109,10 @@ class OursSide:
 
     def __init__(self, cfg: dict, init: dict, windows: np.ndarray, threads: int, checkpointing: bool):
         from ggtrain.core.backend_cpu import CpuBackend
-        from ggtrain.core.models.llama import LlamaConfig
+        from ggtrain.core.models.decoder import ModelConfig
         from ggtrain.core.train import TextConfig, TextRun
 
-        model = LlamaConfig(**{k: v for k, v in cfg.items() if k != "batch"})
+        model = ModelConfig(**{k: v for k, v in cfg.items() if k != "batch"})
         tc = TextConfig(steps=10**6, batch=cfg["batch"], lr=1e-3, lr_min=1e-3, warmup=0, weight_decay=0.1,
                         grad_clip=1.0, checkpointing=checkpointing)
         self.run = TextRun(model, init, tc, CpuBackend(threads), n_threads=threads)
@@ -152,7 +152,7 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--configs", default="a,b,c")
     args = ap.parse_args()
-    from ggtrain.core.models.llama import LlamaConfig, init_params
+    from ggtrain.core.models.decoder import ModelConfig, init_params
 
     peak = Peak(args.threads)
     print(f"{'config':<7} {'ckpt':<5} {'ours tok/s':>11} {'torch tok/s':>12} {'ratio':>6} {'GFLOP/s':>8} "
@@ -160,7 +160,7 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.configs.split(","):
             cfg = CONFIGS[name]
-            model = LlamaConfig(**{k: v for k, v in cfg.items() if k != "batch"})
+            model = ModelConfig(**{k: v for k, v in cfg.items() if k != "batch"})
             init = init_params(model, 0)
             rng = np.random.default_rng(0)
             windows = rng.integers(0, cfg["vocab"], (args.steps + 2, cfg["batch"], cfg["ctx"] + 1)).astype(np.int32)

@@ -24,7 +24,8 @@ import time
 
 import numpy as np
 
-from ggtrain.formats import llama
+from ggtrain.core.models.decoder import ModelConfig
+from ggtrain.formats import model as layouts
 from ggtrain.formats.gguf import write_gguf
 
 _CHILD = r"""
@@ -51,13 +52,13 @@ print(json.dumps({"meta_s": t1 - t0, "load_s": t2 - t0, "base_kib": base, "peak_
 """
 
 
-def _hparams(size_mb: int) -> llama.LlamaHParams:
+def _hparams(size_mb: int) -> ModelConfig:
     """llama hparams whose F32 weights come to about size_mb MiB."""
     n_embd, n_ff, n_vocab = 1024, 2816, 32000
     per_layer = 4 * (4 * n_embd * n_embd + 3 * n_embd * n_ff + 2 * n_embd)
     fixed = 4 * (2 * n_vocab * n_embd + n_embd)
     n_layer = max(1, round((size_mb * 2**20 - fixed) / per_layer))
-    return llama.LlamaHParams(n_vocab=n_vocab, n_embd=n_embd, n_layer=n_layer, n_head=16, n_ff=n_ff, n_ctx=2048)
+    return ModelConfig(vocab=n_vocab, dim=n_embd, layers=n_layer, heads=16, kv_heads=16, ff=n_ff, ctx=2048)
 
 
 def generate(path: str, size_mb: int) -> None:
@@ -69,8 +70,8 @@ def generate(path: str, size_mb: int) -> None:
         n = int(np.prod(shape))
         return lambda: np.resize(noise, n).reshape(shape)
 
-    tensors = [(name, data(shape), "F32", shape) for name, shape in llama.tensor_shapes(hp).items()]
-    write_gguf(path, llama.hparams_to_kv(hp, "bench"), tensors)
+    tensors = [(name, data(shape), "F32", shape) for name, shape in layouts.tensor_shapes(hp).items()]
+    write_gguf(path, layouts.config_to_kv(hp, "bench"), tensors)
 
 
 def time_cat(path: str) -> float:

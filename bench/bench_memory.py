@@ -33,12 +33,12 @@ def child(config: str, checkpointing: bool, steps: int) -> None:
     import numpy as np
 
     from ggtrain.core.backend_cpu import CpuBackend
-    from ggtrain.core.models.llama import LlamaConfig, init_params
+    from ggtrain.core.models.decoder import ModelConfig, init_params
     from ggtrain.core.train import TextConfig, TextRun
 
     cfg, batch = CONFIGS[config]
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    model = LlamaConfig(**cfg)
+    model = ModelConfig(**cfg)
     run = TextRun(model, init_params(model, 0), TextConfig(steps=10**6, batch=batch, checkpointing=checkpointing),
                   CpuBackend(2))
     rng = np.random.default_rng(0)
@@ -60,10 +60,10 @@ def torch_peak(config: str, checkpointing: bool, steps: int, tmp: str) -> int:
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
     from bench_llama import TorchSide
 
-    from ggtrain.core.models.llama import LlamaConfig, init_params
+    from ggtrain.core.models.decoder import ModelConfig, init_params
 
     cfg, batch = CONFIGS[config]
-    init = init_params(LlamaConfig(**cfg), 0)
+    init = init_params(ModelConfig(**cfg), 0)
     windows = np.random.default_rng(0).integers(0, cfg["vocab"], (steps, batch, cfg["ctx"] + 1)).astype(np.int32)
     side = TorchSide(dict(cfg, batch=batch), init, windows, 2, checkpointing, tmp)
     for s in range(steps):

@@ -21,10 +21,10 @@ ckpt = "--ckpt" in sys.argv
 be = CpuBackend(nt)
 if arch.startswith("llama-"):
     from bench_llama import CONFIGS
-    from ggtrain.core.models.llama import LlamaConfig, init_params
+    from ggtrain.core.models.decoder import ModelConfig, init_params
     from ggtrain.core.train import TextConfig, TextRun
     cfg = CONFIGS[arch[6:]]
-    model = LlamaConfig(**{k: v for k, v in cfg.items() if k != "batch"})
+    model = ModelConfig(**{k: v for k, v in cfg.items() if k != "batch"})
     run = TextRun(model, init_params(model, 0), TextConfig(steps=10**6, batch=cfg["batch"], lr=1e-3, warmup=0,
                                                            checkpointing=ckpt), be, n_threads=nt)
     w = np.random.default_rng(0).integers(0, cfg["vocab"], (cfg["batch"], cfg["ctx"] + 1)).astype(np.int32)

@@ -20,19 +20,20 @@ HERE = pathlib.Path(__file__).resolve().parent
 CACHE = HERE / ".cache"
 SHARED = HERE.parents[1] / "shared" / "data"
 VOCAB = SHARED / "gguf" / "ggml-vocab-llama-spm.gguf"
-HPARAMS = dict(n_vocab=32000, n_embd=2048, n_layer=22, n_head=32, n_head_kv=4, n_ff=5632, n_ctx=2048)
+HPARAMS = dict(vocab=32000, dim=2048, layers=22, heads=32, kv_heads=4, ff=5632, ctx=2048)
 
 
 def _write_f16(path: pathlib.Path) -> None:
     import gguf
 
     from ggtrain.formats.gguf import read_gguf
-    from ggtrain.formats.llama import ARCH, LlamaHParams, hparams_to_kv, tensor_shapes
+    from ggtrain.core.models.decoder import ModelConfig
+    from ggtrain.formats.model import config_to_kv, tensor_shapes
 
-    hp = LlamaHParams(**HPARAMS)
+    hp = ModelConfig(**HPARAMS)
     vocab = read_gguf(VOCAB)
-    w = gguf.GGUFWriter(str(path), ARCH)
-    for key, value, vt in hparams_to_kv(hp, "tinyllama-shaped", file_type=1):
+    w = gguf.GGUFWriter(str(path), hp.arch)
+    for key, value, vt in config_to_kv(hp, "tinyllama-shaped", file_type=1):
         if key == "general.architecture":
             continue
         if vt == gguf.GGUFValueType.STRING:

@@ -27,7 +27,7 @@ from ggtrain.errors import ConfigError
 from ggtrain.formats.checkpoint import is_checkpoint, load_checkpoint, save_checkpoint
 from ggtrain.formats.gguf import GGUFFile, read_gguf
 from ggtrain.formats.llama2c import read_llama2c, read_llama2c_tokenizer
-from ggtrain.formats.llama_model import WRITE_TYPES, carried_kv, check_write_type, load_llama, rewrite_model, save_llama
+from ggtrain.formats.model_file import WRITE_TYPES, carried_kv, check_write_type, load_model, rewrite_model, save_model
 from ggtrain.formats.lora import read_lora, write_lora, write_merged
 
 TO = ("model", "checkpoint")
@@ -150,7 +150,7 @@ def _from_llama2c(inp, out, tokenizer, to, adapter, base, out_type) -> str:
     config, weights = read_llama2c(inp)
     tok = read_llama2c_tokenizer(tokenizer, config["vocab"])
     t = out_type or "f32"
-    save_llama(out, config, weights, tok, name=inp.stem, out_type=t, progress=_bar())
+    save_model(out, config, weights, tok, name=inp.stem, out_type=t, progress=_bar())
     return f"llama model ({t}) from llama2.c {inp.name}"
 
 
@@ -176,12 +176,13 @@ def _merge(inp, out, base, adapter, scale, to, out_type) -> str:
             kind = "checkpoint" if is_checkpoint(fa) else "model"
             raise ConfigError(f"--adapter {adapter}: a {kind}, not a LoRA adapter")
         alpha, arch, pairs = read_lora(adapter)
-        if arch not in (None, "llama"):
-            raise ConfigError(f"--adapter {adapter}: an adapter for architecture {arch!r}; the base is a llama")
         src, label = adapter, f"adapter {adapter.name}"
     fb = _open(base, "--base" if inp is None or base != inp else "IN")
     if is_checkpoint(fb) or _is_adapter(fb):
         raise ConfigError(f"{base}: the base must be a model, not a {'checkpoint' if is_checkpoint(fb) else 'LoRA adapter'}")
+    base_arch = fb.value("general.architecture", None)
+    if adapter is not None and arch not in (None, base_arch):
+        raise ConfigError(f"--adapter {adapter}: an adapter for architecture {arch!r}; the base is a {base_arch}")
     write_merged(out, fb, pairs, alpha, scale, out_type, src=src, progress=_bar())
     return f"{base.name} with {label} merged (scale {scale:g}){f', as {out_type}' if out_type else ''}"
 
@@ -196,12 +197,12 @@ def _from_checkpoint(inp, out, to, out_type) -> str:
             raise ConfigError(f"IN {inp}: a LoRA checkpoint becomes an adapter (F32); --out-type is for models "
                               f"(add --base BASE.gguf to write the merged model)")
         alpha, pairs = _lora_pairs(ckpt)
-        write_lora(out, "llama", alpha, pairs, progress=_bar())
+        write_lora(out, ckpt["model_config"].get("arch", "llama"), alpha, pairs, progress=_bar())
         return f"LoRA adapter (rank {ckpt['run_config']['lora']['rank']}) from checkpoint {inp.name} at update {step}"
     t = out_type or _default_type(ckpt)
-    save_llama(out, ckpt["model_config"], ckpt["state"]["params"], ckpt["tokenizer"],
+    save_model(out, ckpt["model_config"], ckpt["state"]["params"], ckpt["tokenizer"],
                name=f"ggtrain {ckpt['kind']}", out_type=t, extra_kv=ckpt["extra_kv"], progress=_bar())
-    return f"llama model ({t}) from {ckpt['kind']} checkpoint {inp.name} at update {step}"
+    return f"{ckpt['model_config'].get('arch', 'llama')} model ({t}) from {ckpt['kind']} checkpoint {inp.name} at update {step}"
 
 
 def _from_model(f: GGUFFile, out, to, out_type) -> str:
@@ -209,7 +210,7 @@ def _from_model(f: GGUFFile, out, to, out_type) -> str:
     if to == "checkpoint":
         if out_type is not None:
             raise ConfigError("--out-type is for models; a checkpoint holds f32 weights")
-        config, weights, tok = load_llama(inp)
+        config, weights, tok = load_model(inp)
         state = {"params": weights, "optimizer": {}, "updates": 0, "tokens_seen": 0}
         save_checkpoint(out, config, {}, state, tok, data_rng="", data_fingerprint="", kind="model",
                         run_config={"base": str(inp)}, extra_kv=carried_kv(f), progress=_bar())

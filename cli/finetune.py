@@ -26,7 +26,7 @@ from ggtrain.cli.main import app
 from ggtrain.core.backend import StoredTensor
 from ggtrain.core.data import PackedBatches, TokenWindows, eval_windows, pack, split_samples, split_tokens
 from ggtrain.core.distributed import Shard
-from ggtrain.core.models.llama import LlamaConfig
+from ggtrain.core.models.decoder import ModelConfig
 from ggtrain.core.models.lora import TARGETS, LoraConfig, factor_names, init_lora
 from ggtrain.core.train import TextConfig, TextRun
 from ggtrain.errors import ConfigError
@@ -34,7 +34,7 @@ from ggtrain.formats.checkpoint import load_checkpoint, save_checkpoint
 from ggtrain.formats.chat import chat_template as find_template
 from ggtrain.formats.dataset import read_data
 from ggtrain.formats.gguf import read_gguf
-from ggtrain.formats.llama_model import WRITE_TYPES, carried_kv, check_write_type, open_llama, save_llama
+from ggtrain.formats.model_file import WRITE_TYPES, carried_kv, check_write_type, open_model, save_model
 from ggtrain.formats.lora import write_lora, write_merged
 from ggtrain.native.dtypes import dtype, nbytes
 
@@ -96,7 +96,11 @@ def _base_type(weights) -> str:
 
 
 def _targets(text: str) -> tuple:
-    return tuple(t.strip() for t in text.split(",") if t.strip())
+    """--lora-targets as a tuple; () for all."""
+    names = tuple(t.strip() for t in text.split(",") if t.strip())
+    if not names:
+        raise ConfigError(f"--lora-targets: no target given (all, or some of {', '.join(TARGETS)})")
+    return () if names == ("all",) else names
 
 
 def _warmup_updates(warmup: float, steps: int) -> int:
@@ -110,7 +114,7 @@ def _warmup_updates(warmup: float, steps: int) -> int:
 def finetune(
     context: typer.Context,
     model: pathlib.Path = typer.Option(None, "--model",
-                                       help="The base llama GGUF model (F32 ... Q4_0, K-quants); not needed with "
+                                       help="The base GGUF model (llama, qwen2, qwen3 families; F32 ... Q4_0, K-quants); not needed with "
                                             "--full --resume of a model checkpoint (convert-checkpoint --to checkpoint)."),
     data: pathlib.Path = typer.Option(..., "--data", "--train-data",
                                       help="Training data: .txt, or JSON lines / a JSON array of {\"text\"}, "
@@ -119,8 +123,9 @@ def finetune(
                                      help="Where to write the LoRA adapter (llama.cpp's format); with --full, the model."),
     lora_rank: int = typer.Option(16, "--lora-rank", help="Rank r of each adapter."),
     lora_alpha: float = typer.Option(32.0, "--lora-alpha", help="Alpha: the adapters are scaled by alpha / r."),
-    lora_targets: str = typer.Option(",".join(TARGETS), "--lora-targets", "--lora-modules",
-                                     help="Comma-separated weights to adapt in every block."),
+    lora_targets: str = typer.Option("all", "--lora-targets", "--lora-modules",
+                                     help=f"Comma-separated weights to adapt in every block, or all (every one the "
+                                          f"model's family has; of {', '.join(TARGETS)})."),
     lora_dropout: float = typer.Option(0.0, "--lora-dropout", help="Dropout on the adapters' input."),
     full: bool = typer.Option(False, "--full", help="Train every weight (from the base, dequantized once); "
                               "--out is then a model."),
@@ -208,10 +213,10 @@ def finetune(
         model = resume
         arch, weights, tok = start["model_config"], start["state"]["params"], start["tokenizer"]
     else:
-        arch, weights, tok = open_llama(model, be)
+        arch, weights, tok = open_model(model, be)
     base_file = read_gguf(model)
     carried = carried_kv(base_file)
-    model_cfg = LlamaConfig(**arch)
+    model_cfg = ModelConfig(**arch)
     ctx = ctx or min(512, model_cfg.ctx)
     if not 2 <= ctx <= model_cfg.ctx:
         raise ConfigError(f"--ctx {ctx} must be in 2..{model_cfg.ctx} (the model's context)")
@@ -275,7 +280,7 @@ def finetune(
         init, frozen = (weights if start is not None else _dequantized(weights, model)), None
         del weights
     else:
-        names = lora_cfg.weights(model_cfg.layers)
+        names = lora_cfg.weights(model_cfg)
         init = init_lora(lora_cfg, {w: weights[w].shape for w in names}, train_cfg.seed)
         frozen = weights
     # logits only where a target is: at most the trained positions of the `batch` fullest rows
@@ -323,13 +328,13 @@ def finetune(
         return
     trained = run.param_values()
     if full:
-        save_llama(out, model_json, trained, tok, name="ggtrain finetune", out_type=out_type or "f32",
+        save_model(out, model_json, trained, tok, name="ggtrain finetune", out_type=out_type or "f32",
                    extra_kv=carried)
         wrote = f"wrote the model {out}"
     else:
         pairs = {w: (trained[factor_names(w)[0]], trained[factor_names(w)[1]])
-                 for w in lora_cfg.weights(model_cfg.layers)}
-        write_lora(out, "llama", lora_cfg.alpha, pairs)
+                 for w in lora_cfg.weights(model_cfg)}
+        write_lora(out, model_cfg.arch, lora_cfg.alpha, pairs)
         wrote = f"wrote the adapter {out}"
         if merged_out is not None:
             write_merged(merged_out, base_file, pairs, lora_cfg.alpha, out_type=out_type, src=out)

@@ -17,13 +17,13 @@ import typer
 
 from ggtrain.cli.common import cpu_backend
 from ggtrain.cli.main import app
-from ggtrain.core.models.llama import LlamaConfig, LlamaDecoder, LlamaRunner, generate
+from ggtrain.core.models.decoder import ModelConfig, Decoder, Runner, generate
 from ggtrain.core.sampling import Sampler
 from ggtrain.errors import ConfigError
 from ggtrain.formats.chat import chat_template as find_template
 from ggtrain.formats.dataset import chat_prompt
 from ggtrain.formats.gguf import read_gguf
-from ggtrain.formats.llama_model import open_llama
+from ggtrain.formats.model_file import open_model
 from ggtrain.formats.lora import lora_adapters
 
 # the context generate reserves when it runs until end of generation (-n -1) and no --ctx is given
@@ -32,16 +32,16 @@ UNTIL_EOG_CTX = 4096
 
 def _open(model, lora, lora_scale, backend):
     """Config, weights in backend memory, tokenizer, and the adapter (or None) of a model."""
-    config, weights, tok = open_llama(model, backend)
+    config, weights, tok = open_model(model, backend)
     adapters = None
     if lora is not None:
-        adapters = lora_adapters(lora, {n: w.shape for n, w in weights.items()}, lora_scale)
-    return LlamaConfig(**config), weights, tok, adapters
+        adapters = lora_adapters(lora, {n: w.shape for n, w in weights.items()}, lora_scale, config["arch"])
+    return ModelConfig(**config), weights, tok, adapters
 
 
 @app.command("generate")
 def generate_cmd(
-    model: pathlib.Path = typer.Option(..., "--model", help="A llama GGUF model (F32, F16, Q8_0, Q4_0, K-quants, ...)."),
+    model: pathlib.Path = typer.Option(..., "--model", help="A GGUF model (llama, qwen2, qwen3, ...; F32, F16, Q8_0, Q4_0, K-quants, ...)."),
     lora: pathlib.Path = typer.Option(None, "--lora", help="A LoRA adapter GGUF (llama.cpp's format) to apply."),
     lora_scale: float = typer.Option(1.0, "--lora-scale", help="Scale of the adapter (as llama.cpp's --lora-scaled)."),
     prompt: str = typer.Option(..., "--prompt", help="Text to continue (with --chat: the user's message)."),
@@ -99,7 +99,7 @@ def generate_cmd(
     if n == 0:
         sys.stdout.write("\n")
         return
-    decoder = LlamaDecoder(cfg, weights, be, n_ctx=n_ctx, adapters=adapters)
+    decoder = Decoder(cfg, weights, be, n_ctx=n_ctx, adapters=adapters)
     text = codecs.getincrementaldecoder("utf-8")(errors="replace")
     stop = frozenset(tok.eog_ids)
     t_loaded = time.perf_counter()
@@ -120,7 +120,7 @@ def generate_cmd(
 
 @app.command("eval")
 def eval_cmd(
-    model: pathlib.Path = typer.Option(..., "--model", help="A llama GGUF model."),
+    model: pathlib.Path = typer.Option(..., "--model", help="A GGUF model (llama, qwen2, qwen3, ...)."),
     lora: pathlib.Path = typer.Option(None, "--lora", help="A LoRA adapter GGUF (llama.cpp's format) to apply."),
     lora_scale: float = typer.Option(1.0, "--lora-scale", help="Scale of the adapter."),
     data: pathlib.Path = typer.Option(..., "--data", help="A UTF-8 text file."),
@@ -129,7 +129,7 @@ def eval_cmd(
     threads: int = typer.Option(None, "--threads", help="CPU threads (default: all available)."),
     backend: str = typer.Option("cpu", "--backend", help="cpu (cuda in builds that have it)."),
 ):
-    """Perplexity of a llama model on a text: non-overlapping windows, every token scored once."""
+    """Perplexity of a model on a text: non-overlapping windows, every token scored once."""
     be = cpu_backend(backend, threads)
     cfg, weights, tok, adapters = _open(model, lora, lora_scale, be)
     length = ctx or min(cfg.ctx, 512)
@@ -142,7 +142,7 @@ def eval_cmd(
     ids = tok.encode(text, add_bos=tok.add_bos)
     if len(ids) < 2:
         raise ConfigError(f"--data {data}: fewer than 2 tokens to score")
-    runner = LlamaRunner(cfg, weights, be, length=min(length, len(ids) - 1), adapters=adapters)
+    runner = Runner(cfg, weights, be, length=min(length, len(ids) - 1), adapters=adapters)
     total, count = 0.0, 0
     for start in range(0, len(ids) - 1, runner.length):
         window = ids[start:start + runner.length + 1]

@@ -16,11 +16,12 @@ from ggtrain.cli.loop import (BACKEND, CHECKPOINT_DIR, CHECKPOINTING, CONFIG, EA
 from ggtrain.cli.main import app
 from ggtrain.core.data import TokenWindows, eval_windows, split_tokens
 from ggtrain.core.distributed import Shard
-from ggtrain.core.models.llama import LlamaConfig, init_params
+from ggtrain.core.models.decoder import ModelConfig, init_params
+from ggtrain.core.models.families import FAMILIES
 from ggtrain.core.train import TextConfig, TextRun
 from ggtrain.errors import ConfigError
 from ggtrain.formats.checkpoint import load_checkpoint, save_checkpoint
-from ggtrain.formats.llama_model import save_llama
+from ggtrain.formats.model_file import save_model
 from ggtrain.formats.tokenizer import load_tokenizer
 
 BUNDLED_TEXT = pathlib.Path(__file__).resolve().parent / "data" / "tinyshakespeare.txt"
@@ -47,11 +48,14 @@ def train(
     data: pathlib.Path = typer.Option(None, "--data", help="UTF-8 text to train on (default: bundled tiny shakespeare)."),
     out: pathlib.Path = typer.Option(..., "--out", help="Where to write the trained model (GGUF llama.cpp loads)."),
     tokenizer: str = typer.Option("byte", "--tokenizer", help="byte, bpe:N (trained on --data) or VOCAB.gguf."),
+    arch: str = typer.Option("llama", "--arch", help=f"Model family: {', '.join(sorted(FAMILIES))}."),
     dim: int = typer.Option(256, "--dim", help="Embedding width."),
     layers: int = typer.Option(4, "--layers", help="Transformer blocks."),
     heads: int = typer.Option(8, "--heads", help="Attention heads."),
     kv_heads: int = typer.Option(None, "--kv-heads", help="Key/value heads (default --heads; fewer: "
                                  "grouped-query attention)."),
+    head_dim: int = typer.Option(None, "--head-dim", help="Head size (default --dim / --heads; qwen3 models "
+                                 "often have a larger one)."),
     ff: int = typer.Option(768, "--ff", help="Feed-forward width."),
     ctx: int = typer.Option(128, "--ctx", help="Context length (tokens per window)."),
     batch: int = typer.Option(8, "--batch", help="Windows per physical batch (of each process under mpiexec)."),
@@ -81,7 +85,7 @@ def train(
     quiet: bool = QUIET,
     config: pathlib.Path = CONFIG,
 ):
-    """Train a llama-architecture model from scratch on a text file."""
+    """Train a model of any family (llama by default) from scratch on a text file."""
     world = start_world()
     record = config_record(context)
     be = cpu_backend(backend, threads)
@@ -107,7 +111,7 @@ def train(
     tok = source["tokenizer"] if source else load_tokenizer(tokenizer, text)
     ids = tok.encode(text)
     if ckpt:
-        model_cfg = LlamaConfig(**ckpt["model_config"])
+        model_cfg = ModelConfig(**ckpt["model_config"])
         tc = dict(ckpt["train_config"])
         val_split = tc.pop("val_split")  # the split must be the one the run started with
         if steps is not None:
@@ -116,11 +120,12 @@ def train(
         if ckpt["data_fingerprint"] != _fingerprint(ids):
             raise ConfigError(f"--resume {resume}: --data is not the text this checkpoint was trained on")
     elif start:
-        model_cfg = LlamaConfig(**start["model_config"])
+        model_cfg = ModelConfig(**start["model_config"])
         train_cfg = None
     else:
-        model_cfg = LlamaConfig(vocab=tok.n_vocab, dim=dim, layers=layers, heads=heads,
-                                kv_heads=heads if kv_heads is None else kv_heads, ff=ff, ctx=ctx)
+        model_cfg = ModelConfig(vocab=tok.n_vocab, dim=dim, layers=layers, heads=heads,
+                                kv_heads=heads if kv_heads is None else kv_heads, ff=ff, ctx=ctx, arch=arch,
+                                head_dim=head_dim or 0)
         train_cfg = None
     train_ids, val_ids = split_tokens(ids, val_split, model_cfg.ctx)
     if ckpt is None:
@@ -147,7 +152,7 @@ def train(
     mem = run.step.memory
     n_params = sum(v.size for v in init.values())
     if world.lead:
-        typer.echo(f"llama: {n_params} parameters, vocab {tok.n_vocab} ({tokenizer if not source else 'from checkpoint'}), "
+        typer.echo(f"{model_cfg.arch}: {n_params} parameters, vocab {tok.n_vocab} ({tokenizer if not source else 'from checkpoint'}), "
                    f"{len(train_ids)} training / {len(val_ids)} validation tokens; planned memory "
                    f"{mem.peak / 2**20:.1f} MiB (arena {mem.arena / 2**20:.1f} MiB); {be.n_threads} threads",
                    err=True)
@@ -166,7 +171,7 @@ def train(
     summary = drive(run, Shard(windows, world), val_batches, log=logf, quiet=quiet, save_every=save_every,
                     checkpoint_dir=checkpoint_dir, out=out, checkpoint=checkpoint)
     if world.lead:
-        save_llama(out, model_json, run.param_values(), tok, extra_kv=carried)
+        save_model(out, model_json, run.param_values(), tok, extra_kv=carried)
         logf.write({"event": "done", **summary, "out": str(out)})
         logf.close()
         typer.echo(f"done: {summary['stopped']}; validation loss {summary['val_loss']:.4f}, wrote {out}", err=True)

@@ -20,6 +20,8 @@ from ggtrain.core import ops
 from ggtrain.core.autograd import backward
 from ggtrain.core.distributed import World
 from ggtrain.core.graph import Graph, Rows, Runtime, assign
+from ggtrain.core.models import decoder
+from ggtrain.core.models.lora import factor_names
 from ggtrain.core.optim import LBFGS, ConstantLR, CosineLR, LBFGSSearch, make_optimizer
 from ggtrain.core.ops import HYPER_COUNT
 from ggtrain.core.tensor import Tensor
@@ -369,7 +371,7 @@ class ClassifierRun:
         self.optimizer = make_optimizer(config.optimizer, config.lr, weight_decay=config.weight_decay,
                                         momentum=config.momentum, beta1=config.beta1, beta2=config.beta2,
                                         eps=config.eps)
-        self.step = TrainStep(self.loss, list(self.params.values()), self.optimizer, backend,
+        self.step = TrainStep(self.loss, [t for t in self.params.values() if t.requires_grad], self.optimizer, backend,
                               grad_acc=grad_acc, checkpointing=False, n_threads=n_threads,
                               extra_outputs=[self.logits], world=self.world)
         self._eval = self.step.runtime.compile([self.logits], self.step.n_threads)
@@ -594,8 +596,6 @@ class TextRun:
     def __init__(self, model, init: dict, config: TextConfig, backend, n_threads: int | None = None,
                  frozen: dict | None = None, lora=None, ctx: int | None = None, packed: bool = False,
                  loss_rows: int = 0, world: World | None = None):
-        from ggtrain.core.models import llama  # layer 4 siblings
-        from ggtrain.core.models.lora import factor_names
 
         self.model, self.config, self.lora = model, config, lora
         self.world = world or World()
@@ -608,15 +608,16 @@ class TextRun:
         g = Graph()
         self.graph = g
         b = config.batch
-        self.params = {k: g.param(v.shape, v, name=k) for k, v in init.items()}   # trained
+        # what is trained; a model's constants (rope factors) ride along untrained
+        self.params = {k: g.param(v.shape, v, name=k, trainable=decoder.trainable(k)) for k, v in init.items()}
         weights, adapters, bind = dict(self.params), None, {}
         self.dropout_seed = None
         if lora is not None:
-            weights, _, bind = llama._frozen(g, frozen or {}, None)
+            weights, _, bind = decoder._frozen(g, frozen or {}, None)
             adapters = {}
             if lora.dropout > 0:    # a fresh mask per physical batch, drawn from (seed, batch number)
                 self.dropout_seed = g.input((), "i32", name="dropout_seed")
-            for salt, w in enumerate(lora.weights(model.layers)):
+            for salt, w in enumerate(lora.weights(model)):
                 a, b_ = factor_names(w)
                 if a not in self.params or b_ not in self.params:
                     raise ConfigError(f"LoRA: no initial factors for {w}")
@@ -636,13 +637,13 @@ class TextRun:
             rows = g.input((loss_rows,), "i32", name="loss_rows")
             targets = self.row_targets = g.input((loss_rows,), "i32", name="row_targets")
         self._rows = rows
-        logits = llama.forward(model, weights, self.tokens, self.pos, g, checkpoint=config.checkpointing,
+        logits = decoder.forward(model, weights, self.tokens, self.pos, g, checkpoint=config.checkpointing,
                                lora=adapters, seg=self.seg, rows=rows)
-        self.loss = llama.loss(logits, targets)
+        self.loss = decoder.loss(logits, targets)
         self.eval_loss = self.loss
         if self.dropout_seed is not None:   # evaluation without dropout: the same weights, no masks
             plain = {w: f[:3] for w, f in adapters.items()}
-            self.eval_loss = llama.loss(llama.forward(model, weights, self.tokens, self.pos, lora=plain,
+            self.eval_loss = decoder.loss(decoder.forward(model, weights, self.tokens, self.pos, lora=plain,
                                                       seg=self.seg, rows=rows), targets)
         self.optimizer = make_optimizer(config.optimizer, config.lr, weight_decay=config.weight_decay,
                                         max_grad_norm=config.grad_clip, momentum=config.momentum)
@@ -650,7 +651,7 @@ class TextRun:
             self.schedule = ConstantLR(config.lr)
         else:
             self.schedule = CosineLR(config.lr, config.lr_min, min(config.warmup, config.steps), config.steps)
-        self.step = TrainStep(self.loss, list(self.params.values()), self.optimizer, backend,
+        self.step = TrainStep(self.loss, [t for t in self.params.values() if t.requires_grad], self.optimizer, backend,
                               grad_acc=config.grad_acc, checkpointing=config.checkpointing, n_threads=n_threads,
                               bind=bind, keep=_frozen_product if lora is not None else None,
                               world=self.world)

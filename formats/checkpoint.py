@@ -12,7 +12,7 @@ Keys (besides llama.cpp's llama.* / general.* / tokenizer.ggml.* keys):
                                           `convert-checkpoint --to checkpoint`: no optimizer state,
                                           no data; `train --resume` and `finetune --full --resume`
                                           start a run from it with their own options)
-    ggtrain.model_config         STRING   JSON of the LlamaConfig fields
+    ggtrain.model_config         STRING   JSON of the ModelConfig fields
     ggtrain.train_config         STRING   JSON of the TextConfig fields (and the command's data options)
     ggtrain.run_config           STRING   JSON of what else the command needs to resume (finetune:
                                           the LoRA settings, the base model's fingerprint, ...); "{}"
@@ -28,7 +28,7 @@ parameter its AdamW moments `adam_m.<name>` and `adam_v.<name>` or its SGD momen
 `lbfgs.y` (m, n), `lbfgs.curv` (m, 2: y.s, y.y) and `lbfgs.ring` (pair count, newest slot);
 with early stopping, the best evaluation's parameters `best.<name>`. All bit-exact. The
 keys a model carries besides hparams and vocabulary (its chat template:
-llama_model.CARRIED_PREFIXES) are kept, so the model written from a checkpoint has them.
+model_file.CARRIED_PREFIXES) are kept, so the model written from a checkpoint has them.
 """
 from __future__ import annotations
 
@@ -39,8 +39,9 @@ from gguf import GGUFValueType as VT
 
 from ggtrain.errors import FormatError
 from ggtrain.formats.gguf import GGUFFile, read_gguf, write_gguf
-from ggtrain.formats.llama import CHECKPOINT_KEY, hparams_to_kv
-from ggtrain.formats.llama_model import carried_kv, config_to_hparams
+from ggtrain.core.models.decoder import ModelConfig
+from ggtrain.formats.model import CHECKPOINT_KEY, config_to_kv
+from ggtrain.formats.model_file import carried_kv
 from ggtrain.formats.tokenizer import tokenizer_from_gguf
 
 VERSION = 2
@@ -57,10 +58,10 @@ def save_checkpoint(path, model_config: dict, train_config: dict, state: dict, t
     """Write a checkpoint atomically. state: TextRun.state() ({"params", "optimizer",
     "updates", "tokens_seen"[, "early_stop", "best_params"]}); optimizer names are
     "<param>.adam_m" / ".adam_v" / ".momentum", or "lbfgs.*" for the whole run;
-    extra_kv: key/values of the model to keep (llama_model.carried_kv of the base)."""
+    extra_kv: key/values of the model to keep (model_file.carried_kv of the base)."""
     if kind not in KINDS:
         raise ValueError(f"checkpoint kind {kind!r} is not one of {KINDS}")
-    kv = hparams_to_kv(config_to_hparams(model_config), "ggtrain checkpoint", file_type=0)
+    kv = config_to_kv(ModelConfig(**model_config), "ggtrain checkpoint", file_type=0)
     kv += list(tokenizer.gguf_kv()) + list(extra_kv)
     kv += [(CHECKPOINT_KEY, VERSION, VT.UINT32),
            ("ggtrain.checkpoint.kind", kind, VT.STRING),

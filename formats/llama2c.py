@@ -28,7 +28,7 @@ import struct
 import numpy as np
 
 from ggtrain.errors import FormatError
-from ggtrain.formats.llama import OUTPUT, OUTPUT_NORM, TOKEN_EMBD
+from ggtrain.formats.model import OUTPUT, OUTPUT_NORM, TOKEN_EMBD
 from ggtrain.formats.tokenizer import BYTE, CONTROL, NORMAL, UNKNOWN, SpmTokenizer
 
 _HEADER = struct.Struct("<7i")
@@ -38,7 +38,7 @@ UNK_ID, BOS_ID, EOS_ID = 0, 1, 2
 
 
 def read_llama2c(path) -> tuple:
-    """(LlamaConfig kwargs, {tensor name: f32 array}) of a version-0 llama2.c checkpoint.
+    """(ModelConfig kwargs, {tensor name: f32 array}) of a version-0 llama2.c checkpoint.
 
     Raises FormatError naming the file for a header that is not a version-0 llama2.c one,
     sizes that do not fit the header (truncated or trailing bytes) and RoPE tables that

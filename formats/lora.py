@@ -14,8 +14,8 @@ from gguf import GGUFValueType as VT
 
 from ggtrain.errors import FormatError
 from ggtrain.formats.gguf import GGUFFile, read_gguf, write_gguf
-from ggtrain.formats.llama import validate_model
-from ggtrain.formats.llama_model import rewrite_model
+from ggtrain.formats.model import validate_model
+from ggtrain.formats.model_file import rewrite_model
 
 
 def read_lora(path) -> tuple:
@@ -92,7 +92,7 @@ def write_merged(path, base, pairs: dict, alpha: float, scale: float = 1.0, out_
     """Write the llama model `base` (path or GGUFFile) with the adapter pairs {weight name:
     (A, B)} merged in (merged_weight, one tensor at a time), atomically: the base's keys and
     other tensors as they are; the merged matrices in their base type where ggtrain writes
-    it, else F16, or everything as `out_type` (llama_model.rewrite_model). Returns {tensor
+    it, else F16, or everything as `out_type` (model_file.rewrite_model). Returns {tensor
     name: type written}. Raises FormatError when the adapter does not fit the base."""
     f = base if isinstance(base, GGUFFile) else read_gguf(base)
     layout = validate_model(f)

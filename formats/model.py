@@ -1,73 +1,48 @@
-"""The llama model layout of llama.cpp (layer 5): hyperparameters <-> GGUF keys,
-parameters <-> tensors, and validation of a model file.
+"""The model layouts of llama.cpp (layer 5): a ModelConfig <-> GGUF keys, parameters <->
+tensors, and validation of a model file, for every family in core/models/families/.
 
-Names, keys, value types and shapes are llama.cpp's, so a file written with these
-loads in llama.cpp: counts are UINT32, the RMS epsilon and RoPE base FLOAT32.
-Parameters are named by their GGUF tensor names (`token_embd.weight`,
-`blk.{i}.attn_q.weight`, ...) everywhere in ggtrain; shapes are numpy order, so a
-linear weight is (out_features, in_features) and `y = x @ W.T`:
+Names, keys, value types and shapes are llama.cpp's, so a file written with these loads in
+llama.cpp: counts are UINT32, the RMS epsilon, RoPE base and scale FLOAT32, keys prefixed
+with the architecture ("qwen3.embedding_length"). Parameters are named by their GGUF tensor
+names (`token_embd.weight`, `blk.{i}.attn_q.weight`, ...) everywhere in ggtrain; shapes are
+numpy order, so a linear weight is (out_features, in_features) and `y = x @ W.T`; the shape
+of each tensor is the family's (core/models/family.py, BLOCK_SHAPES).
 
-    token_embd.weight     (n_vocab, n_embd)      output_norm.weight   (n_embd,)
-    output.weight         (n_vocab, n_embd)      absent when tied to token_embd
-    blk.{i}.attn_norm     (n_embd,)              blk.{i}.ffn_norm     (n_embd,)
-    blk.{i}.attn_q        (n_embd, n_embd)       blk.{i}.attn_output  (n_embd, n_embd)
-    blk.{i}.attn_k/_v     (n_embd_kv, n_embd)    n_embd_kv = n_head_kv * head_dim (GQA)
-    blk.{i}.ffn_gate/_up  (n_ff, n_embd)         blk.{i}.ffn_down     (n_embd, n_ff)
-    (every blk name ends in .weight)
+Nothing a file asks for is dropped silently: an "{arch}." key the family neither reads nor
+lists as ignorable, a rope scaling type the decoder does not apply, experts (MoE), a tensor
+the family does not have: each is a FormatError naming it.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
 
-from gguf.constants import (
-    MODEL_ARCH,
-    MODEL_ARCH_NAMES,
-    MODEL_TENSOR,
-    TENSOR_NAMES,
-    GGMLQuantizationType,
-    GGUFValueType,
-    Keys,
-    LlamaFileType,
-)
+from gguf.constants import GGMLQuantizationType, GGUFValueType, Keys, LlamaFileType
 
-from ggtrain.errors import FormatError
+from ggtrain.core.models.decoder import ModelConfig, param_shapes
+from ggtrain.core.models.families import FAMILIES
+from ggtrain.core.models.family import (COMMON_KEYS, OUTPUT, OUTPUT_NORM, REQUIRED_KEYS, ROPE_FREQS, ROPE_SCALING,
+                                        TOKEN_EMBD, Family)
+from ggtrain.errors import ConfigError, FormatError
 from ggtrain.formats.gguf import GGUFFile
 
-ARCH = MODEL_ARCH_NAMES[MODEL_ARCH.LLAMA]          # "llama"
+__all__ = ["CHECKPOINT_KEY", "FILE_TYPES", "OUTPUT", "OUTPUT_NORM", "ROPE_FREQS", "TOKEN_EMBD", "ModelLayout",
+           "check_architecture", "config_from_kv", "config_to_kv", "tensor_shapes", "validate_model"]
+
 VT = GGUFValueType
-
-
-def _key(template: str) -> str:
-    return template.format(arch=ARCH)
-
-
-# hparams field -> (GGUF key, value type written); read back from any integer type
-_INT_KEYS = {
-    "n_ctx": _key(Keys.LLM.CONTEXT_LENGTH),
-    "n_embd": _key(Keys.LLM.EMBEDDING_LENGTH),
-    "n_ff": _key(Keys.LLM.FEED_FORWARD_LENGTH),
-    "n_layer": _key(Keys.LLM.BLOCK_COUNT),
-    "n_head": _key(Keys.Attention.HEAD_COUNT),
-    "n_head_kv": _key(Keys.Attention.HEAD_COUNT_KV),
-    "n_rot": _key(Keys.Rope.DIMENSION_COUNT),
-    "n_vocab": _key(Keys.LLM.VOCAB_SIZE),
-}
-_FLOAT_KEYS = {
-    "rms_eps": _key(Keys.Attention.LAYERNORM_RMS_EPS),
-    "rope_freq_base": _key(Keys.Rope.FREQ_BASE),
-}
-_REQUIRED = ("n_ctx", "n_embd", "n_ff", "n_layer", "n_head", "rms_eps")
 _INT_TYPES = (VT.UINT8, VT.INT8, VT.UINT16, VT.INT16, VT.UINT32, VT.INT32, VT.UINT64, VT.INT64)
+# the config fields read and written as FLOAT32 (the rest are counts, UINT32)
+_FLOAT_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig) if f.type == "float")
 
-TOKEN_EMBD = TENSOR_NAMES[MODEL_TENSOR.TOKEN_EMBD] + ".weight"
-OUTPUT_NORM = TENSOR_NAMES[MODEL_TENSOR.OUTPUT_NORM] + ".weight"
-OUTPUT = TENSOR_NAMES[MODEL_TENSOR.OUTPUT] + ".weight"
-ROPE_FREQS = TENSOR_NAMES[MODEL_TENSOR.ROPE_FREQS] + ".weight"
-_BLOCK_TENSORS = (MODEL_TENSOR.ATTN_NORM, MODEL_TENSOR.ATTN_Q, MODEL_TENSOR.ATTN_K, MODEL_TENSOR.ATTN_V,
-                  MODEL_TENSOR.ATTN_OUT, MODEL_TENSOR.FFN_NORM, MODEL_TENSOR.FFN_GATE,
-                  MODEL_TENSOR.FFN_DOWN, MODEL_TENSOR.FFN_UP)
+# "{arch}." keys besides the family's own that change nothing the decoder computes, or that
+# are checked by hand below
+_SCALING_TYPE, _SCALING_FACTOR, _SCALE_LINEAR = "rope.scaling.type", "rope.scaling.factor", "rope.scale_linear"
+_VALUE_LENGTH = "attention.value_length"
+_EXPERTS = ("expert_count", "expert_used_count")
+_HARMLESS = ("rope.scaling.original_context_length",   # read by YaRN only (refused below)
+             "rope.scaling.finetuned")                 # a note of the converter's
 
 # the key that marks a ggtrain training checkpoint (formats/checkpoint.py)
 CHECKPOINT_KEY = "ggtrain.checkpoint.version"
@@ -80,104 +55,45 @@ FILE_TYPES = {
 }
 
 
-@dataclass(frozen=True)
-class LlamaHParams:
-    """llama hyperparameters, named as in llama.cpp's llama_hparams.
-
-    n_rot defaults to the head size (all of each head is rotated);
-    n_head_kv < n_head is grouped-query attention.
-    """
-
-    n_vocab: int
-    n_embd: int
-    n_layer: int
-    n_head: int
-    n_ff: int
-    n_ctx: int
-    n_head_kv: int | None = None
-    n_rot: int | None = None
-    rms_eps: float = 1e-5
-    rope_freq_base: float = 10000.0
-
-    def __post_init__(self):
-        if self.n_head_kv is None:
-            object.__setattr__(self, "n_head_kv", self.n_head)
-        for field in ("n_vocab", "n_embd", "n_layer", "n_head", "n_ff", "n_ctx", "n_head_kv"):
-            v = getattr(self, field)
-            if not isinstance(v, int) or v <= 0:
-                raise FormatError(f"llama hparams: {field} must be a positive integer, got {v!r}")
-        if self.n_embd % self.n_head:
-            raise FormatError(f"llama hparams: n_embd {self.n_embd} is not a multiple of n_head {self.n_head}")
-        if self.n_head % self.n_head_kv:
-            raise FormatError(f"llama hparams: n_head {self.n_head} is not a multiple of "
-                              f"n_head_kv {self.n_head_kv}")
-        if self.n_rot is None:
-            object.__setattr__(self, "n_rot", self.head_dim)
-        if not isinstance(self.n_rot, int) or self.n_rot <= 0 or self.n_rot % 2 or self.n_rot > self.head_dim:
-            raise FormatError(f"llama hparams: n_rot {self.n_rot!r} must be even and at most the "
-                              f"head size {self.head_dim}")
-        if not self.rms_eps > 0 or not self.rope_freq_base > 0:
-            raise FormatError("llama hparams: rms_eps and rope_freq_base must be positive")
-
-    @property
-    def head_dim(self) -> int:
-        return self.n_embd // self.n_head
-
-    @property
-    def n_embd_kv(self) -> int:
-        return self.head_dim * self.n_head_kv
-
-    @property
-    def n_params(self) -> int:
-        """Parameters with the output tied to the embedding."""
-        return sum(_numel(s) for s in tensor_shapes(self, tied=True).values())
+def tensor_shapes(cfg: ModelConfig) -> dict:
+    """{tensor name: numpy-order shape} of a model, in llama.cpp's order."""
+    return param_shapes(cfg)
 
 
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
-
-
-def block_name(tensor: MODEL_TENSOR, i: int) -> str:
-    return TENSOR_NAMES[tensor].format(bid=i) + ".weight"
-
-
-def tensor_shapes(hp: LlamaHParams, tied: bool = False) -> dict:
-    """{tensor name: numpy-order shape} of a llama model, in llama.cpp's order."""
-    e, kv, ff, v = hp.n_embd, hp.n_embd_kv, hp.n_ff, hp.n_vocab
-    shapes = {TOKEN_EMBD: (v, e), OUTPUT_NORM: (e,)}
-    if not tied:
-        shapes[OUTPUT] = (v, e)
-    per_block = {
-        MODEL_TENSOR.ATTN_NORM: (e,), MODEL_TENSOR.ATTN_Q: (e, e), MODEL_TENSOR.ATTN_K: (kv, e),
-        MODEL_TENSOR.ATTN_V: (kv, e), MODEL_TENSOR.ATTN_OUT: (e, e), MODEL_TENSOR.FFN_NORM: (e,),
-        MODEL_TENSOR.FFN_GATE: (ff, e), MODEL_TENSOR.FFN_DOWN: (e, ff), MODEL_TENSOR.FFN_UP: (ff, e),
-    }
-    for i in range(hp.n_layer):
-        for t in _BLOCK_TENSORS:
-            shapes[block_name(t, i)] = per_block[t]
-    return shapes
-
-
-def hparams_to_kv(hp: LlamaHParams, name: str = "ggtrain", file_type: int | None = None) -> list:
-    """The model's GGUF key/values as (key, value, type) tuples, with llama.cpp's types."""
-    kv = [
-        (Keys.General.ARCHITECTURE, ARCH, VT.STRING),
-        (Keys.General.NAME, name, VT.STRING),
-    ]
-    for field in ("n_vocab", "n_ctx", "n_embd", "n_ff", "n_layer", "n_head", "n_head_kv", "n_rot"):
-        kv.append((_INT_KEYS[field], getattr(hp, field), VT.UINT32))
-    for field, key in _FLOAT_KEYS.items():
-        kv.append((key, float(getattr(hp, field)), VT.FLOAT32))
+def config_to_kv(cfg: ModelConfig, name: str = "ggtrain", file_type: int | None = None) -> list:
+    """The model's GGUF key/values as (key, value, type) tuples, with llama.cpp's types. The
+    head size is written (attention.key_length and value_length) where it is not n_embd / n_head,
+    the rope scaling where there is one."""
+    a = cfg.arch
+    kv = [(Keys.General.ARCHITECTURE, a, VT.STRING), (Keys.General.NAME, name, VT.STRING)]
+    ints = ["vocab", "ctx", "dim", "ff", "layers", "heads", "kv_heads"]
+    values = {**{f: getattr(cfg, f) for f in ints}, "rope_dims": cfg.n_rot}
+    for field in ints + ["rope_dims"]:
+        kv.append((f"{a}.{COMMON_KEYS[field]}", int(values[field]), VT.UINT32))
+    if cfg.dim % cfg.heads or cfg.head_dim != cfg.dim // cfg.heads:
+        kv.append((f"{a}.{COMMON_KEYS['head_dim']}", cfg.head_dim, VT.UINT32))
+        kv.append((f"{a}.{_VALUE_LENGTH}", cfg.head_dim, VT.UINT32))
+    for field in ("norm_eps", "rope_base"):
+        kv.append((f"{a}.{COMMON_KEYS[field]}", float(getattr(cfg, field)), VT.FLOAT32))
+    own = cfg.family.keys    # the family's keys: where they say something
+    if cfg.window:
+        kv.append((f"{a}.{own['window']}", cfg.window, VT.UINT32))
+        kv.append((f"{a}.{own['rope_base_swa']}", float(cfg.rope_base_swa), VT.FLOAT32))
+        if cfg.window_pattern != cfg.family.window_pattern:
+            kv.append((f"{a}.{own['window_pattern']}", cfg.window_pattern, VT.UINT32))
+    if cfg.logit_softcap:
+        kv.append((f"{a}.{own['logit_softcap']}", float(cfg.logit_softcap), VT.FLOAT32))
+    if cfg.rope_scale != 1.0:
+        kv.append((f"{a}.{_SCALING_TYPE}", "linear", VT.STRING))
+        kv.append((f"{a}.{_SCALING_FACTOR}", float(cfg.rope_scale), VT.FLOAT32))
     if file_type is not None:
         kv.append((Keys.General.FILE_TYPE, int(file_type), VT.UINT32))
     return kv
 
 
-def check_architecture(f: GGUFFile) -> None:
-    """FormatError unless f is a llama model file (with tensors)."""
+def check_architecture(f: GGUFFile) -> Family:
+    """The Family of model file f; FormatError for a vocab-only file, a missing or unsupported
+    architecture (naming the supported ones)."""
     arch = f.kv.get(Keys.General.ARCHITECTURE)
     if not f.tensors:
         what = f"architecture {arch.value!r}, " if arch is not None and arch.type == VT.STRING else ""
@@ -187,84 +103,144 @@ def check_architecture(f: GGUFFile) -> None:
         raise FormatError(f"{f.path}: key {Keys.General.ARCHITECTURE!r} is missing")
     if arch.type != VT.STRING:
         raise FormatError(f"{f.path}: {Keys.General.ARCHITECTURE} has type {arch.type.name}, expected STRING")
-    if arch.value != ARCH:
-        raise FormatError(f"{f.path}: architecture {arch.value!r} is not supported (ggtrain reads {ARCH!r})")
+    fam = FAMILIES.get(arch.value)
+    if fam is None:
+        raise FormatError(f"{f.path}: architecture {arch.value!r} is not supported (ggtrain computes "
+                          f"{', '.join(sorted(FAMILIES))})")
+    return fam
 
 
-def hparams_from_kv(f: GGUFFile) -> LlamaHParams:
-    """The hyperparameters of a llama model file (architecture checked).
-
-    n_vocab: llama.vocab_size, else the length of tokenizer.ggml.tokens, else the
-    rows of token_embd.weight; n_head_kv defaults to n_head, n_rot to the head
-    size, rope_freq_base to 10000 (as in llama.cpp).
-    """
-    check_architecture(f)
-    values = {}
-    for field, key in _INT_KEYS.items():
-        v = f.kv.get(key)
-        if v is None:
-            continue
-        if v.type not in _INT_TYPES:
-            raise FormatError(f"{f.path}: {key} has type {v.type.name}, expected an integer (UINT32)")
-        values[field] = int(v.value)
-    for field, key in _FLOAT_KEYS.items():
-        v = f.kv.get(key)
-        if v is None:
-            continue
+def _number(f: GGUFFile, key: str, floating: bool):
+    v = f.kv[key]
+    if floating:
         if v.type not in (VT.FLOAT32, VT.FLOAT64):
             raise FormatError(f"{f.path}: {key} has type {v.type.name}, expected FLOAT32")
         # the shortest decimal that is this float32 (1e-05, not 9.999999747378752e-06)
-        values[field] = float(str(np.float32(v.value))) if v.type == VT.FLOAT32 else float(v.value)
-    missing = [_INT_KEYS.get(k) or _FLOAT_KEYS[k] for k in _REQUIRED if k not in values]
+        return float(str(np.float32(v.value))) if v.type == VT.FLOAT32 else float(v.value)
+    if v.type not in _INT_TYPES:
+        raise FormatError(f"{f.path}: {key} has type {v.type.name}, expected an integer (UINT32)")
+    return int(v.value)
+
+
+def _pattern(f: GGUFFile, key: str) -> int:
+    """A sliding-window pattern given as one bool per layer (True: local), as the n of "every
+    n-th layer is global" it repeats; FormatError for another pattern."""
+    local = [bool(x) for x in f.kv[key].value]
+    for n in range(0, len(local) + 1):
+        if local == [n == 0 or i % n < n - 1 for i in range(len(local))]:
+            return n
+    raise FormatError(f"{f.path}: {key} = {local}: a sliding-window pattern ggtrain does not apply (it applies "
+                      f"every n-th layer global, the rest local)")
+
+
+def config_from_kv(f: GGUFFile) -> dict:
+    """ModelConfig keyword arguments from the keys of model file f (architecture checked),
+    without `tied` and `rope_freqs` (the tensors say those).
+
+    vocab: {arch}.vocab_size, else the length of tokenizer.ggml.tokens, else the rows of
+    token_embd.weight; kv_heads defaults to heads, the head size to n_embd / n_head, the
+    rotated dims to the head size, rope_base to 10000 (as in llama.cpp).
+    """
+    fam = check_architecture(f)
+    a = fam.arch
+    by_key = {f"{a}.{k}": field for field, k in fam.all_keys.items()}
+    values = {"arch": a}
+    scaling, factor = "linear", None     # llama.cpp's default type when a factor is given
+    for key in f.kv:
+        if not key.startswith(a + "."):
+            continue
+        rest = key[len(a) + 1:]
+        if key in by_key and by_key[key] == "window_pattern" and f.kv[key].type == VT.ARRAY:
+            values["window_pattern"] = _pattern(f, key)
+        elif key in by_key:
+            values[by_key[key]] = _number(f, key, by_key[key] in _FLOAT_FIELDS)
+        elif rest == _SCALING_TYPE:
+            v = f.kv[key]
+            scaling = str(v.value) if v.type == VT.STRING else None
+            if scaling not in ROPE_SCALING:
+                raise FormatError(f"{f.path}: {key} = {v.value!r}: a rope scaling ggtrain does not implement "
+                                  f"(it applies {', '.join(ROPE_SCALING)})")
+        elif rest in (_SCALING_FACTOR, _SCALE_LINEAR):
+            factor = _number(f, key, True)
+        elif rest in _EXPERTS:
+            if _number(f, key, False) > 0:
+                raise FormatError(f"{f.path}: {key} = {f.kv[key].value}: a mixture-of-experts model, which "
+                                  f"ggtrain does not compute (dense {', '.join(sorted(FAMILIES))} only)")
+        elif rest == _VALUE_LENGTH:
+            values["_value_length"] = _number(f, key, False)
+        elif rest not in _HARMLESS and rest not in fam.ignored_keys:
+            raise FormatError(f"{f.path}: key {key!r} is not applied by ggtrain's {a} decoder, so the "
+                              f"model would be computed wrongly (it reads {', '.join(sorted(by_key))})")
+    missing = [f"{a}.{COMMON_KEYS[k]}" for k in REQUIRED_KEYS if k not in values]
     if missing:
-        raise FormatError(f"{f.path}: llama key {missing[0]!r} is missing"
+        raise FormatError(f"{f.path}: {a} key {missing[0]!r} is missing"
                           + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
-    if "n_vocab" not in values:
+    if factor not in (None, 0.0, 1.0) and scaling == "linear":
+        values["rope_scale"] = factor
+    value_length = values.pop("_value_length", None)
+    if "vocab" not in values:
         tokens = f.kv.get(Keys.Tokenizer.LIST)
         if tokens is not None and tokens.type == VT.ARRAY:
-            values["n_vocab"] = len(tokens.value)
+            values["vocab"] = len(tokens.value)
         elif TOKEN_EMBD in f.tensors and len(f.tensors[TOKEN_EMBD].shape) == 2:
-            values["n_vocab"] = f.tensors[TOKEN_EMBD].shape[0]
+            values["vocab"] = f.tensors[TOKEN_EMBD].shape[0]
         else:
-            raise FormatError(f"{f.path}: cannot tell the vocabulary size (no {_INT_KEYS['n_vocab']}, "
+            raise FormatError(f"{f.path}: cannot tell the vocabulary size (no {a}.{COMMON_KEYS['vocab']}, "
                               f"no {Keys.Tokenizer.LIST}, no {TOKEN_EMBD})")
+    values.setdefault("kv_heads", values["heads"])
     try:
-        return LlamaHParams(**values)
-    except FormatError as exc:
+        cfg = ModelConfig(**values)
+    except ConfigError as exc:
         raise FormatError(f"{f.path}: {exc}") from None
+    if value_length is not None and value_length != cfg.head_dim:
+        raise FormatError(f"{f.path}: {a}.{_VALUE_LENGTH} {value_length} differs from the key head size "
+                          f"{cfg.head_dim}: ggtrain's attention needs them equal")
+    return values
 
 
 @dataclass(frozen=True)
-class LlamaLayout:
-    """A validated llama model file: hparams, whether output is tied to the
-    embedding, and the parameter shapes (numpy order) by tensor name."""
+class ModelLayout:
+    """A validated model file: its ModelConfig and the parameter shapes (numpy order) by
+    tensor name."""
 
-    hparams: LlamaHParams
-    tied: bool
+    config: ModelConfig
     shapes: dict
 
+    @property
+    def tied(self) -> bool:
+        return self.config.tied
 
-def validate_model(f: GGUFFile) -> LlamaLayout:
-    """Check a GGUF model file against the llama layout; FormatError names the
-    first problem (vocab-only file, architecture, missing key, missing tensor,
-    wrong shape, unexpected tensor)."""
-    hp = hparams_from_kv(f)
-    tied = OUTPUT not in f.tensors
-    shapes = tensor_shapes(hp, tied)
+
+def validate_model(f: GGUFFile) -> ModelLayout:
+    """Check a GGUF model file against its family's layout; FormatError names the first
+    problem (vocab-only file, architecture, key, missing tensor, wrong shape, a tensor the
+    family does not have)."""
+    values = config_from_kv(f)
+    fam = FAMILIES[values["arch"]]
+    try:
+        cfg = ModelConfig(**values, tied=OUTPUT not in f.tensors, rope_freqs=fam.rope_freqs and ROPE_FREQS in f.tensors)
+    except ConfigError as exc:
+        raise FormatError(f"{f.path}: {exc}") from None
+    shapes = tensor_shapes(cfg)
     for name, shape in shapes.items():
         info = f.tensors.get(name)
         if info is None:
-            raise FormatError(f"{f.path}: missing tensor {name!r} (expected shape {shape} for "
-                              f"n_layer={hp.n_layer}, n_embd={hp.n_embd})")
+            raise FormatError(f"{f.path}: missing tensor {name!r} (expected shape {shape} for a {cfg.arch} model "
+                              f"with n_layer={cfg.layers}, n_embd={cfg.dim})")
         if tuple(info.shape) != shape:
             raise FormatError(f"{f.path}: tensor {name!r} has shape {info.shape}, expected {shape} "
-                              f"(n_vocab={hp.n_vocab}, n_embd={hp.n_embd}, n_ff={hp.n_ff}, "
-                              f"n_head={hp.n_head}, n_head_kv={hp.n_head_kv})")
-    extra = [n for n in f.tensors if n not in shapes and n != ROPE_FREQS]
+                              f"(n_vocab={cfg.vocab}, n_embd={cfg.dim}, n_ff={cfg.ff}, n_head={cfg.heads}, "
+                              f"n_head_kv={cfg.kv_heads}, head_dim={cfg.head_dim})")
+    extra = [n for n in f.tensors if n not in shapes]
     if extra and CHECKPOINT_KEY in f.kv:
         raise FormatError(f"{f.path}: a ggtrain training checkpoint, not a model (it holds optimizer state); "
                           f"`ggtrain convert-checkpoint {f.path} MODEL.gguf` writes its model")
+    experts = [n for n in extra if "_exps." in n or ".ffn_gate_inp." in n]
+    if experts:
+        raise FormatError(f"{f.path}: tensor {experts[0]!r}: a mixture-of-experts model, which ggtrain does not "
+                          f"compute (dense {', '.join(sorted(FAMILIES))} only)")
     if extra:
-        raise FormatError(f"{f.path}: unexpected tensor {extra[0]!r} for a llama model with "
-                          f"{hp.n_layer} layers" + (f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""))
-    return LlamaLayout(hp, tied, shapes)
+        raise FormatError(f"{f.path}: tensor {extra[0]!r} is not part of a {cfg.arch} model with {cfg.layers} "
+                          f"layers, and ggtrain would not apply it"
+                          + (f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""))
+    return ModelLayout(cfg, shapes)

@@ -1,37 +1,36 @@
-"""Llama model files (layer 5): loading config, weights (in their stored types, or as f32) and
-tokenizer; writing clean models."""
+"""Model files of every family (layer 5): loading config, weights (in their stored types, or as
+f32) and tokenizer; writing clean models."""
 from __future__ import annotations
 
-import numpy as np
+import dataclasses
 from dataclasses import dataclass
+
+import numpy as np
 
 from gguf import GGUFValueType as VT
 from gguf.constants import GGML_QUANT_VERSION as QUANTIZATION_VERSION, GGMLQuantizationType
 
 from ggtrain.core.backend import StoredTensor
+from ggtrain.core.models.decoder import ModelConfig
 from ggtrain.errors import FormatError
 from ggtrain.formats.gguf import GGUFFile, dequantize, read_gguf, write_gguf
-from ggtrain.formats.llama import (FILE_TYPES, OUTPUT, TOKEN_EMBD, LlamaHParams, hparams_to_kv, tensor_shapes,
-                                   validate_model)
+from ggtrain.formats.model import FILE_TYPES, OUTPUT, TOKEN_EMBD, config_to_kv, tensor_shapes, validate_model
 from ggtrain.formats.tokenizer import tokenizer_from_gguf
 from ggtrain.native.dtypes import DTYPES, WEIGHT_TYPES, dtype, nbytes as _nbytes
 
 
 def _config(layout) -> dict:
-    hp = layout.hparams
-    return dict(vocab=hp.n_vocab, dim=hp.n_embd, layers=hp.n_layer, heads=hp.n_head,
-                kv_heads=hp.n_head_kv, ff=hp.n_ff, ctx=hp.n_ctx, rope_dims=hp.n_rot,
-                rope_base=hp.rope_freq_base, norm_eps=hp.rms_eps, tied=layout.tied)
+    return dataclasses.asdict(layout.config)
 
 
-def open_llama(path, backend) -> tuple:
-    """(LlamaConfig kwargs, {name: weights}, tokenizer) of a llama GGUF model, its weights
+def open_model(path, backend) -> tuple:
+    """(ModelConfig kwargs, {name: weights}, tokenizer) of a GGUF model of any family, its weights
     read from the file straight into `backend` buffers in the types the file stores them in
     (no f32 copy, no second copy of any kind): matrices as StoredTensor (F32, F16, BF16,
     Q4_0 ... Q6_K), the 1-D norm weights as f32 (StoredTensor when the file has them in
     F32, else a small f32 array).
 
-    Raises FormatError for files that are not llama models, and for a tensor in a type no
+    Raises FormatError for files that are not models of a family ggtrain computes, and for a tensor in a type no
     kernel reads (naming the tensor, its type and the supported ones).
     """
     f = read_gguf(path)
@@ -54,27 +53,17 @@ def open_llama(path, backend) -> tuple:
     return _config(layout), weights, tokenizer_from_gguf(f)
 
 
-def load_llama(path) -> tuple:
-    """(LlamaConfig kwargs, {name: f32 weights}, tokenizer) of a llama GGUF model.
+def load_model(path) -> tuple:
+    """(ModelConfig kwargs, {name: f32 weights}, tokenizer) of a GGUF model.
 
     Quantized tensors (F16, Q8_0, Q4_0, ...) are dequantized to f32 by the native
-    kernels. Raises FormatError for files that are not llama models.
+    kernels. Raises FormatError for files that are not models ggtrain computes.
     """
     f = read_gguf(path)
     layout = validate_model(f)
     weights = {name: np.ascontiguousarray(f.tensor_f32(name).reshape(shape), np.float32)
                for name, shape in layout.shapes.items()}
     return _config(layout), weights, tokenizer_from_gguf(f)
-
-
-def config_to_hparams(config: dict) -> LlamaHParams:
-    """LlamaHParams for LlamaConfig-style keyword arguments (vocab, dim, layers, ...)."""
-    return LlamaHParams(n_vocab=config["vocab"], n_embd=config["dim"], n_layer=config["layers"],
-                        n_head=config["heads"], n_ff=config["ff"], n_ctx=config["ctx"],
-                        n_head_kv=config.get("kv_heads") or config["heads"],
-                        n_rot=config.get("rope_dims") or None,
-                        rms_eps=float(config.get("norm_eps", 1e-5)),
-                        rope_freq_base=float(config.get("rope_base", 10000.0)))
 
 
 # ---- writing ---------------------------------------------------------------------------
@@ -116,7 +105,7 @@ def check_write_type(out_type: str, what: str = "--out-type") -> str:
 
 
 def tensor_type(name: str, shape: tuple, out_type: str, tied: bool = False) -> str:
-    """The type a llama tensor is written in when a model is written as `out_type`, by
+    """The type a model tensor is written in when a model is written as `out_type`, by
     llama.cpp's quantizer's rules: 1-D tensors stay F32; the output matrix (the embedding
     when it is tied) keeps 8 bits under a 4-bit out_type (llama.cpp's Q6_K, which falls
     back to Q8_0 where rows are not whole Q6_K blocks; ggtrain does not write Q6_K); a
@@ -170,36 +159,36 @@ def _type_kv(types: list, file_type_of: str | None) -> list:
     return kv
 
 
-def save_llama(path, config: dict, weights: dict, tokenizer, name: str = "ggtrain",
+def save_model(path, config: dict, weights: dict, tokenizer, name: str = "ggtrain",
                out_type: str = "f32", extra_kv=(), progress=None) -> dict:
     """Write a clean llama.cpp model (hparams, tokenizer keys, extra_kv (e.g. carried_kv
     of its base), tensors in llama.cpp's order; nothing else, since llama.cpp refuses extra
     tensors), atomically, one tensor at a time. Returns {tensor name: type written}.
 
-    config: LlamaConfig-style keyword arguments; tokenizer: anything with gguf_kv()
+    config: ModelConfig-style keyword arguments; tokenizer: anything with gguf_kv()
     (formats.tokenizer); weights: {tensor name: value} in numpy order, a value being an f32
     array, a zero-argument callable returning one (computed only when that tensor is
     written), a StoredTensor or a FileTensor. out_type: one of WRITE_TYPES; each tensor's
     type is tensor_type(name, shape, out_type). progress: as write_gguf's.
     """
-    hp = config_to_hparams(config)
-    tied = bool(config.get("tied", False))
+    cfg = ModelConfig(**config)
+    tied = cfg.tied
     out_type = check_write_type(out_type, f"{path}: out_type")
     specs, types = [], {}
-    for tname, shape in tensor_shapes(hp, tied).items():
+    for tname, shape in tensor_shapes(cfg).items():
         w = weights.get(tname)
         if w is None:
             raise FormatError(f"{path}: no weights for tensor {tname}")
         types[tname] = tensor_type(tname, shape, out_type, tied)
         specs.append(_tensor_spec(path, tname, shape, w, types[tname]))
-    kv = hparams_to_kv(hp, name) + _type_kv(list(types.values()), out_type)
+    kv = config_to_kv(cfg, name) + _type_kv(list(types.values()), out_type)
     write_gguf(path, kv + list(tokenizer.gguf_kv()) + list(extra_kv), specs, progress=progress)
     return types
 
 
 def rewrite_model(path, base, replace: dict | None = None, out_type: str | None = None,
                   progress=None) -> dict:
-    """Write the llama model `base` (a path or GGUFFile) again, atomically, with the tensors
+    """Write the model `base` (a path or GGUFFile) again, atomically, with the tensors
     in `replace` ({name: f32 array or callable}, e.g. merged weights) and every tensor as
     tensor_type(out_type) when out_type is given. Without out_type every tensor keeps its
     type: stored bytes are copied, a replaced tensor is written in its base type where

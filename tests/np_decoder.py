@@ -1,52 +1,109 @@
-"""A self-contained float64 numpy llama forward pass (the oracle for core/models/llama.py).
+"""A self-contained float64 numpy forward pass of every family's decoder (the oracle for
+core/models/decoder.py).
 
-Written from the architecture's definition, independent of ggtrain's ops: RMSNorm,
-RoPE mode 0 (adjacent pairs), causal attention with grouped KV heads, SwiGLU.
+Written from the architectures' definitions (llama.cpp's graphs), independent of ggtrain's
+ops: RMSNorm, rope with adjacent pairs (llama) or NEOX halves (qwen2, qwen3), llama 3's
+frequency factors and linear scaling, q/k/v biases (qwen2), per-head q/k RMSNorm (qwen3),
+causal attention with grouped KV heads and any head size, SwiGLU; gemma3's scaled
+embedding, post-attention and post-FFN norms, GeGLU (tanh gelu), sliding-window local
+layers with their own rope base, and logit soft-capping.
 """
 import numpy as np
+
+NEOX = ("qwen2", "qwen3", "gemma3")
+
+
+def gelu_tanh(x):
+    return 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x**3)))
+
+
+def ggml_gelu_f16(x):
+    """llama.cpp's CPU gelu (GGML_GELU_FP16): x rounded to f16 indexes a table of gelu values
+    rounded to f16; x itself past 10, 0 below -10. Only to explain llama.cpp's numbers."""
+    x16 = x.astype(np.float16).astype(np.float64)
+    table = gelu_tanh(x16).astype(np.float32).astype(np.float16).astype(np.float64)
+    return np.where(x <= -10, 0.0, np.where(x >= 10, x, table))
 
 
 def rms_norm(x, w, eps):
     return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * w
 
 
-def rope(x, pos, n_rot, base):
-    # x (B, T, H, D); rotate pairs (2i, 2i+1) for 2i < n_rot by pos * base^(-2i/n_rot)
+def rope(x, pos, n_rot, base, neox=False, scale=1.0, factors=None):
+    # x (B, T, H, D); pair i < n_rot/2 turns by pos / scale * base^(-2i/n_rot) / factors[i]
     out = x.copy()
     i = np.arange(n_rot // 2)
-    theta = pos[:, None] * base ** (-2.0 * i / n_rot)           # (T, n_rot/2)
+    freq = base ** (-2.0 * i / n_rot) / scale
+    if factors is not None:
+        freq = freq / factors
+    theta = pos[:, None] * freq                                   # (T, n_rot/2)
     c, s = np.cos(theta)[None, :, None, :], np.sin(theta)[None, :, None, :]
-    x0, x1 = x[..., 0:n_rot:2], x[..., 1:n_rot:2]
-    out[..., 0:n_rot:2] = x0 * c - x1 * s
-    out[..., 1:n_rot:2] = x0 * s + x1 * c
+    if neox:
+        a, b = slice(0, n_rot // 2), slice(n_rot // 2, n_rot)
+    else:
+        a, b = slice(0, n_rot, 2), slice(1, n_rot, 2)
+    x0, x1 = x[..., a], x[..., b]
+    out[..., a] = x0 * c - x1 * s
+    out[..., b] = x0 * s + x1 * c
     return out
 
 
-def forward(cfg, p, tokens, pos):
+def forward(cfg, p, tokens, pos, gelu=gelu_tanh):
     p = {k: np.asarray(v, np.float64) for k, v in p.items()}
     b, t = tokens.shape
-    h, hkv, d = cfg.heads, cfg.kv_heads, cfg.dim // cfg.heads
+    arch = getattr(cfg, "arch", "llama")
+    h, hkv = cfg.heads, cfg.kv_heads
+    d = getattr(cfg, "head_dim", 0) or cfg.dim // cfg.heads
+    rot = dict(neox=arch in NEOX, scale=getattr(cfg, "rope_scale", 1.0), factors=p.get("rope_freqs.weight"))
+    gemma = arch == "gemma3"
     x = p["token_embd.weight"][tokens]
-    mask = np.triu(np.full((t, t), -np.inf), 1)
+    if gemma:
+        x = x * np.sqrt(cfg.dim)
+    causal = np.triu(np.full((t, t), -np.inf), 1)
     for i in range(cfg.layers):
         q_ = f"blk.{i}."
+        window, pattern = getattr(cfg, "window", 0), getattr(cfg, "window_pattern", 0)
+        local = window > 0 and (pattern == 0 or i % pattern < pattern - 1)
+        base = cfg.rope_base_swa if local else cfg.rope_base
+        rot_i = dict(rot, scale=1.0) if local else rot
+        mask = causal + np.where(np.arange(t)[:, None] - np.arange(t)[None, :] >= window, -np.inf, 0) \
+            if local else causal
+
+        def proj(a, name):
+            y = a @ p[q_ + name + ".weight"].T
+            return y + p[q_ + name + ".bias"] if q_ + name + ".bias" in p else y
         a = rms_norm(x, p[q_ + "attn_norm.weight"], cfg.norm_eps)
-        q = rope((a @ p[q_ + "attn_q.weight"].T).reshape(b, t, h, d), pos, cfg.n_rot, cfg.rope_base)
-        k = rope((a @ p[q_ + "attn_k.weight"].T).reshape(b, t, hkv, d), pos, cfg.n_rot, cfg.rope_base)
-        v = (a @ p[q_ + "attn_v.weight"].T).reshape(b, t, hkv, d)
+        q = proj(a, "attn_q").reshape(b, t, h, d)
+        k = proj(a, "attn_k").reshape(b, t, hkv, d)
+        v = proj(a, "attn_v").reshape(b, t, hkv, d)
+        if q_ + "attn_q_norm.weight" in p:
+            q = rms_norm(q, p[q_ + "attn_q_norm.weight"], cfg.norm_eps)
+            k = rms_norm(k, p[q_ + "attn_k_norm.weight"], cfg.norm_eps)
+        q = rope(q, pos, cfg.n_rot, base, **rot_i)
+        k = rope(k, pos, cfg.n_rot, base, **rot_i)
         k = np.repeat(k, h // hkv, axis=2)                      # q head j uses kv head j // G
         v = np.repeat(v, h // hkv, axis=2)
-        s = np.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(d) + mask
+        scale = 1 / np.sqrt(cfg.dim // h if gemma and cfg.layers == 62 else d)
+        s = np.einsum("bqhd,bkhd->bhqk", q, k) * scale + mask
         s = np.exp(s - s.max(-1, keepdims=True))
         s /= s.sum(-1, keepdims=True)
         o = np.einsum("bhqk,bkhd->bqhd", s, v).reshape(b, t, h * d)
-        x = x + o @ p[q_ + "attn_output.weight"].T
+        a = o @ p[q_ + "attn_output.weight"].T
+        if gemma:
+            a = rms_norm(a, p[q_ + "post_attention_norm.weight"], cfg.norm_eps)
+        x = x + a
         f = rms_norm(x, p[q_ + "ffn_norm.weight"], cfg.norm_eps)
         gate = f @ p[q_ + "ffn_gate.weight"].T
-        x = x + ((gate / (1 + np.exp(-gate))) * (f @ p[q_ + "ffn_up.weight"].T)) @ p[q_ + "ffn_down.weight"].T
+        act = gelu(gate) if gemma else gate / (1 + np.exp(-gate))
+        f = (act * (f @ p[q_ + "ffn_up.weight"].T)) @ p[q_ + "ffn_down.weight"].T
+        if gemma:
+            f = rms_norm(f, p[q_ + "post_ffw_norm.weight"], cfg.norm_eps)
+        x = x + f
     x = rms_norm(x, p["output_norm.weight"], cfg.norm_eps)
     head = p["token_embd.weight"] if cfg.tied else p["output.weight"]
-    return x @ head.T
+    logits = x @ head.T
+    cap = getattr(cfg, "logit_softcap", 0.0)
+    return cap * np.tanh(logits / cap) if cap else logits
 
 
 def loss(logits, targets):

@@ -10,7 +10,7 @@ import pytest
 
 from ggtrain.formats.checkpoint import load_checkpoint
 from ggtrain.formats.gguf import quantize, read_gguf
-from ggtrain.formats.llama_model import load_llama
+from ggtrain.formats.model_file import load_model
 from ggtrain.formats.lora import merge_lora, read_lora, write_lora
 
 TEXT = "Tom had a red kite. The kite flew high over the park and Tom laughed. " * 40
@@ -54,8 +54,8 @@ def test_llama2c_import_equals_ggml_orgs_stories260k(shared_data, tmp_path):
              "--tokenizer", shared_data / "llama2c" / "tok512.bin")
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith(f"wrote {out}: llama model (f32) from llama2.c stories260K.bin, 48 tensors")
-    config, weights, tok = load_llama(out)
-    ref_config, ref, ref_tok = load_llama(shared_data / "gguf" / "stories260K.gguf")
+    config, weights, tok = load_model(out)
+    ref_config, ref, ref_tok = load_model(shared_data / "gguf" / "stories260K.gguf")
     assert sorted(weights) == sorted(ref)
     for name in ref:
         np.testing.assert_allclose(weights[name], ref[name], rtol=0, atol=1e-6, err_msg=name)
@@ -182,7 +182,7 @@ def test_lora_checkpoint_becomes_its_adapter_and_merges_into_its_base(gguf_dir, 
 def test_merge_scale_and_types(gguf_dir, tmp_path):
     """W + scale * alpha / r * B A in float64, rounded once into the base's type per tensor."""
     base = gguf_dir / "stories260K-Q4_0.gguf"
-    config, weights, _ = load_llama(base)
+    config, weights, _ = load_model(base)
     rng = np.random.default_rng(0)
     pairs = {n: (rng.standard_normal((3, weights[n].shape[1])).astype(np.float32) * 0.1,
                  rng.standard_normal((weights[n].shape[0], 3)).astype(np.float32) * 0.1)
@@ -214,7 +214,7 @@ def test_model_checkpoint_starts_training(shared_data, tmp_path, text):
     info = json.loads(_cli("info", ckpt, "--json").stdout)["checkpoint"]
     assert info["kind"] == "model" and info["updates"] == 0 and info["optimizer"] is None
     loaded = load_checkpoint(ckpt)
-    _, weights, _ = load_llama(story)
+    _, weights, _ = load_model(story)
     assert all(np.array_equal(loaded["state"]["params"][k], v) for k, v in weights.items())
 
     logs = {}
@@ -243,7 +243,7 @@ def test_model_checkpoint_starts_training(shared_data, tmp_path, text):
     assert r.returncode == 0, r.stderr
     first = next(e for e in map(json.loads, log.read_text().splitlines()) if "loss" in e)   # after the options
     assert first["loss"] < 3.0       # a trained model's loss on stories text; a fresh init gives ~6.2
-    config, trained, _ = load_llama(out)
+    config, trained, _ = load_model(out)
     assert config["ctx"] == 512 and max(np.abs(trained[k] - weights[k]).max() for k in weights) < 0.01
 
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from ggtrain.formats.gguf import read_gguf
-from ggtrain.formats.llama_model import load_llama
+from ggtrain.formats.model_file import load_model
 from ggtrain.formats.lora import write_lora
 from tests.interop import greedy, open_llm, run_cli
 
@@ -18,7 +18,7 @@ NEAR_TIE = 0.5
 
 
 def _ids(model):
-    _, _, tok = load_llama(model)
+    _, _, tok = load_model(model)
     return tok, tok.encode(PROMPT, add_bos=True).tolist()
 
 
@@ -50,7 +50,7 @@ def test_checkpoint_model_generates_in_llama_cpp_as_ggtrain_generate(llama, shar
     r = run_cli("convert-checkpoint", ckdir / "ckpt-000020.gguf", out)
     assert r.returncode == 0, r.stderr
     prompt = "KING RICHARD:\nWhat say you"
-    _, _, tok = load_llama(out)
+    _, _, tok = load_model(out)
     ids = tok.encode(prompt, add_bos=True).tolist()
     theirs = greedy(open_llm(llama, out), ids, 24)
     shown = list(itertools.takewhile(lambda t: t != tok.eos_id, theirs))
@@ -62,7 +62,7 @@ def test_checkpoint_model_generates_in_llama_cpp_as_ggtrain_generate(llama, shar
 @pytest.mark.parametrize("name", ["stories260K", "stories260K-Q8_0"])
 def test_merged_model_runs_as_base_with_adapter(llama, shared_data, tmp_path, name):
     base = shared_data / "gguf" / f"{name}.gguf"
-    config, weights, _ = load_llama(base)
+    config, weights, _ = load_model(base)
     rng = np.random.default_rng(3)
     pairs = {}
     for i in range(config["layers"]):

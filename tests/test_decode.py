@@ -4,13 +4,13 @@ import numpy as np
 import pytest
 
 from ggtrain.core.backend_cpu import CpuBackend
-from ggtrain.core.models.llama import LlamaConfig, LlamaDecoder, LlamaRunner, generate, init_params
+from ggtrain.core.models.decoder import ModelConfig, Decoder, Runner, generate, init_params
 from ggtrain.core.sampling import Sampler
 from ggtrain.errors import ConfigError
-from tests import np_llama
+from tests import np_decoder as np_llama
 
 # GQA (4 query heads on 2 KV heads), partial rotary dims, not tied
-CFG = LlamaConfig(vocab=61, dim=32, layers=2, heads=4, kv_heads=2, ff=48, ctx=96, rope_dims=4)
+CFG = ModelConfig(vocab=61, dim=32, layers=2, heads=4, kv_heads=2, ff=48, ctx=96, rope_dims=4)
 
 
 @pytest.fixture(scope="module")
@@ -20,7 +20,7 @@ def tiny():
 
 def _window_logits(weights, ids, cfg=CFG):
     """Logits at every position of ids from one whole-window pass (no cache)."""
-    runner = LlamaRunner(cfg, weights, CpuBackend(2), length=len(ids))
+    runner = Runner(cfg, weights, CpuBackend(2), length=len(ids))
     return runner.logits(np.asarray(ids, np.int32)[None])[0, :len(ids)]
 
 
@@ -31,7 +31,7 @@ def test_cached_logits_equal_window_logits(tiny, chunk):
     rng = np.random.default_rng(0)
     ids = rng.integers(0, CFG.vocab, 80).tolist()
     want = _window_logits(tiny, ids)
-    dec = LlamaDecoder(CFG, tiny, CpuBackend(2), n_ctx=80, chunk=chunk)
+    dec = Decoder(CFG, tiny, CpuBackend(2), n_ctx=80, chunk=chunk)
     got = [dec.feed(ids[:13])]
     for t in ids[13:]:
         got.append(dec.feed([t]))
@@ -45,13 +45,13 @@ def test_cached_logits_equal_window_logits(tiny, chunk):
 def test_cached_logits_equal_numpy_oracle(tiny):
     ids = [5, 17, 3, 60, 0, 22, 9]
     want = np_llama.forward(CFG, tiny, np.array([ids]), np.arange(len(ids)))[0]
-    dec = LlamaDecoder(CFG, tiny, CpuBackend(1), n_ctx=16)
+    dec = Decoder(CFG, tiny, CpuBackend(1), n_ctx=16)
     got = np.stack([dec.feed(ids[:4])] + [dec.feed([t]) for t in ids[4:]])
     np.testing.assert_allclose(got, want[3:], rtol=1e-4, atol=1e-4)
 
 
 def test_reset_reuses_the_cache(tiny):
-    dec = LlamaDecoder(CFG, tiny, CpuBackend(2), n_ctx=40)
+    dec = Decoder(CFG, tiny, CpuBackend(2), n_ctx=40)
     first = dec.feed([1, 2, 3, 4])
     dec.feed([7, 7, 7])
     dec.reset()
@@ -62,7 +62,7 @@ def test_generate_greedy_and_stop(tiny):
     """Greedy generation is the argmax of the window logits at each step, and stops after a
     stop token (which it yields)."""
     prompt = [4, 8, 15]
-    dec = LlamaDecoder(CFG, tiny, CpuBackend(2), n_ctx=40)
+    dec = Decoder(CFG, tiny, CpuBackend(2), n_ctx=40)
     ids = list(generate(dec, prompt, 20, Sampler(temp=0)))
     assert len(ids) == 20
     seq = prompt + ids
@@ -73,11 +73,11 @@ def test_generate_greedy_and_stop(tiny):
     assert list(generate(dec, prompt, 20, Sampler(temp=0), frozenset({stop}))) == ids[:first + 1]
     # n < 0: until a stop token or a full cache (10 positions hold the prompt and 7 tokens;
     # the logits after the last of them give an 8th)
-    assert len(list(generate(LlamaDecoder(CFG, tiny, CpuBackend(2), n_ctx=10), prompt, -1, Sampler(temp=0)))) == 8
+    assert len(list(generate(Decoder(CFG, tiny, CpuBackend(2), n_ctx=10), prompt, -1, Sampler(temp=0)))) == 8
 
 
 def test_decoder_bad_input(tiny):
-    dec = LlamaDecoder(CFG, tiny, CpuBackend(1), n_ctx=8)
+    dec = Decoder(CFG, tiny, CpuBackend(1), n_ctx=8)
     with pytest.raises(ConfigError, match="token id"):
         dec.feed([CFG.vocab])
     with pytest.raises(ConfigError, match="nothing"):

@@ -1,32 +1,59 @@
-"""The llama graph against a self-contained float64 numpy llama (tests/np_llama.py)."""
+"""The decoder graph of every family against a self-contained float64 numpy twin
+(tests/np_decoder.py): forward, and gradients by finite differences."""
 import numpy as np
 import pytest
 
 from ggtrain.core.autograd import backward
 from ggtrain.core.backend_cpu import CpuBackend
 from ggtrain.core.graph import Graph, Runtime
-from ggtrain.core.models import llama
+from ggtrain.core.models import decoder
 from ggtrain.core.optim import AdamW
 from ggtrain.core.train import TrainStep
-from tests import np_llama
+from tests import np_decoder as np_llama
 
 TINY = dict(vocab=64, dim=32, layers=2, heads=4, kv_heads=2, ff=48, ctx=16)
+# each family with what sets it apart: llama 3's rope factors, a head size that is not
+# dim / heads, linear rope scaling; qwen2's biases (tied output); qwen3's q/k norms (one kv head)
+FAMILIES = [
+    dict(arch="llama", rope_freqs=True, head_dim=12, rope_base=500000.0, rope_scale=2.0),
+    dict(arch="qwen2", tied=True),
+    dict(arch="qwen3", head_dim=12, kv_heads=1),
+    # gemma3: local layers 0, 2 (window 3 < the text), global 1 (pattern 2), soft-capped logits
+    dict(arch="gemma3", head_dim=12, kv_heads=1, tied=True, window=3, window_pattern=2, rope_base_swa=100.0,
+         logit_softcap=3.0, layers=3),
+]
+
+
+def family_params(cfg, seed=0, std=0.1):
+    """init_params with the 1-D tensors moved off their neutral values (norm weights near 1,
+    biases near 0, rope factors 1..8 as llama 3's grow), so every family tensor matters."""
+    rng = np.random.default_rng(seed + 100)
+    init = decoder.init_params(cfg, seed, std=std)
+    for name, v in init.items():
+        if name == "rope_freqs.weight":
+            init[name] = np.geomspace(1.0, 8.0, v.size).astype(np.float32)
+        elif name.endswith("norm.weight"):
+            init[name] = (1 + rng.normal(0, 0.2, v.shape)).astype(np.float32)
+        elif name.endswith(".bias"):
+            init[name] = rng.normal(0, 0.3, v.shape).astype(np.float32)
+    return init
 
 
 def _graph(cfg, b, t, seed=0, checkpoint=False):
     g = Graph()
-    init = llama.init_params(cfg, seed, std=0.1)   # larger than the default: visible attention
-    params = {k: g.param(v.shape, v, name=k) for k, v in init.items()}
+    init = family_params(cfg, seed, std=0.1)   # std larger than the default: visible attention
+    params = {k: g.param(v.shape, v, name=k, trainable=decoder.trainable(k)) for k, v in init.items()}
     tokens = g.input((b, t), "i32", name="tokens")
     targets = g.input((b, t), "i32", name="targets")
     pos = g.input((t,), "i32", name="pos")
-    logits = llama.forward(cfg, params, tokens, pos, g, checkpoint=checkpoint)
-    return g, init, params, tokens, targets, pos, logits, llama.loss(logits, targets)
+    logits = decoder.forward(cfg, params, tokens, pos, g, checkpoint=checkpoint)
+    return g, init, params, tokens, targets, pos, logits, decoder.loss(logits, targets)
 
 
-@pytest.mark.parametrize("kw", [{}, {"tied": True, "kv_heads": 4}, {"kv_heads": 1, "rope_dims": 4}])
-def test_forward_matches_numpy_llama(kw):
-    cfg = llama.LlamaConfig(**{**TINY, **kw})
+@pytest.mark.parametrize("kw", [{}, {"tied": True, "kv_heads": 4}, {"kv_heads": 1, "rope_dims": 4}] + FAMILIES
+                         + [dict(arch="qwen3", rope_dims=6)], ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items()))
+def test_forward_matches_numpy_twin(kw):
+    cfg = decoder.ModelConfig(**{**TINY, **kw})
     b, t = 2, 7
     g, init, params, tokens, targets, pos, logits, loss = _graph(cfg, b, t)
     rng = np.random.default_rng(0)
@@ -43,14 +70,16 @@ def test_forward_matches_numpy_llama(kw):
     assert float(plan.read(loss)) == pytest.approx(np_llama.loss(want, tgt), rel=1e-5)
 
 
-def test_gradients_match_finite_differences_of_numpy_llama():
-    cfg = llama.LlamaConfig(**TINY)
+@pytest.mark.parametrize("kw", [{}] + FAMILIES, ids=lambda kw: kw.get("arch", "default"))
+def test_gradients_match_finite_differences_of_numpy_twin(kw):
+    cfg = decoder.ModelConfig(**{**TINY, **kw})
     b, t = 2, 5
     g, init, params, tokens, targets, pos, logits, loss = _graph(cfg, b, t)
     rng = np.random.default_rng(1)
     tok = rng.integers(0, cfg.vocab, (b, t)).astype(np.int32)
     tgt = rng.integers(0, cfg.vocab, (b, t)).astype(np.int32)
     p = np.arange(t, dtype=np.int32)
+    params = {k: v for k, v in params.items() if v.requires_grad}     # not the rope factors
     grads = backward(loss, list(params.values()), checkpointing=False)
     rt = Runtime(g, CpuBackend(2))
     for k, v in ((tokens, tok), (targets, tgt), (pos, p)):
@@ -71,15 +100,17 @@ def test_gradients_match_finite_differences_of_numpy_llama():
             assert got.reshape(-1)[i] == pytest.approx((lp - lm) / 2e-6, rel=2e-3, abs=2e-5), f"{name}[{i}]"
 
 
-def test_checkpointed_training_equals_plain_and_lowers_loss():
-    cfg = llama.LlamaConfig(**TINY)
+@pytest.mark.parametrize("kw", [{}, FAMILIES[2]], ids=["llama", "qwen3"])
+def test_checkpointed_training_equals_plain_and_lowers_loss(kw):
+    cfg = decoder.ModelConfig(**{**TINY, **kw})
     b, t = 4, 16
     rng = np.random.default_rng(2)
     tok = rng.integers(0, cfg.vocab, (b, t + 1)).astype(np.int32)
     runs = []
     for checkpoint in (False, True):
         g, init, params, tokens, targets, pos, logits, loss = _graph(cfg, b, t, checkpoint=checkpoint)
-        st = TrainStep(loss, list(params.values()), AdamW(lr=3e-3), CpuBackend(2), checkpointing=checkpoint)
+        trained = [p for p in params.values() if p.requires_grad]
+        st = TrainStep(loss, trained, AdamW(lr=3e-3), CpuBackend(2), checkpointing=checkpoint)
         batch = {tokens: tok[:, :-1], targets: tok[:, 1:], pos: np.arange(t, dtype=np.int32)}
         losses = [st.step([batch], 3e-3) for _ in range(8)]
         runs.append((losses, {k: st.get(v) for k, v in params.items()}))
@@ -96,7 +127,7 @@ def test_checkpointing_keeps_attention_and_the_mid_residual():
     # attention's forward again, nor the q, k, v and output projections, but still
     # recomputes each block's gate and up products (every block ends a segment); and it
     # plans less memory than no checkpointing.
-    cfg = llama.LlamaConfig(**dict(TINY, layers=3))
+    cfg = decoder.ModelConfig(**dict(TINY, layers=3))
     b, t = 2, 16
     counts, arenas = {}, {}
     for checkpoint in (False, True):

@@ -19,7 +19,7 @@ import pytest
 from ggtrain.core.distributed import World, launched
 from ggtrain.core.train import TextConfig
 from ggtrain.errors import ConfigError
-from ggtrain.formats.llama_model import load_llama
+from ggtrain.formats.model_file import load_model
 
 TINY = ["--dim", "32", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--ff", "64", "--ctx", "32",
         "--warmup", "3", "--lr", "3e-3", "--quiet", "--threads", "1"]
@@ -134,8 +134,8 @@ def test_two_processes_equal_one_with_the_doubled_batch(tmp_path, text, mpiexec)
     val2 = [e["val_loss"] for e in log2 if "val_loss" in e]
     np.testing.assert_allclose(val2, val1, rtol=1e-5)
     assert log2[-1]["event"] == "done" and log2[-1]["tokens_seen"] == log1[-1]["tokens_seen"]
-    _, w1, _ = load_llama(one / "m.gguf")
-    _, w2, _ = load_llama(two / "m.gguf")
+    _, w1, _ = load_model(one / "m.gguf")
+    _, w2, _ = load_model(two / "m.gguf")
     _close(w1, w2)
     assert sorted(p.name for p in two.iterdir()) == ["ck", "log.jsonl", "m.gguf"]   # no second model, no temp
     assert sorted(p.name for p in (two / "ck").iterdir()) == ["ckpt-000003.gguf", "ckpt-000006.gguf"]
@@ -150,7 +150,7 @@ def test_two_processes_equal_one_with_the_doubled_batch(tmp_path, text, mpiexec)
     later = {k: v for k, v in _losses(two / "log.jsonl").items() if k > 3}
     for name in ("r1", "r2"):
         _close(_losses(tmp_path / f"{name}.jsonl"), later)
-        _close(load_llama(tmp_path / f"{name}.gguf")[1], w2)
+        _close(load_model(tmp_path / f"{name}.gguf")[1], w2)
     # resumed on the same two processes: bit for bit
     assert (tmp_path / "r2.gguf").read_bytes() == (two / "m.gguf").read_bytes()
     # a global batch of 8 cannot be shared by 3 processes
@@ -199,14 +199,14 @@ def test_lbfgs_on_two_processes_equals_one_and_resumes(tmp_path, text, mpiexec):
     evals = _evals(one / "log.jsonl")
     assert evals == _evals(two / "log.jsonl") and len(evals) == 5 and max(evals.values()) > 1
     _close(_losses(one / "log.jsonl"), _losses(two / "log.jsonl"))
-    _close(load_llama(one / "m.gguf")[1], load_llama(two / "m.gguf")[1])
+    _close(load_model(one / "m.gguf")[1], load_model(two / "m.gguf")[1])
     ckpt = two / "ck" / "ckpt-000003.gguf"
     r = _run("train", "--out", tmp_path / "r2.gguf", "--resume", ckpt, *common, n=2, mpiexec=mpiexec)
     assert r.returncode == 0, r.stderr
     assert (tmp_path / "r2.gguf").read_bytes() == (two / "m.gguf").read_bytes()
     r = _run("train", "--out", tmp_path / "r1.gguf", "--resume", ckpt, *common)
     assert r.returncode == 0, r.stderr
-    _close(load_llama(tmp_path / "r1.gguf")[1], load_llama(two / "m.gguf")[1])
+    _close(load_model(tmp_path / "r1.gguf")[1], load_model(two / "m.gguf")[1])
 
     # full batch (mnist, --batch beyond the split): updates after the first reuse the last evaluation
     mnist = ["mnist", "train", "--limit", 600, "--epochs", 4, "--val-split", 0.2, "--threads", 1, "--quiet",

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from ggtrain.core.backend_cpu import CpuBackend
-from ggtrain.core.models.llama import LlamaConfig, LlamaRunner
+from ggtrain.core.models.decoder import ModelConfig, Runner
 from ggtrain.formats.gguf import quantize, read_gguf
-from ggtrain.formats.llama_model import load_llama
+from ggtrain.formats.model_file import load_model
 from ggtrain.formats.lora import lora_adapters, merge_lora, read_lora
 
 FAST = ["--ctx", "64", "--batch", "2", "--lora-rank", "4", "--lr", "3e-3", "--quiet"]
@@ -61,7 +61,7 @@ def chat(tmp_path):
 
 
 def _logits(config, weights, ids, adapters=None):
-    runner = LlamaRunner(LlamaConfig(**config), weights, CpuBackend(2), length=len(ids), adapters=adapters)
+    runner = Runner(ModelConfig(**config), weights, CpuBackend(2), length=len(ids), adapters=adapters)
     return runner.logits(np.asarray(ids, np.int32)[None])[0, :len(ids)]
 
 
@@ -80,10 +80,10 @@ def test_lora_on_text_lowers_loss_and_writes_an_adapter_and_a_merged_model(tmp_p
     reader = gguf.GGUFReader(out)            # gguf-py reads what we write
     assert reader.fields["general.type"].contents() == "adapter"
     # the merged model is the base plus the adapter: the same logits as the base with it
-    config, weights, tok = load_llama(base)
+    config, weights, tok = load_model(base)
     ids = tok.encode("Tom had a red kite.", add_bos=True).tolist()
     with_adapter = _logits(config, weights, ids, lora_adapters(out, {k: v.shape for k, v in weights.items()}))
-    mconfig, mweights, _ = load_llama(merged)
+    mconfig, mweights, _ = load_model(merged)
     if name == "stories260K":
         np.testing.assert_allclose(_logits(mconfig, mweights, ids), with_adapter, atol=1e-3)
     # each merged matrix is W + s B A rounded once to the base's type; the rest are the base's bytes
@@ -174,8 +174,8 @@ def test_full_finetune_writes_a_model(tmp_path, story, text):
              "f16", *FAST)
     assert r.returncode == 0, r.stderr
     assert "dequantizing" in r.stderr or "--full" in r.stderr
-    config, weights, _ = load_llama(out)
-    base_config, base, _ = load_llama(story)
+    config, weights, _ = load_model(out)
+    base_config, base, _ = load_model(story)
     assert config == base_config
     changed = [k for k in base if not np.allclose(weights[k], base[k], atol=1e-2)]
     assert changed                                    # every weight is trainable

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from ggtrain.core.backend_cpu import CpuBackend
-from ggtrain.core.models.llama import LlamaConfig, LlamaRunner
-from ggtrain.formats.llama_model import load_llama
+from ggtrain.core.models.decoder import ModelConfig, Runner
+from ggtrain.formats.model_file import load_model
 from ggtrain.formats.lora import lora_adapters
 from tests.interop import greedy, open_llm, run_cli
 
@@ -40,10 +40,10 @@ def test_adapter_and_merged_model_run_in_llama_cpp(llama, shared_data, tmp_path,
     r = run_cli("finetune", "--model", base, "--data", text, "--out", adapter, "--merged-out", merged, "--steps", 25,
              *FAST)
     assert r.returncode == 0, r.stderr
-    config, weights, tok = load_llama(base)
+    config, weights, tok = load_model(base)
     ids = tok.encode("Tom had a red kite. The kite", add_bos=True).tolist()
     adapters = lora_adapters(adapter, {k: v.shape for k, v in weights.items()})
-    ours = LlamaRunner(LlamaConfig(**config), weights, CpuBackend(2), length=len(ids), adapters=adapters) \
+    ours = Runner(ModelConfig(**config), weights, CpuBackend(2), length=len(ids), adapters=adapters) \
         .logits(np.asarray(ids, np.int32)[None])[0, :len(ids)]
     with_adapter = open_llm(llama, base, adapter, n_ctx=128)
     np.testing.assert_allclose(_their_logits(with_adapter, ids), ours, rtol=0, atol=ATOL[name])
@@ -65,9 +65,9 @@ def test_full_finetune_model_runs_in_llama_cpp(llama, shared_data, tmp_path):
     out = tmp_path / "full.gguf"
     r = run_cli("finetune", "--model", base, "--data", text, "--out", out, "--full", "--steps", 10, *FAST)
     assert r.returncode == 0, r.stderr
-    config, weights, tok = load_llama(out)
+    config, weights, tok = load_model(out)
     ids = tok.encode("Tom had a red kite.", add_bos=True).tolist()
-    ours = LlamaRunner(LlamaConfig(**config), weights, CpuBackend(2), length=len(ids)) \
+    ours = Runner(ModelConfig(**config), weights, CpuBackend(2), length=len(ids)) \
         .logits(np.asarray(ids, np.int32)[None])[0, :len(ids)]
     np.testing.assert_allclose(_their_logits(open_llm(llama, out, n_ctx=128), ids), ours, rtol=0, atol=1e-3)
 

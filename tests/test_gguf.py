@@ -17,8 +17,9 @@ import numpy as np
 import pytest
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T, GGUFValueType as VT, quants
 
-from ggtrain.errors import FormatError, ShapeError, UnsupportedOpError
-from ggtrain.formats import llama
+from ggtrain.errors import ConfigError, FormatError, ShapeError, UnsupportedOpError
+from ggtrain.core.models.decoder import ModelConfig
+from ggtrain.formats import model as layouts
 from ggtrain.native import _check, ffi, lib
 from ggtrain.formats.gguf import (
     DEQUANTIZABLE,
@@ -559,45 +560,47 @@ def test_tensor_nbytes():
         tensor_nbytes((3, 33), "Q4_0")
 
 
-# ---- llama layout ---------------------------------------------------------------------
+# ---- model layouts -------------------------------------------------------------------
 
 def test_stories260k_layout(gguf_dir):
     for name in ("stories260K.gguf", "stories260K-Q8_0.gguf", "stories260K-Q4_0.gguf"):
-        layout = llama.validate_model(read_gguf(gguf_dir / name))
-        hp = layout.hparams
-        assert (hp.n_vocab, hp.n_embd, hp.n_layer, hp.n_head, hp.n_head_kv, hp.n_ff, hp.n_ctx, hp.n_rot) == \
-            (512, 64, 5, 8, 4, 172, 2048, 8)
-        assert hp.rms_eps == 1e-5 and hp.rope_freq_base == 10000.0
+        layout = layouts.validate_model(read_gguf(gguf_dir / name))
+        c = layout.config
+        assert (c.arch, c.vocab, c.dim, c.layers, c.heads, c.kv_heads, c.ff, c.ctx, c.n_rot, c.head_dim) == \
+            ("llama", 512, 64, 5, 8, 4, 172, 2048, 8, 8)
+        assert c.norm_eps == 1e-5 and c.rope_base == 10000.0 and c.rope_scale == 1.0 and not c.rope_freqs
         assert not layout.tied
         assert layout.shapes["blk.0.attn_k.weight"] == (32, 64)      # GQA: 4 kv heads of 8
         assert layout.shapes["blk.0.ffn_down.weight"] == (64, 172)
-        assert hp.n_params == 260032
+        assert c.n_params == 260032 + 512 * 64      # its own output matrix (not tied)
 
 
-def _write_llama(path, hp, tied=False, drop=None, reshape=None, extra=None, arch=None, skip_key=None):
-    shapes = llama.tensor_shapes(hp, tied)
+def _write_llama(path, cfg, drop=None, reshape=None, extra=None, arch=None, skip_key=None, add_kv=()):
+    shapes = layouts.tensor_shapes(cfg)
     if drop:
         shapes.pop(drop)
     if reshape:
         shapes[reshape[0]] = reshape[1]
     if extra:
         shapes[extra] = (4,)
-    kv = [k for k in llama.hparams_to_kv(hp, file_type=llama.FILE_TYPES[T.F32]) if k[0] != skip_key]
+    kv = [k for k in layouts.config_to_kv(cfg, file_type=layouts.FILE_TYPES[T.F32]) if k[0] != skip_key]
     if arch:
         kv = [(k, arch if k == "general.architecture" else v, t) for k, v, t in kv]
-    write_gguf(path, kv, [(n, (lambda s=s: np.zeros(s, np.float32)), T.F32, s) for n, s in shapes.items()])
+    write_gguf(path, kv + list(add_kv), [(n, (lambda s=s: np.zeros(s, np.float32)), T.F32, s)
+                                         for n, s in shapes.items()])
 
 
-HP = llama.LlamaHParams(n_vocab=32, n_embd=16, n_layer=2, n_head=4, n_head_kv=2, n_ff=24, n_ctx=64)
+HP = dict(vocab=32, dim=16, layers=2, heads=4, kv_heads=2, ff=24, ctx=64)
 
 
 @pytest.mark.parametrize("tied", [False, True])
 def test_llama_round_trip(tmp_path, tied):
     path = tmp_path / "l.gguf"
-    _write_llama(path, HP, tied)
+    cfg = ModelConfig(**HP, tied=tied)
+    _write_llama(path, cfg)
     f = read_gguf(path)
-    layout = llama.validate_model(f)
-    assert layout.hparams == HP and layout.tied == tied
+    layout = layouts.validate_model(f)
+    assert layout.config == cfg and layout.tied == tied
     # llama.cpp's key types
     for key in ("llama.block_count", "llama.context_length", "llama.embedding_length",
                 "llama.feed_forward_length", "llama.attention.head_count", "llama.attention.head_count_kv",
@@ -605,32 +608,78 @@ def test_llama_round_trip(tmp_path, tied):
         assert f.kv[key].type == VT.UINT32, key
     for key in ("llama.attention.layer_norm_rms_epsilon", "llama.rope.freq_base"):
         assert f.kv[key].type == VT.FLOAT32, key
+    assert "llama.attention.key_length" not in f.kv       # the head size is n_embd / n_head
     # gguf-py agrees on the ggml shapes (innermost first)
     ref = {t.name: t.shape.tolist() for t in gguf.GGUFReader(path).tensors}
     assert ref["blk.1.attn_k.weight"] == [16, 8] and ref["token_embd.weight"] == [16, 32]
     assert ref["blk.0.ffn_down.weight"] == [24, 16]
 
 
+@pytest.mark.parametrize("arch,extra", [
+    ("qwen2", dict()), ("qwen3", dict(head_dim=6)), ("llama", dict(rope_freqs=True, head_dim=10, rope_scale=4.0)),
+])
+def test_family_round_trip(tmp_path, arch, extra):
+    """Each family's config survives its keys and tensors; gguf-py reads the head size and
+    the family's tensors (biases, q/k norms, rope factors) with llama.cpp's names."""
+    path = tmp_path / f"{arch}.gguf"
+    cfg = ModelConfig(**HP, arch=arch, **extra)
+    _write_llama(path, cfg)
+    layout = layouts.validate_model(read_gguf(path))
+    assert layout.config == cfg
+    reader = gguf.GGUFReader(path)
+    names = {t.name: t.shape.tolist() for t in reader.tensors}
+    d = cfg.head_dim
+    if arch == "qwen2":
+        assert names["blk.1.attn_q.bias"] == [4 * d] and names["blk.0.attn_v.bias"] == [2 * d]
+    if arch == "qwen3":
+        assert names["blk.0.attn_q_norm.weight"] == [6] and names["blk.1.attn_k_norm.weight"] == [6]
+        assert names["blk.0.attn_q.weight"] == [16, 24] and names["blk.0.attn_output.weight"] == [24, 16]
+        assert reader.get_field("qwen3.attention.key_length").contents() == 6
+        assert reader.get_field("qwen3.attention.value_length").contents() == 6
+    if arch == "llama":
+        assert names["rope_freqs.weight"] == [5]
+        assert reader.get_field("llama.rope.scaling.type").contents() == "linear"
+
+
 @pytest.mark.parametrize("damage,message", [
     (dict(drop="blk.1.ffn_up.weight"), "missing tensor 'blk.1.ffn_up.weight'"),
     (dict(reshape=("blk.0.attn_k.weight", (16, 16))), "'blk.0.attn_k.weight' has shape (16, 16), expected (8, 16)"),
-    (dict(extra="blk.2.attn_q.weight"), "unexpected tensor 'blk.2.attn_q.weight'"),
-    (dict(arch="gpt2"), "architecture 'gpt2' is not supported"),
+    (dict(extra="blk.2.attn_q.weight"), "tensor 'blk.2.attn_q.weight' is not part of a llama model"),
+    (dict(extra="blk.0.attn_q.bias"), "tensor 'blk.0.attn_q.bias' is not part of a llama model"),
+    (dict(extra="blk.0.ffn_gate_exps.weight"), "a mixture-of-experts model"),
+    (dict(arch="gpt2"), "architecture 'gpt2' is not supported (ggtrain computes gemma3, llama, qwen2, qwen3"),
+    (dict(arch="qwen3moe"), "architecture 'qwen3moe' is not supported"),
     (dict(skip_key="llama.block_count"), "'llama.block_count' is missing"),
+    (dict(add_kv=[("llama.rope.scaling.type", "yarn", VT.STRING)]),
+     "llama.rope.scaling.type = 'yarn': a rope scaling ggtrain does not implement (it applies none, linear)"),
+    (dict(add_kv=[("llama.expert_count", 8, VT.UINT32)]), "llama.expert_count = 8: a mixture-of-experts model"),
+    (dict(add_kv=[("llama.attention.sliding_window", 4096, VT.UINT32)]),
+     "key 'llama.attention.sliding_window' is not applied by ggtrain's llama decoder"),
+    (dict(add_kv=[("llama.attention.value_length", 8, VT.UINT32)]),
+     "llama.attention.value_length 8 differs from the key head size 4"),
 ])
 def test_llama_validation_errors(tmp_path, damage, message):
     path = tmp_path / "bad.gguf"
-    _write_llama(path, HP, **damage)
+    _write_llama(path, ModelConfig(**HP), **damage)
     with pytest.raises(FormatError) as info:
-        llama.validate_model(read_gguf(path))
+        layouts.validate_model(read_gguf(path))
     assert message in str(info.value)
+
+
+def test_qwen2_file_without_its_biases_is_refused(tmp_path):
+    path = tmp_path / "q.gguf"
+    _write_llama(path, ModelConfig(**HP, arch="qwen2"), drop="blk.1.attn_k.bias")
+    with pytest.raises(FormatError, match="missing tensor 'blk.1.attn_k.bias'.*qwen2"):
+        layouts.validate_model(read_gguf(path))
 
 
 def test_llama_vocab_only_file(gguf_dir):
     with pytest.raises(FormatError, match="vocab-only"):
-        llama.validate_model(read_gguf(gguf_dir / "ggml-vocab-llama-spm.gguf"))
+        layouts.validate_model(read_gguf(gguf_dir / "ggml-vocab-llama-spm.gguf"))
 
 
 def test_llama_bad_hparams():
-    with pytest.raises(FormatError, match="multiple of n_head_kv"):
-        llama.LlamaHParams(n_vocab=8, n_embd=16, n_layer=1, n_head=4, n_head_kv=3, n_ff=8, n_ctx=8)
+    with pytest.raises(ConfigError, match="multiple of kv_heads"):
+        ModelConfig(vocab=8, dim=16, layers=1, heads=4, kv_heads=3, ff=8, ctx=8)
+    with pytest.raises(ConfigError, match="architecture 'gpt2' is not supported"):
+        ModelConfig(vocab=8, arch="gpt2")

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from ggtrain.core.backend_cpu import CpuBackend
-from ggtrain.core.models.llama import LlamaConfig, LlamaDecoder, LlamaRunner, generate, init_params
+from ggtrain.core.models.decoder import ModelConfig, Decoder, Runner, generate, init_params
 from ggtrain.core.sampling import Sampler
-from ggtrain.formats.llama_model import load_llama, open_llama, save_llama
+from ggtrain.formats.model_file import load_model, open_model, save_model
 from ggtrain.formats.tokenizer import load_tokenizer
 from tests.conftest import SHARED_DATA
 
@@ -87,12 +87,12 @@ def _their_logits(llm, ids):
 
 def _our_greedy(config, weights, prompt, n, eos):
     """Our greedy continuation through the KV-cached decoder (stopping after eos)."""
-    dec = LlamaDecoder(LlamaConfig(**config), weights, CpuBackend(2), n_ctx=len(prompt) + n)
+    dec = Decoder(ModelConfig(**config), weights, CpuBackend(2), n_ctx=len(prompt) + n)
     return list(generate(dec, prompt, n, Sampler(temp=0), frozenset({eos})))
 
 
 def _our_logits(config, weights, ids):
-    runner = LlamaRunner(LlamaConfig(**config), weights, CpuBackend(2), length=len(ids))
+    runner = Runner(ModelConfig(**config), weights, CpuBackend(2), length=len(ids))
     return runner.logits(np.asarray(ids, np.int32)[None])[0, :len(ids)]
 
 
@@ -102,7 +102,7 @@ def _our_logits(config, weights, ids):
 def test_greedy_continuation_of_stories260k_equals_llama_cpp(llama, shared_data, name):
     n = 48
     path = shared_data / "gguf" / f"{name}.gguf"
-    config, weights, tok = load_llama(path)
+    config, weights, tok = load_model(path)
     llm = _open(llama, path)
     # llama-cpp-python tokenizes completion prompts with BOS and parse_special
     prompt = tok.encode(PROMPT, add_bos=tok.add_bos, parse_special=True).tolist()
@@ -120,7 +120,7 @@ def test_greedy_continuation_of_stories260k_equals_llama_cpp(llama, shared_data,
 
 def test_logits_of_stories260k_equal_llama_cpp(llama, shared_data):
     path = shared_data / "gguf" / "stories260K.gguf"
-    config, weights, tok = load_llama(path)
+    config, weights, tok = load_model(path)
     text = "Lily and Ben went to the park. They saw a big dog and a small cat. The dog was happy."
     ids = tok.encode(text, add_bos=True).tolist()
     theirs = _their_logits(_open(llama, path, logits_all=True, f32_cache=True), ids)
@@ -141,7 +141,7 @@ SPECS = ["byte", "bpe:400"]
 
 @pytest.fixture(scope="module", params=SPECS)
 def written_model(request, tmp_path_factory):
-    """(path, config, weights, tokenizer) of a tiny random llama saved by save_llama."""
+    """(path, config, weights, tokenizer) of a tiny random llama saved by save_model."""
     spec = request.param
     if not SHARED_DATA.is_dir():
         pytest.skip(f"real data folder {SHARED_DATA} is absent "
@@ -149,9 +149,9 @@ def written_model(request, tmp_path_factory):
     text = (SHARED_DATA / "text" / "tinyshakespeare.txt").read_text()[:100_000]
     tok = load_tokenizer(spec, text)
     config = dict(vocab=tok.n_vocab, **TINY)
-    weights = init_params(LlamaConfig(**config), seed=1, std=INIT_STD)
+    weights = init_params(ModelConfig(**config), seed=1, std=INIT_STD)
     path = tmp_path_factory.mktemp("interop") / f"tiny-{spec.replace(':', '')}.gguf"
-    save_llama(path, config, weights, tok)
+    save_model(path, config, weights, tok)
     return path, config, weights, tok
 
 
@@ -173,7 +173,7 @@ def test_greedy_continuation_of_written_model_equals_llama_cpp(llama, written_mo
     n, extra = 32, 8
     text = "First Citizen:\nBefore we proceed"
     prompt = tok.encode(text, add_bos=True).tolist()
-    runner = LlamaRunner(LlamaConfig(**config), weights, CpuBackend(2),
+    runner = Runner(ModelConfig(**config), weights, CpuBackend(2),
                          length=len(prompt) + n + extra)
     ours = _our_greedy(config, weights, prompt, n + extra, tok.eos_id)
     assert len(ours) == n + extra          # no early EOS: the comparison covers every token
@@ -216,7 +216,7 @@ def test_lora_adapter_applies_as_in_llama_cpp(llama, shared_data, tmp_path):
     from ggtrain.formats.lora import merge_lora, write_lora
 
     path = shared_data / "gguf" / "stories260K.gguf"
-    config, weights, tok = load_llama(path)
+    config, weights, tok = load_model(path)
     rng = np.random.default_rng(5)
     pairs = {}
     for i in range(config["layers"]):
@@ -255,7 +255,7 @@ def test_model_trained_by_the_cli_runs_identically_in_llama_cpp(llama, shared_da
                         "--ff", "128", "--ctx", "64", "--batch", "4", "--steps", "30", "--warmup", "3",
                         "--lr", "5e-3", "--quiet"], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
-    config, weights, tok = load_llama(out)
+    config, weights, tok = load_model(out)
     prompt = "KING RICHARD:\nWhat say you, my lords?"
     ids = tok.encode(prompt, add_bos=True).tolist()
     llm = _open(llama, out, n_ctx=256, f32_cache=True)
@@ -296,8 +296,8 @@ def test_smollm2_generate_equals_llama_cpp_greedy(llama, shared_data):
     r = subprocess.run([sys.executable, "-m", "ggtrain", "generate", "--model", str(path), "--prompt",
                         SMOLLM2_PROMPT, "-n", str(n), "--temp", "0"], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
-    config, weights, _ = open_llama(path, CpuBackend(2))
-    dec = LlamaDecoder(LlamaConfig(**config), weights, CpuBackend(2), n_ctx=len(prompt) + n)
+    config, weights, _ = open_model(path, CpuBackend(2))
+    dec = Decoder(ModelConfig(**config), weights, CpuBackend(2), n_ctx=len(prompt) + n)
     ours = list(generate(dec, prompt, n, Sampler(temp=0), tok.eog_ids))
     assert r.stdout == tok.decode([t for t in ours if t not in tok.eog_ids]) + "\n"   # the CLI's
     if ours == theirs:

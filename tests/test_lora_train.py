@@ -9,14 +9,14 @@ from ggtrain.core.autograd import backward
 from ggtrain.core.backend import StoredTensor
 from ggtrain.core.backend_cpu import CpuBackend
 from ggtrain.core.graph import Graph, Runtime
-from ggtrain.core.models import llama
+from ggtrain.core.models import decoder
 from ggtrain.core.models.lora import TARGETS, LoraConfig, factor_names, init_lora
 from ggtrain.core.train import TextConfig, TextRun
 from ggtrain.errors import ConfigError
 from ggtrain.formats.gguf import dequantize, quantize
-from tests import np_llama
+from tests import np_decoder as np_llama
 
-CFG = llama.LlamaConfig(vocab=11, dim=16, layers=2, heads=4, kv_heads=2, ff=24, ctx=8)
+CFG = decoder.ModelConfig(vocab=11, dim=16, layers=2, heads=4, kv_heads=2, ff=24, ctx=8)
 LORA = LoraConfig(rank=2, alpha=3.0)
 
 
@@ -24,7 +24,7 @@ def _factors(weights, seed):
     """Random non-zero factors (so that both A's and B's gradients are non-zero)."""
     rng = np.random.default_rng(seed)
     out = {}
-    for w in LORA.weights(CFG.layers):
+    for w in LORA.weights(CFG):
         n_out, n_in = weights[w].shape
         a, b = factor_names(w)
         out[a] = rng.normal(0, 0.5, (LORA.rank, n_in)).astype(np.float32)
@@ -35,14 +35,14 @@ def _factors(weights, seed):
 def _merged(weights, factors):
     """float64 weights with W + (alpha / r) B A: what the adapters compute, independently."""
     out = {k: v.astype(np.float64) for k, v in weights.items()}
-    for w in LORA.weights(CFG.layers):
+    for w in LORA.weights(CFG):
         a, b = factor_names(w)
         out[w] = out[w] + LORA.scale * factors[b].astype(np.float64) @ factors[a].astype(np.float64)
     return out
 
 
 def test_every_target_gets_the_finite_difference_gradient():
-    weights = llama.init_params(CFG, seed=1, std=0.3)
+    weights = decoder.init_params(CFG, seed=1, std=0.3)
     factors = _factors(weights, 2)
     rng = np.random.default_rng(3)
     tokens = rng.integers(0, CFG.vocab, (1, 6))
@@ -54,10 +54,10 @@ def test_every_target_gets_the_finite_difference_gradient():
     g = Graph()
     base = {k: g.param(v.shape, v, name=k, trainable=False) for k, v in weights.items()}
     fac = {k: g.param(v.shape, v, name=k) for k, v in factors.items()}
-    lora = {w: (fac[factor_names(w)[0]], fac[factor_names(w)[1]], LORA.scale) for w in LORA.weights(CFG.layers)}
+    lora = {w: (fac[factor_names(w)[0]], fac[factor_names(w)[1]], LORA.scale) for w in LORA.weights(CFG)}
     tok = g.const(tokens.astype(np.int32), dtype="i32")
     pos = g.const(np.arange(6, dtype=np.int32), dtype="i32")
-    logits = llama.forward(CFG, base, tok, pos, lora=lora)
+    logits = decoder.forward(CFG, base, tok, pos, lora=lora)
     loss = ops.sum(ops.mul(logits, g.const(upstream)))
     grads = backward(loss, list(fac.values()), checkpointing=False)
     rt = Runtime(g, CpuBackend(2))
@@ -85,7 +85,7 @@ def test_every_target_gets_the_finite_difference_gradient():
 def _run(weights_frozen, steps=30, lora=LORA, cfg=CFG):
     tc = TextConfig(steps=steps, batch=2, lr=1e-2, lr_min=1e-2, warmup=0, weight_decay=0.0, grad_clip=1.0,
                     checkpointing=True)
-    shapes = {w: weights_frozen[w].shape for w in lora.weights(cfg.layers)}
+    shapes = {w: weights_frozen[w].shape for w in lora.weights(cfg)}
     run = TextRun(cfg, init_lora(lora, shapes, 0), tc, CpuBackend(2), frozen=weights_frozen, lora=lora)
     rng = np.random.default_rng(5)
     data = np.tile(np.arange(cfg.vocab), 40)          # a pattern the base does not know
@@ -106,20 +106,20 @@ def _run(weights_frozen, steps=30, lora=LORA, cfg=CFG):
 
 
 def test_training_moves_only_the_adapters():
-    weights = llama.init_params(CFG, seed=1, std=0.3)
+    weights = decoder.init_params(CFG, seed=1, std=0.3)
     before = {k: v.copy() for k, v in weights.items()}
     run, losses, _ = _run(weights)
     assert losses[-1] < 0.5 * losses[0]
     for k, v in weights.items():
         np.testing.assert_array_equal(v, before[k])
-    assert set(run.param_values()) == {n for w in LORA.weights(CFG.layers) for n in factor_names(w)}
+    assert set(run.param_values()) == {n for w in LORA.weights(CFG) for n in factor_names(w)}
 
 
 def test_initial_adapter_is_the_identity_and_quantized_base_stays_in_its_type():
     """B = 0 at the start (PEFT): the first loss is the base model's; a Q8_0 base is bound as
     stored bytes and its buffers are byte-identical after training."""
-    cfg = llama.LlamaConfig(vocab=11, dim=32, layers=2, heads=4, kv_heads=2, ff=64, ctx=8)  # whole Q8_0 rows
-    weights = llama.init_params(cfg, seed=1, std=0.3)
+    cfg = decoder.ModelConfig(vocab=11, dim=32, layers=2, heads=4, kv_heads=2, ff=64, ctx=8)  # whole Q8_0 rows
+    weights = decoder.init_params(cfg, seed=1, std=0.3)
     be = CpuBackend(2)
     stored = {}
     for k, v in weights.items():
@@ -137,14 +137,14 @@ def test_initial_adapter_is_the_identity_and_quantized_base_stays_in_its_type():
         assert np.array_equal(stored[k].buffer.bytes, raw), k
     # the first update's loss is the base model's loss on the same batch: B started at zero
     deq = {k: (dequantize(copies[k], "Q8_0", v.shape) if k in copies else v) for k, v in weights.items()}
-    base = llama.LlamaRunner(cfg, deq, CpuBackend(2), batch=2, length=cfg.ctx)
+    base = decoder.Runner(cfg, deq, CpuBackend(2), batch=2, length=cfg.ctx)
     want = base.nll(first[:, :-1], first[:, 1:]) / first[:, 1:].size
     assert losses[0] == pytest.approx(want, rel=1e-5)
 
 
 @pytest.mark.parametrize("kw, text", [(dict(rank=0), "--lora-rank"), (dict(targets=("attn_x",)), "attn_x"),
                                       (dict(alpha=0), "--lora-alpha"), (dict(dropout=1.0), "--lora-dropout"),
-                                      (dict(targets=()), "no target")])
+                                      (dict(targets=("attn_q", "attn_q")), "names a target twice")])
 def test_bad_lora_settings(kw, text):
     with pytest.raises(ConfigError, match=text):
         LoraConfig(**kw)
@@ -153,7 +153,7 @@ def test_bad_lora_settings(kw, text):
 def test_lora_dropout_trains_and_evaluates_without_masks():
     """With dropout the run still learns; evaluation uses no mask (it equals a dropout-free
     run's evaluation on the same factors), and resuming repeats the masks (same losses)."""
-    weights = llama.init_params(CFG, seed=1, std=0.3)
+    weights = decoder.init_params(CFG, seed=1, std=0.3)
     drop = LoraConfig(rank=2, alpha=3.0, dropout=0.3)
     run, losses, first = _run(weights, steps=12, lora=drop)
     assert losses[-1] < losses[0]
@@ -166,7 +166,7 @@ def test_lora_dropout_trains_and_evaluates_without_masks():
 def test_selective_checkpointing_gives_the_plain_gradients():
     """LoRA keeps the frozen products' outputs and recomputes the rest of each block: the
     gradients equal those of a run without checkpointing, bit for bit."""
-    weights = llama.init_params(CFG, seed=1, std=0.3)
+    weights = decoder.init_params(CFG, seed=1, std=0.3)
     factors = _factors(weights, 7)
     batch = np.random.default_rng(8).integers(0, CFG.vocab, (2, CFG.ctx + 1)).astype(np.int32)
     grads, frozen_products, nodes = [], [], []
@@ -190,7 +190,7 @@ def test_packed_samples_have_the_losses_they_have_alone():
     each attending only to itself: each sample's loss equals its loss run alone."""
     from ggtrain.core.data import pack
 
-    weights = llama.init_params(CFG, seed=1, std=0.3)
+    weights = decoder.init_params(CFG, seed=1, std=0.3)
     rng = np.random.default_rng(9)
     samples = [(rng.integers(0, CFG.vocab, n).astype(np.int32), np.ones(n, bool)) for n in (4, 2, 3)]
     data, stats = pack(samples, CFG.ctx)
@@ -199,13 +199,13 @@ def test_packed_samples_have_the_losses_they_have_alone():
     params = {k: g.param(v.shape, v, name=k, trainable=False) for k, v in weights.items()}
     tok, pos, seg = (g.const(getattr(data, k), dtype="i32") for k in ("tokens", "pos", "seg"))
     tgt = g.input((1, CFG.ctx), "i32")
-    packed_loss = llama.loss(llama.forward(CFG, params, tok, pos, seg=seg), tgt)
+    packed_loss = decoder.loss(decoder.forward(CFG, params, tok, pos, seg=seg), tgt)
     rt = Runtime(g, CpuBackend(2))
     plan = rt.compile([packed_loss])
     for i, (ids, _) in enumerate(samples):
         mine = np.where(data.seg == i, data.targets, -1)
         rt.set(tgt, mine)
         rt.run(plan)
-        alone = llama.LlamaRunner(CFG, weights, CpuBackend(2), length=len(ids) - 1)
+        alone = decoder.Runner(CFG, weights, CpuBackend(2), length=len(ids) - 1)
         want = alone.nll(ids[None, :-1], ids[None, 1:]) / (len(ids) - 1)
         assert float(plan.read(packed_loss)) == pytest.approx(want, rel=1e-5), i

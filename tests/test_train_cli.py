@@ -9,7 +9,7 @@ import gguf
 import numpy as np
 import pytest
 
-from ggtrain.formats.llama_model import load_llama
+from ggtrain.formats.model_file import load_model
 
 TINY = ["--dim", "32", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--ff", "64", "--ctx", "32",
         "--batch", "4", "--warmup", "5", "--lr", "3e-3", "--quiet"]
@@ -37,7 +37,7 @@ def test_training_lowers_loss_and_writes_a_clean_llama_model(tmp_path, text):
     assert lines[-1]["event"] == "done"
     names = [t.name for t in gguf.GGUFReader(out).tensors]
     assert not [n for n in names if n.startswith("adam_")]  # llama.cpp refuses extra tensors
-    config, weights, tok = load_llama(out)
+    config, weights, tok = load_model(out)
     assert config["layers"] == 2 and tok.n_vocab == 260
     assert "planned memory" in r.stderr
 
@@ -125,7 +125,7 @@ def test_undecodable_bytes_are_handled_as_the_tokenizer_defines(tmp_path, text, 
     out = tmp_path / "m.gguf"
     r = _cli("train", "--data", raw, "--out", out, "--steps", 3, "--tokenizer", tokenizer, *TINY)
     assert r.returncode == 0, r.stderr
-    config, weights, tok = load_llama(out)
+    config, weights, tok = load_model(out)
     if tokenizer == "byte":  # the reloaded byte vocabulary still keeps every byte
         assert tok.decode_bytes(tok.encode_bytes(b"\xff\xfe broken")) == b"\xff\xfe broken"
     ck = tmp_path / "ck"  # and resuming on that text is accepted (same token stream)

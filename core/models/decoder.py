@@ -1,12 +1,16 @@
-"""The llama architecture as llama.cpp computes it (layer 4).
+"""The one decoder graph of every model family (layer 4), as llama.cpp computes each.
 
-token embedding -> L x [RMSNorm -> attention (RoPE mode 0, grouped KV heads, causal,
-1/sqrt(D) scale) -> residual -> RMSNorm -> SwiGLU FFN -> residual] -> RMSNorm -> output
-projection (or the embedding, tied, when there is no output.weight).
+token embedding -> L x [RMSNorm -> attention (q/k/v projections, + biases (qwen2), per-head
+RMSNorm of q and k (qwen3), rope (adjacent pairs or NEOX halves, llama 3's frequency
+factors, linear scaling), grouped KV heads, causal, 1/sqrt(D) scale) -> residual -> RMSNorm
+-> SwiGLU FFN -> residual] -> RMSNorm -> output projection (or the embedding, tied, when
+there is no output.weight). What a family has is its Family (core/models/family.py,
+core/models/families/); ModelConfig is the one description of a model's hyperparameters.
 
 Parameters use llama.cpp's tensor names with numpy-order shapes (ggml's ne reversed):
 token_embd.weight (V, C), blk.{i}.attn_q.weight (H*D, C), attn_k/attn_v (Hkv*D, C),
-attn_output (C, H*D), ffn_gate/ffn_up (F, C), ffn_down (C, F), norms (C,).
+attn_output (C, H*D), ffn_gate/ffn_up (F, C), ffn_down (C, F), norms (C,); D is the head
+size (attention.key_length; C / H when absent).
 
 Attention is one fused op (ops.attention): q, k, v are read in the (B, T, heads, D)
 layout the projections give, query heads h = kv*G + g sharing kv head `kv` (grouped
@@ -21,12 +25,31 @@ import numpy as np
 
 from ggtrain.core import ops
 from ggtrain.core.backend import StoredTensor
+from ggtrain.core.models.families import FAMILIES
+from ggtrain.core.models.family import BLOCK_SHAPES, OUTPUT, OUTPUT_NORM, ROPE_FREQS, TOKEN_EMBD, Family
 from ggtrain.errors import ConfigError
 
 
+def family(arch: str) -> Family:
+    """The Family of an architecture name; ConfigError naming the supported ones."""
+    fam = FAMILIES.get(arch)
+    if fam is None:
+        raise ConfigError(f"architecture {arch!r} is not supported (ggtrain computes {', '.join(sorted(FAMILIES))})")
+    return fam
+
+
 @dataclass(frozen=True)
-class LlamaConfig:
-    """Hyperparameters (llama.cpp's llama.* keys)."""
+class ModelConfig:
+    """A decoder's hyperparameters (the {arch}.* keys of its GGUF file).
+
+    head_dim: 0 means dim // heads; rope_dims: 0 means the whole head (both resolved on
+    construction, so equal models have equal configs); rope_scale: linear
+    rope scaling (positions divided by it); rope_freqs: the model carries rope_freqs.weight
+    (per-pair frequency factors); tied: the output projection is the token embedding.
+    window: > 0, the sliding window of the local layers (gemma3); window_pattern: every
+    n-th layer is global (-1: the family's default; 0: none is); rope_base_swa: the rope
+    base of local layers; logit_softcap: > 0, logits become c tanh(logits / c).
+    """
 
     vocab: int
     dim: int = 256
@@ -39,58 +62,95 @@ class LlamaConfig:
     rope_base: float = 10000.0
     norm_eps: float = 1e-5
     tied: bool = False           # output projection is the token embedding
+    arch: str = "llama"
+    head_dim: int = 0            # 0: dim // heads
+    rope_scale: float = 1.0
+    rope_freqs: bool = False
+    window: int = 0
+    window_pattern: int = -1
+    rope_base_swa: float = 10000.0
+    logit_softcap: float = 0.0
 
     def __post_init__(self):
+        fam = family(self.arch)
         for name in ("vocab", "dim", "layers", "heads", "kv_heads", "ff", "ctx"):
             if getattr(self, name) < 1:
-                raise ConfigError(f"llama: {name} must be >= 1, got {getattr(self, name)}")
-        if self.dim % self.heads:
-            raise ConfigError(f"llama: dim {self.dim} is not a multiple of heads {self.heads}")
+                raise ConfigError(f"{self.arch}: {name} must be >= 1, got {getattr(self, name)}")
+        if not self.head_dim:
+            if self.dim % self.heads:
+                raise ConfigError(f"{self.arch}: dim {self.dim} is not a multiple of heads {self.heads}")
+            object.__setattr__(self, "head_dim", self.dim // self.heads)
+        if self.head_dim < 1:
+            raise ConfigError(f"{self.arch}: head_dim must be >= 1, got {self.head_dim}")
+        if not self.rope_dims:
+            object.__setattr__(self, "rope_dims", self.head_dim)
         if self.heads % self.kv_heads:
-            raise ConfigError(f"llama: heads {self.heads} is not a multiple of kv_heads {self.kv_heads}")
+            raise ConfigError(f"{self.arch}: heads {self.heads} is not a multiple of kv_heads {self.kv_heads}")
         if self.head_dim % 2 or self.n_rot % 2 or self.n_rot > self.head_dim:
-            raise ConfigError(f"llama: rotary dims {self.n_rot} must be even and <= head dim {self.head_dim}")
+            raise ConfigError(f"{self.arch}: rotary dims {self.n_rot} must be even and <= head dim {self.head_dim}")
+        if not self.rope_scale > 0 or not self.rope_base > 0 or not self.norm_eps > 0:
+            raise ConfigError(f"{self.arch}: rope_scale, rope_base and norm_eps must be > 0")
+        if self.rope_freqs and not fam.rope_freqs:
+            raise ConfigError(f"{self.arch}: the family has no {ROPE_FREQS}")
+        if self.window_pattern == -1:
+            object.__setattr__(self, "window_pattern", fam.window_pattern)
+        if self.window < 0 or self.window_pattern < 0 or self.logit_softcap < 0 or not self.rope_base_swa > 0:
+            raise ConfigError(f"{self.arch}: window {self.window}, window_pattern {self.window_pattern}, "
+                              f"logit_softcap {self.logit_softcap} must be >= 0, rope_base_swa > 0")
+        if self.window and "window" not in fam.keys:
+            raise ConfigError(f"{self.arch}: the family has no sliding-window attention")
 
     @property
-    def head_dim(self) -> int:
-        return self.dim // self.heads
+    def family(self) -> Family:
+        return FAMILIES[self.arch]
 
     @property
     def n_rot(self) -> int:
-        return self.rope_dims or self.head_dim
+        return self.rope_dims
+
+    def local(self, layer: int) -> bool:
+        """Whether a layer attends through the sliding window (llama.cpp's SWA pattern:
+        every window_pattern-th layer is global)."""
+        n = self.window_pattern
+        return self.window > 0 and (n == 0 or layer % n < n - 1)
+
+    @property
+    def n_params(self) -> int:
+        """Parameters (the output tied to the embedding or not, as the config says)."""
+        return sum(math.prod(s) for s in param_shapes(self).values())
 
 
-def param_shapes(cfg: LlamaConfig) -> dict:
+def param_shapes(cfg: ModelConfig) -> dict:
     """{tensor name: numpy-order shape}, in llama.cpp's order."""
-    c, d, f = cfg.dim, cfg.head_dim, cfg.ff
-    shapes = {"token_embd.weight": (cfg.vocab, c), "output_norm.weight": (c,)}
+    shapes = {TOKEN_EMBD: (cfg.vocab, cfg.dim), OUTPUT_NORM: (cfg.dim,)}
     if not cfg.tied:
-        shapes["output.weight"] = (cfg.vocab, c)
+        shapes[OUTPUT] = (cfg.vocab, cfg.dim)
+    if cfg.rope_freqs:
+        shapes[ROPE_FREQS] = (cfg.n_rot // 2,)
     for i in range(cfg.layers):
-        p = f"blk.{i}."
-        shapes.update({
-            p + "attn_norm.weight": (c,),
-            p + "attn_q.weight": (cfg.heads * d, c),
-            p + "attn_k.weight": (cfg.kv_heads * d, c),
-            p + "attn_v.weight": (cfg.kv_heads * d, c),
-            p + "attn_output.weight": (c, cfg.heads * d),
-            p + "ffn_norm.weight": (c,),
-            p + "ffn_gate.weight": (f, c),
-            p + "ffn_up.weight": (f, c),
-            p + "ffn_down.weight": (c, f),
-        })
+        for name in cfg.family.block:
+            shapes[f"blk.{i}.{name}"] = BLOCK_SHAPES[name](cfg)
     return shapes
 
 
-def init_params(cfg: LlamaConfig, seed: int = 0, std: float = 0.02) -> dict:
+def trainable(name: str) -> bool:
+    """Whether training changes a parameter: all but the rope frequency factors (constants
+    of the position encoding, not weights)."""
+    return name != ROPE_FREQS
+
+
+def init_params(cfg: ModelConfig, seed: int = 0, std: float = 0.02) -> dict:
     """Initialisation for training from scratch: N(0, std^2) for matrices, with the
     projections that write into the residual stream (attn_output, ffn_down) scaled by
-    1/sqrt(2 L) as in GPT-2; ones for the RMSNorm weights. {name: float32 array}."""
+    1/sqrt(2 L) as in GPT-2; ones for the RMSNorm weights (and rope factors), zeros for
+    biases. {name: float32 array}."""
     rng = np.random.default_rng(seed)
     out = {}
     for name, shape in param_shapes(cfg).items():
-        if name.endswith("norm.weight"):
+        if name.endswith("norm.weight") or name == ROPE_FREQS:
             out[name] = np.ones(shape, np.float32)
+        elif name.endswith(".bias"):
+            out[name] = np.zeros(shape, np.float32)
         else:
             s = std / math.sqrt(2 * cfg.layers) if name.endswith(("attn_output.weight", "ffn_down.weight")) else std
             out[name] = rng.normal(0.0, s, shape).astype(np.float32)
@@ -98,7 +158,9 @@ def init_params(cfg: LlamaConfig, seed: int = 0, std: float = 0.02) -> dict:
 
 
 def linear(x, params: dict, name: str, lora: dict | None = None):
-    """x @ W.T for the weight `name`, plus its LoRA update when `lora` has one:
+    """x @ W.T for the weight `name`, plus its LoRA update when `lora` has one, plus the
+    bias "<name without .weight>.bias" where params has one (after the LoRA update, as
+    llama.cpp adds it):
     scale * (x @ A.T) @ B.T with lora[name] = (A (r, n_in), B (n_out, r), scale), as
     llama.cpp applies an adapter (scale = user scale * alpha / r). A fourth item
     (p, seed, salt) drops the adapter's input out in training (ops.dropout; PEFT's
@@ -109,41 +171,50 @@ def linear(x, params: dict, name: str, lora: dict | None = None):
         xa = ops.dropout(x, *drop[0]) if drop and drop[0] is not None else x
         # the scale goes on the rank-r product (r columns, not n_out)
         y = ops.add(y, ops.linear(ops.scale(ops.linear(xa, a), scale), b))
-    return y
+    bias = params.get(name[:-len("weight")] + "bias")
+    return y if bias is None else ops.add(y, bias)
 
 
-def _attention(cfg: LlamaConfig, x, p: str, params: dict, pos, lora=None, kv=None, n_kv: int = 0, seg=None,
-               keep=None):
+def _attention(cfg: ModelConfig, x, p: str, params: dict, pos, lora=None, kv=None, n_kv: int = 0, seg=None,
+               keep=None, local: bool = False):
     """Self-attention of x (B, T, C), causal; with seg (B, T) i32 (packed samples), query i
     sees key j only when j <= i and seg[., j] == seg[., i] (pos (B, T) then restarts per
     sample). With kv = (k_cache, v_cache), persistent (S, Hkv*D) tensors (B must be 1):
     this step's keys and values are written at rows pos, and the queries attend over cache
     rows 0..n_kv-1, query i seeing rows <= pos[i]. keep: called with the fused attention
-    node (Graph.keep under checkpointing)."""
+    node (Graph.keep under checkpointing). local: a sliding-window layer (its window, its
+    rope base, no rope scaling)."""
     b, t, c = x.shape
+    fam = cfg.family
     h, hkv, d = cfg.heads, cfg.kv_heads, cfg.head_dim
     q = ops.reshape(linear(x, params, p + "attn_q.weight", lora), (b, t, h, d))
     k = ops.reshape(linear(x, params, p + "attn_k.weight", lora), (b, t, hkv, d))
     v = ops.reshape(linear(x, params, p + "attn_v.weight", lora), (b, t, hkv, d))
-    q = ops.rope(q, pos, cfg.n_rot, cfg.rope_base)
-    k = ops.rope(k, pos, cfg.n_rot, cfg.rope_base)
-    scale = 1.0 / math.sqrt(d)
+    if fam.qk_norm:   # RMSNorm over each head's D values
+        q = ops.mul(ops.rms_norm(q, cfg.norm_eps), params[p + "attn_q_norm.weight"])
+        k = ops.mul(ops.rms_norm(k, cfg.norm_eps), params[p + "attn_k_norm.weight"])
+    rope = dict(n_dims=cfg.n_rot, freq_base=cfg.rope_base_swa if local else cfg.rope_base, mode=fam.rope_mode,
+                freq_scale=1.0 if local else 1.0 / cfg.rope_scale, factors=params.get(ROPE_FREQS))
+    q = ops.rope(q, pos, **rope)
+    k = ops.rope(k, pos, **rope)
+    scale = fam.attention_scale(cfg)
+    window = cfg.window if local else 0
     if kv is None:
-        out = ops.attention(q, k, v, scale, causal=seg is None, seg=seg)                 # (B, T, H, D)
+        out = ops.attention(q, k, v, scale, causal=seg is None, seg=seg, window=window)   # (B, T, H, D)
         if keep is not None:
             keep(out.root)
     else:
         if b != 1:
-            raise ConfigError(f"llama: a KV cache serves one sequence, got a batch of {b}")
+            raise ConfigError(f"{cfg.arch}: a KV cache serves one sequence, got a batch of {b}")
         cache_k = ops.set_rows(kv[0], ops.reshape(k, (t, hkv * d)), pos)              # (S, Hkv*D)
         cache_v = ops.set_rows(kv[1], ops.reshape(v, (t, hkv * d)), pos)
         k = ops.view(cache_k, (1, n_kv, hkv, d))                                        # rows 0..n_kv-1
         v = ops.view(cache_v, (1, n_kv, hkv, d))
-        out = ops.attention(q, k, v, scale, pos=pos)
+        out = ops.attention(q, k, v, scale, pos=pos, window=window)
     return linear(ops.reshape(out, (b, t, h * d)), params, p + "attn_output.weight", lora)
 
 
-def forward(cfg: LlamaConfig, params: dict, tokens, pos, graph=None, checkpoint: bool = False,
+def forward(cfg: ModelConfig, params: dict, tokens, pos, graph=None, checkpoint: bool = False,
             lora: dict | None = None, cache: list | None = None, n_kv: int = 0, last_only: bool = False,
             seg=None, rows=None):
     """Logits (B, T, V) for tokens (B, T) i32 at positions pos (T,) i32.
@@ -167,21 +238,31 @@ def forward(cfg: LlamaConfig, params: dict, tokens, pos, graph=None, checkpoint:
     """
     b, t = tokens.shape
     if t > cfg.ctx:
-        raise ConfigError(f"llama: sequence of {t} tokens exceeds the context {cfg.ctx}")
+        raise ConfigError(f"{cfg.arch}: sequence of {t} tokens exceeds the context {cfg.ctx}")
     eps = cfg.norm_eps
+    fam = cfg.family
     x = ops.get_rows(params["token_embd.weight"], tokens)                            # (B, T, C)
+    if fam.embed_scale:
+        x = ops.scale(x, math.sqrt(cfg.dim))
     for i in range(cfg.layers):
         p = f"blk.{i}."
         h = ops.mul(ops.rms_norm(x, eps), params[p + "attn_norm.weight"])
         kv = cache[i] if cache is not None else None
         keep = graph.keep if checkpoint and graph is not None and not lora else None
-        x = ops.add(x, _attention(cfg, h, p, params, pos, lora, kv, n_kv, seg, keep=keep))
+        a = _attention(cfg, h, p, params, pos, lora, kv, n_kv, seg, keep=keep, local=cfg.local(i))
+        if fam.post_norms:
+            a = ops.mul(ops.rms_norm(a, eps), params[p + "post_attention_norm.weight"])
+        x = ops.add(x, a)
         if keep is not None:
             keep(x)
         h = ops.mul(ops.rms_norm(x, eps), params[p + "ffn_norm.weight"])
         gate = linear(h, params, p + "ffn_gate.weight", lora)
         up = linear(h, params, p + "ffn_up.weight", lora)
-        x = ops.add(x, linear(ops.swiglu(gate, up), params, p + "ffn_down.weight", lora))
+        f = linear(ops.geglu(gate, up) if fam.act == "gelu" else ops.swiglu(gate, up), params,
+                   p + "ffn_down.weight", lora)
+        if fam.post_norms:
+            f = ops.mul(ops.rms_norm(f, eps), params[p + "post_ffw_norm.weight"])
+        x = ops.add(x, f)
         if checkpoint and graph is not None:
             graph.checkpoint(x)
     if last_only and t > 1:
@@ -191,7 +272,11 @@ def forward(cfg: LlamaConfig, params: dict, tokens, pos, graph=None, checkpoint:
         x = ops.get_rows(ops.reshape(x, (b * t, x.shape[-1])), rows)                # (M, C)
     x = ops.mul(ops.rms_norm(x, eps), params["output_norm.weight"])
     head = "token_embd.weight" if cfg.tied else "output.weight"
-    return linear(x, params, head, lora)
+    logits = linear(x, params, head, lora)
+    if cfg.logit_softcap:
+        c = cfg.logit_softcap
+        logits = ops.scale(ops.tanh(ops.scale(logits, 1.0 / c)), c)
+    return logits
 
 
 def loss(logits, targets):
@@ -220,21 +305,21 @@ def _frozen(graph, weights: dict, adapters: dict | None) -> tuple:
     lora = {}
     for name, (a, b, scale) in (adapters or {}).items():
         if name not in params:
-            raise ConfigError(f"llama: an adapter targets {name!r}, which the model does not have")
+            raise ConfigError(f"an adapter targets {name!r}, which the model does not have")
         lora[name] = (graph.param(a.shape, a, name=name + ".lora_a", trainable=False),
                       graph.param(b.shape, b, name=name + ".lora_b", trainable=False), float(scale))
     return params, lora, stored
 
 
-class LlamaRunner:
-    """Forward-only runs of a llama with fixed weights over whole windows: logits, and
+class Runner:
+    """Forward-only runs of a model with fixed weights over whole windows: logits, and
     losses for evaluation. Compiled once for (batch, length); shorter inputs are padded
     (causal attention: padding after a position never changes its logits).
 
     weights: {name: f32 array or StoredTensor}; adapters: {weight name: (A, B, scale)}.
     """
 
-    def __init__(self, cfg: LlamaConfig, weights: dict, backend, batch: int = 1, length: int | None = None,
+    def __init__(self, cfg: ModelConfig, weights: dict, backend, batch: int = 1, length: int | None = None,
                  n_threads: int | None = None, adapters: dict | None = None):
         from ggtrain.core.graph import Graph, Runtime  # same layer 3/4 boundary, no cycle
 
@@ -258,7 +343,7 @@ class LlamaRunner:
     def _fill(self, tokens: np.ndarray) -> np.ndarray:
         tokens = np.asarray(tokens, dtype=np.int32)
         if tokens.ndim != 2 or tokens.shape[0] != self.batch or tokens.shape[1] > self.length:
-            raise ConfigError(f"llama runner: tokens {tokens.shape} do not fit ({self.batch}, <= {self.length})")
+            raise ConfigError(f"runner: tokens {tokens.shape} do not fit ({self.batch}, <= {self.length})")
         _check_ids(tokens, self.cfg.vocab)
         full = np.zeros((self.batch, self.length), np.int32)
         full[:, :tokens.shape[1]] = tokens
@@ -287,10 +372,10 @@ class LlamaRunner:
 
 def _check_ids(tokens: np.ndarray, vocab: int) -> None:
     if tokens.size and (tokens.min() < 0 or tokens.max() >= vocab):
-        raise ConfigError(f"llama: token id outside 0..{vocab - 1}")
+        raise ConfigError(f"token id outside 0..{vocab - 1}")
 
 
-class LlamaDecoder:
+class Decoder:
     """Incremental (KV-cached) decoding of one sequence: `feed(ids)` appends tokens and
     returns the logits after the last one; each new token costs one token's work.
 
@@ -302,14 +387,14 @@ class LlamaDecoder:
 
     MIN_ROWS = 32
 
-    def __init__(self, cfg: LlamaConfig, weights: dict, backend, n_ctx: int | None = None,
+    def __init__(self, cfg: ModelConfig, weights: dict, backend, n_ctx: int | None = None,
                  n_threads: int | None = None, adapters: dict | None = None, chunk: int = 256):
         from ggtrain.core.graph import Graph, Runtime  # same layer 3/4 boundary, no cycle
 
         self.cfg = cfg
         self.n_ctx = min(n_ctx or cfg.ctx, cfg.ctx)
         if self.n_ctx < 1 or chunk < 1:
-            raise ConfigError(f"llama decoder: context {self.n_ctx} and chunk {chunk} must be >= 1")
+            raise ConfigError(f"decoder: context {self.n_ctx} and chunk {chunk} must be >= 1")
         self.chunk = chunk
         self.n_threads = n_threads
         self.graph = g = Graph()
@@ -351,9 +436,9 @@ class LlamaDecoder:
         """
         ids = np.asarray(ids, np.int32).reshape(-1)
         if ids.size == 0:
-            raise ConfigError("llama decoder: nothing to feed")
+            raise ConfigError("decoder: nothing to feed")
         if self.n_past + ids.size > self.n_ctx:
-            raise ConfigError(f"llama decoder: {self.n_past} + {ids.size} tokens exceed the context "
+            raise ConfigError(f"decoder: {self.n_past} + {ids.size} tokens exceed the context "
                               f"of {self.n_ctx}")
         _check_ids(ids, self.cfg.vocab)
         for start in range(0, ids.size, self.chunk):
@@ -366,7 +451,7 @@ class LlamaDecoder:
         return plan.read(logits)[0, -1]
 
 
-def generate(decoder: LlamaDecoder, prompt: list, n: int, sampler, stop: frozenset = frozenset()):
+def generate(decoder: Decoder, prompt: list, n: int, sampler, stop: frozenset = frozenset()):
     """Yield new token ids after `prompt`: up to n (n < 0: until a stop token or the context
     is full), each drawn by `sampler(logits, history)`; a stop token is yielded, then ends."""
     ids = list(prompt)

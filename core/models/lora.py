@@ -1,4 +1,4 @@
-"""LoRA adapters of a llama's linear weights (layer 4), as PEFT trains them and llama.cpp applies them.
+"""LoRA adapters of a decoder's linear weights (layer 4), as PEFT trains them and llama.cpp applies them.
 
 A weight W (n_out, n_in) gets two trainable factors, A (r, n_in) and B (n_out, r), and the
 layer computes W x + (alpha / r) B A x. PEFT's initialisation: A uniform in
@@ -14,19 +14,22 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ggtrain.core.models.families import FAMILIES
 from ggtrain.errors import ConfigError
 
-# the llama weights an adapter may target, by their llama.cpp block tensor names
-TARGETS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+# the block weights an adapter may target in some family, by their llama.cpp names (each
+# family's own are its Family.lora_targets)
+TARGETS = tuple(dict.fromkeys(t for fam in FAMILIES.values() for t in fam.lora_targets))
 
 
 @dataclass(frozen=True)
 class LoraConfig:
-    """Rank, alpha, targeted weights (TARGETS names) and dropout of the adapters' input."""
+    """Rank, alpha, targeted weights (TARGETS names; empty: every target of the model's
+    family) and dropout of the adapters' input."""
 
     rank: int = 16
     alpha: float = 32.0
-    targets: tuple = TARGETS
+    targets: tuple = ()
     dropout: float = 0.0
 
     def __post_init__(self):
@@ -36,8 +39,6 @@ class LoraConfig:
         if not self.alpha > 0:
             raise ConfigError(f"--lora-alpha must be > 0, got {self.alpha}")
         unknown = [t for t in self.targets if t not in TARGETS]
-        if not self.targets:
-            raise ConfigError(f"--lora-targets: no target given (targets: {', '.join(TARGETS)})")
         if unknown:
             raise ConfigError(f"--lora-targets: unknown target {unknown[0]!r} (targets: {', '.join(TARGETS)})")
         if len(set(self.targets)) != len(self.targets):
@@ -50,9 +51,15 @@ class LoraConfig:
         """alpha / r: the factor of B A x."""
         return self.alpha / self.rank
 
-    def weights(self, layers: int) -> list:
-        """The adapted weight names, in llama.cpp's order: blk.{i}.<target>.weight."""
-        return [f"blk.{i}.{t}.weight" for i in range(layers) for t in TARGETS if t in self.targets]
+    def weights(self, model) -> list:
+        """The adapted weight names of `model` (a ModelConfig), in llama.cpp's order:
+        blk.{i}.<target>.weight. ConfigError for a target the model's family lacks."""
+        own = model.family.lora_targets
+        missing = [t for t in self.targets if t not in own]
+        if missing:
+            raise ConfigError(f"--lora-targets: {missing[0]!r} is not a weight of a {model.arch} model "
+                              f"(its targets: {', '.join(own)})")
+        return [f"blk.{i}.{t}.weight" for i in range(model.layers) for t in own if not self.targets or t in self.targets]
 
 
 def init_lora(cfg: LoraConfig, shapes: dict, seed: int = 0) -> dict:

@@ -1,0 +1,128 @@
+"""What a model family is (layer 4): the GGUF keys and tensors of an architecture and the
+options of the one decoder graph (core/models/decoder.py) that computes it.
+
+A family is one small module in core/models/families/ holding `FAMILY = Family(...)`: the
+architecture name llama.cpp writes in general.architecture, the tensors of a block (by
+their llama.cpp names, shapes from the one table below), the keys it reads besides the
+common ones, and its graph options. formats/ validates, reads and writes files from the
+same description, the decoder builds the graph from it, and LoRA takes its targets from it;
+adding a family is adding such a module (and its test rows).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+# config field -> GGUF key after "{arch}.", read from every family's files and written to them
+COMMON_KEYS = {
+    "ctx": "context_length",
+    "dim": "embedding_length",
+    "ff": "feed_forward_length",
+    "layers": "block_count",
+    "heads": "attention.head_count",
+    "kv_heads": "attention.head_count_kv",
+    "head_dim": "attention.key_length",
+    "rope_dims": "rope.dimension_count",
+    "vocab": "vocab_size",
+    "norm_eps": "attention.layer_norm_rms_epsilon",
+    "rope_base": "rope.freq_base",
+}
+REQUIRED_KEYS = ("ctx", "dim", "ff", "layers", "heads", "norm_eps")
+
+# block tensor (blk.{i}.<name>) -> numpy-order shape from a ModelConfig c. The one table of
+# shapes: every family lists the names it has.
+BLOCK_SHAPES = {
+    "attn_norm.weight": lambda c: (c.dim,),
+    "attn_q.weight": lambda c: (c.heads * c.head_dim, c.dim),
+    "attn_k.weight": lambda c: (c.kv_heads * c.head_dim, c.dim),
+    "attn_v.weight": lambda c: (c.kv_heads * c.head_dim, c.dim),
+    "attn_q.bias": lambda c: (c.heads * c.head_dim,),
+    "attn_k.bias": lambda c: (c.kv_heads * c.head_dim,),
+    "attn_v.bias": lambda c: (c.kv_heads * c.head_dim,),
+    "attn_q_norm.weight": lambda c: (c.head_dim,),
+    "attn_k_norm.weight": lambda c: (c.head_dim,),
+    "attn_output.weight": lambda c: (c.dim, c.heads * c.head_dim),
+    "post_attention_norm.weight": lambda c: (c.dim,),
+    "ffn_norm.weight": lambda c: (c.dim,),
+    "ffn_gate.weight": lambda c: (c.ff, c.dim),
+    "ffn_down.weight": lambda c: (c.dim, c.ff),
+    "ffn_up.weight": lambda c: (c.ff, c.dim),
+    "post_ffw_norm.weight": lambda c: (c.dim,),
+}
+
+# the llama block: the base every family here starts from. The order is the one tensors are
+# written and initialised in (init_params draws them in it, so a seed gives the same model as
+# before families existed); llama.cpp finds tensors by name, in any order.
+LLAMA_BLOCK = ("attn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight",
+               "ffn_norm.weight", "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight")
+LLAMA_TARGETS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+
+TOKEN_EMBD, OUTPUT_NORM, OUTPUT = "token_embd.weight", "output_norm.weight", "output.weight"
+ROPE_FREQS = "rope_freqs.weight"   # llama 3: factors dividing the rotation frequencies, (rope_dims / 2,)
+
+# rope scaling types (the {arch}.rope.scaling.type key) the decoder applies
+ROPE_SCALING = ("none", "linear")
+ACTIVATIONS = ("silu", "gelu")    # the FFN gate: SwiGLU, or GeGLU with gelu's tanh approximation
+
+
+def head_scale(cfg) -> float:
+    """1 / sqrt(head size): the attention scale of most families."""
+    return 1.0 / math.sqrt(cfg.head_dim)
+
+
+@dataclass(frozen=True)
+class Family:
+    """One architecture: its GGUF name, block tensors and graph options.
+
+    arch: general.architecture. block: the block's tensor names (BLOCK_SHAPES keys) in the
+    order files hold them. rope_mode: "norm" (adjacent pairs) or "neox" (halves).
+    rope_freqs: files may carry rope_freqs.weight. lora_targets: the block weights an
+    adapter may target (their names without ".weight"). keys: {config field: key after
+    "{arch}."} read besides COMMON_KEYS. ignored_keys: keys after "{arch}." that files
+    carry and that change nothing this decoder computes (each with its reason in the
+    family's module); any other "{arch}." key is refused, not silently dropped.
+    act: the FFN gate's activation (ACTIVATIONS). embed_scale: the embedding is multiplied
+    by sqrt(n_embd). attention_scale: cfg -> the scale of q.k. window_pattern: with a
+    sliding window, every n-th layer is global (llama.cpp's default for the family).
+    Post-attention / post-FFN norms and q/k norms are there when the block has their tensors.
+    """
+
+    arch: str
+    block: tuple = LLAMA_BLOCK
+    rope_mode: str = "norm"
+    rope_freqs: bool = False
+    lora_targets: tuple = LLAMA_TARGETS
+    keys: dict = field(default_factory=dict)
+    ignored_keys: tuple = ()
+    act: str = "silu"
+    embed_scale: bool = False
+    attention_scale: Callable = head_scale
+    window_pattern: int = 0
+
+    def __post_init__(self):
+        unknown = [n for n in self.block if n not in BLOCK_SHAPES]
+        if unknown:
+            raise ValueError(f"family {self.arch}: no shape for block tensor {unknown[0]!r}")
+        bad = [t for t in self.lora_targets if t + ".weight" not in self.block]
+        if bad:
+            raise ValueError(f"family {self.arch}: LoRA target {bad[0]!r} is not a block weight")
+        if self.act not in ACTIVATIONS or self.rope_mode not in ("norm", "neox"):
+            raise ValueError(f"family {self.arch}: act {self.act!r}, rope_mode {self.rope_mode!r}")
+
+    @property
+    def qkv_bias(self) -> bool:
+        return "attn_q.bias" in self.block
+
+    @property
+    def qk_norm(self) -> bool:
+        return "attn_q_norm.weight" in self.block
+
+    @property
+    def post_norms(self) -> bool:
+        return "post_attention_norm.weight" in self.block
+
+    @property
+    def all_keys(self) -> dict:
+        """{config field: key after "{arch}."} of every key this family reads."""
+        return {**COMMON_KEYS, **self.keys}

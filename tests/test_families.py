@@ -1,0 +1,193 @@
+"""Every model family against real llama.cpp (llama-cpp-python, the `interop` extra).
+
+Tiny random-weight models of each family are written by gguf-py (not our writer) with the
+keys and tensor names of llama.cpp's converters, and what sets each family apart: llama 3's
+rope_freqs factors and a head size (attention.key_length) that is not n_embd / n_head,
+linear rope scaling, qwen2's q/k/v biases with a tied output, qwen3's q/k norms with a wide
+head. For each: `ggtrain eval`'s NLL equals llama.cpp's (F32 KV cache) to ~1e-5, and a LoRA
+adapter `ggtrain finetune` trains, and its merged model, give in llama.cpp what they give in
+ggtrain.
+"""
+import json
+
+import gguf
+import numpy as np
+import pytest
+
+from ggtrain.core.backend_cpu import CpuBackend
+from ggtrain.core.models.decoder import ModelConfig, Runner
+from ggtrain.formats.gguf import read_gguf
+from ggtrain.formats.lora import lora_adapters
+from ggtrain.formats.model import validate_model
+from ggtrain.formats.model_file import load_model
+from ggtrain.formats.tokenizer import ByteTokenizer
+from tests import np_decoder
+from tests.interop import open_llm, run_cli
+from tests.test_decoder import family_params
+
+BASE = dict(dim=64, layers=2, heads=4, kv_heads=2, ff=96, ctx=256)
+CASES = {
+    "llama3": dict(arch="llama", rope_freqs=True, head_dim=24, rope_base=500000.0),
+    "llama-linear": dict(arch="llama", rope_scale=4.0, kv_heads=1),
+    "qwen2": dict(arch="qwen2", tied=True),
+    "qwen3": dict(arch="qwen3", head_dim=32),
+    # local layers 0 and 2 see 8 keys (the text is ~150 tokens), layer 1 is global; the
+    # pattern as llama.cpp's converters write it for gemma3n-style files (a bool per layer)
+    "gemma3": dict(arch="gemma3", head_dim=32, kv_heads=1, tied=True, layers=3, window=8, window_pattern=2,
+                   rope_base=1e6, rope_base_swa=10000.0, logit_softcap=30.0),
+}
+TEXT = ("First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n\n"
+        "First Citizen:\nYou are all resolved rather to die than to famish?\n")
+# random weights at std 0.3 give peaked logits; NLLs agree to float32 rounding
+NLL_ATOL = 2e-5
+LOGITS_ATOL = 1e-3
+# GeGLU families: llama.cpp's CPU gelu reads a table of f16 values at x rounded to f16
+# (GGML_GELU_FP16), ~1e-3 relative; ours is exact. The NLLs then differ by ~1e-4, and the
+# float64 twin with that table (np_decoder.ggml_gelu_f16) meets llama.cpp to NLL_ATOL, which
+# the test checks too: the wider tolerance covers the table and nothing else.
+GELU_NLL_ATOL, GELU_LOGITS_ATOL = 3e-4, 1e-2
+
+
+def _gguf_py_names(arch: str, layers: int) -> set:
+    """Every tensor name gguf-py (llama.cpp's own table) knows for arch, for `layers` blocks."""
+    a = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
+    names = set()
+    for t in gguf.MODEL_TENSORS[a]:
+        for i in range(layers):
+            base = gguf.TENSOR_NAMES[t].format(bid=i)
+            names |= {base + ".weight", base + ".bias"}
+    return names
+
+
+def write_with_gguf_py(path, cfg: ModelConfig, weights: dict, tok) -> None:
+    """A model file as llama.cpp's converters write it, through gguf-py's GGUFWriter."""
+    w = gguf.GGUFWriter(str(path), cfg.arch)
+    w.add_name(f"tiny {cfg.arch}")
+    w.add_context_length(cfg.ctx)
+    w.add_embedding_length(cfg.dim)
+    w.add_feed_forward_length(cfg.ff)
+    w.add_block_count(cfg.layers)
+    w.add_head_count(cfg.heads)
+    w.add_head_count_kv(cfg.kv_heads)
+    w.add_layer_norm_rms_eps(cfg.norm_eps)
+    w.add_rope_freq_base(cfg.rope_base)
+    w.add_rope_dimension_count(cfg.n_rot)
+    if cfg.head_dim != cfg.dim // cfg.heads:
+        w.add_key_length(cfg.head_dim)
+        w.add_value_length(cfg.head_dim)
+    if cfg.rope_scale != 1.0:
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(cfg.rope_scale)
+    if cfg.window:
+        w.add_sliding_window(cfg.window)
+        w.add_sliding_window_pattern([cfg.local(i) for i in range(cfg.layers)])
+        w.add_rope_freq_base_swa(cfg.rope_base_swa)
+    if cfg.logit_softcap:
+        w.add_final_logit_softcapping(cfg.logit_softcap)
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    for key, value, vt, *sub in tok.gguf_kv():
+        value = value.tolist() if isinstance(value, np.ndarray) else value
+        w.add_key_value(key, value, vt, sub_type=sub[0] if sub else None)
+    for name, v in weights.items():
+        w.add_tensor(name, np.ascontiguousarray(v, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def family_model(request, tmp_path_factory):
+    """(path, ModelConfig, f32 weights, tokenizer) of a tiny model of one family, by gguf-py."""
+    tok = ByteTokenizer()
+    cfg = ModelConfig(vocab=tok.n_vocab, **{**BASE, **CASES[request.param]})
+    weights = family_params(cfg, seed=3, std=0.3)
+    path = tmp_path_factory.mktemp("families") / f"{request.param}.gguf"
+    write_with_gguf_py(path, cfg, weights, tok)
+    return path, cfg, weights, tok
+
+
+def _their_nll(llm, ids) -> tuple:
+    """llama.cpp's logits of ids[:-1] (n, V) and the mean NLL of ids[1:] under them (float64)."""
+    llm.reset()
+    llm.eval(list(ids[:-1]))
+    logits = np.array(llm.scores[:len(ids) - 1], dtype=np.float64)
+    z = logits - logits.max(-1, keepdims=True)
+    logp = z - np.log(np.exp(z).sum(-1, keepdims=True))
+    return logits, float(-logp[np.arange(len(ids) - 1), ids[1:]].mean())
+
+
+def _eval_cli(model, data, *extra) -> dict:
+    res = run_cli("eval", "--model", model, "--data", data, "--json", "--threads", 2, *extra)
+    assert res.returncode == 0, res.stderr
+    return json.loads(res.stdout)
+
+
+def test_family_tensors_are_llama_cpps(family_model):
+    path, cfg, weights, _ = family_model
+    assert set(weights) <= _gguf_py_names(cfg.arch, cfg.layers)        # names llama.cpp knows for the arch
+    layout = validate_model(read_gguf(path))
+    assert layout.config == cfg
+
+
+def _atol(cfg) -> tuple:
+    """(NLL, logits) tolerances against llama.cpp for cfg's family."""
+    return (GELU_NLL_ATOL, GELU_LOGITS_ATOL) if cfg.family.act == "gelu" else (NLL_ATOL, LOGITS_ATOL)
+
+
+def _nll(logits, ids) -> float:
+    z = logits - logits.max(-1, keepdims=True)
+    logp = z - np.log(np.exp(z).sum(-1, keepdims=True))
+    return float(-logp[np.arange(len(ids) - 1), ids[1:]].mean())
+
+
+def test_family_nll_equals_llama_cpp(llama, family_model, tmp_path):
+    path, cfg, weights, tok = family_model
+    data = tmp_path / "t.txt"
+    data.write_text(TEXT)
+    ids = tok.encode(TEXT, add_bos=tok.add_bos)
+    theirs_logits, theirs = _their_nll(open_llm(llama, path), ids)
+    ours = _eval_cli(path, data)
+    nll_atol, logits_atol = _atol(cfg)
+    assert ours["tokens"] == len(ids) - 1
+    assert ours["nll"] == pytest.approx(theirs, abs=nll_atol)
+    runner = Runner(cfg, weights, CpuBackend(2), length=len(ids) - 1)
+    logits = runner.logits(np.asarray(ids[:-1], np.int32)[None])[0]
+    np.testing.assert_allclose(logits, theirs_logits, rtol=0, atol=logits_atol)
+    # ours is the exact float64 model; with llama.cpp's f16 gelu table the twin is llama.cpp
+    twin = np_decoder.forward(cfg, weights, np.array([ids[:-1]]), np.arange(len(ids) - 1))[0]
+    assert ours["nll"] == pytest.approx(_nll(twin, ids), abs=NLL_ATOL)
+    if cfg.family.act == "gelu":
+        table = np_decoder.forward(cfg, weights, np.array([ids[:-1]]), np.arange(len(ids) - 1),
+                                   gelu=np_decoder.ggml_gelu_f16)[0]
+        assert _nll(table, ids) == pytest.approx(theirs, abs=NLL_ATOL)
+
+
+def test_family_lora_and_merged_model_equal_llama_cpp(llama, family_model, tmp_path):
+    """finetune trains an adapter on the family (a few steps at a high rate, so it moves the
+    logits); llama.cpp applies it, and loads the merged model, as ggtrain does."""
+    path, cfg, weights, tok = family_model
+    data = tmp_path / "t.txt"
+    data.write_text(TEXT * 8)
+    adapter, merged = tmp_path / "a.gguf", tmp_path / "m.gguf"
+    res = run_cli("finetune", "--model", path, "--data", data, "--out", adapter, "--merged-out", merged,
+                  "--steps", 4, "--ctx", 32, "--batch", 2, "--lr", 3e-2, "--warmup", 0, "--val-split", 0,
+                  "--threads", 2, "--quiet")
+    assert res.returncode == 0, res.stderr
+    ids = tok.encode(TEXT, add_bos=tok.add_bos)
+    nll_atol, logits_atol = _atol(cfg)
+    base_nll = _their_nll(open_llm(llama, path), ids)[1]
+    lora_logits, lora_nll = _their_nll(open_llm(llama, path, lora=adapter), ids)
+    assert abs(lora_nll - base_nll) > 0.01                  # the adapter changes the model
+    probe = tmp_path / "probe.txt"
+    probe.write_text(TEXT)
+    assert _eval_cli(path, probe, "--lora", adapter)["nll"] == pytest.approx(lora_nll, abs=nll_atol)
+    assert _their_nll(open_llm(llama, merged), ids)[1] == pytest.approx(lora_nll, abs=nll_atol)
+    assert _eval_cli(merged, probe)["nll"] == pytest.approx(lora_nll, abs=nll_atol)
+    adapters = lora_adapters(adapter, {n: w.shape for n, w in weights.items()}, 1.0, cfg.arch)
+    assert {n.split(".")[2] for n in adapters} == set(cfg.family.lora_targets)
+    runner = Runner(cfg, weights, CpuBackend(2), length=len(ids) - 1, adapters=adapters)
+    np.testing.assert_allclose(runner.logits(np.asarray(ids[:-1], np.int32)[None])[0], lora_logits,
+                               rtol=0, atol=logits_atol)
+    mcfg, mweights, _ = load_model(merged)
+    assert ModelConfig(**mcfg) == cfg and set(mweights) == set(weights)
