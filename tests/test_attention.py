@@ -200,11 +200,11 @@ def test_bad_inputs_are_clear_errors():
 # ---- against the unfused composition ---------------------------------------------------------
 
 
-def unfused_attention(q, k, v, scale, causal=False, pos=None, seg=None, with_lse=False):
+def unfused_attention(q, k, v, scale, causal=False, pos=None, seg=None, with_lse=False, window=0):
     """ops.attention's O from matmul, softmax and permutes: the (B, H, Tq, Tk) scores and
     probabilities made whole, q, v and the output copied by permutes (grouped heads as one
-    batched product per KV head). What llama.py ran before the fused op."""
-    assert not with_lse
+    batched product per KV head). What llama.py ran before the fused op (no windows)."""
+    assert not with_lse and not window
     b, tq, h, d = q.shape
     tk, hkv = k.shape[1], k.shape[2]
     g = h // hkv

@@ -191,3 +191,49 @@ def test_family_lora_and_merged_model_equal_llama_cpp(llama, family_model, tmp_p
                                rtol=0, atol=logits_atol)
     mcfg, mweights, _ = load_model(merged)
     assert ModelConfig(**mcfg) == cfg and set(mweights) == set(weights)
+
+
+@pytest.mark.parametrize("damage,message", [
+    (dict(kv=[("qwen2.rope.scaling.type", "yarn")]), "qwen2.rope.scaling.type = 'yarn': a rope scaling ggtrain "
+                                                      "does not implement"),
+    (dict(arch="qwen2moe"), "architecture 'qwen2moe' is not supported (ggtrain computes gemma3, llama, qwen2"),
+    (dict(kv=[("qwen2.expert_count", 4)]), "qwen2.expert_count = 4: a mixture-of-experts model"),
+    (dict(drop="blk.1.attn_v.bias"), "missing tensor 'blk.1.attn_v.bias'"),
+])
+def test_bad_family_file_is_one_line_and_writes_nothing(tmp_path, damage, message):
+    """finetune on a file that asks for what ggtrain does not compute: exit 1, one line naming
+    it, no adapter written."""
+    tok = ByteTokenizer()
+    cfg = ModelConfig(vocab=tok.n_vocab, **{**BASE, **CASES["qwen2"]})
+    weights = family_params(cfg)
+    weights.pop(damage.get("drop", ""), None)
+    path = tmp_path / "bad.gguf"
+    write_with_gguf_py(path, cfg, weights, tok)
+    if "kv" in damage or "arch" in damage:   # rewrite the file's keys through gguf-py
+        f = read_gguf(path)
+        w = gguf.GGUFWriter(str(tmp_path / "bad2.gguf"), damage.get("arch", "qwen2"))
+        for key, v in f.kv.items():
+            if key.startswith(("general.architecture", "GGUF.")):
+                continue
+            key = key.replace("qwen2.", damage.get("arch", "qwen2") + ".")
+            value = v.value.tolist() if isinstance(v.value, np.ndarray) else v.value
+            w.add_key_value(key, value, v.type, sub_type=getattr(v, "item_type", None))
+        for key, value in damage.get("kv", []):
+            if isinstance(value, str):
+                w.add_string(key, value)
+            else:
+                w.add_uint32(key, value)
+        for name, arr in weights.items():
+            w.add_tensor(name, arr)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        path = tmp_path / "bad2.gguf"
+    data = tmp_path / "t.txt"
+    data.write_text(TEXT * 4)
+    out = tmp_path / "a.gguf"
+    r = run_cli("finetune", "--model", path, "--data", data, "--out", out, "--steps", 1, "--ctx", 16, "--quiet")
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and message in r.stderr, r.stderr
+    assert str(path) in r.stderr and not out.exists()
