@@ -235,6 +235,10 @@ def validate_model(f: GGUFFile) -> ModelLayout:
     if extra and CHECKPOINT_KEY in f.kv:
         raise FormatError(f"{f.path}: a ggtrain training checkpoint, not a model (it holds optimizer state); "
                           f"`ggtrain convert-checkpoint {f.path} MODEL.gguf` writes its model")
+    long_rope = [n for n in extra if n.startswith("rope_factors_")]
+    if long_rope:
+        raise FormatError(f"{f.path}: tensor {long_rope[0]!r}: long-context rope factors (chosen by the run's "
+                          f"context), which ggtrain does not apply yet")
     experts = [n for n in extra if "_exps." in n or ".ffn_gate_inp." in n]
     if experts:
         raise FormatError(f"{f.path}: tensor {experts[0]!r}: a mixture-of-experts model, which ggtrain does not "

@@ -10,7 +10,7 @@ layers with their own rope base, and logit soft-capping.
 """
 import numpy as np
 
-NEOX = ("qwen2", "qwen3", "gemma3")
+NEOX = ("qwen2", "qwen3", "gemma3", "phi3")
 
 
 def gelu_tanh(x):
@@ -73,9 +73,15 @@ def forward(cfg, p, tokens, pos, gelu=gelu_tanh):
             y = a @ p[q_ + name + ".weight"].T
             return y + p[q_ + name + ".bias"] if q_ + name + ".bias" in p else y
         a = rms_norm(x, p[q_ + "attn_norm.weight"], cfg.norm_eps)
-        q = proj(a, "attn_q").reshape(b, t, h, d)
-        k = proj(a, "attn_k").reshape(b, t, hkv, d)
-        v = proj(a, "attn_v").reshape(b, t, hkv, d)
+        if q_ + "attn_qkv.weight" in p:      # phi3: q | k | v rows of one matrix
+            qkv = a @ p[q_ + "attn_qkv.weight"].T
+            q = qkv[..., :h * d].reshape(b, t, h, d)
+            k = qkv[..., h * d:(h + hkv) * d].reshape(b, t, hkv, d)
+            v = qkv[..., (h + hkv) * d:].reshape(b, t, hkv, d)
+        else:
+            q = proj(a, "attn_q").reshape(b, t, h, d)
+            k = proj(a, "attn_k").reshape(b, t, hkv, d)
+            v = proj(a, "attn_v").reshape(b, t, hkv, d)
         if q_ + "attn_q_norm.weight" in p:
             q = rms_norm(q, p[q_ + "attn_q_norm.weight"], cfg.norm_eps)
             k = rms_norm(k, p[q_ + "attn_k_norm.weight"], cfg.norm_eps)
@@ -93,9 +99,12 @@ def forward(cfg, p, tokens, pos, gelu=gelu_tanh):
             a = rms_norm(a, p[q_ + "post_attention_norm.weight"], cfg.norm_eps)
         x = x + a
         f = rms_norm(x, p[q_ + "ffn_norm.weight"], cfg.norm_eps)
-        gate = f @ p[q_ + "ffn_gate.weight"].T
+        if q_ + "ffn_gate.weight" in p:
+            gate, up = f @ p[q_ + "ffn_gate.weight"].T, f @ p[q_ + "ffn_up.weight"].T
+        else:                                # phi3: gate | up rows of ffn_up
+            gate, up = np.split(f @ p[q_ + "ffn_up.weight"].T, 2, axis=-1)
         act = gelu(gate) if gemma else gate / (1 + np.exp(-gate))
-        f = (act * (f @ p[q_ + "ffn_up.weight"].T)) @ p[q_ + "ffn_down.weight"].T
+        f = (act * up) @ p[q_ + "ffn_down.weight"].T
         if gemma:
             f = rms_norm(f, p[q_ + "post_ffw_norm.weight"], cfg.norm_eps)
         x = x + f

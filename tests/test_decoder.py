@@ -21,6 +21,8 @@ FAMILIES = [
     # gemma3: local layers 0, 2 (window 3 < the text), global 1 (pattern 2), soft-capped logits
     dict(arch="gemma3", head_dim=12, kv_heads=1, tied=True, window=3, window_pattern=2, rope_base_swa=100.0,
          logit_softcap=3.0, layers=3),
+    # phi3: fused qkv and gate|up, partial rotation
+    dict(arch="phi3", kv_heads=2, rope_dims=4),
 ]
 
 

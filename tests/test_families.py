@@ -33,6 +33,8 @@ CASES = {
     "qwen3": dict(arch="qwen3", head_dim=32),
     # local layers 0 and 2 see 8 keys (the text is ~150 tokens), layer 1 is global; the
     # pattern as llama.cpp's converters write it for gemma3n-style files (a bool per layer)
+    # fused qkv and gate|up, partial rotation (Phi-4-mini rotates 3/4 of each head)
+    "phi3": dict(arch="phi3", rope_dims=12, kv_heads=1),
     "gemma3": dict(arch="gemma3", head_dim=32, kv_heads=1, tied=True, layers=3, window=8, window_pattern=2,
                    rope_base=1e6, rope_base_swa=10000.0, logit_softcap=30.0),
 }
@@ -62,7 +64,7 @@ def _gguf_py_names(arch: str, layers: int) -> set:
 def write_with_gguf_py(path, cfg: ModelConfig, weights: dict, tok) -> None:
     """A model file as llama.cpp's converters write it, through gguf-py's GGUFWriter."""
     w = gguf.GGUFWriter(str(path), cfg.arch)
-    w.add_name(f"tiny {cfg.arch}")
+    w.add_name("tiny")     # llama.cpp gives names with "phi3" special tokens our byte vocabulary lacks
     w.add_context_length(cfg.ctx)
     w.add_embedding_length(cfg.dim)
     w.add_feed_forward_length(cfg.ff)
@@ -196,7 +198,7 @@ def test_family_lora_and_merged_model_equal_llama_cpp(llama, family_model, tmp_p
 @pytest.mark.parametrize("damage,message", [
     (dict(kv=[("qwen2.rope.scaling.type", "yarn")]), "qwen2.rope.scaling.type = 'yarn': a rope scaling ggtrain "
                                                       "does not implement"),
-    (dict(arch="qwen2moe"), "architecture 'qwen2moe' is not supported (ggtrain computes gemma3, llama, qwen2"),
+    (dict(arch="qwen2moe"), "architecture 'qwen2moe' is not supported (ggtrain computes gemma3, llama, phi3, qwen2, qwen3)"),
     (dict(kv=[("qwen2.expert_count", 4)]), "qwen2.expert_count = 4: a mixture-of-experts model"),
     (dict(drop="blk.1.attn_v.bias"), "missing tensor 'blk.1.attn_v.bias'"),
 ])

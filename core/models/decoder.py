@@ -26,7 +26,8 @@ import numpy as np
 from ggtrain.core import ops
 from ggtrain.core.backend import StoredTensor
 from ggtrain.core.models.families import FAMILIES
-from ggtrain.core.models.family import BLOCK_SHAPES, OUTPUT, OUTPUT_NORM, ROPE_FREQS, TOKEN_EMBD, Family
+from ggtrain.core.models.family import (BLOCK_SHAPES, OUTPUT, OUTPUT_NORM, ROPE_FREQS, STORED_AS, TOKEN_EMBD,
+                                        Family)
 from ggtrain.errors import ConfigError
 
 
@@ -129,7 +130,7 @@ def param_shapes(cfg: ModelConfig) -> dict:
         shapes[ROPE_FREQS] = (cfg.n_rot // 2,)
     for i in range(cfg.layers):
         for name in cfg.family.block:
-            shapes[f"blk.{i}.{name}"] = BLOCK_SHAPES[name](cfg)
+            shapes[f"blk.{i}.{STORED_AS.get(name, name)}"] = BLOCK_SHAPES[name](cfg)
     return shapes
 
 
@@ -187,9 +188,16 @@ def _attention(cfg: ModelConfig, x, p: str, params: dict, pos, lora=None, kv=Non
     b, t, c = x.shape
     fam = cfg.family
     h, hkv, d = cfg.heads, cfg.kv_heads, cfg.head_dim
-    q = ops.reshape(linear(x, params, p + "attn_q.weight", lora), (b, t, h, d))
-    k = ops.reshape(linear(x, params, p + "attn_k.weight", lora), (b, t, hkv, d))
-    v = ops.reshape(linear(x, params, p + "attn_v.weight", lora), (b, t, hkv, d))
+    if fam.fused_qkv:   # one product, its q | k | v columns read as views
+        qkv = linear(x, params, p + "attn_qkv.weight", lora)                              # (B, T, (H+2Hkv)*D)
+        n = qkv.shape[-1]
+        q = ops.view(qkv, (b, t, h, d), (t * n, n, d, 1))
+        k = ops.view(qkv, (b, t, hkv, d), (t * n, n, d, 1), h * d)
+        v = ops.view(qkv, (b, t, hkv, d), (t * n, n, d, 1), (h + hkv) * d)
+    else:
+        q = ops.reshape(linear(x, params, p + "attn_q.weight", lora), (b, t, h, d))
+        k = ops.reshape(linear(x, params, p + "attn_k.weight", lora), (b, t, hkv, d))
+        v = ops.reshape(linear(x, params, p + "attn_v.weight", lora), (b, t, hkv, d))
     if fam.qk_norm:   # RMSNorm over each head's D values
         q = ops.mul(ops.rms_norm(q, cfg.norm_eps), params[p + "attn_q_norm.weight"])
         k = ops.mul(ops.rms_norm(k, cfg.norm_eps), params[p + "attn_k_norm.weight"])
@@ -256,8 +264,14 @@ def forward(cfg: ModelConfig, params: dict, tokens, pos, graph=None, checkpoint:
         if keep is not None:
             keep(x)
         h = ops.mul(ops.rms_norm(x, eps), params[p + "ffn_norm.weight"])
-        gate = linear(h, params, p + "ffn_gate.weight", lora)
-        up = linear(h, params, p + "ffn_up.weight", lora)
+        if fam.fused_gate_up:   # one product, gate | up columns
+            gu = linear(h, params, p + "ffn_up.weight", lora)                             # (B, T, 2F)
+            b_, t_, f2 = gu.shape
+            gate = ops.view(gu, (b_, t_, f2 // 2), (t_ * f2, f2, 1))
+            up = ops.view(gu, (b_, t_, f2 // 2), (t_ * f2, f2, 1), f2 // 2)
+        else:
+            gate = linear(h, params, p + "ffn_gate.weight", lora)
+            up = linear(h, params, p + "ffn_up.weight", lora)
         f = linear(ops.geglu(gate, up) if fam.act == "gelu" else ops.swiglu(gate, up), params,
                    p + "ffn_down.weight", lora)
         if fam.post_norms:

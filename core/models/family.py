@@ -42,14 +42,18 @@ BLOCK_SHAPES = {
     "attn_v.bias": lambda c: (c.kv_heads * c.head_dim,),
     "attn_q_norm.weight": lambda c: (c.head_dim,),
     "attn_k_norm.weight": lambda c: (c.head_dim,),
+    "attn_qkv.weight": lambda c: ((c.heads + 2 * c.kv_heads) * c.head_dim, c.dim),   # q | k | v rows
     "attn_output.weight": lambda c: (c.dim, c.heads * c.head_dim),
     "post_attention_norm.weight": lambda c: (c.dim,),
     "ffn_norm.weight": lambda c: (c.dim,),
     "ffn_gate.weight": lambda c: (c.ff, c.dim),
     "ffn_down.weight": lambda c: (c.dim, c.ff),
     "ffn_up.weight": lambda c: (c.ff, c.dim),
+    "ffn_gate_up.weight": lambda c: (2 * c.ff, c.dim),      # gate | up rows, stored as ffn_up
     "post_ffw_norm.weight": lambda c: (c.dim,),
 }
+# block tensors stored under another name than their table entry
+STORED_AS = {"ffn_gate_up.weight": "ffn_up.weight"}
 
 # the llama block: the base every family here starts from. The order is the one tensors are
 # written and initialised in (init_params draws them in it, so a seed gives the same model as
@@ -104,7 +108,8 @@ class Family:
         unknown = [n for n in self.block if n not in BLOCK_SHAPES]
         if unknown:
             raise ValueError(f"family {self.arch}: no shape for block tensor {unknown[0]!r}")
-        bad = [t for t in self.lora_targets if t + ".weight" not in self.block]
+        stored = [STORED_AS.get(n, n) for n in self.block]
+        bad = [t for t in self.lora_targets if t + ".weight" not in stored]
         if bad:
             raise ValueError(f"family {self.arch}: LoRA target {bad[0]!r} is not a block weight")
         if self.act not in ACTIVATIONS or self.rope_mode not in ("norm", "neox"):
@@ -117,6 +122,16 @@ class Family:
     @property
     def qk_norm(self) -> bool:
         return "attn_q_norm.weight" in self.block
+
+    @property
+    def fused_qkv(self) -> bool:
+        """q, k and v from one product (attn_qkv: q | k | v rows)."""
+        return "attn_qkv.weight" in self.block
+
+    @property
+    def fused_gate_up(self) -> bool:
+        """The FFN's gate and up from one product (stored as ffn_up: gate | up rows)."""
+        return "ffn_gate_up.weight" in self.block
 
     @property
     def post_norms(self) -> bool:
