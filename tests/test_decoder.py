@@ -141,3 +141,49 @@ def test_checkpointing_keeps_attention_and_the_mid_residual():
     assert counts[False]["attention_fwd_f32"] == counts[True]["attention_fwd_f32"] == cfg.layers
     assert counts[True]["matmul_fwd_f32"] - counts[False]["matmul_fwd_f32"] == 2 * cfg.layers
     assert arenas[True] < arenas[False]
+
+
+@pytest.mark.parametrize("kw", [{}, FAMILIES[3]], ids=["llama", "gemma3"])
+@pytest.mark.parametrize("frozen_head", [False, True], ids=["trained-head", "frozen-head"])
+def test_chunked_loss_equals_one_chunk_and_holds_less(kw, frozen_head, monkeypatch):
+    """The loss over the output projection in chunks of rows (large vocabularies): the same
+    loss and gradients as one chunk; with checkpointing and a frozen output matrix (LoRA),
+    one chunk's logits in the plan, not all. (Budgets shrunk so a 2048-token vocabulary
+    chunks.)"""
+    cfg = decoder.ModelConfig(**{**TINY, **kw, "vocab": 2048, "ctx": 16})
+    b, t = 4, 16
+    rng = np.random.default_rng(3)
+    tok = rng.integers(0, cfg.vocab, (b, t + 1)).astype(np.int32)
+    tok[1, 5:] = -1                        # ignored targets, unevenly spread over the chunks
+    monkeypatch.setattr(decoder, "LOGITS_BUDGET", 1024)
+    monkeypatch.setattr(decoder, "CHUNK_BYTES", 9 * 2048 * 4)   # 9 rows a chunk: 8 chunks, the last short
+    head = {"output.weight", "token_embd.weight"}
+    runs = {}
+    for chunked in (False, True):
+        g = Graph()
+        init = family_params(cfg, 0, std=0.1)
+        params = {k: g.param(v.shape, v, name=k, trainable=decoder.trainable(k) and not (frozen_head and k in head))
+                  for k, v in init.items()}
+        tokens, targets = g.input((b, t), "i32"), g.input((b, t), "i32")
+        pos = g.input((t,), "i32")
+        n = decoder.loss_chunks(cfg, b * t) if chunked else 1
+        weights = g.input((n,), name="chunk_weights")
+        hidden = decoder.forward(cfg, params, tokens, pos, g, checkpoint=True, head=False)
+        loss = decoder.chunked_loss(cfg, params, hidden, targets, weights, graph=g)
+        trained = [p for p in params.values() if p.requires_grad]
+        st = TrainStep(loss, trained, AdamW(lr=1e-3), CpuBackend(2), checkpointing=True)
+        feed = {tokens: np.maximum(tok[:, :-1], 0), targets: tok[:, 1:], pos: np.arange(t, dtype=np.int32),
+                weights: decoder.chunk_weights(tok[:, 1:], n)}
+        losses = [st.step([feed], 1e-3) for _ in range(3)]
+        runs[chunked] = (n, losses, {k: st.get(v) for k, v in params.items()}, st.memory.arena)
+    (n0, l0, p0, a0), (n1, l1, p1, a1) = runs[False], runs[True]
+    assert (n0, n1) == (1, 8)
+    assert decoder.loss_chunks(cfg, b * t, head_trained=True) == 1      # what TextRun asks without LoRA
+    want = np_llama.loss(np_llama.forward(cfg, family_params(cfg, 0, std=0.1), np.maximum(tok[:, :-1], 0),
+                                          np.arange(t))[tok[:, 1:] >= 0], tok[:, 1:][tok[:, 1:] >= 0])
+    assert l0[0] == pytest.approx(want, rel=1e-5) and l1[0] == pytest.approx(want, rel=1e-5)
+    np.testing.assert_allclose(l1, l0, rtol=1e-5)
+    for k in p0:
+        np.testing.assert_allclose(p1[k], p0[k], rtol=1e-4, atol=1e-6)
+    if frozen_head:
+        assert a1 < a0 / 2      # the (64, 2048) logits and their gradient dominate the unchunked plan

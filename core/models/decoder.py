@@ -224,7 +224,7 @@ def _attention(cfg: ModelConfig, x, p: str, params: dict, pos, lora=None, kv=Non
 
 def forward(cfg: ModelConfig, params: dict, tokens, pos, graph=None, checkpoint: bool = False,
             lora: dict | None = None, cache: list | None = None, n_kv: int = 0, last_only: bool = False,
-            seg=None, rows=None):
+            seg=None, rows=None, head: bool = True):
     """Logits (B, T, V) for tokens (B, T) i32 at positions pos (T,) i32.
 
     params: {name: Tensor} as param_shapes (weights f32, or frozen in their stored types).
@@ -242,7 +242,8 @@ def forward(cfg: ModelConfig, params: dict, tokens, pos, graph=None, checkpoint:
     cache: per layer (k_cache, v_cache) persistent (S, Hkv*D) tensors for incremental
     decoding (B = 1; see _attention), attending over n_kv cache rows. last_only: logits of
     the last position only, (B, 1, V). rows (M,) i32: logits only at those flat positions
-    of (B*T) (the ones a loss needs), (M, V).
+    of (B*T) (the ones a loss needs), (M, V). head=False: the normed hidden states the
+    output projection reads instead of logits ((..., C); chunked_loss takes them).
     """
     b, t = tokens.shape
     if t > cfg.ctx:
@@ -285,8 +286,13 @@ def forward(cfg: ModelConfig, params: dict, tokens, pos, graph=None, checkpoint:
     if rows is not None:
         x = ops.get_rows(ops.reshape(x, (b * t, x.shape[-1])), rows)                # (M, C)
     x = ops.mul(ops.rms_norm(x, eps), params["output_norm.weight"])
-    head = "token_embd.weight" if cfg.tied else "output.weight"
-    logits = linear(x, params, head, lora)
+    return output(cfg, params, x, lora) if head else x
+
+
+def output(cfg: ModelConfig, params: dict, x, lora: dict | None = None):
+    """Logits (..., V) of normed hidden states x (..., C): the output projection (the
+    embedding when tied), soft-capped where the model says."""
+    logits = linear(x, params, "token_embd.weight" if cfg.tied else "output.weight", lora)
     if cfg.logit_softcap:
         c = cfg.logit_softcap
         logits = ops.scale(ops.tanh(ops.scale(logits, 1.0 / c)), c)
@@ -299,6 +305,63 @@ def loss(logits, targets):
     v = logits.shape[-1]
     n = logits.size // v
     return ops.cross_entropy(ops.reshape(logits, (n, v)), ops.reshape(targets, (n,)))
+
+
+HEAD_WEIGHTS = (OUTPUT, TOKEN_EMBD)    # what the output projection reads (tied: the embedding)
+
+# Logits of at most this many bytes are made at once; a loss over more is taken in chunks of
+# rows (Gemma's 262144-token vocabulary makes 1 MiB of f32 logits a position).
+LOGITS_BUDGET = 256 * 2**20
+CHUNK_BYTES = 32 * 2**20
+
+
+def loss_chunks(cfg: ModelConfig, rows: int, head_trained: bool = False) -> int:
+    """How many chunks chunked_loss takes rows positions in: 1 while their logits fit
+    LOGITS_BUDGET, or when the output matrix is trained (each chunk would add a (V, C)
+    weight gradient, which outweighs the logits saved unless rows >> 2 C), else chunks of
+    about CHUNK_BYTES of logits."""
+    full = rows * cfg.vocab * 4
+    if full <= LOGITS_BUDGET or head_trained:
+        return 1
+    per = max(1, CHUNK_BYTES // (cfg.vocab * 4))
+    return -(-rows // per)
+
+
+def chunk_weights(targets: np.ndarray, n_chunks: int) -> np.ndarray:
+    """(n_chunks,) f32: each chunk's share of the positions with a target (targets (..., T)
+    flattened, negative ids ignored), so the weighted chunk means are the mean over all."""
+    flat = np.asarray(targets).reshape(-1)
+    size = -(-flat.size // n_chunks)
+    counts = np.array([(flat[k * size:(k + 1) * size] >= 0).sum() for k in range(n_chunks)], np.float64)
+    total = counts.sum()
+    return (counts / total if total else counts).astype(np.float32)
+
+
+def chunked_loss(cfg: ModelConfig, params: dict, x, targets, weights, graph=None, lora: dict | None = None):
+    """Mean cross-entropy of the logits of normed hidden states x (..., C) against targets
+    (...) i32 (negative: ignored), len(weights) chunks of rows at a time: chunk k's mean
+    times weights[k] (its share of the counted rows, chunk_weights), summed. With graph
+    (gradient checkpointing), each chunk ends a segment: backward recomputes one chunk's
+    logits at a time, so no more than a chunk's (rows, V) logits are ever held. One chunk is
+    loss(output(x), targets) exactly."""
+    c = x.shape[-1]
+    n = x.size // c
+    k_total = weights.shape[0]
+    x2, t1 = ops.reshape(x, (n, c)), ops.reshape(targets, (n,))
+    if k_total == 1:
+        return ops.mul(ops.cross_entropy(output(cfg, params, x2, lora), t1), ops.reshape(weights, ()))
+    size = -(-n // k_total)
+    total = None
+    for k in range(k_total):
+        lo, m = k * size, min(size, n - k * size)
+        if m <= 0:
+            break
+        logits = output(cfg, params, ops.view(x2, (m, c), (c, 1), lo * c), lora)
+        part = ops.mul(ops.cross_entropy(logits, ops.view(t1, (m,), (1,), lo)), ops.view(weights, (), (), k))
+        total = part if total is None else ops.add(total, part)
+        if graph is not None:
+            graph.checkpoint(total)
+    return total
 
 
 def _frozen(graph, weights: dict, adapters: dict | None) -> tuple:
@@ -344,8 +407,11 @@ class Runner:
         self.tokens = g.input((batch, self.length), "i32", name="tokens")
         self.targets = g.input((batch, self.length), "i32", name="targets")
         self.pos = g.input((self.length,), "i32", name="pos")
-        self.logits_t = forward(cfg, params, self.tokens, self.pos, lora=lora)
-        self.loss_t = loss(self.logits_t, self.targets)
+        hidden = forward(cfg, params, self.tokens, self.pos, lora=lora, head=False)
+        self.logits_t = output(cfg, params, hidden, lora)
+        # the loss never holds the window's logits whole (chunked_loss)
+        self.chunks = g.input((loss_chunks(cfg, batch * self.length),), name="chunk_weights")
+        self.loss_t = chunked_loss(cfg, params, hidden, self.targets, self.chunks, lora=lora)
         self.runtime = Runtime(g, backend)
         for t, buf in stored.items():
             self.runtime.bind(t, buf)
@@ -380,6 +446,7 @@ class Runner:
         tgt[:, :targets.shape[1]] = targets
         self.runtime.set(self.tokens, self._fill(tokens))
         self.runtime.set(self.targets, tgt)
+        self.runtime.set(self.chunks, chunk_weights(tgt, self.chunks.shape[0]))
         self.runtime.run(self._plan_loss, self.n_threads)
         return float(self._plan_loss.read(self.loss_t)) * int((tgt >= 0).sum())
 
