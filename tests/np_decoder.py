@@ -85,8 +85,9 @@ def forward(cfg, p, tokens, pos, gelu=gelu_tanh):
         if q_ + "attn_q_norm.weight" in p:
             q = rms_norm(q, p[q_ + "attn_q_norm.weight"], cfg.norm_eps)
             k = rms_norm(k, p[q_ + "attn_k_norm.weight"], cfg.norm_eps)
-        q = rope(q, pos, cfg.n_rot, base, **rot_i)
-        k = rope(k, pos, cfg.n_rot, base, **rot_i)
+        if not (arch == "smollm3" and (i + 1) % 4 == 0):     # smollm3: every 4th layer has no rope
+            q = rope(q, pos, cfg.n_rot, base, **rot_i)
+            k = rope(k, pos, cfg.n_rot, base, **rot_i)
         k = np.repeat(k, h // hkv, axis=2)                      # q head j uses kv head j // G
         v = np.repeat(v, h // hkv, axis=2)
         scale = 1 / np.sqrt(cfg.dim // h if gemma and cfg.layers == 62 else d)

@@ -23,6 +23,8 @@ FAMILIES = [
          logit_softcap=3.0, layers=3),
     # phi3: fused qkv and gate|up, partial rotation
     dict(arch="phi3", kv_heads=2, rope_dims=4),
+    # smollm3: layer 3 without rope
+    dict(arch="smollm3", layers=4),
 ]
 
 

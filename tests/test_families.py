@@ -16,6 +16,7 @@ import pytest
 
 from ggtrain.core.backend_cpu import CpuBackend
 from ggtrain.core.models.decoder import ModelConfig, Runner
+from ggtrain.core.models.families import FAMILIES
 from ggtrain.formats.gguf import read_gguf
 from ggtrain.formats.lora import lora_adapters
 from ggtrain.formats.model import validate_model
@@ -35,6 +36,7 @@ CASES = {
     # pattern as llama.cpp's converters write it for gemma3n-style files (a bool per layer)
     # fused qkv and gate|up, partial rotation (Phi-4-mini rotates 3/4 of each head)
     "phi3": dict(arch="phi3", rope_dims=12, kv_heads=1),
+    "smollm3": dict(arch="smollm3", layers=4),        # layer 3 without rope
     "gemma3": dict(arch="gemma3", head_dim=32, kv_heads=1, tied=True, layers=3, window=8, window_pattern=2,
                    rope_base=1e6, rope_base_swa=10000.0, logit_softcap=30.0),
 }
@@ -198,7 +200,7 @@ def test_family_lora_and_merged_model_equal_llama_cpp(llama, family_model, tmp_p
 @pytest.mark.parametrize("damage,message", [
     (dict(kv=[("qwen2.rope.scaling.type", "yarn")]), "qwen2.rope.scaling.type = 'yarn': a rope scaling ggtrain "
                                                       "does not implement"),
-    (dict(arch="qwen2moe"), "architecture 'qwen2moe' is not supported (ggtrain computes gemma3, llama, phi3, qwen2, qwen3)"),
+    (dict(arch="qwen2moe"), f"architecture 'qwen2moe' is not supported (ggtrain computes {', '.join(sorted(FAMILIES))})"),
     (dict(kv=[("qwen2.expert_count", 4)]), "qwen2.expert_count = 4: a mixture-of-experts model"),
     (dict(drop="blk.1.attn_v.bias"), "missing tensor 'blk.1.attn_v.bias'"),
 ])

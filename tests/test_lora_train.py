@@ -1,6 +1,8 @@
 """LoRA on a frozen llama: gradients of every target's factors against float64 finite
 differences of an independent forward pass, training that moves only the adapters, and a
 frozen base in a quantized type."""
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -10,7 +12,7 @@ from ggtrain.core.backend import StoredTensor
 from ggtrain.core.backend_cpu import CpuBackend
 from ggtrain.core.graph import Graph, Runtime
 from ggtrain.core.models import decoder
-from ggtrain.core.models.lora import TARGETS, LoraConfig, factor_names, init_lora
+from ggtrain.core.models.lora import LoraConfig, factor_names, init_lora
 from ggtrain.core.train import TextConfig, TextRun
 from ggtrain.errors import ConfigError
 from ggtrain.formats.gguf import dequantize, quantize
@@ -20,11 +22,11 @@ CFG = decoder.ModelConfig(vocab=11, dim=16, layers=2, heads=4, kv_heads=2, ff=24
 LORA = LoraConfig(rank=2, alpha=3.0)
 
 
-def _factors(weights, seed):
+def _factors(weights, seed, cfg=CFG):
     """Random non-zero factors (so that both A's and B's gradients are non-zero)."""
     rng = np.random.default_rng(seed)
     out = {}
-    for w in LORA.weights(CFG):
+    for w in LORA.weights(cfg):
         n_out, n_in = weights[w].shape
         a, b = factor_names(w)
         out[a] = rng.normal(0, 0.5, (LORA.rank, n_in)).astype(np.float32)
@@ -32,32 +34,34 @@ def _factors(weights, seed):
     return out
 
 
-def _merged(weights, factors):
+def _merged(weights, factors, cfg=CFG):
     """float64 weights with W + (alpha / r) B A: what the adapters compute, independently."""
     out = {k: v.astype(np.float64) for k, v in weights.items()}
-    for w in LORA.weights(CFG):
+    for w in LORA.weights(cfg):
         a, b = factor_names(w)
         out[w] = out[w] + LORA.scale * factors[b].astype(np.float64) @ factors[a].astype(np.float64)
     return out
 
 
-def test_every_target_gets_the_finite_difference_gradient():
-    weights = decoder.init_params(CFG, seed=1, std=0.3)
-    factors = _factors(weights, 2)
+@pytest.mark.parametrize("arch", ["llama", "phi3"])    # phi3: the fused qkv and gate|up weights
+def test_every_target_gets_the_finite_difference_gradient(arch):
+    cfg = dataclasses.replace(CFG, arch=arch)
+    weights = decoder.init_params(cfg, seed=1, std=0.3)
+    factors = _factors(weights, 2, cfg)
     rng = np.random.default_rng(3)
-    tokens = rng.integers(0, CFG.vocab, (1, 6))
-    upstream = rng.normal(size=(1, 6, CFG.vocab))
+    tokens = rng.integers(0, cfg.vocab, (1, 6))
+    upstream = rng.normal(size=(1, 6, cfg.vocab))
 
     def loss64(fac):
-        return float((np_llama.forward(CFG, _merged(weights, fac), tokens, np.arange(6)) * upstream).sum())
+        return float((np_llama.forward(cfg, _merged(weights, fac, cfg), tokens, np.arange(6)) * upstream).sum())
 
     g = Graph()
     base = {k: g.param(v.shape, v, name=k, trainable=False) for k, v in weights.items()}
     fac = {k: g.param(v.shape, v, name=k) for k, v in factors.items()}
-    lora = {w: (fac[factor_names(w)[0]], fac[factor_names(w)[1]], LORA.scale) for w in LORA.weights(CFG)}
+    lora = {w: (fac[factor_names(w)[0]], fac[factor_names(w)[1]], LORA.scale) for w in LORA.weights(cfg)}
     tok = g.const(tokens.astype(np.int32), dtype="i32")
     pos = g.const(np.arange(6, dtype=np.int32), dtype="i32")
-    logits = decoder.forward(CFG, base, tok, pos, lora=lora)
+    logits = decoder.forward(cfg, base, tok, pos, lora=lora)
     loss = ops.sum(ops.mul(logits, g.const(upstream)))
     grads = backward(loss, list(fac.values()), checkpointing=False)
     rt = Runtime(g, CpuBackend(2))
@@ -79,7 +83,7 @@ def test_every_target_gets_the_finite_difference_gradient():
             got = analytic[k].reshape(-1)[i]
             assert got == pytest.approx(numeric, rel=2e-3, abs=2e-3), (k, i)
             seen.add(k.split(".")[2])
-    assert seen == set(TARGETS)          # attn_k and attn_v included
+    assert seen == set(cfg.family.lora_targets)          # attn_k and attn_v included
 
 
 def _run(weights_frozen, steps=30, lora=LORA, cfg=CFG):

@@ -177,16 +177,17 @@ def linear(x, params: dict, name: str, lora: dict | None = None):
 
 
 def _attention(cfg: ModelConfig, x, p: str, params: dict, pos, lora=None, kv=None, n_kv: int = 0, seg=None,
-               keep=None, local: bool = False):
+               keep=None, layer: int = 0):
     """Self-attention of x (B, T, C), causal; with seg (B, T) i32 (packed samples), query i
     sees key j only when j <= i and seg[., j] == seg[., i] (pos (B, T) then restarts per
     sample). With kv = (k_cache, v_cache), persistent (S, Hkv*D) tensors (B must be 1):
     this step's keys and values are written at rows pos, and the queries attend over cache
     rows 0..n_kv-1, query i seeing rows <= pos[i]. keep: called with the fused attention
-    node (Graph.keep under checkpointing). local: a sliding-window layer (its window, its
-    rope base, no rope scaling)."""
+    node (Graph.keep under checkpointing). layer: the block's index (a sliding-window layer
+    has its window, its rope base and no rope scaling; a NoPE layer no rope)."""
     b, t, c = x.shape
     fam = cfg.family
+    local = cfg.local(layer)
     h, hkv, d = cfg.heads, cfg.kv_heads, cfg.head_dim
     if fam.fused_qkv:   # one product, its q | k | v columns read as views
         qkv = linear(x, params, p + "attn_qkv.weight", lora)                              # (B, T, (H+2Hkv)*D)
@@ -201,10 +202,11 @@ def _attention(cfg: ModelConfig, x, p: str, params: dict, pos, lora=None, kv=Non
     if fam.qk_norm:   # RMSNorm over each head's D values
         q = ops.mul(ops.rms_norm(q, cfg.norm_eps), params[p + "attn_q_norm.weight"])
         k = ops.mul(ops.rms_norm(k, cfg.norm_eps), params[p + "attn_k_norm.weight"])
-    rope = dict(n_dims=cfg.n_rot, freq_base=cfg.rope_base_swa if local else cfg.rope_base, mode=fam.rope_mode,
+    rope = None if fam.no_rope_every and (layer + 1) % fam.no_rope_every == 0 else dict(n_dims=cfg.n_rot, freq_base=cfg.rope_base_swa if local else cfg.rope_base, mode=fam.rope_mode,
                 freq_scale=1.0 if local else 1.0 / cfg.rope_scale, factors=params.get(ROPE_FREQS))
-    q = ops.rope(q, pos, **rope)
-    k = ops.rope(k, pos, **rope)
+    if rope is not None:
+        q = ops.rope(q, pos, **rope)
+        k = ops.rope(k, pos, **rope)
     scale = fam.attention_scale(cfg)
     window = cfg.window if local else 0
     if kv is None:
@@ -258,7 +260,7 @@ def forward(cfg: ModelConfig, params: dict, tokens, pos, graph=None, checkpoint:
         h = ops.mul(ops.rms_norm(x, eps), params[p + "attn_norm.weight"])
         kv = cache[i] if cache is not None else None
         keep = graph.keep if checkpoint and graph is not None and not lora else None
-        a = _attention(cfg, h, p, params, pos, lora, kv, n_kv, seg, keep=keep, local=cfg.local(i))
+        a = _attention(cfg, h, p, params, pos, lora, kv, n_kv, seg, keep=keep, layer=i)
         if fam.post_norms:
             a = ops.mul(ops.rms_norm(a, eps), params[p + "post_attention_norm.weight"])
         x = ops.add(x, a)

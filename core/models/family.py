@@ -86,6 +86,7 @@ class Family:
     "{arch}."} read besides COMMON_KEYS. ignored_keys: keys after "{arch}." that files
     carry and that change nothing this decoder computes (each with its reason in the
     family's module); any other "{arch}." key is refused, not silently dropped.
+    no_rope_every: n > 0, layers n-1, 2n-1, ... attend without rope (smollm3's NoPE layers).
     act: the FFN gate's activation (ACTIVATIONS). embed_scale: the embedding is multiplied
     by sqrt(n_embd). attention_scale: cfg -> the scale of q.k. window_pattern: with a
     sliding window, every n-th layer is global (llama.cpp's default for the family).
@@ -103,6 +104,7 @@ class Family:
     embed_scale: bool = False
     attention_scale: Callable = head_scale
     window_pattern: int = 0
+    no_rope_every: int = 0
 
     def __post_init__(self):
         unknown = [n for n in self.block if n not in BLOCK_SHAPES]
