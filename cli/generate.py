@@ -142,7 +142,7 @@ def eval_cmd(
     ids = tok.encode(text, add_bos=tok.add_bos)
     if len(ids) < 2:
         raise ConfigError(f"--data {data}: fewer than 2 tokens to score")
-    runner = Runner(cfg, weights, be, length=min(length, len(ids) - 1), adapters=adapters)
+    runner = Runner(cfg, weights, be, length=min(length, len(ids) - 1), adapters=adapters, n_ctx=length)
     total, count = 0.0, 0
     for start in range(0, len(ids) - 1, runner.length):
         window = ids[start:start + runner.length + 1]

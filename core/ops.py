@@ -775,23 +775,26 @@ ROPE_MODES = {"norm": 0, "neox": 2}   # ggml's numbers: 0 adjacent pairs, 2 pair
 
 
 def rope(x: Tensor, pos: Tensor, n_dims: int | None = None, freq_base: float = 10000.0, mode: str = "norm",
-         freq_scale: float = 1.0, factors: Tensor | None = None) -> Tensor:
+         freq_scale: float = 1.0, factors: Tensor | None = None, attn_factor: float = 1.0) -> Tensor:
     """Rotary embedding as llama.cpp's ggml_rope_ext without YaRN: x (..., T, H, D), pos i32 (T,)
     shared by every row, or x's leading dims (..., T), e.g. (B, T): each row its own positions
     (packed samples restart at 0). mode "norm" rotates adjacent pairs (x[2i], x[2i+1]) (llama),
     "neox" the pairs (x[i], x[i + n_dims/2]) (qwen2, qwen3, gemma3, phi3); pair i turns by
     freq_scale * pos * freq_base^(-2i/n_dims) / factors[i] (factors (n_dims/2,) f32: llama 3's
-    rope_freqs; freq_scale: linear rope scaling). Raises ShapeError / DTypeError."""
+    rope_freqs; freq_scale: linear rope scaling); the rotated pairs are scaled by attn_factor
+    (phi3's longrope attention factor; the dims past n_dims are not). Raises ShapeError /
+    DTypeError."""
     n_dims = x.shape[-1] if n_dims is None else int(n_dims)
     srcs = [x, pos] if factors is None else [x, pos, factors]
-    return apply("rope", srcs, n_dims=n_dims, freq_base=float(freq_base), mode=mode, freq_scale=float(freq_scale))
+    return apply("rope", srcs, n_dims=n_dims, freq_base=float(freq_base), mode=mode, freq_scale=float(freq_scale),
+                 attn_factor=float(attn_factor))
 
 
 def rope_bwd(g: Tensor, pos: Tensor, n_dims: int, freq_base: float, mode: str = "norm", freq_scale: float = 1.0,
-             factors: Tensor | None = None) -> Tensor:
+             factors: Tensor | None = None, attn_factor: float = 1.0) -> Tensor:
     srcs = [g, pos] if factors is None else [g, pos, factors]
     return apply("rope_bwd", srcs, n_dims=n_dims, freq_base=float(freq_base), mode=mode,
-                 freq_scale=float(freq_scale))
+                 freq_scale=float(freq_scale), attn_factor=float(attn_factor))
 
 
 def _infer_rope(srcs, params):
@@ -805,7 +808,8 @@ def _infer_rope(srcs, params):
     nd = params["n_dims"]
     _need(0 < nd <= x.shape[-1] and nd % 2 == 0, f"rope: n_dims {nd} must be even and <= D={x.shape[-1]}")
     _need(params["mode"] in ROPE_MODES, f"rope: mode {params['mode']!r} is not one of {', '.join(ROPE_MODES)}")
-    _need(params["freq_scale"] > 0, f"rope: freq_scale must be > 0, got {params['freq_scale']}")
+    _need(params["freq_scale"] > 0 and params["attn_factor"] > 0,
+          f"rope: freq_scale {params['freq_scale']} and attn_factor {params['attn_factor']} must be > 0")
     if len(srcs) == 3:
         _f32("rope", srcs[2])
         _need(srcs[2].shape == (nd // 2,), f"rope: factors {srcs[2].shape} must be (n_dims / 2,) = ({nd // 2},)")
@@ -815,11 +819,12 @@ def _infer_rope(srcs, params):
 def _rope_backward(y, g):
     factors = y.srcs[2] if len(y.srcs) == 3 else None
     p = y.params
-    return [rope_bwd(g, y.srcs[1], p["n_dims"], p["freq_base"], p["mode"], p["freq_scale"], factors), None, None]
+    return [rope_bwd(g, y.srcs[1], p["n_dims"], p["freq_base"], p["mode"], p["freq_scale"], factors,
+                     p["attn_factor"]), None, None]
 
 
 _rope_lower = lambda y: ((y.params["n_dims"], ROPE_MODES[y.params["mode"]]),  # noqa: E731
-                         (y.params["freq_base"], y.params["freq_scale"]))
+                         (y.params["freq_base"], y.params["freq_scale"], y.params["attn_factor"]))
 register(OpDef("rope", _infer_rope, "rope_fwd", contiguous=(0, 1), lower=_rope_lower, backward=_rope_backward,
                differentiable=(0,)))
 register(OpDef("rope_bwd", _infer_rope, "rope_bwd", contiguous=(0, 1), lower=_rope_lower))

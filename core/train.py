@@ -643,14 +643,14 @@ class TextRun:
         self.chunks = g.input((decoder.loss_chunks(model, loss_rows or b * self.ctx, head_trained=lora is None),),
                               name="chunk_weights")
         hidden = decoder.forward(model, weights, self.tokens, self.pos, g, checkpoint=config.checkpointing,
-                                 lora=adapters, seg=self.seg, rows=rows, head=False)
+                                 lora=adapters, seg=self.seg, rows=rows, head=False, n_ctx=self.ctx)
         self.loss = decoder.chunked_loss(model, weights, hidden, targets, self.chunks,
                                          graph=g if config.checkpointing else None, lora=adapters)
         self.eval_loss = self.loss
         if self.dropout_seed is not None:   # evaluation without dropout: the same weights, no masks
             plain = {w: f[:3] for w, f in adapters.items()}
             hidden = decoder.forward(model, weights, self.tokens, self.pos, lora=plain, seg=self.seg, rows=rows,
-                                     head=False)
+                                     head=False, n_ctx=self.ctx)
             self.eval_loss = decoder.chunked_loss(model, weights, hidden, targets, self.chunks, lora=plain)
         self.optimizer = make_optimizer(config.optimizer, config.lr, weight_decay=config.weight_decay,
                                         max_grad_norm=config.grad_clip, momentum=config.momentum)

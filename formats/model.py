@@ -23,8 +23,8 @@ from gguf.constants import GGMLQuantizationType, GGUFValueType, Keys, LlamaFileT
 
 from ggtrain.core.models.decoder import ModelConfig, param_shapes
 from ggtrain.core.models.families import FAMILIES
-from ggtrain.core.models.family import (COMMON_KEYS, OUTPUT, OUTPUT_NORM, REQUIRED_KEYS, ROPE_FREQS, ROPE_SCALING,
-                                        TOKEN_EMBD, Family)
+from ggtrain.core.models.family import (COMMON_KEYS, OUTPUT, OUTPUT_NORM, REQUIRED_KEYS, ROPE_FACTORS_LONG,
+                                        ROPE_FREQS, ROPE_SCALING, TOKEN_EMBD, Family)
 from ggtrain.errors import ConfigError, FormatError
 from ggtrain.formats.gguf import GGUFFile
 
@@ -83,6 +83,11 @@ def config_to_kv(cfg: ModelConfig, name: str = "ggtrain", file_type: int | None 
             kv.append((f"{a}.{own['window_pattern']}", cfg.window_pattern, VT.UINT32))
     if cfg.logit_softcap:
         kv.append((f"{a}.{own['logit_softcap']}", float(cfg.logit_softcap), VT.FLOAT32))
+    if cfg.rope_long:
+        kv.append((f"{a}.{_SCALING_TYPE}", "longrope", VT.STRING))
+        if cfg.rope_orig_ctx:
+            kv.append((f"{a}.{own['rope_orig_ctx']}", cfg.rope_orig_ctx, VT.UINT32))
+        kv.append((f"{a}.{own['rope_attn_factor']}", float(cfg.rope_attn_factor), VT.FLOAT32))
     if cfg.rope_scale != 1.0:
         kv.append((f"{a}.{_SCALING_TYPE}", "linear", VT.STRING))
         kv.append((f"{a}.{_SCALING_FACTOR}", float(cfg.rope_scale), VT.FLOAT32))
@@ -157,9 +162,10 @@ def config_from_kv(f: GGUFFile) -> dict:
         elif rest == _SCALING_TYPE:
             v = f.kv[key]
             scaling = str(v.value) if v.type == VT.STRING else None
-            if scaling not in ROPE_SCALING:
+            applied = ROPE_SCALING + (("longrope",) if fam.long_rope else ())
+            if scaling not in applied:
                 raise FormatError(f"{f.path}: {key} = {v.value!r}: a rope scaling ggtrain does not implement "
-                                  f"(it applies {', '.join(ROPE_SCALING)})")
+                                  f"for {a} (it applies {', '.join(applied)})")
         elif rest in (_SCALING_FACTOR, _SCALE_LINEAR):
             factor = _number(f, key, True)
         elif rest in _EXPERTS:
@@ -175,7 +181,10 @@ def config_from_kv(f: GGUFFile) -> dict:
     if missing:
         raise FormatError(f"{f.path}: {a} key {missing[0]!r} is missing"
                           + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
-    if factor not in (None, 0.0, 1.0) and scaling == "linear":
+    if factor not in (None, 0.0, 1.0):
+        if scaling != "linear":    # llama.cpp would scale the frequencies as well as the rest
+            raise FormatError(f"{f.path}: a rope scaling factor {factor:g} with {a}.{_SCALING_TYPE} {scaling!r}: "
+                              f"ggtrain applies a factor with linear scaling only")
         values["rope_scale"] = factor
     value_length = values.pop("_value_length", None)
     if "vocab" not in values:
@@ -218,7 +227,8 @@ def validate_model(f: GGUFFile) -> ModelLayout:
     values = config_from_kv(f)
     fam = FAMILIES[values["arch"]]
     try:
-        cfg = ModelConfig(**values, tied=OUTPUT not in f.tensors, rope_freqs=fam.rope_freqs and ROPE_FREQS in f.tensors)
+        cfg = ModelConfig(**values, tied=OUTPUT not in f.tensors, rope_freqs=fam.rope_freqs and ROPE_FREQS in f.tensors,
+                          rope_long=fam.long_rope and ROPE_FACTORS_LONG in f.tensors)
     except ConfigError as exc:
         raise FormatError(f"{f.path}: {exc}") from None
     shapes = tensor_shapes(cfg)
@@ -237,8 +247,8 @@ def validate_model(f: GGUFFile) -> ModelLayout:
                           f"`ggtrain convert-checkpoint {f.path} MODEL.gguf` writes its model")
     long_rope = [n for n in extra if n.startswith("rope_factors_")]
     if long_rope:
-        raise FormatError(f"{f.path}: tensor {long_rope[0]!r}: long-context rope factors (chosen by the run's "
-                          f"context), which ggtrain does not apply yet")
+        raise FormatError(f"{f.path}: tensor {long_rope[0]!r}: long-context rope factors, which ggtrain applies "
+                          f"to phi3 models only (this is {cfg.arch}; both _long and _short are needed)")
     experts = [n for n in extra if "_exps." in n or ".ffn_gate_inp." in n]
     if experts:
         raise FormatError(f"{f.path}: tensor {experts[0]!r}: a mixture-of-experts model, which ggtrain does not "

@@ -317,7 +317,8 @@ int gt_cross_entropy_bwd_f32(const struct gt_node *node, const gt_ctx *ctx);
  * i32 contiguous with x's leading dims (per-row positions, e.g. (B, T) for packed
  * samples), optional src2 factors (n_dims/2,) f32 (llama 3's rope_freqs); ip[0] =
  * n_dims (rotated leading dims of D, even, 2..D; the rest pass through), ip[1] =
- * mode (0 or 2), fp[0] = freq_base (> 0), fp[1] = freq_scale (> 0, 1 for none).
+ * mode (0 or 2), fp[0] = freq_base (> 0), fp[1] = freq_scale (> 0, 1 for none), fp[2] =
+ * attn_factor (> 0, 1 for none: the rotated pairs are scaled by it, llama.cpp's mscale).
  * theta_i = freq_scale * pos * freq_base^(-2i/n_dims) / factors[i] rotates the
  * pair i, (x0, x1) -> (x0 cos - x1 sin, x0 sin + x1 cos); theta, cos, sin computed
  * in double. rope_bwd rotates by -theta (src0 = g). */

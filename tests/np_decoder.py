@@ -29,7 +29,7 @@ def rms_norm(x, w, eps):
     return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * w
 
 
-def rope(x, pos, n_rot, base, neox=False, scale=1.0, factors=None):
+def rope(x, pos, n_rot, base, neox=False, scale=1.0, factors=None, mscale=1.0):
     # x (B, T, H, D); pair i < n_rot/2 turns by pos / scale * base^(-2i/n_rot) / factors[i]
     out = x.copy()
     i = np.arange(n_rot // 2)
@@ -43,18 +43,23 @@ def rope(x, pos, n_rot, base, neox=False, scale=1.0, factors=None):
     else:
         a, b = slice(0, n_rot, 2), slice(1, n_rot, 2)
     x0, x1 = x[..., a], x[..., b]
-    out[..., a] = x0 * c - x1 * s
-    out[..., b] = x0 * s + x1 * c
+    out[..., a] = (x0 * c - x1 * s) * mscale
+    out[..., b] = (x0 * s + x1 * c) * mscale
     return out
 
 
-def forward(cfg, p, tokens, pos, gelu=gelu_tanh):
+def forward(cfg, p, tokens, pos, gelu=gelu_tanh, n_ctx=None):
     p = {k: np.asarray(v, np.float64) for k, v in p.items()}
     b, t = tokens.shape
     arch = getattr(cfg, "arch", "llama")
     h, hkv = cfg.heads, cfg.kv_heads
     d = getattr(cfg, "head_dim", 0) or cfg.dim // cfg.heads
-    rot = dict(neox=arch in NEOX, scale=getattr(cfg, "rope_scale", 1.0), factors=p.get("rope_freqs.weight"))
+    factors = p.get("rope_freqs.weight")
+    if getattr(cfg, "rope_long", False):    # phi3: long factors past the original context
+        long = (n_ctx or t) > (cfg.rope_orig_ctx or cfg.ctx)
+        factors = p["rope_factors_long.weight" if long else "rope_factors_short.weight"]
+    rot = dict(neox=arch in NEOX, scale=getattr(cfg, "rope_scale", 1.0), factors=factors,
+               mscale=getattr(cfg, "rope_attn_factor", 1.0))
     gemma = arch == "gemma3"
     x = p["token_embd.weight"][tokens]
     if gemma:

@@ -276,6 +276,9 @@ case("rope", [In((2, 5, 3, 10)), In((5,), values=np.array([0, 1, 2, 7, 900]))],
 case("rope", [In((2, 5, 3, 12)), In((2, 5), values=_ROW_POS, grad=False), In((5,), values=_FACTORS, grad=False)],
      lambda x, p, f: ops.rope(x, p, 10, 500000.0, "neox", 0.25, f),
      lambda x, p, f: refs.rope(x, p, 10, 500000.0, "neox", 0.25, f), name="neox-factors-partial")
+case("rope", [In((2, 5, 3, 12)), In((5,), values=np.array([3, 1, 2, 7, 60])), In((5,), values=_FACTORS, grad=False)],
+     lambda x, p, f: ops.rope(x, p, 10, 10000.0, "neox", 1.0, f, attn_factor=1.19),
+     lambda x, p, f: refs.rope(x, p, 10, 10000.0, "neox", 1.0, f, attn_factor=1.19), name="longrope")
 case("rope", [In((2, 5, 3, 10)), In((5,), values=np.array([3, 1, 2, 7, 2000])), In((5,), values=_FACTORS, grad=False)],
      lambda x, p, f: ops.rope(x, p, 10, 500000.0, "norm", 1.0, f),
      lambda x, p, f: refs.rope(x, p, 10, 500000.0, "norm", 1.0, f), name="factors")

@@ -214,15 +214,24 @@ def _rotate(x, theta, n_dims, mode="norm"):
     return out
 
 
-def rope(x, pos, n_dims, base, mode="norm", freq_scale=1.0, factors=None):
+def _scaled(y, x, n_dims, m):
+    """y with its first n_dims of the last axis times m (the rest as x)."""
+    y = y.copy()
+    y[..., :n_dims] *= m
+    return y
+
+
+def rope(x, pos, n_dims, base, mode="norm", freq_scale=1.0, factors=None, attn_factor=1.0):
     """llama.cpp rope (mode "norm" or "neox") on x (..., T, H, D) at positions pos (T,) or
-    (..., T) (one per row); dims >= n_dims unchanged."""
-    return _rotate(x, _rope_angles(pos, n_dims, base, freq_scale, factors), n_dims, mode)
+    (..., T) (one per row), the rotated dims scaled by attn_factor; dims >= n_dims unchanged."""
+    y = _rotate(x, _rope_angles(pos, n_dims, base, freq_scale, factors), n_dims, mode)
+    return _scaled(y, x, n_dims, attn_factor)
 
 
-def rope_bwd(g, pos, n_dims, base, mode="norm", freq_scale=1.0, factors=None):
-    """dx of rope: g rotated by -theta."""
-    return _rotate(g, -_rope_angles(pos, n_dims, base, freq_scale, factors), n_dims, mode)
+def rope_bwd(g, pos, n_dims, base, mode="norm", freq_scale=1.0, factors=None, attn_factor=1.0):
+    """dx of rope: g rotated by -theta (and scaled alike)."""
+    y = _rotate(g, -_rope_angles(pos, n_dims, base, freq_scale, factors), n_dims, mode)
+    return _scaled(y, g, n_dims, attn_factor)
 
 
 def get_rows(table, idx):

@@ -23,6 +23,10 @@ FAMILIES = [
          logit_softcap=3.0, layers=3),
     # phi3: fused qkv and gate|up, partial rotation
     dict(arch="phi3", kv_heads=2, rope_dims=4),
+    # phi3's longrope: the long factors (a run of 7 positions past an original context of 4) or
+    # the short ones, and the attention factor
+    dict(arch="phi3", kv_heads=2, rope_dims=4, rope_long=True, rope_orig_ctx=4, rope_attn_factor=1.2),
+    dict(arch="phi3", kv_heads=2, rope_long=True, rope_orig_ctx=64, rope_attn_factor=1.2),
     # smollm3: layer 3 without rope
     dict(arch="smollm3", layers=4),
 ]
@@ -34,8 +38,10 @@ def family_params(cfg, seed=0, std=0.1):
     rng = np.random.default_rng(seed + 100)
     init = decoder.init_params(cfg, seed, std=std)
     for name, v in init.items():
-        if name == "rope_freqs.weight":
+        if name in ("rope_freqs.weight", "rope_factors_long.weight"):
             init[name] = np.geomspace(1.0, 8.0, v.size).astype(np.float32)
+        elif name == "rope_factors_short.weight":
+            init[name] = np.geomspace(1.0, 1.5, v.size).astype(np.float32)
         elif name.endswith("norm.weight"):
             init[name] = (1 + rng.normal(0, 0.2, v.shape)).astype(np.float32)
         elif name.endswith(".bias"):

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 from ggtrain.core.backend_cpu import CpuBackend
-from ggtrain.core.models.decoder import ModelConfig, Runner
+from ggtrain.core.sampling import Sampler
+from ggtrain.core.models.decoder import Decoder, ModelConfig, Runner, generate
 from ggtrain.core.models.families import FAMILIES
 from ggtrain.formats.gguf import read_gguf
 from ggtrain.formats.lora import lora_adapters
@@ -36,6 +37,9 @@ CASES = {
     # pattern as llama.cpp's converters write it for gemma3n-style files (a bool per layer)
     # fused qkv and gate|up, partial rotation (Phi-4-mini rotates 3/4 of each head)
     "phi3": dict(arch="phi3", rope_dims=12, kv_heads=1),
+    # Phi-3.5/4-mini's longrope: llama.cpp's context (256) and ours (the eval window) both past
+    # the original context, so the long factors; the attention factor on the rotated dims
+    "phi3-longrope": dict(arch="phi3", rope_long=True, rope_orig_ctx=64, rope_attn_factor=1.19),
     "smollm3": dict(arch="smollm3", layers=4),        # layer 3 without rope
     "gemma3": dict(arch="gemma3", head_dim=32, kv_heads=1, tied=True, layers=3, window=8, window_pattern=2,
                    rope_base=1e6, rope_base_swa=10000.0, logit_softcap=30.0),
@@ -88,6 +92,10 @@ def write_with_gguf_py(path, cfg: ModelConfig, weights: dict, tok) -> None:
         w.add_rope_freq_base_swa(cfg.rope_base_swa)
     if cfg.logit_softcap:
         w.add_final_logit_softcapping(cfg.logit_softcap)
+    if cfg.rope_long:
+        w.add_rope_scaling_type(gguf.RopeScalingType.LONGROPE)
+        w.add_rope_scaling_orig_ctx_len(cfg.rope_orig_ctx)
+        w.add_rope_scaling_attn_factors(cfg.rope_attn_factor)
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
     for key, value, vt, *sub in tok.gguf_kv():
         value = value.tolist() if isinstance(value, np.ndarray) else value
@@ -241,3 +249,51 @@ def test_bad_family_file_is_one_line_and_writes_nothing(tmp_path, damage, messag
     assert r.returncode == 1 and "Traceback" not in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and message in r.stderr, r.stderr
     assert str(path) in r.stderr and not out.exists()
+
+
+def test_family_greedy_generation_equals_llama_cpp(llama, family_model):
+    """KV-cached greedy decoding (sliding windows by position) gives llama.cpp's greedy tokens;
+    where they part, llama.cpp's own top-2 margin is within the tolerance (gelu's table).
+    `ggtrain generate` runs on the family too (its text is random bytes, so the ids are
+    compared through the decoder it drives)."""
+    path, cfg, weights, tok = family_model
+    prompt, n = "First Citizen:\n", 40          # past gemma3's window of 8
+    r = run_cli("generate", "--model", path, "--prompt", prompt, "-n", 8, "--temp", 0, "--threads", 2)
+    assert r.returncode == 0, r.stderr
+    ids = tok.encode(prompt, add_bos=tok.add_bos).tolist()
+    ours = list(generate(Decoder(cfg, weights, CpuBackend(2), n_ctx=256), ids, n, Sampler(temp=0)))
+    llm = open_llm(llama, path)
+    theirs = []
+    for t in llm.generate(ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0):
+        theirs.append(int(t))
+        if len(theirs) == n:
+            break
+    common = 0
+    while common < n and ours[common] == theirs[common]:
+        common += 1
+    if common < n:
+        llm.reset()
+        llm.eval(ids + theirs[:common])
+        top2 = np.sort(np.array(llm.scores[len(ids) + common - 1], np.float64))[-2:]
+        assert top2[1] - top2[0] < 2 * _atol(cfg)[1], (common, ours, theirs)
+
+
+@pytest.mark.parametrize("arch", sorted(set(c["arch"] for c in CASES.values())))
+def test_train_from_scratch_gives_a_model_llama_cpp_runs(llama, arch, tmp_path):
+    """`ggtrain train --arch` for each family: a few updates, then llama.cpp's NLL of the
+    written model equals `ggtrain eval`'s."""
+    data = tmp_path / "t.txt"
+    data.write_text(TEXT * 20)
+    out = tmp_path / "m.gguf"
+    r = run_cli("train", "--arch", arch, "--data", data, "--out", out, "--dim", 32, "--layers", 2, "--heads", 4,
+                "--kv-heads", 2, "--ff", 64, "--ctx", 256, "--batch", 2, "--steps", 3, "--threads", 2, "--quiet",
+                "--val-split", 0.1)
+    assert r.returncode == 0, r.stderr
+    cfg = validate_model(read_gguf(out)).config
+    assert cfg.arch == arch
+    probe = tmp_path / "probe.txt"
+    probe.write_text(TEXT)
+    ids = ByteTokenizer().encode(TEXT, add_bos=True)
+    theirs = _their_nll(open_llm(llama, out), ids)[1]
+    ours = _eval_cli(out, probe)["nll"]
+    assert ours == pytest.approx(theirs, abs=_atol(cfg)[0])

@@ -185,8 +185,8 @@ def test_rope(shape, n_dims, max_pos):
     pos = rng.integers(0, max_pos + 1, size=t).astype(np.int32)
     pos[-1] = max_pos
     base = 10000.0
-    close(run("rope_fwd_f32", shape, [x, pos], ip=(n_dims,), fp=(base, 1.0)), refs.rope(x, pos, n_dims, base))
-    close(run("rope_bwd_f32", shape, [g, pos], ip=(n_dims,), fp=(base, 1.0)), refs.rope_bwd(g, pos, n_dims, base))
+    close(run("rope_fwd_f32", shape, [x, pos], ip=(n_dims,), fp=(base, 1.0, 1.0)), refs.rope(x, pos, n_dims, base))
+    close(run("rope_bwd_f32", shape, [g, pos], ip=(n_dims,), fp=(base, 1.0, 1.0)), refs.rope_bwd(g, pos, n_dims, base))
 
 
 ROPE_ROW_CASES = [  # x shape (..., T, H, D) with positions of shape (..., T), n_dims
@@ -205,11 +205,11 @@ def test_rope_per_row(shape, n_dims):
     pos = rng.integers(0, 2049, size=shape[:-2]).astype(np.int32)
     pos.reshape(-1, shape[-3])[:, 0] = 0   # packed rows restart at 0 somewhere
     base = 10000.0
-    y = run("rope_fwd_f32", shape, [x, pos], ip=(n_dims,), fp=(base, 1.0))
+    y = run("rope_fwd_f32", shape, [x, pos], ip=(n_dims,), fp=(base, 1.0, 1.0))
     close(y, refs.rope(x, pos, n_dims, base))
-    close(run("rope_bwd_f32", shape, [g, pos], ip=(n_dims,), fp=(base, 1.0)), refs.rope_bwd(g, pos, n_dims, base))
+    close(run("rope_bwd_f32", shape, [g, pos], ip=(n_dims,), fp=(base, 1.0, 1.0)), refs.rope_bwd(g, pos, n_dims, base))
     for n in (2, 3):
-        assert np.array_equal(y, run("rope_fwd_f32", shape, [x, pos], ip=(n_dims,), fp=(base, 1.0), n_threads=n))
+        assert np.array_equal(y, run("rope_fwd_f32", shape, [x, pos], ip=(n_dims,), fp=(base, 1.0, 1.0), n_threads=n))
 
 
 def test_rope_per_row_equals_shared_rows():
@@ -217,10 +217,10 @@ def test_rope_per_row_equals_shared_rows():
     rng = np.random.default_rng(18)
     x = f32(rng, 3, 6, 2, 8)
     pos = np.array([[0, 1, 2, 3, 4, 5], [0, 1, 0, 1, 2, 3], [7, 7, 7, 0, 100, 2]], np.int32)
-    y = run("rope_fwd_f32", x.shape, [x, pos], ip=(8,), fp=(10000.0, 1.0))
+    y = run("rope_fwd_f32", x.shape, [x, pos], ip=(8,), fp=(10000.0, 1.0, 1.0))
     for b in range(3):
         xb = np.ascontiguousarray(x[b:b + 1])
-        assert np.array_equal(y[b:b + 1], run("rope_fwd_f32", xb.shape, [xb, pos[b]], ip=(8,), fp=(10000.0, 1.0)))
+        assert np.array_equal(y[b:b + 1], run("rope_fwd_f32", xb.shape, [xb, pos[b]], ip=(8,), fp=(10000.0, 1.0, 1.0)))
 
 
 # ---- dropout -------------------------------------------------------------------------------
@@ -443,8 +443,8 @@ def _thread_cases():
         ("softmax_bwd_f32", x.shape, [x, g], (), (0.5,), None),
         ("cross_entropy_fwd_f32", (), [logits, tg], (0,), (), None),
         ("cross_entropy_bwd_f32", logits.shape, [logits, tg, gs], (0,), (), None),
-        ("rope_fwd_f32", rx.shape, [rx, pos], (16,), (10000.0, 1.0), None),
-        ("rope_bwd_f32", rx.shape, [rx, pos], (16,), (10000.0, 1.0), None),
+        ("rope_fwd_f32", rx.shape, [rx, pos], (16,), (10000.0, 1.0, 1.0), None),
+        ("rope_bwd_f32", rx.shape, [rx, pos], (16,), (10000.0, 1.0, 1.0), None),
         ("get_rows_fwd_f32", (5, 7, 40), [table, idx], (), (), None),
         ("get_rows_bwd_f32", (11, 40), [gr, idx], (), (), None),
         ("im2col_fwd_f32", cols.shape, [img], (3, 3, 2, 1), (), None),
@@ -452,11 +452,11 @@ def _thread_cases():
         ("max_pool2d_fwd_f32", pooled.shape, [img], (2,), (), None),
         ("max_pool2d_bwd_f32", img.shape, [img, pooled], (2,), (), None),
         ("softmax_fwd_f32", (2, 3, 9, 9), [f32(rng, 2, 3, 9, 9), seg], (3,), (0.5,), None),
-        ("rope_fwd_f32", rx.shape, [rx, row_pos], (12,), (10000.0, 1.0), None),
-        ("rope_bwd_f32", rx.shape, [rx, row_pos], (12,), (500.0, 1.0), None),
+        ("rope_fwd_f32", rx.shape, [rx, row_pos], (12,), (10000.0, 1.0, 1.0), None),
+        ("rope_bwd_f32", rx.shape, [rx, row_pos], (12,), (500.0, 1.0, 1.0), None),
         # NEOX pairs with llama 3's frequency factors and a linear scale
-        ("rope_fwd_f32", rx.shape, [rx, pos, np.geomspace(1, 8, 6).astype(np.float32)], (12, 2), (1e4, 0.5), None),
-        ("rope_bwd_f32", rx.shape, [rx, row_pos, np.geomspace(1, 8, 8).astype(np.float32)], (16, 2), (1e4, 1.0),
+        ("rope_fwd_f32", rx.shape, [rx, pos, np.geomspace(1, 8, 6).astype(np.float32)], (12, 2), (1e4, 0.5, 1.3), None),
+        ("rope_bwd_f32", rx.shape, [rx, row_pos, np.geomspace(1, 8, 8).astype(np.float32)], (16, 2), (1e4, 1.0, 1.0),
          None),
         ("dropout_fwd_f32", x.shape, [x, np.array(3, np.int32)], (9,), (0.4,), None),
         ("im2col_fwd_f32", cols8.shape, [img8], (3, 3, 1, 1), (), None),
@@ -513,25 +513,26 @@ def _bad_cases():
          "cross_entropy"),
         ("cross_entropy_fwd_f32", (), [x, i32], (0,), (), 8, NativeError, "scratch"),
         ("cross_entropy_bwd_f32", (3, 8), [x, i32, x], (0,), (), 0, ShapeError, "cross_entropy_bwd"),
-        ("rope_fwd_f32", (3, 8), [x, i32], (8,), (1e4, 1.0), 0, ShapeError, "rope"),
-        ("rope_fwd_f32", (3, 1, 8), [x.reshape(3, 1, 8), i32], (7,), (1e4, 1.0), 0, NativeError, "n_dims"),
-        ("rope_fwd_f32", (3, 1, 8), [x.reshape(3, 1, 8), i32], (10,), (1e4, 1.0), 0, NativeError, "n_dims"),
-        ("rope_fwd_f32", (3, 1, 8), [x.reshape(3, 1, 8), i32], (8, 1), (1e4, 1.0), 0, NativeError, "mode"),
-        ("rope_fwd_f32", (3, 1, 8), [x.reshape(3, 1, 8), i32], (8,), (1e4, 0.0), 0, NativeError, "freq_scale"),
-        ("rope_fwd_f32", (3, 1, 8), [x.reshape(3, 1, 8), i32, np.ones(3, np.float32)], (8,), (1e4, 1.0), 0,
+        ("rope_fwd_f32", (3, 8), [x, i32], (8,), (1e4, 1.0, 1.0), 0, ShapeError, "rope"),
+        ("rope_fwd_f32", (3, 1, 8), [x.reshape(3, 1, 8), i32], (7,), (1e4, 1.0, 1.0), 0, NativeError, "n_dims"),
+        ("rope_fwd_f32", (3, 1, 8), [x.reshape(3, 1, 8), i32], (10,), (1e4, 1.0, 1.0), 0, NativeError, "n_dims"),
+        ("rope_fwd_f32", (3, 1, 8), [x.reshape(3, 1, 8), i32], (8, 1), (1e4, 1.0, 1.0), 0, NativeError, "mode"),
+        ("rope_fwd_f32", (3, 1, 8), [x.reshape(3, 1, 8), i32], (8,), (1e4, 0.0, 1.0), 0, NativeError, "freq_scale"),
+        ("rope_fwd_f32", (3, 1, 8), [x.reshape(3, 1, 8), i32], (8,), (1e4, 1.0, 0.0), 0, NativeError, "attn_factor"),
+        ("rope_fwd_f32", (3, 1, 8), [x.reshape(3, 1, 8), i32, np.ones(3, np.float32)], (8,), (1e4, 1.0, 1.0), 0,
          ShapeError, "factors (4,)"),
-        ("rope_bwd_f32", (3, 1, 8), [x.reshape(3, 1, 8), i32[:2]], (8,), (1e4, 1.0), 0, ShapeError,
+        ("rope_bwd_f32", (3, 1, 8), [x.reshape(3, 1, 8), i32[:2]], (8,), (1e4, 1.0, 1.0), 0, ShapeError,
          "rope_bwd"),
         # per-row positions: x's leading dims (B, T), contiguous
-        ("rope_fwd_f32", (2, 3, 1, 4), [x4, np.zeros((3, 3), np.int32)], (4,), (1e4, 1.0), 0, ShapeError,
+        ("rope_fwd_f32", (2, 3, 1, 4), [x4, np.zeros((3, 3), np.int32)], (4,), (1e4, 1.0, 1.0), 0, ShapeError,
          "or (2, 3)"),
-        ("rope_fwd_f32", (2, 3, 1, 4), [x4, np.zeros((2, 4), np.int32)], (4,), (1e4, 1.0), 0, ShapeError,
+        ("rope_fwd_f32", (2, 3, 1, 4), [x4, np.zeros((2, 4), np.int32)], (4,), (1e4, 1.0, 1.0), 0, ShapeError,
          "expected positions (3,) or (2, 3)"),
-        ("rope_bwd_f32", (2, 3, 1, 4), [x4, np.zeros((1, 2, 3), np.int32)], (4,), (1e4, 1.0), 0, ShapeError,
+        ("rope_bwd_f32", (2, 3, 1, 4), [x4, np.zeros((1, 2, 3), np.int32)], (4,), (1e4, 1.0, 1.0), 0, ShapeError,
          "rope_bwd"),
-        ("rope_fwd_f32", (2, 3, 1, 4), [x4, np.zeros((2, 6), np.int32)[:, ::2]], (4,), (1e4, 1.0), 0,
+        ("rope_fwd_f32", (2, 3, 1, 4), [x4, np.zeros((2, 6), np.int32)[:, ::2]], (4,), (1e4, 1.0, 1.0), 0,
          NativeError, "positions contiguous"),
-        ("rope_fwd_f32", (2, 3, 1, 4), [x4, np.zeros((2, 3), np.float32)], (4,), (1e4, 1.0), 0, DTypeError,
+        ("rope_fwd_f32", (2, 3, 1, 4), [x4, np.zeros((2, 3), np.float32)], (4,), (1e4, 1.0, 1.0), 0, DTypeError,
          "positions i32"),
         # dropout: seed i32 of one element, p in [0, 1), salt in [0, 2^32), x contiguous
         ("dropout_fwd_f32", (3, 8), [x, np.array(1, np.int32)], (0,), (1.0,), 0, NativeError, "p (fp[0])"),

@@ -26,8 +26,8 @@ import numpy as np
 from ggtrain.core import ops
 from ggtrain.core.backend import StoredTensor
 from ggtrain.core.models.families import FAMILIES
-from ggtrain.core.models.family import (BLOCK_SHAPES, OUTPUT, OUTPUT_NORM, ROPE_FREQS, STORED_AS, TOKEN_EMBD,
-                                        Family)
+from ggtrain.core.models.family import (BLOCK_SHAPES, OUTPUT, OUTPUT_NORM, ROPE_CONSTANTS, ROPE_FACTORS_LONG,
+                                        ROPE_FACTORS_SHORT, ROPE_FREQS, STORED_AS, TOKEN_EMBD, Family)
 from ggtrain.errors import ConfigError
 
 
@@ -50,6 +50,9 @@ class ModelConfig:
     window: > 0, the sliding window of the local layers (gemma3); window_pattern: every
     n-th layer is global (-1: the family's default; 0: none is); rope_base_swa: the rope
     base of local layers; logit_softcap: > 0, logits become c tanh(logits / c).
+    rope_long: the model carries rope_factors_long/short (phi3's longrope), the long ones
+    for runs of a context beyond rope_orig_ctx (0: ctx); rope_attn_factor scales the rotated
+    dims.
     """
 
     vocab: int
@@ -71,6 +74,9 @@ class ModelConfig:
     window_pattern: int = -1
     rope_base_swa: float = 10000.0
     logit_softcap: float = 0.0
+    rope_long: bool = False
+    rope_orig_ctx: int = 0
+    rope_attn_factor: float = 1.0
 
     def __post_init__(self):
         fam = family(self.arch)
@@ -100,6 +106,11 @@ class ModelConfig:
                               f"logit_softcap {self.logit_softcap} must be >= 0, rope_base_swa > 0")
         if self.window and "window" not in fam.keys:
             raise ConfigError(f"{self.arch}: the family has no sliding-window attention")
+        if self.rope_long and not fam.long_rope:
+            raise ConfigError(f"{self.arch}: the family has no long-context rope factors")
+        if self.rope_orig_ctx < 0 or not self.rope_attn_factor > 0:
+            raise ConfigError(f"{self.arch}: rope_orig_ctx {self.rope_orig_ctx} must be >= 0, "
+                              f"rope_attn_factor {self.rope_attn_factor} > 0")
 
     @property
     def family(self) -> Family:
@@ -128,6 +139,8 @@ def param_shapes(cfg: ModelConfig) -> dict:
         shapes[OUTPUT] = (cfg.vocab, cfg.dim)
     if cfg.rope_freqs:
         shapes[ROPE_FREQS] = (cfg.n_rot // 2,)
+    if cfg.rope_long:
+        shapes[ROPE_FACTORS_LONG] = shapes[ROPE_FACTORS_SHORT] = (cfg.n_rot // 2,)
     for i in range(cfg.layers):
         for name in cfg.family.block:
             shapes[f"blk.{i}.{STORED_AS.get(name, name)}"] = BLOCK_SHAPES[name](cfg)
@@ -137,7 +150,7 @@ def param_shapes(cfg: ModelConfig) -> dict:
 def trainable(name: str) -> bool:
     """Whether training changes a parameter: all but the rope frequency factors (constants
     of the position encoding, not weights)."""
-    return name != ROPE_FREQS
+    return name not in ROPE_CONSTANTS
 
 
 def init_params(cfg: ModelConfig, seed: int = 0, std: float = 0.02) -> dict:
@@ -148,7 +161,7 @@ def init_params(cfg: ModelConfig, seed: int = 0, std: float = 0.02) -> dict:
     rng = np.random.default_rng(seed)
     out = {}
     for name, shape in param_shapes(cfg).items():
-        if name.endswith("norm.weight") or name == ROPE_FREQS:
+        if name.endswith("norm.weight") or name in ROPE_CONSTANTS:
             out[name] = np.ones(shape, np.float32)
         elif name.endswith(".bias"):
             out[name] = np.zeros(shape, np.float32)
@@ -176,15 +189,23 @@ def linear(x, params: dict, name: str, lora: dict | None = None):
     return y if bias is None else ops.add(y, bias)
 
 
+def _rope_factors(cfg: ModelConfig, params: dict, n_ctx: int):
+    """The per-pair frequency divisors a run of context n_ctx rotates with, or None."""
+    if cfg.rope_long:     # llama.cpp: the long factors when the context passes the original one
+        return params[ROPE_FACTORS_LONG if n_ctx > (cfg.rope_orig_ctx or cfg.ctx) else ROPE_FACTORS_SHORT]
+    return params.get(ROPE_FREQS)
+
+
 def _attention(cfg: ModelConfig, x, p: str, params: dict, pos, lora=None, kv=None, n_kv: int = 0, seg=None,
-               keep=None, layer: int = 0):
+               keep=None, layer: int = 0, n_ctx: int = 0):
     """Self-attention of x (B, T, C), causal; with seg (B, T) i32 (packed samples), query i
     sees key j only when j <= i and seg[., j] == seg[., i] (pos (B, T) then restarts per
     sample). With kv = (k_cache, v_cache), persistent (S, Hkv*D) tensors (B must be 1):
     this step's keys and values are written at rows pos, and the queries attend over cache
     rows 0..n_kv-1, query i seeing rows <= pos[i]. keep: called with the fused attention
     node (Graph.keep under checkpointing). layer: the block's index (a sliding-window layer
-    has its window, its rope base and no rope scaling; a NoPE layer no rope)."""
+    has its window, its rope base and no rope scaling; a NoPE layer no rope). n_ctx: the
+    run's context (chooses phi3's long or short rope factors)."""
     b, t, c = x.shape
     fam = cfg.family
     local = cfg.local(layer)
@@ -203,7 +224,8 @@ def _attention(cfg: ModelConfig, x, p: str, params: dict, pos, lora=None, kv=Non
         q = ops.mul(ops.rms_norm(q, cfg.norm_eps), params[p + "attn_q_norm.weight"])
         k = ops.mul(ops.rms_norm(k, cfg.norm_eps), params[p + "attn_k_norm.weight"])
     rope = None if fam.no_rope_every and (layer + 1) % fam.no_rope_every == 0 else dict(n_dims=cfg.n_rot, freq_base=cfg.rope_base_swa if local else cfg.rope_base, mode=fam.rope_mode,
-                freq_scale=1.0 if local else 1.0 / cfg.rope_scale, factors=params.get(ROPE_FREQS))
+                freq_scale=1.0 if local else 1.0 / cfg.rope_scale, factors=_rope_factors(cfg, params, n_ctx),
+                attn_factor=cfg.rope_attn_factor)
     if rope is not None:
         q = ops.rope(q, pos, **rope)
         k = ops.rope(k, pos, **rope)
@@ -226,7 +248,7 @@ def _attention(cfg: ModelConfig, x, p: str, params: dict, pos, lora=None, kv=Non
 
 def forward(cfg: ModelConfig, params: dict, tokens, pos, graph=None, checkpoint: bool = False,
             lora: dict | None = None, cache: list | None = None, n_kv: int = 0, last_only: bool = False,
-            seg=None, rows=None, head: bool = True):
+            seg=None, rows=None, head: bool = True, n_ctx: int = 0):
     """Logits (B, T, V) for tokens (B, T) i32 at positions pos (T,) i32.
 
     params: {name: Tensor} as param_shapes (weights f32, or frozen in their stored types).
@@ -245,7 +267,9 @@ def forward(cfg: ModelConfig, params: dict, tokens, pos, graph=None, checkpoint:
     decoding (B = 1; see _attention), attending over n_kv cache rows. last_only: logits of
     the last position only, (B, 1, V). rows (M,) i32: logits only at those flat positions
     of (B*T) (the ones a loss needs), (M, V). head=False: the normed hidden states the
-    output projection reads instead of logits ((..., C); chunked_loss takes them).
+    output projection reads instead of logits ((..., C); chunked_loss takes them). n_ctx: the
+    context of the run (the window, or the KV cache's positions; 0: T), which picks phi3's
+    long or short rope factors as llama.cpp's context size does.
     """
     b, t = tokens.shape
     if t > cfg.ctx:
@@ -260,7 +284,7 @@ def forward(cfg: ModelConfig, params: dict, tokens, pos, graph=None, checkpoint:
         h = ops.mul(ops.rms_norm(x, eps), params[p + "attn_norm.weight"])
         kv = cache[i] if cache is not None else None
         keep = graph.keep if checkpoint and graph is not None and not lora else None
-        a = _attention(cfg, h, p, params, pos, lora, kv, n_kv, seg, keep=keep, layer=i)
+        a = _attention(cfg, h, p, params, pos, lora, kv, n_kv, seg, keep=keep, layer=i, n_ctx=n_ctx or t)
         if fam.post_norms:
             a = ops.mul(ops.rms_norm(a, eps), params[p + "post_attention_norm.weight"])
         x = ops.add(x, a)
@@ -396,10 +420,12 @@ class Runner:
     (causal attention: padding after a position never changes its logits).
 
     weights: {name: f32 array or StoredTensor}; adapters: {weight name: (A, B, scale)}.
+    n_ctx: the run's context when it is not `length` (a user's --ctx, of which a short text
+    fills less): it picks phi3's long or short rope factors.
     """
 
     def __init__(self, cfg: ModelConfig, weights: dict, backend, batch: int = 1, length: int | None = None,
-                 n_threads: int | None = None, adapters: dict | None = None):
+                 n_threads: int | None = None, adapters: dict | None = None, n_ctx: int = 0):
         from ggtrain.core.graph import Graph, Runtime  # same layer 3/4 boundary, no cycle
 
         self.cfg = cfg
@@ -409,7 +435,7 @@ class Runner:
         self.tokens = g.input((batch, self.length), "i32", name="tokens")
         self.targets = g.input((batch, self.length), "i32", name="targets")
         self.pos = g.input((self.length,), "i32", name="pos")
-        hidden = forward(cfg, params, self.tokens, self.pos, lora=lora, head=False)
+        hidden = forward(cfg, params, self.tokens, self.pos, lora=lora, head=False, n_ctx=n_ctx or self.length)
         self.logits_t = output(cfg, params, hidden, lora)
         # the loss never holds the window's logits whole (chunked_loss)
         self.chunks = g.input((loss_chunks(cfg, batch * self.length),), name="chunk_weights")
@@ -504,7 +530,7 @@ class Decoder:
             tokens = g.input((1, t), "i32", name=f"tokens.{t}")
             pos = g.input((t,), "i32", name=f"pos.{t}")
             logits = forward(self.cfg, self.params, tokens, pos, lora=self.lora, cache=self.cache,
-                             n_kv=rows, last_only=True)
+                             n_kv=rows, last_only=True, n_ctx=self.n_ctx)
             self._plans[key] = (self.runtime.compile([logits], self.n_threads), tokens, pos, logits)
         return self._plans[key]
 

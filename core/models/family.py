@@ -64,6 +64,9 @@ LLAMA_TARGETS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_u
 
 TOKEN_EMBD, OUTPUT_NORM, OUTPUT = "token_embd.weight", "output_norm.weight", "output.weight"
 ROPE_FREQS = "rope_freqs.weight"   # llama 3: factors dividing the rotation frequencies, (rope_dims / 2,)
+# phi3 (longrope): the factors for runs of a context beyond the original one, and for the rest
+ROPE_FACTORS_LONG, ROPE_FACTORS_SHORT = "rope_factors_long.weight", "rope_factors_short.weight"
+ROPE_CONSTANTS = (ROPE_FREQS, ROPE_FACTORS_LONG, ROPE_FACTORS_SHORT)   # position-encoding constants
 
 # rope scaling types (the {arch}.rope.scaling.type key) the decoder applies
 ROPE_SCALING = ("none", "linear")
@@ -81,7 +84,8 @@ class Family:
 
     arch: general.architecture. block: the block's tensor names (BLOCK_SHAPES keys) in the
     order files hold them. rope_mode: "norm" (adjacent pairs) or "neox" (halves).
-    rope_freqs: files may carry rope_freqs.weight. lora_targets: the block weights an
+    rope_freqs: files may carry rope_freqs.weight. long_rope: files may carry
+    rope_factors_long/short (and the rope scaling "longrope"). lora_targets: the block weights an
     adapter may target (their names without ".weight"). keys: {config field: key after
     "{arch}."} read besides COMMON_KEYS. ignored_keys: keys after "{arch}." that files
     carry and that change nothing this decoder computes (each with its reason in the
@@ -97,6 +101,7 @@ class Family:
     block: tuple = LLAMA_BLOCK
     rope_mode: str = "norm"
     rope_freqs: bool = False
+    long_rope: bool = False
     lora_targets: tuple = LLAMA_TARGETS
     keys: dict = field(default_factory=dict)
     ignored_keys: tuple = ()

@@ -79,12 +79,15 @@ static int rope(const gt_node *node, const gt_ctx *ctx, const char *op, double s
     if (mode != 0 && mode != 2)
         return GT_FAIL(GT_ERR_INVALID, "%s: expected mode (ip[1]) 0 (normal) or 2 (neox), got %lld", op,
                        (long long)mode);
-    const float base = node->fp[0], fscale = node->fp[1];
+    const float base = node->fp[0], fscale = node->fp[1], mscale = node->fp[2];
     if (!(base > 0.0f) || isinf(base))
         return GT_FAIL(GT_ERR_INVALID, "%s: expected freq_base (fp[0]) > 0 and finite, got %g", op, (double)base);
     if (!(fscale > 0.0f) || isinf(fscale))
         return GT_FAIL(GT_ERR_INVALID, "%s: expected freq_scale (fp[1]) > 0 and finite, got %g", op,
                        (double)fscale);
+    if (!(mscale > 0.0f) || isinf(mscale))
+        return GT_FAIL(GT_ERR_INVALID, "%s: expected attn_factor (fp[2]) > 0 and finite, got %g", op,
+                       (double)mscale);
     if (ff) {
         GT_CHECK_F32(ff, op, "factors");
         if (ff->ndim != 1 || ff->shape[0] != n_dims / 2)
@@ -119,8 +122,8 @@ static int rope(const gt_node *node, const gt_ctx *ctx, const char *op, double s
                 const double pt = (double)pu;
                 for (int64_t i = 0; i < ni; i++) {
                     const double th = pt * freq[i];
-                    cs[i] = (float)cos(th);
-                    sn[i] = (float)(sign * sin(th));
+                    cs[i] = (float)(mscale * cos(th));
+                    sn[i] = (float)(mscale * sign * sin(th));
                 }
                 p_cached = pu;
                 have = 1;
@@ -144,7 +147,9 @@ static int rope(const gt_node *node, const gt_ctx *ctx, const char *op, double s
  * by every row, or x's leading dims (..., T) i32 contiguous (each row its own
  * positions: packed samples restart at 0), dst same shape as x, contiguous.
  * ip[0] = n_dims (even, 2..D), ip[1] = mode (0 normal, 2 neox, ggml's numbers),
- * fp[0] = freq_base, fp[1] = freq_scale (> 0; 1: none, linear rope scaling 1/factor);
+ * fp[0] = freq_base, fp[1] = freq_scale (> 0; 1: none, linear rope scaling 1/factor),
+ * fp[2] = attn_factor (> 0; 1: none): the rotated pairs are also scaled by it (llama.cpp's
+ * mscale: phi3's longrope attention factor); the backward is the same scale times R(-theta);
  * src2 (optional): factors (n_dims/2,) f32 (any stride) dividing each pair's frequency.
  * For i < n_dims/2: theta = freq_scale * pos[t] * freq_base^(-2i/n_dims) / factors[i]
  * rotates the pair (x0, x1) -> (x0 cos - x1 sin, x0 sin + x1 cos), the pair being
