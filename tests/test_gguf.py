@@ -652,7 +652,7 @@ def test_family_round_trip(tmp_path, arch, extra):
     (dict(arch="qwen3moe"), "architecture 'qwen3moe' is not supported"),
     (dict(skip_key="llama.block_count"), "'llama.block_count' is missing"),
     (dict(add_kv=[("llama.rope.scaling.type", "yarn", VT.STRING)]),
-     "llama.rope.scaling.type = 'yarn': a rope scaling ggtrain does not implement (it applies none, linear)"),
+     "llama.rope.scaling.type = 'yarn': a rope scaling ggtrain does not implement for llama (it applies none, linear)"),
     (dict(add_kv=[("llama.expert_count", 8, VT.UINT32)]), "llama.expert_count = 8: a mixture-of-experts model"),
     (dict(add_kv=[("llama.attention.sliding_window", 4096, VT.UINT32)]),
      "key 'llama.attention.sliding_window' is not applied by ggtrain's llama decoder"),
