@@ -18,7 +18,8 @@ def backward(loss: Tensor, wrt: list, seed: float = 1.0, checkpointing: bool = T
              keep=None) -> dict:
     """Gradients of loss * seed with respect to each tensor in wrt: {tensor: grad}.
 
-    loss must hold one element. A tensor loss does not depend on gets a zero gradient.
+    loss must hold one element. A tensor loss does not depend on gets a zero gradient. wrt
+    may hold op nodes too (the gradient of a chunk of the loss with respect to its input rows).
     keep: with checkpointing, a predicate on forward nodes whose outputs are kept rather
     than recomputed (selective checkpointing: e.g. the products with frozen weights, which
     cost most to recompute), besides those the graph marks (Graph.keep); with neither,
@@ -46,6 +47,7 @@ def backward(loss: Tensor, wrt: list, seed: float = 1.0, checkpointing: bool = T
     for t in op_nodes:
         segments.setdefault(t.segment, []).append(t)
     last = max(segments) if segments else 0
+    done = {}   # wanted op nodes (not leaves): their gradient, taken before it flows on
     for seg in sorted(segments, reverse=True):
         nodes = segments[seg]
         clones = {}
@@ -56,6 +58,8 @@ def backward(loss: Tensor, wrt: list, seed: float = 1.0, checkpointing: bool = T
             if contribs is None:
                 continue
             g = _total(contribs)
+            if t.id in wanted:
+                done[t.id] = g
             opdef = ops.OPS[t.op]
             if opdef.backward is None:
                 raise ShapeError(f"backward: op {t.op} has no backward rule")
@@ -72,7 +76,7 @@ def backward(loss: Tensor, wrt: list, seed: float = 1.0, checkpointing: bool = T
     result = {}
     for t in wrt:
         contribs = grads.get(t.id)
-        result[t] = _total(contribs) if contribs else ops.fill(graph, t.shape, 0.0)
+        result[t] = done[t.id] if t.id in done else _total(contribs) if contribs else ops.fill(graph, t.shape, 0.0)
     return result
 
 

@@ -253,6 +253,22 @@ def swiglu(g: Tensor, u: Tensor) -> Tensor:
     return apply("swiglu", [g, u])
 
 
+def with_grad(y: Tensor, x: Tensor, gx: Tensor) -> Tensor:
+    """y's value, whose backward gives x the gradient g * gx (g: y's upstream gradient, y
+    one element) and nothing to y's own inputs: a gradient computed in the forward (a chunk
+    of the loss over a frozen output matrix) handed to the backward, so what made it (the
+    chunk's logits) need not be held or recomputed. gx: x's shape. (f32)"""
+    return apply("with_grad", [y, x, gx])
+
+
+def _infer_with_grad(srcs, params):
+    y, x, gx = srcs
+    _f32("with_grad", y, x, gx)
+    _need(y.size == 1 and gx.shape == x.shape,
+          f"with_grad: y {y.shape} must hold one element and gx {gx.shape} match x {x.shape}")
+    return y.shape, "f32"
+
+
 def geglu(g: Tensor, u: Tensor) -> Tensor:
     """gelu(g) * u with gelu's tanh approximation, x/2 (1 + tanh(sqrt(2/pi) (x + 0.044715
     x^3))): Gemma's FFN gate, fused forward and backward. (f32, one shape)"""
@@ -321,6 +337,8 @@ register(OpDef("swiglu", _infer_same("swiglu"), "swiglu_fwd", backward=_glu_bwd(
 register(OpDef("swiglu_bwd", _infer_glu_bwd("swiglu_bwd"), "swiglu_bwd", contiguous=(0, 1, 2)))
 register(OpDef("geglu", _infer_same("geglu"), "geglu_fwd", backward=_glu_bwd("geglu_bwd"), contiguous=(0, 1)))
 register(OpDef("geglu_bwd", _infer_glu_bwd("geglu_bwd"), "geglu_bwd", contiguous=(0, 1, 2)))
+register(OpDef("with_grad", _infer_with_grad, "scale_fwd", lower=lambda y: ((), (1.0,)),   # a copy of y
+               backward=lambda y, g: [None, mul(reshape(g, ()), y.srcs[2]), None], differentiable=(1,)))
 register(OpDef("tanh", _infer_same("tanh"), "tanh_fwd",
                backward=lambda y, g: [sub(g, mul(mul(g, y), y))]))
 register(OpDef("exp", _infer_same("exp"), "exp_fwd", backward=lambda y, g: [mul(g, y)]))

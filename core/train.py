@@ -569,8 +569,7 @@ def _frozen_product(t: Tensor) -> bool:
     """Selective checkpointing for LoRA: the products with frozen weights are most of a
     block's forward work, so their outputs are kept instead of recomputed (the adapters,
     norms, activations and attention are recomputed)."""
-    return (t.op == "matmul" and t.srcs[1].root.kind == "param" and not t.srcs[1].requires_grad
-            and t.srcs[1].root.name not in decoder.HEAD_WEIGHTS)   # chunked logits are recomputed
+    return t.op == "matmul" and t.srcs[1].root.kind == "param" and not t.srcs[1].requires_grad
 
 
 class TextRun:
@@ -639,13 +638,14 @@ class TextRun:
             targets = self.row_targets = g.input((loss_rows,), "i32", name="row_targets")
         self._rows = rows
         # the loss over the output projection in chunks of rows when the logits would be large
-        # (decoder.chunked_loss); with checkpointing, one chunk's logits at a time, ever
+        # (decoder.chunked_loss): under LoRA (a frozen output matrix) each chunk's input
+        # gradient is taken in the forward, so one chunk's logits at a time, none recomputed
         self.chunks = g.input((decoder.loss_chunks(model, loss_rows or b * self.ctx, head_trained=lora is None),),
                               name="chunk_weights")
         hidden = decoder.forward(model, weights, self.tokens, self.pos, g, checkpoint=config.checkpointing,
                                  lora=adapters, seg=self.seg, rows=rows, head=False, n_ctx=self.ctx)
-        self.loss = decoder.chunked_loss(model, weights, hidden, targets, self.chunks,
-                                         graph=g if config.checkpointing else None, lora=adapters)
+        self.loss = decoder.chunked_loss(model, weights, hidden, targets, self.chunks, lora=adapters,
+                                         grad=lora is not None)
         self.eval_loss = self.loss
         if self.dropout_seed is not None:   # evaluation without dropout: the same weights, no masks
             plain = {w: f[:3] for w, f in adapters.items()}

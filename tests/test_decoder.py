@@ -155,9 +155,9 @@ def test_checkpointing_keeps_attention_and_the_mid_residual():
 @pytest.mark.parametrize("frozen_head", [False, True], ids=["trained-head", "frozen-head"])
 def test_chunked_loss_equals_one_chunk_and_holds_less(kw, frozen_head, monkeypatch):
     """The loss over the output projection in chunks of rows (large vocabularies): the same
-    loss and gradients as one chunk; with checkpointing and a frozen output matrix (LoRA),
-    one chunk's logits in the plan, not all. (Budgets shrunk so a 2048-token vocabulary
-    chunks.)"""
+    loss and gradients as one chunk; with a frozen output matrix (LoRA) each chunk's input
+    gradient is taken in the forward (ops.with_grad), and the plan holds one chunk's logits,
+    not all. (Budgets shrunk so a 2048-token vocabulary chunks.)"""
     cfg = decoder.ModelConfig(**{**TINY, **kw, "vocab": 2048, "ctx": 16})
     b, t = 4, 16
     rng = np.random.default_rng(3)
@@ -177,7 +177,7 @@ def test_chunked_loss_equals_one_chunk_and_holds_less(kw, frozen_head, monkeypat
         n = decoder.loss_chunks(cfg, b * t) if chunked else 1
         weights = g.input((n,), name="chunk_weights")
         hidden = decoder.forward(cfg, params, tokens, pos, g, checkpoint=True, head=False)
-        loss = decoder.chunked_loss(cfg, params, hidden, targets, weights, graph=g)
+        loss = decoder.chunked_loss(cfg, params, hidden, targets, weights, grad=frozen_head and chunked)
         trained = [p for p in params.values() if p.requires_grad]
         st = TrainStep(loss, trained, AdamW(lr=1e-3), CpuBackend(2), checkpointing=True)
         feed = {tokens: np.maximum(tok[:, :-1], 0), targets: tok[:, 1:], pos: np.arange(t, dtype=np.int32),

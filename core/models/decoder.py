@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ggtrain.core import ops
+from ggtrain.core.autograd import backward
 from ggtrain.core.backend import StoredTensor
 from ggtrain.core.models.families import FAMILIES
 from ggtrain.core.models.family import (BLOCK_SHAPES, OUTPUT, OUTPUT_NORM, ROPE_CONSTANTS, ROPE_FACTORS_LONG,
@@ -333,8 +334,6 @@ def loss(logits, targets):
     return ops.cross_entropy(ops.reshape(logits, (n, v)), ops.reshape(targets, (n,)))
 
 
-HEAD_WEIGHTS = (OUTPUT, TOKEN_EMBD)    # what the output projection reads (tied: the embedding)
-
 # Logits of at most this many bytes are made at once; a loss over more is taken in chunks of
 # rows (Gemma's 262144-token vocabulary makes 1 MiB of f32 logits a position).
 LOGITS_BUDGET = 256 * 2**20
@@ -363,13 +362,17 @@ def chunk_weights(targets: np.ndarray, n_chunks: int) -> np.ndarray:
     return (counts / total if total else counts).astype(np.float32)
 
 
-def chunked_loss(cfg: ModelConfig, params: dict, x, targets, weights, graph=None, lora: dict | None = None):
+def chunked_loss(cfg: ModelConfig, params: dict, x, targets, weights, lora: dict | None = None,
+                 grad: bool = False):
     """Mean cross-entropy of the logits of normed hidden states x (..., C) against targets
     (...) i32 (negative: ignored), len(weights) chunks of rows at a time: chunk k's mean
-    times weights[k] (its share of the counted rows, chunk_weights), summed. With graph
-    (gradient checkpointing), each chunk ends a segment: backward recomputes one chunk's
-    logits at a time, so no more than a chunk's (rows, V) logits are ever held. One chunk is
-    loss(output(x), targets) exactly."""
+    times weights[k] (its share of the counted rows, chunk_weights), summed. One chunk is
+    loss(output(x), targets) exactly. Forward only (evaluation), no more than a chunk's
+    (rows, V) logits are held. With grad (training with the output matrix frozen: LoRA),
+    each chunk's gradient of its rows of x is computed right after its loss, in the
+    forward, and handed to the backward (ops.with_grad): its logits die there and are never
+    recomputed. (A trained output matrix would get a (V, C) gradient per chunk, more than
+    the logits saved: loss_chunks gives it one chunk.)"""
     c = x.shape[-1]
     n = x.size // c
     k_total = weights.shape[0]
@@ -382,11 +385,12 @@ def chunked_loss(cfg: ModelConfig, params: dict, x, targets, weights, graph=None
         lo, m = k * size, min(size, n - k * size)
         if m <= 0:
             break
-        logits = output(cfg, params, ops.view(x2, (m, c), (c, 1), lo * c), lora)
-        part = ops.mul(ops.cross_entropy(logits, ops.view(t1, (m,), (1,), lo)), ops.view(weights, (), (), k))
+        xk = ops.view(x2, (m, c), (c, 1), lo * c)
+        ce = ops.cross_entropy(output(cfg, params, xk, lora), ops.view(t1, (m,), (1,), lo))
+        if grad:   # d ce / d xk now; the backward scales it by the chunk's upstream gradient
+            ce = ops.with_grad(ce, xk, backward(ce, [xk], checkpointing=False)[xk])
+        part = ops.mul(ce, ops.view(weights, (), (), k))
         total = part if total is None else ops.add(total, part)
-        if graph is not None:
-            graph.checkpoint(total)
     return total
 
 
