@@ -92,6 +92,8 @@ def write_with_gguf_py(path, cfg: ModelConfig, weights: dict, tok) -> None:
         w.add_rope_freq_base_swa(cfg.rope_base_swa)
     if cfg.logit_softcap:
         w.add_final_logit_softcapping(cfg.logit_softcap)
+    if cfg.arch == "phi3":      # the converter writes Phi's window; llama.cpp disables it (so do we)
+        w.add_sliding_window(16)
     if cfg.rope_long:
         w.add_rope_scaling_type(gguf.RopeScalingType.LONGROPE)
         w.add_rope_scaling_orig_ctx_len(cfg.rope_orig_ctx)

@@ -7,13 +7,16 @@ The long-context variants (Phi-3.5-mini, Phi-4-mini: rope scaling "longrope") ca
 rope_factors_long and rope_factors_short, per-pair frequency divisors: a run whose context
 passes rope.scaling.original_context_length rotates with the long ones, others with the short
 ones, as llama.cpp chooses by its context size; the rotated dims are scaled by
-rope.scaling.attn_factor.
+rope.scaling.attn_factor. attention.sliding_window, which the converter writes, is read and
+ignored as llama.cpp does (it disables Phi's window: the converters write no layer pattern),
+so both compute full causal attention.
 """
 from ggtrain.core.models.family import Family
 
 FAMILY = Family(arch="phi3", rope_mode="neox", long_rope=True,
                 keys={"rope_orig_ctx": "rope.scaling.original_context_length",
                       "rope_attn_factor": "rope.scaling.attn_factor"},
+                ignored_keys=("attention.sliding_window",),
                 block=("attn_norm.weight", "attn_qkv.weight", "attn_output.weight", "ffn_norm.weight",
                        "ffn_gate_up.weight", "ffn_down.weight"),
                 lora_targets=("attn_qkv", "attn_output", "ffn_up", "ffn_down"))
