@@ -299,3 +299,34 @@ def test_train_from_scratch_gives_a_model_llama_cpp_runs(llama, arch, tmp_path):
     theirs = _their_nll(open_llm(llama, out), ids)[1]
     ours = _eval_cli(out, probe)["nll"]
     assert ours == pytest.approx(theirs, abs=_atol(cfg)[0])
+
+
+def test_full_finetune_trains_qwen2_biases_and_llama_cpp_runs_the_model(llama, tmp_path):
+    """finetune --full on qwen2: the q/k/v biases are trained (they move), the written model
+    loads in llama.cpp with ggtrain eval's NLL, and its checkpoint converts to the same model."""
+    tok = ByteTokenizer()
+    cfg = ModelConfig(vocab=tok.n_vocab, **{**BASE, **CASES["qwen2"]})
+    base = tmp_path / "q.gguf"
+    weights = family_params(cfg)
+    write_with_gguf_py(base, cfg, weights, tok)
+    data = tmp_path / "t.txt"
+    data.write_text(TEXT * 8)
+    out, ck = tmp_path / "full.gguf", tmp_path / "ck"
+    r = run_cli("finetune", "--model", base, "--data", data, "--out", out, "--full", "--steps", 3, "--ctx", 32,
+                "--batch", 2, "--lr", 1e-3, "--warmup", 0, "--val-split", 0, "--threads", 2, "--quiet",
+                "--checkpoint-dir", ck, "--save-every", 3)
+    assert r.returncode == 0, r.stderr
+    mcfg, trained, _ = load_model(out)
+    assert ModelConfig(**mcfg) == cfg
+    for name in ("blk.0.attn_q.bias", "blk.1.attn_v.bias"):
+        assert np.abs(trained[name] - weights[name]).max() > 1e-5, name
+    probe = tmp_path / "probe.txt"
+    probe.write_text(TEXT)
+    ids = tok.encode(TEXT, add_bos=tok.add_bos)
+    assert _eval_cli(out, probe)["nll"] == pytest.approx(_their_nll(open_llm(llama, out), ids)[1], abs=NLL_ATOL)
+    again = tmp_path / "again.gguf"
+    r = run_cli("convert-checkpoint", sorted(ck.glob("*.gguf"))[-1], again)
+    assert r.returncode == 0, r.stderr
+    _, converted, _ = load_model(again)
+    for name in trained:
+        np.testing.assert_array_equal(converted[name], trained[name])
