@@ -61,7 +61,8 @@ def _graph(cfg, b, t, seed=0, checkpoint=False):
 
 
 @pytest.mark.parametrize("kw", [{}, {"tied": True, "kv_heads": 4}, {"kv_heads": 1, "rope_dims": 4}] + FAMILIES
-                         + [dict(arch="qwen3", rope_dims=6)], ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items()))
+                         + [dict(arch="qwen3", rope_dims=6)],
+                         ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items()))
 def test_forward_matches_numpy_twin(kw):
     cfg = decoder.ModelConfig(**{**TINY, **kw})
     b, t = 2, 7

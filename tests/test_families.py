@@ -210,7 +210,8 @@ def test_family_lora_and_merged_model_equal_llama_cpp(llama, family_model, tmp_p
 @pytest.mark.parametrize("damage,message", [
     (dict(kv=[("qwen2.rope.scaling.type", "yarn")]), "qwen2.rope.scaling.type = 'yarn': a rope scaling ggtrain "
                                                       "does not implement"),
-    (dict(arch="qwen2moe"), f"architecture 'qwen2moe' is not supported (ggtrain computes {', '.join(sorted(FAMILIES))})"),
+    (dict(arch="qwen2moe"),
+     f"architecture 'qwen2moe' is not supported (ggtrain computes {', '.join(sorted(FAMILIES))})"),
     (dict(kv=[("qwen2.expert_count", 4)]), "qwen2.expert_count = 4: a mixture-of-experts model"),
     (dict(drop="blk.1.attn_v.bias"), "missing tensor 'blk.1.attn_v.bias'"),
 ])

@@ -224,10 +224,11 @@ def _attention(cfg: ModelConfig, x, p: str, params: dict, pos, lora=None, kv=Non
     if fam.qk_norm:   # RMSNorm over each head's D values
         q = ops.mul(ops.rms_norm(q, cfg.norm_eps), params[p + "attn_q_norm.weight"])
         k = ops.mul(ops.rms_norm(k, cfg.norm_eps), params[p + "attn_k_norm.weight"])
-    rope = None if fam.no_rope_every and (layer + 1) % fam.no_rope_every == 0 else dict(n_dims=cfg.n_rot, freq_base=cfg.rope_base_swa if local else cfg.rope_base, mode=fam.rope_mode,
-                freq_scale=1.0 if local else 1.0 / cfg.rope_scale, factors=_rope_factors(cfg, params, n_ctx),
-                attn_factor=cfg.rope_attn_factor)
-    if rope is not None:
+    nope = fam.no_rope_every and (layer + 1) % fam.no_rope_every == 0      # smollm3's NoPE layers
+    if not nope:
+        rope = dict(n_dims=cfg.n_rot, freq_base=cfg.rope_base_swa if local else cfg.rope_base, mode=fam.rope_mode,
+                    freq_scale=1.0 if local else 1.0 / cfg.rope_scale, factors=_rope_factors(cfg, params, n_ctx),
+                    attn_factor=cfg.rope_attn_factor)
         q = ops.rope(q, pos, **rope)
         k = ops.rope(k, pos, **rope)
     scale = fam.attention_scale(cfg)

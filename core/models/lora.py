@@ -59,7 +59,8 @@ class LoraConfig:
         if missing:
             raise ConfigError(f"--lora-targets: {missing[0]!r} is not a weight of a {model.arch} model "
                               f"(its targets: {', '.join(own)})")
-        return [f"blk.{i}.{t}.weight" for i in range(model.layers) for t in own if not self.targets or t in self.targets]
+        chosen = [t for t in own if not self.targets or t in self.targets]
+        return [f"blk.{i}.{t}.weight" for i in range(model.layers) for t in chosen]
 
 
 def init_lora(cfg: LoraConfig, shapes: dict, seed: int = 0) -> dict:
