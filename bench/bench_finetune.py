@@ -122,6 +122,21 @@ def ours(model, steps, threads, data=CHAT, ctx=CTX, batch=BATCH) -> dict:
             "tokens_per_s": ctx * batch / statistics.median(step_s[2:]), "flop_per_token": start.get("flop_per_token")}
 
 
+def _table(title: str, label: str, a: dict, b: dict, targets: tuple, peak) -> None:
+    """Ours (a) against HF + PEFT (b): tokens/s, peak RSS and load time with their ratios and
+    targets, then our GFLOP/s as a fraction of the FP32 peak."""
+    print(f"{title:24s} {label:>12s} {'HF+PEFT (f32)':>14s} {'ratio':>7s} target")
+    print(f"{'tokens/s':24s} {a['tokens_per_s']:12.0f} {b['tokens_per_s']:14.0f} "
+          f"{a['tokens_per_s'] / b['tokens_per_s']:7.2f} {targets[0]}")
+    print(f"{'peak RSS MiB':24s} {a['rss_mib']:12.0f} {b['rss_mib']:14.0f} {a['rss_mib'] / b['rss_mib']:7.2f} "
+          f"{targets[1]}")
+    print(f"{'load s':24s} {a['load_s']:12.2f} {b['load_s']:14.2f} {'':7s} {targets[2]}")
+    if a["flop_per_token"]:
+        gf = a["flop_per_token"] * a["tokens_per_s"] / 1e9
+        print(f"ours: {gf:.0f} GFLOP/s = {peak.percent(gf):.0f}% of the {peak.gflops:.0f} GFLOP/s FP32 peak "
+              f"({a['flop_per_token'] / 1e6:.0f} MFLOP per token, counted by the graph)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=12)
@@ -137,15 +152,7 @@ def main() -> None:
     peak.sample()
     print(f"LoRA r {RANK}, alpha {ALPHA}, 7 targets, ctx {CTX}, batch {BATCH}, AdamW, {args.threads} threads, "
           f"{args.steps} steps (median after 2); {peak.describe()}")
-    print(f"{'SmolLM2-135M-Instruct':24s} {'ours (Q4_1)':>12s} {'HF+PEFT (f32)':>14s} {'ratio':>7s} target")
-    print(f"{'tokens/s':24s} {a['tokens_per_s']:12.0f} {b['tokens_per_s']:14.0f} "
-          f"{a['tokens_per_s'] / b['tokens_per_s']:7.2f} >= 2")
-    print(f"{'peak RSS MiB':24s} {a['rss_mib']:12.0f} {b['rss_mib']:14.0f} {a['rss_mib'] / b['rss_mib']:7.2f} <= 0.25")
-    print(f"{'load s':24s} {a['load_s']:12.2f} {b['load_s']:14.2f} {'':7s} <= 2 (ours)")
-    if a["flop_per_token"]:
-        gf = a["flop_per_token"] * a["tokens_per_s"] / 1e9
-        print(f"ours: {gf:.0f} GFLOP/s = {peak.percent(gf):.0f}% of the {peak.gflops:.0f} GFLOP/s FP32 peak "
-              f"({a['flop_per_token'] / 1e6:.0f} MFLOP per token, counted by the graph)")
+    _table("SmolLM2-135M-Instruct", "ours (Q4_1)", a, b, (">= 2", "<= 0.25", "<= 2 (ours)"), peak)
     if not args.no_gemma:
         from tests.real_models import gemma3_270m_path
         gemma = gemma3_270m_path()
@@ -154,15 +161,8 @@ def main() -> None:
         peak.sample()
         b = theirs(gemma, args.steps, args.threads, data=str(TEXT), ctx=g_ctx, batch=g_batch)
         peak.sample()
-        print(f"\n{'Gemma 3 270M, ctx 512 b2':24s} {'ours (Q4_K_M)':>12s} {'HF+PEFT (f32)':>14s} {'ratio':>7s} target")
-        print(f"{'tokens/s':24s} {a['tokens_per_s']:12.0f} {b['tokens_per_s']:14.0f} "
-              f"{a['tokens_per_s'] / b['tokens_per_s']:7.2f} >= 1.5")
-        print(f"{'peak RSS MiB':24s} {a['rss_mib']:12.0f} {b['rss_mib']:14.0f} {a['rss_mib'] / b['rss_mib']:7.2f} <= 0.3")
-        print(f"{'load s':24s} {a['load_s']:12.2f} {b['load_s']:14.2f}")
-        if a["flop_per_token"]:
-            gf = a["flop_per_token"] * a["tokens_per_s"] / 1e9
-            print(f"ours: {gf:.0f} GFLOP/s = {peak.percent(gf):.0f}% of the {peak.gflops:.0f} GFLOP/s FP32 peak "
-                  f"({a['flop_per_token'] / 1e6:.0f} MFLOP per token)")
+        print()
+        _table("Gemma 3 270M, ctx 512 b2", "ours (Q4_K_M)", a, b, (">= 1.5", "<= 0.3", ""), peak)
     if args.tinyllama:
         from tinyllama import tinyllama_q4_0
         t = ours(tinyllama_q4_0(), max(6, args.steps // 2), args.threads, data=TEXT, ctx=256, batch=1)
