@@ -257,16 +257,24 @@ def with_grad(y: Tensor, x: Tensor, gx: Tensor) -> Tensor:
     """y's value, whose backward gives x the gradient g * gx (g: y's upstream gradient, y
     one element) and nothing to y's own inputs: a gradient computed in the forward (a chunk
     of the loss over a frozen output matrix) handed to the backward, so what made it (the
-    chunk's logits) need not be held or recomputed. gx: x's shape. (f32)"""
+    chunk's logits) need not be held or recomputed. gx: x's shape. Row-wise: y (N,) where
+    y[r] depends on row r of x (N, C) only (per-row losses) and gx holds each row's gradient
+    of its own y[r]; x then gets g[:, None] * gx. (f32)"""
     return apply("with_grad", [y, x, gx])
 
 
 def _infer_with_grad(srcs, params):
     y, x, gx = srcs
     _f32("with_grad", y, x, gx)
-    _need(y.size == 1 and gx.shape == x.shape,
-          f"with_grad: y {y.shape} must hold one element and gx {gx.shape} match x {x.shape}")
+    _need((y.size == 1 or (y.ndim == 1 and x.ndim == 2 and y.shape[0] == x.shape[0])) and gx.shape == x.shape,
+          f"with_grad: y {y.shape} must hold one element (or one per row of x) and gx {gx.shape} match "
+          f"x {x.shape}")
     return y.shape, "f32"
+
+
+def _with_grad_bwd(y, g):
+    rows = y.ndim == 1 and y.shape[0] > 1
+    return [None, mul(reshape(g, (y.shape[0], 1) if rows else ()), y.srcs[2]), None]
 
 
 def geglu(g: Tensor, u: Tensor) -> Tensor:
@@ -299,6 +307,18 @@ def _glu_bwd(name):
 
 def exp(x: Tensor) -> Tensor:
     return apply("exp", [x])
+
+
+def softplus(x: Tensor) -> Tensor:
+    """log(1 + e^x), overflow-free; -log sigmoid(h) is softplus(-h). Its gradient
+    sigmoid(x) = exp(x - y) from the output. (f32)"""
+    return apply("softplus", [x])
+
+
+def log1mexp(x: Tensor) -> Tensor:
+    """log(1 - e^x) for x < 0 (log(1 - p) of a log-probability x), accurate near 0; -inf at
+    0. Its gradient -e^x / (1 - e^x) = -exp(x - y) from the output. (f32)"""
+    return apply("log1mexp", [x])
 
 
 def log(x: Tensor) -> Tensor:
@@ -338,10 +358,14 @@ register(OpDef("swiglu_bwd", _infer_glu_bwd("swiglu_bwd"), "swiglu_bwd", contigu
 register(OpDef("geglu", _infer_same("geglu"), "geglu_fwd", backward=_glu_bwd("geglu_bwd"), contiguous=(0, 1)))
 register(OpDef("geglu_bwd", _infer_glu_bwd("geglu_bwd"), "geglu_bwd", contiguous=(0, 1, 2)))
 register(OpDef("with_grad", _infer_with_grad, "scale_fwd", lower=lambda y: ((), (1.0,)),   # a copy of y
-               backward=lambda y, g: [None, mul(reshape(g, ()), y.srcs[2]), None], differentiable=(1,)))
+               backward=_with_grad_bwd, differentiable=(1,)))
 register(OpDef("tanh", _infer_same("tanh"), "tanh_fwd",
                backward=lambda y, g: [sub(g, mul(mul(g, y), y))]))
 register(OpDef("exp", _infer_same("exp"), "exp_fwd", backward=lambda y, g: [mul(g, y)]))
+register(OpDef("softplus", _infer_same("softplus"), "softplus_fwd",
+               backward=lambda y, g: [mul(g, exp(sub(y.srcs[0], y)))]))
+register(OpDef("log1mexp", _infer_same("log1mexp"), "log1mexp_fwd",
+               backward=lambda y, g: [scale(mul(g, exp(sub(y.srcs[0], y))), -1.0)]))
 register(OpDef("log", _infer_same("log"), "log_fwd", backward=lambda y, g: [div(g, y.srcs[0])]))
 register(OpDef("sqrt", _infer_same("sqrt"), "sqrt_fwd",
                backward=lambda y, g: [scale(div(g, y), 0.5)]))
@@ -597,8 +621,15 @@ def cross_entropy(logits: Tensor, targets: Tensor) -> Tensor:
     return apply("cross_entropy", [logits, targets])
 
 
-def cross_entropy_bwd(logits: Tensor, targets: Tensor, g: Tensor) -> Tensor:
-    return apply("cross_entropy_bwd", [logits, targets, g])
+def cross_entropy_rows(logits: Tensor, targets: Tensor) -> Tensor:
+    """Each row's -log softmax(logits)[row, target], (N,): 0 where the target is negative.
+    The per-sequence log-probabilities of preference losses are sums of these. (f32)"""
+    return apply("cross_entropy_rows", [logits, targets])
+
+
+def cross_entropy_bwd(logits: Tensor, targets: Tensor, g: Tensor, rows: bool = False) -> Tensor:
+    """dlogits of cross_entropy (g a scalar), or of cross_entropy_rows with rows (g (N,))."""
+    return apply("cross_entropy_bwd", [logits, targets, g], rows=bool(rows))
 
 
 def _infer_ce(srcs, params):
@@ -610,9 +641,14 @@ def _infer_ce(srcs, params):
     _need(targets.shape == logits.shape[:1],
           f"cross_entropy: targets {targets.shape} do not match logits {logits.shape}")
     if len(srcs) == 3:
-        _need(srcs[2].size == 1, "cross_entropy_bwd: g must be a scalar")
+        _f32("cross_entropy_bwd", srcs[2])
+        if params.get("rows"):
+            _need(srcs[2].shape == logits.shape[:1],
+                  f"cross_entropy_bwd: g {srcs[2].shape} must hold one value per row of {logits.shape}")
+        else:
+            _need(srcs[2].size == 1, "cross_entropy_bwd: g must be a scalar")
         return logits.shape, "f32"
-    return (), "f32"
+    return (logits.shape[0],) if params.get("rows") else (), "f32"
 
 
 def _infer_softmax_bwd(srcs, params):
@@ -672,7 +708,11 @@ register(OpDef("cross_entropy", _infer_ce, "cross_entropy_fwd", contiguous=(0, 1
                backward=lambda y, g: [cross_entropy_bwd(y.srcs[0], y.srcs[1], g), None],
                lower=lambda y: ((0,), ()), differentiable=(0,)))
 register(OpDef("cross_entropy_bwd", _infer_ce, "cross_entropy_bwd", contiguous=(0, 1, 2),
-               lower=lambda y: ((0,), ()), inplace=(0,)))
+               lower=lambda y: ((0, int(y.params.get("rows", False))), ()), inplace=(0,)))
+# the kernels of cross_entropy with ip[1] = 1: per-row losses, per-row upstream gradients
+register(OpDef("cross_entropy_rows", lambda srcs, params: _infer_ce(srcs, {"rows": True}), "cross_entropy_fwd",
+               contiguous=(0, 1), backward=lambda y, g: [cross_entropy_bwd(y.srcs[0], y.srcs[1], g, rows=True), None],
+               lower=lambda y: ((0, 1), ()), differentiable=(0,)))
 
 
 # ---- attention (fused) --------------------------------------------------------------

@@ -157,6 +157,10 @@ int gt_fill_fwd_f32(const struct gt_node *node, const gt_ctx *ctx);
 int gt_relu_fwd_f32(const struct gt_node *node, const gt_ctx *ctx);
 int gt_silu_fwd_f32(const struct gt_node *node, const gt_ctx *ctx);
 int gt_tanh_fwd_f32(const struct gt_node *node, const gt_ctx *ctx);
+/* softplus: log(1 + e^x), overflow-free.  log1mexp: log(1 - e^x) for x < 0, accurate near
+ * 0 (-inf at 0). (The preference losses: -log sigmoid(h) = softplus(-h), log(1 - p).) */
+int gt_softplus_fwd_f32(const struct gt_node *node, const gt_ctx *ctx);
+int gt_log1mexp_fwd_f32(const struct gt_node *node, const gt_ctx *ctx);
 int gt_exp_fwd_f32(const struct gt_node *node, const gt_ctx *ctx);
 int gt_log_fwd_f32(const struct gt_node *node, const gt_ctx *ctx);
 int gt_sqrt_fwd_f32(const struct gt_node *node, const gt_ctx *ctx);
@@ -304,6 +308,8 @@ int gt_attention_bwd_f32_sizes(const struct gt_node *node, int64_t *scratch, int
  * GT_ERR_INVALID. ip[0] = count to divide by, or 0: the kernel counts the
  * targets >= 0. A count of 0 gives loss 0 (and zero dlogits), not NaN.
  * scratch: N floats, per-row losses summed by thread 0 in row order.
+ * ip[1] = 1 (cross_entropy_rows): dst (N,) = each row's loss (0 on ignored rows), no
+ * mean; and in the backward g (N,), row r's gradient scaled by g[r] (ip[0] unused).
  * cross_entropy_bwd: src0 logits, src1 targets, src2 g (one f32); dst (N, V) =
  * dlogits = g * (softmax(logits) - onehot(target)) / count, 0 on ignored rows;
  * ip[0] as in the forward; no scratch. dst may be src0 itself (in place: the

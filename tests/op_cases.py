@@ -97,8 +97,15 @@ case("geglu", [In((2, 20), -12, 12), In((2, 20))], ops.geglu, lambda g, u: refs.
 case("tanh", [In((4, 9), -3, 3)], ops.tanh, np.tanh)
 # its backward is injected, not y's derivative (test_decoder's chunked loss checks it)
 case("with_grad", [In(()), In((3, 4)), In((3, 4))], ops.with_grad, lambda y, x, gx: y, backward=False)
+case("with_grad", [In((3,)), In((3, 4)), In((3, 4))], ops.with_grad, lambda y, x, gx: y, name="rows",
+     backward=False)
 case("exp", [In((2, 7), -2, 2)], ops.exp, np.exp)
 case("log", [In((2, 7), 0.5, 3)], ops.log, np.log)
+case("softplus", [In((3, 11), -30, 30)], ops.softplus, refs.softplus)
+case("softplus", [In((2, 9), -2, 2)], ops.softplus, refs.softplus, name="small")
+# away from 0, where it is -inf; near it (1e-6) log(-expm1) keeps its digits
+case("log1mexp", [In((3, 11), -20, -0.05)], ops.log1mexp, refs.log1mexp)
+case("log1mexp", [In((2, 5), -1e-5, -1e-6)], ops.log1mexp, refs.log1mexp, name="near0", backward=False)
 case("sqrt", [In((2, 7), 0.5, 3)], ops.sqrt, np.sqrt)
 case("sqr", [In((1, 257))], ops.sqr, np.square)
 case("relu_bwd", [In((3, 7)), In((3, 7))], ops.relu_bwd, lambda x, g: g * (x > 0), backward=False)
@@ -186,6 +193,11 @@ case("cross_entropy", [In((6, 33), -3, 3), In((6,), values=np.array([3, -1, 0, 3
      ops.cross_entropy, refs.cross_entropy, name="ignore")
 case("cross_entropy_bwd", [In((5, 7), -3, 3), In((5,), ints=(0, 7)), In((), 0.5, 2)],
      ops.cross_entropy_bwd, refs.cross_entropy_bwd, backward=False)
+case("cross_entropy_rows", [In((6, 33), -3, 3), In((6,), values=np.array([3, -1, 0, 32, -1, 5]))],
+     ops.cross_entropy_rows, refs.cross_entropy_rows)
+case("cross_entropy_bwd", [In((6, 33), -3, 3), In((6,), values=np.array([3, -1, 0, 32, -1, 5])), In((6,), -2, 2)],
+     lambda x, t, g: ops.cross_entropy_bwd(x, t, g, rows=True), refs.cross_entropy_rows_bwd, name="rows",
+     backward=False)
 
 # ---- attention (fused): O, LSE and the backward kernel, against refs.attention -------------------
 def _att_in(b, tq, h, hkv, d, tk=None):

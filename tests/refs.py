@@ -158,6 +158,33 @@ def cross_entropy(logits, targets):
     return -np.sum(logp[rows, t[rows]]) / len(rows)
 
 
+def cross_entropy_rows(logits, targets):
+    """Each row's -log softmax(logits)[target], 0 where the target is negative."""
+    x = _f64(logits)
+    t = np.asarray(targets)
+    m = np.max(x, axis=-1, keepdims=True)
+    logp = x - m - np.log(np.sum(np.exp(x - m), axis=-1, keepdims=True))
+    return np.where(t >= 0, -logp[np.arange(len(t)), np.maximum(t, 0)], 0.0)
+
+
+def cross_entropy_rows_bwd(logits, targets, g):
+    """d cross_entropy_rows / d logits with row r's upstream gradient g[r]."""
+    x = _f64(logits)
+    t = np.asarray(targets)
+    out = softmax(x)
+    out[np.arange(len(t)), np.maximum(t, 0)] -= 1.0
+    return np.where((t >= 0)[:, None], out * _f64(g)[:, None], 0.0)
+
+
+def softplus(x):
+    return np.logaddexp(0.0, _f64(x))
+
+
+def log1mexp(x):
+    x = _f64(x)
+    return np.where(x > -np.log(2), np.log(-np.expm1(x)), np.log1p(-np.exp(x)))
+
+
 def cross_entropy_bwd(logits, targets, g):
     """d cross_entropy / d logits times the scalar g; ignored rows are 0."""
     x = _f64(logits)

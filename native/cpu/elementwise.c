@@ -138,6 +138,11 @@ UNARY_ROW(log, logf(x))
 UNARY_ROW(sqrt, sqrtf(x))
 UNARY_ROW(sqr, x * x)
 UNARY_ROW(tanh, tanhf(x))
+/* softplus(x) = log(1 + e^x) without overflow: x + log1p(e^-x) for x > 0. */
+UNARY_ROW(softplus, x > 0.0f ? x + log1pf(expf(-x)) : log1pf(expf(x)))
+/* log1mexp(x) = log(1 - e^x) for x < 0 (-inf at 0, NaN above): log(-expm1(x)) near 0,
+ * where 1 - e^x cancels, log1p(-e^x) below -log 2 (Maechler's split). */
+UNARY_ROW(log1mexp, x > -0.693147180559945f ? logf(-expm1f(x)) : log1pf(-expf(x)))
 
 static int check_same_shape(const gt_tensor *a, const gt_tensor *b, const char *op) {
     if (a->ndim != b->ndim) goto bad;
@@ -180,6 +185,8 @@ int gt_log_fwd_f32(const gt_node *n, const gt_ctx *c) { return unary(n, c, log_r
 int gt_sqrt_fwd_f32(const gt_node *n, const gt_ctx *c) { return unary(n, c, sqrt_row, "sqrt"); }
 int gt_sqr_fwd_f32(const gt_node *n, const gt_ctx *c) { return unary(n, c, sqr_row, "sqr"); }
 int gt_tanh_fwd_f32(const gt_node *n, const gt_ctx *c) { return unary(n, c, tanh_row, "tanh"); }
+int gt_softplus_fwd_f32(const gt_node *n, const gt_ctx *c) { return unary(n, c, softplus_row, "softplus"); }
+int gt_log1mexp_fwd_f32(const gt_node *n, const gt_ctx *c) { return unary(n, c, log1mexp_row, "log1mexp"); }
 
 /* fill: every element of dst (contiguous) = fp[0]. */
 int gt_fill_fwd_f32(const gt_node *node, const gt_ctx *ctx) {

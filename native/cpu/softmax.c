@@ -294,7 +294,8 @@ static int check_ce(const gt_node *node, const char *op, int n_src, int64_t *cou
  * GT_ERR_INVALID. count = ip[0] if > 0, else the number of targets >= 0; when
  * count is 0 the loss is 0. scratch: N floats (4 * N bytes), per-row losses;
  * after a barrier thread 0 adds them in row order (in double), so the result is
- * the same for any thread count. */
+ * the same for any thread count. ip[1] = 1 (cross_entropy_rows): dst (N,) holds
+ * the per-row losses themselves (0 on ignored rows), no scratch, no mean. */
 int gt_cross_entropy_fwd_f32_sizes(const gt_node *node, int64_t *scratch, int64_t *work) {
     const gt_tensor *x = &node->src[0];
     const int64_t nrows = x->ndim >= 1 ? x->shape[0] : 1;
@@ -308,13 +309,19 @@ int gt_cross_entropy_fwd_f32(const gt_node *node, const gt_ctx *ctx) {
     int64_t count;
     GT_TRY(check_ce(node, op, 2, &count));
     const gt_tensor *d = &node->dst, *x = &node->src[0], *t = &node->src[1];
-    if (gt_numel(d) != 1) {
+    if (!node->ip[1] && gt_numel(d) != 1) {
         char a[128];
         return GT_FAIL(GT_ERR_SHAPE, "%s: expected dst of one element, got %s", op, gt_shape_str(d, a, sizeof a));
     }
     const int64_t nrows = x->shape[0], v = x->shape[1];
-    float *loss = node->scratch;
-    if (nrows > 0 && (!loss || node->scratch_size < nrows * (int64_t)sizeof(float)))
+    const int per_row = node->ip[1] != 0;
+    if (per_row ? gt_numel(d) != nrows || !gt_is_contiguous(d) : 0) {
+        char a[128];
+        return GT_FAIL(GT_ERR_SHAPE, "%s: expected contiguous dst (%lld,) of per-row losses, got %s", op,
+                       (long long)nrows, gt_shape_str(d, a, sizeof a));
+    }
+    float *loss = per_row ? (float *)d->data : node->scratch;
+    if (!per_row && nrows > 0 && (!loss || node->scratch_size < nrows * (int64_t)sizeof(float)))
         return GT_FAIL(GT_ERR_INVALID, "%s: expected scratch of %lld bytes (4 * N), got %lld", op,
                        (long long)(nrows * (int64_t)sizeof(float)), (long long)node->scratch_size);
     const float *xd = x->data;
@@ -330,6 +337,7 @@ int gt_cross_entropy_fwd_f32(const gt_node *node, const gt_ctx *ctx) {
         const double se = sumexp_row(xr, m, v);
         loss[r] = (float)((double)m + log(se) - (double)xr[tr]);
     }
+    if (per_row) return GT_OK;
     gt_barrier(ctx);
     if (ctx->ith == 0) {
         double s = 0.0;
@@ -349,14 +357,18 @@ int gt_cross_entropy_bwd_f32(const gt_node *node, const gt_ctx *ctx) {
     GT_TRY(check_ce(node, op, 3, &count));
     const gt_tensor *d = &node->dst, *x = &node->src[0], *t = &node->src[1], *g = &node->src[2];
     GT_CHECK_F32(g, op, "g");
-    if (gt_numel(g) != 1) {
+    const int per_row = node->ip[1] != 0;
+    const int64_t nrows = x->shape[0], v = x->shape[1];
+    if (per_row ? g->ndim != 1 || g->shape[0] != nrows : gt_numel(g) != 1) {
         char a[128];
-        return GT_FAIL(GT_ERR_SHAPE, "%s: expected g of one element, got %s", op, gt_shape_str(g, a, sizeof a));
+        return GT_FAIL(GT_ERR_SHAPE, "%s: expected g of %lld element(s), got %s", op,
+                       (long long)(per_row ? nrows : 1), gt_shape_str(g, a, sizeof a));
     }
     GT_TRY(gt_check_same_shape(d, x, op, "dst", "logits"));
     GT_TRY(gt_check_contig(d, op, "dst"));
-    const int64_t nrows = x->shape[0], v = x->shape[1];
-    const float gc = count ? *(const float *)g->data / (float)count : 0.0f;
+    const float *gd = g->data;
+    const int64_t gs = per_row ? g->strides[0] : 0;
+    const float gc0 = per_row ? 0.0f : count ? gd[0] / (float)count : 0.0f;
     float *dd = d->data;
     const float *xd = x->data;
     const int32_t *td = t->data;
@@ -368,6 +380,7 @@ int gt_cross_entropy_bwd_f32(const gt_node *node, const gt_ctx *ctx) {
         float *dr = dd + r * v;
         if (tr < 0 || v == 0) { memset(dr, 0, (size_t)v * sizeof(float)); continue; }
         const float *xr = xd + r * v;
+        const float gc = per_row ? gd[r * gs] : gc0;
         const float m = scaled_max_row(xr, 1.0f, v);
         const float sum = dr == xr ? exp_row_inplace(dr, m, v) : exp_row(dr, xr, 1.0f, m, v);
         mul_row(dr, gc / sum, v);
