@@ -14,20 +14,25 @@ import math
 import pathlib
 import time
 
+import sys
+
 import numpy as np
 import typer
+from tqdm import tqdm
 
 from ggtrain.cli.common import JsonLog, cpu_backend, start_world
 from ggtrain.cli.config import config_record
 from ggtrain.cli.loop import (BACKEND, CHECKPOINT_DIR, CHECKPOINTING, CONFIG, EARLY_STOP_PATIENCE, EVAL_EVERY,
                               GRAD_CLIP, LOG, MIN_DELTA, MOMENTUM, OPTIMIZER, QUIET, SAVE_EVERY, THREADS,
-                              check_checkpoint_options, check_out, drive, optimizer_settings)
+                              check_checkpoint_options, check_out, drive, optimizer_settings,
+                              validation_words)
 from ggtrain.cli.main import app
 from ggtrain.core.backend import StoredTensor
-from ggtrain.core.data import PackedBatches, TokenWindows, eval_windows, pack, split_samples, split_tokens
+from ggtrain.core.data import PackedBatches, TokenWindows, eval_windows, pack, pack_pairs, split_samples, split_tokens
 from ggtrain.core.distributed import Shard
 from ggtrain.core.models.decoder import ModelConfig
 from ggtrain.core.models.lora import TARGETS, LoraConfig, factor_names, init_lora
+from ggtrain.core.preference import METHODS, PreferenceConfig, pair_slots
 from ggtrain.core.train import TextConfig, TextRun
 from ggtrain.errors import ConfigError
 from ggtrain.formats.checkpoint import load_checkpoint, save_checkpoint
@@ -77,10 +82,10 @@ def _eval_batches(data, batch: int) -> list:
     """Every row of packed data once, in order, as batches (the last padded with empty rows)."""
     out = []
     for start in range(0, data.rows, batch):
-        part = {k: getattr(data, k)[start:start + batch] for k in ("tokens", "targets", "pos", "seg")}
+        part = {k: v[start:start + batch] for k, v in data.fields().items()}
         short = batch - len(part["tokens"])
         if short:
-            fill = {"tokens": 0, "targets": -1, "pos": 0, "seg": -1}
+            fill = {"tokens": 0, "targets": -1, "pos": 0, "seg": -1, "pair": -1}
             part = {k: np.concatenate([v, np.full((short, data.ctx), fill[k], np.int32)]) for k, v in part.items()}
         out.append(part)
     return out
@@ -135,6 +140,13 @@ def finetune(
                                  help=f"Type of the written model's matrices (--full, --merged-out): {', '.join(WRITE_TYPES)} "
                                       "(default: f32 for --full; for --merged-out the base's type where ggtrain "
                                       "writes it, else f16)."),
+    method: str = typer.Option("sft", "--method",
+                               help="sft (supervised: the completions' likelihood), or on preference pairs "
+                                    "({\"prompt\", \"chosen\", \"rejected\"} records) dpo (Direct Preference "
+                                    "Optimization against the model before training) or orpo (odds-ratio "
+                                    "preference plus SFT on the chosen side, no reference)."),
+    beta: float = typer.Option(0.1, "--beta", help="DPO's beta: how far the policy may move from the reference."),
+    orpo_lambda: float = typer.Option(0.1, "--orpo-lambda", help="ORPO's weight of the odds-ratio term."),
     chat_template: pathlib.Path = typer.Option(None, "--chat-template",
                                                help="A Jinja chat template for chat data (default: the model's own)."),
     train_on_inputs: bool = typer.Option(False, "--train-on-inputs",
@@ -191,6 +203,8 @@ def finetune(
         raise ConfigError("--steps must be >= 1 and --epochs > 0")
     if out_type is not None:
         out_type = check_write_type(out_type)
+    if method not in METHODS:
+        raise ConfigError(f"--method {method!r}: expected one of {', '.join(METHODS)}")
     ckpt = load_checkpoint(resume) if resume else None
     if ckpt is not None and ckpt["kind"] not in ("finetune-lora", "finetune-full", "model"):
         raise ConfigError(f"--resume {resume}: a {ckpt['kind']} checkpoint, not a finetune one "
@@ -208,6 +222,9 @@ def finetune(
         full = ckpt["kind"] == "finetune-full"
         ctx, packing, drop_long, train_on_inputs = rc["ctx"], rc["packing"], rc["drop_long"], rc["train_on_inputs"]
         val_split = rc["val_split"]
+        pref = rc.get("preference") or {}
+        method, beta, orpo_lambda = pref.get("method", "sft"), pref.get("beta", beta), pref.get("orpo_lambda", orpo_lambda)
+    preference = PreferenceConfig(method, beta, orpo_lambda) if method != "sft" else None
 
     if start is not None:   # the checkpoint is the base (f32)
         model = resume
@@ -229,7 +246,35 @@ def finetune(
                  .on(world.size) if ckpt is not None else None)
     global_batch = train_cfg.global_batch if ckpt is not None else batch * world.size
     found = read_data(data)
-    if found.kind == "plain":
+    if (found.kind == "preference") != (preference is not None):
+        raise ConfigError(f"--data {data}: preference pairs train with --method dpo or orpo" if preference is None
+                          else f"--method {method} trains on preference pairs ({{\"prompt\", \"chosen\", "
+                               f"\"rejected\"}} records); --data {data} holds {found.layout} records")
+    pairs = 0    # pair slots of a physical batch
+    n_pairs = 0
+    if found.kind == "preference":
+        template = find_template(base_file, chat_template) if isinstance(found.records[0][0], list) else None
+        every = list(zip(found.samples(tok, template), found.where))
+        train_p, val_p = split_samples(every, val_split, seed)
+        packed_data, stats = pack_pairs([p for p, _ in train_p], ctx, packing=packing, drop_long=drop_long,
+                                        where=[w for _, w in train_p])
+        n_pairs = len(every)
+        if packed_data.rows < global_batch:
+            raise ConfigError(f"--data {data}: {packed_data.rows} windows of {ctx} tokens, fewer than "
+                              f"one batch of {global_batch}; use a smaller --batch or --ctx")
+        batches = PackedBatches(packed_data, global_batch, seed + 1)
+        val_data = (pack_pairs([p for p, _ in val_p], ctx, packing=packing, drop_long=drop_long,
+                               first_id=len(train_p), where=[w for _, w in val_p])[0] if val_p else None)
+        val_batches = _eval_batches(val_data, global_batch) if val_p else []
+        per_epoch = batches.batches_per_epoch
+        data_fp = _fingerprint_arrays(*packed_data.fields().values())
+        packed = True
+        pairs = pair_slots(packed_data.pair, global_batch // world.size)
+        if val_data is not None:
+            pairs = max(pairs, pair_slots(val_data.pair, global_batch // world.size))
+        summary = (f"{stats.packed} preference pairs ({stats.truncated} cut, {stats.dropped} dropped at --ctx {ctx}), "
+                   f"{stats.trained} trained of {stats.tokens} tokens in {stats.rows} windows; {method}")
+    elif found.kind == "plain":
         ids = tok.encode(found.text, add_bos=tok.add_bos)
         train_ids, val_ids = split_tokens(ids, val_split, ctx)
         batches = TokenWindows(train_ids, ctx, global_batch, seed + 1)
@@ -291,11 +336,20 @@ def finetune(
         if val_batches:
             loss_rows = max(loss_rows, max(int((v["targets"] >= 0).sum()) for v in val_batches))
     run = TextRun(model_cfg, ckpt["state"]["params"] if ckpt else init, train_cfg, be, frozen=frozen,
-                  lora=lora_cfg, ctx=ctx, packed=packed, loss_rows=loss_rows, world=world)
+                  lora=lora_cfg, ctx=ctx, packed=packed, loss_rows=loss_rows, world=world,
+                  preference=preference, pairs=pairs)
     if ckpt is not None:
         run.load_state(ckpt["state"])
         batches.set_state(ckpt["data_rng"], drawn=run.updates * train_cfg.global_batch * train_cfg.grad_acc) \
             if isinstance(batches, TokenWindows) else batches.set_state(ckpt["data_rng"])
+    elif preference is not None and preference.method == "dpo":
+        # the reference: the model before training, once per pair (each process: every pair)
+        sets = [packed_data] + ([val_data] if val_data is not None else [])
+        rows = sum(d.rows for d in sets)
+        bar = None if quiet or not world.lead else tqdm(total=rows, unit="row", desc="reference", file=sys.stderr)
+        run.compute_reference(sets, n_pairs, progress=bar.update if bar is not None else None)
+        if bar is not None:
+            bar.close()
     mem = run.step.memory
     n_train = sum(v.size for v in init.values())
     if world.lead:
@@ -311,7 +365,8 @@ def finetune(
     run_json = {"ctx": ctx, "packing": packing, "drop_long": drop_long, "train_on_inputs": train_on_inputs,
                 "val_split": val_split, "base_fingerprint": base_fp, "base": str(model),
                 "base_type": _base_type(weights if not full else base_file),
-                "lora": None if full else dataclasses.asdict(lora_cfg), "options": record["options"]}
+                "lora": None if full else dataclasses.asdict(lora_cfg), "options": record["options"],
+                "preference": dataclasses.asdict(preference) if preference is not None else None}
     kind_name = "finetune-full" if full else "finetune-lora"
 
     def checkpoint(path: pathlib.Path) -> None:
@@ -341,4 +396,4 @@ def finetune(
             wrote += f" and the merged model {merged_out}"
     logf.write({"event": "done", **result, "out": str(out)})
     logf.close()
-    typer.echo(f"done: {result['stopped']}; validation loss {result['val_loss']:.4f}; {wrote}", err=True)
+    typer.echo(f"done: {result['stopped']}; {validation_words(result)}; {wrote}", err=True)

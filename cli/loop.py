@@ -15,10 +15,13 @@ from tqdm import tqdm
 from ggtrain.cli.common import JsonLog, stop_on_ctrl_c
 from ggtrain.cli.config import load_config
 from ggtrain.core.optim import OPTIMIZERS
+from ggtrain.core.preference import METRICS
 from ggtrain.errors import ConfigError
 
 STEP_FIELDS = ("step", "epoch", "loss", "lr", "grad_norm", "tokens_per_s", "elapsed_s")
 SEARCH_FIELDS = ("evals", "step_size")   # L-BFGS: forward+backward runs and accepted step of an update
+# preference objectives (DPO, ORPO): TRL's rewards of an update's pairs
+PREFERENCE_FIELDS = METRICS
 
 # The options `train` and `finetune` share, declared once (the ones whose defaults differ,
 # --lr, --warmup, ..., are declared by each command).
@@ -102,9 +105,12 @@ def drive(run, batches, val_batches: list, *, log: JsonLog, quiet: bool, save_ev
     bar = None if quiet or not lead else tqdm(total=total, initial=run.updates, unit="step", file=sys.stderr)
 
     def on_step(info):
-        write({k: info[k] for k in STEP_FIELDS + SEARCH_FIELDS if k in info})
+        write({k: info[k] for k in STEP_FIELDS + SEARCH_FIELDS + PREFERENCE_FIELDS if k in info})
         if bar is not None:
-            bar.set_postfix(loss=f"{info['loss']:.4f}", lr=f"{info['lr']:.2e}", tok_s=f"{info['tokens_per_s']:.0f}")
+            extra = ({"margin": f"{info['rewards_margin']:.3f}", "acc": f"{info['rewards_accuracy']:.2f}"}
+                     if "rewards_margin" in info else {})
+            bar.set_postfix(loss=f"{info['loss']:.4f}", **extra, lr=f"{info['lr']:.2e}",
+                            tok_s=f"{info['tokens_per_s']:.0f}")
             bar.update(1)
         if save_every and info["step"] % save_every == 0:
             checkpoint(checkpoint_dir / f"ckpt-{info['step']:06d}.gguf")
@@ -112,7 +118,9 @@ def drive(run, batches, val_batches: list, *, log: JsonLog, quiet: bool, save_ev
     def on_eval(ev):
         write(ev)
         if bar is not None:
-            bar.write(f"step {ev['step']}: validation loss {ev['val_loss']:.4f}")
+            acc = (f", preference accuracy {ev['val_rewards_accuracy']:.3f}, reward margin "
+                   f"{ev['val_rewards_margin']:.3f}" if "val_rewards_accuracy" in ev else "")
+            bar.write(f"step {ev['step']}: validation loss {ev['val_loss']:.4f}{acc}")
 
     t0 = time.perf_counter()
     try:
@@ -131,8 +139,19 @@ def drive(run, batches, val_batches: list, *, log: JsonLog, quiet: bool, save_ev
             typer.echo(f"interrupted at update {run.updates}: checkpoint {path} (resume with --resume {path})",
                        err=True)
         raise typer.Exit(130)
-    val_loss = run.evaluate(val_batches) if val_batches else float("nan")
+    val_loss = run.evaluate(val_batches) if val_batches else None
     if checkpoint_dir is not None:
         checkpoint(checkpoint_dir / f"ckpt-{run.updates:06d}.gguf")
-    return {"step": run.updates, "val_loss": val_loss, "tokens_seen": run.tokens_seen,
-            "elapsed_s": time.perf_counter() - t0, "stop_reason": run.stop_reason, "stopped": run.why_stopped()}
+    return {"step": run.updates, "val_loss": val_loss, **(getattr(run, "last_eval_metrics", {}) if val_batches else {}),
+            "tokens_seen": run.tokens_seen, "elapsed_s": time.perf_counter() - t0, "stop_reason": run.stop_reason,
+            "stopped": run.why_stopped()}
+
+
+def validation_words(result: dict) -> str:
+    """The summary's words on validation: its loss (and preference accuracy), or that there
+    was no validation data (not a nan)."""
+    if result.get("val_loss") is None:
+        return "no validation data (--val-split 0)"
+    acc = (f", preference accuracy {result['val_rewards_accuracy']:.3f}"
+           if "val_rewards_accuracy" in result else "")
+    return f"validation loss {result['val_loss']:.4f}{acc}"

@@ -12,7 +12,7 @@ from ggtrain.cli.common import JsonLog, cpu_backend, start_world
 from ggtrain.cli.config import config_record
 from ggtrain.cli.loop import (BACKEND, CHECKPOINT_DIR, CHECKPOINTING, CONFIG, EARLY_STOP_PATIENCE, EVAL_EVERY,
                               GRAD_CLIP, LOG, MIN_DELTA, MOMENTUM, OPTIMIZER, QUIET, SAVE_EVERY, THREADS,
-                              check_checkpoint_options, check_out, drive, optimizer_settings)
+                              check_checkpoint_options, check_out, drive, validation_words, optimizer_settings)
 from ggtrain.cli.main import app
 from ggtrain.core.data import TokenWindows, eval_windows, split_tokens
 from ggtrain.core.distributed import Shard
@@ -174,4 +174,4 @@ def train(
         save_model(out, model_json, run.param_values(), tok, extra_kv=carried)
         logf.write({"event": "done", **summary, "out": str(out)})
         logf.close()
-        typer.echo(f"done: {summary['stopped']}; validation loss {summary['val_loss']:.4f}, wrote {out}", err=True)
+        typer.echo(f"done: {summary['stopped']}; {validation_words(summary)}; wrote {out}", err=True)

@@ -103,6 +103,14 @@ class PackedData:
     targets: np.ndarray
     pos: np.ndarray
     seg: np.ndarray
+    pair: np.ndarray | None = None   # preference pairs: 2 * pair id + side (0 chosen), -1 elsewhere
+
+    def fields(self) -> dict:
+        """{name: (rows, ctx) array} of what a batch carries ("pair" only for pairs)."""
+        out = {"tokens": self.tokens, "targets": self.targets, "pos": self.pos, "seg": self.seg}
+        if self.pair is not None:
+            out["pair"] = self.pair
+        return out
 
     @property
     def rows(self) -> int:
@@ -149,6 +157,23 @@ def _sample_fields(sample) -> tuple:
     return ids.astype(np.int32), train.astype(bool)
 
 
+def _cut(sample, ctx: int) -> tuple:
+    """(inputs, targets) of a sample of at most ctx + 1 tokens: its n - 1 positions."""
+    ids, train = sample
+    return ids[:-1], np.where(train[1:], ids[1:], -1).astype(np.int32)
+
+
+def _no_targets(n_samples: int, empty: int, truncated: int, dropped: int, ctx: int, what: str) -> ConfigError:
+    parts = [f"{empty} have no trained token"]
+    if truncated:
+        parts.append(f"{truncated} were cut to fit --ctx {ctx}")
+    if dropped:
+        parts.append(f"{dropped} longer than that were dropped (--drop-long)")
+    return ConfigError(f"no token to train on: of {n_samples} {what}, {', '.join(parts)} "
+                       f"(chat data trains on assistant turns, prompt/completion data on "
+                       f"completions)")
+
+
 def pack(samples, ctx: int, packing: bool = True, drop_long: bool = False) -> tuple:
     """Pack samples into rows of ctx positions: (PackedData, PackStats).
 
@@ -161,7 +186,7 @@ def pack(samples, ctx: int, packing: bool = True, drop_long: bool = False) -> tu
     """
     if ctx < 1:
         raise ConfigError(f"--ctx must be at least 1, got {ctx}")
-    items, truncated, dropped, empty = [], 0, 0, 0
+    groups, truncated, dropped, empty = [], 0, 0, 0
     n_samples = 0
     for sample in samples:
         n_samples += 1
@@ -172,35 +197,83 @@ def pack(samples, ctx: int, packing: bool = True, drop_long: bool = False) -> tu
                 continue
             ids, train = ids[:ctx + 1], train[:ctx + 1]
             truncated += 1
-        targets = np.where(train[1:], ids[1:], -1).astype(np.int32)     # (n - 1,)
-        if not (targets >= 0).any():
+        item = _cut((ids, train), ctx)
+        if not (item[1] >= 0).any():
             empty += 1
             continue
-        items.append((ids[:-1], targets))
-    if not items:
-        parts = [f"{empty} have no trained token"]
-        if truncated:
-            parts.append(f"{truncated} were cut to --ctx {ctx} + 1 tokens")
-        if dropped:
-            parts.append(f"{dropped} longer than that were dropped (--drop-long)")
-        raise ConfigError(f"no token to train on: of {n_samples} samples, {', '.join(parts)} "
-                          f"(chat data trains on assistant turns, prompt/completion data on "
-                          f"completions)")
-    row_of = _first_fit([len(t) for t, _ in items], ctx) if packing else list(range(len(items)))
+        groups.append([item])
+    if not groups:
+        raise _no_targets(n_samples, empty, truncated, dropped, ctx, "samples")
+    return _lay_out(groups, ctx, packing, n_samples, truncated, dropped, empty)
+
+
+def pack_pairs(pairs, ctx: int, packing: bool = True, drop_long: bool = False, first_id: int = 0,
+               where: list | None = None) -> tuple:
+    """Pack preference pairs into rows of ctx positions: (PackedData with `pair`, PackStats
+    counting pairs).
+
+    pairs: (chosen, rejected) samples (as `pack` takes them); pair k gets id first_id + k.
+    Both sequences of a pair go in one row, side by side (a batch then holds both): a pair
+    longer than ctx positions has its longer side cut first, down to half the row (or is
+    left out with drop_long). Raises ConfigError naming the pair (where[k]) when a side has
+    no trained token left (its prompt fills its share of --ctx), or when no pair is left.
+    """
+    if ctx < 2:
+        raise ConfigError(f"--ctx must be at least 2 for preference pairs, got {ctx}")
+    groups, ids_of, truncated, dropped = [], [], 0, 0
+    n_pairs = 0
+    for k, (chosen, rejected) in enumerate(pairs):
+        n_pairs += 1
+        sides = [_sample_fields(chosen), _sample_fields(rejected)]
+        la, lb = (len(ids) - 1 for ids, _ in sides)
+        if la + lb > ctx:
+            if drop_long:
+                dropped += 1
+                continue
+            half = ctx // 2
+            la2 = min(la, max(ctx - lb, half))
+            lb2 = min(lb, ctx - la2)
+            sides = [(ids[:n + 1], train[:n + 1]) for (ids, train), n in zip(sides, (la2, lb2))]
+            truncated += 1
+        items = [_cut(side, ctx) for side in sides]
+        for name, (_, targets) in zip(("chosen", "rejected"), items):
+            if not (targets >= 0).any():
+                at = where[k] if where is not None else f"pair {k}"
+                raise ConfigError(f"{at}: the prompt leaves no {name} token to train on within --ctx {ctx} "
+                                  f"(a pair's two sequences share one window); use a larger --ctx, or "
+                                  f"--drop-long to leave such pairs out")
+        groups.append(items)
+        ids_of.append(first_id + k)
+    if not groups:
+        raise _no_targets(n_pairs, 0, truncated, dropped, ctx, "pairs")
+    return _lay_out(groups, ctx, packing, n_pairs, truncated, dropped, 0, ids_of)
+
+
+def _lay_out(groups: list, ctx: int, packing: bool, n_samples: int, truncated: int, dropped: int,
+             empty: int, pair_ids: list | None = None) -> tuple:
+    """PackedData and PackStats of groups of (inputs, targets) items, each group's items side
+    by side in one row (first fit with packing, else a row each); with pair_ids, group k is
+    the pair pair_ids[k] (its items the chosen and rejected sides)."""
+    row_of = (_first_fit([sum(len(t) for t, _ in g) for g in groups], ctx) if packing
+              else list(range(len(groups))))
     rows = max(row_of) + 1
     data = PackedData(np.zeros((rows, ctx), np.int32), np.full((rows, ctx), -1, np.int32),
-                      np.zeros((rows, ctx), np.int32), np.full((rows, ctx), -1, np.int32))
+                      np.zeros((rows, ctx), np.int32), np.full((rows, ctx), -1, np.int32),
+                      np.full((rows, ctx), -1, np.int32) if pair_ids is not None else None)
     fill = np.zeros(rows, np.int64)          # positions used in each row
     n_seg = np.zeros(rows, np.int64)         # samples placed in each row
-    for (inputs, targets), r in zip(items, row_of):
-        a, b = fill[r], fill[r] + len(inputs)
-        data.tokens[r, a:b] = inputs
-        data.targets[r, a:b] = targets
-        data.pos[r, a:b] = np.arange(len(inputs))
-        data.seg[r, a:b] = n_seg[r]
-        fill[r], n_seg[r] = b, n_seg[r] + 1
+    for k, (group, r) in enumerate(zip(groups, row_of)):
+        for side, (inputs, targets) in enumerate(group):
+            a, b = fill[r], fill[r] + len(inputs)
+            data.tokens[r, a:b] = inputs
+            data.targets[r, a:b] = targets
+            data.pos[r, a:b] = np.arange(len(inputs))
+            data.seg[r, a:b] = n_seg[r]
+            if pair_ids is not None:
+                data.pair[r, a:b] = 2 * pair_ids[k] + side
+            fill[r], n_seg[r] = b, n_seg[r] + 1
     tokens = int(fill.sum())
-    stats = PackStats(samples=n_samples, packed=len(items), truncated=truncated, dropped=dropped,
+    stats = PackStats(samples=n_samples, packed=len(groups), truncated=truncated, dropped=dropped,
                       empty=empty, rows=rows, tokens=tokens, trained=int((data.targets >= 0).sum()),
                       padding=rows * ctx - tokens)
     return data, stats
@@ -266,7 +339,7 @@ class PackedBatches:
         return self._order[1]
 
     def next(self) -> dict:
-        """The next batch: {"tokens", "targets", "pos", "seg"}, each (batch, ctx) int32."""
+        """The next batch: {"tokens", "targets", "pos", "seg"[, "pair"]}, each (batch, ctx) int32."""
         rows = self.data.rows
         idx = np.empty(self.batch, np.int64)
         done = 0
@@ -276,9 +349,7 @@ class PackedBatches:
             idx[done:done + take] = self._permutation(epoch)[r:r + take]
             done += take
             self.drawn += take
-        d = self.data
-        return {"tokens": d.tokens[idx], "targets": d.targets[idx], "pos": d.pos[idx],
-                "seg": d.seg[idx]}
+        return {k: v[idx] for k, v in self.data.fields().items()}
 
     def state(self) -> str:
         return json.dumps({"drawn": self.drawn, "seed": self.seed, "rows": self.data.rows})

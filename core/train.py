@@ -23,6 +23,7 @@ from ggtrain.core.graph import Graph, Rows, Runtime, assign
 from ggtrain.core.models import decoder
 from ggtrain.core.models.lora import factor_names
 from ggtrain.core.optim import LBFGS, ConstantLR, CosineLR, LBFGSSearch, make_optimizer
+from ggtrain.core.preference import PairLoss, PreferenceConfig
 from ggtrain.core.ops import HYPER_COUNT
 from ggtrain.core.tensor import Tensor
 from ggtrain.errors import ConfigError, NumericError, ShapeError
@@ -595,7 +596,8 @@ class TextRun:
 
     def __init__(self, model, init: dict, config: TextConfig, backend, n_threads: int | None = None,
                  frozen: dict | None = None, lora=None, ctx: int | None = None, packed: bool = False,
-                 loss_rows: int = 0, world: World | None = None):
+                 loss_rows: int = 0, world: World | None = None, preference: PreferenceConfig | None = None,
+                 pairs: int = 0):
 
         self.model, self.config, self.lora = model, config, lora
         self.world = world or World()
@@ -640,18 +642,29 @@ class TextRun:
         # the loss over the output projection in chunks of rows when the logits would be large
         # (decoder.chunked_loss): under LoRA (a frozen output matrix) each chunk's input
         # gradient is taken in the forward, so one chunk's logits at a time, none recomputed
-        self.chunks = g.input((decoder.loss_chunks(model, loss_rows or b * self.ctx, head_trained=lora is None),),
-                              name="chunk_weights")
-        hidden = decoder.forward(model, weights, self.tokens, self.pos, g, checkpoint=config.checkpointing,
-                                 lora=adapters, seg=self.seg, rows=rows, head=False, n_ctx=self.ctx)
-        self.loss = decoder.chunked_loss(model, weights, hidden, targets, self.chunks, lora=adapters,
-                                         grad=lora is not None)
-        self.eval_loss = self.loss
+        n_chunks = decoder.loss_chunks(model, loss_rows or b * self.ctx, head_trained=lora is None)
+        self.chunks = g.input((n_chunks,), name="chunk_weights")
+        self.pair_loss = None
+        self.reference = None    # DPO: (pair ids, 2) reference NLL of each pair's sides
+        if preference is not None:
+            if not (packed and loss_rows):
+                raise ConfigError("preference pairs train on packed rows with planned loss rows")
+            self.pair_loss = PairLoss(g, preference, pairs, loss_rows)
+
+        def objective(adapters_, grad, train=True):
+            hidden = decoder.forward(model, weights, self.tokens, self.pos, g, checkpoint=train and config.checkpointing,
+                                     lora=adapters_, seg=self.seg, rows=rows, head=False, n_ctx=self.ctx)
+            if self.pair_loss is None:
+                return decoder.chunked_loss(model, weights, hidden, targets, self.chunks, lora=adapters_,
+                                            grad=grad), []
+            nll = decoder.sequence_nll(model, weights, hidden, targets, self.pair_loss.select, n_chunks,
+                                       lora=adapters_, grad=grad)
+            return self.pair_loss.loss(nll)
+
+        self.loss, self.outputs = objective(adapters, lora is not None)
+        self.eval_loss, self.eval_outputs = self.loss, self.outputs
         if self.dropout_seed is not None:   # evaluation without dropout: the same weights, no masks
-            plain = {w: f[:3] for w, f in adapters.items()}
-            hidden = decoder.forward(model, weights, self.tokens, self.pos, lora=plain, seg=self.seg, rows=rows,
-                                     head=False, n_ctx=self.ctx)
-            self.eval_loss = decoder.chunked_loss(model, weights, hidden, targets, self.chunks, lora=plain)
+            self.eval_loss, self.eval_outputs = objective({w: f[:3] for w, f in adapters.items()}, False, train=False)
         self.optimizer = make_optimizer(config.optimizer, config.lr, weight_decay=config.weight_decay,
                                         max_grad_norm=config.grad_clip, momentum=config.momentum)
         if isinstance(self.optimizer, LBFGS):   # lr is its first trial step, the line search scales it
@@ -661,10 +674,11 @@ class TextRun:
         self.step = TrainStep(self.loss, [t for t in self.params.values() if t.requires_grad], self.optimizer, backend,
                               grad_acc=config.grad_acc, checkpointing=config.checkpointing, n_threads=n_threads,
                               bind=bind, keep=_frozen_product if lora is not None else None,
-                              world=self.world)
+                              world=self.world, extra_outputs=self.outputs)
         if not packed:
             self.step.runtime.set(self.pos, np.arange(self.ctx, dtype=np.int32))
-        self._eval = self.step.runtime.compile([self.eval_loss], self.step.n_threads)
+        self._eval = self.step.runtime.compile([self.eval_loss] + self.eval_outputs, self.step.n_threads)
+        self.last_eval_metrics = {}   # preference metrics of the last evaluate()
         self.tokens_seen = 0
         self._stop = False
         self.early_stopping = EarlyStopping(config.early_stop_patience, config.min_delta)
@@ -704,6 +718,8 @@ class TextRun:
         stopping also "early_stop" ({"best", "best_step", "bad"}) and "best_params"."""
         state = {"params": self.param_values(), "optimizer": self.step.optimizer_state(),
                  "updates": self.step.updates, "tokens_seen": self.tokens_seen}
+        if self.reference is not None:
+            state["reference"] = self.reference
         if self.early_stopping.patience:
             es = self.early_stopping
             state["early_stop"] = {"best": es.best, "best_step": es.best_step, "bad": es.bad}
@@ -718,6 +734,10 @@ class TextRun:
         self.step.load_optimizer_state(state["optimizer"])
         self.step.updates = int(state["updates"])
         self.tokens_seen = int(state["tokens_seen"])
+        if self.pair_loss is not None and self.pair_loss.config.method == "dpo":
+            if state.get("reference") is None:
+                raise ConfigError("the checkpoint has no reference log-probabilities (a DPO run's)")
+            self.reference = np.asarray(state["reference"], np.float32)
         if self.early_stopping.patience and state.get("early_stop"):
             es = state["early_stop"]
             self.early_stopping.best, self.early_stopping.best_step = float(es["best"]), int(es["best_step"])
@@ -743,6 +763,10 @@ class TextRun:
             feed[self._rows], feed[self.row_targets] = rows, tgt
         used = feed[self.row_targets] if self.loss_rows else batch["targets"]
         feed[self.chunks] = decoder.chunk_weights(used, self.chunks.shape[0])
+        if self.pair_loss is not None:
+            codes = np.full(self.loss_rows, -1, np.int64)
+            codes[:where.size] = np.asarray(batch["pair"]).reshape(-1)[where]
+            feed.update(self.pair_loss.feed(codes, self.reference))
         if self.packed:
             feed[self.pos], feed[self.seg] = batch["pos"], batch["seg"]
         if self.dropout_seed is not None:
@@ -753,18 +777,56 @@ class TextRun:
     def evaluate(self, batches: list) -> float:
         """Mean validation loss over batches (dicts or (batch, ctx + 1) window arrays): with
         several processes, each passes its shares of the same global batches."""
-        rt = self.step.runtime
-        losses = []
+        losses, seen = [], []
         for batch in batches:
-            for t, v in self._feed(batch).items():
-                if t is not self.dropout_seed:
-                    rt.set(t, v)
-            rt.run(self._eval, self.step.n_threads)
-            losses.append(float(self._eval.read(self.eval_loss)))
+            loss, outputs, feed = self._run_eval(batch)
+            losses.append(loss)
+            seen.append((outputs, feed))
         if not losses:
             return float("nan")
+        if self.pair_loss is not None:
+            self.last_eval_metrics = {f"val_{k}": v for k, v in self.pair_loss.metrics(seen).items()}
         total = self.world.sum([sum(losses)])[0]
         return float(total / (len(losses) * self.world.size))
+
+    def _run_eval(self, batch) -> tuple:
+        """(loss, [values of eval_outputs], feed) of one batch through the evaluation plan."""
+        rt = self.step.runtime
+        feed = self._feed(batch)
+        for t, v in feed.items():
+            if t is not self.dropout_seed:
+                rt.set(t, v)
+        rt.run(self._eval, self.step.n_threads)
+        return float(self._eval.read(self.eval_loss)), [self._eval.read(t) for t in self.eval_outputs], feed
+
+    def compute_reference(self, datasets: list, n_pairs: int, progress=None) -> None:
+        """DPO: every pair's reference NLL (summed over each side's completion), from the
+        model as it is now (before training: LoRA's factors start with B = 0, so it is the
+        base; --full: the initial weights), by the evaluation plan over the packed rows of
+        datasets (PackedData with `pair`, ids below n_pairs), `batch` rows at a time.
+        Stored in self.reference (and in checkpoints); progress(rows) after each batch."""
+        ref = np.full((n_pairs, 2), np.nan, np.float32)
+        self.reference = None
+        b = self.config.batch
+        for data in datasets:
+            fields = data.fields()
+            for start in range(0, data.rows, b):
+                part = {k: v[start:start + b] for k, v in fields.items()}
+                short = b - len(part["tokens"])
+                if short:
+                    pad = {"tokens": 0, "targets": -1, "pos": 0, "seg": -1, "pair": -1}
+                    part = {k: np.concatenate([v, np.full((short, data.ctx), pad[k], np.int32)])
+                            for k, v in part.items()}
+                _, outputs, feed = self._run_eval(part)
+                ids = np.unique(part["pair"][part["pair"] >= 0] // 2)
+                chosen, rejected = self.pair_loss.sides(outputs, feed)
+                ref[ids, 0], ref[ids, 1] = -chosen, -rejected   # outputs are logp - 0
+                if progress is not None:
+                    progress(len(part["tokens"]) - short)
+        if np.isnan(ref).any():
+            raise ConfigError(f"the reference pass left {int(np.isnan(ref).any(axis=1).sum())} of {n_pairs} "
+                              f"pairs without a value")
+        self.reference = ref
 
     def fit(self, batches, val_batches: list, on_step=None, on_eval=None) -> None:
         """Run updates until config.steps (continuing from self.updates), drawing physical
@@ -790,12 +852,14 @@ class TextRun:
                     "loss": loss, "lr": lr, "grad_norm": self.step.last_grad_norm,
                     "tokens_per_s": per_update / max(now - t_step, 1e-9), "elapsed_s": now - t0,
                     **_search_fields(self.step)}
+            if self.pair_loss is not None:
+                info.update(self.pair_loss.metrics(list(zip(self.step.last_outputs, feeds))))
             if on_step is not None:
                 on_step(info)
             if self.step.converged:
                 self.stop_reason = "converged"
             if cfg.eval_every and val_batches and self.step.updates % cfg.eval_every == 0:
-                ev = {"step": self.step.updates, "val_loss": self.evaluate(val_batches)}
+                ev = {"step": self.step.updates, "val_loss": self.evaluate(val_batches), **self.last_eval_metrics}
                 if cfg.early_stop_patience and self.early_stopping.update(self.step.updates, ev["val_loss"]):
                     self.best_params = self.param_values()
                 if on_eval is not None:

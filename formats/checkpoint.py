@@ -26,7 +26,9 @@ factors "<weight>.lora_a" / ".lora_b"), F32, then the optimizer's state: for eac
 parameter its AdamW moments `adam_m.<name>` and `adam_v.<name>` or its SGD momentum
 `momentum.<name>` (F32, same shape), or L-BFGS's history of the whole run, `lbfgs.s` and
 `lbfgs.y` (m, n), `lbfgs.curv` (m, 2: y.s, y.y) and `lbfgs.ring` (pair count, newest slot);
-with early stopping, the best evaluation's parameters `best.<name>`. All bit-exact. The
+with early stopping, the best evaluation's parameters `best.<name>`; for DPO the reference
+model's NLL of each pair's chosen and rejected completion, `preference.reference_nll`
+(pairs, 2). All bit-exact. The
 keys a model carries besides hparams and vocabulary (its chat template:
 model_file.CARRIED_PREFIXES) are kept, so the model written from a checkpoint has them.
 """
@@ -50,6 +52,7 @@ KINDS = ("train", "finetune-lora", "finetune-full", "model")
 _MOMENTS = {".adam_m": "adam_m.", ".adam_v": "adam_v.", ".momentum": "momentum."}
 _RUN_STATE = "lbfgs."   # optimizer state of the whole run, not per parameter: stored under its name
 _BEST = "best."
+_REFERENCE = "preference.reference_nll"
 
 
 def save_checkpoint(path, model_config: dict, train_config: dict, state: dict, tokenizer,
@@ -88,6 +91,8 @@ def save_checkpoint(path, model_config: dict, train_config: dict, state: dict, t
             raise FormatError(f"{path}: optimizer state {name!r} has no checkpoint name")
     for name, v in (state.get("best_params") or {}).items():
         tensors.append((_BEST + name, np.ascontiguousarray(v, np.float32), "F32"))
+    if state.get("reference") is not None:
+        tensors.append((_REFERENCE, np.ascontiguousarray(state["reference"], np.float32), "F32"))
     write_gguf(path, kv, tensors, progress=progress)
 
 
@@ -114,9 +119,12 @@ def load_checkpoint(path) -> dict:
         run_config = json.loads(f.value("ggtrain.run_config", "{}"))
     except json.JSONDecodeError as exc:
         raise FormatError(f"{path}: damaged ggtrain config ({exc})") from None
-    params, optimizer, best = {}, {}, {}
+    params, optimizer, best, reference = {}, {}, {}, None
     for name in f.tensors:
         arr = f.read_tensor(name)
+        if name == _REFERENCE:
+            reference = arr
+            continue
         if name.startswith(_RUN_STATE):
             optimizer[name] = arr
             continue
@@ -131,6 +139,8 @@ def load_checkpoint(path) -> dict:
             params[name] = arr
     state = {"params": params, "optimizer": optimizer, "updates": int(f.value("ggtrain.updates")),
              "tokens_seen": int(f.value("ggtrain.tokens_seen"))}
+    if reference is not None:
+        state["reference"] = reference
     early_stop = f.value("ggtrain.early_stop", None)
     if early_stop is not None:
         try:
@@ -161,7 +171,7 @@ def checkpoint_summary(f: GGUFFile) -> dict:
             raise FormatError(f"{f.path}: damaged {key}") from None
     kind = f.value("ggtrain.checkpoint.kind", "train")
     run, train = config("ggtrain.run_config"), config("ggtrain.train_config")
-    not_trained = tuple(_MOMENTS.values()) + (_RUN_STATE, _BEST)   # optimizer state, best model
+    not_trained = tuple(_MOMENTS.values()) + (_RUN_STATE, _BEST, _REFERENCE)   # optimizer state, best model
     trained = [t for n, t in f.tensors.items() if not n.startswith(not_trained)]
     base = None
     if run.get("base_fingerprint"):

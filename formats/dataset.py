@@ -19,6 +19,11 @@ Records (one kind per file; a record's other fields are ignored):
     {"conversations": [{"from", "value"}, ...]}    -> kind "chat" (ShareGPT; from human/user,
                                                       gpt/chatgpt/assistant, system, tool),
                                                       normalised to messages
+    {"prompt", "chosen", "rejected"}              -> kind "preference" (a pair for DPO/ORPO):
+                                                      three strings, or TRL's conversational
+                                                      form (prompt a list of messages, chosen
+                                                      and rejected lists of the assistant's
+                                                      answer)
 
 Errors are one-line FormatErrors naming the file and the line (JSON lines) or the record
 index (a JSON array, counted from 0 as in data[12]), and the field: 'data.jsonl line 7:
@@ -31,6 +36,9 @@ target" (its loss counts when it is predicted from ids[:i]):
     text               BOS (if the vocabulary adds one), the text, EOS; all but BOS trained
     prompt_completion  BOS, prompt + completion encoded as one text, EOS; the completion's
                        tokens and EOS trained (all but BOS with train_on_inputs)
+    preference         a pair (chosen, rejected) of samples: the prompt with each completion,
+                       as prompt_completion (strings) or chat (messages: the prompt's turns
+                       then the answer's, rendered; only the answer's turns trained)
     chat               the conversation rendered by the chat template and encoded with
                        special tokens parsed (BOS put first when the vocabulary adds one and
                        the template did not); trained: each assistant turn's content through
@@ -63,7 +71,7 @@ from ggtrain.errors import ConfigError, FormatError
 from ggtrain.formats.chat import ChatTemplate
 from ggtrain.formats.tokenizer import ATTR_CONTROL, ATTR_UNKNOWN, ATTR_USER_DEFINED, Tokenizer
 
-KINDS = ("text", "prompt_completion", "chat")
+KINDS = ("text", "prompt_completion", "chat", "preference")
 ROLES = ("system", "user", "assistant", "tool")
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant",
                   "assistant": "assistant", "system": "system", "tool": "tool"}
@@ -71,7 +79,8 @@ SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt"
 _LAYOUTS = {"text": ("text", '{"text"}'),
             "prompt_completion": ("prompt_completion", '{"prompt", "completion"}'),
             "messages": ("chat", '{"messages"} (OpenAI)'),
-            "conversations": ("chat", '{"conversations"} (ShareGPT)')}
+            "conversations": ("chat", '{"conversations"} (ShareGPT)'),
+            "preference": ("preference", '{"prompt", "chosen", "rejected"}')}
 _JSON_WS = " \t\r\n"
 
 
@@ -191,6 +200,8 @@ def _json_type(v) -> str:
 
 
 def _layout(record: dict) -> str | None:
+    if "chosen" in record or "rejected" in record:
+        return "preference"
     if "messages" in record:
         return "messages"
     if "conversations" in record:
@@ -261,14 +272,14 @@ def _turns(rec: dict, key: str, at: str, shape: str) -> list:
     return turns
 
 
-def _parse_messages(rec: dict, at: str) -> list:
+def _parse_messages(rec: dict, at: str, key: str = "messages") -> list:
     out = []
-    for i, m in enumerate(_turns(rec, "messages", at, '{"role", "content"}')):
-        role = _string(_field(m, "role", at, f"messages[{i}]"), at, f"messages[{i}].role")
+    for i, m in enumerate(_turns({key: rec["messages"]}, key, at, '{"role", "content"}')):
+        role = _string(_field(m, "role", at, f"{key}[{i}]"), at, f"{key}[{i}].role")
         if role not in ROLES:
-            raise FormatError(f"{at}: messages[{i}].role is {role!r} (expected {', '.join(ROLES[:-1])} "
+            raise FormatError(f"{at}: {key}[{i}].role is {role!r} (expected {', '.join(ROLES[:-1])} "
                               f"or {ROLES[-1]})")
-        _string(_field(m, "content", at, f"messages[{i}]"), at, f"messages[{i}].content")
+        _string(_field(m, "content", at, f"{key}[{i}]"), at, f"{key}[{i}].content")
         out.append(dict(m))
     return out
 
@@ -285,8 +296,30 @@ def _parse_conversations(rec: dict, at: str) -> list:
     return out
 
 
+def _parse_preference(rec: dict, at: str) -> tuple:
+    """(prompt, chosen, rejected): three strings, or three message lists (the answers'
+    messages all the assistant's)."""
+    parts = [_field(rec, key, at) for key in ("prompt", "chosen", "rejected")]
+    if all(isinstance(p, str) for p in parts):
+        out = tuple(_string(p, at, f'"{key}"') for p, key in zip(parts, ("prompt", "chosen", "rejected")))
+    elif all(isinstance(p, list) for p in parts):
+        out = tuple(_parse_messages({"messages": p}, at, key) for p, key in zip(parts, ("prompt", "chosen", "rejected")))
+        for key, answer in zip(("chosen", "rejected"), out[1:]):
+            for i, m in enumerate(answer):
+                if m["role"] != "assistant":
+                    raise FormatError(f"{at}: {key}[{i}].role is {m['role']!r} (the answer's messages are "
+                                      f"the assistant's)")
+    else:
+        kinds = ", ".join(f'"{k}" {_json_type(p)}' for k, p in zip(("prompt", "chosen", "rejected"), parts))
+        raise FormatError(f"{at}: a preference pair holds three strings or three message lists, got {kinds}")
+    if out[1] == out[2]:
+        raise FormatError(f'{at}: "chosen" and "rejected" are identical (a pair must differ)')
+    return out
+
+
 _PARSE = {"text": _parse_text, "prompt_completion": _parse_prompt_completion,
-          "messages": _parse_messages, "conversations": _parse_conversations}
+          "messages": _parse_messages, "conversations": _parse_conversations,
+          "preference": _parse_preference}
 
 
 # ---- samples ----------------------------------------------------------------------------------
@@ -305,10 +338,18 @@ def samples(records: list, kind: str, tokenizer: Tokenizer, template: ChatTempla
     if kind == "chat" and template is None:
         raise ConfigError("chat records need a chat template (the model's "
                           "tokenizer.chat_template or --chat-template FILE.jinja)")
+    if kind == "preference" and template is None and records and isinstance(records[0][0], list):
+        raise ConfigError("conversational preference pairs need a chat template (the model's "
+                          "tokenizer.chat_template or --chat-template FILE.jinja)")
     where = where if where is not None else [f"record {i}" for i in range(len(records))]
     out = []
     for rec, at in zip(records, where):
-        if kind == "text":
+        if kind == "preference":
+            try:
+                out.append(_pair_samples(rec, tokenizer, template))
+            except FormatError as e:
+                raise FormatError(f"{at}: {e}") from None
+        elif kind == "text":
             out.append(_text_sample(rec, tokenizer))
         elif kind == "prompt_completion":
             out.append(_prompt_completion_sample(rec[0], rec[1], tokenizer, train_on_inputs))
@@ -433,7 +474,7 @@ def chat_prompt(messages: list, tokenizer: Tokenizer, template: ChatTemplate) ->
 
 
 def _chat_sample(messages: list, tokenizer: Tokenizer, template: ChatTemplate,
-                 train_on_inputs: bool) -> Sample:
+                 train_on_inputs: bool, from_byte: int = 0) -> Sample:
     full = template.render(messages)
     ids, lead, body = _chat_ids(full, tokenizer)
     if train_on_inputs:
@@ -446,8 +487,21 @@ def _chat_sample(messages: list, tokenizer: Tokenizer, template: ChatTemplate,
     ends = np.concatenate([[-1] * lead, ends]).astype(np.int64)
     train = np.zeros(len(ids), bool)
     for lo, hi in _assistant_spans(messages, full, template, ids, starts, ends, tokenizer.eog_ids):
-        train |= (starts >= lo) & (starts < hi)
+        train |= (starts >= max(lo, from_byte)) & (starts < hi)
     return Sample(ids, train)
+
+
+def _pair_samples(rec: tuple, tokenizer: Tokenizer, template: ChatTemplate | None) -> tuple:
+    """(chosen, rejected) Samples of a preference record: the prompt with each answer, the
+    answer's tokens trained (with its end-of-turn / EOS)."""
+    prompt, chosen, rejected = rec
+    if isinstance(prompt, str):
+        return tuple(_prompt_completion_sample(prompt, answer, tokenizer, False) for answer in (chosen, rejected))
+    # the prompt's own assistant turns are context: train from where its rendering with the
+    # generation prompt ends
+    head = len(template.render(prompt, add_generation_prompt=True).encode("utf-8"))
+    return tuple(_chat_sample(prompt + answer, tokenizer, template, False, from_byte=head)
+                 for answer in (chosen, rejected))
 
 
 def _check_rendered(messages: list, full: str, template: ChatTemplate) -> None:

@@ -395,6 +395,35 @@ def chunked_loss(cfg: ModelConfig, params: dict, x, targets, weights, lora: dict
     return total
 
 
+def sequence_nll(cfg: ModelConfig, params: dict, x, targets, select, n_chunks: int = 1,
+                 lora: dict | None = None, grad: bool = False):
+    """Weighted sums of per-position losses: select (K, N) @ nll (N,), (K,), where nll[r] is
+    -log p(targets[r]) at normed hidden state x[r] (x (N, C), targets (N,) i32; 0 where the
+    target is negative). The summed or mean log-probability of each sequence a preference
+    loss compares (core/preference.py). Taken n_chunks row chunks at a time (loss_chunks),
+    as chunked_loss; with grad (LoRA: a frozen output matrix) each chunk's per-row input
+    gradients are computed in the forward (ops.with_grad, row-wise) and its logits die there."""
+    c = x.shape[-1]
+    n = x.size // c
+    k_rows = select.shape[0]
+    x2, t1 = ops.reshape(x, (n, c)), ops.reshape(targets, (n,))
+    size = -(-n // n_chunks)
+    total = None
+    for k in range(n_chunks):
+        lo, m = k * size, min(size, n - k * size)
+        if m <= 0:
+            break
+        whole = n_chunks == 1
+        xk = x2 if whole else ops.view(x2, (m, c), (c, 1), lo * c)
+        nll = ops.cross_entropy_rows(output(cfg, params, xk, lora), t1 if whole else ops.view(t1, (m,), (1,), lo))
+        if grad and not whole:   # d nll[r] / d xk[r] now; the backward scales row r by its upstream
+            nll = ops.with_grad(nll, xk, backward(ops.sum(nll), [xk], checkpointing=False)[xk])
+        sk = select if whole else ops.view(select, (k_rows, m), (n, 1), lo)
+        part = ops.reshape(ops.matmul(sk, ops.reshape(nll, (m, 1))), (k_rows,))
+        total = part if total is None else ops.add(total, part)
+    return total
+
+
 def _frozen(graph, weights: dict, adapters: dict | None) -> tuple:
     """Graph parameters for fixed weights: {name: Tensor}, the LoRA dict for forward, and
     {Tensor: buffer} of the weights that are already in backend memory (to bind).
