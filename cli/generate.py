@@ -15,7 +15,8 @@ import time
 
 import typer
 
-from ggtrain.cli.common import cpu_backend
+from ggtrain.cli.common import cpu_backend, file_errors
+from ggtrain.cli.tasks import run_task, task_words
 from ggtrain.cli.main import app
 from ggtrain.core.models.decoder import ModelConfig, Decoder, Runner, generate
 from ggtrain.core.sampling import Sampler
@@ -25,6 +26,7 @@ from ggtrain.formats.dataset import chat_prompt
 from ggtrain.formats.gguf import read_gguf
 from ggtrain.formats.model_file import open_model
 from ggtrain.formats.lora import lora_adapters
+from ggtrain.formats.tasks import read_task
 
 # the context generate reserves when it runs until end of generation (-n -1) and no --ctx is given
 UNTIL_EOG_CTX = 4096
@@ -123,15 +125,45 @@ def eval_cmd(
     model: pathlib.Path = typer.Option(..., "--model", help="A GGUF model (llama, qwen2, qwen3, ...)."),
     lora: pathlib.Path = typer.Option(None, "--lora", help="A LoRA adapter GGUF (llama.cpp's format) to apply."),
     lora_scale: float = typer.Option(1.0, "--lora-scale", help="Scale of the adapter."),
-    data: pathlib.Path = typer.Option(..., "--data", help="A UTF-8 text file."),
-    ctx: int = typer.Option(0, "--ctx", help="Window length (default: min(model context, 512))."),
-    as_json: bool = typer.Option(False, "--json", help='Print {"perplexity", "nll", "tokens"} as JSON.'),
+    data: pathlib.Path = typer.Option(None, "--data", help="A UTF-8 text file: its perplexity."),
+    task: pathlib.Path = typer.Option(None, "--task", help="A multiple-choice task: JSON lines of {\"context\", "
+                                      "\"choices\", \"gold\"} (or llama-perplexity's files with --hellaswag / "
+                                      "--winogrande); accuracy as lm-evaluation-harness scores it."),
+    hellaswag: bool = typer.Option(False, "--hellaswag", help="--task is llama.cpp's HellaSwag file (6 lines a task)."),
+    winogrande: bool = typer.Option(False, "--winogrande", help="--task is llama.cpp's Winogrande CSV."),
+    limit: int = typer.Option(0, "--limit", help="Score only the first N task items (0: all)."),
+    ctx: int = typer.Option(0, "--ctx", help="Window length (default: min(model context, 512)); for --task the "
+                            "most tokens a choice may take (default: the model's context)."),
+    as_json: bool = typer.Option(False, "--json", help='Print {"perplexity", "nll", "tokens"} (--task: {"items", '
+                                 '"acc", "acc_stderr", "acc_norm", "acc_norm_stderr"}) as JSON.'),
+    quiet: bool = typer.Option(False, "--quiet", help="No progress bar."),
     threads: int = typer.Option(None, "--threads", help="CPU threads (default: all available)."),
     backend: str = typer.Option("cpu", "--backend", help="cpu (cuda in builds that have it)."),
 ):
-    """Perplexity of a model on a text: non-overlapping windows, every token scored once."""
+    """Perplexity of a model on a text (non-overlapping windows, every token scored once), or
+    its accuracy on a multiple-choice task."""
+    if (data is None) == (task is None):
+        raise ConfigError("give --data TEXT (perplexity) or --task FILE (multiple choice), one of them")
+    if (hellaswag or winogrande) and task is None or hellaswag and winogrande:
+        raise ConfigError("--hellaswag and --winogrande say what --task holds (one of them)")
+    if limit < 0:
+        raise ConfigError(f"--limit must be >= 0, got {limit}")
     be = cpu_backend(backend, threads)
     cfg, weights, tok, adapters = _open(model, lora, lora_scale, be)
+    if task is not None:
+        fmt = "hellaswag" if hellaswag else "winogrande" if winogrande else "jsonl"
+        with file_errors(f"--task {task}"):
+            items = read_task(task, fmt)
+        items = items[:limit] if limit else items
+        if not 0 <= ctx <= cfg.ctx:
+            raise ConfigError(f"--ctx {ctx}: must be in 1..{cfg.ctx} (the model's context)")
+        decoder = Decoder(cfg, weights, be, n_ctx=ctx or cfg.ctx, adapters=adapters)
+        result = run_task(decoder, tok, items, quiet=quiet)
+        if as_json:
+            typer.echo(json.dumps(result))
+        else:
+            typer.echo(task_words(result))
+        return
     length = ctx or min(cfg.ctx, 512)
     if not 1 <= length <= cfg.ctx:
         raise ConfigError(f"--ctx {ctx}: must be in 1..{cfg.ctx} (the model's context)")

@@ -14,7 +14,7 @@ LAYERS = [
     ("ggtrain.core.autograd", 3),
     ("ggtrain.core.optim", 4), ("ggtrain.core.train", 4), ("ggtrain.core.models", 4),
     ("ggtrain.core.data", 4), ("ggtrain.core.sampling", 4), ("ggtrain.core.distributed", 4),
-    ("ggtrain.core.preference", 4),
+    ("ggtrain.core.preference", 4), ("ggtrain.core.tasks", 4),
     ("ggtrain.formats", 5),
     ("ggtrain.cli", 6),
 ]

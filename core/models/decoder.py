@@ -557,14 +557,14 @@ class Decoder:
             rows *= 2
         return min(rows, self.n_ctx)
 
-    def _plan(self, t: int, rows: int):
-        key = (t, rows)
+    def _plan(self, t: int, rows: int, every: bool = False):
+        key = (t, rows, every)
         if key not in self._plans:
             g = self.graph
             tokens = g.input((1, t), "i32", name=f"tokens.{t}")
             pos = g.input((t,), "i32", name=f"pos.{t}")
             logits = forward(self.cfg, self.params, tokens, pos, lora=self.lora, cache=self.cache,
-                             n_kv=rows, last_only=True, n_ctx=self.n_ctx)
+                             n_kv=rows, last_only=not every, n_ctx=self.n_ctx)
             self._plans[key] = (self.runtime.compile([logits], self.n_threads), tokens, pos, logits)
         return self._plans[key]
 
@@ -572,8 +572,15 @@ class Decoder:
         """Forget the sequence (the cache rows are overwritten as new tokens come)."""
         self.n_past = 0
 
-    def feed(self, ids) -> np.ndarray:
-        """Append token ids (at least one) to the sequence; logits (V,) after the last one.
+    def rewind(self, n: int) -> None:
+        """Keep the first n positions of the sequence (a shared prefix), forget the rest."""
+        if not 0 <= n <= self.n_past:
+            raise ConfigError(f"decoder: cannot rewind to {n} of {self.n_past} positions")
+        self.n_past = n
+
+    def feed(self, ids, every: bool = False) -> np.ndarray:
+        """Append token ids (at least one) to the sequence; logits (V,) after the last one,
+        or with every the logits (len(ids), V) after each.
 
         Raises ConfigError when the sequence would pass the cache's n_ctx positions.
         """
@@ -584,14 +591,17 @@ class Decoder:
             raise ConfigError(f"decoder: {self.n_past} + {ids.size} tokens exceed the context "
                               f"of {self.n_ctx}")
         _check_ids(ids, self.cfg.vocab)
+        out = []
         for start in range(0, ids.size, self.chunk):
             part = ids[start:start + self.chunk]
-            plan, tokens, pos, logits = self._plan(part.size, self._rows(self.n_past + part.size))
+            plan, tokens, pos, logits = self._plan(part.size, self._rows(self.n_past + part.size), every)
             self.runtime.set(tokens, part[None, :])
             self.runtime.set(pos, np.arange(self.n_past, self.n_past + part.size, dtype=np.int32))
             self.runtime.run(plan, self.n_threads)
             self.n_past += part.size
-        return plan.read(logits)[0, -1]
+            if every:
+                out.append(plan.read(logits)[0])
+        return np.concatenate(out) if every else plan.read(logits)[0, -1]
 
 
 def generate(decoder: Decoder, prompt: list, n: int, sampler, stop: frozenset = frozenset()):

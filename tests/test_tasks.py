@@ -1,0 +1,147 @@
+"""`ggtrain eval --task`: task files (JSON lines, llama.cpp's HellaSwag and Winogrande files),
+lm-evaluation-harness's tokenization of a choice, and every choice's log-likelihood against
+the one computed from real llama.cpp's logits (llama-cpp-python) on the same tokens; the
+accuracies the command prints follow from those, item for item."""
+import json
+import math
+
+import numpy as np
+import pytest
+
+from ggtrain.core.backend_cpu import CpuBackend
+from ggtrain.core.models.decoder import Decoder, ModelConfig
+from ggtrain.core.tasks import score_item, summarize
+from ggtrain.errors import FormatError
+from ggtrain.formats.model_file import load_model
+from ggtrain.formats.tasks import TaskChoice, encode_choice, encode_items, read_task
+from tests.interop import open_llm, run_cli
+
+JSONL = [{"context": "Tom had a red", "choices": ["kite.", "house on the moon.", "dog"], "gold": 0},
+         {"context": "The kite flew high over the ", "choices": ["park", "ocean of soup", "cat"], "gold": 0},
+         {"context": "Lily and Ben went to the", "choices": ["park.", "zzz qqq", "blue"], "gold": 1,
+          "delimiter": ""}]
+HELLASWAG = ("Kids: Lily and Ben played in the park. They\n2\n ran to the moon and ate it.\nflew away.\n"
+             "played with a ball.\nzzz qqq.\n"
+             "Dog: The dog saw a cat. The dog\n0\nbarked at the cat.\nsang a song.\nwas a car.\nate the sun.\n")
+WINOGRANDE = ("index,sentence,option1,option2,answer\n"
+              '0,"Tom gave Lily a ball, so _ was happy.",Lily,Tom,1\n'
+              "1,The cat chased the dog because _ was angry.,cat,dog,1\n")
+
+
+@pytest.fixture
+def files(tmp_path):
+    paths = {"jsonl": tmp_path / "t.jsonl", "hellaswag": tmp_path / "hs.txt", "winogrande": tmp_path / "wg.csv"}
+    paths["jsonl"].write_text("\n".join(json.dumps(r) for r in JSONL) + "\n")
+    paths["hellaswag"].write_text(HELLASWAG)
+    paths["winogrande"].write_text(WINOGRANDE)
+    return paths
+
+
+def test_task_files_read_as_lm_evaluation_harness_builds_them(files):
+    items = read_task(files["jsonl"])
+    assert [i.gold for i in items] == [0, 0, 1]
+    assert items[0].choices[1] == TaskChoice("Tom had a red", " house on the moon.", len("house on the moon."))
+    assert items[2].choices[0].continuation == "park."              # "delimiter": ""
+    hs = read_task(files["hellaswag"], "hellaswag")
+    assert [i.gold for i in hs] == [2, 0] and len(hs[0].choices) == 4
+    assert hs[1].choices[0] == TaskChoice("Dog: The dog saw a cat. The dog", " barked at the cat.", 18)
+    wg = read_task(files["winogrande"], "winogrande")                 # the header line skipped
+    assert [i.gold for i in wg] == [0, 0]
+    assert wg[0].choices[1] == TaskChoice("Tom gave Lily a ball, so Tom", " was happy.", 3)
+    assert wg[1].where.endswith("wg.csv line 3")
+
+
+@pytest.mark.parametrize("fmt, text, message", [
+    ("jsonl", '{"context": "a", "choices": ["b", "c"], "gold": 2}\n', 'line 1: "gold" must be an index'),
+    ("jsonl", '{"context": "a", "choices": ["b"], "gold": 0}\n', '"choices" must be a list of at least 2'),
+    ("jsonl", '{"context": "a", "gold": 0}\n\n{"x": 1}\n', 'line 1: the item has no "choices" field'),
+    ("jsonl", '{"context": "a", "choices": ["b", "c"], "gold": 0}\n{"context": \n', "line 2 column 13: invalid JSON"),
+    ("jsonl", "\n\n", "no task items"),
+    ("hellaswag", "ctx\n1\na\nb\nc\n", "5 lines, not a multiple of 6"),
+    ("hellaswag", "ctx\n4\na\nb\nc\nd\n", "line 2: the gold ending's index is '4'"),
+    ("winogrande", "0,No blank here.,a,b,1\n", 'line 1: the sentence has no "_"'),
+    ("winogrande", "0,A _ b.,a,b,3\n", "line 1: the answer is '3'"),
+    ("winogrande", "0,A _ b.,a\n", "line 1: expected 5 comma-separated fields"),
+])
+def test_bad_task_files_are_one_line_errors_naming_the_line(tmp_path, fmt, text, message):
+    p = tmp_path / "bad.txt"
+    p.write_text(text)
+    with pytest.raises(FormatError, match=message.replace("(", r"\(").replace("[", r"\[")) as e:
+        read_task(p, fmt)
+    assert str(p) in str(e.value)
+
+
+def test_a_choice_is_tokenized_as_lm_evaluation_harness_does(shared_data):
+    _, _, tok = load_model(shared_data / "gguf" / "stories260K.gguf")
+    for context, continuation in (("The kite flew high over the ", " park"), ("Tom had a", " red kite.")):
+        ctx, cont = encode_choice(tok, TaskChoice(context, continuation, 1))
+        # the context's trailing space goes with the continuation; the whole is one encoding
+        stripped = context.rstrip()
+        assert list(ctx) == list(tok.encode(stripped, add_bos=True))
+        assert list(ctx) + list(cont) == list(tok.encode(stripped + context[len(stripped):] + continuation,
+                                                         add_bos=True))
+
+
+def _their_loglik(llm, ctx, cont):
+    ids = list(ctx) + list(cont)
+    llm.reset()
+    llm.eval(ids)
+    s = np.array(llm.scores[:len(ids)], np.float64)
+    s -= s.max(-1, keepdims=True)
+    lp = s - np.log(np.exp(s).sum(-1, keepdims=True))
+    return float(sum(lp[len(ctx) - 1 + j, t] for j, t in enumerate(cont)))
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "hellaswag", "winogrande"])
+def test_scores_equal_those_from_llama_cpp_logits_choice_for_choice(files, shared_data, llama, fmt):
+    model = shared_data / "gguf" / "stories260K.gguf"
+    config, weights, tok = load_model(model)
+    items = read_task(files[fmt], fmt)
+    encoded = encode_items(tok, items)
+    decoder = Decoder(ModelConfig(**config), weights, CpuBackend(2), n_ctx=128)
+    llm = open_llm(llama, model, n_ctx=128)
+    ours, theirs = [], []
+    for choices, gold in encoded:
+        scored = score_item(decoder, choices, gold)
+        want = [_their_loglik(llm, c, t) for c, t, _ in choices]
+        # F32 weights: logits agree to ~1e-3 with llama.cpp's, a token's log-probability likewise
+        np.testing.assert_allclose(scored.logliks, want, rtol=0, atol=2e-3 * max(len(t) for _, t, _ in choices))
+        assert scored.tokens == tuple(len(t) for _, t, _ in choices)
+        ours.append(scored)
+        theirs.append(type(scored)(tuple(want), scored.tokens, gold, scored.norm_lens))
+    for a, b in zip(ours, theirs):
+        assert (a.correct, a.correct_norm) == (b.correct, b.correct_norm)
+    # what the command prints follows from those scores
+    args = ["--hellaswag"] if fmt == "hellaswag" else ["--winogrande"] if fmt == "winogrande" else []
+    r = run_cli("eval", "--model", model, "--task", files[fmt], *args, "--json", "--quiet")
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout)
+    want = summarize(theirs)
+    assert got["items"] == len(items) and got["acc"] == want["acc"] and got["acc_norm"] == want["acc_norm"]
+    acc = np.array([s.correct for s in theirs], float)
+    assert got["acc_stderr"] == pytest.approx(acc.std(ddof=1) / math.sqrt(len(items)))
+
+
+def test_shared_prefix_scores_equal_scoring_each_choice_alone(shared_data):
+    """The prefix fed once and rewound to gives what a fresh decoder gives each choice."""
+    config, weights, tok = load_model(shared_data / "gguf" / "stories260K.gguf")
+    cfg = ModelConfig(**config)
+    choices = [(np.array(tok.encode(c, add_bos=True)), np.array(tok.encode(t)[0:]), 1)
+               for c, t in (("Tom had a red kite and", "a dog"), ("Tom had a red kite and a", "big cat"),
+                            ("Tom had a", "ball"))]
+    shared = score_item(Decoder(cfg, weights, CpuBackend(2), n_ctx=64), choices, 0)
+    for k, choice in enumerate(choices):
+        alone = score_item(Decoder(cfg, weights, CpuBackend(2), n_ctx=64), [choice], 0)
+        assert shared.logliks[k] == pytest.approx(alone.logliks[0], abs=1e-4)
+
+
+@pytest.mark.parametrize("args, message", [
+    ([], "give --data TEXT (perplexity) or --task FILE"),
+    (["--task", "missing.jsonl"], "--task missing.jsonl: no such file"),
+    (["--data", "x.txt", "--hellaswag"], "--hellaswag and --winogrande say what --task holds"),
+    (["--task", "TASK", "--ctx", "4"], "line 1: a choice takes"),
+])
+def test_bad_eval_task_options_are_one_line(files, shared_data, args, message):
+    args = [str(files["jsonl"]) if a == "TASK" else a for a in args]
+    r = run_cli("eval", "--model", shared_data / "gguf" / "stories260K.gguf", *args, "--quiet")
+    assert r.returncode == 1 and message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
