@@ -20,7 +20,8 @@ import numpy as np
 import typer
 from tqdm import tqdm
 
-from ggtrain.cli.common import JsonLog, cpu_backend, start_world
+from ggtrain.cli.common import JsonLog, cpu_backend, file_errors, start_world
+from ggtrain.cli.tasks import run_task, task_words
 from ggtrain.cli.config import config_record
 from ggtrain.cli.loop import (BACKEND, CHECKPOINT_DIR, CHECKPOINTING, CONFIG, EARLY_STOP_PATIENCE, EVAL_EVERY,
                               GRAD_CLIP, LOG, MIN_DELTA, MOMENTUM, OPTIMIZER, QUIET, SAVE_EVERY, THREADS,
@@ -30,7 +31,7 @@ from ggtrain.cli.main import app
 from ggtrain.core.backend import StoredTensor
 from ggtrain.core.data import PackedBatches, TokenWindows, eval_windows, pack, pack_pairs, split_samples, split_tokens
 from ggtrain.core.distributed import Shard
-from ggtrain.core.models.decoder import ModelConfig
+from ggtrain.core.models.decoder import Decoder, ModelConfig
 from ggtrain.core.models.lora import TARGETS, LoraConfig, factor_names, init_lora
 from ggtrain.core.preference import METHODS, PreferenceConfig, pair_slots
 from ggtrain.core.train import TextConfig, TextRun
@@ -41,6 +42,7 @@ from ggtrain.formats.dataset import read_data
 from ggtrain.formats.gguf import read_gguf
 from ggtrain.formats.model_file import WRITE_TYPES, carried_kv, check_write_type, open_model, save_model
 from ggtrain.formats.lora import write_lora, write_merged
+from ggtrain.formats.tasks import read_task
 from ggtrain.native.dtypes import dtype, nbytes
 
 # Defaults that learn ../shared/data/chat/dummy_conversation.json (the Vicuna identity, 41k
@@ -147,6 +149,10 @@ def finetune(
                                     "preference plus SFT on the chosen side, no reference)."),
     beta: float = typer.Option(0.1, "--beta", help="DPO's beta: how far the policy may move from the reference."),
     orpo_lambda: float = typer.Option(0.1, "--orpo-lambda", help="ORPO's weight of the odds-ratio term."),
+    eval_task: pathlib.Path = typer.Option(None, "--eval-task",
+                                           help="A multiple-choice task (JSON lines of {\"context\", \"choices\", "
+                                                "\"gold\"}, as `eval --task` reads): its accuracy at every "
+                                                "--eval-every and at the end."),
     chat_template: pathlib.Path = typer.Option(None, "--chat-template",
                                                help="A Jinja chat template for chat data (default: the model's own)."),
     train_on_inputs: bool = typer.Option(False, "--train-on-inputs",
@@ -205,6 +211,10 @@ def finetune(
         out_type = check_write_type(out_type)
     if method not in METHODS:
         raise ConfigError(f"--method {method!r}: expected one of {', '.join(METHODS)}")
+    task_items = None
+    if eval_task is not None:
+        with file_errors(f"--eval-task {eval_task}"):
+            task_items = read_task(eval_task)
     ckpt = load_checkpoint(resume) if resume else None
     if ckpt is not None and ckpt["kind"] not in ("finetune-lora", "finetune-full", "model"):
         raise ConfigError(f"--resume {resume}: a {ckpt['kind']} checkpoint, not a finetune one "
@@ -373,12 +383,26 @@ def finetune(
         save_checkpoint(path, model_json, train_json, run.state(), tok, batches.state(), data_fp,
                         kind=kind_name, run_config=run_json, extra_kv=carried)
 
+    def task_accuracy() -> dict:
+        """--eval-task's scores of the model as trained so far (a KV decoder over the trained weights)."""
+        trained = run.param_values()
+        if full:
+            weights_, adapters_ = trained, None
+        else:
+            weights_ = frozen
+            adapters_ = {w: (trained[factor_names(w)[0]], trained[factor_names(w)[1]], lora_cfg.scale)
+                         for w in lora_cfg.weights(model_cfg)}
+        decoder = Decoder(model_cfg, weights_, be, n_ctx=ctx, adapters=adapters_)
+        with_errors = run_task(decoder, tok, task_items, quiet=True)
+        return {f"task_{k}": v for k, v in with_errors.items()}
+
     logf = JsonLog(log if world.lead else None)
     logf.write(record)
     logf.write({"event": "start", "load_s": time.perf_counter() - t_start, "flop_per_token": run.flop_per_token,
                 "updates": train_cfg.steps, "kind": kind_name})
     result = drive(run, Shard(batches, world), val_batches, log=logf, quiet=quiet, save_every=save_every,
-                   checkpoint_dir=checkpoint_dir, out=out, checkpoint=checkpoint)
+                   checkpoint_dir=checkpoint_dir, out=out, checkpoint=checkpoint,
+                   evaluate_task=task_accuracy if task_items else None)
     if not world.lead:
         return
     trained = run.param_values()
@@ -396,4 +420,5 @@ def finetune(
             wrote += f" and the merged model {merged_out}"
     logf.write({"event": "done", **result, "out": str(out)})
     logf.close()
-    typer.echo(f"done: {result['stopped']}; {validation_words(result)}; {wrote}", err=True)
+    task = f"; task {task_words(result, 'task_')}" if "task_acc" in result else ""
+    typer.echo(f"done: {result['stopped']}; {validation_words(result)}{task}; {wrote}", err=True)

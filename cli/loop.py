@@ -13,6 +13,7 @@ import typer
 from tqdm import tqdm
 
 from ggtrain.cli.common import JsonLog, stop_on_ctrl_c
+from ggtrain.cli.tasks import task_words
 from ggtrain.cli.config import load_config
 from ggtrain.core.optim import OPTIMIZERS
 from ggtrain.core.preference import METRICS
@@ -88,7 +89,7 @@ def check_out(out: pathlib.Path, option: str = "--out") -> None:
 
 def drive(run, batches, val_batches: list, *, log: JsonLog, quiet: bool, save_every: int,
           checkpoint_dir: pathlib.Path | None, out: pathlib.Path,
-          checkpoint: Callable[[pathlib.Path], None]) -> dict:
+          checkpoint: Callable[[pathlib.Path], None], evaluate_task: Callable[[], dict] | None = None) -> dict:
     """Run `run.fit` to its last update with a progress bar, logging and checkpoints.
 
     checkpoint(path) writes a resumable checkpoint of the run; only rank 0 calls it (and
@@ -96,12 +97,14 @@ def drive(run, batches, val_batches: list, *, log: JsonLog, quiet: bool, save_ev
     --out) and the command exits with status 130 (every process, after the same update).
     Returns {"step", "val_loss", "tokens_seen", "elapsed_s", "stop_reason", "stopped"} after
     the final evaluation (of the best model with early stopping); "stopped" says why in words.
+    evaluate_task() (rank 0 only): {"task_acc", ...} of the model now, logged every
+    config.eval_every updates and at the end (in the result).
     """
     write = log.write
     total = run.config.steps
     lead = run.world.lead
     if not lead:
-        checkpoint = _nothing
+        checkpoint, evaluate_task = _nothing, None
     bar = None if quiet or not lead else tqdm(total=total, initial=run.updates, unit="step", file=sys.stderr)
 
     def on_step(info):
@@ -114,6 +117,12 @@ def drive(run, batches, val_batches: list, *, log: JsonLog, quiet: bool, save_ev
             bar.update(1)
         if save_every and info["step"] % save_every == 0:
             checkpoint(checkpoint_dir / f"ckpt-{info['step']:06d}.gguf")
+        every = run.config.eval_every
+        if evaluate_task is not None and every and info["step"] % every == 0 and info["step"] < total:
+            ev = {"step": info["step"], **evaluate_task()}
+            write(ev)
+            if bar is not None:
+                bar.write(f"step {ev['step']}: task {task_words(ev, 'task_')}")
 
     def on_eval(ev):
         write(ev)
@@ -142,7 +151,9 @@ def drive(run, batches, val_batches: list, *, log: JsonLog, quiet: bool, save_ev
     val_loss = run.evaluate(val_batches) if val_batches else None
     if checkpoint_dir is not None:
         checkpoint(checkpoint_dir / f"ckpt-{run.updates:06d}.gguf")
+    task = evaluate_task() if evaluate_task is not None else {}
     return {"step": run.updates, "val_loss": val_loss, **(getattr(run, "last_eval_metrics", {}) if val_batches else {}),
+            **task,
             "tokens_seen": run.tokens_seen, "elapsed_s": time.perf_counter() - t0, "stop_reason": run.stop_reason,
             "stopped": run.why_stopped()}
 

@@ -34,7 +34,9 @@ def run_task(decoder, tokenizer, items: list, quiet: bool = False, desc: str = "
     return summarize(scored)
 
 
-def task_words(result: dict) -> str:
-    """'accuracy 0.6250 ± 0.0234, normalised 0.6500 ± 0.0230 (400 items)'."""
-    return (f"accuracy {result['acc']:.4f} ± {result['acc_stderr']:.4f}, normalised {result['acc_norm']:.4f} "
-            f"± {result['acc_norm_stderr']:.4f} ({result['items']} items)")
+def task_words(result: dict, prefix: str = "") -> str:
+    """'accuracy 0.6250 ± 0.0234, normalised 0.6500 ± 0.0230 (400 items)' of summarize()'s
+    keys (with a prefix: "task_acc", ...)."""
+    r = {k[len(prefix):]: v for k, v in result.items() if k.startswith(prefix)}
+    return (f"accuracy {r['acc']:.4f} ± {r['acc_stderr']:.4f}, normalised {r['acc_norm']:.4f} "
+            f"± {r['acc_norm_stderr']:.4f} ({r['items']} items)")

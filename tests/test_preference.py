@@ -306,3 +306,27 @@ def test_sequence_nll_in_chunks_with_gradients_in_the_forward_equals_one_chunk()
     np.testing.assert_allclose(got[1][0], select @ nll, rtol=1e-4, atol=1e-4)
     for one, three in zip(got[1], got[3]):
         np.testing.assert_allclose(three, one, rtol=1e-4, atol=1e-6)
+
+
+def test_eval_task_during_finetune_scores_the_model_being_trained(tmp_path, story, pairs_file):
+    """--eval-task: the task's accuracy every --eval-every updates and at the end, that of the
+    written adapter under `eval --task --lora` (and above the base's)."""
+    task = tmp_path / "task.jsonl"
+    task.write_text("\n".join(json.dumps({"context": f"Who is {n}?", "choices": [f"{n} is a big dog that barks.",
+                                                                                 f"{n} is a kid who likes to play."],
+                                          "gold": 1}) for n in NAMES) + "\n")
+    out, log = tmp_path / "a.gguf", tmp_path / "log.jsonl"
+    r = run_cli("finetune", "--model", story, "--data", pairs_file, "--out", out, "--method", "dpo", "--steps", 12,
+                "--lr", "3e-3", "--eval-every", 6, "--eval-task", task, "--log", log, *FAST)
+    assert r.returncode == 0, r.stderr
+    lines = [json.loads(x) for x in log.read_text().splitlines()]
+    assert [x["step"] for x in lines if "task_acc" in x and "event" not in x] == [6]
+    done = lines[-1]
+    assert done["task_items"] == len(NAMES) and done["task_acc"] == 1.0
+    after = run_cli("eval", "--model", story, "--lora", out, "--task", task, "--json", "--quiet")
+    before = run_cli("eval", "--model", story, "--task", task, "--json", "--quiet")
+    assert after.returncode == before.returncode == 0, after.stderr + before.stderr
+    got = json.loads(after.stdout)
+    assert {k: done[f"task_{k}"] for k in got} == got
+    assert json.loads(before.stdout)["acc"] < 1.0
+    assert "task accuracy 1.0000" in r.stderr
