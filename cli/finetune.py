@@ -233,7 +233,8 @@ def finetune(
         ctx, packing, drop_long, train_on_inputs = rc["ctx"], rc["packing"], rc["drop_long"], rc["train_on_inputs"]
         val_split = rc["val_split"]
         pref = rc.get("preference") or {}
-        method, beta, orpo_lambda = pref.get("method", "sft"), pref.get("beta", beta), pref.get("orpo_lambda", orpo_lambda)
+        method = pref.get("method", "sft")
+        beta, orpo_lambda = pref.get("beta", beta), pref.get("orpo_lambda", orpo_lambda)
     preference = PreferenceConfig(method, beta, orpo_lambda) if method != "sft" else None
 
     if start is not None:   # the checkpoint is the base (f32)
@@ -259,7 +260,10 @@ def finetune(
     if (found.kind == "preference") != (preference is not None):
         raise ConfigError(f"--data {data}: preference pairs train with --method dpo or orpo" if preference is None
                           else f"--method {method} trains on preference pairs ({{\"prompt\", \"chosen\", "
-                               f"\"rejected\"}} records); --data {data} holds {found.layout} records")
+                               f"\"rejected\"}} records); --data {data} holds "
+                               f"{'plain text' if found.kind == 'plain' else found.layout + ' records'}")
+    if preference is not None and train_on_inputs:
+        raise ConfigError(f"--train-on-inputs does not apply to --method {method}: its loss compares the answers")
     pairs = 0    # pair slots of a physical batch
     n_pairs = 0
     if found.kind == "preference":

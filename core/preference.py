@@ -129,13 +129,20 @@ class PairLoss:
         v = np.asarray(outputs[0], np.float64)
         return v[:n], v[self.pairs:self.pairs + n]
 
-    def metrics(self, batches: list) -> dict:
-        """TRL's preference metrics over [(outputs, feed)] of physical batches: the mean
-        rewards of the chosen and rejected sides, their margin, and the fraction of pairs
-        whose chosen reward is higher (rewards_accuracy). Empty without pairs."""
+    def sums(self, batches: list) -> list:
+        """[pairs, sum of chosen rewards, of rejected rewards, of margins, pairs whose chosen
+        reward is higher] over [(outputs, feed)] of physical batches: what metrics() averages,
+        in a form the processes of a data-parallel run add up."""
         scale = self.config.beta if self.config.method == "dpo" else self.config.orpo_lambda
         c, r = (np.concatenate(x) * scale for x in zip(*(self.sides(o, f) for o, f in batches)))
-        if not len(c):
+        return [float(len(c)), float(c.sum()), float(r.sum()), float((c - r).sum()), float((c > r).sum())]
+
+    @staticmethod
+    def metrics(sums) -> dict:
+        """TRL's preference metrics from sums() (of every process): the mean rewards of the
+        chosen and rejected sides, their margin, and the fraction of pairs whose chosen reward
+        is higher (rewards_accuracy). Empty without pairs."""
+        n, c, r, margin, right = (float(x) for x in sums)
+        if not n:
             return {}
-        return {"rewards_chosen": float(c.mean()), "rewards_rejected": float(r.mean()),
-                "rewards_margin": float((c - r).mean()), "rewards_accuracy": float((c > r).mean())}
+        return dict(zip(METRICS, (c / n, r / n, margin / n, right / n)))

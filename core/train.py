@@ -587,6 +587,11 @@ class TextRun:
     a fraction of its tokens: the output projection and the (positions, vocabulary) logits
     shrink alike).
 
+    preference (core/preference.py: DPO or ORPO): the loss compares each pair's chosen and
+    rejected answers instead (batches then carry "pair" codes, see data.pack_pairs; `pairs`
+    slots a physical batch; DPO's reference comes from compute_reference or a checkpoint),
+    and each update's info and evaluation also carry TRL's rewards (preference.METRICS).
+
     A batch source has next() -> {"tokens", "targets"[, "pos", "seg"]: (batch, ctx) i32}
     (or a (batch, ctx + 1) window array) and `epoch` (progress in passes over the data).
     Reports through callbacks: on_step(info) after each update, on_eval(info) after each
@@ -652,8 +657,9 @@ class TextRun:
             self.pair_loss = PairLoss(g, preference, pairs, loss_rows)
 
         def objective(adapters_, grad, train=True):
-            hidden = decoder.forward(model, weights, self.tokens, self.pos, g, checkpoint=train and config.checkpointing,
-                                     lora=adapters_, seg=self.seg, rows=rows, head=False, n_ctx=self.ctx)
+            hidden = decoder.forward(model, weights, self.tokens, self.pos, g,
+                                     checkpoint=train and config.checkpointing, lora=adapters_, seg=self.seg,
+                                     rows=rows, head=False, n_ctx=self.ctx)
             if self.pair_loss is None:
                 return decoder.chunked_loss(model, weights, hidden, targets, self.chunks, lora=adapters_,
                                             grad=grad), []
@@ -785,7 +791,8 @@ class TextRun:
         if not losses:
             return float("nan")
         if self.pair_loss is not None:
-            self.last_eval_metrics = {f"val_{k}": v for k, v in self.pair_loss.metrics(seen).items()}
+            sums = self.world.sum(self.pair_loss.sums(seen))
+            self.last_eval_metrics = {f"val_{k}": v for k, v in self.pair_loss.metrics(sums).items()}
         total = self.world.sum([sum(losses)])[0]
         return float(total / (len(losses) * self.world.size))
 
@@ -853,7 +860,9 @@ class TextRun:
                     "tokens_per_s": per_update / max(now - t_step, 1e-9), "elapsed_s": now - t0,
                     **_search_fields(self.step)}
             if self.pair_loss is not None:
-                info.update(self.pair_loss.metrics(list(zip(self.step.last_outputs, feeds))))
+                # (every process's pairs: one more sum of five numbers per update)
+                sums = self.world.sum(self.pair_loss.sums(list(zip(self.step.last_outputs, feeds))))
+                info.update(self.pair_loss.metrics(sums))
             if on_step is not None:
                 on_step(info)
             if self.step.converged:

@@ -303,7 +303,8 @@ def _parse_preference(rec: dict, at: str) -> tuple:
     if all(isinstance(p, str) for p in parts):
         out = tuple(_string(p, at, f'"{key}"') for p, key in zip(parts, ("prompt", "chosen", "rejected")))
     elif all(isinstance(p, list) for p in parts):
-        out = tuple(_parse_messages({"messages": p}, at, key) for p, key in zip(parts, ("prompt", "chosen", "rejected")))
+        out = tuple(_parse_messages({"messages": p}, at, key)
+                    for p, key in zip(parts, ("prompt", "chosen", "rejected")))
         for key, answer in zip(("chosen", "rejected"), out[1:]):
             for i, m in enumerate(answer):
                 if m["role"] != "assistant":

@@ -17,6 +17,7 @@ from ggtrain.core.train import TextConfig, TextRun
 from ggtrain.errors import ConfigError
 from tests import np_decoder
 from tests.interop import open_llm, run_cli
+from tests.test_distributed import mpiexec  # noqa: F401 - the fixture
 from tests.test_decoder import TINY, family_params
 
 CTX = 16
@@ -147,7 +148,8 @@ def test_pairs_pack_side_by_side_and_long_ones_are_cut_or_refused():
     with pytest.raises(ConfigError, match="no token to train on"):
         pack_pairs(long, 12, drop_long=True)
     # a prompt that fills its side's share of the row: refused, naming the pair
-    huge = [((np.arange(20, dtype=np.int32), np.arange(20) >= 15), (np.arange(20, dtype=np.int32), np.arange(20) >= 15))]
+    side = (np.arange(20, dtype=np.int32), np.arange(20) >= 15)
+    huge = [(side, side)]
     with pytest.raises(ConfigError, match="p.jsonl line 3: the prompt leaves no chosen token"):
         pack_pairs(huge, 16, where=["p.jsonl line 3"])
 
@@ -209,6 +211,18 @@ def test_finetune_learns_the_pairs_and_the_adapter_runs_in_llama_cpp(tmp_path, s
                logp(f"Who is {n}? ", f"{n} is a big dog that barks.") for n in NAMES[:4])
 
 
+def test_full_dpo_starts_at_log_2_without_a_second_copy_of_the_model(tmp_path, story, pairs_file):
+    """--full: the reference is the model before the first update, its log-probabilities
+    computed once (no frozen copy); the first update's loss is log 2, then it falls."""
+    out, log = tmp_path / "m.gguf", tmp_path / "log.jsonl"
+    r = run_cli("finetune", "--model", story, "--data", pairs_file, "--out", out, "--method", "dpo", "--full",
+                "--steps", 8, "--lr", "1e-3", "--log", log, *FAST)
+    assert r.returncode == 0, r.stderr
+    steps = _steps(log)
+    assert steps[0]["loss"] == pytest.approx(np.log(2), abs=1e-7) and steps[-1]["loss"] < 0.5 * np.log(2)
+    assert gguf.GGUFReader(out).fields["general.architecture"].contents() == "llama"
+
+
 def test_dpo_resumes_bit_identically(tmp_path, story, pairs_file):
     common = ["--model", story, "--data", pairs_file, "--method", "dpo", "--steps", 6, "--lr", "3e-3", *FAST]
     full, ck = tmp_path / "full.gguf", tmp_path / "ck"
@@ -244,7 +258,8 @@ def test_conversational_pairs_train_only_the_answer(tmp_path, story, shared_data
 
 
 @pytest.mark.parametrize("record, args, message", [
-    ({"prompt": "Q ", "chosen": "same", "rejected": "same"}, ["--method", "dpo"], '"chosen" and "rejected" are identical'),
+    ({"prompt": "Q ", "chosen": "same", "rejected": "same"}, ["--method", "dpo"],
+     '"chosen" and "rejected" are identical'),
     ({"prompt": "Q ", "chosen": "a", "rejected": 3}, ["--method", "dpo"], "three strings or three message lists"),
     ({"prompt": [{"role": "user", "content": "Q"}], "chosen": [{"role": "user", "content": "a"}],
       "rejected": [{"role": "assistant", "content": "b"}]}, ["--method", "dpo"], "chosen[0].role is 'user'"),
@@ -254,6 +269,8 @@ def test_conversational_pairs_train_only_the_answer(tmp_path, story, shared_data
     ({"prompt": "Q ", "chosen": "a", "rejected": "b"}, [], "preference pairs train with --method dpo or orpo"),
     ({"text": "Tom had a kite."}, ["--method", "orpo"], "--method orpo trains on preference pairs"),
     ({"prompt": "Q ", "chosen": "a", "rejected": "b"}, ["--method", "dpo", "--beta", "0"], "--beta must be > 0"),
+    ({"prompt": "Q ", "chosen": "a", "rejected": "b"}, ["--method", "dpo", "--train-on-inputs"],
+     "--train-on-inputs does not apply to --method dpo"),
 ])
 def test_bad_preference_input_is_one_line_and_writes_nothing(tmp_path, story, record, args, message):
     p = tmp_path / "p.jsonl"
@@ -330,3 +347,26 @@ def test_eval_task_during_finetune_scores_the_model_being_trained(tmp_path, stor
     assert {k: done[f"task_{k}"] for k in got} == got
     assert json.loads(before.stdout)["acc"] < 1.0
     assert "task accuracy 1.0000" in r.stderr
+
+
+def test_dpo_on_two_processes_equals_one(tmp_path, story, pairs_file, mpiexec):
+    """`mpiexec -n 2 --batch 1` against one process with --batch 2 (a pair a window at --ctx
+    64): the same losses, rewards (summed over the processes) and adapter."""
+    from tests.test_distributed import _run
+    common = ["finetune", "--model", story, "--data", pairs_file, "--method", "dpo", "--steps", 4, "--ctx", 64,
+              "--lora-rank", 4, "--lr", 3e-3, "--quiet", "--threads", 1]
+    r = _run(*common, "--out", tmp_path / "one.gguf", "--log", tmp_path / "one.jsonl", "--batch", 2)
+    assert r.returncode == 0, r.stderr
+    r = _run(*common, "--out", tmp_path / "two.gguf", "--log", tmp_path / "two.jsonl", "--batch", 1,
+             n=2, mpiexec=mpiexec)
+    assert r.returncode == 0, r.stderr
+    one, two = _steps(tmp_path / "one.jsonl"), _steps(tmp_path / "two.jsonl")
+    assert len(one) == len(two) == 4
+    for a, b in zip(one, two):
+        for key in ("loss", "rewards_chosen", "rewards_rejected", "rewards_margin", "rewards_accuracy"):
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
+    from ggtrain.formats.lora import read_lora
+    a, b = read_lora(tmp_path / "one.gguf")[2], read_lora(tmp_path / "two.gguf")[2]
+    for w in a:
+        for x, y in zip(a[w], b[w]):
+            np.testing.assert_allclose(y, x, rtol=1e-5, atol=1e-4, err_msg=w)

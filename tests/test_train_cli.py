@@ -25,6 +25,15 @@ def text(tmp_path):
     return write_shakespeare(tmp_path / "t.txt", 60000)
 
 
+def test_a_run_without_validation_data_says_so_instead_of_nan(tmp_path, text):
+    out, log = tmp_path / "m.gguf", tmp_path / "log.jsonl"
+    r = _cli("train", "--data", text, "--out", out, "--steps", 3, "--val-split", 0, "--log", log, *TINY)
+    assert r.returncode == 0, r.stderr
+    assert "no validation data (--val-split 0)" in r.stderr and "nan" not in r.stderr
+    done = json.loads(log.read_text().splitlines()[-1])
+    assert done["event"] == "done" and done["val_loss"] is None
+
+
 def test_training_lowers_loss_and_writes_a_clean_llama_model(tmp_path, text):
     out, log = tmp_path / "m.gguf", tmp_path / "log.jsonl"
     r = _cli("train", "--data", text, "--out", out, "--steps", 40, "--eval-every", 20, "--log", log, *TINY)
