@@ -7,12 +7,12 @@ turn is the prompt (conversational form), the Vicuna answer the chosen side, and
 model's own greedy answer (ggtrain's KV decoder, the model's chat template, at most 64
 tokens) the rejected side; built once into ~/.cache/ggtrain (GGTRAIN_CACHE).
 
-Ours: `ggtrain finetune --method dpo|orpo`, LoRA r 16 / alpha 32 on the seven projections,
+Ours: `ggtrain finetune --method dpo|orpo` (and dpo with --rpo-alpha 1), LoRA r 16 / alpha 32 on the seven projections,
 --val-split 0.1 (held-back pairs), packed windows of --ctx 512, batch 1, one epoch by
-default, lr 5e-5 (DPO) / 5e-4 (ORPO). Checks (issue 22): the preference accuracy on the held-back pairs is above
+default, lr 5e-5 (DPO) / 2e-4 (DPO + RPO) / 5e-4 (ORPO). Checks (issue 22): the preference accuracy on the held-back pairs is above
 0.9; real llama.cpp (llama-cpp-python) with the adapter prefers the chosen answer of the
 held-back pairs (summed log-probabilities) and its greedy answers to them say what the chosen
-side says (the name Vicuna).
+side says (Vicuna, LMSYS).
 
 Theirs: TRL's DPOTrainer with a PEFT LoRA of the same shape on transformers' f32
 dequantization of the same GGUF (the reference: the model with the adapter disabled),
@@ -50,7 +50,11 @@ RANK, ALPHA, CTX, BETA, VAL, SEED = 16, 32, 512, 0.1, 0.1, 0
 # DPO moves a LoRA far with finetune's SFT rate (5e-4: the rejected answers' log-probabilities
 # fall by ~200 nats and the answers degenerate); 5e-5 is in the range TRL's LoRA examples use.
 # ORPO's SFT term keeps the chosen answers likely: the SFT rate.
-LR = {"dpo": 5e-5, "orpo": 5e-4}
+# DPO + RPO (--rpo-alpha 1: the chosen answers' SFT loss added) between the two.
+LR = {"dpo": 5e-5, "dpo-rpo": 2e-4, "orpo": 5e-4}
+METHOD_ARGS = {"dpo": ["--method", "dpo"], "dpo-rpo": ["--method", "dpo", "--rpo-alpha", "1"],
+               "orpo": ["--method", "orpo"]}
+SAYS = ("Vicuna", "LMSYS")    # who the chosen answers say is answering
 
 
 def build_pairs(threads: int) -> pathlib.Path:
@@ -104,7 +108,7 @@ def ours(method: str, pairs: pathlib.Path, epochs: float, threads: int, out: pat
     """A ggtrain run (a fresh process): its done record, speed and peak RSS."""
     log = out.with_suffix(".jsonl")
     cmd = [sys.executable, "-m", "ggtrain", "finetune", "--model", str(SMOLLM2), "--data", str(pairs),
-           "--out", str(out), "--method", method, "--epochs", str(epochs), "--ctx", str(CTX), "--batch", "1",
+           "--out", str(out), *METHOD_ARGS[method], "--epochs", str(epochs), "--ctx", str(CTX), "--batch", "1",
            "--lora-rank", str(RANK), "--lora-alpha", str(ALPHA), "--lr", str(LR[method]), "--beta", str(BETA),
            "--val-split", str(VAL), "--seed", str(SEED), "--threads", str(threads), "--log", str(log), "--quiet"]
     _, err, rc, rss = _measured(cmd)
@@ -132,8 +136,8 @@ def held_back(pairs: pathlib.Path) -> list:
 
 def llama_cpp_check(adapter: pathlib.Path, val: list) -> dict:
     """llama.cpp with the adapter on the held-back pairs: the fraction whose chosen answer
-    it finds more likely, and the fraction of its greedy answers naming Vicuna (of those
-    whose chosen answer does)."""
+    it finds more likely, and the fraction of its greedy answers that say what the chosen
+    side says (name Vicuna or LMSYS, of the pairs whose chosen answer does)."""
     import llama_cpp
     from ggtrain.formats.chat import chat_template
     from ggtrain.formats.dataset import chat_prompt
@@ -159,7 +163,7 @@ def llama_cpp_check(adapter: pathlib.Path, val: list) -> dict:
     for rec in val:
         c, r = rec["chosen"][0]["content"], rec["rejected"][0]["content"]
         prefer += logp(rec["prompt"], c) > logp(rec["prompt"], r)
-        if "Vicuna" in c:
+        if any(w in c for w in SAYS):
             naming += 1
             ids = chat_prompt(rec["prompt"], tok, template).tolist()
             llm.reset()
@@ -168,7 +172,7 @@ def llama_cpp_check(adapter: pathlib.Path, val: list) -> dict:
                 if t in tok.eog_ids or len(out) >= 48:
                     break
                 out.append(t)
-            named += "Vicuna" in tok.decode(out)
+            named += any(w in tok.decode(out) for w in SAYS)
     return {"prefer": prefer / len(val), "named": named / max(1, naming), "naming": naming}
 
 
@@ -244,7 +248,7 @@ def main() -> None:
     ap.add_argument("--epochs", type=float, default=1.0)
     ap.add_argument("--trl-steps", type=int, default=30)
     ap.add_argument("--no-trl", action="store_true")
-    ap.add_argument("--methods", default="dpo,orpo")
+    ap.add_argument("--methods", default="dpo,dpo-rpo,orpo", help="of dpo, dpo-rpo (--rpo-alpha 1), orpo")
     args = ap.parse_args()
     peak = Peak(args.threads)
     pairs = build_pairs(args.threads)
@@ -267,7 +271,7 @@ def main() -> None:
                   f"{r['first']['loss']:.4f} -> {r['last']['loss']:.4f}; held-back pairs: preference accuracy "
                   f"{d['val_rewards_accuracy']:.3f} (target > 0.9), reward margin {d['val_rewards_margin']:.3f}; "
                   f"llama.cpp with the adapter prefers the chosen answer on {check['prefer']:.3f} of them and "
-                  f"names Vicuna in {check['named']:.3f} of its greedy answers where the chosen does "
+                  f"says Vicuna/LMSYS in {check['named']:.3f} of its greedy answers where the chosen does "
                   f"({check['naming']})")
     if not args.no_trl:
         from ggtrain.core.data import split_samples

@@ -149,6 +149,8 @@ def finetune(
                                     "preference plus SFT on the chosen side, no reference)."),
     beta: float = typer.Option(0.1, "--beta", help="DPO's beta: how far the policy may move from the reference."),
     orpo_lambda: float = typer.Option(0.1, "--orpo-lambda", help="ORPO's weight of the odds-ratio term."),
+    rpo_alpha: float = typer.Option(0.0, "--rpo-alpha", help="DPO: add this times the chosen answers' SFT loss "
+                                    "(RPO, TRL's rpo_alpha), so the model also learns to write them."),
     eval_task: pathlib.Path = typer.Option(None, "--eval-task",
                                            help="A multiple-choice task (JSON lines of {\"context\", \"choices\", "
                                                 "\"gold\"}, as `eval --task` reads): its accuracy at every "
@@ -235,7 +237,8 @@ def finetune(
         pref = rc.get("preference") or {}
         method = pref.get("method", "sft")
         beta, orpo_lambda = pref.get("beta", beta), pref.get("orpo_lambda", orpo_lambda)
-    preference = PreferenceConfig(method, beta, orpo_lambda) if method != "sft" else None
+        rpo_alpha = pref.get("rpo_alpha", rpo_alpha)
+    preference = PreferenceConfig(method, beta, orpo_lambda, rpo_alpha) if method != "sft" else None
 
     if start is not None:   # the checkpoint is the base (f32)
         model = resume

@@ -34,10 +34,12 @@ UNTIL_EOG_CTX = 4096
 
 def _open(model, lora, lora_scale, backend):
     """Config, weights in backend memory, tokenizer, and the adapter (or None) of a model."""
-    config, weights, tok = open_model(model, backend)
+    with file_errors(f"--model {model}"):
+        config, weights, tok = open_model(model, backend)
     adapters = None
     if lora is not None:
-        adapters = lora_adapters(lora, {n: w.shape for n, w in weights.items()}, lora_scale, config["arch"])
+        with file_errors(f"--lora {lora}"):
+            adapters = lora_adapters(lora, {n: w.shape for n, w in weights.items()}, lora_scale, config["arch"])
     return ModelConfig(**config), weights, tok, adapters
 
 

@@ -14,7 +14,10 @@ TextRun.compute_reference):
     h = beta * ((logp_c - ref_c) - (logp_r - ref_r)),   loss = mean over pairs of softplus(-h)
 
 which is -log sigmoid(h): log 2 when the policy is the reference. The reported rewards are
-beta * (logp - ref) of each side.
+beta * (logp - ref) of each side. With rpo_alpha > 0 (RPO, Pang et al. 2024; TRL's rpo_alpha)
+rpo_alpha times the chosen tokens' mean NLL is added: DPO alone on pairs the model did not
+write lowers the rejected answers more than it raises the chosen ones, and its greedy text
+need not become the chosen side's.
 
 ORPO (Hong et al. 2024), a = each completion's mean log-probability per token:
 
@@ -43,6 +46,7 @@ class PreferenceConfig:
     method: str = "dpo"
     beta: float = 0.1
     orpo_lambda: float = 0.1
+    rpo_alpha: float = 0.0
 
     def __post_init__(self):
         if self.method not in METHODS[1:]:
@@ -52,6 +56,10 @@ class PreferenceConfig:
             raise ConfigError(f"--beta must be > 0, got {self.beta}")
         if not self.orpo_lambda >= 0:
             raise ConfigError(f"--orpo-lambda must be >= 0, got {self.orpo_lambda}")
+        if not self.rpo_alpha >= 0:
+            raise ConfigError(f"--rpo-alpha must be >= 0, got {self.rpo_alpha}")
+        if self.rpo_alpha and self.method != "dpo":
+            raise ConfigError(f"--rpo-alpha adds an SFT term to DPO; --method {self.method} has its own")
 
 
 def pair_slots(pair: np.ndarray, batch: int) -> int:
@@ -84,6 +92,8 @@ class PairLoss:
             d = ops.sub(self.offset, nll)                   # (K,) logp - ref logp
             h = ops.scale(ops.sub(chosen(d), rejected(d)), cfg.beta)
             loss = ops.sum(ops.mul(self.weight, ops.softplus(ops.scale(h, -1.0))))
+            if cfg.rpo_alpha:
+                loss = ops.add(loss, ops.scale(ops.view(nll, (), (), 2 * p), cfg.rpo_alpha))
             return loss, [d]
         a = ops.scale(ops.add(nll, self.offset), -1.0)      # (K,) mean logp of each sequence
         sides = ops.view(a, (2 * p,), (1,), 0)
@@ -108,6 +118,8 @@ class PairLoss:
         at = slot + side * p                         # the selection row of each loss row
         select = np.zeros((2 * p + 1, n_rows), np.float32)
         offset = np.zeros(2 * p + 1, np.float32)
+        chosen = cols[side == 0]
+        select[2 * p, chosen] = 1.0 / max(1, len(chosen))    # the chosen tokens' mean NLL
         if self.config.method == "dpo":
             select[at, cols] = 1.0
             if reference is not None:
@@ -115,8 +127,6 @@ class PairLoss:
         else:
             counts = np.bincount(at, minlength=2 * p)
             select[at, cols] = 1.0 / counts[at]
-            firsts = cols[side == 0]
-            select[2 * p, firsts] = 1.0 / max(1, len(firsts))
             offset[n:p], offset[p + n:2 * p] = 1.0, 1.0
         weight = np.zeros(p, np.float32)
         weight[:n] = 1.0 / max(1, n)

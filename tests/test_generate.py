@@ -87,6 +87,10 @@ def test_lora_bad_input(shared_data, tmp_path):
     write_lora(missing, "llama", 4.0, {"blk.9.attn_q.weight": (np.zeros((2, 64)), np.zeros((64, 2)))})
     r = _cli("generate", "--model", str(model), "--lora", str(missing), "--prompt", "hi", "-n", "2")
     assert r.returncode == 1 and "does not have" in r.stderr
+    for args, option in ((["--model", str(tmp_path / "none.gguf")], "--model"),
+                         (["--model", str(model), "--lora", str(tmp_path / "none.gguf")], "--lora")):
+        r = _cli("generate", *args, "--prompt", "hi", "-n", "2")
+        assert r.returncode == 1 and r.stderr.strip() == f"error: {option} {tmp_path / 'none.gguf'}: no such file"
 
 
 def test_open_llama_keeps_stored_types_without_copies(shared_data, backend):

@@ -55,12 +55,15 @@ def _reference_loss(cfg, params, pairs, pref, reference):
         if pref.method == "dpo":
             h = pref.beta * ((sc - reference[k, 0]) - (sr - reference[k, 1]))
             terms.append(softplus(-h))
+            nll, count = nll - sc, count + nc
         else:
             odds = lambda a: a - np.log1p(-np.exp(a))   # noqa: E731
             terms.append(softplus(-(odds(sc / nc) - odds(sr / nr))))
             nll, count = nll - sc, count + nc
     loss = np.mean(terms)
-    return loss if pref.method == "dpo" else nll / count + pref.orpo_lambda * loss
+    if pref.method == "dpo":
+        return loss + pref.rpo_alpha * nll / count
+    return nll / count + pref.orpo_lambda * loss
 
 
 def _run(cfg, init, data, pref, batch, seed=0):
@@ -71,8 +74,8 @@ def _run(cfg, init, data, pref, batch, seed=0):
                    pairs=pair_slots(data.pair, batch))
 
 
-@pytest.mark.parametrize("pref", [PreferenceConfig("dpo", beta=0.5), PreferenceConfig("orpo", orpo_lambda=0.7)],
-                         ids=["dpo", "orpo"])
+@pytest.mark.parametrize("pref", [PreferenceConfig("dpo", beta=0.5), PreferenceConfig("orpo", orpo_lambda=0.7),
+                                  PreferenceConfig("dpo", beta=0.5, rpo_alpha=0.8)], ids=["dpo", "orpo", "dpo-rpo"])
 def test_loss_and_gradient_match_the_float64_formula(pref):
     cfg = decoder.ModelConfig(**{**TINY, "ctx": CTX})
     rng = np.random.default_rng(0)
@@ -271,6 +274,8 @@ def test_conversational_pairs_train_only_the_answer(tmp_path, story, shared_data
     ({"prompt": "Q ", "chosen": "a", "rejected": "b"}, ["--method", "dpo", "--beta", "0"], "--beta must be > 0"),
     ({"prompt": "Q ", "chosen": "a", "rejected": "b"}, ["--method", "dpo", "--train-on-inputs"],
      "--train-on-inputs does not apply to --method dpo"),
+    ({"prompt": "Q ", "chosen": "a", "rejected": "b"}, ["--method", "orpo", "--rpo-alpha", "1"],
+     "--rpo-alpha adds an SFT term to DPO"),
 ])
 def test_bad_preference_input_is_one_line_and_writes_nothing(tmp_path, story, record, args, message):
     p = tmp_path / "p.jsonl"
