@@ -19,11 +19,11 @@ FormatErrors naming the file, the line and the field.
 """
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 
 from ggtrain.errors import FormatError
+from ggtrain.formats.dataset import _json_array, _json_lines
 
 FORMATS = ("jsonl", "hellaswag", "winogrande")
 
@@ -64,24 +64,7 @@ def read_task(path, fmt: str = "jsonl") -> list:
 
 
 def _jsonl(text: str, path: str) -> list:
-    stripped = text.lstrip()
-    if stripped.startswith("["):
-        try:
-            values = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise FormatError(f"{path} line {e.lineno} column {e.colno}: invalid JSON ({e.msg})") from None
-        if not isinstance(values, list):
-            raise FormatError(f"{path}: expected a JSON array of items")
-        records = [(f"{path} item {i}", v) for i, v in enumerate(values)]
-    else:
-        records = []
-        for n, line in enumerate(text.split("\n"), 1):
-            if not line.strip():
-                continue
-            try:
-                records.append((f"{path} line {n}", json.loads(line)))
-            except json.JSONDecodeError as e:
-                raise FormatError(f"{path} line {n} column {e.colno}: invalid JSON ({e.msg})") from None
+    records = _json_array(text, path) if text.lstrip().startswith("[") else _json_lines(text, path)
     items = []
     for at, rec in records:
         if not isinstance(rec, dict):

@@ -374,25 +374,38 @@ def chunked_loss(cfg: ModelConfig, params: dict, x, targets, weights, lora: dict
     forward, and handed to the backward (ops.with_grad): its logits die there and are never
     recomputed. (A trained output matrix would get a (V, C) gradient per chunk, more than
     the logits saved: loss_chunks gives it one chunk.)"""
-    c = x.shape[-1]
-    n = x.size // c
     k_total = weights.shape[0]
-    x2, t1 = ops.reshape(x, (n, c)), ops.reshape(targets, (n,))
+    x2, t1 = _rows(x, targets)
     if k_total == 1:
         return ops.mul(ops.cross_entropy(output(cfg, params, x2, lora), t1), ops.reshape(weights, ()))
-    size = -(-n // k_total)
     total = None
-    for k in range(k_total):
-        lo, m = k * size, min(size, n - k * size)
-        if m <= 0:
-            break
-        xk = ops.view(x2, (m, c), (c, 1), lo * c)
-        ce = ops.cross_entropy(output(cfg, params, xk, lora), ops.view(t1, (m,), (1,), lo))
+    for k, (lo, m, xk, tk) in enumerate(_chunks(x2, t1, k_total)):
+        ce = ops.cross_entropy(output(cfg, params, xk, lora), tk)
         if grad:   # d ce / d xk now; the backward scales it by the chunk's upstream gradient
             ce = ops.with_grad(ce, xk, backward(ce, [xk], checkpointing=False)[xk])
         part = ops.mul(ce, ops.view(weights, (), (), k))
         total = part if total is None else ops.add(total, part)
     return total
+
+
+def _rows(x, targets) -> tuple:
+    """x (..., C) and targets (...) as (N, C) rows and (N,) targets."""
+    c = x.shape[-1]
+    n = x.size // c
+    return ops.reshape(x, (n, c)), ops.reshape(targets, (n,))
+
+
+def _chunks(x2, t1, n_chunks: int):
+    """(lo, m, rows, targets) of n_chunks consecutive chunks of x2 (N, C) and t1 (N,): views
+    of about N / n_chunks rows each (the whole tensors for one chunk)."""
+    n, c = x2.shape
+    if n_chunks == 1:
+        yield 0, n, x2, t1
+        return
+    size = -(-n // n_chunks)
+    for lo in range(0, n, size):
+        m = min(size, n - lo)
+        yield lo, m, ops.view(x2, (m, c), (c, 1), lo * c), ops.view(t1, (m,), (1,), lo)
 
 
 def sequence_nll(cfg: ModelConfig, params: dict, x, targets, select, n_chunks: int = 1,
@@ -403,19 +416,13 @@ def sequence_nll(cfg: ModelConfig, params: dict, x, targets, select, n_chunks: i
     loss compares (core/preference.py). Taken n_chunks row chunks at a time (loss_chunks),
     as chunked_loss; with grad (LoRA: a frozen output matrix) each chunk's per-row input
     gradients are computed in the forward (ops.with_grad, row-wise) and its logits die there."""
-    c = x.shape[-1]
-    n = x.size // c
     k_rows = select.shape[0]
-    x2, t1 = ops.reshape(x, (n, c)), ops.reshape(targets, (n,))
-    size = -(-n // n_chunks)
+    x2, t1 = _rows(x, targets)
+    n = x2.shape[0]
     total = None
-    for k in range(n_chunks):
-        lo, m = k * size, min(size, n - k * size)
-        if m <= 0:
-            break
-        whole = n_chunks == 1
-        xk = x2 if whole else ops.view(x2, (m, c), (c, 1), lo * c)
-        nll = ops.cross_entropy_rows(output(cfg, params, xk, lora), t1 if whole else ops.view(t1, (m,), (1,), lo))
+    for lo, m, xk, tk in _chunks(x2, t1, n_chunks):
+        whole = m == n
+        nll = ops.cross_entropy_rows(output(cfg, params, xk, lora), tk)
         if grad and not whole:   # d nll[r] / d xk[r] now; the backward scales row r by its upstream
             nll = ops.with_grad(nll, xk, backward(ops.sum(nll), [xk], checkpointing=False)[xk])
         sk = select if whole else ops.view(select, (k_rows, m), (n, 1), lo)
