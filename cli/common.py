@@ -10,11 +10,16 @@ import pathlib
 import signal
 import socket
 
+import sys
+
 import typer
+from tqdm import tqdm
 
 from ggtrain.core import distributed
 from ggtrain.core.backend_cpu import CpuBackend, default_threads
 from ggtrain.errors import ConfigError
+from ggtrain.formats.corpus import TokenFile, corpus_tokens, default_cache_dir
+from ggtrain.formats.tokenizer import Tokenizer
 
 
 def cpu_backend(backend: str = "cpu", threads: int | None = None) -> CpuBackend:
@@ -54,6 +59,42 @@ def file_errors(prefix: str, kind: str = "file"):
         raise ConfigError(f"{prefix}: is a directory, not a {kind}") from None
     except OSError as exc:
         raise ConfigError(f"{prefix}: cannot read: {exc.strerror or exc}") from None
+
+
+def read_corpus(path: pathlib.Path, tok: Tokenizer, add_bos: bool, token_cache: str | None,
+                quiet: bool, world: distributed.World) -> TokenFile:
+    """The ids of a plain-text --data file (formats/corpus.py), with a progress bar (bytes,
+    tokens/s, time left) while it is tokenized; token_cache: the --token-cache option (a
+    folder, "none", or None for the default). Under mpiexec each process tokenizes alone
+    (one worker each) or maps the cached file."""
+    cache = default_cache_dir() if token_cache is None else None if token_cache == "none" else token_cache
+    bar = None
+
+    def progress(done: int, total: int, tokens: int) -> None:
+        nonlocal bar
+        if quiet or not world.lead:
+            return
+        if bar is None:
+            bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"tokenizing {path.name}",
+                       file=sys.stderr, leave=False, mininterval=0.5)
+        bar.update(done - bar.n)
+        bar.set_postfix_str(f"{tokens:,} tokens", refresh=False)
+
+    try:
+        found = corpus_tokens(path, tok, add_bos=add_bos, cache_dir=cache, progress=progress,
+                              workers=1 if world.size > 1 else None)
+    except ConfigError as e:
+        raise ConfigError(f"--data {e}") from None
+    except OSError as e:
+        if e.filename is not None and os.path.abspath(e.filename) == os.path.abspath(path):
+            with file_errors(f"--data {path}"):
+                raise
+        where = f"--token-cache {cache}" if cache is not None else "the temporary folder"
+        raise ConfigError(f"{where}: cannot write the tokens of --data {path}: {e.strerror or e}") from None
+    finally:
+        if bar is not None:
+            bar.close()
+    return found
 
 
 class JsonLog:

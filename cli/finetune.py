@@ -20,11 +20,11 @@ import numpy as np
 import typer
 from tqdm import tqdm
 
-from ggtrain.cli.common import JsonLog, cpu_backend, file_errors, start_world
+from ggtrain.cli.common import JsonLog, cpu_backend, file_errors, read_corpus, start_world
 from ggtrain.cli.tasks import run_task, task_words
 from ggtrain.cli.config import config_record
 from ggtrain.cli.loop import (BACKEND, CHECKPOINT_DIR, CHECKPOINTING, CONFIG, EARLY_STOP_PATIENCE, EVAL_EVERY,
-                              GRAD_CLIP, LOG, MIN_DELTA, MOMENTUM, OPTIMIZER, QUIET, SAVE_EVERY, THREADS,
+                              GRAD_CLIP, LOG, MIN_DELTA, MOMENTUM, OPTIMIZER, QUIET, SAVE_EVERY, THREADS, TOKEN_CACHE,
                               check_checkpoint_options, check_out, drive, optimizer_settings,
                               validation_words)
 from ggtrain.cli.main import app
@@ -38,7 +38,7 @@ from ggtrain.core.train import TextConfig, TextRun
 from ggtrain.errors import ConfigError
 from ggtrain.formats.checkpoint import load_checkpoint, save_checkpoint
 from ggtrain.formats.chat import chat_template as find_template
-from ggtrain.formats.dataset import read_data
+from ggtrain.formats.dataset import is_plain_text, read_data
 from ggtrain.formats.gguf import read_gguf
 from ggtrain.formats.model_file import WRITE_TYPES, carried_kv, check_write_type, open_model, save_model
 from ggtrain.formats.lora import write_lora, write_merged
@@ -190,6 +190,7 @@ def finetune(
     backend: str = BACKEND,
     log: pathlib.Path = LOG,
     quiet: bool = QUIET,
+    token_cache: str = TOKEN_CACHE,
     config: pathlib.Path = CONFIG,
 ):
     """Fine-tune a llama GGUF model: LoRA adapters on the frozen base (or every weight with --full)."""
@@ -259,17 +260,19 @@ def finetune(
     train_cfg = (TextConfig(**{**ckpt["train_config"], **({"steps": steps} if steps is not None else {})})
                  .on(world.size) if ckpt is not None else None)
     global_batch = train_cfg.global_batch if ckpt is not None else batch * world.size
-    found = read_data(data)
-    if (found.kind == "preference") != (preference is not None):
+    plain = is_plain_text(data)
+    found = None if plain else read_data(data)
+    kind = "plain" if plain else found.kind
+    if (kind == "preference") != (preference is not None):
         raise ConfigError(f"--data {data}: preference pairs train with --method dpo or orpo" if preference is None
                           else f"--method {method} trains on preference pairs ({{\"prompt\", \"chosen\", "
                                f"\"rejected\"}} records); --data {data} holds "
-                               f"{'plain text' if found.kind == 'plain' else found.layout + ' records'}")
+                               f"{'plain text' if plain else found.layout + ' records'}")
     if preference is not None and train_on_inputs:
         raise ConfigError(f"--train-on-inputs does not apply to --method {method}: its loss compares the answers")
     pairs = 0    # pair slots of a physical batch
     n_pairs = 0
-    if found.kind == "preference":
+    if kind == "preference":
         template = find_template(base_file, chat_template) if isinstance(found.records[0][0], list) else None
         every = list(zip(found.samples(tok, template), found.where))
         train_p, val_p = split_samples(every, val_split, seed)
@@ -291,17 +294,18 @@ def finetune(
             pairs = max(pairs, pair_slots(val_data.pair, global_batch // world.size))
         summary = (f"{stats.packed} preference pairs ({stats.truncated} cut, {stats.dropped} dropped at --ctx {ctx}), "
                    f"{stats.trained} trained of {stats.tokens} tokens in {stats.rows} windows; {method}")
-    elif found.kind == "plain":
-        ids = tok.encode(found.text, add_bos=tok.add_bos)
+    elif plain:
+        corpus = read_corpus(data, tok, tok.add_bos, token_cache, quiet, world)
+        ids = corpus.ids
         train_ids, val_ids = split_tokens(ids, val_split, ctx)
         batches = TokenWindows(train_ids, ctx, global_batch, seed + 1)
         val_batches = eval_windows(val_ids, ctx, global_batch, 8) if len(val_ids) else []
         per_epoch = batches.windows_per_epoch
-        data_fp = _fingerprint_arrays(ids)
+        data_fp = corpus.fingerprint
         packed = False
         summary = f"{len(train_ids)} training / {len(val_ids)} validation tokens in windows of {ctx}"
     else:
-        template = find_template(base_file, chat_template) if found.kind == "chat" else None
+        template = find_template(base_file, chat_template) if kind == "chat" else None
         every = found.samples(tok, template, train_on_inputs)
         train_s, val_s = split_samples(every, val_split, seed)
         packed_data, stats = pack(train_s, ctx, packing=packing, drop_long=drop_long)

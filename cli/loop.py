@@ -39,6 +39,10 @@ THREADS = typer.Option(None, "--threads", help="CPU threads (default: all availa
 BACKEND = typer.Option("cpu", "--backend", help="cpu (cuda in builds that have it).")
 LOG = typer.Option(None, "--log", help="JSON lines: steps, evaluations, and a final summary.")
 QUIET = typer.Option(False, "--quiet", help="No progress bar.")
+TOKEN_CACHE = typer.Option(None, "--token-cache",
+                           help="Folder where a plain-text --data file's tokens are kept, so later runs and "
+                                "--resume skip tokenizing it (default: GGTRAIN_TOKEN_CACHE, else "
+                                "$GGTRAIN_CACHE/tokens, else ~/.cache/ggtrain/tokens); none: keep no copy.")
 # also `mnist train`'s
 OPTIMIZER = typer.Option("adamw", "--optimizer",
                          help=f"{'|'.join(OPTIMIZERS)}. lbfgs: each update is a line search of several "

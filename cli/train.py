@@ -2,16 +2,14 @@
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import pathlib
 
-import numpy as np
 import typer
 
-from ggtrain.cli.common import JsonLog, cpu_backend, start_world
+from ggtrain.cli.common import JsonLog, cpu_backend, file_errors, read_corpus, start_world
 from ggtrain.cli.config import config_record
 from ggtrain.cli.loop import (BACKEND, CHECKPOINT_DIR, CHECKPOINTING, CONFIG, EARLY_STOP_PATIENCE, EVAL_EVERY,
-                              GRAD_CLIP, LOG, MIN_DELTA, MOMENTUM, OPTIMIZER, QUIET, SAVE_EVERY, THREADS,
+                              GRAD_CLIP, LOG, MIN_DELTA, MOMENTUM, OPTIMIZER, QUIET, SAVE_EVERY, THREADS, TOKEN_CACHE,
                               check_checkpoint_options, check_out, drive, validation_words, optimizer_settings)
 from ggtrain.cli.main import app
 from ggtrain.core.data import TokenWindows, eval_windows, split_tokens
@@ -25,21 +23,22 @@ from ggtrain.formats.model_file import save_model
 from ggtrain.formats.tokenizer import load_tokenizer
 
 BUNDLED_TEXT = pathlib.Path(__file__).resolve().parent / "data" / "tinyshakespeare.txt"
+BPE_SAMPLE = 64 << 20     # bytes of --data that --tokenizer bpe:N learns its merges from
 
 
-def _read_text(path: pathlib.Path) -> str:
-    try:
-        raw = path.read_bytes()
-    except FileNotFoundError:
-        raise FileNotFoundError(f"--data {path}: no such file") from None
+def _bpe_text(path: pathlib.Path) -> str:
+    """What --tokenizer bpe:N is trained on: the text's first BPE_SAMPLE bytes (to a line's end)."""
+    with file_errors(f"--data {path}"):
+        with open(path, "rb") as f:
+            raw = f.read(BPE_SAMPLE)
+            if len(raw) == BPE_SAMPLE:
+                raw = raw + f.readline()
+    if raw.startswith(b"\xef\xbb\xbf"):
+        raw = raw[3:]
     if not raw.strip():
         raise ConfigError(f"--data {path}: the file is empty")
     # undecodable bytes survive as surrogates; each tokenizer documents what it does with them
     return raw.decode("utf-8", errors="surrogateescape")
-
-
-def _fingerprint(ids: np.ndarray) -> str:
-    return hashlib.sha256(np.ascontiguousarray(ids, np.int32).tobytes()).hexdigest()
 
 
 @app.command("train")
@@ -47,7 +46,8 @@ def train(
     context: typer.Context,
     data: pathlib.Path = typer.Option(None, "--data", help="UTF-8 text to train on (default: bundled tiny shakespeare)."),
     out: pathlib.Path = typer.Option(..., "--out", help="Where to write the trained model (GGUF llama.cpp loads)."),
-    tokenizer: str = typer.Option("byte", "--tokenizer", help="byte, bpe:N (trained on --data) or VOCAB.gguf."),
+    tokenizer: str = typer.Option("byte", "--tokenizer", help="byte, bpe:N (trained on the first 64 MB of "
+                                  "--data) or VOCAB.gguf."),
     arch: str = typer.Option("llama", "--arch", help=f"Model family: {', '.join(sorted(FAMILIES))}."),
     dim: int = typer.Option(256, "--dim", help="Embedding width."),
     layers: int = typer.Option(4, "--layers", help="Transformer blocks."),
@@ -83,6 +83,7 @@ def train(
     backend: str = BACKEND,
     log: pathlib.Path = LOG,
     quiet: bool = QUIET,
+    token_cache: str = TOKEN_CACHE,
     config: pathlib.Path = CONFIG,
 ):
     """Train a model of any family (llama by default) from scratch on a text file."""
@@ -96,7 +97,7 @@ def train(
     if world.lead:   # the one process that writes
         check_checkpoint_options(save_every, checkpoint_dir)
         check_out(out)
-    text = _read_text(data or BUNDLED_TEXT)
+    data = data or BUNDLED_TEXT
     ckpt = load_checkpoint(resume) if resume else None
     if ckpt is not None and ckpt["kind"] not in ("train", "model"):
         raise ConfigError(f"--resume {resume}: a {ckpt['kind']} checkpoint; `ggtrain finetune --resume` "
@@ -108,8 +109,10 @@ def train(
             typer.echo(f"--resume {resume}: a model checkpoint; training it with this command's options "
                        f"(its architecture and tokenizer replace --dim, --layers, ..., --tokenizer)", err=True)
     source = ckpt or start
-    tok = source["tokenizer"] if source else load_tokenizer(tokenizer, text)
-    ids = tok.encode(text)
+    tok = source["tokenizer"] if source else load_tokenizer(
+        tokenizer, _bpe_text(data) if tokenizer.startswith("bpe:") else None)
+    corpus = read_corpus(data, tok, False, token_cache, quiet, world)
+    ids = corpus.ids
     if ckpt:
         model_cfg = ModelConfig(**ckpt["model_config"])
         tc = dict(ckpt["train_config"])
@@ -117,7 +120,7 @@ def train(
         if steps is not None:
             tc["steps"] = steps  # extend (or shorten) a run; everything else as saved
         train_cfg = TextConfig(**tc).on(world.size)
-        if ckpt["data_fingerprint"] != _fingerprint(ids):
+        if ckpt["data_fingerprint"] != corpus.fingerprint:
             raise ConfigError(f"--resume {resume}: --data is not the text this checkpoint was trained on")
     elif start:
         model_cfg = ModelConfig(**start["model_config"])
@@ -159,7 +162,7 @@ def train(
 
     model_json = dataclasses.asdict(model_cfg)
     train_json = dict(dataclasses.asdict(train_cfg), val_split=val_split)
-    fingerprint = _fingerprint(ids)
+    fingerprint = corpus.fingerprint
     carried = source["extra_kv"] if source else []
 
     def checkpoint(path: pathlib.Path) -> None:

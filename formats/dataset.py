@@ -82,6 +82,7 @@ _LAYOUTS = {"text": ("text", '{"text"}'),
             "conversations": ("chat", '{"conversations"} (ShareGPT)'),
             "preference": ("preference", '{"prompt", "chosen", "rejected"}')}
 _JSON_WS = " \t\r\n"
+_BOM = b"\xef\xbb\xbf"
 
 
 @dataclass
@@ -128,22 +129,46 @@ def read_data(path) -> Data:
     path = os.fspath(path)
     with open(path, "rb") as f:
         raw = f.read()
-    if raw.startswith(b"\xef\xbb\xbf"):
-        raw = raw[3:]
+    if raw.startswith(_BOM):
+        raw = raw[len(_BOM):]
     if not raw.strip():
         raise FormatError(f"{path}: the file is empty")
-    ext = os.path.splitext(path)[1].lower()
     first = raw.lstrip(_JSON_WS.encode())[:1]
+    if _plain(path, first):
+        # undecodable bytes survive as surrogates, as ggtrain train reads text
+        return Data(path, "plain", text=raw.decode("utf-8", errors="surrogateescape"))
+    text = _decode(raw, path)
+    jsonl = os.path.splitext(path)[1].lower() == ".jsonl" or first == b"{"
+    pairs = _json_lines(text, path) if jsonl else _json_array(text, path)
+    layout, records, where = _parse_records(pairs)
+    return Data(path, _LAYOUTS[layout][0], records=records, where=where, layout=layout)
+
+
+def is_plain_text(path) -> bool:
+    """Whether `read_data` reads the file as plain text (from its name and first non-blank
+    byte, without reading the rest): such files are tokenized as a stream
+    (formats/corpus.py). False for a file with no text (read_data says it is empty)."""
+    path = os.fspath(path)
+    with open(path, "rb") as f:
+        head = f.read(len(_BOM))
+        if head != _BOM:
+            f.seek(0)
+        while block := f.read(1 << 16):
+            block = block.lstrip(_JSON_WS.encode())
+            if block:
+                return _plain(path, block[:1])
+    return False
+
+
+def _plain(path: str, first: bytes) -> bool:
+    """Plain text by the extension, or by a first non-blank byte that starts no JSON."""
+    ext = os.path.splitext(path)[1].lower()
     if ext == ".txt" or (ext != ".jsonl" and first not in (b"{", b"[")):
         if ext == ".json":
             raise FormatError(f"{path}: not JSON lines or a JSON array of records "
                               f"(it starts with {first.decode('latin-1')!r})")
-        # undecodable bytes survive as surrogates, as ggtrain train reads text
-        return Data(path, "plain", text=raw.decode("utf-8", errors="surrogateescape"))
-    text = _decode(raw, path)
-    pairs = _json_lines(text, path) if ext == ".jsonl" or first == b"{" else _json_array(text, path)
-    layout, records, where = _parse_records(pairs)
-    return Data(path, _LAYOUTS[layout][0], records=records, where=where, layout=layout)
+        return True
+    return False
 
 
 def _decode(raw: bytes, path: str) -> str:

@@ -78,6 +78,7 @@ way); with parse_special=False "<|im_start|>" in the text is plain text.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -247,6 +248,7 @@ class Tokenizer:
         self.attrs, self.eog_ids = token_attrs(self.tokens, self.token_type, eos_id,
                                                vocab or VocabInfo())
         self._pieces: list[bytes] = []      # (n_vocab,) what each id decodes to
+        self._user: frozenset | None = None  # `cut`: the user-defined tokens' texts, made when first needed
         # special-token ids in the order llama.cpp splits them out of text: longest first
         special = np.flatnonzero(self.attrs & (ATTR_CONTROL | ATTR_USER_DEFINED | ATTR_UNKNOWN))
         self._special_order = sorted(special.tolist(),
@@ -260,18 +262,20 @@ class Tokenizer:
         return f"{type(self).__name__}(n_vocab={self.n_vocab}, bos={self.bos_id}, eos={self.eos_id})"
 
     # -- encoding --
-    def encode(self, text: str, add_bos: bool = False, parse_special: bool = False) -> np.ndarray:
+    def encode(self, text: str, add_bos: bool = False, parse_special: bool = False,
+               continued: bool = False) -> np.ndarray:
         """Token ids of `text`: (n,) int32, BOS first when add_bos.
 
         llama.cpp's llama_tokenize(text, add_special=False, parse_special), with BOS put first
         when add_bos whether or not the vocabulary asks for one (`tokenize` does exactly what
-        add_special does).
+        add_special does). continued: `text` is the rest of a text cut where `cut` allows, so
+        it does not start a fragment (no SPM space prefix).
         """
         text = self._clean(text)
         parts: list[np.ndarray] = []
         if add_bos:
             parts.append(np.array([self.bos_id], dtype=np.int32))
-        after_special = True
+        after_special = not continued
         for frag in self._partition(text, parse_special):
             if isinstance(frag, int):
                 parts.append(np.array([frag], dtype=np.int32))
@@ -342,6 +346,64 @@ class Tokenizer:
     def _encode_raw(self, text: str, after_special: bool) -> Sequence[int]:
         raise NotImplementedError
 
+    def cut(self, text: str, start: int, limit: int = 1 << 20) -> int | None:
+        """The first position p in [max(start, 1), min(len(text), start + limit)) where
+        `text` can be cut so that encode(text[:p]) followed by encode(text[p:],
+        continued=True) are the ids of encode(text) (parse_special False), or None.
+
+        Used to tokenize a corpus as a stream of pieces. A cut never comes near a
+        user-defined token (plain text is split at those) or the whitespace such a token
+        strips; each kind adds its own rule (`_cuttable`)."""
+        end = min(len(text), start + limit)
+        for p in self._candidates(text, max(start, 1), end):
+            if self._clear_of_special(text, p):
+                return p
+        return None
+
+    def _candidates(self, text: str, start: int, end: int) -> Iterable[int]:
+        raise NotImplementedError
+
+    def _clear_of_special(self, text: str, p: int) -> bool:
+        """Plain text is split at user-defined tokens (`_partition`). A cut at p leaves that
+        split alone when no such token holds text[p - 1] and text[p] side by side (none
+        can span p), and none ends at p (what follows it starts a fragment, the cut text
+        would be `continued`); a token that strips whitespace must not reach p over it."""
+        if self._user is None:
+            user = [self.tokens[i] for i in self._special_order if self.attrs[i] & ATTR_USER_DEFINED]
+            strip = [self.tokens[i] for i in self._special_order
+                     if self.attrs[i] & ATTR_USER_DEFINED and self.attrs[i] & (ATTR_LSTRIP | ATTR_RSTRIP)]
+            self._user = frozenset(user)
+            self._user_pairs = frozenset(t[k:k + 2] for t in user for k in range(len(t) - 1))
+            self._user_reach = max(map(len, user), default=0)
+            self._user_strip = re.compile("|".join(map(re.escape, strip))) if strip else None
+        if not self._user:
+            return True
+        if text[p - 1:p + 1] in self._user_pairs:
+            return False
+        if any(text[p - k:p] in self._user for k in range(1, min(p, self._user_reach) + 1)):
+            return False
+        if self._user_strip is None:
+            return True
+        lo, hi = p, p
+        while lo > 0 and text[lo - 1] in _C_SPACE:
+            lo -= 1
+        while hi < len(text) and text[hi] in _C_SPACE:
+            hi += 1
+        return self._user_strip.search(text, max(0, lo - self._user_reach), hi + self._user_reach) is None
+
+    def fingerprint(self) -> str:
+        """sha256 of what decides this tokenizer's ids: its kind and its tokenizer.ggml.* keys."""
+        h = hashlib.sha256(type(self).__name__.encode())
+        for key, value, *_ in self.gguf_kv():
+            h.update(f"|{key}=".encode())
+            if isinstance(value, np.ndarray):
+                h.update(f"{value.dtype.str}{value.shape}".encode() + value.tobytes())
+            elif isinstance(value, (list, tuple)):
+                h.update(json.dumps([v.item() if isinstance(v, np.generic) else v for v in value]).encode())
+            else:
+                h.update(repr(value).encode())
+        return h.hexdigest()
+
     # -- decoding --
     def decode_bytes(self, ids: Iterable[int]) -> bytes:
         """The bytes of the tokens `ids`, as llama.cpp's token_to_piece(special=False) gives them."""
@@ -409,10 +471,11 @@ class ByteTokenizer(Tokenizer):
         self._lut = np.arange(256, dtype=np.int32) + self.BYTE0
         self._lut[0x20] = self.SPACE_ID
 
-    def encode(self, text: str, add_bos: bool = False, parse_special: bool = False) -> np.ndarray:
+    def encode(self, text: str, add_bos: bool = False, parse_special: bool = False,
+               continued: bool = False) -> np.ndarray:
         _check_str(text)
         if parse_special:
-            return super().encode(text, add_bos, parse_special)
+            return super().encode(text, add_bos, parse_special, continued)
         return self.encode_bytes(_utf8(text), add_bos)
 
     def encode_bytes(self, data: bytes, add_bos: bool = False) -> np.ndarray:
@@ -425,6 +488,9 @@ class ByteTokenizer(Tokenizer):
 
     def _encode_raw(self, text: str, after_special: bool) -> np.ndarray:
         return self.encode_bytes(text.encode("utf-8"))
+
+    def _candidates(self, text: str, start: int, end: int) -> Iterable[int]:
+        return range(start, end)      # one token per byte: any character boundary
 
     def gguf_kv(self) -> list[tuple]:
         return [
@@ -464,11 +530,27 @@ class SpmTokenizer(Tokenizer):
         self.pre = pre
         self._pieces = _spm_pieces(self.tokens, self.attrs)
         self._sp = _sentencepiece(self.tokens, self.scores, _attr_types(self.attrs), unk_id, source)
+        self._pairs: set | None = None      # `cut`: every two adjacent characters of a token
 
     def _encode_raw(self, text: str, after_special: bool) -> list:
         if self.add_space_prefix and after_special:
             text = " " + text
         return self._sp.encode(text)
+
+    def _candidates(self, text: str, start: int, end: int) -> Iterable[int]:
+        """Between two characters that no token holds side by side (a space is U+2581 in
+        tokens): merging joins adjacent symbols into a token, so no symbol can ever span
+        such a cut, and the merges on either side do not depend on the other. Undecodable
+        bytes (surrogates, one U+FFFD per invalid sequence) are never cut between."""
+        if self._pairs is None:
+            self._pairs = {t[k:k + 2] for t in self.tokens for k in range(len(t) - 1)}
+        pairs = self._pairs
+        for p in range(start, end):
+            a, b = text[p - 1], text[p]
+            if "\ud800" <= a <= "\udfff" or "\ud800" <= b <= "\udfff":
+                continue
+            if (a + b).replace(" ", SPACE) not in pairs:
+                yield p
 
     def gguf_kv(self) -> list[tuple]:
         return [
@@ -635,8 +717,11 @@ class BpeTokenizer(Tokenizer):
         self.pre = pre
         self._pieces = _bpe_pieces(self.tokens, self.attrs)
         self._tok = _hf_bpe(self.tokens, self.merges, BPE_PRE[pre], source)
+        self._fast = _WordCacheBpe.make(BPE_PRE[pre], self._tok)
 
-    def _encode_raw(self, text: str, after_special: bool) -> list:
+    def _encode_raw(self, text: str, after_special: bool) -> Sequence[int]:
+        if self._fast is not None and len(text) > _FAST_MIN and not _FAST_UNSAFE.search(text):
+            return self._fast.encode(text)
         if len(text) <= _BPE_CHUNK:
             return self._tok.encode(text, add_special_tokens=False).ids
         # long texts: pieces encoded in parallel; cut only where the pre-tokenizer cuts anyway
@@ -644,6 +729,11 @@ class BpeTokenizer(Tokenizer):
         for enc in self._tok.encode_batch(list(_bpe_chunks(text)), add_special_tokens=False):
             out.extend(enc.ids)
         return out
+
+    def _candidates(self, text: str, start: int, end: int) -> Iterable[int]:
+        """After a lone "\\n" between a printable ASCII character and an ASCII letter or
+        digit, where every pre-tokenizer ends a pre-token (see `_bpe_chunks`)."""
+        return (m.end() for m in _PRETOKEN_CUT.finditer(text, start - 1, end))
 
     def gguf_kv(self) -> list[tuple]:
         kv = [
@@ -684,6 +774,83 @@ def _bpe_chunks(text: str) -> Iterable[str]:
         end = m.end() if m else len(text)
         yield text[pos:end]
         pos = end
+
+
+# Long texts whose characters are all in these blocks (Basic Latin through Cyrillic
+# Supplement, General Punctuation) are pre-tokenized by the `regex` module instead of
+# Oniguruma: both engines give these characters the same Unicode categories (tested against
+# Oniguruma for every one of them), while elsewhere `regex` may know a newer Unicode than
+# llama.cpp's 15.1 (letters added since). Short texts stay on the `tokenizers` path.
+_FAST_UNSAFE = re.compile("[^\x00-\u052f\u2000-\u206f]")
+_FAST_MIN = 1 << 12
+
+
+class _WordCacheBpe:
+    """Byte-level BPE of long texts, several times faster than `tokenizers` alone: the
+    pre-tokens are cut by the `regex` module (each regex of the row in turn splits every
+    piece into its matches and the gaps between them, as Split "isolated" does), and each
+    distinct pre-token is merged once by `tokenizers` (without its regexes) and remembered.
+    The ids are those of the whole pipeline: merging never crosses a pre-token."""
+
+    MAX_WORDS = 1 << 20     # the memory of pre-tokens is forgotten when it grows past this
+
+    def __init__(self, regexes: list, words):
+        self.regexes = regexes
+        self.words = words              # `tokenizers` BPE with only the byte-level map
+        self.index: dict[str, int] = {}
+        self.flat = np.zeros(0, dtype=np.int32)     # the ids of every remembered pre-token
+        self.start = np.zeros(1, dtype=np.int64)    # pre-token k: flat[start[k]:start[k + 1]]
+
+    @classmethod
+    def make(cls, pre: BpePre, hf) -> "_WordCacheBpe | None":
+        """None where a regex of `pre` is not one the `regex` module runs as Oniguruma does
+        (a class intersection, a capturing group)."""
+        import regex
+        from tokenizers import Tokenizer as HFTokenizer, pre_tokenizers
+
+        compiled = []
+        for r in pre.regexes:
+            if "&&" in r:
+                return None
+            try:
+                c = regex.compile(f"({r})", regex.VERSION0)
+            except regex.error:
+                return None
+            if c.groups != 1:
+                return None
+            compiled.append(c)
+        words = HFTokenizer.from_str(hf.to_str())
+        words.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        return cls(compiled, words)
+
+    def pretokens(self, text: str) -> list:
+        pieces = [text]
+        for r in self.regexes:
+            # split with the regex captured: gaps and matches in order, empty gaps dropped
+            pieces = [x for p in pieces for x in r.split(p) if x]
+        return pieces
+
+    def encode(self, text: str) -> np.ndarray:
+        pieces = self.pretokens(text)
+        if len(self.index) > self.MAX_WORDS:
+            self.__init__(self.regexes, self.words)
+        index = self.index
+        new = list(dict.fromkeys(p for p in pieces if p not in index))
+        if new:
+            encs = self.words.encode_batch_fast(new, add_special_tokens=False)
+            ids = [enc.ids for enc in encs]
+            n = len(self.start) - 1
+            index.update(zip(new, range(n, n + len(new))))
+            lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
+            self.start = np.concatenate([self.start, self.start[-1] + np.cumsum(lengths)])
+            self.flat = np.concatenate([self.flat, np.fromiter(
+                (i for w in ids for i in w), dtype=np.int32, count=int(lengths.sum()))])
+        keys = np.fromiter(map(index.__getitem__, pieces), dtype=np.int64, count=len(pieces))
+        first, lengths = self.start[keys], self.start[keys + 1] - self.start[keys]
+        ends = np.cumsum(lengths)
+        # output position j lies in pre-token k: it is flat[first[k] + j - (ends[k] - lengths[k])]
+        at = np.repeat(first - (ends - lengths), lengths) + np.arange(ends[-1] if len(ends) else 0)
+        return self.flat[at]
 
 
 def _bpe_pieces(tokens: list[str], attrs: np.ndarray) -> list[bytes]:

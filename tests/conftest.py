@@ -1,12 +1,20 @@
 """Shared fixtures: the CPU backend, the location of ../shared/data, and llama.cpp."""
+import atexit
 import os
 import pathlib
+import shutil
+import tempfile
 
 import pytest
 
 from ggtrain.core.backend_cpu import CpuBackend
 
 SHARED_DATA = pathlib.Path(__file__).resolve().parents[1].parent / "shared" / "data"
+
+# the token files of the commands the tests run (and their subprocesses) go to a folder of
+# this session, not the user's cache
+os.environ["GGTRAIN_TOKEN_CACHE"] = tempfile.mkdtemp(prefix="ggtrain-test-tokens-")
+atexit.register(shutil.rmtree, os.environ["GGTRAIN_TOKEN_CACHE"], True)
 
 
 @pytest.fixture(scope="session")

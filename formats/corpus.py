@@ -1,0 +1,301 @@
+"""Plain-text corpora as token files (layer 5): tokenized once, as a stream, in parallel, into
+a memory-mapped file that later runs, and resumed ones, open in a moment.
+
+`corpus_tokens(path, tokenizer, add_bos=..., cache_dir=..., progress=...)` returns a
+`TokenFile` whose `ids` (n,) int32 are exactly `tokenizer.encode(text, add_bos)` of the whole
+file read as `ggtrain train` reads text (a leading UTF-8 byte order mark dropped, undecodable
+bytes kept as surrogates), without ever holding the text or a Python list of its ids:
+
+- the file is read in blocks of BLOCK bytes; a character cut by a block's end waits for the
+  next block, and the text is cut only where the tokenizer allows (`Tokenizer.cut`: no token
+  can span the cut), so encoding the pieces one after another gives the ids of the whole;
+- pieces are encoded by `workers` forked processes, in order, at most 2 per worker in
+  flight, so memory holds a few blocks; the ids go straight to the token file.
+
+Cache: `<cache_dir>/<key>.tokens` (the ids, int32 little-endian) with `<key>.json` beside it
+(what they are: source, sizes, the ids' sha256, which is also the data fingerprint a
+checkpoint keeps), where key hashes the file's bytes, the tokenizer's vocabulary
+(`Tokenizer.fingerprint`) and add_bos. Both are written under temporary names and renamed,
+the .json last, so a .tokens file without its .json is never read; temporary files left by a
+killed run are removed by the next one after a day. With no cache directory the ids go to an
+unnamed temporary file (unlinked once mapped).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import multiprocessing
+import os
+import tempfile
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import numpy as np
+
+from ggtrain.errors import ConfigError
+from ggtrain.formats.tokenizer import ByteTokenizer, Tokenizer
+
+BLOCK = 4 << 20              # bytes read at a time
+_REACH = 1 << 16             # a cut is looked for in the last _REACH characters first
+_VERSION = 1                 # of the token files; a change makes every cached file a miss
+_STALE_S = 24 * 3600         # temporary files older than this are left over from a killed run
+_BOM = b"\xef\xbb\xbf"
+
+
+@dataclass
+class TokenFile:
+    """The ids of a corpus: ids (n,) int32 (memory-mapped); fingerprint: sha256 of their
+    bytes; path: the cache file (None without a cache); cached: found in the cache rather
+    than tokenized now; source_bytes: the corpus's size."""
+    ids: np.ndarray
+    fingerprint: str
+    path: str | None
+    cached: bool
+    source_bytes: int
+
+
+def default_cache_dir() -> str:
+    """GGTRAIN_TOKEN_CACHE, else $GGTRAIN_CACHE/tokens, else ~/.cache/ggtrain/tokens."""
+    if os.environ.get("GGTRAIN_TOKEN_CACHE"):
+        return os.environ["GGTRAIN_TOKEN_CACHE"]
+    root = os.environ.get("GGTRAIN_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "ggtrain")
+    return os.path.join(root, "tokens")
+
+
+def corpus_tokens(path, tokenizer: Tokenizer, add_bos: bool = False, cache_dir: str | None = None,
+                  progress: Callable[[int, int, int], None] | None = None,
+                  workers: int | None = None) -> TokenFile:
+    """The ids of the text file `path` (see the module docstring), from the cache when there.
+
+    progress(bytes_done, bytes_total, tokens) is called as the file is tokenized (not on a
+    cache hit). workers: processes that encode (default: the CPUs this process may use).
+    Raises FileNotFoundError for a missing file, ConfigError for one with no text (empty or
+    only whitespace).
+    """
+    path = os.fspath(path)
+    size = os.path.getsize(path)
+    key = _key(path, tokenizer, add_bos)
+    if cache_dir is not None:
+        found = _open_cached(cache_dir, key, path)
+        if found is not None:
+            return found
+    if workers is None:
+        workers = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if isinstance(tokenizer, ByteTokenizer):
+        workers = 1        # numpy turns bytes into ids faster than they could be sent to a worker
+    if cache_dir is not None:
+        os.makedirs(cache_dir, exist_ok=True)
+        _remove_stale(cache_dir)
+        fd, tmp = tempfile.mkstemp(prefix=f"{key}.", suffix=".tmp", dir=cache_dir)
+    else:
+        fd, tmp = tempfile.mkstemp(prefix="ggtrain-tokens.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as out:
+            n, digest, text_seen = _tokenize(path, size, tokenizer, add_bos, out, progress, workers)
+            out.flush()
+            os.fsync(out.fileno())
+        if not text_seen:
+            raise ConfigError(f"{path}: the file is empty")
+        if cache_dir is None:
+            ids = _map(tmp, n)
+            os.unlink(tmp)      # the mapping stays valid; the file goes when it is closed
+            return TokenFile(ids, digest, None, False, size)
+        final = os.path.join(cache_dir, key + ".tokens")
+        os.replace(tmp, final)
+        meta = {"version": _VERSION, "source": os.path.abspath(path), "source_bytes": size,
+                "tokens": n, "sha256": digest, "tokenizer": repr(tokenizer), "add_bos": add_bos}
+        _write_json(os.path.join(cache_dir, key + ".json"), meta)
+        return TokenFile(_map(final, n), digest, final, False, size)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+# ---- the stream -------------------------------------------------------------------------------
+
+def _blocks(path: str) -> Iterator[tuple]:
+    """(bytes read so far, text) of each block: decoded with surrogateescape, a UTF-8
+    sequence cut by the block's end held back for the next block."""
+    held = b""
+    done = 0
+    with open(path, "rb") as f:
+        first = True
+        while True:
+            raw = f.read(BLOCK)
+            if not raw:
+                break
+            done += len(raw)
+            if first and raw.startswith(_BOM):
+                raw = raw[len(_BOM):]
+            first = False
+            raw = held + raw
+            end = _complete(raw)
+            held = raw[end:]
+            yield done, raw[:end].decode("utf-8", errors="surrogateescape")
+    if held:
+        yield done, held.decode("utf-8", errors="surrogateescape")
+
+
+def _complete(raw: bytes) -> int:
+    """The length of `raw` without a UTF-8 sequence its end cuts short (which the next
+    bytes may complete); invalid bytes are left in, they decode the same either way."""
+    for back in range(1, min(3, len(raw)) + 1):
+        b = raw[-back]
+        if b & 0xC0 == 0x80:
+            continue                         # a continuation byte: look further back
+        if b >= 0xC0:
+            need = 2 if b < 0xE0 else 3 if b < 0xF0 else 4
+            if back < need:
+                return len(raw) - back
+        break
+    return len(raw)
+
+
+def _pieces(path: str, tokenizer: Tokenizer) -> Iterator[tuple]:
+    """(bytes read so far, piece, continued) of the file, cut where `tokenizer.cut` allows."""
+    text = ""
+    done = 0
+    for done, block in _blocks(path):
+        text += block
+        p = tokenizer.cut(text, max(1, len(text) - _REACH))
+        if p is None:
+            p = tokenizer.cut(text, 1, limit=len(text))
+        if p is None:
+            continue                         # no place to cut yet: read on
+        yield done, text[:p]
+        text = text[p:]
+    if text:
+        yield done, text
+
+
+_WORKER: Tokenizer | None = None             # the tokenizer of a forked worker
+
+
+def _encode(tokenizer: Tokenizer, piece: str, add_bos: bool, continued: bool) -> np.ndarray:
+    return tokenizer.encode(piece, add_bos=add_bos, continued=continued)
+
+
+def _encode_in_worker(piece: str, add_bos: bool, continued: bool) -> np.ndarray:
+    return _encode(_WORKER, piece, add_bos, continued)
+
+
+def _tokenize(path, size, tokenizer, add_bos, out, progress, workers) -> tuple:
+    """Encodes the file's pieces into `out`: (tokens, sha256 of their bytes, any non-space)."""
+    global _WORKER
+    digest = hashlib.sha256()
+    n = 0
+    text_seen = False
+
+    def write(ids: np.ndarray, done: int) -> None:
+        nonlocal n
+        data = np.ascontiguousarray(ids, dtype="<i4").tobytes()
+        out.write(data)
+        digest.update(data)
+        n += len(ids)
+        if progress is not None:
+            progress(done, size, n)
+
+    jobs = ((done, piece, first_piece) for first_piece, (done, piece) in _first(_pieces(path, tokenizer)))
+    if workers <= 1:
+        for done, piece, first_piece in jobs:
+            text_seen = text_seen or bool(piece.strip())
+            write(_encode(tokenizer, piece, add_bos and first_piece, not first_piece), done)
+        return n, digest.hexdigest(), text_seen
+    # forked workers must not inherit `tokenizers`' thread pool half-used: with the variable
+    # set when they start, the library keeps them to one thread, without a warning
+    saved = os.environ.get("TOKENIZERS_PARALLELISM")
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    _WORKER = tokenizer
+    try:
+        pool = multiprocessing.get_context("fork").Pool(workers)
+    finally:
+        if saved is None:
+            del os.environ["TOKENIZERS_PARALLELISM"]
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = saved
+    try:
+        with pool:
+            flight: deque = deque()
+            for done, piece, first_piece in jobs:
+                text_seen = text_seen or bool(piece.strip())
+                flight.append((done, pool.apply_async(
+                    _encode_in_worker, (piece, add_bos and first_piece, not first_piece))))
+                while len(flight) >= 2 * workers:
+                    d, r = flight.popleft()
+                    write(r.get(), d)
+            while flight:
+                d, r = flight.popleft()
+                write(r.get(), d)
+    finally:
+        _WORKER = None
+    return n, digest.hexdigest(), text_seen
+
+
+def _first(items: Iterator) -> Iterator[tuple]:
+    """(is_first, item) of each item."""
+    first = True
+    for item in items:
+        yield first, item
+        first = False
+
+
+# ---- the cache --------------------------------------------------------------------------------
+
+def _key(path: str, tokenizer: Tokenizer, add_bos: bool) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(BLOCK):
+            h.update(chunk)
+    h.update(f"|{tokenizer.fingerprint()}|bos={int(add_bos)}|v{_VERSION}".encode())
+    return h.hexdigest()[:40]
+
+
+def _open_cached(cache_dir: str, key: str, path: str) -> TokenFile | None:
+    meta_path = os.path.join(cache_dir, key + ".json")
+    tokens_path = os.path.join(cache_dir, key + ".tokens")
+    try:
+        with open(meta_path, encoding="utf-8") as f:
+            meta = json.load(f)
+        n = int(meta["tokens"])
+        if meta.get("version") != _VERSION or os.path.getsize(tokens_path) != 4 * n:
+            return None
+        return TokenFile(_map(tokens_path, n), str(meta["sha256"]), tokens_path, True,
+                         int(meta["source_bytes"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None          # absent or damaged: tokenized again and rewritten
+
+
+def _map(path: str, n: int) -> np.ndarray:
+    if n == 0:
+        return np.zeros(0, dtype=np.int32)
+    return np.memmap(path, dtype="<i4", mode="r", shape=(n,))
+
+
+def _write_json(path: str, value: dict) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp",
+                               dir=os.path.dirname(path))
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(value, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def _remove_stale(cache_dir: str) -> None:
+    now = time.time()
+    for name in os.listdir(cache_dir):
+        if name.endswith(".tmp"):
+            full = os.path.join(cache_dir, name)
+            try:
+                if now - os.path.getmtime(full) > _STALE_S:
+                    os.unlink(full)
+            except OSError:
+                pass         # another run removed it, or it is not ours to remove

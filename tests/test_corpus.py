@@ -1,0 +1,265 @@
+"""Corpora tokenized as a stream into cached token files (formats/corpus.py), the cut rule
+that makes the stream exact (Tokenizer.cut), and the word-cache BPE path of long texts."""
+import hashlib
+import os
+import re
+import time
+
+import numpy as np
+import pytest
+
+from ggtrain.errors import ConfigError
+from ggtrain.formats import corpus
+from ggtrain.formats.corpus import corpus_tokens
+from ggtrain.formats.pretokenizer import BPE_PRE
+from ggtrain.formats.tokenizer import (ATTR_USER_DEFINED, BpeTokenizer, ByteTokenizer, load_tokenizer,
+                                       tokenizer_from_gguf, train_bpe)
+
+VOCABS = ["models/SmolLM2-135M-Instruct.Q4_1.gguf", "gguf/stories260K.gguf", "gguf/ggml-vocab-llama-spm.gguf",
+          "gguf/ggml-vocab-phi-3.gguf", "gguf/ggml-vocab-llama-bpe.gguf", "gguf/ggml-vocab-qwen2.gguf",
+          "gguf/ggml-vocab-deepseek-llm.gguf", "gguf/ggml-vocab-gpt-2.gguf", "gguf/ggml-vocab-starcoder.gguf",
+          "gguf/ggml-vocab-falcon.gguf"]
+
+
+def _vocab(shared_data, name):
+    path = shared_data / name
+    if not path.exists():
+        pytest.skip(f"{path} is not there")
+    return tokenizer_from_gguf(path)
+
+
+def _mixed_text(shared_data, tok=None) -> str:
+    """Real prose with code, digits, whitespace runs, CJK, undecodable bytes (surrogates) and,
+    where the vocabulary has them, user-defined tokens (plain text is split at those)."""
+    prose = (shared_data / "text" / "tinyshakespeare.txt").read_text()[:12000]
+    odd = (" \u3000日本語のテキスト\n\n  hello   world\t\t\n\n\n1234567 x\udc80\udcff y "
+           "def f(x):\n    return x**2  # ok\n\u00e9t\u00e9 \u2014 \u201cquoted\u201d \u0440\u0443\u0441\n")
+    text = prose[:5000] + odd + prose[5000:9000] + odd + prose[9000:]
+    if tok is not None:
+        user = [tok.tokens[i] for i in range(tok.n_vocab) if tok.attrs[i] & ATTR_USER_DEFINED]
+        if user:
+            u = user[len(user) // 2]
+            text = text[:3000] + u + "\nAbc " + u + " " + text[3000:]
+    return text
+
+
+def _check_cuts(tok, text, seed=0):
+    rng = np.random.default_rng(seed)
+    whole = tok.encode(text, add_bos=True)
+    p, cuts = 1, 0
+    while (q := tok.cut(text, p + int(rng.integers(1, 400)))) is not None:
+        left, right = tok.encode(text[:q], add_bos=True), tok.encode(text[q:], continued=True)
+        assert np.array_equal(np.concatenate([left, right]), whole), f"cut at {q}: {text[q - 10:q + 10]!r}"
+        p, cuts = q, cuts + 1
+    assert cuts > len(text) // 2000       # cuts are found all along the text, not once in a while
+
+
+@pytest.mark.parametrize("name", VOCABS)
+def test_cutting_where_cut_allows_keeps_every_id(shared_data, name):
+    tok = _vocab(shared_data, name)
+    _check_cuts(tok, _mixed_text(shared_data, tok))
+
+
+def test_cut_of_byte_and_trained_bpe_tokenizers(shared_data):
+    text = _mixed_text(shared_data)
+    _check_cuts(ByteTokenizer(), text)
+    _check_cuts(train_bpe(text, 400), text)
+
+
+def test_cut_keeps_away_from_user_defined_tokens():
+    tok = train_bpe("ab\ncd\nef\n" * 50, 300)
+
+    def with_user(text):
+        return BpeTokenizer(tok.tokens + [text], np.append(tok.token_type, 4), tok.merges, tok.bos_id,
+                            tok.eos_id, pre=tok.pre)
+    text = "xy\nAb"
+    assert tok.cut(text, 1) == 3                    # after the lone "\n"
+    assert with_user("y\nA").cut(text, 1) is None   # it would split the token in two
+    assert with_user("y\n").cut(text, 1) is None    # it ends there: what follows starts a fragment
+    assert with_user("Ab").cut(text, 1) == 3         # one starting there is whole on one side
+
+
+@pytest.mark.parametrize("name", [v for v in VOCABS if "spm" not in v and "phi-3" not in v and "stories" not in v])
+def test_word_cache_path_gives_the_ids_of_tokenizers(shared_data, name):
+    tok = _vocab(shared_data, name)
+    assert isinstance(tok, BpeTokenizer)
+    safe = (shared_data / "text" / "tinyshakespeare.txt").read_text()[:30000]
+    rng = np.random.default_rng(1)
+    # every character of the range the word cache takes, in random runs among the prose
+    pool = [chr(c) for c in range(0x530)] + [chr(c) for c in range(0x2000, 0x2070)]
+    noise = "".join("".join(rng.choice(pool, int(rng.integers(1, 12)))) + " " for _ in range(3000))
+    for text in (safe, noise + safe + noise, safe + "\u3000日本語"):
+        fast = tok.encode(text)
+        slow_tok = tok._fast
+        tok._fast = None
+        try:
+            slow = tok.encode(text)
+        finally:
+            tok._fast = slow_tok
+        assert np.array_equal(fast, slow)
+    if tok.pre != "deepseek-llm":     # its regexes intersect classes (&&): tokenizers only
+        assert tok._fast is not None
+
+
+def test_regex_module_and_oniguruma_agree_on_the_word_cache_range():
+    """The word cache's pre-tokens come from the `regex` module, llama.cpp's (and
+    tokenizers') from Unicode 15.1 tables: on the characters it takes they must be the same."""
+    from tokenizers import Regex, pre_tokenizers
+    import regex
+
+    from ggtrain.formats.tokenizer import _FAST_UNSAFE
+    chars = "".join(chr(c) for c in range(0x110000)
+                    if not 0xD800 <= c < 0xE000 and not _FAST_UNSAFE.match(chr(c)))
+    assert len(chars) == 0x530 + 0x70
+    classes = sorted({c for pre in BPE_PRE.values() for r in pre.regexes
+                      for c in re.findall(r"\\p\{\w+\}|\\s|\\S", r)})
+    assert {r"\p{L}", r"\p{N}", r"\s"} <= set(classes)
+    for cls in classes:
+        split = pre_tokenizers.Split(Regex(cls), behavior="removed")
+        onig = set("".join(piece for piece, _ in split.pre_tokenize_str(chars)))   # not matched
+        ours = {c for c in chars if not regex.match(cls, c)}
+        assert onig == ours, cls
+
+
+# ---- corpus_tokens ---------------------------------------------------------------------------
+
+def _raw_corpus(shared_data) -> bytes:
+    text = _mixed_text(shared_data).replace("\udc80\udcff", "")
+    raw = text.encode("utf-8")
+    # a byte order mark, and undecodable bytes: a lone lead byte, a cut 4-byte sequence
+    return b"\xef\xbb\xbf" + raw[:7001] + b"\xe2(" + raw[7001:20000] + b"\xf0\x9f\x98" + raw[20000:]
+
+
+def _expected(tok, raw, add_bos):
+    return tok.encode(raw[3:].decode("utf-8", errors="surrogateescape"), add_bos=add_bos)
+
+
+@pytest.mark.parametrize("name", ["models/SmolLM2-135M-Instruct.Q4_1.gguf", "gguf/stories260K.gguf", "byte"])
+@pytest.mark.parametrize("workers", [1, 2])
+def test_stream_gives_the_ids_of_the_whole_text(shared_data, tmp_path, monkeypatch, name, workers):
+    tok = ByteTokenizer() if name == "byte" else _vocab(shared_data, name)
+    raw = _raw_corpus(shared_data)
+    path = tmp_path / "corpus.txt"
+    path.write_bytes(raw)
+    # small blocks: every multibyte character and cut sequence meets a block's end somewhere
+    for block in (997, 1000, 1001, 4093):
+        monkeypatch.setattr(corpus, "BLOCK", block)
+        monkeypatch.setattr(corpus, "_REACH", 300)
+        for add_bos in (False, True):
+            seen = []
+            got = corpus_tokens(path, tok, add_bos=add_bos, cache_dir=None, workers=workers,
+                                progress=lambda done, total, n: seen.append((done, total, n)))
+            want = _expected(tok, raw, add_bos)
+            assert np.array_equal(got.ids, want)
+            assert got.fingerprint == hashlib.sha256(want.astype("<i4").tobytes()).hexdigest()
+            dones = [d for d, _, _ in seen]
+            assert dones == sorted(dones) and dones[-1] == len(raw) and seen[-1][1] == len(raw)
+            assert seen[-1][2] == len(want)
+
+
+def test_stream_holds_pieces_of_a_block_not_the_text(shared_data, tmp_path, monkeypatch):
+    tok = _vocab(shared_data, "models/SmolLM2-135M-Instruct.Q4_1.gguf")
+    path = tmp_path / "big.txt"
+    path.write_text((shared_data / "text" / "tinyshakespeare.txt").read_text() * 2)
+    monkeypatch.setattr(corpus, "BLOCK", 1 << 16)
+    longest = []
+    encode = type(tok).encode
+
+    def spy(self, text, *args, **kwargs):
+        longest.append(len(text))
+        return encode(self, text, *args, **kwargs)
+    monkeypatch.setattr(type(tok), "encode", spy)
+    got = corpus_tokens(path, tok, cache_dir=None, workers=1)
+    assert len(longest) > 30 and max(longest) <= (1 << 16) + (1 << 16)
+    monkeypatch.setattr(type(tok), "encode", encode)
+    assert np.array_equal(got.ids, tok.encode(path.read_text()))
+
+
+def test_cache_is_reused_and_keyed_by_content_tokenizer_and_bos(shared_data, tmp_path, monkeypatch):
+    tok = ByteTokenizer()
+    path, cache = tmp_path / "c.txt", tmp_path / "cache"
+    path.write_text("to be or not to be\n" * 500)
+    first = corpus_tokens(path, tok, cache_dir=str(cache))
+    assert not first.cached and sorted(p.suffix for p in cache.iterdir()) == [".json", ".tokens"]
+
+    def no_encoding(*a, **k):
+        raise AssertionError("tokenized again")
+    monkeypatch.setattr(ByteTokenizer, "encode", no_encoding)
+    again = corpus_tokens(path, tok, cache_dir=str(cache))
+    assert again.cached and np.array_equal(again.ids, first.ids) and again.fingerprint == first.fingerprint
+    monkeypatch.undo()
+    # another text, another tokenizer, BOS: each its own file
+    assert not corpus_tokens(path, tok, add_bos=True, cache_dir=str(cache)).cached
+    assert not corpus_tokens(path, train_bpe(path.read_text(), 300), cache_dir=str(cache)).cached
+    path.write_text("to be or not to be?\n" * 500)
+    changed = corpus_tokens(path, tok, cache_dir=str(cache))
+    assert not changed.cached and changed.fingerprint != first.fingerprint
+    assert len(list(cache.glob("*.tokens"))) == 4
+
+
+def test_a_damaged_or_unfinished_cache_entry_is_tokenized_again(tmp_path):
+    tok = ByteTokenizer()
+    path, cache = tmp_path / "c.txt", tmp_path / "cache"
+    path.write_text("abc def\n" * 300)
+    want = np.array(corpus_tokens(path, tok, cache_dir=str(cache)).ids)   # a copy, not the map
+    tokens = next(cache.glob("*.tokens"))
+    with open(tokens, "r+b") as f:
+        f.truncate(100)                                     # cut short
+    again = corpus_tokens(path, tok, cache_dir=str(cache))
+    assert not again.cached and np.array_equal(again.ids, want)
+    next(cache.glob("*.json")).unlink()                     # killed before the .json was written
+    third = corpus_tokens(path, tok, cache_dir=str(cache))
+    assert not third.cached and np.array_equal(third.ids, want)
+
+
+def test_stale_temporary_files_are_removed_and_fresh_ones_kept(tmp_path):
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    stale, fresh = cache / "k.123.tmp", cache / "k.456.tmp"
+    stale.write_bytes(b"x" * 10)
+    fresh.write_bytes(b"y" * 10)
+    old = time.time() - 2 * 24 * 3600
+    os.utime(stale, (old, old))
+    path = tmp_path / "c.txt"
+    path.write_text("hello world\n")
+    corpus_tokens(path, ByteTokenizer(), cache_dir=str(cache))
+    assert not stale.exists() and fresh.exists()
+
+
+def test_no_cache_leaves_no_file(tmp_path, monkeypatch):
+    monkeypatch.setattr(corpus.tempfile, "tempdir", str(tmp_path / "t"))
+    (tmp_path / "t").mkdir()
+    path = tmp_path / "c.txt"
+    path.write_text("hello world\n" * 100)
+    got = corpus_tokens(path, ByteTokenizer(), cache_dir=None)
+    assert len(got.ids) == 1200 and got.path is None
+    assert list((tmp_path / "t").iterdir()) == []
+
+
+def test_a_failed_tokenization_leaves_nothing_under_a_final_name(tmp_path, monkeypatch):
+    path, cache = tmp_path / "c.txt", tmp_path / "cache"
+    path.write_text("hello world\n" * 100)
+
+    def broken(*a, **k):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(ByteTokenizer, "encode", broken)
+    with pytest.raises(KeyboardInterrupt):
+        corpus_tokens(path, ByteTokenizer(), cache_dir=str(cache))
+    assert list(cache.iterdir()) == []
+
+
+@pytest.mark.parametrize("content", [b"", b"  \n\t\n", b"\xef\xbb\xbf\n"])
+def test_a_file_without_text_is_one_error(tmp_path, content):
+    path = tmp_path / "e.txt"
+    path.write_bytes(content)
+    with pytest.raises(ConfigError, match="the file is empty"):
+        corpus_tokens(path, ByteTokenizer(), cache_dir=str(tmp_path / "cache"))
+    assert not list((tmp_path / "cache").glob("*"))
+
+
+def test_tokenizer_fingerprint_tells_vocabularies_apart(shared_data):
+    a = load_tokenizer("byte")
+    assert a.fingerprint() == ByteTokenizer().fingerprint()
+    text = (shared_data / "text" / "tinyshakespeare.txt").read_text()[:20000]
+    assert train_bpe(text, 300).fingerprint() == train_bpe(text, 300).fingerprint()
+    assert len({a.fingerprint(), train_bpe(text, 300).fingerprint(), train_bpe(text, 301).fingerprint()}) == 3
