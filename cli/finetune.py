@@ -24,7 +24,7 @@ from ggtrain.cli.common import JsonLog, cpu_backend, file_errors, read_corpus, s
 from ggtrain.cli.tasks import run_task, task_words
 from ggtrain.cli.config import config_record
 from ggtrain.cli.loop import (BACKEND, CHECKPOINT_DIR, CHECKPOINTING, CONFIG, EARLY_STOP_PATIENCE, EVAL_EVERY,
-                              GRAD_CLIP, LOG, MIN_DELTA, MOMENTUM, OPTIMIZER, QUIET, SAVE_EVERY, THREADS, TOKEN_CACHE,
+                              GRAD_CLIP, LOG, MIN_DELTA, MOMENTUM, OPTIMIZER, QUIET, SAVE_EVERY, THREADS, TOKEN_CACHE, ON_SAVE_ERROR,
                               check_checkpoint_options, check_out, drive, optimizer_settings,
                               validation_words)
 from ggtrain.cli.main import app
@@ -180,6 +180,7 @@ def finetune(
     checkpointing: bool = CHECKPOINTING,
     checkpoint_dir: pathlib.Path = CHECKPOINT_DIR,
     save_every: int = SAVE_EVERY,
+    on_save_error: str = ON_SAVE_ERROR,
     resume: pathlib.Path = typer.Option(None, "--resume", help="Continue from a checkpoint (same --model and --data)."),
     eval_every: int = EVAL_EVERY,
     early_stop_patience: int = EARLY_STOP_PATIENCE,
@@ -199,7 +200,7 @@ def finetune(
     record = config_record(context)
     be = cpu_backend(backend, threads)
     if world.lead:   # the one process that writes
-        check_checkpoint_options(save_every, checkpoint_dir)
+        check_checkpoint_options(save_every, checkpoint_dir, on_save_error)
         check_out(out)
     if merged_out is not None:
         if world.lead:
@@ -413,6 +414,7 @@ def finetune(
                 "updates": train_cfg.steps, "kind": kind_name})
     result = drive(run, Shard(batches, world), val_batches, log=logf, quiet=quiet, save_every=save_every,
                    checkpoint_dir=checkpoint_dir, out=out, checkpoint=checkpoint,
+                    on_save_error=on_save_error, resumed_from=resume,
                    evaluate_task=task_accuracy if task_items else None)
     if not world.lead:
         return

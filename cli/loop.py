@@ -17,7 +17,8 @@ from ggtrain.cli.tasks import task_words
 from ggtrain.cli.config import load_config
 from ggtrain.core.optim import OPTIMIZERS
 from ggtrain.core.preference import METRICS
-from ggtrain.errors import ConfigError
+from ggtrain.errors import ConfigError, WriteError
+from ggtrain.formats.files import remove_stale_temporaries
 
 STEP_FIELDS = ("step", "epoch", "loss", "lr", "grad_norm", "tokens_per_s", "elapsed_s")
 SEARCH_FIELDS = ("evals", "step_size")   # L-BFGS: forward+backward runs and accepted step of an update
@@ -34,6 +35,11 @@ CHECKPOINTING = typer.Option(True, "--checkpointing/--no-checkpointing",
                                   "for ~10-15% more time).")
 CHECKPOINT_DIR = typer.Option(None, "--checkpoint-dir", help="Folder for resumable checkpoints.")
 SAVE_EVERY = typer.Option(0, "--save-every", help="Save a checkpoint every N updates (needs --checkpoint-dir).")
+ON_SAVE_ERROR = typer.Option("stop", "--on-save-error",
+                             help="When a checkpoint cannot be written (a full disk, a folder not writable): "
+                                  "stop (one line naming the last checkpoint to --resume from) or continue "
+                                  "(a warning, and the run goes on). The previous checkpoint is intact either way.")
+SAVE_ERRORS = ("stop", "continue")
 EVAL_EVERY = typer.Option(0, "--eval-every", help="Validation loss every N updates (0: at the end only).")
 THREADS = typer.Option(None, "--threads", help="CPU threads (default: all available).")
 BACKEND = typer.Option("cpu", "--backend", help="cpu (cuda in builds that have it).")
@@ -72,14 +78,19 @@ def optimizer_settings(optimizer: str, lr: float | None, weight_decay: float | N
             1.0 if grad_clip is None else grad_clip)
 
 
-def check_checkpoint_options(save_every: int, checkpoint_dir: pathlib.Path | None) -> None:
-    """--save-every needs --checkpoint-dir; the folder is created."""
+def check_checkpoint_options(save_every: int, checkpoint_dir: pathlib.Path | None,
+                             on_save_error: str = "stop") -> None:
+    """--save-every needs --checkpoint-dir; the folder is created, and what killed saves left
+    in it removed."""
+    if on_save_error not in SAVE_ERRORS:
+        raise ConfigError(f"--on-save-error {on_save_error}: expected {' or '.join(SAVE_ERRORS)}")
     if save_every < 0:
         raise ConfigError(f"--save-every must be >= 0, got {save_every}")
     if save_every and checkpoint_dir is None:
         raise ConfigError("--save-every needs --checkpoint-dir")
     if checkpoint_dir is not None:
         checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        remove_stale_temporaries(checkpoint_dir)
 
 
 def _nothing(path: pathlib.Path) -> None:
@@ -87,13 +98,16 @@ def _nothing(path: pathlib.Path) -> None:
 
 
 def check_out(out: pathlib.Path, option: str = "--out") -> None:
+    """The folder of an output exists (what killed writes left in it is removed)."""
     if not out.parent.is_dir():
         raise ConfigError(f"{option} {out}: folder {out.parent} does not exist")
+    remove_stale_temporaries(out.parent)
 
 
 def drive(run, batches, val_batches: list, *, log: JsonLog, quiet: bool, save_every: int,
           checkpoint_dir: pathlib.Path | None, out: pathlib.Path,
-          checkpoint: Callable[[pathlib.Path], None], evaluate_task: Callable[[], dict] | None = None) -> dict:
+          checkpoint: Callable[[pathlib.Path], None], evaluate_task: Callable[[], dict] | None = None,
+          on_save_error: str = "stop", resumed_from: pathlib.Path | None = None) -> dict:
     """Run `run.fit` to its last update with a progress bar, logging and checkpoints.
 
     checkpoint(path) writes a resumable checkpoint of the run; only rank 0 calls it (and
@@ -103,6 +117,9 @@ def drive(run, batches, val_batches: list, *, log: JsonLog, quiet: bool, save_ev
     the final evaluation (of the best model with early stopping); "stopped" says why in words.
     evaluate_task() (rank 0 only): {"task_acc", ...} of the model now, logged every
     config.eval_every updates and at the end (in the result).
+    A checkpoint that cannot be written (WriteError) stops the run with one line naming the
+    last one written (or resumed from), or with on_save_error "continue" is logged
+    ("save_failed") and warned about while the run goes on.
     """
     write = log.write
     total = run.config.steps
@@ -110,6 +127,21 @@ def drive(run, batches, val_batches: list, *, log: JsonLog, quiet: bool, save_ev
     if not lead:
         checkpoint, evaluate_task = _nothing, None
     bar = None if quiet or not lead else tqdm(total=total, initial=run.updates, unit="step", file=sys.stderr)
+    last = [resumed_from]
+
+    def save(path: pathlib.Path, step: int, then_continue: bool = True) -> None:
+        try:
+            checkpoint(path)
+            last[0] = path
+        except WriteError as e:
+            if on_save_error == "continue" and then_continue:
+                write({"event": "save_failed", "step": step, "checkpoint": str(path), "error": str(e)})
+                (bar.write if bar is not None else lambda m: typer.echo(m, err=True))(
+                    f"warning: checkpoint {e}; the run goes on (--on-save-error continue)")
+                return
+            resume = (f"the last checkpoint is {last[0]} (resume with --resume {last[0]})" if last[0]
+                      else "no checkpoint of this run was written")
+            raise WriteError(f"checkpoint {e}; {resume}") from None
 
     def on_step(info):
         write({k: info[k] for k in STEP_FIELDS + SEARCH_FIELDS + PREFERENCE_FIELDS if k in info})
@@ -120,7 +152,7 @@ def drive(run, batches, val_batches: list, *, log: JsonLog, quiet: bool, save_ev
                             tok_s=f"{info['tokens_per_s']:.0f}")
             bar.update(1)
         if save_every and info["step"] % save_every == 0:
-            checkpoint(checkpoint_dir / f"ckpt-{info['step']:06d}.gguf")
+            save(checkpoint_dir / f"ckpt-{info['step']:06d}.gguf", info["step"])
         every = run.config.eval_every
         if evaluate_task is not None and every and info["step"] % every == 0 and info["step"] < total:
             ev = {"step": info["step"], **evaluate_task()}
@@ -145,7 +177,7 @@ def drive(run, batches, val_batches: list, *, log: JsonLog, quiet: bool, save_ev
     if run.interrupted:
         path = (checkpoint_dir / f"ckpt-{run.updates:06d}.gguf" if checkpoint_dir
                 else out.parent / (out.name + ".ckpt.gguf"))
-        checkpoint(path)
+        save(path, run.updates, then_continue=False)
         write({"event": "interrupted", "step": run.updates, "checkpoint": str(path)})
         log.close()
         if lead:
@@ -154,7 +186,7 @@ def drive(run, batches, val_batches: list, *, log: JsonLog, quiet: bool, save_ev
         raise typer.Exit(130)
     val_loss = run.evaluate(val_batches) if val_batches else None
     if checkpoint_dir is not None:
-        checkpoint(checkpoint_dir / f"ckpt-{run.updates:06d}.gguf")
+        save(checkpoint_dir / f"ckpt-{run.updates:06d}.gguf", run.updates)
     task = evaluate_task() if evaluate_task is not None else {}
     return {"step": run.updates, "val_loss": val_loss, **(getattr(run, "last_eval_metrics", {}) if val_batches else {}),
             **task,

@@ -8,13 +8,13 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-import tempfile
 
 import typer
 
 from ggtrain.cli.common import file_errors
 from ggtrain.cli.main import app
 from ggtrain.errors import ConfigError
+from ggtrain.formats.files import commit, discard, open_temporary
 
 
 def read_log(path: pathlib.Path) -> dict:
@@ -83,15 +83,15 @@ def plot(
     ax_lr.grid(alpha=0.3)
     fig.tight_layout()
     # written atomically: a temporary file beside the target, then renamed
-    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=out.suffix or ".png")
+    fd, tmp = open_temporary(out)
     try:
         with os.fdopen(fd, "wb") as f:
             fig.savefig(f, format=(out.suffix[1:] or "png").lower(), dpi=100)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, out)
+        commit(tmp, out)
     except BaseException:
-        os.unlink(tmp)
+        discard(tmp)
         raise
     finally:
         plt.close(fig)

@@ -9,7 +9,7 @@ import typer
 from ggtrain.cli.common import JsonLog, cpu_backend, file_errors, read_corpus, start_world
 from ggtrain.cli.config import config_record
 from ggtrain.cli.loop import (BACKEND, CHECKPOINT_DIR, CHECKPOINTING, CONFIG, EARLY_STOP_PATIENCE, EVAL_EVERY,
-                              GRAD_CLIP, LOG, MIN_DELTA, MOMENTUM, OPTIMIZER, QUIET, SAVE_EVERY, THREADS, TOKEN_CACHE,
+                              GRAD_CLIP, LOG, MIN_DELTA, MOMENTUM, OPTIMIZER, QUIET, SAVE_EVERY, THREADS, TOKEN_CACHE, ON_SAVE_ERROR,
                               check_checkpoint_options, check_out, drive, validation_words, optimizer_settings)
 from ggtrain.cli.main import app
 from ggtrain.core.data import TokenWindows, eval_windows, split_tokens
@@ -73,6 +73,7 @@ def train(
     checkpointing: bool = CHECKPOINTING,
     checkpoint_dir: pathlib.Path = CHECKPOINT_DIR,
     save_every: int = SAVE_EVERY,
+    on_save_error: str = ON_SAVE_ERROR,
     resume: pathlib.Path = typer.Option(None, "--resume", help="Continue from a checkpoint (same --data)."),
     eval_every: int = EVAL_EVERY,
     early_stop_patience: int = EARLY_STOP_PATIENCE,
@@ -95,7 +96,7 @@ def train(
     if epochs is not None and not epochs > 0:
         raise ConfigError(f"--epochs must be > 0, got {epochs:g}")
     if world.lead:   # the one process that writes
-        check_checkpoint_options(save_every, checkpoint_dir)
+        check_checkpoint_options(save_every, checkpoint_dir, on_save_error)
         check_out(out)
     data = data or BUNDLED_TEXT
     ckpt = load_checkpoint(resume) if resume else None
@@ -172,7 +173,8 @@ def train(
     logf = JsonLog(log if world.lead else None)
     logf.write(record)
     summary = drive(run, Shard(windows, world), val_batches, log=logf, quiet=quiet, save_every=save_every,
-                    checkpoint_dir=checkpoint_dir, out=out, checkpoint=checkpoint)
+                    checkpoint_dir=checkpoint_dir, out=out, checkpoint=checkpoint,
+                    on_save_error=on_save_error, resumed_from=resume)
     if world.lead:
         save_model(out, model_json, run.param_values(), tok, extra_kv=carried)
         logf.write({"event": "done", **summary, "out": str(out)})

@@ -17,7 +17,7 @@ Cache: `<cache_dir>/<key>.tokens` (the ids, int32 little-endian) with `<key>.jso
 checkpoint keeps), where key hashes the file's bytes, the tokenizer's vocabulary
 (`Tokenizer.fingerprint`) and add_bos. Both are written under temporary names and renamed,
 the .json last, so a .tokens file without its .json is never read; temporary files left by a
-killed run are removed by the next one after a day. With no cache directory the ids go to an
+killed run are removed by the next one (formats/files.py). With no cache directory the ids go to an
 unnamed temporary file (unlinked once mapped).
 """
 from __future__ import annotations
@@ -27,7 +27,6 @@ import json
 import multiprocessing
 import os
 import tempfile
-import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Iterator
@@ -35,12 +34,12 @@ from typing import Callable, Iterator
 import numpy as np
 
 from ggtrain.errors import ConfigError
+from ggtrain.formats.files import commit, discard, open_temporary, remove_stale_temporaries, write_atomic
 from ggtrain.formats.tokenizer import ByteTokenizer, Tokenizer
 
 BLOCK = 4 << 20              # bytes read at a time
 _REACH = 1 << 16             # a cut is looked for in the last _REACH characters first
 _VERSION = 1                 # of the token files; a change makes every cached file a miss
-_STALE_S = 24 * 3600         # temporary files older than this are left over from a killed run
 _BOM = b"\xef\xbb\xbf"
 
 
@@ -87,8 +86,9 @@ def corpus_tokens(path, tokenizer: Tokenizer, add_bos: bool = False, cache_dir: 
         workers = 1        # numpy turns bytes into ids faster than they could be sent to a worker
     if cache_dir is not None:
         os.makedirs(cache_dir, exist_ok=True)
-        _remove_stale(cache_dir)
-        fd, tmp = tempfile.mkstemp(prefix=f"{key}.", suffix=".tmp", dir=cache_dir)
+        remove_stale_temporaries(cache_dir)
+        final = os.path.join(cache_dir, key + ".tokens")
+        fd, tmp = open_temporary(final)
     else:
         fd, tmp = tempfile.mkstemp(prefix="ggtrain-tokens.", suffix=".tmp")
     try:
@@ -102,15 +102,13 @@ def corpus_tokens(path, tokenizer: Tokenizer, add_bos: bool = False, cache_dir: 
             ids = _map(tmp, n)
             os.unlink(tmp)      # the mapping stays valid; the file goes when it is closed
             return TokenFile(ids, digest, None, False, size)
-        final = os.path.join(cache_dir, key + ".tokens")
-        os.replace(tmp, final)
+        commit(tmp, final)
         meta = {"version": _VERSION, "source": os.path.abspath(path), "source_bytes": size,
                 "tokens": n, "sha256": digest, "tokenizer": repr(tokenizer), "add_bos": add_bos}
-        _write_json(os.path.join(cache_dir, key + ".json"), meta)
+        write_atomic(os.path.join(cache_dir, key + ".json"), json.dumps(meta, indent=1).encode())
         return TokenFile(_map(final, n), digest, final, False, size)
     except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        discard(tmp)
         raise
 
 
@@ -272,30 +270,3 @@ def _map(path: str, n: int) -> np.ndarray:
     if n == 0:
         return np.zeros(0, dtype=np.int32)
     return np.memmap(path, dtype="<i4", mode="r", shape=(n,))
-
-
-def _write_json(path: str, value: dict) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp",
-                               dir=os.path.dirname(path))
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(value, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
-def _remove_stale(cache_dir: str) -> None:
-    now = time.time()
-    for name in os.listdir(cache_dir):
-        if name.endswith(".tmp"):
-            full = os.path.join(cache_dir, name)
-            try:
-                if now - os.path.getmtime(full) > _STALE_S:
-                    os.unlink(full)
-            except OSError:
-                pass         # another run removed it, or it is not ours to remove

@@ -189,6 +189,8 @@ def _json_lines(text: str, path: str) -> list:
             continue
         try:
             value = json.loads(line)
+        except RecursionError:
+            raise FormatError(f"{path} line {n}: JSON nested too deeply") from None
         except json.JSONDecodeError as e:
             hint = ("; JSON lines hold one whole record per line"
                     if e.pos >= len(line.rstrip(_JSON_WS)) else "")
@@ -201,6 +203,8 @@ def _json_array(text: str, path: str) -> list:
     """[(where, value)] of the items of a file holding one JSON array."""
     try:
         value = json.loads(text)
+    except RecursionError:
+        raise FormatError(f"{path}: JSON nested too deeply") from None
     except json.JSONDecodeError as e:
         raise FormatError(f"{path} line {e.lineno} column {e.colno}: invalid JSON ({e.msg})") from None
     if not isinstance(value, list):

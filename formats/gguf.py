@@ -18,9 +18,9 @@ Constants (type ids, block sizes, value types) come from the `gguf` package.
 """
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
-import secrets
 import struct
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -33,7 +33,8 @@ from gguf.constants import (
     GGUFValueType,
 )
 
-from ggtrain.errors import DTypeError, FormatError, UnsupportedOpError
+from ggtrain.errors import DTypeError, FormatError, UnsupportedOpError, WriteError
+from ggtrain.formats.files import commit, discard, open_temporary
 from ggtrain.native import _check, ffi, lib
 from ggtrain.native.dtypes import DTYPES, dtype as _dtype, nbytes as _nbytes
 
@@ -781,19 +782,16 @@ class GGUFWriter:
 
     # -- writing --
     def _open(self) -> None:
-        directory = os.path.dirname(os.path.abspath(self.path))
-        base = os.path.basename(self.path)
-        for _ in range(100):
-            tmp = os.path.join(directory, f".{base}.{secrets.token_hex(4)}.tmp")
-            try:
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-                break
-            except FileExistsError:
-                continue
-        else:  # pragma: no cover
-            raise FileExistsError(f"cannot create a temporary file beside {self.path}")
-        self._tmp = tmp
+        fd, self._tmp = open_temporary(self.path)
         self._file = os.fdopen(fd, "wb", buffering=1 << 20)
+
+    @contextlib.contextmanager
+    def _io(self):
+        """OSErrors of writing (a full disk, a folder not writable) as one WriteError naming the file."""
+        try:
+            yield
+        except OSError as e:
+            raise WriteError(f"{self.path}: cannot write: {e.strerror or e}") from e
 
     def _write_header(self) -> None:
         self._open()
@@ -822,6 +820,10 @@ class GGUFWriter:
         info = self.infos[self._next]
         if info.name != name:
             raise ValueError(f"tensors are written in declaration order: expected {info.name!r}, got {name!r}")
+        with self._io():
+            self._write_data(info, name, data)
+
+    def _write_data(self, info: TensorInfo, name: str, data) -> None:
         if self._file is None:
             self._write_header()
         f = self._file
@@ -855,22 +857,15 @@ class GGUFWriter:
         if self._next != len(self.infos):
             missing = [i.name for i in self.infos[self._next:]]
             raise ValueError(f"{len(missing)} declared tensors were not written: {missing[:5]}")
-        if self._file is None:
-            self._write_header()
-        f = self._file
-        f.flush()
-        os.fsync(f.fileno())
-        f.close()
-        os.replace(self._tmp, self.path)
+        with self._io():
+            if self._file is None:
+                self._write_header()
+            f = self._file
+            f.flush()
+            os.fsync(f.fileno())
+            f.close()
+            commit(self._tmp, self.path)
         self._done = True
-        try:  # make the rename itself durable
-            dfd = os.open(os.path.dirname(os.path.abspath(self.path)), os.O_RDONLY)
-            try:
-                os.fsync(dfd)
-            finally:
-                os.close(dfd)
-        except OSError:  # pragma: no cover - some filesystems refuse directory fsync
-            pass
 
     def abort(self) -> None:
         """Drop the temporary file; the final name is left as it was."""
@@ -880,11 +875,7 @@ class GGUFWriter:
                 self._file.close()
             except OSError:  # pragma: no cover
                 pass
-        if self._tmp is not None:
-            try:
-                os.unlink(self._tmp)
-            except FileNotFoundError:
-                pass
+        discard(self._tmp)
 
     def __enter__(self) -> "GGUFWriter":
         return self

@@ -45,5 +45,10 @@ class ConfigError(GgtrainError, ValueError):
     """A bad option value or combination of options."""
 
 
+class WriteError(GgtrainError, OSError):
+    """A file that could not be written (a full disk, a folder that is not writable); the
+    file's previous content, if any, is intact (writes go through a temporary)."""
+
+
 class NumericError(GgtrainError, ArithmeticError):
     """Training diverged: a loss or gradient became NaN or infinite."""

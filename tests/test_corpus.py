@@ -3,7 +3,7 @@ that makes the stream exact (Tokenizer.cut), and the word-cache BPE path of long
 import hashlib
 import os
 import re
-import time
+import subprocess
 
 import numpy as np
 import pytest
@@ -11,6 +11,7 @@ import pytest
 from ggtrain.errors import ConfigError
 from ggtrain.formats import corpus
 from ggtrain.formats.corpus import corpus_tokens
+from ggtrain.formats.files import _host
 from ggtrain.formats.pretokenizer import BPE_PRE
 from ggtrain.formats.tokenizer import (ATTR_USER_DEFINED, BpeTokenizer, ByteTokenizer, load_tokenizer,
                                        tokenizer_from_gguf, train_bpe)
@@ -212,14 +213,15 @@ def test_a_damaged_or_unfinished_cache_entry_is_tokenized_again(tmp_path):
     assert not third.cached and np.array_equal(third.ids, want)
 
 
-def test_stale_temporary_files_are_removed_and_fresh_ones_kept(tmp_path):
+def test_temporary_files_of_a_killed_run_are_removed_and_live_ones_kept(tmp_path):
     cache = tmp_path / "cache"
     cache.mkdir()
-    stale, fresh = cache / "k.123.tmp", cache / "k.456.tmp"
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    stale = cache / f".k.tokens.{_host()}-{gone.pid}.12345678.tmp"
+    fresh = cache / f".k.tokens.{_host()}-{os.getpid()}.12345678.tmp"
     stale.write_bytes(b"x" * 10)
     fresh.write_bytes(b"y" * 10)
-    old = time.time() - 2 * 24 * 3600
-    os.utime(stale, (old, old))
     path = tmp_path / "c.txt"
     path.write_text("hello world\n")
     corpus_tokens(path, ByteTokenizer(), cache_dir=str(cache))
