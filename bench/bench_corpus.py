@@ -16,7 +16,12 @@ Lines, each in its own process, in one sitting:
   train --tokenizer byte --steps 2` on the cached tokens: seconds to the end of the run, peak
   memory against token file + model + planned memory (the issue's bound: 1.2x).
 
-    python bench/bench_corpus.py [--mb 1024] [--whole-mb 100]
+Chat records (--records 100000, the Vicuna conversations of dummy_conversation.json repeated):
+the path before (read the file, render, tokenize and mask every conversation in one process)
+against `ggtrain finetune --data RECORDS --steps 1` with an empty token cache (samples made by
+worker processes and kept), then again (the samples read from the cache): seconds, peak memory.
+
+    python bench/bench_corpus.py [--mb 1024] [--whole-mb 100] [--records 100000] [--only text|chat]
 """
 from __future__ import annotations
 
@@ -127,14 +132,65 @@ print(json.dumps({"s": time.perf_counter() - t, "tokens": len(got.ids), "cached"
 """
 
 
+SAMPLES = """
+import json, sys, time
+from ggtrain.formats.chat import chat_template
+from ggtrain.formats.dataset import read_data
+from ggtrain.formats.gguf import read_gguf
+from ggtrain.formats.tokenizer import tokenizer_from_gguf
+model = read_gguf(sys.argv[1]); tok = tokenizer_from_gguf(model); template = chat_template(model)
+t = time.perf_counter()
+data = read_data(sys.argv[2]); got = data.samples(tok, template)
+print(json.dumps({"s": time.perf_counter() - t, "samples": len(got)}))
+"""
+
+
+def make_records(n: int) -> pathlib.Path:
+    path = CACHE / "bench" / f"chat-{n}.jsonl"
+    if not path.exists():
+        convs = json.loads((SHARED / "chat" / "dummy_conversation.json").read_text())
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        with open(tmp, "w", encoding="utf-8") as f:
+            for i in range(n):
+                f.write(json.dumps({"conversations": convs[i % len(convs)]["conversations"]}) + "\n")
+        os.replace(tmp, path)
+    return path
+
+
+def chat(n: int, threads: int) -> None:
+    records = make_records(n)
+    py = sys.executable
+    before = measured([py, "-c", SAMPLES, str(SMOLLM2), str(records)])
+    br = json.loads(before["out"])
+    print(f"{n:,} chat records ({records.stat().st_size / 1e6:.0f} MB): the path before (one process) "
+          f"{br['s']:.1f} s, peak {before['peak_mib']:.0f} MiB")
+    cache = tempfile.mkdtemp(prefix="ggtrain-bench-samples-")
+    env = {"GGTRAIN_TOKEN_CACHE": cache}
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [py, "-m", "ggtrain", "finetune", "--model", str(SMOLLM2), "--data", str(records),
+               "--out", f"{tmp}/a.gguf", "--steps", "1", "--ctx", "512", "--batch", "1", "--quiet",
+               "--threads", str(threads)]
+        cold = measured(cmd, env)
+        warm = measured(cmd, env)
+    print(f"finetune --steps 1, samples made by workers and kept: {cold['s']:.1f} s, peak {cold['peak_mib']:.0f} "
+          f"MiB; again, samples from the cache: {warm['s']:.1f} s, peak {warm['peak_mib']:.0f} MiB")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--mb", type=int, default=1024)
     ap.add_argument("--whole-mb", type=int, default=100)
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    ap.add_argument("--records", type=int, default=100_000)
+    ap.add_argument("--only", choices=["text", "chat"])
     args = ap.parse_args()
     if not SMOLLM2.exists():
         sys.exit(f"{SMOLLM2} is not there (../shared/data)")
+    if args.only != "text":
+        chat(args.records, args.threads)
+    if args.only == "chat":
+        return
     corpus = make_corpus(args.mb)
     mb = corpus.stat().st_size / 1e6
     cache = tempfile.mkdtemp(prefix="ggtrain-bench-tokens-")

@@ -9,8 +9,8 @@ import os
 import pathlib
 import signal
 import socket
-
 import sys
+from typing import Callable
 
 import typer
 from tqdm import tqdm
@@ -18,7 +18,9 @@ from tqdm import tqdm
 from ggtrain.core import distributed
 from ggtrain.core.backend_cpu import CpuBackend, default_threads
 from ggtrain.errors import ConfigError
-from ggtrain.formats.corpus import TokenFile, corpus_tokens, default_cache_dir
+from ggtrain.formats.corpus import (SampleSet, TokenFile, cached_samples, corpus_tokens, default_cache_dir,
+                                    sample_records, samples_key)
+from ggtrain.formats.dataset import read_data
 from ggtrain.formats.tokenizer import Tokenizer
 
 
@@ -61,13 +63,52 @@ def file_errors(prefix: str, kind: str = "file"):
         raise ConfigError(f"{prefix}: cannot read: {exc.strerror or exc}") from None
 
 
+def token_cache_dir(token_cache: str | None) -> str | None:
+    """The folder the --token-cache option names: None for "none", the default when not given."""
+    return default_cache_dir() if token_cache is None else None if token_cache == "none" else token_cache
+
+
+def read_records(path: pathlib.Path, tok: Tokenizer, template_of: Callable, template_key: str,
+                 train_on_inputs: bool, token_cache: str | None, quiet: bool, world: distributed.World,
+                 check: Callable[[str, str], None]) -> SampleSet:
+    """The samples of a record --data file, from the token cache when made before, else made by
+    worker processes (a progress bar of records) and kept there. check(kind, layout) runs
+    before any sample is made (an error there costs no sampling); template_of(data) gives the
+    chat template the records need, or None."""
+    cache = token_cache_dir(token_cache)
+    with file_errors(f"--data {path}"):
+        key = samples_key(path, tok, template_key, train_on_inputs)
+    found = cached_samples(cache, key)
+    if found is not None:
+        check(found.kind, found.layout)
+        return found
+    data = read_data(path)
+    check(data.kind, data.layout)
+    bar = None if quiet or not world.lead else tqdm(total=len(data.records), unit="record", desc=f"sampling {path.name}",
+                                                    file=sys.stderr, leave=False, mininterval=0.5)
+
+    def progress(done: int, total: int) -> None:
+        if bar is not None:
+            bar.update(done - bar.n)
+
+    try:
+        return sample_records(data, tok, template_of(data), train_on_inputs, cache, key, progress=progress,
+                              workers=1 if world.size > 1 else None)
+    except OSError as e:
+        raise ConfigError(f"--token-cache {cache}: cannot write the samples of --data {path}: "
+                          f"{e.strerror or e}") from None
+    finally:
+        if bar is not None:
+            bar.close()
+
+
 def read_corpus(path: pathlib.Path, tok: Tokenizer, add_bos: bool, token_cache: str | None,
                 quiet: bool, world: distributed.World) -> TokenFile:
     """The ids of a plain-text --data file (formats/corpus.py), with a progress bar (bytes,
     tokens/s, time left) while it is tokenized; token_cache: the --token-cache option (a
     folder, "none", or None for the default). Under mpiexec each process tokenizes alone
     (one worker each) or maps the cached file."""
-    cache = default_cache_dir() if token_cache is None else None if token_cache == "none" else token_cache
+    cache = token_cache_dir(token_cache)
     bar = None
 
     def progress(done: int, total: int, tokens: int) -> None:

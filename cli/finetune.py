@@ -20,7 +20,7 @@ import numpy as np
 import typer
 from tqdm import tqdm
 
-from ggtrain.cli.common import JsonLog, cpu_backend, file_errors, read_corpus, start_world
+from ggtrain.cli.common import JsonLog, cpu_backend, file_errors, read_corpus, read_records, start_world
 from ggtrain.cli.tasks import run_task, task_words
 from ggtrain.cli.config import config_record
 from ggtrain.cli.loop import (BACKEND, CHECKPOINT_DIR, CHECKPOINTING, CONFIG, EARLY_STOP_PATIENCE, EVAL_EVERY,
@@ -37,8 +37,9 @@ from ggtrain.core.preference import METHODS, PreferenceConfig, pair_slots
 from ggtrain.core.train import TextConfig, TextRun
 from ggtrain.errors import ConfigError
 from ggtrain.formats.checkpoint import load_checkpoint, save_checkpoint
+from ggtrain.formats.chat import ChatTemplate, template_id
 from ggtrain.formats.chat import chat_template as find_template
-from ggtrain.formats.dataset import is_plain_text, read_data
+from ggtrain.formats.dataset import is_plain_text
 from ggtrain.formats.gguf import read_gguf
 from ggtrain.formats.model_file import WRITE_TYPES, carried_kv, check_write_type, open_model, save_model
 from ggtrain.formats.lora import write_lora, write_merged
@@ -261,21 +262,31 @@ def finetune(
     train_cfg = (TextConfig(**{**ckpt["train_config"], **({"steps": steps} if steps is not None else {})})
                  .on(world.size) if ckpt is not None else None)
     global_batch = train_cfg.global_batch if ckpt is not None else batch * world.size
+    def check_kind(kind: str, layout: str) -> None:
+        if (kind == "preference") != (preference is not None):
+            raise ConfigError(f"--data {data}: preference pairs train with --method dpo or orpo" if preference is None
+                              else f"--method {method} trains on preference pairs ({{\"prompt\", \"chosen\", "
+                                   f"\"rejected\"}} records); --data {data} holds "
+                                   f"{'plain text' if kind == 'plain' else layout + ' records'}")
+        if preference is not None and train_on_inputs:
+            raise ConfigError(f"--train-on-inputs does not apply to --method {method}: its loss compares the answers")
+
+    def template_of(found) -> ChatTemplate | None:
+        conversational = found.kind == "preference" and isinstance(found.records[0][0], list)
+        return find_template(base_file, chat_template) if found.kind == "chat" or conversational else None
+
     plain = is_plain_text(data)
-    found = None if plain else read_data(data)
-    kind = "plain" if plain else found.kind
-    if (kind == "preference") != (preference is not None):
-        raise ConfigError(f"--data {data}: preference pairs train with --method dpo or orpo" if preference is None
-                          else f"--method {method} trains on preference pairs ({{\"prompt\", \"chosen\", "
-                               f"\"rejected\"}} records); --data {data} holds "
-                               f"{'plain text' if plain else found.layout + ' records'}")
-    if preference is not None and train_on_inputs:
-        raise ConfigError(f"--train-on-inputs does not apply to --method {method}: its loss compares the answers")
+    if plain:
+        check_kind("plain", "plain")
+        kind = "plain"
+    else:
+        records = read_records(data, tok, template_of, template_id(base_file, chat_template), train_on_inputs,
+                               token_cache, quiet, world, check_kind)
+        kind = records.kind
     pairs = 0    # pair slots of a physical batch
     n_pairs = 0
     if kind == "preference":
-        template = find_template(base_file, chat_template) if isinstance(found.records[0][0], list) else None
-        every = list(zip(found.samples(tok, template), found.where))
+        every = list(zip(records.samples, records.where))
         train_p, val_p = split_samples(every, val_split, seed)
         packed_data, stats = pack_pairs([p for p, _ in train_p], ctx, packing=packing, drop_long=drop_long,
                                         where=[w for _, w in train_p])
@@ -306,8 +317,7 @@ def finetune(
         packed = False
         summary = f"{len(train_ids)} training / {len(val_ids)} validation tokens in windows of {ctx}"
     else:
-        template = find_template(base_file, chat_template) if kind == "chat" else None
-        every = found.samples(tok, template, train_on_inputs)
+        every = records.samples
         train_s, val_s = split_samples(every, val_split, seed)
         packed_data, stats = pack(train_s, ctx, packing=packing, drop_long=drop_long)
         if packed_data.rows < global_batch:

@@ -18,6 +18,7 @@ vocabulary's BOS and EOS tokens). `ChatTemplate.render` does the same.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from datetime import datetime
@@ -156,6 +157,16 @@ def special_token_text(f: GGUFFile, role: str) -> str:
     if isinstance(i, bool) or not isinstance(i, int) or tokens is None or not 0 <= i < len(tokens):
         return ""
     return str(tokens[i])
+
+
+def template_id(gguf_file: GGUFFile, override_path: str | os.PathLike | None = None) -> str:
+    """sha256 of what `chat_template(gguf_file, override_path)` would render with (its source,
+    BOS and EOS texts), "" where there is no template: part of the key of cached samples."""
+    source = read_template(override_path) if override_path is not None else gguf_file.value(TEMPLATE_KEY, None)
+    if not isinstance(source, str):
+        return ""
+    parts = [source, special_token_text(gguf_file, "bos"), special_token_text(gguf_file, "eos")]
+    return hashlib.sha256("\0".join(parts).encode("utf-8", "surrogatepass")).hexdigest()
 
 
 def chat_template(gguf_file: GGUFFile | str | os.PathLike | None,

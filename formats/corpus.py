@@ -1,5 +1,6 @@
-"""Plain-text corpora as token files (layer 5): tokenized once, as a stream, in parallel, into
-a memory-mapped file that later runs, and resumed ones, open in a moment.
+"""Data files as token files (layer 5): plain-text corpora tokenized once, as a stream, in
+parallel, into a memory-mapped file, and the samples of record files made once, in parallel;
+later runs, and resumed ones, open them in a moment.
 
 `corpus_tokens(path, tokenizer, add_bos=..., cache_dir=..., progress=...)` returns a
 `TokenFile` whose `ids` (n,) int32 are exactly `tokenizer.encode(text, add_bos)` of the whole
@@ -19,6 +20,14 @@ checkpoint keeps), where key hashes the file's bytes, the tokenizer's vocabulary
 the .json last, so a .tokens file without its .json is never read; temporary files left by a
 killed run are removed by the next one (formats/files.py). With no cache directory the ids go to an
 unnamed temporary file (unlinked once mapped).
+
+Record files (JSON lines or arrays of records, formats/dataset.py): `sample_records` makes the
+samples of their records in forked workers (slices of the records, in order) and keeps them
+as `<key>.tokens` (every sample's ids, one after another), `<key>.train` (their masks, one byte
+a token), `<key>.lengths` (int64 a sample; a preference pair is two, chosen first) and
+`<key>.json` (kind, layout, each record's place), where key also covers the chat template
+and train_on_inputs (`samples_key`); `cached_samples` gives them back without reading the
+records.
 """
 from __future__ import annotations
 
@@ -34,6 +43,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from ggtrain.errors import ConfigError
+from ggtrain.formats.dataset import Sample, samples
 from ggtrain.formats.files import commit, discard, open_temporary, remove_stale_temporaries, write_atomic
 from ggtrain.formats.tokenizer import ByteTokenizer, Tokenizer
 
@@ -202,18 +212,8 @@ def _tokenize(path, size, tokenizer, add_bos, out, progress, workers) -> tuple:
             text_seen = text_seen or bool(piece.strip())
             write(_encode(tokenizer, piece, add_bos and first_piece, not first_piece), done)
         return n, digest.hexdigest(), text_seen
-    # forked workers must not inherit `tokenizers`' thread pool half-used: with the variable
-    # set when they start, the library keeps them to one thread, without a warning
-    saved = os.environ.get("TOKENIZERS_PARALLELISM")
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
     _WORKER = tokenizer
-    try:
-        pool = multiprocessing.get_context("fork").Pool(workers)
-    finally:
-        if saved is None:
-            del os.environ["TOKENIZERS_PARALLELISM"]
-        else:
-            os.environ["TOKENIZERS_PARALLELISM"] = saved
+    pool = _fork_pool(workers)
     try:
         with pool:
             flight: deque = deque()
@@ -242,12 +242,12 @@ def _first(items: Iterator) -> Iterator[tuple]:
 
 # ---- the cache --------------------------------------------------------------------------------
 
-def _key(path: str, tokenizer: Tokenizer, add_bos: bool) -> str:
+def _key(path: str, tokenizer: Tokenizer, add_bos: bool, extra: str = "") -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(BLOCK):
             h.update(chunk)
-    h.update(f"|{tokenizer.fingerprint()}|bos={int(add_bos)}|v{_VERSION}".encode())
+    h.update(f"|{tokenizer.fingerprint()}|bos={int(add_bos)}|v{_VERSION}|{extra}".encode())
     return h.hexdigest()[:40]
 
 
@@ -270,3 +270,145 @@ def _map(path: str, n: int) -> np.ndarray:
     if n == 0:
         return np.zeros(0, dtype=np.int32)
     return np.memmap(path, dtype="<i4", mode="r", shape=(n,))
+
+
+# ---- record files: their samples, made in parallel and kept ------------------------------------
+
+@dataclass
+class SampleSet:
+    """The samples of a record file (formats/dataset.py): samples: [Sample], or for preference
+    pairs [(chosen, rejected)]; where: each record's place; kind, layout; conversational:
+    preference pairs given as messages; cached: found in the cache rather than made now."""
+    samples: list
+    where: list
+    kind: str
+    layout: str
+    conversational: bool
+    cached: bool
+
+
+def samples_key(path, tokenizer: Tokenizer, template_id: str, train_on_inputs: bool) -> str:
+    """The cache key of a record file's samples: its bytes, the vocabulary, the chat template
+    that would render it (`formats.chat.template_id`) and train_on_inputs."""
+    return _key(path, tokenizer, False, f"samples|{template_id}|tio={int(train_on_inputs)}")
+
+
+def cached_samples(cache_dir: str | None, key: str) -> SampleSet | None:
+    """The samples stored under `key`, or None (absent, damaged or unfinished)."""
+    if cache_dir is None:
+        return None
+    base = os.path.join(cache_dir, key)
+    try:
+        with open(base + ".json", encoding="utf-8") as f:
+            meta = json.load(f)
+        if meta.get("version") != _VERSION or meta.get("what") != "samples":
+            return None
+        lengths = np.fromfile(base + ".lengths", dtype="<i8")
+        total = int(lengths.sum())
+        if len(lengths) != meta["samples"] or os.path.getsize(base + ".tokens") != 4 * total \
+                or os.path.getsize(base + ".train") != total:
+            return None
+        ids, train = _map(base + ".tokens", total), _map_mask(base + ".train", total)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return SampleSet(_unflatten(ids, train, lengths, meta["kind"] == "preference"), meta["where"],
+                     meta["kind"], meta["layout"], bool(meta["conversational"]), True)
+
+
+def sample_records(data, tokenizer: Tokenizer, template, train_on_inputs: bool, cache_dir: str | None,
+                   key: str | None, progress: Callable[[int, int], None] | None = None,
+                   workers: int | None = None) -> SampleSet:
+    """The samples of `data` (a dataset.Data of records), made by `workers` forked processes
+    over slices of the records, and stored under `key` in cache_dir (when given).
+
+    progress(records done, records) is called as slices finish. Raises what
+    `dataset.samples` raises (FormatError naming the record)."""
+    global _RECORDS
+    n = len(data.records)
+    if workers is None:
+        workers = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    step = max(1, min(2000, -(-n // (4 * workers))))
+    ranges = [(i, min(n, i + step)) for i in range(0, n, step)]
+    parts = []
+    _RECORDS = (data, tokenizer, template, train_on_inputs)
+    try:
+        if workers <= 1 or len(ranges) == 1:
+            for r in ranges:
+                parts.append(_sample_range(*r))
+                if progress is not None:
+                    progress(r[1], n)
+        else:
+            pool = _fork_pool(workers)
+            with pool:
+                for r, part in zip(ranges, pool.imap(_sample_range_args, ranges)):
+                    parts.append(part)
+                    if progress is not None:
+                        progress(r[1], n)
+    finally:
+        _RECORDS = None
+    ids = np.concatenate([p[0] for p in parts]) if parts else np.zeros(0, np.int32)
+    train = np.concatenate([p[1] for p in parts]) if parts else np.zeros(0, np.uint8)
+    lengths = np.concatenate([p[2] for p in parts]) if parts else np.zeros(0, np.int64)
+    pairs = data.kind == "preference"
+    conversational = pairs and n > 0 and isinstance(data.records[0][0], list)
+    if cache_dir is not None and key is not None:
+        os.makedirs(cache_dir, exist_ok=True)
+        remove_stale_temporaries(cache_dir)
+        base = os.path.join(cache_dir, key)
+        write_atomic(base + ".tokens", ids.astype("<i4").tobytes())
+        write_atomic(base + ".train", train.astype(np.uint8).tobytes())
+        write_atomic(base + ".lengths", lengths.astype("<i8").tobytes())
+        meta = {"version": _VERSION, "what": "samples", "source": os.path.abspath(data.path),
+                "samples": len(lengths), "kind": data.kind, "layout": data.layout,
+                "conversational": conversational, "tokenizer": repr(tokenizer), "where": list(data.where)}
+        write_atomic(base + ".json", json.dumps(meta).encode())
+    return SampleSet(_unflatten(ids, train.astype(bool), lengths, pairs), list(data.where), data.kind,
+                     data.layout, conversational, False)
+
+
+_RECORDS: tuple | None = None        # (data, tokenizer, template, train_on_inputs) of forked workers
+
+
+def _sample_range_args(r: tuple) -> tuple:
+    return _sample_range(*r)
+
+
+def _sample_range(lo: int, hi: int) -> tuple:
+    """(ids, train as uint8, lengths) of records lo..hi, their samples one after another
+    (a pair: chosen then rejected)."""
+    data, tokenizer, template, train_on_inputs = _RECORDS
+    got = samples(data.records[lo:hi], data.kind, tokenizer, template, train_on_inputs, data.where[lo:hi])
+    flat = [s for item in got for s in (item if isinstance(item, tuple) else (item,))]
+    if not flat:
+        return np.zeros(0, np.int32), np.zeros(0, np.uint8), np.zeros(0, np.int64)
+    return (np.concatenate([s.ids for s in flat]).astype(np.int32),
+            np.concatenate([s.train for s in flat]).astype(np.uint8),
+            np.array([len(s.ids) for s in flat], dtype=np.int64))
+
+
+def _unflatten(ids: np.ndarray, train: np.ndarray, lengths: np.ndarray, pairs: bool) -> list:
+    ids, train = np.asarray(ids), np.asarray(train)    # plain views of a map: slicing them is cheap
+    ends = np.cumsum(lengths)
+    starts = ends - lengths
+    out = [Sample(ids[a:b], train[a:b]) for a, b in zip(starts.tolist(), ends.tolist())]
+    return list(zip(out[0::2], out[1::2])) if pairs else out
+
+
+def _map_mask(path: str, n: int) -> np.ndarray:
+    if n == 0:
+        return np.zeros(0, dtype=bool)
+    return np.memmap(path, dtype=np.bool_, mode="r", shape=(n,))
+
+
+def _fork_pool(workers: int):
+    """A pool of forked workers; `tokenizers` keeps to one thread in them, without a warning
+    about its thread pool, when the variable is set as they start."""
+    saved = os.environ.get("TOKENIZERS_PARALLELISM")
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    try:
+        return multiprocessing.get_context("fork").Pool(workers)
+    finally:
+        if saved is None:
+            del os.environ["TOKENIZERS_PARALLELISM"]
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = saved

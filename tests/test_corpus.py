@@ -1,9 +1,11 @@
 """Corpora tokenized as a stream into cached token files (formats/corpus.py), the cut rule
 that makes the stream exact (Tokenizer.cut), and the word-cache BPE path of long texts."""
 import hashlib
+import json
 import os
 import re
 import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -265,3 +267,84 @@ def test_tokenizer_fingerprint_tells_vocabularies_apart(shared_data):
     text = (shared_data / "text" / "tinyshakespeare.txt").read_text()[:20000]
     assert train_bpe(text, 300).fingerprint() == train_bpe(text, 300).fingerprint()
     assert len({a.fingerprint(), train_bpe(text, 300).fingerprint(), train_bpe(text, 301).fingerprint()}) == 3
+
+
+# ---- record files: samples made in parallel and kept -----------------------------------------
+
+def _record_files(tmp_path, shared_data):
+    chat = json.loads((shared_data / "chat" / "dummy_conversation.json").read_text())[:120]
+    files = {
+        "chat": ("chat.json", json.dumps([{"conversations": c["conversations"]} for c in chat])),
+        "text": ("text.jsonl", "\n".join(json.dumps({"text": t["value"]}) for c in chat for t in c["conversations"])),
+        "prompt_completion": ("pc.jsonl", "\n".join(json.dumps({"prompt": c["conversations"][0]["value"],
+                                                                "completion": " " + c["conversations"][1]["value"]})
+                                                    for c in chat)),
+        "preference": ("pref.jsonl", "\n".join(json.dumps({
+            "prompt": [{"role": "user", "content": c["conversations"][0]["value"]}],
+            "chosen": [{"role": "assistant", "content": c["conversations"][1]["value"]}],
+            "rejected": [{"role": "assistant", "content": "I do not know."}]}) for c in chat)),
+    }
+    out = {}
+    for kind, (name, content) in files.items():
+        (tmp_path / name).write_text(content)
+        out[kind] = tmp_path / name
+    return out
+
+
+def _same_samples(a, b):
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        for s, t in (zip(x, y) if isinstance(x, tuple) else [(x, y)]):
+            assert np.array_equal(s.ids, t.ids) and np.array_equal(np.asarray(s.train, bool), t.train)
+
+
+@pytest.mark.parametrize("kind", ["chat", "text", "prompt_completion", "preference"])
+def test_record_samples_are_those_of_the_records_and_come_back_from_the_cache(shared_data, tmp_path, monkeypatch,
+                                                                              kind):
+    from ggtrain.formats.chat import chat_template, template_id
+    from ggtrain.formats.dataset import read_data
+    from ggtrain.formats.gguf import read_gguf
+    model = read_gguf(shared_data / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf")
+    tok = tokenizer_from_gguf(model)
+    template = chat_template(model)
+    path = _record_files(tmp_path, shared_data)[kind]
+    data = read_data(path)
+    want = data.samples(tok, template if kind in ("chat", "preference") else None, kind == "text")
+    cache = str(tmp_path / "cache")
+    key = corpus.samples_key(path, tok, template_id(model), kind == "text")
+    assert corpus.cached_samples(cache, key) is None
+    made = corpus.sample_records(data, tok, template if kind in ("chat", "preference") else None, kind == "text",
+                                 cache, key, workers=2)
+    _same_samples(made.samples, want)
+    assert not made.cached and made.kind == kind and made.where == data.where
+    serial = corpus.sample_records(data, tok, template if kind in ("chat", "preference") else None,
+                                   kind == "text", None, None, workers=1)
+    _same_samples(serial.samples, want)
+    monkeypatch.setattr(type(tok), "encode", lambda *a, **k: pytest.fail("sampled again"))
+    hit = corpus.cached_samples(cache, key)
+    assert hit.cached and hit.kind == kind and hit.layout == data.layout and hit.where == data.where
+    assert hit.conversational == (kind == "preference")
+    _same_samples(hit.samples, want)
+    # another template or train_on_inputs: another key
+    assert corpus.samples_key(path, tok, "other", kind == "text") != key
+    assert corpus.samples_key(path, tok, template_id(model), kind != "text") != key
+
+
+def test_finetune_on_records_reuses_their_samples(shared_data, tmp_path):
+    path = _record_files(tmp_path, shared_data)["chat"]
+    cache = tmp_path / "cache"
+    args = [sys.executable, "-m", "ggtrain", "finetune", "--model", str(shared_data / "gguf" / "stories260K.gguf"), "--data", str(path),
+            "--chat-template", str(shared_data / "templates" / "google-gemma-2-2b-it.jinja"),
+            "--out", str(tmp_path / "a.gguf"), "--steps", "1", "--ctx", "256", "--batch", "2", "--quiet",
+            "--token-cache", str(cache)]
+    first = subprocess.run(args, capture_output=True, text=True)
+    assert first.returncode == 0, first.stderr
+    made = sorted(p.suffix for p in cache.iterdir())
+    assert made == [".json", ".lengths", ".tokens", ".train"]
+    mtimes = {p: p.stat().st_mtime_ns for p in cache.iterdir()}
+    second = subprocess.run(args, capture_output=True, text=True)
+    assert second.returncode == 0, second.stderr
+    assert {p: p.stat().st_mtime_ns for p in cache.iterdir()} == mtimes       # read, not rewritten
+    summary = [line for line in first.stderr.splitlines() if line.startswith("finetune:")]
+    assert summary and summary == [line for line in second.stderr.splitlines() if line.startswith("finetune:")]
+    assert "samples" in summary[0]
