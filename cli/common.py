@@ -17,6 +17,7 @@ from tqdm import tqdm
 
 from ggtrain.core import distributed
 from ggtrain.core.backend_cpu import CpuBackend, default_threads
+from ggtrain.core.backend_cuda import unavailable_reason
 from ggtrain.errors import ConfigError
 from ggtrain.formats.corpus import (SampleSet, TokenFile, cached_samples, corpus_tokens, default_cache_dir,
                                     sample_records, samples_key)
@@ -24,11 +25,10 @@ from ggtrain.formats.dataset import read_data
 from ggtrain.formats.tokenizer import Tokenizer
 
 
-def cpu_backend(backend: str = "cpu", threads: int | None = None) -> CpuBackend:
-    """The backend for --backend/--threads; ConfigError naming the bad value, and for cuda
-    saying why it cannot run here."""
+def make_backend(backend: str = "cpu", threads: int | None = None) -> CpuBackend:
+    """The backend --backend names, with --threads; ConfigError naming the bad value, and for
+    cuda saying why it cannot run here."""
     if backend == "cuda":
-        from ggtrain.core.backend_cuda import unavailable_reason
         raise ConfigError(f"--backend cuda: not available: {unavailable_reason() or 'the CUDA backend is not built yet'}")
     if backend != "cpu":
         raise ConfigError(f"--backend {backend}: expected cpu or cuda")

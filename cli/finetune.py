@@ -20,7 +20,7 @@ import numpy as np
 import typer
 from tqdm import tqdm
 
-from ggtrain.cli.common import JsonLog, cpu_backend, file_errors, read_corpus, read_records, start_world
+from ggtrain.cli.common import JsonLog, make_backend, file_errors, read_corpus, read_records, start_world
 from ggtrain.cli.tasks import run_task, task_words
 from ggtrain.cli.config import config_record
 from ggtrain.cli.loop import (BACKEND, CHECKPOINT_DIR, CHECKPOINTING, CONFIG, EARLY_STOP_PATIENCE, EVAL_EVERY,
@@ -199,7 +199,7 @@ def finetune(
     t_start = time.perf_counter()
     world = start_world()
     record = config_record(context)
-    be = cpu_backend(backend, threads)
+    be = make_backend(backend, threads)
     if world.lead:   # the one process that writes
         check_checkpoint_options(save_every, checkpoint_dir, on_save_error)
         check_out(out)

@@ -15,7 +15,7 @@ import time
 
 import typer
 
-from ggtrain.cli.common import cpu_backend, file_errors
+from ggtrain.cli.common import make_backend, file_errors
 from ggtrain.cli.tasks import run_task, task_words
 from ggtrain.cli.main import app
 from ggtrain.core.models.decoder import ModelConfig, Decoder, Runner, generate
@@ -82,7 +82,7 @@ def generate_cmd(
         raise ConfigError(f"--ctx must be >= 1 (0: the default), got {ctx}")
     sampler = Sampler(temp=temp, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty,
                       seed=seed)
-    be = cpu_backend(backend, threads)
+    be = make_backend(backend, threads)
     cfg, weights, tok, adapters = _open(model, lora, lora_scale, be)
     if chat:
         messages = ([{"role": "system", "content": system}] if system is not None else []) + \
@@ -150,7 +150,7 @@ def eval_cmd(
         raise ConfigError("--hellaswag and --winogrande say what --task holds (one of them)")
     if limit < 0:
         raise ConfigError(f"--limit must be >= 0, got {limit}")
-    be = cpu_backend(backend, threads)
+    be = make_backend(backend, threads)
     cfg, weights, tok, adapters = _open(model, lora, lora_scale, be)
     if task is not None:
         fmt = "hellaswag" if hellaswag else "winogrande" if winogrande else "jsonl"

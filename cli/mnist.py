@@ -10,7 +10,7 @@ import time
 import typer
 from tqdm import tqdm
 
-from ggtrain.cli.common import JsonLog, cpu_backend, start_world, stop_on_ctrl_c
+from ggtrain.cli.common import JsonLog, make_backend, start_world, stop_on_ctrl_c
 from ggtrain.cli.config import config_record
 from ggtrain.cli.loop import CONFIG, EARLY_STOP_PATIENCE, MIN_DELTA, MOMENTUM, OPTIMIZER, optimizer_settings
 from ggtrain.cli.main import app
@@ -81,7 +81,7 @@ def train(
                           + (" x processes" if world.size > 1 else "") + ")" if n_train > total else ""),
                        err=True)
         cfg = dataclasses.replace(cfg, batch=batch)
-    be = cpu_backend(backend, threads)
+    be = make_backend(backend, threads)
     run = ClassifierRun(lambda p, x: model.forward(arch, p, x), model.init_params(arch, seed),
                         (28, 28), cfg, be, world=world)
     mem = run.step.memory
@@ -157,7 +157,7 @@ def evaluate(
     """Test loss and accuracy (with standard errors) of an MNIST model on the t10k set."""
     arch, params = load_mnist_model(model_path, model.PARAM_SHAPES)
     images, labels = load_mnist(data or BUNDLED, "test")
-    be = cpu_backend(backend, threads)
+    be = make_backend(backend, threads)
     config = ClassifierConfig(epochs=0, batch=500, physical_batch=500)
     run = ClassifierRun(lambda p, x: model.forward(arch, p, x), params, (28, 28), config, be)
     ev = run.evaluate(images, labels)

@@ -6,7 +6,7 @@ import pathlib
 
 import typer
 
-from ggtrain.cli.common import JsonLog, cpu_backend, file_errors, read_corpus, start_world
+from ggtrain.cli.common import JsonLog, make_backend, file_errors, read_corpus, start_world
 from ggtrain.cli.config import config_record
 from ggtrain.cli.loop import (BACKEND, CHECKPOINT_DIR, CHECKPOINTING, CONFIG, EARLY_STOP_PATIENCE, EVAL_EVERY,
                               GRAD_CLIP, LOG, MIN_DELTA, MOMENTUM, OPTIMIZER, QUIET, SAVE_EVERY, THREADS, TOKEN_CACHE, ON_SAVE_ERROR,
@@ -90,7 +90,7 @@ def train(
     """Train a model of any family (llama by default) from scratch on a text file."""
     world = start_world()
     record = config_record(context)
-    be = cpu_backend(backend, threads)
+    be = make_backend(backend, threads)
     if steps is not None and steps < 1:
         raise ConfigError(f"--steps must be >= 1, got {steps}")
     if epochs is not None and not epochs > 0:

@@ -34,7 +34,7 @@ MOVED = object()
 @dataclass(frozen=True)
 class Rows:
     """An input value given as the rows source[index] of a dataset array (see
-    Runtime.set_rows): a batch gathered straight into the input's buffer."""
+    Runtime.gather_rows): a batch gathered straight into the input's buffer."""
     source: np.ndarray
     index: np.ndarray
 
@@ -285,22 +285,22 @@ class Runtime:
         arr = as_array(value, t.shape, t.dtype)
         self._copy_in(self.buffer(t), t, arr)
 
-    def set_rows(self, t: Tensor, source: np.ndarray, index) -> None:
+    def gather_rows(self, t: Tensor, source: np.ndarray, index) -> None:
         """Set persistent tensor t to the rows source[index] (a batch drawn from a dataset
         array), gathered straight into t's buffer: no intermediate batch array. source
         must already hold t's element type (f32 or i32); (len(index),) + source.shape[1:]
         must be t's shape."""
         if t.is_view or t.kind not in PERSISTENT_KINDS:
-            raise ValueError(f"set_rows: {t!r} is not a persistent tensor")
+            raise ValueError(f"gather_rows: {t!r} is not a persistent tensor")
         source, index = np.asarray(source), np.asarray(index)
         want = {"f32": np.float32, "i32": np.int32}.get(t.dtype)
         if want is None or source.dtype != want:
-            raise DTypeError(f"set_rows: a {t.dtype} tensor cannot take rows of a {source.dtype} array "
+            raise DTypeError(f"gather_rows: a {t.dtype} tensor cannot take rows of a {source.dtype} array "
                              f"(f32 or i32 arrays of the tensor's own type)")
         if index.ndim != 1 or index.dtype.kind not in "iu":
-            raise ShapeError(f"set_rows: index must be a 1-D integer array, got {index.dtype} {index.shape}")
+            raise ShapeError(f"gather_rows: index must be a 1-D integer array, got {index.dtype} {index.shape}")
         if (len(index),) + source.shape[1:] != t.shape:
-            raise ShapeError(f"set_rows: {len(index)} rows of {source.shape[1:]} do not make shape {t.shape}")
+            raise ShapeError(f"gather_rows: {len(index)} rows of {source.shape[1:]} do not make shape {t.shape}")
         self.backend.gather_in(self.buffer(t), 0, source, index)
 
     def get(self, t: Tensor) -> np.ndarray:

@@ -1252,9 +1252,9 @@ def _infer_cast(srcs, params):
 
 
 _CAST_TYPES = ("f32", "f16", "bf16")
-register(OpDef("cont", _infer_cont, "cast_fwd", backward=lambda y, g: [g],
+register(OpDef("cont", _infer_cont, "copy_fwd", backward=lambda y, g: [g],
                dtypes=_CAST_TYPES, suffix=lambda y: y.dtype))
-register(OpDef("cast", _infer_cast, "cast_fwd",
+register(OpDef("cast", _infer_cast, "copy_fwd",
                backward=lambda y, g: [cast(g, y.srcs[0].dtype)], dtypes=_CAST_TYPES, suffix=lambda y: y.dtype))
 
 

@@ -146,7 +146,7 @@ class TrainStep:
             if not isinstance(t, Tensor) or t.kind != "input":
                 raise ShapeError(f"step: {t!r} is not an input tensor of the graph")
             if isinstance(value, Rows):
-                self.runtime.set_rows(t, value.source, value.index)
+                self.runtime.gather_rows(t, value.source, value.index)
             else:
                 self.runtime.set(t, value)
 

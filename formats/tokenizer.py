@@ -87,6 +87,7 @@ from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
 import numpy as np
+import regex
 from gguf.constants import GGUFValueType
 
 from ggtrain.errors import ConfigError, FormatError
@@ -805,7 +806,6 @@ class _WordCacheBpe:
     def make(cls, pre: BpePre, hf) -> "_WordCacheBpe | None":
         """None where a regex of `pre` is not one the `regex` module runs as Oniguruma does
         (a class intersection, a capturing group)."""
-        import regex
         from tokenizers import Tokenizer as HFTokenizer, pre_tokenizers
 
         compiled = []

@@ -377,9 +377,9 @@ int gt_max_pool2d_bwd_f32(const struct gt_node *node, const gt_ctx *ctx);
 /* Copy with conversion to the dst dtype (named by the suffix); src any dtype
  * among f32/f16/bf16 and any strides, dst contiguous. f32 -> f16/bf16 rounds to
  * nearest even. Also serves `cont` (same dtype). */
-int gt_cast_fwd_f32(const struct gt_node *node, const gt_ctx *ctx);
-int gt_cast_fwd_f16(const struct gt_node *node, const gt_ctx *ctx);
-int gt_cast_fwd_bf16(const struct gt_node *node, const gt_ctx *ctx);
+int gt_copy_fwd_f32(const struct gt_node *node, const gt_ctx *ctx);
+int gt_copy_fwd_f16(const struct gt_node *node, const gt_ctx *ctx);
+int gt_copy_fwd_bf16(const struct gt_node *node, const gt_ctx *ctx);
 /* set_rows, in place: dst (S, C) aliases src0 (persistent target, f32);
  * row src2[t] (idx (T,) i32) becomes src1[t] (values (T, C) f32) for t in
  * order; the other rows keep their values. Indices outside [0, S) fail. */

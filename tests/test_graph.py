@@ -369,8 +369,8 @@ def test_cross_entropy_gradient_takes_the_logits_memory(backend):
     np.testing.assert_allclose(plan.read(grads[w]), (p / n).T @ X, rtol=1e-4, atol=1e-6)
 
 
-def test_set_rows_gathers_a_batch_into_the_input():
-    # Runtime.set_rows (ClassifierRun's batches, as Rows values) writes source[index]
+def test_gather_rows_gathers_a_batch_into_the_input():
+    # Runtime.gather_rows (ClassifierRun's batches, as Rows values) writes source[index]
     # straight into the input's buffer: the same values as set(source[index]), through the
     # CPU backend's gather and through Backend's default (gather, then copy in).
     g = Graph()
@@ -381,24 +381,24 @@ def test_set_rows_gathers_a_batch_into_the_input():
     images = rng.standard_normal((10, 3, 2)).astype(np.float32)
     labels = rng.integers(0, 9, 10).astype(np.int32)
     idx = np.array([7, 0, 7, 3])
-    rt.set_rows(x, images, idx)
-    rt.set_rows(y, labels, idx)
+    rt.gather_rows(x, images, idx)
+    rt.gather_rows(y, labels, idx)
     np.testing.assert_array_equal(rt.get(x), images[idx])
     np.testing.assert_array_equal(rt.get(y), labels[idx])
     Backend.gather_in(rt.backend, rt.buffer(x), 0, images, idx[::-1])
     np.testing.assert_array_equal(rt.get(x), images[idx[::-1]])
     with pytest.raises(DTypeError, match="f32 tensor cannot take rows of a float64"):
-        rt.set_rows(x, images.astype(np.float64), idx)
+        rt.gather_rows(x, images.astype(np.float64), idx)
     with pytest.raises(ShapeError, match="3 rows"):
-        rt.set_rows(x, images, idx[:3])
+        rt.gather_rows(x, images, idx[:3])
     with pytest.raises(ShapeError, match="1-D integer"):
-        rt.set_rows(x, images, idx.astype(np.float32))
+        rt.gather_rows(x, images, idx.astype(np.float32))
     with pytest.raises(IndexError):
-        rt.set_rows(x, images, np.array([0, 1, 2, 10]))
+        rt.gather_rows(x, images, np.array([0, 1, 2, 10]))
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-def test_set_rows_of_a_big_batch(threads):
+def test_gather_rows_of_a_big_batch(threads):
     # 64 KiB and more of f32 rows: gathered by the thread pool (get_rows over the source in
     # place) with two threads; the same values as numpy's gather, negative indices too, and
     # the plan is reused for the next batch of the same source
@@ -409,12 +409,12 @@ def test_set_rows_of_a_big_batch(threads):
     data = rng.standard_normal((1000, 8, 10)).astype(np.float32)
     for _ in range(2):
         idx = rng.integers(-1000, 1000, 300)
-        rt.set_rows(x, data, idx)
+        rt.gather_rows(x, data, idx)
         np.testing.assert_array_equal(rt.get(x), data[idx])
     with pytest.raises(IndexError, match="out of range"):
-        rt.set_rows(x, data, np.full(300, 1000))
+        rt.gather_rows(x, data, np.full(300, 1000))
     with pytest.raises(IndexError, match="out of range"):
-        rt.set_rows(x, data, np.full(300, -1001))
+        rt.gather_rows(x, data, np.full(300, -1001))
 
 
 def test_train_step_takes_rows_values():

@@ -26,6 +26,7 @@ import numpy as np
 from ggtrain.core import ops
 from ggtrain.core.autograd import backward
 from ggtrain.core.backend import StoredTensor
+from ggtrain.core.graph import Graph, Runtime
 from ggtrain.core.models.families import FAMILIES
 from ggtrain.core.models.family import (BLOCK_SHAPES, OUTPUT, OUTPUT_NORM, ROPE_CONSTANTS, ROPE_FACTORS_LONG,
                                         ROPE_FACTORS_SHORT, ROPE_FREQS, STORED_AS, TOKEN_EMBD, Family)
@@ -467,8 +468,6 @@ class Runner:
 
     def __init__(self, cfg: ModelConfig, weights: dict, backend, batch: int = 1, length: int | None = None,
                  n_threads: int | None = None, adapters: dict | None = None, n_ctx: int = 0):
-        from ggtrain.core.graph import Graph, Runtime  # same layer 3/4 boundary, no cycle
-
         self.cfg = cfg
         self.batch, self.length = batch, min(length or cfg.ctx, cfg.ctx)
         g = Graph()
@@ -539,8 +538,6 @@ class Decoder:
 
     def __init__(self, cfg: ModelConfig, weights: dict, backend, n_ctx: int | None = None,
                  n_threads: int | None = None, adapters: dict | None = None, chunk: int = 256):
-        from ggtrain.core.graph import Graph, Runtime  # same layer 3/4 boundary, no cycle
-
         self.cfg = cfg
         self.n_ctx = min(n_ctx or cfg.ctx, cfg.ctx)
         if self.n_ctx < 1 or chunk < 1:

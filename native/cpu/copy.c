@@ -1,4 +1,4 @@
-/* copy.c: cast/cont (strided copy with dtype conversion), view_bwd, set_rows
+/* copy.c: copy (strided copy with dtype conversion: ops cont and cast), view_bwd, set_rows
  * (rows written in place at run-time indices), and the direct f16/bf16
  * conversion helpers. */
 #include <math.h>
@@ -68,8 +68,9 @@ static inline float load_as_f32(const void *base, int dtype, int64_t i) {
     }
 }
 
-/* dst (contiguous, dtype `to`) = src (any strides, f32/f16/bf16) converted. */
-static int cast(const gt_node *node, const gt_ctx *ctx, int to, const char *op) {
+/* dst (contiguous, dtype `to`) = src (any strides, f32/f16/bf16) converted: the kernel of the
+ * ops cont (a contiguous copy, the same dtype) and cast (another dtype). */
+static int copy_converted(const gt_node *node, const gt_ctx *ctx, int to, const char *op) {
     const gt_tensor *d = &node->dst, *a = &node->src[0];
     if (!d->data || !a->data) return GT_FAIL(GT_ERR_INVALID, "%s: missing data pointer", op);
     if (d->dtype != to) return GT_FAIL(GT_ERR_DTYPE, "%s: dst dtype %d, kernel writes %d", op, d->dtype, to);
@@ -104,9 +105,9 @@ static int cast(const gt_node *node, const gt_ctx *ctx, int to, const char *op) 
     return GT_OK;
 }
 
-int gt_cast_fwd_f32(const gt_node *n, const gt_ctx *c) { return cast(n, c, GT_F32, "cast"); }
-int gt_cast_fwd_f16(const gt_node *n, const gt_ctx *c) { return cast(n, c, GT_F16, "cast"); }
-int gt_cast_fwd_bf16(const gt_node *n, const gt_ctx *c) { return cast(n, c, GT_BF16, "cast"); }
+int gt_copy_fwd_f32(const gt_node *n, const gt_ctx *c) { return copy_converted(n, c, GT_F32, "copy"); }
+int gt_copy_fwd_f16(const gt_node *n, const gt_ctx *c) { return copy_converted(n, c, GT_F16, "copy"); }
+int gt_copy_fwd_bf16(const gt_node *n, const gt_ctx *c) { return copy_converted(n, c, GT_BF16, "copy"); }
 
 /* view_bwd: dst (contiguous f32, the base's shape) = 0 everywhere, then src (the
  * gradient of a view, contiguous) is written where the view lies: element
