@@ -15,7 +15,8 @@ from ggtrain.cli.config import config_record
 from ggtrain.cli.loop import CONFIG, EARLY_STOP_PATIENCE, MIN_DELTA, MOMENTUM, OPTIMIZER, optimizer_settings
 from ggtrain.cli.main import app
 from ggtrain.core.models import mnist as model
-from ggtrain.core.train import ClassifierConfig, ClassifierRun, split_train_val, stop_message
+from ggtrain.core.fit import stop_message
+from ggtrain.core.train import ClassifierConfig, ClassifierRun, split_train_val
 from ggtrain.errors import ConfigError
 from ggtrain.formats.idx import load_mnist
 from ggtrain.formats.mnist import load_mnist_model, save_mnist_model

@@ -1,12 +1,11 @@
-"""Training steps and the training loop (layer 4).
+"""The runs (layer 4): what a training run is made of, on the step engine (core/step.py) and
+the one run loop (core/fit.py).
 
-TrainStep turns a loss into native plans once: forward + backward (+ gradient
-accumulation into persistent buffers) + optimizer update. Each call to `step`
-copies the batch in, runs one native call per physical batch and one for the
-update (fused into a single call when there is no accumulation and one process),
-and reads the loss and gradient norm back. With several processes
-(core/distributed.py) the gradient buffer is summed over them between the last
-backward and the update.
+TextRun: a decoder of any family on token windows or packed samples, all its weights or LoRA
+adapters, plain or preference losses (`ggtrain train`, `ggtrain finetune`). ClassifierRun: a
+classifier graph on arrays, epoch by epoch (`ggtrain mnist train`). Each builds its graph
+and TrainStep, and gives the loop its data (`draw`), its report fields (`describe`) and its
+evaluation.
 """
 from __future__ import annotations
 
@@ -17,240 +16,16 @@ from dataclasses import dataclass
 import numpy as np
 
 from ggtrain.core import ops
-from ggtrain.core.autograd import backward
 from ggtrain.core.distributed import World
-from ggtrain.core.graph import Graph, Rows, Runtime, assign
+from ggtrain.core.fit import EarlyStopping, check_early_stop, fit_updates, stop_message
+from ggtrain.core.graph import Graph, Rows
 from ggtrain.core.models import decoder
 from ggtrain.core.models.lora import factor_names
-from ggtrain.core.optim import LBFGS, ConstantLR, CosineLR, LBFGSSearch, make_optimizer
+from ggtrain.core.optim import LBFGS, ConstantLR, CosineLR, make_optimizer
 from ggtrain.core.preference import PairLoss, PreferenceConfig
-from ggtrain.core.ops import HYPER_COUNT
+from ggtrain.core.step import TrainStep
 from ggtrain.core.tensor import Tensor
-from ggtrain.errors import ConfigError, NumericError, ShapeError
-
-
-class TrainStep:
-    """Compiled training step for `loss` over trainable `params`.
-
-    grad_acc: physical batches per optimizer update; their gradients add up in
-    persistent buffers and each physical loss is scaled by 1/grad_acc, so an update
-    equals one over a batch grad_acc times larger (to float rounding).
-
-    Plans: the gradient plans (`_micro`, forward + backward of one physical batch into the
-    flat gradient buffer, accumulating when grad_acc > 1) and the update (`_update`: the
-    optimizer's step nodes). AdamW and SGD without accumulation fuse both into one plan.
-    L-BFGS (optim.LBFGS) runs the gradient plans once per line-search evaluation and its
-    own plans in between (optim.LBFGSSearch); `_gradients` is the one place an update's
-    gradient is computed. With several processes it ends with the gradient all-reduce
-    (`_reduce`), so every plan that reads the gradient reads the sum: AdamW and SGD then
-    never fuse (one all-reduce and, after the update, one sum of losses and stop votes per
-    update); each L-BFGS evaluation also sums the loss, so every process's line search
-    takes the same decisions (plus one sum of stop votes per update).
-    """
-
-    def __init__(self, loss: Tensor, params: list, optimizer, backend, grad_acc: int = 1,
-                 checkpointing: bool = True, n_threads: int | None = None, extra_outputs=(),
-                 bind: dict | None = None, keep=None, world: World | None = None):
-        """bind: {persistent tensor: backend buffer already holding its bytes} (frozen
-        weights read straight from a file), adopted before anything is allocated. keep:
-        selective checkpointing (see autograd.backward). world: the processes that train
-        together (core/distributed.py); each brings the gradients of its share of the batch
-        and one all-reduce sums them before the update."""
-        if grad_acc < 1:
-            raise ConfigError(f"grad_acc must be >= 1, got {grad_acc}")
-        if not params:
-            raise ConfigError("TrainStep: no parameters to train")
-        graph = loss.graph
-        self.graph, self.loss, self.params = graph, loss, list(params)
-        self.optimizer, self.grad_acc = optimizer, grad_acc
-        self.world = world or World()
-        self.backend = backend
-        self.runtime = Runtime(graph, backend)
-        for t, buf in (bind or {}).items():
-            self.runtime.bind(t, buf)
-        self.n_threads = n_threads or getattr(backend, "n_threads", 1)
-        self.updates = 0  # optimizer updates done
-        self.stop = False  # whether some process asked to stop with the last update
-
-        # each of the grad_acc x size physical batches of an update adds its share of the mean
-        n_batches = grad_acc * self.world.size
-        grads = backward(loss, self.params, seed=1.0 / n_batches, checkpointing=checkpointing, keep=keep)
-        # One flat persistent buffer holds every gradient (each parameter's is a view
-        # into it): the global norm is one reduction and zeroing is one fill.
-        total = sum(p.size for p in self.params)
-        self.grad_flat = graph.state((total,), name="grads")
-        self.grad_bufs, offset = {}, 0
-        for p in self.params:
-            self.grad_bufs[p.id] = ops.view(self.grad_flat, p.shape, None, offset)
-            offset += p.size
-        bufs = [self.grad_bufs[p.id] for p in self.params]
-        self.hyper = graph.input((HYPER_COUNT,), name="hyper")
-        outs = [loss] + list(extra_outputs)
-        if grad_acc == 1:   # the gradients are written, not added
-            written = [assign(grads[p], self.grad_bufs[p.id]) for p in self.params]
-        else:
-            written = []
-            for p in self.params:
-                buf = self.grad_bufs[p.id]
-                a = ops.add(buf, grads[p])
-                a.out = buf
-                written.append(a)
-        # created after every gradient is written, so it reads the finished buffer
-        self.grad_norm = ops.sqrt(ops.sumsq(self.grad_flat))
-        self._micro = self._zero = self._search = None
-        if isinstance(optimizer, LBFGS):
-            self._micro = self.runtime.compile(outs + written, self.n_threads)
-            if grad_acc > 1:
-                self._zero = self.runtime.compile([self._zero_grads()], self.n_threads)
-            self._search = LBFGSSearch(optimizer, graph, self.params, self.grad_flat, self.grad_norm)
-            self._search.compile(self.runtime, self.n_threads)
-            self.state = self._search.buffers
-            self._update = None
-        else:
-            steps, self.state = optimizer.build(graph, self.params, bufs, self.hyper, self.grad_norm)
-            if n_batches == 1:   # one plan: forward, backward and update fused
-                self._update = self.runtime.compile(outs + written + steps + [self.grad_norm], self.n_threads)
-            else:   # split between backward and update: accumulation, the all-reduce (_reduce)
-                self._micro = self.runtime.compile(outs + written, self.n_threads)
-                # the steps read the norm and gradients before the fill (when the micro plan
-                # accumulates, the update zeroes the buffer): creation order
-                zero = [self._zero_grads()] if grad_acc > 1 else []
-                self._update = self.runtime.compile(steps + zero + [self.grad_norm], self.n_threads)
-        self.extra_outputs = list(extra_outputs)
-        self.last_outputs = []   # per physical batch: [value of each extra output]
-        self.last_grad_norm = float("nan")
-        self.last_search = {}    # L-BFGS: "evals", "step_size", "converged" of the last update
-
-    def _zero_grads(self) -> Tensor:
-        """A node filling the flat gradient buffer with zeros (runs after the nodes made before it)."""
-        zero = ops.fill(self.graph, self.grad_flat.shape, 0.0)
-        zero.out = self.grad_flat
-        return zero
-
-    @property
-    def memory(self):
-        """Planned bytes of the runtime: its one arena (shared by the step's plans and any
-        compiled on it since, e.g. evaluation), persistent buffers and every plan's work."""
-        return self.runtime.memory
-
-    @property
-    def flops(self) -> int:
-        """FLOPs of the products and convolutions (ops.product_flops) of one update (of one
-        evaluation for L-BFGS, whose updates take several): forward, backward, recomputation,
-        the physical-batch plan counted grad_acc times."""
-        flops = self._update.flops if self._update is not None else 0
-        return flops + (self._micro.flops * self.grad_acc if self._micro is not None else 0)
-
-    def _set_inputs(self, batch: dict) -> None:
-        for t, value in batch.items():
-            if not isinstance(t, Tensor) or t.kind != "input":
-                raise ShapeError(f"step: {t!r} is not an input tensor of the graph")
-            if isinstance(value, Rows):
-                self.runtime.gather_rows(t, value.source, value.index)
-            else:
-                self.runtime.set(t, value)
-
-    def _gradients(self, batches: list) -> tuple:
-        """Forward + backward of each physical batch into the flat gradient buffer (zeroed
-        first when it accumulates and the update plan does not zero it), then, with several
-        processes, the all-reduce that sums theirs (`_reduce`). Returns ([loss of each of
-        this process's physical batches], [[value of each extra output] per physical batch])."""
-        if self._zero is not None:
-            self.runtime.run(self._zero, self.n_threads)
-        losses, outputs = [], []
-        for batch in batches:
-            self._set_inputs(batch)
-            self.runtime.run(self._micro, self.n_threads)
-            losses.append(float(self._micro.read(self.loss)))
-            outputs.append([self._micro.read(t) for t in self.extra_outputs])
-        self._reduce()
-        return losses, outputs
-
-    def _evaluation(self, batches: list) -> tuple:
-        """One L-BFGS evaluation at the current parameters: `_gradients`, and the loss summed
-        over the processes too, so that every process's line search sees the same numbers
-        (the summed gradient and loss) and takes the same decisions. Returns (mean loss of
-        the update's batch over every process, outputs as _gradients)."""
-        losses, outputs = self._gradients(batches)
-        if self.world.size == 1:
-            return float(np.mean(losses)), outputs
-        return float(self.world.sum([sum(losses)])[0] / (len(losses) * self.world.size)), outputs
-
-    def step(self, batches: list, lr: float, stop=None, same_batch: bool = False) -> float:
-        """One optimizer update over grad_acc physical batches ({input tensor: array} each).
-
-        Returns the mean loss over the physical batches (of every process; before the
-        update). stop: asked after the update, whether this process wants to stop (e.g.
-        Ctrl-C came); `self.stop` then says whether any process did, so that all stop after
-        the same update. same_batch: the batches are the previous update's (full-batch
-        training); L-BFGS then starts from the evaluation it ended that update with.
-        """
-        if len(batches) != self.grad_acc:
-            raise ConfigError(f"step: expected {self.grad_acc} physical batches, got {len(batches)}")
-        self.updates += 1
-        wants = (lambda: bool(stop())) if stop is not None else (lambda: False)
-        if self._search is not None:
-            res = self._search.step(lambda: self._evaluation(batches), lr, reuse=same_batch)
-            self.last_outputs = res.pop("payload")
-            self.last_grad_norm = res.pop("grad_norm")
-            self.last_search = res
-            # the loss is every process's already; the vote is the one more sum
-            self.stop = wants() if self.world.size == 1 else self.world.sum([float(wants())])[0] > 0
-            return res["loss"]
-        self.runtime.set(self.hyper, self.optimizer.hyper(self.updates, lr))
-        if self._micro is None:
-            self._set_inputs(batches[0])
-            self.runtime.run(self._update, self.n_threads)
-            losses = [float(self._update.read(self.loss))]
-            self.last_outputs = [[self._update.read(t) for t in self.extra_outputs]]
-        else:
-            losses, self.last_outputs = self._gradients(batches)
-            self.runtime.run(self._update, self.n_threads)
-        self.last_grad_norm = float(self._update.read(self.grad_norm))
-        if self.world.size == 1:
-            self.stop = wants()
-            return float(np.mean(losses))
-        # one sum after the update: the losses and the stop vote
-        total, votes = self.world.sum([sum(losses), float(wants())])
-        self.stop = votes > 0
-        return float(total / (len(losses) * self.world.size))
-
-    def _reduce(self) -> None:
-        """Between backward and update (each L-BFGS evaluation): sum the processes'
-        gradients (their shares of the update's mean) in the flat buffer, in place."""
-        if self.world.size > 1:
-            self.world.allreduce(self.backend, self.runtime.buffer(self.grad_flat), self.grad_flat.size)
-
-    @property
-    def converged(self) -> bool:
-        """L-BFGS found no step that lowers the loss in its last update (every process
-        alike: their searches see the same numbers)."""
-        return bool(self.last_search.get("converged"))
-
-    def optimizer_state(self) -> dict:
-        """{name: f32 array} of everything the optimizer carries between updates."""
-        state = {name: self.get(t) for name, t in self.state.items()}
-        if self._search is not None:
-            state.update(self._search.host_state())
-        return state
-
-    def load_optimizer_state(self, state: dict) -> None:
-        """Restore optimizer_state(); ConfigError naming a missing entry."""
-        want = list(self.state) + (list(self._search.host_state()) if self._search is not None else [])
-        for name in want:
-            if name not in state:
-                raise ConfigError(f"checkpoint has no optimizer state {name}")
-        if self._search is not None:   # first: it checks the history length
-            self._search.load_host_state(state)
-        for name, t in self.state.items():
-            self.set(t, state[name])
-
-    def get(self, t: Tensor) -> np.ndarray:
-        """Current value of a parameter or state tensor."""
-        return self.runtime.get(t)
-
-    def set(self, t: Tensor, value) -> None:
-        self.runtime.set(t, value)
+from ggtrain.errors import ConfigError
 
 
 # ---- classifier training (MNIST) ---------------------------------------------------------
@@ -286,48 +61,6 @@ class ClassifierConfig:
             raise ConfigError(f"--val-split must be in [0, 1), got {self.val_split}")
         if self.lr <= 0:
             raise ConfigError(f"--lr must be > 0, got {self.lr}")
-
-
-def check_early_stop(patience: int, min_delta: float) -> None:
-    if patience < 0 or min_delta < 0:
-        raise ConfigError(f"--early-stop-patience and --min-delta must be >= 0, got {patience}, {min_delta}")
-    if min_delta and not patience:
-        raise ConfigError("--min-delta needs --early-stop-patience")
-
-
-@dataclass
-class EarlyStopping:
-    """Stopping on convergence of the validation loss: `update` after each evaluation;
-    the run should stop once `patience` evaluations in a row have not improved on the best
-    by more than min_delta."""
-
-    patience: int
-    min_delta: float = 0.0
-    unit: str = "update"  # what the steps passed to update count (ClassifierRun: epochs)
-    best: float = float("inf")
-    best_step: int = 0
-    bad: int = 0          # evaluations since the best
-
-    def update(self, step: int, val_loss: float) -> bool:
-        """Record an evaluation; True when it is a new best."""
-        if val_loss < self.best - self.min_delta:
-            self.best, self.best_step, self.bad = float(val_loss), step, 0
-            return True
-        self.bad += 1
-        return False
-
-    @property
-    def exhausted(self) -> bool:
-        return self.patience > 0 and self.bad >= self.patience
-
-    def reason(self) -> str:
-        return (f"validation loss did not improve by more than {self.min_delta:g} for {self.bad} "
-                f"evaluations (best {self.best:.4f} at {self.unit} {self.best_step})")
-
-
-# Why a run ended (the summary and the log's "done" line say it): ran its --steps/--epochs,
-# early stopping, L-BFGS found no step that lowers the loss, Ctrl-C.
-STOP_REASONS = ("finished", "early_stop", "converged", "interrupted")
 
 
 def split_train_val(n: int, val_split: float, seed: int) -> tuple:
@@ -445,71 +178,53 @@ class ClassifierRun:
         p, k = cfg.physical_batch * world.size, cfg.batch // cfg.physical_batch
         n_updates = len(train_idx) // batch
         full = n_updates == 1 and batch == len(train_idx)
-        stopping = EarlyStopping(cfg.early_stop_patience, cfg.min_delta, unit="epoch")
-        self.early_stopping, self.best, best = stopping, None, None
+        self.early_stopping = EarlyStopping(cfg.early_stop_patience, cfg.min_delta, unit="epoch")
+        self.best, self.best_params = None, None
         history = []
-        t0 = time.perf_counter()
-        step_no = 0
-        self.stop_reason = "finished"
-        for epoch in range(cfg.epochs):
-            order = train_idx if full else train_idx[rng.permutation(len(train_idx))]
-            epoch_loss, epoch_hits, epoch_n = 0.0, 0, 0
-            t_epoch = time.perf_counter()
-            for u in range(n_updates):
-                t_step = time.perf_counter()
-                batches = []
-                for j in range(k):
-                    idx = world.shard(order[(u * k + j) * p:(u * k + j + 1) * p])
-                    batches.append({self.x: Rows(images, idx), self.y: labels[idx]})
-                loss = self.step.step(batches, cfg.lr, stop=self.stopped, same_batch=full and step_no > 0)
-                for (logits,), b in zip(self.step.last_outputs, batches):
-                    epoch_hits += int((logits.argmax(axis=1) == b[self.y]).sum())
-                epoch_loss += loss * batch
-                epoch_n += batch
-                step_no += 1
-                if not np.isfinite(loss):
-                    raise NumericError(f"loss became {loss} at update {step_no} (epoch {epoch + 1})")
-                if on_step is not None:
-                    now = time.perf_counter()
-                    on_step({"step": step_no, "epoch": epoch + 1, "loss": loss, "lr": cfg.lr,
-                             "grad_norm": self.step.last_grad_norm,
-                             "samples_per_s": batch / max(now - t_step, 1e-9),
-                             "elapsed_s": now - t0, "update_in_epoch": u + 1, "updates_per_epoch": n_updates,
-                             **_search_fields(self.step)})
-                if self.step.converged:
-                    self.stop_reason = "converged"
-                    break
-                if self.interrupted:
-                    self.stop_reason = "interrupted"
-                    break
-            epoch_hits = int(world.sum([epoch_hits])[0])    # each process counted its rows
-            summary = {"epoch": epoch + 1, "step": step_no, "train_loss": epoch_loss / max(1, epoch_n),
-                       "train_accuracy": epoch_hits / max(1, epoch_n),
-                       "epoch_s": time.perf_counter() - t_epoch}
+        epoch = {"order": None, "loss": 0.0, "hits": 0, "n": 0, "t": 0.0}
+
+        def draw(u: int) -> tuple:
+            if u % n_updates == 0:    # a new epoch: a new order
+                epoch.update(order=train_idx if full else train_idx[rng.permutation(len(train_idx))],
+                             loss=0.0, hits=0, n=0, t=time.perf_counter())
+            j0 = (u % n_updates) * k
+            feeds = []
+            for j in range(j0, j0 + k):
+                idx = world.shard(epoch["order"][j * p:(j + 1) * p])
+                feeds.append({self.x: Rows(images, idx), self.y: labels[idx]})
+            return feeds, cfg.lr, full and u > 0
+
+        def describe(feeds: list, loss: float, seconds: float) -> dict:
+            for (logits,), b in zip(self.step.last_outputs, feeds):
+                epoch["hits"] += int((logits.argmax(axis=1) == b[self.y]).sum())
+            epoch["loss"] += loss * batch
+            epoch["n"] += batch
+            u = self.step.updates - 1
+            return {"epoch": u // n_updates + 1, "samples_per_s": batch / max(seconds, 1e-9),
+                    "update_in_epoch": u % n_updates + 1, "updates_per_epoch": n_updates}
+
+        def evaluate(u: int) -> dict:
+            hits = int(world.sum([epoch["hits"]])[0])    # each process counted its rows
+            summary = {"epoch": (u - 1) // n_updates + 1, "step": u,
+                       "train_loss": epoch["loss"] / max(1, epoch["n"]),
+                       "train_accuracy": hits / max(1, epoch["n"]), "epoch_s": time.perf_counter() - epoch["t"]}
             if len(val_idx):
                 ev = self.evaluate(images[val_idx], labels[val_idx])
                 summary.update(val_loss=ev["loss"], val_accuracy=ev["accuracy"])
-                if stopping.patience and stopping.update(epoch + 1, ev["loss"]):
-                    best = (self.param_values(), summary)
             history.append(summary)
+            return summary
+
+        def on_eval(summary: dict) -> None:
+            if self.early_stopping.best_step == summary["epoch"] and "val_loss" in summary:
+                self.best = summary
             if on_epoch is not None:
                 on_epoch(summary)
-            if self.stop_reason != "finished":
-                break
-            if stopping.exhausted:
-                self.stop_reason = "early_stop"
-                break
-        if best is not None and self.stop_reason != "interrupted":
-            for name, value in best[0].items():   # keep the best model, not the last
-                self.step.set(self.params[name], value)
-            self.best = best[1]
+
+        self.step.updates = 0
+        self.stop_reason = fit_updates(self, 0, cfg.epochs * n_updates, draw, describe, every=n_updates,
+                                       evaluate=evaluate, on_step=on_step, on_eval=on_eval,
+                                       evaluate_on_break=True)
         return history
-
-
-def _search_fields(step: TrainStep) -> dict:
-    """The log fields of an L-BFGS update (evaluations, accepted step); none for the others."""
-    s = step.last_search
-    return {"evals": s["evals"], "step_size": s["step_size"]} if s else {}
 
 
 # ---- language-model training (llama) -------------------------------------------------------
@@ -841,63 +556,28 @@ class TextRun:
         cfg = self.config
         if cfg.early_stop_patience and not val_batches:
             raise ConfigError("--early-stop-patience needs validation data (--val-split > 0)")
-        t0 = time.perf_counter()
         per_update = cfg.global_batch * cfg.grad_acc * self.ctx
-        self.stop_reason = None
-        while self.step.updates < cfg.steps and self.stop_reason is None:
-            t_step = time.perf_counter()
-            lr = self.schedule(self.step.updates)
-            first = self.step.updates * cfg.grad_acc
-            feeds = [self._feed(batches.next(), first + j) for j in range(cfg.grad_acc)]
-            loss = self.step.step(feeds, lr, stop=self.stopped)
-            if not np.isfinite(loss) or not np.isfinite(self.step.last_grad_norm):
-                raise NumericError(f"loss {loss}, gradient norm {self.step.last_grad_norm} at update "
-                                   f"{self.step.updates}: training diverged (try a lower --lr)")
+
+        def draw(u: int) -> tuple:
+            first = u * cfg.grad_acc
+            return [self._feed(batches.next(), first + j) for j in range(cfg.grad_acc)], self.schedule(u), False
+
+        def describe(feeds: list, loss: float, seconds: float) -> dict:
             self.tokens_seen += per_update
-            now = time.perf_counter()
-            info = {"step": self.step.updates, "epoch": batches.epoch,
-                    "loss": loss, "lr": lr, "grad_norm": self.step.last_grad_norm,
-                    "tokens_per_s": per_update / max(now - t_step, 1e-9), "elapsed_s": now - t0,
-                    **_search_fields(self.step)}
+            info = {"epoch": batches.epoch, "tokens_per_s": per_update / max(seconds, 1e-9)}
             if self.pair_loss is not None:
                 # (every process's pairs: one more sum of five numbers per update)
                 sums = self.world.sum(self.pair_loss.sums(list(zip(self.step.last_outputs, feeds))))
                 info.update(self.pair_loss.metrics(sums))
-            if on_step is not None:
-                on_step(info)
-            if self.step.converged:
-                self.stop_reason = "converged"
-            if cfg.eval_every and val_batches and self.step.updates % cfg.eval_every == 0:
-                ev = {"step": self.step.updates, "val_loss": self.evaluate(val_batches), **self.last_eval_metrics}
-                if cfg.early_stop_patience and self.early_stopping.update(self.step.updates, ev["val_loss"]):
-                    self.best_params = self.param_values()
-                if on_eval is not None:
-                    on_eval(ev)
-                if self.early_stopping.exhausted:
-                    self.stop_reason = "early_stop"
-            if self.interrupted:
-                self.stop_reason = "interrupted"
-        if self.stop_reason is None:
-            self.stop_reason = "finished"
-        if self.best_params and self.stop_reason != "interrupted":
-            for k, value in self.best_params.items():   # keep the best model, not the last
-                self.step.set(self.params[k], value)
+            return info
+
+        def evaluate(u: int) -> dict:
+            return {"step": u, "val_loss": self.evaluate(val_batches), **self.last_eval_metrics}
+
+        self.stop_reason = fit_updates(self, self.step.updates, cfg.steps, draw, describe, every=cfg.eval_every,
+                                       evaluate=evaluate if val_batches else None, on_step=on_step,
+                                       on_eval=on_eval)
 
     def why_stopped(self) -> str:
         """One line on why fit ended (after fit)."""
         return stop_message(self.stop_reason, self.early_stopping, self.updates)
-
-
-def stop_message(reason: str, stopping: EarlyStopping, done: int) -> str:
-    """The summary's words for a STOP_REASONS entry; done: the updates (epochs for
-    ClassifierRun: stopping.unit) the run did."""
-    at = f"{stopping.unit} {done}"
-    if reason == "early_stop":
-        return f"stopped early at {at}: {stopping.reason()}; kept the best model"
-    if reason == "converged":
-        return f"stopped at {at}: L-BFGS found no step that lowers the loss (converged)"
-    if reason == "interrupted":
-        return f"interrupted at {at}"
-    kept = (f"; kept the best model ({stopping.unit} {stopping.best_step}, validation loss {stopping.best:.4f})"
-            if stopping.patience and stopping.best_step else "")
-    return f"ran all {done} {stopping.unit}s{kept}"

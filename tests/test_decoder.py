@@ -8,7 +8,7 @@ from ggtrain.core.backend_cpu import CpuBackend
 from ggtrain.core.graph import Graph, Runtime
 from ggtrain.core.models import decoder
 from ggtrain.core.optim import AdamW
-from ggtrain.core.train import TrainStep
+from ggtrain.core.step import TrainStep
 from tests import np_decoder as np_llama
 
 TINY = dict(vocab=64, dim=32, layers=2, heads=4, kv_heads=2, ff=48, ctx=16)

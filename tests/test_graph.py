@@ -10,7 +10,7 @@ from ggtrain.core.backend_cpu import CpuBackend
 from ggtrain.core.backend import Backend
 from ggtrain.core.graph import Graph, Rows, Runtime, _pack
 from ggtrain.core.optim import SGD, AdamW, ConstantLR, CosineLR
-from ggtrain.core.train import TrainStep
+from ggtrain.core.step import TrainStep
 from ggtrain.errors import ConfigError, DTypeError, GgtrainError, ShapeError
 
 

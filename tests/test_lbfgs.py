@@ -9,7 +9,7 @@ from ggtrain.core import ops
 from ggtrain.core.backend_cpu import CpuBackend
 from ggtrain.core.graph import Graph
 from ggtrain.core.optim import LBFGS, SGD, line_search
-from ggtrain.core.train import TrainStep
+from ggtrain.core.step import TrainStep
 from ggtrain.errors import ConfigError
 
 

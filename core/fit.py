@@ -1,0 +1,133 @@
+"""The one run loop (layer 4): updates of a run until its last, with evaluations, early
+stopping and stop requests, reporting through callbacks.
+
+`fit_updates` is the loop of every run (`TextRun.fit`: train and finetune; `ClassifierRun.fit`:
+mnist). The run gives its data and its own fields of each update's report through two
+functions, `draw(u) -> (physical batches, lr, same_batch)` and `describe(feeds, seconds) ->
+dict`; the loop steps the engine (core/step.py), stops on a NaN or an infinity, reports,
+evaluates every `every` updates (early stopping keeps the best parameters), and ends on the
+last update, early stopping, L-BFGS's convergence or a stop request (Ctrl-C). The callers
+(cli/loop.py `drive`, cli/mnist.py) add the bar, the log and the checkpoints.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from ggtrain.core.step import search_fields
+from ggtrain.errors import ConfigError, NumericError
+
+
+def check_early_stop(patience: int, min_delta: float) -> None:
+    if patience < 0 or min_delta < 0:
+        raise ConfigError(f"--early-stop-patience and --min-delta must be >= 0, got {patience}, {min_delta}")
+    if min_delta and not patience:
+        raise ConfigError("--min-delta needs --early-stop-patience")
+
+
+@dataclass
+class EarlyStopping:
+    """Stopping on convergence of the validation loss: `update` after each evaluation;
+    the run should stop once `patience` evaluations in a row have not improved on the best
+    by more than min_delta."""
+
+    patience: int
+    min_delta: float = 0.0
+    unit: str = "update"  # what the steps passed to update count (ClassifierRun: epochs)
+    best: float = float("inf")
+    best_step: int = 0
+    bad: int = 0          # evaluations since the best
+
+    def update(self, step: int, val_loss: float) -> bool:
+        """Record an evaluation; True when it is a new best."""
+        if val_loss < self.best - self.min_delta:
+            self.best, self.best_step, self.bad = float(val_loss), step, 0
+            return True
+        self.bad += 1
+        return False
+
+    @property
+    def exhausted(self) -> bool:
+        return self.patience > 0 and self.bad >= self.patience
+
+    def reason(self) -> str:
+        return (f"validation loss did not improve by more than {self.min_delta:g} for {self.bad} "
+                f"evaluations (best {self.best:.4f} at {self.unit} {self.best_step})")
+
+
+
+# Why a run ended (the summary and the log's "done" line say it): ran its --steps/--epochs,
+# early stopping, L-BFGS found no step that lowers the loss, Ctrl-C.
+STOP_REASONS = ("finished", "early_stop", "converged", "interrupted")
+
+
+def stop_message(reason: str, stopping: EarlyStopping, done: int) -> str:
+    """The summary's words for a STOP_REASONS entry; done: the updates (epochs for
+    ClassifierRun: stopping.unit) the run did."""
+    at = f"{stopping.unit} {done}"
+    if reason == "early_stop":
+        return f"stopped early at {at}: {stopping.reason()}; kept the best model"
+    if reason == "converged":
+        return f"stopped at {at}: L-BFGS found no step that lowers the loss (converged)"
+    if reason == "interrupted":
+        return f"interrupted at {at}"
+    kept = (f"; kept the best model ({stopping.unit} {stopping.best_step}, validation loss {stopping.best:.4f})"
+            if stopping.patience and stopping.best_step else "")
+    return f"ran all {done} {stopping.unit}s{kept}"
+
+
+def fit_updates(run, first: int, total: int, draw: Callable, describe: Callable, every: int = 0,
+                evaluate: Callable[[int], dict] | None = None, on_step=None, on_eval=None,
+                evaluate_on_break: bool = False) -> str:
+    """Run updates first..total-1 of `run`; returns why it ended (one of STOP_REASONS).
+
+    run: has `step` (TrainStep), `stopped()`, `interrupted`, `early_stopping` (EarlyStopping),
+    `param_values()`, `params` and `best_params` (set here to the best evaluation's
+    parameters, restored at the end unless interrupted). draw(u): (physical batches as
+    feeds, lr, same_batch) of update u; describe(feeds, loss, seconds): the run's own fields of the
+    update's report (merged into {"step", "loss", "lr", "grad_norm", "elapsed_s"} and
+    L-BFGS's search fields). evaluate(u): a report after update u, every `every` updates
+    (and, with evaluate_on_break, after an update that ends the run early), with "val_loss"
+    when there is validation data; early stopping counts it by its "step", or by its
+    "epoch" when the stopping unit is epochs.
+    """
+    stopping = run.early_stopping
+    t0 = time.perf_counter()
+    reason = None
+    u = first
+    while u < total and reason is None:
+        t_step = time.perf_counter()
+        feeds, lr, same_batch = draw(u)
+        loss = run.step.step(feeds, lr, stop=run.stopped, same_batch=same_batch)
+        u += 1
+        grad_norm = run.step.last_grad_norm
+        if not np.isfinite(loss) or not np.isfinite(grad_norm):
+            raise NumericError(f"loss {loss}, gradient norm {grad_norm} at update {u}: training diverged "
+                               f"(try a lower --lr)")
+        now = time.perf_counter()
+        info = {"step": u, "loss": loss, "lr": lr, "grad_norm": grad_norm, "elapsed_s": now - t0,
+                **describe(feeds, loss, now - t_step), **search_fields(run.step)}
+        if on_step is not None:
+            on_step(info)
+        converged, interrupted = run.step.converged, run.interrupted
+        exhausted = False
+        due = every and u % every == 0
+        if evaluate is not None and (due or ((converged or interrupted) and evaluate_on_break)):
+            ev = evaluate(u)
+            if stopping.patience and "val_loss" in ev:
+                at = ev["epoch"] if stopping.unit == "epoch" else ev["step"]
+                if stopping.update(at, ev["val_loss"]):
+                    run.best_params = run.param_values()
+            if on_eval is not None:
+                on_eval(ev)
+            exhausted = stopping.exhausted
+        reason = ("interrupted" if interrupted else "early_stop" if exhausted else
+                  "converged" if converged else None)
+    reason = reason or "finished"
+    if run.best_params and reason != "interrupted":
+        for k, value in run.best_params.items():   # keep the best model, not the last
+            run.step.set(run.params[k], value)
+    return reason
