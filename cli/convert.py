@@ -24,7 +24,7 @@ from ggtrain.cli.loop import check_out
 from ggtrain.cli.main import app
 from ggtrain.core.models.lora import factor_names
 from ggtrain.errors import ConfigError
-from ggtrain.formats.checkpoint import is_checkpoint, load_checkpoint, save_checkpoint
+from ggtrain.formats.checkpoint import Checkpoint, is_checkpoint, load_checkpoint, save_checkpoint
 from ggtrain.formats.gguf import GGUFFile, read_gguf
 from ggtrain.formats.llama2c import read_llama2c, read_llama2c_tokenizer
 from ggtrain.formats.model_file import WRITE_TYPES, carried_kv, check_write_type, load_model, rewrite_model, save_model
@@ -65,19 +65,19 @@ def _summary(out: pathlib.Path, what: str) -> str:
     return f"wrote {out}: {what}, {len(f.tensors)} tensors ({kinds}), {f.file_size:,} bytes"
 
 
-def _default_type(ckpt: dict) -> str:
+def _default_type(ckpt: Checkpoint) -> str:
     """A checkpoint's model is written in its base's type where ggtrain writes it (F16 where it
     does not), f32 for a model trained from scratch."""
-    base = ckpt["run_config"].get("base_type")
+    base = ckpt.run_config.get("base_type")
     if base is None:
         return "f32"
     return base if base in WRITE_TYPES else "f16"
 
 
-def _lora_pairs(ckpt: dict) -> tuple:
+def _lora_pairs(ckpt: Checkpoint) -> tuple:
     """(alpha, {weight: (A, B)}) of a finetune-lora checkpoint."""
-    lora = ckpt["run_config"]["lora"]
-    params = ckpt["state"]["params"]
+    lora = ckpt.run_config["lora"]
+    params = ckpt.state["params"]
     pairs = {}
     for name in params:
         if name.endswith(".lora_a"):
@@ -164,8 +164,8 @@ def _merge(inp, out, base, adapter, scale, to, out_type) -> str:
         if not is_checkpoint(f):
             raise ConfigError(f"--base: IN {inp} should be a LoRA checkpoint (or give --adapter)")
         ckpt = load_checkpoint(inp)
-        if ckpt["kind"] != "finetune-lora":
-            raise ConfigError(f"IN {inp}: a {ckpt['kind']} checkpoint has no adapter to merge into --base")
+        if ckpt.kind != "finetune-lora":
+            raise ConfigError(f"IN {inp}: a {ckpt.kind} checkpoint has no adapter to merge into --base")
         alpha, pairs = _lora_pairs(ckpt)
         src, label = inp, f"checkpoint {inp.name}"
     else:
@@ -191,18 +191,18 @@ def _from_checkpoint(inp, out, to, out_type) -> str:
     if to == "checkpoint":
         raise ConfigError(f"IN {inp} is already a checkpoint (--to checkpoint converts a model)")
     ckpt = load_checkpoint(inp)
-    step = ckpt["state"]["updates"]
-    if ckpt["kind"] == "finetune-lora":
+    step = ckpt.state["updates"]
+    if ckpt.kind == "finetune-lora":
         if out_type is not None:
             raise ConfigError(f"IN {inp}: a LoRA checkpoint becomes an adapter (F32); --out-type is for models "
                               f"(add --base BASE.gguf to write the merged model)")
         alpha, pairs = _lora_pairs(ckpt)
-        write_lora(out, ckpt["model_config"].get("arch", "llama"), alpha, pairs, progress=_bar())
-        return f"LoRA adapter (rank {ckpt['run_config']['lora']['rank']}) from checkpoint {inp.name} at update {step}"
+        write_lora(out, ckpt.model_config.get("arch", "llama"), alpha, pairs, progress=_bar())
+        return f"LoRA adapter (rank {ckpt.run_config['lora']['rank']}) from checkpoint {inp.name} at update {step}"
     t = out_type or _default_type(ckpt)
-    save_model(out, ckpt["model_config"], ckpt["state"]["params"], ckpt["tokenizer"],
-               name=f"ggtrain {ckpt['kind']}", out_type=t, extra_kv=ckpt["extra_kv"], progress=_bar())
-    return f"{ckpt['model_config'].get('arch', 'llama')} model ({t}) from {ckpt['kind']} checkpoint {inp.name} at update {step}"
+    save_model(out, ckpt.model_config, ckpt.state["params"], ckpt.tokenizer,
+               name=f"ggtrain {ckpt.kind}", out_type=t, extra_kv=ckpt.extra_kv, progress=_bar())
+    return f"{ckpt.model_config.get('arch', 'llama')} model ({t}) from {ckpt.kind} checkpoint {inp.name} at update {step}"
 
 
 def _from_model(f: GGUFFile, out, to, out_type) -> str:
@@ -212,8 +212,8 @@ def _from_model(f: GGUFFile, out, to, out_type) -> str:
             raise ConfigError("--out-type is for models; a checkpoint holds f32 weights")
         config, weights, tok = load_model(inp)
         state = {"params": weights, "optimizer": {}, "updates": 0, "tokens_seen": 0}
-        save_checkpoint(out, config, {}, state, tok, data_rng="", data_fingerprint="", kind="model",
-                        run_config={"base": str(inp)}, extra_kv=carried_kv(f), progress=_bar())
+        save_checkpoint(out, Checkpoint("model", config, {}, state, tok, run_config={"base": str(inp)},
+                                        extra_kv=carried_kv(f)), progress=_bar())
         return f"model checkpoint (f32, update 0) of {inp.name}"
     if out_type is None:
         raise ConfigError(f"IN {inp} is already a model: give --out-type, --adapter or --to checkpoint")

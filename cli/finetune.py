@@ -25,8 +25,8 @@ from ggtrain.cli.tasks import run_task, task_words
 from ggtrain.cli.config import config_record
 from ggtrain.cli.loop import (BACKEND, CHECKPOINT_DIR, CHECKPOINTING, CONFIG, EARLY_STOP_PATIENCE, EVAL_EVERY,
                               GRAD_CLIP, LOG, MIN_DELTA, MOMENTUM, OPTIMIZER, QUIET, SAVE_EVERY, THREADS, TOKEN_CACHE, ON_SAVE_ERROR,
-                              check_checkpoint_options, check_out, drive, optimizer_settings,
-                              validation_words)
+                              check_checkpoint_options, check_out, check_resume_data, continue_run, drive,
+                              open_resume, optimizer_settings, validation_words)
 from ggtrain.cli.main import app
 from ggtrain.core.backend import StoredTensor
 from ggtrain.core.data import PackedBatches, TokenWindows, eval_windows, pack, pack_pairs, split_samples, split_tokens
@@ -36,7 +36,7 @@ from ggtrain.core.models.lora import TARGETS, LoraConfig, factor_names, init_lor
 from ggtrain.core.preference import METHODS, PreferenceConfig, pair_slots
 from ggtrain.core.train import TextConfig, TextRun
 from ggtrain.errors import ConfigError
-from ggtrain.formats.checkpoint import load_checkpoint, save_checkpoint
+from ggtrain.formats.checkpoint import Checkpoint, save_checkpoint
 from ggtrain.formats.chat import ChatTemplate, template_id
 from ggtrain.formats.chat import chat_template as find_template
 from ggtrain.formats.dataset import is_plain_text
@@ -220,21 +220,15 @@ def finetune(
     if eval_task is not None:
         with file_errors(f"--eval-task {eval_task}"):
             task_items = read_task(eval_task)
-    ckpt = load_checkpoint(resume) if resume else None
-    if ckpt is not None and ckpt["kind"] not in ("finetune-lora", "finetune-full", "model"):
-        raise ConfigError(f"--resume {resume}: a {ckpt['kind']} checkpoint, not a finetune one "
-                          f"(`ggtrain train --resume` continues it)")
-    start = None    # a model checkpoint: a new --full run from its weights, with this command's options
-    if ckpt is not None and ckpt["kind"] == "model":
-        if not full:
-            raise ConfigError(f"--resume {resume}: a model checkpoint (no run yet) continues with --full; "
-                              f"for LoRA, give the model itself as --model")
-        start, ckpt = ckpt, None
+    ckpt, start = open_resume(resume, "finetune")   # start: a model checkpoint, a new --full run from it
+    if start is not None and not full:
+        raise ConfigError(f"--resume {resume}: a model checkpoint (no run yet) continues with --full; "
+                          f"for LoRA, give the model itself as --model")
     if model is None and start is None:
         raise ConfigError("--model is required: the base model to fine-tune")
     if ckpt is not None:   # the run's settings are the checkpoint's
-        rc = ckpt["run_config"]
-        full = ckpt["kind"] == "finetune-full"
+        rc = ckpt.run_config
+        full = ckpt.kind == "finetune-full"
         ctx, packing, drop_long, train_on_inputs = rc["ctx"], rc["packing"], rc["drop_long"], rc["train_on_inputs"]
         val_split = rc["val_split"]
         pref = rc.get("preference") or {}
@@ -245,7 +239,7 @@ def finetune(
 
     if start is not None:   # the checkpoint is the base (f32)
         model = resume
-        arch, weights, tok = start["model_config"], start["state"]["params"], start["tokenizer"]
+        arch, weights, tok = start.model_config, start.state["params"], start.tokenizer
     else:
         arch, weights, tok = open_model(model, be)
     base_file = read_gguf(model)
@@ -255,11 +249,11 @@ def finetune(
     if not 2 <= ctx <= model_cfg.ctx:
         raise ConfigError(f"--ctx {ctx} must be in 2..{model_cfg.ctx} (the model's context)")
     base_fp = fingerprint_weights(weights)
-    if ckpt is not None and ckpt["run_config"]["base_fingerprint"] != base_fp:
+    if ckpt is not None and ckpt.run_config["base_fingerprint"] != base_fp:
         raise ConfigError(f"--resume {resume}: the checkpoint was trained on another base model than {model}")
 
     # ---- data: every process draws the global batches (batch x processes) --------------
-    train_cfg = (TextConfig(**{**ckpt["train_config"], **({"steps": steps} if steps is not None else {})})
+    train_cfg = (TextConfig(**{**ckpt.train_config, **({"steps": steps} if steps is not None else {})})
                  .on(world.size) if ckpt is not None else None)
     global_batch = train_cfg.global_batch if ckpt is not None else batch * world.size
     def check_kind(kind: str, layout: str) -> None:
@@ -332,13 +326,13 @@ def finetune(
         summary = (f"{stats.samples} samples, {stats.trained} trained of {stats.tokens} tokens "
                    f"({stats.truncated} cut, {stats.dropped} dropped at --ctx {ctx}, {stats.empty} with "
                    f"nothing to train) in {stats.rows} windows{'' if packing else ' (no packing)'}")
-    if ckpt is not None and ckpt["data_fingerprint"] != data_fp:
-        raise ConfigError(f"--resume {resume}: --data {data} is not the data this checkpoint was trained on")
+    if ckpt is not None:
+        check_resume_data(ckpt, data_fp, resume, data)
 
     # ---- what is trained ----------------------------------------------------------------
     val_batches = [world.shard(v) for v in val_batches]
     if ckpt is not None:
-        lora_cfg = None if full else LoraConfig(**ckpt["run_config"]["lora"])
+        lora_cfg = None if full else LoraConfig(**ckpt.run_config["lora"])
     else:
         n_steps = steps if steps is not None else max(1, math.ceil((epochs or 1.0) * per_epoch / grad_acc))
         peak, weight_decay, grad_clip = optimizer_settings(optimizer, lr, weight_decay, grad_clip,
@@ -367,13 +361,11 @@ def finetune(
         loss_rows = int(per_row[:train_cfg.batch].sum())
         if val_batches:
             loss_rows = max(loss_rows, max(int((v["targets"] >= 0).sum()) for v in val_batches))
-    run = TextRun(model_cfg, ckpt["state"]["params"] if ckpt else init, train_cfg, be, frozen=frozen,
+    run = TextRun(model_cfg, ckpt.state["params"] if ckpt else init, train_cfg, be, frozen=frozen,
                   lora=lora_cfg, ctx=ctx, packed=packed, loss_rows=loss_rows, world=world,
                   preference=preference, pairs=pairs)
     if ckpt is not None:
-        run.load_state(ckpt["state"])
-        batches.set_state(ckpt["data_rng"], drawn=run.updates * train_cfg.global_batch * train_cfg.grad_acc) \
-            if isinstance(batches, TokenWindows) else batches.set_state(ckpt["data_rng"])
+        continue_run(run, batches, ckpt)
     elif preference is not None and preference.method == "dpo":
         # the reference: the model before training, once per pair (each process: every pair)
         sets = [packed_data] + ([val_data] if val_data is not None else [])
@@ -402,8 +394,8 @@ def finetune(
     kind_name = "finetune-full" if full else "finetune-lora"
 
     def checkpoint(path: pathlib.Path) -> None:
-        save_checkpoint(path, model_json, train_json, run.state(), tok, batches.state(), data_fp,
-                        kind=kind_name, run_config=run_json, extra_kv=carried)
+        save_checkpoint(path, Checkpoint(kind_name, model_json, train_json, run.state(), tok, batches.state(),
+                                         data_fp, run_config=run_json, extra_kv=carried))
 
     def task_accuracy() -> dict:
         """--eval-task's scores of the model as trained so far (a KV decoder over the trained weights)."""

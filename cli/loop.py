@@ -18,6 +18,7 @@ from ggtrain.cli.config import load_config
 from ggtrain.core.optim import OPTIMIZERS
 from ggtrain.core.preference import METRICS
 from ggtrain.errors import ConfigError, WriteError
+from ggtrain.formats.checkpoint import Checkpoint, load_checkpoint
 from ggtrain.formats.files import remove_stale_temporaries
 
 STEP_FIELDS = ("step", "epoch", "loss", "lr", "grad_norm", "tokens_per_s", "elapsed_s")
@@ -91,6 +92,40 @@ def check_checkpoint_options(save_every: int, checkpoint_dir: pathlib.Path | Non
     if checkpoint_dir is not None:
         checkpoint_dir.mkdir(parents=True, exist_ok=True)
         remove_stale_temporaries(checkpoint_dir)
+
+
+# ---- the one resume path of train and finetune ------------------------------------------------
+
+# the checkpoint kinds each command continues (a "model" checkpoint starts a new run in either)
+RESUMES = {"train": ("train",), "finetune": ("finetune-lora", "finetune-full")}
+
+
+def open_resume(resume: pathlib.Path | None, command: str) -> tuple:
+    """(ckpt, start) of --resume: a checkpoint of this command's run to continue, or a model
+    checkpoint (kind "model") to start a new run from with this command's options; (None,
+    None) without --resume. A checkpoint another command continues is a ConfigError saying which."""
+    if resume is None:
+        return None, None
+    ckpt = load_checkpoint(resume)
+    if ckpt.kind == "model":
+        return None, ckpt
+    if ckpt.kind not in RESUMES[command]:
+        other = next(c for c, kinds in RESUMES.items() if ckpt.kind in kinds)
+        raise ConfigError(f"--resume {resume}: a {ckpt.kind} checkpoint; `ggtrain {other} --resume` continues it")
+    return ckpt, None
+
+
+def check_resume_data(ckpt: Checkpoint, fingerprint: str, resume: pathlib.Path, data) -> None:
+    """The data is the run's: the same token ids (sha256) as when the checkpoint was written."""
+    if ckpt.data_fingerprint != fingerprint:
+        raise ConfigError(f"--resume {resume}: --data {data} is not the data this checkpoint was trained on")
+
+
+def continue_run(run, batches, ckpt: Checkpoint) -> None:
+    """Put the checkpoint's state into `run` and its batch source, so the run goes on exactly as
+    the uninterrupted one would have."""
+    run.load_state(ckpt.state)
+    batches.set_state(ckpt.data_rng, drawn=run.updates * run.config.global_batch * run.config.grad_acc)
 
 
 def _nothing(path: pathlib.Path) -> None:

@@ -10,7 +10,8 @@ from ggtrain.cli.common import JsonLog, make_backend, file_errors, read_corpus, 
 from ggtrain.cli.config import config_record
 from ggtrain.cli.loop import (BACKEND, CHECKPOINT_DIR, CHECKPOINTING, CONFIG, EARLY_STOP_PATIENCE, EVAL_EVERY,
                               GRAD_CLIP, LOG, MIN_DELTA, MOMENTUM, OPTIMIZER, QUIET, SAVE_EVERY, THREADS, TOKEN_CACHE, ON_SAVE_ERROR,
-                              check_checkpoint_options, check_out, drive, validation_words, optimizer_settings)
+                              check_checkpoint_options, check_out, check_resume_data, continue_run, drive,
+                              open_resume, optimizer_settings, validation_words)
 from ggtrain.cli.main import app
 from ggtrain.core.data import TokenWindows, eval_windows, split_tokens
 from ggtrain.core.distributed import Shard
@@ -18,7 +19,7 @@ from ggtrain.core.models.decoder import ModelConfig, init_params
 from ggtrain.core.models.families import FAMILIES
 from ggtrain.core.train import TextConfig, TextRun
 from ggtrain.errors import ConfigError
-from ggtrain.formats.checkpoint import load_checkpoint, save_checkpoint
+from ggtrain.formats.checkpoint import Checkpoint, save_checkpoint
 from ggtrain.formats.model_file import save_model
 from ggtrain.formats.tokenizer import load_tokenizer
 
@@ -99,32 +100,26 @@ def train(
         check_checkpoint_options(save_every, checkpoint_dir, on_save_error)
         check_out(out)
     data = data or BUNDLED_TEXT
-    ckpt = load_checkpoint(resume) if resume else None
-    if ckpt is not None and ckpt["kind"] not in ("train", "model"):
-        raise ConfigError(f"--resume {resume}: a {ckpt['kind']} checkpoint; `ggtrain finetune --resume` "
-                          f"continues it")
-    start = None    # a model checkpoint: a new run from its weights, with this command's options
-    if ckpt is not None and ckpt["kind"] == "model":
-        start, ckpt = ckpt, None
+    ckpt, start = open_resume(resume, "train")   # start: a model checkpoint, a new run from its weights
+    if start is not None:
         if world.lead:
             typer.echo(f"--resume {resume}: a model checkpoint; training it with this command's options "
                        f"(its architecture and tokenizer replace --dim, --layers, ..., --tokenizer)", err=True)
     source = ckpt or start
-    tok = source["tokenizer"] if source else load_tokenizer(
+    tok = source.tokenizer if source else load_tokenizer(
         tokenizer, _bpe_text(data) if tokenizer.startswith("bpe:") else None)
     corpus = read_corpus(data, tok, False, token_cache, quiet, world)
     ids = corpus.ids
     if ckpt:
-        model_cfg = ModelConfig(**ckpt["model_config"])
-        tc = dict(ckpt["train_config"])
+        model_cfg = ModelConfig(**ckpt.model_config)
+        tc = dict(ckpt.train_config)
         val_split = tc.pop("val_split")  # the split must be the one the run started with
         if steps is not None:
             tc["steps"] = steps  # extend (or shorten) a run; everything else as saved
         train_cfg = TextConfig(**tc).on(world.size)
-        if ckpt["data_fingerprint"] != corpus.fingerprint:
-            raise ConfigError(f"--resume {resume}: --data is not the text this checkpoint was trained on")
+        check_resume_data(ckpt, corpus.fingerprint, resume, data)
     elif start:
-        model_cfg = ModelConfig(**start["model_config"])
+        model_cfg = ModelConfig(**start.model_config)
         train_cfg = None
     else:
         model_cfg = ModelConfig(vocab=tok.n_vocab, dim=dim, layers=layers, heads=heads,
@@ -144,13 +139,12 @@ def train(
                                checkpointing=checkpointing, eval_every=eval_every, seed=seed, world=world.size,
                                optimizer=optimizer, momentum=momentum, early_stop_patience=early_stop_patience,
                                min_delta=min_delta)
-    init = source["state"]["params"] if source else init_params(model_cfg, train_cfg.seed)
+    init = source.state["params"] if source else init_params(model_cfg, train_cfg.seed)
     run = TextRun(model_cfg, init, train_cfg, be, world=world)
     # every process draws the global batches and trains on its rows of them
     windows = TokenWindows(train_ids, model_cfg.ctx, train_cfg.global_batch, train_cfg.seed + 1)
     if ckpt:
-        run.load_state(ckpt["state"])
-        windows.set_state(ckpt["data_rng"], drawn=run.updates * train_cfg.global_batch * train_cfg.grad_acc)
+        continue_run(run, windows, ckpt)
     val_batches = [world.shard(b) for b in eval_windows(val_ids, model_cfg.ctx, train_cfg.global_batch,
                                                         train_cfg.eval_batches)] if len(val_ids) else []
     mem = run.step.memory
@@ -164,11 +158,11 @@ def train(
     model_json = dataclasses.asdict(model_cfg)
     train_json = dict(dataclasses.asdict(train_cfg), val_split=val_split)
     fingerprint = corpus.fingerprint
-    carried = source["extra_kv"] if source else []
+    carried = source.extra_kv if source else []
 
     def checkpoint(path: pathlib.Path) -> None:
-        save_checkpoint(path, model_json, train_json, run.state(), tok, windows.state(), fingerprint,
-                        run_config={"options": record["options"]}, extra_kv=carried)
+        save_checkpoint(path, Checkpoint("train", model_json, train_json, run.state(), tok, windows.state(),
+                                         fingerprint, run_config={"options": record["options"]}, extra_kv=carried))
 
     logf = JsonLog(log if world.lead else None)
     logf.write(record)

@@ -354,8 +354,9 @@ class PackedBatches:
     def state(self) -> str:
         return json.dumps({"drawn": self.drawn, "seed": self.seed, "rows": self.data.rows})
 
-    def set_state(self, text: str) -> None:
-        """Continue from `state()`; raises ConfigError when it was taken on other data."""
+    def set_state(self, text: str, drawn: int | None = None) -> None:
+        """Continue from `state()` (which holds the rows drawn: `drawn`, the count a run would
+        give TokenWindows, is not needed); raises ConfigError when it was taken on other data."""
         s = json.loads(text)
         if s["rows"] != self.data.rows:
             raise ConfigError(f"the checkpoint was trained on {s['rows']} packed rows, this data "

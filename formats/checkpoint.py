@@ -35,6 +35,7 @@ model_file.CARRIED_PREFIXES) are kept, so the model written from a checkpoint ha
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
 
 import numpy as np
 from gguf import GGUFValueType as VT
@@ -55,13 +56,31 @@ _BEST = "best."
 _REFERENCE = "preference.reference_nll"
 
 
-def save_checkpoint(path, model_config: dict, train_config: dict, state: dict, tokenizer,
-                    data_rng: str, data_fingerprint: str, kind: str = "train",
-                    run_config: dict | None = None, extra_kv=(), progress=None) -> None:
-    """Write a checkpoint atomically. state: TextRun.state() ({"params", "optimizer",
-    "updates", "tokens_seen"[, "early_stop", "best_params"]}); optimizer names are
-    "<param>.adam_m" / ".adam_v" / ".momentum", or "lbfgs.*" for the whole run;
-    extra_kv: key/values of the model to keep (model_file.carried_kv of the base)."""
+@dataclass
+class Checkpoint:
+    """The one record of a resumable run that `train` and `finetune` (and `convert-checkpoint`)
+    write and read: kind (KINDS); model_config, train_config, run_config (dicts, stored as
+    JSON); state (TextRun.state(): {"params", "optimizer", "updates", "tokens_seen"[,
+    "early_stop", "best_params", "reference"]}; optimizer names are "<param>.adam_m" /
+    ".adam_v" / ".momentum", or "lbfgs.*" for the whole run); tokenizer; data_rng (the batch
+    source's state); data_fingerprint (sha256 of the training data as token ids); extra_kv
+    (key/values of the model to keep: model_file.carried_kv of the base)."""
+    kind: str
+    model_config: dict
+    train_config: dict
+    state: dict
+    tokenizer: object
+    data_rng: str = ""
+    data_fingerprint: str = ""
+    run_config: dict = field(default_factory=dict)
+    extra_kv: list = field(default_factory=list)
+
+
+def save_checkpoint(path, ckpt: Checkpoint, progress=None) -> None:
+    """Write a checkpoint atomically (see the module docstring for the layout)."""
+    kind, model_config, train_config, state = ckpt.kind, ckpt.model_config, ckpt.train_config, ckpt.state
+    tokenizer, data_rng, data_fingerprint = ckpt.tokenizer, ckpt.data_rng, ckpt.data_fingerprint
+    run_config, extra_kv = ckpt.run_config, ckpt.extra_kv
     if kind not in KINDS:
         raise ValueError(f"checkpoint kind {kind!r} is not one of {KINDS}")
     kv = config_to_kv(ModelConfig(**model_config), "ggtrain checkpoint", file_type=0)
@@ -96,9 +115,8 @@ def save_checkpoint(path, model_config: dict, train_config: dict, state: dict, t
     write_gguf(path, kv, tensors, progress=progress)
 
 
-def load_checkpoint(path) -> dict:
-    """{"kind", "model_config", "train_config", "run_config", "state", "tokenizer", "data_rng",
-    "data_fingerprint", "extra_kv"}.
+def load_checkpoint(path) -> Checkpoint:
+    """The Checkpoint a file holds.
 
     Raises FormatError when the file is not a ggtrain checkpoint (e.g. a plain model).
     """
@@ -148,10 +166,9 @@ def load_checkpoint(path) -> dict:
         except json.JSONDecodeError as exc:
             raise FormatError(f"{path}: damaged ggtrain.early_stop ({exc})") from None
         state["best_params"] = best
-    return {"kind": kind, "model_config": model_config, "train_config": train_config,
-            "run_config": run_config, "state": state,
-            "tokenizer": tokenizer_from_gguf(f), "data_rng": f.value("ggtrain.data_rng"),
-            "data_fingerprint": f.value("ggtrain.data_fingerprint"), "extra_kv": carried_kv(f)}
+    return Checkpoint(kind, model_config, train_config, state, tokenizer_from_gguf(f),
+                      data_rng=f.value("ggtrain.data_rng"), data_fingerprint=f.value("ggtrain.data_fingerprint"),
+                      run_config=run_config, extra_kv=carried_kv(f))
 
 
 def is_checkpoint(f: GGUFFile) -> bool:

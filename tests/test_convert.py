@@ -148,7 +148,7 @@ def test_train_checkpoint_becomes_the_model_train_writes(tmp_path, text):
     assert r.returncode == 1 and f"{ckpt}: a ggtrain training checkpoint, not a model" in r.stderr
     q = tmp_path / "q.gguf"
     assert _cli("convert-checkpoint", ckpt, q, "--out-type", "q8_0").returncode == 0
-    params = load_checkpoint(ckpt)["state"]["params"]
+    params = load_checkpoint(ckpt).state["params"]
     fq = read_gguf(q)
     for name, info in fq.tensors.items():
         assert np.array_equal(fq.read_tensor(name).view(np.uint8),
@@ -215,7 +215,7 @@ def test_model_checkpoint_starts_training(shared_data, tmp_path, text):
     assert info["kind"] == "model" and info["updates"] == 0 and info["optimizer"] is None
     loaded = load_checkpoint(ckpt)
     _, weights, _ = load_model(story)
-    assert all(np.array_equal(loaded["state"]["params"][k], v) for k, v in weights.items())
+    assert all(np.array_equal(loaded.state["params"][k], v) for k, v in weights.items())
 
     logs = {}
     for how, args in (("model", ["--model", story]), ("resume", ["--resume", ckpt])):

@@ -252,3 +252,26 @@ def test_a_100_mb_line_is_one_error(tmp_path):
         f.write(b"\n")
     with pytest.raises(FormatError, match=r"long.jsonl line 2 column \d+: invalid JSON"):
         read_data(path)
+
+
+def test_each_command_names_the_one_that_continues_another_commands_checkpoint(tmp_path, text, shared_data):
+    ck = tmp_path / "ck"
+    r = _ggtrain(["train", "--data", text, "--out", tmp_path / "m.gguf", "--steps", 2, "--checkpoint-dir", ck,
+                  *TINY], tmp_path)
+    assert r.returncode == 0, r.stderr
+    story = shared_data / "gguf" / "stories260K.gguf"
+    r = _ggtrain(["finetune", "--model", story, "--data", text, "--out", tmp_path / "a.gguf",
+                  "--resume", ck / "ckpt-000002.gguf"], tmp_path)
+    _one_line_error(r, "a train checkpoint", "`ggtrain train --resume` continues it")
+    r = _ggtrain(["finetune", "--model", story, "--data", text, "--out", tmp_path / "a.gguf", "--steps", 2,
+                  "--ctx", 32, "--batch", 2, "--checkpoint-dir", tmp_path / "fk", "--quiet"], tmp_path)
+    assert r.returncode == 0, r.stderr
+    r = _ggtrain(["train", "--data", text, "--out", tmp_path / "x.gguf", "--resume", tmp_path / "fk" / "ckpt-000002.gguf"],
+                 tmp_path)
+    _one_line_error(r, "a finetune-lora checkpoint", "`ggtrain finetune --resume` continues it")
+    # another text: the run's data is checked before anything trains
+    other = tmp_path / "other.txt"
+    other.write_text(text.read_text()[::-1])
+    r = _ggtrain(["train", "--data", other, "--out", tmp_path / "x.gguf", "--resume", ck / "ckpt-000002.gguf"],
+                 tmp_path)
+    _one_line_error(r, "is not the data this checkpoint was trained on")

@@ -94,7 +94,7 @@ def test_divergence_stops_and_keeps_the_last_good_checkpoint(tmp_path, text):
     saved = sorted(ck.iterdir())
     assert saved  # the good ones stay
     from ggtrain.formats.checkpoint import load_checkpoint
-    state = load_checkpoint(saved[-1])["state"]
+    state = load_checkpoint(saved[-1]).state
     assert all(np.isfinite(v).all() for v in state["params"].values())
 
 
@@ -121,7 +121,7 @@ def test_bad_input(tmp_path, text):
     other = tmp_path / "other.txt"
     other.write_text(text.read_text()[::-1])
     r = _cli("train", "--data", other, "--out", out, "--resume", ck / "ckpt-000002.gguf", *TINY)
-    assert r.returncode == 1 and "not the text" in r.stderr
+    assert r.returncode == 1 and "is not the data this checkpoint was trained on" in r.stderr
     r = _cli("train", "--data", text, "--out", out, "--resume", out, *TINY)
     assert r.returncode == 1 and "not a ggtrain checkpoint" in r.stderr
 
