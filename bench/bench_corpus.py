@@ -126,7 +126,7 @@ from ggtrain.formats.corpus import corpus_tokens
 from ggtrain.formats.tokenizer import tokenizer_from_gguf
 tok = tokenizer_from_gguf(sys.argv[1])
 t = time.perf_counter()
-got = corpus_tokens(sys.argv[2], tok, add_bos=True, cache_dir=sys.argv[3])
+got = corpus_tokens(sys.argv[2], tok, add_bos=tok.add_bos, cache_dir=sys.argv[3])   # as finetune reads it
 print(json.dumps({"s": time.perf_counter() - t, "tokens": len(got.ids), "cached": got.cached,
                   "file_mib": len(got.ids) * 4 / 2**20}))
 """

@@ -70,7 +70,7 @@ def fingerprint_weights(weights: dict) -> str:
 def _fingerprint_arrays(*arrays) -> str:
     h = hashlib.sha256()
     for a in arrays:
-        h.update(np.ascontiguousarray(a, np.int32).tobytes())
+        h.update(memoryview(np.ascontiguousarray(a, np.int32)).cast("B"))   # no copy of int32 arrays
     return h.hexdigest()
 
 
