@@ -87,7 +87,7 @@ def corpus_tokens(path, tokenizer: Tokenizer, add_bos: bool = False, cache_dir: 
     size = os.path.getsize(path)
     key = _key(path, tokenizer, add_bos)
     if cache_dir is not None:
-        found = _open_cached(cache_dir, key, path)
+        found = _open_cached(cache_dir, key)
         if found is not None:
             return found
     if workers is None:
@@ -206,21 +206,21 @@ def _tokenize(path, size, tokenizer, add_bos, out, progress, workers) -> tuple:
         if progress is not None:
             progress(done, size, n)
 
-    jobs = ((done, piece, first_piece) for first_piece, (done, piece) in _first(_pieces(path, tokenizer)))
+    # piece k: BOS before the first only; every later one continues the text before it
+    jobs = ((done, piece, add_bos and k == 0, k > 0) for k, (done, piece) in enumerate(_pieces(path, tokenizer)))
     if workers <= 1:
-        for done, piece, first_piece in jobs:
+        for done, piece, bos, continued in jobs:
             text_seen = text_seen or bool(piece.strip())
-            write(_encode(tokenizer, piece, add_bos and first_piece, not first_piece), done)
+            write(_encode(tokenizer, piece, bos, continued), done)
         return n, digest.hexdigest(), text_seen
     _WORKER = tokenizer
     pool = _fork_pool(workers)
     try:
         with pool:
             flight: deque = deque()
-            for done, piece, first_piece in jobs:
+            for done, piece, bos, continued in jobs:
                 text_seen = text_seen or bool(piece.strip())
-                flight.append((done, pool.apply_async(
-                    _encode_in_worker, (piece, add_bos and first_piece, not first_piece))))
+                flight.append((done, pool.apply_async(_encode_in_worker, (piece, bos, continued))))
                 while len(flight) >= 2 * workers:
                     d, r = flight.popleft()
                     write(r.get(), d)
@@ -230,14 +230,6 @@ def _tokenize(path, size, tokenizer, add_bos, out, progress, workers) -> tuple:
     finally:
         _WORKER = None
     return n, digest.hexdigest(), text_seen
-
-
-def _first(items: Iterator) -> Iterator[tuple]:
-    """(is_first, item) of each item."""
-    first = True
-    for item in items:
-        yield first, item
-        first = False
 
 
 # ---- the cache --------------------------------------------------------------------------------
@@ -251,7 +243,7 @@ def _key(path: str, tokenizer: Tokenizer, add_bos: bool, extra: str = "") -> str
     return h.hexdigest()[:40]
 
 
-def _open_cached(cache_dir: str, key: str, path: str) -> TokenFile | None:
+def _open_cached(cache_dir: str, key: str) -> TokenFile | None:
     meta_path = os.path.join(cache_dir, key + ".json")
     tokens_path = os.path.join(cache_dir, key + ".tokens")
     try:
