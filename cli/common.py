@@ -64,8 +64,24 @@ def file_errors(prefix: str, kind: str = "file"):
 
 
 def token_cache_dir(token_cache: str | None) -> str | None:
-    """The folder the --token-cache option names: None for "none", the default when not given."""
-    return default_cache_dir() if token_cache is None else None if token_cache == "none" else token_cache
+    """The folder the --token-cache option names: None for "none", the default when not given.
+    A default that cannot be written (a read-only home) is said in a warning and not used:
+    the run tokenizes without keeping the tokens; a folder the user named is used or fails."""
+    if token_cache == "none":
+        return None
+    if token_cache is not None:
+        return token_cache
+    folder = default_cache_dir()
+    try:
+        os.makedirs(folder, exist_ok=True)
+        writable = os.access(folder, os.W_OK)
+    except OSError:
+        writable = False
+    if not writable:
+        typer.echo(f"warning: the token cache {folder} cannot be written; tokenizing without keeping the "
+                   f"tokens (--token-cache DIR or GGTRAIN_TOKEN_CACHE names another folder)", err=True)
+        return None
+    return folder
 
 
 def read_records(path: pathlib.Path, tok: Tokenizer, template_of: Callable, template_key: str,

@@ -416,7 +416,7 @@ def finetune(
                 "updates": train_cfg.steps, "kind": kind_name})
     result = drive(run, Shard(batches, world), val_batches, log=logf, quiet=quiet, save_every=save_every,
                    checkpoint_dir=checkpoint_dir, out=out, checkpoint=checkpoint,
-                    on_save_error=on_save_error, resumed_from=resume,
+                    on_save_error=on_save_error, resumed_from=resume if ckpt is not None else None,
                    evaluate_task=task_accuracy if task_items else None)
     if not world.lead:
         return

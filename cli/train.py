@@ -168,7 +168,7 @@ def train(
     logf.write(record)
     summary = drive(run, Shard(windows, world), val_batches, log=logf, quiet=quiet, save_every=save_every,
                     checkpoint_dir=checkpoint_dir, out=out, checkpoint=checkpoint,
-                    on_save_error=on_save_error, resumed_from=resume)
+                    on_save_error=on_save_error, resumed_from=resume if ckpt is not None else None)
     if world.lead:
         save_model(out, model_json, run.param_values(), tok, extra_kv=carried)
         logf.write({"event": "done", **summary, "out": str(out)})

@@ -112,10 +112,10 @@ def fit_updates(run, first: int, total: int, draw: Callable, describe: Callable,
                 **describe(feeds, loss, now - t_step), **search_fields(run.step)}
         if on_step is not None:
             on_step(info)
-        converged, interrupted = run.step.converged, run.interrupted
+        converged = run.step.converged
         exhausted = False
         due = every and u % every == 0
-        if evaluate is not None and (due or ((converged or interrupted) and evaluate_on_break)):
+        if evaluate is not None and (due or ((converged or run.interrupted) and evaluate_on_break)):
             ev = evaluate(u)
             if stopping.patience and "val_loss" in ev:
                 at = ev["epoch"] if stopping.unit == "epoch" else ev["step"]
@@ -124,8 +124,8 @@ def fit_updates(run, first: int, total: int, draw: Callable, describe: Callable,
             if on_eval is not None:
                 on_eval(ev)
             exhausted = stopping.exhausted
-        reason = ("interrupted" if interrupted else "early_stop" if exhausted else
-                  "converged" if converged else None)
+        reason = ("interrupted" if run.interrupted else "early_stop" if exhausted else
+                  "converged" if converged else None)   # (a stop request during the evaluation counts)
     reason = reason or "finished"
     if run.best_params and reason != "interrupted":
         for k, value in run.best_params.items():   # keep the best model, not the last

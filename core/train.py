@@ -214,9 +214,11 @@ class ClassifierRun:
             history.append(summary)
             return summary
 
+        best = {}
+
         def on_eval(summary: dict) -> None:
             if self.early_stopping.best_step == summary["epoch"] and "val_loss" in summary:
-                self.best = summary
+                best["summary"] = summary
             if on_epoch is not None:
                 on_epoch(summary)
 
@@ -224,6 +226,8 @@ class ClassifierRun:
         self.stop_reason = fit_updates(self, 0, cfg.epochs * n_updates, draw, describe, every=n_updates,
                                        evaluate=evaluate, on_step=on_step, on_eval=on_eval,
                                        evaluate_on_break=True)
+        if self.best_params and self.stop_reason != "interrupted":
+            self.best = best.get("summary")      # the epoch whose parameters were restored
         return history
 
 

@@ -166,15 +166,19 @@ def _pieces(path: str, tokenizer: Tokenizer) -> Iterator[tuple]:
     """(bytes read so far, piece, continued) of the file, cut where `tokenizer.cut` allows."""
     text = ""
     done = 0
+    searched = 1                             # text[:searched] holds no cut (but near its end)
     for done, block in _blocks(path):
         text += block
-        p = tokenizer.cut(text, max(1, len(text) - _REACH))
+        tail = max(searched, len(text) - _REACH)
+        p = tokenizer.cut(text, tail)
+        if p is None and searched < tail:
+            p = tokenizer.cut(text, searched, limit=tail - searched)
         if p is None:
-            p = tokenizer.cut(text, 1, limit=len(text))
-        if p is None:
+            searched = max(1, len(text) - _REACH)   # the end is searched again with what follows
             continue                         # no place to cut yet: read on
         yield done, text[:p]
         text = text[p:]
+        searched = 1
     if text:
         yield done, text
 

@@ -6,7 +6,7 @@ synced, so a crash, Ctrl-C or a full disk never leaves half a file under a final
 final name holds the previous file, or none.
 
 A temporary is named `.<final name>.<host>-<pid>.<8 hex digits>.tmp` (host: 8 hex digits of
-the machine's name). One left by a process that is gone is stale: `remove_stale_temporaries`
+the machine's name and pid namespace). One left by a process that is gone is stale: `remove_stale_temporaries`
 removes those of this machine whose process no longer runs, and those of other machines (a
 shared folder) older than a day; a run calls it on the folders it writes into.
 """
@@ -24,7 +24,13 @@ _TEMPORARY = re.compile(r"^\.(?P<final>.+)\.(?P<host>[0-9a-f]{8})-(?P<pid>\d+)\.
 
 
 def _host() -> str:
-    return hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
+    """The machine, and the pid namespace on it (containers sharing a host name and a folder
+    see each other's pids only within one namespace)."""
+    try:
+        namespace = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        namespace = 0
+    return hashlib.sha256(f"{socket.gethostname()}/{namespace}".encode()).hexdigest()[:8]
 
 
 def open_temporary(path) -> tuple:

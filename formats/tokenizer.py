@@ -393,8 +393,11 @@ class Tokenizer:
         return self._user_strip.search(text, max(0, lo - self._user_reach), hi + self._user_reach) is None
 
     def fingerprint(self) -> str:
-        """sha256 of what decides this tokenizer's ids: its kind and its tokenizer.ggml.* keys."""
+        """sha256 of what decides this tokenizer's ids: its kind, its tokenizer.ggml.* keys and the
+        token attributes llama.cpp derives from them and the model (VocabInfo: which tokens
+        strip whitespace, which are control tokens)."""
         h = hashlib.sha256(type(self).__name__.encode())
+        h.update(self.attrs.astype("<i4").tobytes())
         for key, value, *_ in self.gguf_kv():
             h.update(f"|{key}=".encode())
             if isinstance(value, np.ndarray):
@@ -532,6 +535,7 @@ class SpmTokenizer(Tokenizer):
         self._pieces = _spm_pieces(self.tokens, self.attrs)
         self._sp = _sentencepiece(self.tokens, self.scores, _attr_types(self.attrs), unk_id, source)
         self._pairs: set | None = None      # `cut`: every two adjacent characters of a token
+        self._chars: set = set()            # `cut`: every character of a token
 
     def _encode_raw(self, text: str, after_special: bool) -> list:
         if self.add_space_prefix and after_special:
@@ -541,16 +545,19 @@ class SpmTokenizer(Tokenizer):
     def _candidates(self, text: str, start: int, end: int) -> Iterable[int]:
         """Between two characters that no token holds side by side (a space is U+2581 in
         tokens): merging joins adjacent symbols into a token, so no symbol can ever span
-        such a cut, and the merges on either side do not depend on the other. Undecodable
-        bytes (surrogates, one U+FFFD per invalid sequence) are never cut between."""
+        such a cut, and the merges on either side do not depend on the other. Never beside a
+        character no token holds: without byte fallback a run of unknown characters is one
+        <unk>, and undecodable bytes (surrogates) become one U+FFFD per invalid sequence."""
         if self._pairs is None:
             self._pairs = {t[k:k + 2] for t in self.tokens for k in range(len(t) - 1)}
-        pairs = self._pairs
+            self._chars = {c for t in self.tokens for c in t}
+        pairs, chars = self._pairs, self._chars
         for p in range(start, end):
-            a, b = text[p - 1], text[p]
-            if "\ud800" <= a <= "\udfff" or "\ud800" <= b <= "\udfff":
+            a, b = text[p - 1].replace(" ", SPACE), text[p].replace(" ", SPACE)
+            # a character no token holds is unknown: without byte fallback a run of them is one <unk>
+            if a not in chars or b not in chars:
                 continue
-            if (a + b).replace(" ", SPACE) not in pairs:
+            if a + b not in pairs:
                 yield p
 
     def gguf_kv(self) -> list[tuple]:
@@ -733,8 +740,10 @@ class BpeTokenizer(Tokenizer):
 
     def _candidates(self, text: str, start: int, end: int) -> Iterable[int]:
         """After a lone "\\n" between a printable ASCII character and an ASCII letter or
-        digit, where every pre-tokenizer ends a pre-token (see `_bpe_chunks`)."""
-        return (m.end() for m in _PRETOKEN_CUT.finditer(text, start - 1, end))
+        digit, where every pre-tokenizer ends a pre-token (see `_bpe_chunks`), and where the
+        row allows it (BpePre.space_cut) before a single space between ASCII letters."""
+        rule = _STREAM_CUT if BPE_PRE[self.pre].space_cut else _PRETOKEN_CUT
+        return (m.end() for m in rule.finditer(text, start - 1, end) if m.end() >= start)
 
     def gguf_kv(self) -> list[tuple]:
         kv = [
@@ -755,6 +764,8 @@ def _unsupported_pre(pre) -> str:
 
 _BPE_CHUNK = 1 << 15
 _PRETOKEN_CUT = re.compile(r"(?<=[!-~])\n(?=[A-Za-z0-9])")
+# ... or before " " between ASCII letters (a zero-width match: its end is the cut)
+_STREAM_CUT = re.compile(r"(?<=[!-~])\n(?=[A-Za-z0-9])|(?<=[A-Za-z])(?= [A-Za-z])")
 
 
 def _bpe_chunks(text: str) -> Iterable[str]:

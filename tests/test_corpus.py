@@ -348,3 +348,87 @@ def test_finetune_on_records_reuses_their_samples(shared_data, tmp_path):
     summary = [line for line in first.stderr.splitlines() if line.startswith("finetune:")]
     assert summary and summary == [line for line in second.stderr.splitlines() if line.startswith("finetune:")]
     assert "samples" in summary[0]
+
+
+def test_cut_rules_keep_the_pre_tokens_of_every_bpe_pre_row():
+    """Whatever the vocabulary, a BPE cut must fall where the row's regexes (run by
+    Oniguruma, as llama.cpp's are) end a pre-token: pre-tokens of the two sides = the whole's."""
+    from tokenizers import Regex, pre_tokenizers
+    from ggtrain.formats.tokenizer import _PRETOKEN_CUT, _STREAM_CUT
+    rng = np.random.default_rng(5)
+    pool = list("abcdefgXYZ019 .,'\"\n\r\t!?-/") + ["中", "文", "。", "é", "\u3000", "ß", "  ", "\n\n", "'s", "'ll",
+                                                 " a", "a b", "\r\n"]
+    texts = ["".join(rng.choice(pool, int(rng.integers(20, 200)))) for _ in range(150)]
+    seen = set()
+    for name, pre in BPE_PRE.items():
+        if pre.regexes in seen:
+            continue
+        seen.add(pre.regexes)
+        hf = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(r), behavior="isolated") for r in pre.regexes])
+
+        def pieces(t):
+            return [p for p, _ in hf.pre_tokenize_str(t)]
+        rule = _STREAM_CUT if pre.space_cut else _PRETOKEN_CUT
+        cuts = 0
+        for t in texts:
+            whole = pieces(t)
+            for m in rule.finditer(t):
+                assert pieces(t[:m.end()]) + pieces(t[m.end():]) == whole, (name, t, m.end())
+                cuts += 1
+        assert cuts > 100, name
+    # the row that may not cut before a space would break there
+    exaone = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(r), behavior="isolated")
+                                      for r in BPE_PRE["exaone-moe"].regexes])
+    assert [p for p, _ in exaone.pre_tokenize_str("ab cd")] == ["ab cd"]
+
+
+def test_a_crlf_corpus_is_cut_into_pieces(shared_data, tmp_path, monkeypatch):
+    tok = _vocab(shared_data, "models/SmolLM2-135M-Instruct.Q4_1.gguf")
+    text = (shared_data / "text" / "tinyshakespeare.txt").read_text()[:200000].replace("\n", "\r\n")
+    path = tmp_path / "crlf.txt"
+    path.write_bytes(text.encode())
+    monkeypatch.setattr(corpus, "BLOCK", 1 << 14)
+    monkeypatch.setattr(corpus, "_REACH", 1 << 12)
+    longest = []
+    encode = type(tok).encode
+
+    def spy(self, t, *args, **kwargs):
+        longest.append(len(t))
+        return encode(self, t, *args, **kwargs)
+    monkeypatch.setattr(type(tok), "encode", spy)
+    got = corpus_tokens(path, tok, cache_dir=None, workers=1)
+    monkeypatch.setattr(type(tok), "encode", encode)
+    assert len(longest) > 10 and max(longest) < 3 * (1 << 14)       # cut before spaces: no "\n" rule here
+    assert np.array_equal(got.ids, tok.encode(text))
+
+
+def test_spm_without_byte_fallback_never_cuts_a_run_of_unknown_characters():
+    from ggtrain.formats.tokenizer import SpmTokenizer
+    tokens = ["<unk>", "<s>", "</s>", "\u2581", "a", "b", "ab", "\u2581ab"]
+    tok = SpmTokenizer(tokens, np.array([0, 0, 0, -1, -2, -3, -1, -0.5], np.float32),
+                       np.array([2, 3, 3, 1, 1, 1, 1, 1], np.int32), bos_id=1, eos_id=2, unk_id=0)
+    text = "ab xyz ab ab qq ab"
+    whole = tok.encode(text)
+    assert list(whole).count(0) == 2                  # each unknown run is one <unk>
+    for p in range(1, len(text)):
+        q = tok.cut(text, p, limit=1)
+        if q is not None:
+            assert np.array_equal(np.concatenate([tok.encode(text[:q]), tok.encode(text[q:], continued=True)]),
+                                  whole), q
+
+
+def test_a_default_token_cache_that_cannot_be_written_is_a_warning_not_a_failure(shared_data, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    text = tmp_path / "t.txt"
+    text.write_text((shared_data / "text" / "tinyshakespeare.txt").read_text()[:20000])
+    env = {**os.environ, "GGTRAIN_TOKEN_CACHE": str(blocker / "tokens")}
+    args = [sys.executable, "-m", "ggtrain", "train", "--data", str(text), "--out", str(tmp_path / "m.gguf"),
+            "--steps", "1", "--dim", "32", "--layers", "1", "--heads", "2", "--ff", "64", "--ctx", "32",
+            "--batch", "2", "--quiet"]
+    r = subprocess.run(args, capture_output=True, text=True, env=env)
+    assert r.returncode == 0, r.stderr
+    assert "warning: the token cache" in r.stderr and (tmp_path / "m.gguf").exists()
+    # a folder the user names is used, or the run fails saying why
+    r = subprocess.run(args + ["--token-cache", str(blocker / "tokens")], capture_output=True, text=True, env=env)
+    assert r.returncode == 1 and "--token-cache" in r.stderr and "Traceback" not in r.stderr
