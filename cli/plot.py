@@ -6,7 +6,6 @@ says so in one line.
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 
 import typer
@@ -14,7 +13,7 @@ import typer
 from ggtrain.cli.common import file_errors
 from ggtrain.cli.main import app
 from ggtrain.errors import ConfigError
-from ggtrain.formats.files import commit, discard, open_temporary
+from ggtrain.formats.files import atomic_file
 
 
 def read_log(path: pathlib.Path) -> dict:
@@ -82,17 +81,9 @@ def plot(
     ax_lr.set_xlabel("update")
     ax_lr.grid(alpha=0.3)
     fig.tight_layout()
-    # written atomically: a temporary file beside the target, then renamed
-    fd, tmp = open_temporary(out)
     try:
-        with os.fdopen(fd, "wb") as f:
+        with atomic_file(out) as f:     # a temporary beside the target, renamed when complete
             fig.savefig(f, format=(out.suffix[1:] or "png").lower(), dpi=100)
-            f.flush()
-            os.fsync(f.fileno())
-        commit(tmp, out)
-    except BaseException:
-        discard(tmp)
-        raise
     finally:
         plt.close(fig)
     typer.echo(f"wrote {out} ({len(curves)} run{'s' if len(curves) > 1 else ''})", err=True)

@@ -12,6 +12,7 @@ shared folder) older than a day; a run calls it on the folders it writes into.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import re
@@ -68,18 +69,26 @@ def discard(tmp: str | None) -> None:
             pass
 
 
-def write_atomic(path, data: bytes) -> None:
-    """Write `data` to `path` through a temporary."""
+@contextlib.contextmanager
+def atomic_file(path):
+    """A binary file to write `path` through: a temporary, synced and committed when the block
+    ends, discarded when it raises."""
     fd, tmp = open_temporary(path)
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            yield f
             f.flush()
             os.fsync(f.fileno())
         commit(tmp, path)
     except BaseException:
         discard(tmp)
         raise
+
+
+def write_atomic(path, data: bytes) -> None:
+    """Write `data` to `path` through a temporary."""
+    with atomic_file(path) as f:
+        f.write(data)
 
 
 def _running(pid: int) -> bool:

@@ -160,22 +160,28 @@ def test_stream_gives_the_ids_of_the_whole_text(shared_data, tmp_path, monkeypat
             assert seen[-1][2] == len(want)
 
 
+def _pieces_encoded(monkeypatch, tok, path) -> tuple:
+    """(ids of corpus_tokens(path), the length of each piece it encoded)."""
+    lengths = []
+    encode = type(tok).encode
+
+    def spy(self, text, *args, **kwargs):
+        lengths.append(len(text))
+        return encode(self, text, *args, **kwargs)
+    with monkeypatch.context() as m:
+        m.setattr(type(tok), "encode", spy)
+        got = corpus_tokens(path, tok, cache_dir=None, workers=1)
+    return got.ids, lengths
+
+
 def test_stream_holds_pieces_of_a_block_not_the_text(shared_data, tmp_path, monkeypatch):
     tok = _vocab(shared_data, "models/SmolLM2-135M-Instruct.Q4_1.gguf")
     path = tmp_path / "big.txt"
     path.write_text((shared_data / "text" / "tinyshakespeare.txt").read_text() * 2)
     monkeypatch.setattr(corpus, "BLOCK", 1 << 16)
-    longest = []
-    encode = type(tok).encode
-
-    def spy(self, text, *args, **kwargs):
-        longest.append(len(text))
-        return encode(self, text, *args, **kwargs)
-    monkeypatch.setattr(type(tok), "encode", spy)
-    got = corpus_tokens(path, tok, cache_dir=None, workers=1)
+    ids, longest = _pieces_encoded(monkeypatch, tok, path)
     assert len(longest) > 30 and max(longest) <= (1 << 16) + (1 << 16)
-    monkeypatch.setattr(type(tok), "encode", encode)
-    assert np.array_equal(got.ids, tok.encode(path.read_text()))
+    assert np.array_equal(ids, tok.encode(path.read_text()))
 
 
 def test_cache_is_reused_and_keyed_by_content_tokenizer_and_bos(shared_data, tmp_path, monkeypatch):
@@ -389,17 +395,9 @@ def test_a_crlf_corpus_is_cut_into_pieces(shared_data, tmp_path, monkeypatch):
     path.write_bytes(text.encode())
     monkeypatch.setattr(corpus, "BLOCK", 1 << 14)
     monkeypatch.setattr(corpus, "_REACH", 1 << 12)
-    longest = []
-    encode = type(tok).encode
-
-    def spy(self, t, *args, **kwargs):
-        longest.append(len(t))
-        return encode(self, t, *args, **kwargs)
-    monkeypatch.setattr(type(tok), "encode", spy)
-    got = corpus_tokens(path, tok, cache_dir=None, workers=1)
-    monkeypatch.setattr(type(tok), "encode", encode)
+    ids, longest = _pieces_encoded(monkeypatch, tok, path)
     assert len(longest) > 10 and max(longest) < 3 * (1 << 14)       # cut before spaces: no "\n" rule here
-    assert np.array_equal(got.ids, tok.encode(text))
+    assert np.array_equal(ids, tok.encode(text))
 
 
 def test_spm_without_byte_fallback_never_cuts_a_run_of_unknown_characters():
