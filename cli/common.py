@@ -4,6 +4,7 @@ lets a run stop cleanly."""
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import pathlib
@@ -12,6 +13,7 @@ import socket
 import sys
 from typing import Callable
 
+import numpy as np
 import typer
 from tqdm import tqdm
 
@@ -82,6 +84,16 @@ def token_cache_dir(token_cache: str | None) -> str | None:
                    f"tokens (--token-cache DIR or GGTRAIN_TOKEN_CACHE names another folder)", err=True)
         return None
     return folder
+
+
+def fingerprint_arrays(*arrays) -> str:
+    """sha256 over the arrays' bytes, each as it is (contiguous: hashed in place): the data
+    fingerprint a checkpoint keeps (finetune: the packed int32 rows; mnist: the float32 images
+    and their labels)."""
+    h = hashlib.sha256()
+    for a in arrays:
+        h.update(memoryview(np.ascontiguousarray(a)).cast("B"))
+    return h.hexdigest()
 
 
 def read_records(path: pathlib.Path, tok: Tokenizer, template_of: Callable, template_key: str,

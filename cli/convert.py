@@ -4,6 +4,7 @@ other output types, llama2.c import.
 What happens is decided by what IN is and the options:
     checkpoint (train, finetune --full, model)  → a llama.cpp model (--to model, the default)
     checkpoint (finetune, LoRA)                 → its adapter; with --base, the merged model
+    checkpoint (mnist train)                    → the MNIST model (F32)
     model + --adapter A (or --base B --adapter A OUT) → the merged model
     model + --out-type T                        → the model in type T
     model + --to checkpoint                     → a checkpoint `train --resume` and
@@ -22,6 +23,7 @@ from tqdm import tqdm
 from ggtrain.cli.common import file_errors
 from ggtrain.cli.loop import check_out
 from ggtrain.cli.main import app
+from ggtrain.core.models import mnist
 from ggtrain.core.models.lora import factor_names
 from ggtrain.errors import ConfigError
 from ggtrain.formats.checkpoint import Checkpoint, is_checkpoint, load_checkpoint, save_checkpoint
@@ -29,6 +31,7 @@ from ggtrain.formats.gguf import GGUFFile, read_gguf
 from ggtrain.formats.llama2c import read_llama2c, read_llama2c_tokenizer
 from ggtrain.formats.model_file import WRITE_TYPES, carried_kv, check_write_type, load_model, rewrite_model, save_model
 from ggtrain.formats.lora import read_lora, write_lora, write_merged
+from ggtrain.formats.mnist import save_mnist_model
 
 TO = ("model", "checkpoint")
 SOURCES = ("gguf", "llama2c")
@@ -192,6 +195,12 @@ def _from_checkpoint(inp, out, to, out_type) -> str:
         raise ConfigError(f"IN {inp} is already a checkpoint (--to checkpoint converts a model)")
     ckpt = load_checkpoint(inp)
     step = ckpt.state["updates"]
+    if ckpt.kind == "mnist":
+        if out_type not in (None, "f32"):
+            raise ConfigError(f"IN {inp}: an MNIST model is F32 (--out-type {out_type} is for language models)")
+        arch = ckpt.model_config["arch"]
+        save_mnist_model(out, arch, ckpt.state["params"], mnist.PARAM_SHAPES[arch])
+        return f"mnist-{arch} model from checkpoint {inp.name} at update {step}"
     if ckpt.kind == "finetune-lora":
         if out_type is not None:
             raise ConfigError(f"IN {inp}: a LoRA checkpoint becomes an adapter (F32); --out-type is for models "

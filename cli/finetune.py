@@ -20,7 +20,8 @@ import numpy as np
 import typer
 from tqdm import tqdm
 
-from ggtrain.cli.common import JsonLog, make_backend, file_errors, read_corpus, read_records, start_world
+from ggtrain.cli.common import (JsonLog, file_errors, fingerprint_arrays, make_backend, read_corpus, read_records,
+                               start_world)
 from ggtrain.cli.tasks import run_task, task_words
 from ggtrain.cli.config import config_record
 from ggtrain.cli.loop import (BACKEND, CHECKPOINT_DIR, CHECKPOINTING, CONFIG, EARLY_STOP_PATIENCE, EVAL_EVERY,
@@ -64,13 +65,6 @@ def fingerprint_weights(weights: dict) -> str:
             raw = np.ascontiguousarray(w, np.float32).view(np.uint8).reshape(-1)
             h.update(f"{name}:f32:{tuple(w.shape)}".encode())
         h.update(memoryview(raw))
-    return h.hexdigest()
-
-
-def _fingerprint_arrays(*arrays) -> str:
-    h = hashlib.sha256()
-    for a in arrays:
-        h.update(memoryview(np.ascontiguousarray(a, np.int32)).cast("B"))   # no copy of int32 arrays
     return h.hexdigest()
 
 
@@ -293,7 +287,7 @@ def finetune(
                                first_id=len(train_p), where=[w for _, w in val_p])[0] if val_p else None)
         val_batches = _eval_batches(val_data, global_batch) if val_p else []
         per_epoch = batches.batches_per_epoch
-        data_fp = _fingerprint_arrays(*packed_data.fields().values())
+        data_fp = fingerprint_arrays(*packed_data.fields().values())
         packed = True
         pairs = pair_slots(packed_data.pair, global_batch // world.size)
         if val_data is not None:
@@ -321,7 +315,7 @@ def finetune(
         val_batches = _eval_batches(pack(val_s, ctx, packing=packing, drop_long=drop_long)[0],
                                     global_batch) if val_s else []
         per_epoch = batches.batches_per_epoch
-        data_fp = _fingerprint_arrays(packed_data.tokens, packed_data.targets, packed_data.pos, packed_data.seg)
+        data_fp = fingerprint_arrays(packed_data.tokens, packed_data.targets, packed_data.pos, packed_data.seg)
         packed = True
         summary = (f"{stats.samples} samples, {stats.trained} trained of {stats.tokens} tokens "
                    f"({stats.truncated} cut, {stats.dropped} dropped at --ctx {ctx}, {stats.empty} with "

@@ -138,13 +138,18 @@ def _checkpoint_lines(c: dict) -> list:
             "finetune-lora": "LoRA adapters on a frozen base (`ggtrain finetune --resume` continues it)",
             "finetune-full": "a full fine-tune (`ggtrain finetune --full --resume` continues it)",
             "model": "a model's weights before any training (`ggtrain train --resume` or "
-                     "`ggtrain finetune --full --resume` start from it)"}[c["kind"]]
+                     "`ggtrain finetune --full --resume` start from it)",
+            "mnist": "an MNIST classifier in training (`ggtrain mnist train --resume` continues it)"}[c["kind"]]
     m = c["model"]
-    lines = [f"ggtrain checkpoint (v{c['version']}): {what}",
+    model = (f"  model: mnist-{m.get('arch')}" if c["kind"] == "mnist" else
              f"  model: {m.get('layers')} layers, dim {m.get('dim')}, {m.get('heads')} heads "
-             f"({m.get('kv_heads')} kv), ff {m.get('ff')}, vocab {m.get('vocab')}, ctx {m.get('ctx')}",
+             f"({m.get('kv_heads')} kv), ff {m.get('ff')}, vocab {m.get('vocab')}, ctx {m.get('ctx')}")
+    lines = [f"ggtrain checkpoint (v{c['version']}): {what}", model,
              f"  trained: {c['trained_tensors']} tensors, {c['trained_parameters']:,} parameters"]
-    if c["kind"] != "model":
+    if c["kind"] == "mnist":
+        lines.append(f"  progress: {c['updates']} updates of {c['epochs']} epochs; optimizer {c['optimizer']}, "
+                     f"lr {c['lr']}")
+    elif c["kind"] != "model":
         planned = f" of {c['steps']}" if c["steps"] else ""
         lines.append(f"  progress: {c['updates']}{planned} updates, {c['tokens_seen']:,} tokens seen; "
                      f"optimizer {c['optimizer']}, peak lr {c['lr']}")

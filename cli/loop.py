@@ -21,7 +21,7 @@ from ggtrain.errors import ConfigError, WriteError
 from ggtrain.formats.checkpoint import Checkpoint, load_checkpoint
 from ggtrain.formats.files import remove_stale_temporaries
 
-STEP_FIELDS = ("step", "epoch", "loss", "lr", "grad_norm", "tokens_per_s", "elapsed_s")
+STEP_FIELDS = ("step", "epoch", "loss", "lr", "grad_norm", "tokens_per_s", "samples_per_s", "elapsed_s")
 SEARCH_FIELDS = ("evals", "step_size")   # L-BFGS: forward+backward runs and accepted step of an update
 # preference objectives (DPO, ORPO): TRL's rewards of an update's pairs
 PREFERENCE_FIELDS = METRICS
@@ -97,7 +97,7 @@ def check_checkpoint_options(save_every: int, checkpoint_dir: pathlib.Path | Non
 # ---- the one resume path of train and finetune ------------------------------------------------
 
 # the checkpoint kinds each command continues (a "model" checkpoint starts a new run in either)
-RESUMES = {"train": ("train",), "finetune": ("finetune-lora", "finetune-full")}
+RESUMES = {"train": ("train",), "finetune": ("finetune-lora", "finetune-full"), "mnist train": ("mnist",)}
 
 
 def open_resume(resume: pathlib.Path | None, command: str) -> tuple:
@@ -108,6 +108,9 @@ def open_resume(resume: pathlib.Path | None, command: str) -> tuple:
         return None, None
     ckpt = load_checkpoint(resume)
     if ckpt.kind == "model":
+        if command == "mnist train":
+            raise ConfigError(f"--resume {resume}: a language model's checkpoint; `mnist train --resume` "
+                              f"continues an mnist checkpoint")
         return None, ckpt
     if ckpt.kind not in RESUMES[command]:
         other = next(c for c, kinds in RESUMES.items() if ckpt.kind in kinds)
@@ -125,7 +128,7 @@ def continue_run(run, batches, ckpt: Checkpoint) -> None:
     """Put the checkpoint's state into `run` and its batch source, so the run goes on exactly as
     the uninterrupted one would have."""
     run.load_state(ckpt.state)
-    batches.set_state(ckpt.data_rng, drawn=run.updates * run.config.global_batch * run.config.grad_acc)
+    batches.set_state(ckpt.data_rng, drawn=run.drawn)
 
 
 def _nothing(path: pathlib.Path) -> None:
@@ -139,17 +142,31 @@ def check_out(out: pathlib.Path, option: str = "--out") -> None:
     remove_stale_temporaries(out.parent)
 
 
-def drive(run, batches, val_batches: list, *, log: JsonLog, quiet: bool, save_every: int,
+def eval_line(ev: dict) -> str:
+    """A text run's line on an evaluation."""
+    acc = (f", preference accuracy {ev['val_rewards_accuracy']:.3f}, reward margin "
+           f"{ev['val_rewards_margin']:.3f}" if "val_rewards_accuracy" in ev else "")
+    return f"step {ev['step']}: validation loss {ev['val_loss']:.4f}{acc}"
+
+
+def drive(run, batches, val_batches, *, log: JsonLog, quiet: bool, save_every: int,
           checkpoint_dir: pathlib.Path | None, out: pathlib.Path,
           checkpoint: Callable[[pathlib.Path], None], evaluate_task: Callable[[], dict] | None = None,
-          on_save_error: str = "stop", resumed_from: pathlib.Path | None = None) -> dict:
-    """Run `run.fit` to its last update with a progress bar, logging and checkpoints.
+          on_save_error: str = "stop", resumed_from: pathlib.Path | None = None,
+          describe_eval: Callable[[dict], str] = eval_line, evals_when_quiet: bool = False) -> dict:
+    """Run `run.fit` to its last update with a progress bar, logging and checkpoints: the one
+    loop of `train`, `finetune` (a TextRun) and `mnist train` (a ClassifierRun). The run has
+    fit(batches, val_batches, on_step, on_eval), total_updates(batches), validate(val_batches)
+    -> {"val_loss", ...}, seen() -> {"tokens_seen"} or {"samples_seen"}, updates, interrupted,
+    stop_reason, why_stopped(), world.
 
     checkpoint(path) writes a resumable checkpoint of the run; only rank 0 calls it (and
     only its log has a file). On Ctrl-C one is written (into --checkpoint-dir, else beside
     --out) and the command exits with status 130 (every process, after the same update).
-    Returns {"step", "val_loss", "tokens_seen", "elapsed_s", "stop_reason", "stopped"} after
-    the final evaluation (of the best model with early stopping); "stopped" says why in words.
+    Returns {"step", "val_loss" (None without validation data), the run's seen(), "elapsed_s",
+    "stop_reason", "stopped"} after the final evaluation (of the best model with early
+    stopping); "stopped" says why in words. Each evaluation is logged and described in a line
+    (describe_eval) above the bar, or, with evals_when_quiet, on stderr without one.
     evaluate_task() (rank 0 only): {"task_acc", ...} of the model now, logged every
     config.eval_every updates and at the end (in the result).
     A checkpoint that cannot be written (WriteError) stops the run with one line naming the
@@ -157,7 +174,7 @@ def drive(run, batches, val_batches: list, *, log: JsonLog, quiet: bool, save_ev
     ("save_failed") and warned about while the run goes on.
     """
     write = log.write
-    total = run.config.steps
+    total = run.total_updates(batches)
     lead = run.world.lead
     if not lead:
         checkpoint, evaluate_task = _nothing, None
@@ -183,13 +200,14 @@ def drive(run, batches, val_batches: list, *, log: JsonLog, quiet: bool, save_ev
         if bar is not None:
             extra = ({"margin": f"{info['rewards_margin']:.3f}", "acc": f"{info['rewards_accuracy']:.2f}"}
                      if "rewards_margin" in info else {})
-            bar.set_postfix(loss=f"{info['loss']:.4f}", **extra, lr=f"{info['lr']:.2e}",
-                            tok_s=f"{info['tokens_per_s']:.0f}")
+            speed = ({"tok_s": f"{info['tokens_per_s']:.0f}"} if "tokens_per_s" in info
+                     else {"samples_s": f"{info['samples_per_s']:.0f}"})
+            bar.set_postfix(loss=f"{info['loss']:.4f}", **extra, lr=f"{info['lr']:.2e}", **speed)
             bar.update(1)
         if save_every and info["step"] % save_every == 0:
             save(checkpoint_dir / f"ckpt-{info['step']:06d}.gguf", info["step"])
-        every = run.config.eval_every
-        if evaluate_task is not None and every and info["step"] % every == 0 and info["step"] < total:
+        every = run.config.eval_every if evaluate_task is not None else 0
+        if every and info["step"] % every == 0 and info["step"] < total:
             ev = {"step": info["step"], **evaluate_task()}
             write(ev)
             if bar is not None:
@@ -198,9 +216,9 @@ def drive(run, batches, val_batches: list, *, log: JsonLog, quiet: bool, save_ev
     def on_eval(ev):
         write(ev)
         if bar is not None:
-            acc = (f", preference accuracy {ev['val_rewards_accuracy']:.3f}, reward margin "
-                   f"{ev['val_rewards_margin']:.3f}" if "val_rewards_accuracy" in ev else "")
-            bar.write(f"step {ev['step']}: validation loss {ev['val_loss']:.4f}{acc}")
+            bar.write(describe_eval(ev))
+        elif lead and evals_when_quiet:
+            typer.echo(describe_eval(ev), err=True)
 
     t0 = time.perf_counter()
     try:
@@ -219,14 +237,12 @@ def drive(run, batches, val_batches: list, *, log: JsonLog, quiet: bool, save_ev
             typer.echo(f"interrupted at update {run.updates}: checkpoint {path} (resume with --resume {path})",
                        err=True)
         raise typer.Exit(130)
-    val_loss = run.evaluate(val_batches) if val_batches else None
+    validation = run.validate(val_batches) if val_batches else {"val_loss": None}
     if checkpoint_dir is not None:
         save(checkpoint_dir / f"ckpt-{run.updates:06d}.gguf", run.updates)
     task = evaluate_task() if evaluate_task is not None else {}
-    return {"step": run.updates, "val_loss": val_loss, **(getattr(run, "last_eval_metrics", {}) if val_batches else {}),
-            **task,
-            "tokens_seen": run.tokens_seen, "elapsed_s": time.perf_counter() - t0, "stop_reason": run.stop_reason,
-            "stopped": run.why_stopped()}
+    return {"step": run.updates, **validation, **task, **run.seen(), "elapsed_s": time.perf_counter() - t0,
+            "stop_reason": run.stop_reason, "stopped": run.why_stopped()}
 
 
 def validation_words(result: dict) -> str:

@@ -4,20 +4,19 @@ from __future__ import annotations
 import dataclasses
 import json
 import pathlib
-import sys
-import time
 
 import typer
-from tqdm import tqdm
 
-from ggtrain.cli.common import JsonLog, make_backend, start_world, stop_on_ctrl_c
+from ggtrain.cli.common import JsonLog, fingerprint_arrays, make_backend, start_world
 from ggtrain.cli.config import config_record
-from ggtrain.cli.loop import CONFIG, EARLY_STOP_PATIENCE, MIN_DELTA, MOMENTUM, OPTIMIZER, optimizer_settings
+from ggtrain.cli.loop import (BACKEND, CHECKPOINT_DIR, CONFIG, EARLY_STOP_PATIENCE, MIN_DELTA, MOMENTUM,
+                              ON_SAVE_ERROR, OPTIMIZER, QUIET, SAVE_EVERY, THREADS, check_checkpoint_options,
+                              check_out, check_resume_data, continue_run, drive, open_resume, optimizer_settings)
 from ggtrain.cli.main import app
 from ggtrain.core.models import mnist as model
-from ggtrain.core.fit import stop_message
-from ggtrain.core.train import ClassifierConfig, ClassifierRun, split_train_val
+from ggtrain.core.train import ClassifierConfig, ClassifierRun, classifier_data, split_train_val
 from ggtrain.errors import ConfigError
+from ggtrain.formats.checkpoint import Checkpoint, save_checkpoint
 from ggtrain.formats.idx import load_mnist
 from ggtrain.formats.mnist import load_mnist_model, save_mnist_model
 
@@ -35,7 +34,8 @@ def train(
     data: pathlib.Path = typer.Option(None, "--data", help="Folder with the MNIST IDX files (.gz or raw); "
                                       "default: a bundled 5000-image subset."),
     out: pathlib.Path = typer.Option(..., "--out", help="Where to write the model (GGUF)."),
-    epochs: int = typer.Option(30, "--epochs", help="Passes over the training split (>= 1)."),
+    epochs: int = typer.Option(None, "--epochs", help="Passes over the training split (>= 1; default 30); "
+                               "with --resume, the run's new total."),
     batch: int = typer.Option(1000, "--batch", help="Logical batch: samples per optimizer update, of each "
                               "process under mpiexec (more than the training split: all of it, a full batch)."),
     physical_batch: int = typer.Option(500, "--physical-batch",
@@ -47,103 +47,103 @@ def train(
     min_delta: float = MIN_DELTA,
     val_split: float = typer.Option(0.05, "--val-split", help="Fraction of training data held out for validation."),
     seed: int = typer.Option(0, "--seed", help="Seed of initialisation, split and shuffling."),
-    threads: int = typer.Option(None, "--threads", help="CPU threads (default: all available)."),
-    backend: str = typer.Option("cpu", "--backend", help="cpu (cuda in builds that have it)."),
+    checkpoint_dir: pathlib.Path = CHECKPOINT_DIR,
+    save_every: int = SAVE_EVERY,
+    on_save_error: str = ON_SAVE_ERROR,
+    resume: pathlib.Path = typer.Option(None, "--resume", help="Continue from an mnist checkpoint (same --data "
+                                        "and --limit; the run's other settings are the checkpoint's)."),
+    threads: int = THREADS,
+    backend: str = BACKEND,
     log: pathlib.Path = typer.Option(None, "--log", help="Write per-step and per-epoch JSON lines here."),
     limit: int = typer.Option(0, "--limit", help="Use only the first N training images (0: all)."),
-    quiet: bool = typer.Option(False, "--quiet", help="No progress bar."),
+    quiet: bool = QUIET,
     config: pathlib.Path = CONFIG,
 ):
-    """Train an MNIST classifier with ggml's defaults and write it as GGUF."""
+    """Train an MNIST classifier with ggml's defaults and write it as GGUF; checkpoints and
+    --resume as `ggtrain train`'s (Ctrl-C writes one)."""
     world = start_world()
     record = config_record(context)
-    if arch not in model.ARCHS:
-        raise ConfigError(f"--arch {arch!r}: expected one of {', '.join(model.ARCHS)}")
-    if epochs < 1:
+    if world.lead:   # the one process that writes
+        check_checkpoint_options(save_every, checkpoint_dir, on_save_error)
+        check_out(out)
+    if epochs is not None and epochs < 1:
         raise ConfigError(f"--epochs must be >= 1, got {epochs}")
-    lr, _, _ = optimizer_settings(optimizer, lr, None, None, 1e-3, 0.0)
-    cfg = ClassifierConfig(epochs=epochs, batch=batch, physical_batch=physical_batch, lr=lr, val_split=val_split,
-                           seed=seed, optimizer=optimizer, momentum=momentum,
-                           early_stop_patience=early_stop_patience, min_delta=min_delta)   # checked before reading
-    if world.lead and out.parent and not out.parent.is_dir():
-        raise ConfigError(f"--out {out}: folder {out.parent} does not exist")
+    ckpt, _ = open_resume(resume, "mnist train")
+    if ckpt is not None:   # the run's settings are the checkpoint's
+        arch = ckpt.model_config["arch"]
+        cfg = ClassifierConfig(**{**ckpt.train_config, **({"epochs": epochs} if epochs is not None else {})})
+        limit = ckpt.run_config.get("limit", 0)
+        if ckpt.run_config.get("world", 1) != world.size:
+            raise ConfigError(f"--resume {resume}: the run had {ckpt.run_config.get('world', 1)} processes, "
+                              f"{world.size} were started")
+    else:
+        if arch not in model.ARCHS:
+            raise ConfigError(f"--arch {arch!r}: expected one of {', '.join(model.ARCHS)}")
+        epochs = 30 if epochs is None else epochs
+        lr, _, _ = optimizer_settings(optimizer, lr, None, None, 1e-3, 0.0)
+        cfg = ClassifierConfig(epochs=epochs, batch=batch, physical_batch=physical_batch, lr=lr,
+                               val_split=val_split, seed=seed, optimizer=optimizer, momentum=momentum,
+                               early_stop_patience=early_stop_patience, min_delta=min_delta)   # checked before reading
     images, labels = load_mnist(data or BUNDLED, "train")
     if limit:
         images, labels = images[:limit], labels[:limit]
-    n_train = len(split_train_val(len(labels), val_split, seed)[0])
-    per = physical_batch * world.size   # the global batch is batch x processes
-    if batch * world.size > n_train >= per:   # a full batch: every training image in each update
-        batch = n_train // per * physical_batch
+    n_train = len(split_train_val(len(labels), cfg.val_split, cfg.seed)[0])
+    per = cfg.physical_batch * world.size   # the global batch is batch x processes
+    if ckpt is None and cfg.batch * world.size > n_train >= per:   # a full batch: every training image each update
+        full = n_train // per * cfg.physical_batch
         if world.lead:
-            total = batch * world.size
-            procs = f" ({batch} on each of {world.size} processes)" if world.size > 1 else ""
+            total = full * world.size
+            procs = f" ({full} on each of {world.size} processes)" if world.size > 1 else ""
             typer.echo(f"--batch is more than the {n_train} training images: a full batch of {total}{procs}"
                        + (f" ({n_train - total} left out: not a multiple of --physical-batch"
                           + (" x processes" if world.size > 1 else "") + ")" if n_train > total else ""),
                        err=True)
-        cfg = dataclasses.replace(cfg, batch=batch)
+        cfg = dataclasses.replace(cfg, batch=full)
+    fingerprint = fingerprint_arrays(images, labels)
+    if ckpt is not None:
+        check_resume_data(ckpt, fingerprint, resume, data or BUNDLED)
     be = make_backend(backend, threads)
-    run = ClassifierRun(lambda p, x: model.forward(arch, p, x), model.init_params(arch, seed),
-                        (28, 28), cfg, be, world=world)
+    init = ckpt.state["params"] if ckpt is not None else model.init_params(arch, cfg.seed)
+    run = ClassifierRun(lambda p, x: model.forward(arch, p, x), init, (28, 28), cfg, be, world=world)
+    batches, val = classifier_data(images, labels, cfg, world)
+    if ckpt is not None:
+        continue_run(run, batches, ckpt)
     mem = run.step.memory
-    quiet = quiet or not world.lead
     if world.lead:
-        typer.echo(f"mnist-{arch}: {sum(v.size for v in model.init_params(arch, seed).values())} parameters, "
+        typer.echo(f"mnist-{arch}: {sum(v.size for v in init.values())} parameters, "
                    f"{len(labels)} images, planned memory {mem.peak / 2**20:.1f} MiB "
                    f"(arena {mem.arena / 2**20:.1f} MiB), {be.n_threads} threads", err=True)
+    train_json = dataclasses.asdict(cfg)
+    run_json = {"limit": limit, "world": world.size, "options": record["options"]}
+
+    def checkpoint(path: pathlib.Path) -> None:
+        save_checkpoint(path, Checkpoint("mnist", {"arch": arch}, train_json, run.state(), None, batches.state(),
+                                         fingerprint, run_config=run_json))
+
     logf = JsonLog(log if world.lead else None)
     logf.write(record)
-    bar = None
-
-    def on_step(info):
-        logf.write({k: info[k] for k in ("step", "epoch", "loss", "lr", "grad_norm", "samples_per_s", "elapsed_s",
-                                         "evals", "step_size") if k in info})
-        nonlocal bar
-        if quiet:
-            return
-        if bar is None or info["update_in_epoch"] == 1:
-            if bar is not None:
-                bar.close()
-            bar = tqdm(total=info["updates_per_epoch"], desc=f"epoch {info['epoch']}/{epochs}", unit="step",
-                       file=sys.stderr, leave=False)
-        bar.set_postfix(loss=f"{info['loss']:.4f}", speed=f"{info['samples_per_s']:.0f}/s")
-        bar.update(1)
-
-    def on_epoch(s):
-        if bar is not None:
-            bar.close()
-        logf.write({"step": s["step"], "epoch": s["epoch"], "val_loss": s.get("val_loss"),
-                    "val_accuracy": s.get("val_accuracy"), "train_loss": s["train_loss"],
-                    "train_accuracy": s["train_accuracy"]})
-        val = (f", val loss {s['val_loss']:.4f} acc {100 * s['val_accuracy']:.2f}%"
-               if "val_loss" in s else "")
-        if not world.lead:
-            return
-        typer.echo(f"epoch {s['epoch']}: train loss {s['train_loss']:.4f} acc "
-                   f"{100 * s['train_accuracy']:.2f}%{val} ({s['epoch_s']:.2f} s)", err=True)
-
-    t0 = time.perf_counter()
-    try:
-        with stop_on_ctrl_c(run):
-            history = run.fit(images, labels, on_step, on_epoch)
-    finally:
-        if bar is not None:
-            bar.close()
+    result = drive(run, batches, val, log=logf, quiet=quiet, save_every=save_every, checkpoint_dir=checkpoint_dir,
+                   out=out, checkpoint=checkpoint, on_save_error=on_save_error,
+                   resumed_from=resume if ckpt is not None else None, describe_eval=_epoch_line,
+                   evals_when_quiet=True)
     if world.lead:
         save_mnist_model(out, arch, run.param_values(), model.PARAM_SHAPES[arch])
-        stopped = stop_message(run.stop_reason, run.early_stopping, len(history))
-        done = {"event": "done", "epochs": len(history), "elapsed_s": time.perf_counter() - t0,
-                "interrupted": run.interrupted, "stop_reason": run.stop_reason, "stopped": stopped,
-                "out": str(out)}
-        if history:   # of the model written: the best epoch's with early stopping
-            last = run.best or history[-1]
-            done.update({k: last.get(k) for k in ("epoch", "val_loss", "val_accuracy", "train_loss",
+        kept = run.kept()     # of the model written: the best epoch's with early stopping
+        done = {"event": "done", "epochs": run.last["epoch"] if run.last else 0, "elapsed_s": result["elapsed_s"],
+                "stop_reason": run.stop_reason, "stopped": result["stopped"],
+                "samples_seen": result["samples_seen"], "out": str(out)}
+        if kept:
+            done.update({k: kept.get(k) for k in ("epoch", "val_loss", "val_accuracy", "train_loss",
                                                   "train_accuracy")})
         logf.write(done)
         logf.close()
-        typer.echo(f"{stopped}; wrote {out}", err=True)
-    if run.interrupted:
-        raise typer.Exit(130)
+        typer.echo(f"{result['stopped']}; wrote {out}", err=True)
+
+
+def _epoch_line(s: dict) -> str:
+    val = f", val loss {s['val_loss']:.4f} acc {100 * s['val_accuracy']:.2f}%" if "val_loss" in s else ""
+    return (f"epoch {s['epoch']}: train loss {s['train_loss']:.4f} acc {100 * s['train_accuracy']:.2f}%{val} "
+            f"({s['epoch_s']:.2f} s)")
 
 
 @mnist_app.command("eval")

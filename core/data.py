@@ -5,6 +5,8 @@ training part of a token stream (inputs are the first ctx, targets the last ctx)
 its numpy Generator state is part of a checkpoint, so a resumed run draws exactly
 the windows the uninterrupted run would have drawn.
 
+`ImageBatches` draws the batches of a classifier run (MNIST) the same way.
+
 Fine-tuning data comes as samples, each a token sequence with a mask of the tokens to
 train on: `pack` lays them into rows (several to a row, each with its own positions and
 segment id), `PackedBatches` draws the rows in a seeded order per epoch, resumably, and
@@ -68,6 +70,58 @@ class TokenWindows:
     def set_state(self, text: str, drawn: int = 0) -> None:
         self.rng.bit_generator.state = json.loads(text)
         self.drawn = drawn
+
+
+class ImageBatches:
+    """The updates of a classifier run over arrays (MNIST): every update takes the next
+    `batch` samples of the training indices in a seeded order per epoch (epoch e's order a
+    permutation seeded by (seed, e); a batch that is the whole training split keeps one
+    order, so every update sees the same batch), as `grad_acc` physical batches. The
+    remainder of an epoch that does not fill a batch is left out. The state is the updates
+    drawn (with the seed): a run resumed from it draws exactly the batches the uninterrupted
+    run would have drawn."""
+
+    def __init__(self, images: np.ndarray, labels: np.ndarray, train: np.ndarray, batch: int,
+                 grad_acc: int, seed: int):
+        if len(train) < batch:
+            raise ConfigError(f"{len(train)} training samples is fewer than one batch ({batch})")
+        self.images = np.ascontiguousarray(images, dtype=np.float32)   # batches gather rows of it
+        self.labels, self.train, self.batch, self.grad_acc, self.seed = labels, train, batch, grad_acc, seed
+        self.updates_per_epoch = len(train) // batch
+        self.full = self.updates_per_epoch == 1 and batch == len(train)
+        self.drawn = 0                       # updates drawn so far
+        self._order: tuple = (-1, None)      # (epoch, its order of the training indices)
+
+    @property
+    def epoch(self) -> float:
+        return self.drawn / self.updates_per_epoch
+
+    def _indices(self, epoch: int) -> np.ndarray:
+        if self.full:
+            return self.train
+        if self._order[0] != epoch:
+            perm = np.random.default_rng([self.seed, epoch]).permutation(len(self.train))
+            self._order = (epoch, self.train[perm])
+        return self._order[1]
+
+    def next(self) -> list:
+        """The next update's physical batches: grad_acc arrays of sample indices."""
+        epoch, u = divmod(self.drawn, self.updates_per_epoch)
+        self.drawn += 1
+        order = self._indices(epoch)[u * self.batch:(u + 1) * self.batch]
+        return np.split(order, self.grad_acc)
+
+    def state(self) -> str:
+        return json.dumps({"drawn": self.drawn, "seed": self.seed, "train": len(self.train)})
+
+    def set_state(self, text: str, drawn: int | None = None) -> None:
+        """Continue from `state()`; raises ConfigError when it was taken on another split."""
+        s = json.loads(text)
+        if s["train"] != len(self.train):
+            raise ConfigError(f"the checkpoint was trained on {s['train']} training samples, this data "
+                              f"splits into {len(self.train)}: resume with the same data and --limit")
+        self.drawn, self.seed = int(s["drawn"]), int(s["seed"])
+        self._order = (-1, None)
 
 
 def eval_windows(ids: np.ndarray, ctx: int, batch: int, max_batches: int) -> list:

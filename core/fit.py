@@ -90,7 +90,8 @@ def fit_updates(run, first: int, total: int, draw: Callable, describe: Callable,
     feeds, lr, same_batch) of update u; describe(feeds, loss, seconds): the run's own fields of the
     update's report (merged into {"step", "loss", "lr", "grad_norm", "elapsed_s"} and
     L-BFGS's search fields). evaluate(u): a report after update u, every `every` updates
-    (and, with evaluate_on_break, after an update that ends the run early), with "val_loss"
+    (and, with evaluate_on_break, after an update with which L-BFGS converged: the run ends
+    there; not after a stop request, whose checkpoint resumes the epoch), with "val_loss"
     when there is validation data; early stopping counts it by its "step", or by its
     "epoch" when the stopping unit is epochs.
     """
@@ -115,7 +116,7 @@ def fit_updates(run, first: int, total: int, draw: Callable, describe: Callable,
         converged = run.step.converged
         exhausted = False
         due = every and u % every == 0
-        if evaluate is not None and (due or ((converged or run.interrupted) and evaluate_on_break)):
+        if evaluate is not None and (due or (converged and evaluate_on_break)):
             ev = evaluate(u)
             if stopping.patience and "val_loss" in ev:
                 at = ev["epoch"] if stopping.unit == "epoch" else ev["step"]

@@ -18,6 +18,7 @@ import numpy as np
 from ggtrain.core import ops
 from ggtrain.core.distributed import World
 from ggtrain.core.fit import EarlyStopping, check_early_stop, fit_updates, stop_message
+from ggtrain.core.data import ImageBatches
 from ggtrain.core.graph import Graph, Rows
 from ggtrain.core.models import decoder
 from ggtrain.core.models.lora import factor_names
@@ -77,13 +78,26 @@ def _log_softmax_loss(logits: np.ndarray, labels: np.ndarray) -> np.ndarray:
     return -logp[np.arange(len(labels)), labels]
 
 
+def classifier_data(images: np.ndarray, labels: np.ndarray, config: ClassifierConfig, world: World) -> tuple:
+    """(ImageBatches, validation (images, labels) or None) of a classifier run: a fixed
+    random split (config.val_split, config.seed), every update config.batch x processes
+    samples of the training part."""
+    train_idx, val_idx = split_train_val(len(labels), config.val_split, config.seed)
+    if config.early_stop_patience and not len(val_idx):
+        raise ConfigError("--early-stop-patience needs validation data (--val-split > 0)")
+    batches = ImageBatches(images, labels, train_idx, config.batch * world.size,
+                           config.batch // config.physical_batch, config.seed + 1)
+    return batches, ((images[val_idx], labels[val_idx]) if len(val_idx) else None)
+
+
 class ClassifierRun:
     """Trains a classifier graph built by `forward(params, x) -> logits` on arrays.
 
     Reports through callbacks: on_step({"step", "epoch", "loss", "lr", "grad_norm",
-    "samples_per_s", "elapsed_s"}) after each update and on_epoch({...train/val
-    loss and accuracy...}) after each epoch. `stop()` may be called from a callback
-    (or a signal handler) to end after the current update.
+    "samples_per_s", "elapsed_s", ...}) after each update and on_eval({"step", "epoch",
+    train/val loss and accuracy...}) after each epoch. `stop()` may be called from a
+    callback (or a signal handler) to end after the current update. `state()` /
+    `load_state()` carry everything a bit-identical resume needs, mid-epoch too.
 
     world: with several processes config's batches are each one's share; every update
     takes the next batch x size samples of the shuffled order, as one process with
@@ -110,6 +124,13 @@ class ClassifierRun:
                               extra_outputs=[self.logits], world=self.world)
         self._eval = self.step.runtime.compile([self.logits], self.step.n_threads)
         self._stop = False
+        self.early_stopping = EarlyStopping(config.early_stop_patience, config.min_delta, unit="epoch")
+        self.best_params = None
+        self.best = None            # the summary of the best epoch (early stopping)
+        self.last = None            # the summary of the last epoch evaluated
+        self.samples_seen = 0
+        self._epoch = {"loss": 0.0, "hits": 0, "n": 0}   # the current epoch's training totals
+        self.stop_reason = None
 
     def stop(self) -> None:
         self._stop = True
@@ -124,12 +145,31 @@ class ClassifierRun:
         return self.step.stop or (self.world.size == 1 and self._stop)
 
     @property
+    def updates(self) -> int:
+        return self.step.updates
+
+    @property
     def flop_per_sample(self) -> float:
         """FLOPs of one update (products and convolutions, forward and backward) per sample."""
         return self.step.flops / self.config.batch
 
     def param_values(self) -> dict:
         return {name: self.step.get(t) for name, t in self.params.items()}
+
+    def state(self) -> dict:
+        """As TextRun.state(), with "run": the samples seen, the current epoch's training
+        totals and the best and last epochs' summaries."""
+        state = _run_state(self, tokens_seen=0)
+        state["run"] = {"samples_seen": self.samples_seen, "epoch": dict(self._epoch), "best": self.best,
+                        "last": self.last}
+        return state
+
+    def load_state(self, state: dict) -> None:
+        _load_run_state(self, state)
+        run = state.get("run") or {}
+        self.samples_seen = int(run.get("samples_seen", 0))
+        self._epoch = dict(run.get("epoch") or {"loss": 0.0, "hits": 0, "n": 0})
+        self.best, self.last = run.get("best"), run.get("last")
 
     def evaluate(self, images: np.ndarray, labels: np.ndarray) -> dict:
         """Loss and accuracy with standard errors: {"loss", "loss_se", "accuracy", "accuracy_se", "n"}."""
@@ -157,78 +197,116 @@ class ClassifierRun:
                 "accuracy_se": float(np.sqrt(acc * (1 - acc) / n)) if len(hits) else float("nan"),
                 "n": len(loss)}
 
-    def fit(self, images: np.ndarray, labels: np.ndarray, on_step=None, on_epoch=None) -> list:
-        """Train for config.epochs on (images, labels); returns the per-epoch summaries.
+    def validate(self, val) -> dict:
+        """{"val_loss", "val_accuracy"} on the validation (images, labels)."""
+        ev = self.evaluate(*val)
+        return {"val_loss": ev["loss"], "val_accuracy": ev["accuracy"]}
+
+    def seen(self) -> dict:
+        return {"samples_seen": self.samples_seen}
+
+    def total_updates(self, batches) -> int:
+        return self.config.epochs * batches.updates_per_epoch
+
+    @property
+    def drawn(self) -> int:
+        """What the batch source has drawn after self.updates: updates."""
+        return self.updates
+
+    def fit(self, batches, val, on_step=None, on_eval=None) -> list:
+        """Train until config.epochs (continuing from self.updates) on `batches` (an
+        ImageBatches: classifier_data), evaluating on `val` ((images, labels) or None) after
+        each epoch; returns this call's per-epoch summaries.
 
         A batch that covers the whole training split (full batch) keeps one order, so every
         update sees the same batch (L-BFGS then reuses the evaluation it ended an update
         with). With early stopping the best epoch's parameters are restored at the end.
         `stop_reason` (one of STOP_REASONS) says why the run ended.
         """
-        cfg = self.config
         world = self.world
-        images = np.ascontiguousarray(images, dtype=np.float32)   # batches are gathered from it (Rows)
-        train_idx, val_idx = split_train_val(len(labels), cfg.val_split, cfg.seed)
-        batch = cfg.batch * world.size      # samples per update, over every process
-        if len(train_idx) < batch:
-            raise ConfigError(f"{len(train_idx)} training samples is fewer than one batch ({batch})")
-        if cfg.early_stop_patience and not len(val_idx):
-            raise ConfigError("--early-stop-patience needs validation data (--val-split > 0)")
-        rng = np.random.default_rng(cfg.seed + 1)
-        p, k = cfg.physical_batch * world.size, cfg.batch // cfg.physical_batch
-        n_updates = len(train_idx) // batch
-        full = n_updates == 1 and batch == len(train_idx)
-        self.early_stopping = EarlyStopping(cfg.early_stop_patience, cfg.min_delta, unit="epoch")
-        self.best, self.best_params = None, None
+        n_updates = batches.updates_per_epoch
+        batch = batches.batch     # samples per update, over every process
         history = []
-        epoch = {"order": None, "loss": 0.0, "hits": 0, "n": 0, "t": 0.0}
+        t_epoch = [time.perf_counter()]
 
         def draw(u: int) -> tuple:
-            if u % n_updates == 0:    # a new epoch: a new order
-                epoch.update(order=train_idx if full else train_idx[rng.permutation(len(train_idx))],
-                             loss=0.0, hits=0, n=0, t=time.perf_counter())
-            j0 = (u % n_updates) * k
+            if u % n_updates == 0:    # a new epoch
+                self._epoch = {"loss": 0.0, "hits": 0, "n": 0}
+                t_epoch[0] = time.perf_counter()
             feeds = []
-            for j in range(j0, j0 + k):
-                idx = world.shard(epoch["order"][j * p:(j + 1) * p])
-                feeds.append({self.x: Rows(images, idx), self.y: labels[idx]})
-            return feeds, cfg.lr, full and u > 0
+            for idx in batches.next():
+                idx = world.shard(idx)
+                feeds.append({self.x: Rows(batches.images, idx), self.y: batches.labels[idx]})
+            return feeds, self.config.lr, batches.full and u > 0
 
         def describe(feeds: list, loss: float, seconds: float) -> dict:
             for (logits,), b in zip(self.step.last_outputs, feeds):
-                epoch["hits"] += int((logits.argmax(axis=1) == b[self.y]).sum())
-            epoch["loss"] += loss * batch
-            epoch["n"] += batch
+                self._epoch["hits"] += int((logits.argmax(axis=1) == b[self.y]).sum())
+            self._epoch["loss"] += loss * batch
+            self._epoch["n"] += batch
+            self.samples_seen += batch
             u = self.step.updates - 1
             return {"epoch": u // n_updates + 1, "samples_per_s": batch / max(seconds, 1e-9),
                     "update_in_epoch": u % n_updates + 1, "updates_per_epoch": n_updates}
 
         def evaluate(u: int) -> dict:
-            hits = int(world.sum([epoch["hits"]])[0])    # each process counted its rows
+            e = self._epoch
+            hits = int(world.sum([e["hits"]])[0])    # each process counted its rows
             summary = {"epoch": (u - 1) // n_updates + 1, "step": u,
-                       "train_loss": epoch["loss"] / max(1, epoch["n"]),
-                       "train_accuracy": hits / max(1, epoch["n"]), "epoch_s": time.perf_counter() - epoch["t"]}
-            if len(val_idx):
-                ev = self.evaluate(images[val_idx], labels[val_idx])
-                summary.update(val_loss=ev["loss"], val_accuracy=ev["accuracy"])
+                       "train_loss": e["loss"] / max(1, e["n"]),
+                       "train_accuracy": hits / max(1, e["n"]), "epoch_s": time.perf_counter() - t_epoch[0]}
+            if val is not None:
+                summary.update(self.validate(val))
             history.append(summary)
+            self.last = summary
             return summary
 
-        best = {}
-
-        def on_eval(summary: dict) -> None:
+        def on_eval_(summary: dict) -> None:
             if self.early_stopping.best_step == summary["epoch"] and "val_loss" in summary:
-                best["summary"] = summary
-            if on_epoch is not None:
-                on_epoch(summary)
+                self.best = summary   # the epoch whose parameters early stopping keeps
+            if on_eval is not None:
+                on_eval(summary)
 
-        self.step.updates = 0
-        self.stop_reason = fit_updates(self, 0, cfg.epochs * n_updates, draw, describe, every=n_updates,
-                                       evaluate=evaluate, on_step=on_step, on_eval=on_eval,
+        self.stop_reason = fit_updates(self, self.step.updates, self.total_updates(batches), draw, describe,
+                                       every=n_updates, evaluate=evaluate, on_step=on_step, on_eval=on_eval_,
                                        evaluate_on_break=True)
-        if self.best_params and self.stop_reason != "interrupted":
-            self.best = best.get("summary")      # the epoch whose parameters were restored
         return history
+
+    def kept(self) -> dict | None:
+        """The summary of the epoch whose model the run ends with (after fit): the best
+        epoch's with early stopping (unless interrupted), else the last one evaluated."""
+        if self.best_params and self.stop_reason != "interrupted" and self.best is not None:
+            return self.best
+        return self.last
+
+    def why_stopped(self) -> str:
+        return stop_message(self.stop_reason, self.early_stopping, self.last["epoch"] if self.last else 0)
+
+
+def _run_state(run, **counts) -> dict:
+    """{"params", "optimizer", "updates", **counts}; with early stopping also "early_stop"
+    ({"best", "best_step", "bad"}) and "best_params": what TextRun and ClassifierRun share."""
+    state = {"params": run.param_values(), "optimizer": run.step.optimizer_state(),
+             "updates": run.step.updates, **counts}
+    if run.early_stopping.patience:
+        es = run.early_stopping
+        state["early_stop"] = {"best": es.best, "best_step": es.best_step, "bad": es.bad}
+        state["best_params"] = run.best_params or {}
+    return state
+
+
+def _load_run_state(run, state: dict) -> None:
+    for k, t in run.params.items():
+        if k not in state["params"]:
+            raise ConfigError(f"the checkpoint has no tensor {k}")
+        run.step.set(t, state["params"][k])
+    run.step.load_optimizer_state(state["optimizer"])
+    run.step.updates = int(state["updates"])
+    if run.early_stopping.patience and state.get("early_stop"):
+        es = state["early_stop"]
+        run.early_stopping.best, run.early_stopping.best_step = float(es["best"]), int(es["best_step"])
+        run.early_stopping.bad = int(es["bad"])
+        run.best_params = dict(state.get("best_params") or {}) or None
 
 
 # ---- language-model training (llama) -------------------------------------------------------
@@ -440,34 +518,35 @@ class TextRun:
 
     def state(self) -> dict:
         """{"params", "optimizer" ({state name: array}), "updates", "tokens_seen"}; with early
-        stopping also "early_stop" ({"best", "best_step", "bad"}) and "best_params"."""
-        state = {"params": self.param_values(), "optimizer": self.step.optimizer_state(),
-                 "updates": self.step.updates, "tokens_seen": self.tokens_seen}
+        stopping also "early_stop" ({"best", "best_step", "bad"}) and "best_params"; for DPO
+        "reference"."""
+        state = _run_state(self, tokens_seen=self.tokens_seen)
         if self.reference is not None:
             state["reference"] = self.reference
-        if self.early_stopping.patience:
-            es = self.early_stopping
-            state["early_stop"] = {"best": es.best, "best_step": es.best_step, "bad": es.bad}
-            state["best_params"] = self.best_params or {}
         return state
 
     def load_state(self, state: dict) -> None:
-        for k, t in self.params.items():
-            if k not in state["params"]:
-                raise ConfigError(f"the checkpoint has no tensor {k}")
-            self.step.set(t, state["params"][k])
-        self.step.load_optimizer_state(state["optimizer"])
-        self.step.updates = int(state["updates"])
+        _load_run_state(self, state)
         self.tokens_seen = int(state["tokens_seen"])
         if self.pair_loss is not None and self.pair_loss.config.method == "dpo":
             if state.get("reference") is None:
                 raise ConfigError("the checkpoint has no reference log-probabilities (a DPO run's)")
             self.reference = np.asarray(state["reference"], np.float32)
-        if self.early_stopping.patience and state.get("early_stop"):
-            es = state["early_stop"]
-            self.early_stopping.best, self.early_stopping.best_step = float(es["best"]), int(es["best_step"])
-            self.early_stopping.bad = int(es["bad"])
-            self.best_params = dict(state.get("best_params") or {}) or None
+
+    def validate(self, val_batches: list) -> dict:
+        """{"val_loss"[, preference metrics]} on the validation batches."""
+        return {"val_loss": self.evaluate(val_batches), **self.last_eval_metrics}
+
+    def seen(self) -> dict:
+        return {"tokens_seen": self.tokens_seen}
+
+    def total_updates(self, batches) -> int:
+        return self.config.steps
+
+    @property
+    def drawn(self) -> int:
+        """What the batch source has drawn after self.updates: windows (or rows)."""
+        return self.updates * self.config.global_batch * self.config.grad_acc
 
     def _feed(self, batch, number: int = 0) -> dict:
         """{input tensor: array} of a batch (a dict, or a (batch, ctx + 1) window array);

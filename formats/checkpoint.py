@@ -7,20 +7,25 @@ clean model, and `convert-checkpoint` turns a checkpoint into one.
 Keys (besides llama.cpp's llama.* / general.* / tokenizer.ggml.* keys):
     ggtrain.checkpoint.version   UINT32   2 (version 1, without kind and run_config, reads as "train")
     ggtrain.checkpoint.kind      STRING   "train" (a llama from scratch), "finetune-lora" (adapter
-                                          factors on a frozen base), "finetune-full", or "model"
+                                          factors on a frozen base), "finetune-full", "model"
                                           (a model's weights before any training, made by
                                           `convert-checkpoint --to checkpoint`: no optimizer state,
                                           no data; `train --resume` and `finetune --full --resume`
-                                          start a run from it with their own options)
+                                          start a run from it with their own options), or "mnist"
+                                          (`mnist train`: an MNIST classifier's header,
+                                          formats/mnist.py, instead of a language model's, no
+                                          vocabulary; model_config {"arch": "fc" | "cnn"})
     ggtrain.model_config         STRING   JSON of the ModelConfig fields
     ggtrain.train_config         STRING   JSON of the TextConfig fields (and the command's data options)
     ggtrain.run_config           STRING   JSON of what else the command needs to resume (finetune:
                                           the LoRA settings, the base model's fingerprint, ...); "{}"
     ggtrain.updates              UINT64   optimizer updates done
-    ggtrain.tokens_seen          UINT64   training tokens consumed
+    ggtrain.tokens_seen          UINT64   training tokens consumed (0 for mnist)
     ggtrain.data_rng             STRING   the batch source's state (JSON: numpy RNG state, cursor)
     ggtrain.data_fingerprint     STRING   sha256 of the training data as tokens
     ggtrain.early_stop           STRING   JSON {"best", "best_step", "bad"} (only with early stopping)
+    ggtrain.run_state            STRING   JSON of a run's own counters (mnist: samples seen, the
+                                          current epoch's totals, the best and last epochs)
 Tensors: what is trained (the model's parameters under llama.cpp names, or the adapter
 factors "<weight>.lora_a" / ".lora_b"), F32, then the optimizer's state: for each
 parameter its AdamW moments `adam_m.<name>` and `adam_v.<name>` or its SGD momentum
@@ -44,12 +49,13 @@ from ggtrain.errors import FormatError
 from ggtrain.formats.gguf import GGUFFile, read_gguf, write_gguf
 from ggtrain.core.models.decoder import ModelConfig
 from ggtrain.formats.model import CHECKPOINT_KEY, config_to_kv
+from ggtrain.formats.mnist import model_kv
 from ggtrain.formats.model_file import carried_kv
 from ggtrain.formats.tokenizer import tokenizer_from_gguf
 
 VERSION = 2
 READ_VERSIONS = (1, 2)
-KINDS = ("train", "finetune-lora", "finetune-full", "model")
+KINDS = ("train", "finetune-lora", "finetune-full", "model", "mnist")
 _MOMENTS = {".adam_m": "adam_m.", ".adam_v": "adam_v.", ".momentum": "momentum."}
 _RUN_STATE = "lbfgs."   # optimizer state of the whole run, not per parameter: stored under its name
 _BEST = "best."
@@ -60,10 +66,11 @@ _REFERENCE = "preference.reference_nll"
 class Checkpoint:
     """The one record of a resumable run that `train` and `finetune` (and `convert-checkpoint`)
     write and read: kind (KINDS); model_config, train_config, run_config (dicts, stored as
-    JSON); state (TextRun.state(): {"params", "optimizer", "updates", "tokens_seen"[,
-    "early_stop", "best_params", "reference"]}; optimizer names are "<param>.adam_m" /
+    JSON); state (TextRun.state() or ClassifierRun.state(): {"params", "optimizer", "updates",
+    "tokens_seen"[, "early_stop", "best_params", "reference", "run"]}; optimizer names are "<param>.adam_m" /
     ".adam_v" / ".momentum", or "lbfgs.*" for the whole run); tokenizer; data_rng (the batch
-    source's state); data_fingerprint (sha256 of the training data as token ids); extra_kv
+    source's state); data_fingerprint (sha256 of the training data: token ids, or mnist's images
+    and labels); tokenizer None for mnist; extra_kv
     (key/values of the model to keep: model_file.carried_kv of the base)."""
     kind: str
     model_config: dict
@@ -83,19 +90,24 @@ def save_checkpoint(path, ckpt: Checkpoint, progress=None) -> None:
     run_config, extra_kv = ckpt.run_config, ckpt.extra_kv
     if kind not in KINDS:
         raise ValueError(f"checkpoint kind {kind!r} is not one of {KINDS}")
-    kv = config_to_kv(ModelConfig(**model_config), "ggtrain checkpoint", file_type=0)
-    kv += list(tokenizer.gguf_kv()) + list(extra_kv)
+    if kind == "mnist":
+        kv = model_kv(model_config["arch"])
+    else:
+        kv = config_to_kv(ModelConfig(**model_config), "ggtrain checkpoint", file_type=0)
+        kv += list(tokenizer.gguf_kv()) + list(extra_kv)
     kv += [(CHECKPOINT_KEY, VERSION, VT.UINT32),
            ("ggtrain.checkpoint.kind", kind, VT.STRING),
            ("ggtrain.run_config", json.dumps(run_config or {}, sort_keys=True), VT.STRING),
            ("ggtrain.model_config", json.dumps(model_config, sort_keys=True), VT.STRING),
            ("ggtrain.train_config", json.dumps(train_config, sort_keys=True), VT.STRING),
            ("ggtrain.updates", int(state["updates"]), VT.UINT64),
-           ("ggtrain.tokens_seen", int(state["tokens_seen"]), VT.UINT64),
+           ("ggtrain.tokens_seen", int(state.get("tokens_seen", 0)), VT.UINT64),
            ("ggtrain.data_rng", data_rng, VT.STRING),
            ("ggtrain.data_fingerprint", data_fingerprint, VT.STRING)]
     if "early_stop" in state:
         kv.append(("ggtrain.early_stop", json.dumps(state["early_stop"], sort_keys=True), VT.STRING))
+    if state.get("run") is not None:
+        kv.append(("ggtrain.run_state", json.dumps(state["run"], sort_keys=True), VT.STRING))
     tensors = [(name, np.ascontiguousarray(v, np.float32), "F32") for name, v in state["params"].items()]
     for name, v in state["optimizer"].items():
         v = np.ascontiguousarray(v, np.float32)
@@ -159,14 +171,16 @@ def load_checkpoint(path) -> Checkpoint:
              "tokens_seen": int(f.value("ggtrain.tokens_seen"))}
     if reference is not None:
         state["reference"] = reference
-    early_stop = f.value("ggtrain.early_stop", None)
-    if early_stop is not None:
-        try:
-            state["early_stop"] = json.loads(early_stop)
-        except json.JSONDecodeError as exc:
-            raise FormatError(f"{path}: damaged ggtrain.early_stop ({exc})") from None
+    for key, name in (("ggtrain.early_stop", "early_stop"), ("ggtrain.run_state", "run")):
+        text = f.value(key, None)
+        if text is not None:
+            try:
+                state[name] = json.loads(text)
+            except json.JSONDecodeError as exc:
+                raise FormatError(f"{path}: damaged {key} ({exc})") from None
+    if "early_stop" in state:
         state["best_params"] = best
-    return Checkpoint(kind, model_config, train_config, state, tokenizer_from_gguf(f),
+    return Checkpoint(kind, model_config, train_config, state, None if kind == "mnist" else tokenizer_from_gguf(f),
                       data_rng=f.value("ggtrain.data_rng"), data_fingerprint=f.value("ggtrain.data_fingerprint"),
                       run_config=run_config, extra_kv=carried_kv(f))
 
@@ -177,7 +191,8 @@ def is_checkpoint(f: GGUFFile) -> bool:
 
 def checkpoint_summary(f: GGUFFile) -> dict:
     """What a checkpoint is, from its keys and tensor list (nothing read): {"kind",
-    "version", "updates", "tokens_seen", "steps" (planned updates), "optimizer" ("adamw",
+    "version", "updates", "tokens_seen", "steps" (planned updates), "epochs" (mnist's
+    planned epochs), "optimizer" ("adamw",
     or None before any training), "trained_tensors", "trained_parameters", "model" (the
     model config), "lora" (rank, alpha, targets) or None, "base" (path and fingerprint of
     a fine-tune's base model) or None, "data_fingerprint"}."""
@@ -195,7 +210,7 @@ def checkpoint_summary(f: GGUFFile) -> dict:
         base = {"path": run.get("base"), "fingerprint": run["base_fingerprint"]}
     return {"kind": kind, "version": int(f.value(CHECKPOINT_KEY)),
             "updates": int(f.value("ggtrain.updates", 0)), "tokens_seen": int(f.value("ggtrain.tokens_seen", 0)),
-            "steps": train.get("steps"), "lr": train.get("lr"),
+            "steps": train.get("steps"), "epochs": train.get("epochs"), "lr": train.get("lr"),
             "optimizer": None if kind == "model" else train.get("optimizer", "adamw"),
             "trained_tensors": len(trained), "trained_parameters": int(sum(t.n_elements for t in trained)),
             "model": config("ggtrain.model_config"), "lora": run.get("lora"), "base": base,

@@ -16,6 +16,13 @@ from ggtrain.formats.gguf import read_gguf, write_gguf
 ARCH_NAMES = {"fc": "mnist-fc", "cnn": "mnist-cnn"}
 
 
+def model_kv(arch: str) -> list:
+    """The keys of an MNIST model file (and of an mnist checkpoint's header)."""
+    if arch not in ARCH_NAMES:
+        raise FormatError(f"unknown MNIST architecture {arch!r} (known: {', '.join(ARCH_NAMES)})")
+    return [("general.architecture", ARCH_NAMES[arch]), ("general.name", ARCH_NAMES[arch])]
+
+
 def save_mnist_model(path, arch: str, params: dict, shapes: dict) -> None:
     """Write an MNIST model atomically (temp file in the same folder, fsync, rename)."""
     path = pathlib.Path(path)
@@ -28,7 +35,7 @@ def save_mnist_model(path, arch: str, params: dict, shapes: dict) -> None:
         if value.shape != tuple(shape):
             raise FormatError(f"{name}: shape {value.shape}, expected {shape}")
         tensors.append((name, value, "F32"))
-    write_gguf(path, {"general.architecture": ARCH_NAMES[arch], "general.name": ARCH_NAMES[arch]}, tensors)
+    write_gguf(path, model_kv(arch), tensors)
 
 
 def load_mnist_model(path, shapes_by_arch: dict) -> tuple:

@@ -10,7 +10,7 @@ import pytest
 
 from ggtrain.core.backend_cpu import CpuBackend
 from ggtrain.core.models import mnist as model
-from ggtrain.core.train import ClassifierConfig, ClassifierRun
+from ggtrain.core.train import ClassifierConfig, ClassifierRun, classifier_data
 from ggtrain.errors import FormatError
 from ggtrain.formats.idx import load_mnist, read_idx
 from ggtrain.formats.mnist import load_mnist_model, save_mnist_model
@@ -81,7 +81,7 @@ def _run(arch, x, y, batch, physical, epochs=1, seed=0, lr=1e-3):
     cfg = ClassifierConfig(epochs=epochs, batch=batch, physical_batch=physical, lr=lr, seed=seed, val_split=0.1)
     run = ClassifierRun(lambda p, t: model.forward(arch, p, t), model.init_params(arch, seed), (28, 28), cfg,
                         CpuBackend(2))
-    return run, run.fit(x, y)
+    return run, run.fit(*classifier_data(x, y, cfg, run.world))
 
 
 @pytest.mark.parametrize("arch, n, epochs, want", [("fc", 5000, 2, 0.85), ("cnn", 4000, 2, 0.5)])

@@ -241,3 +241,75 @@ def test_plot_bad_input_and_missing_matplotlib(tmp_path):
 @pytest.fixture
 def text(shakespeare):
     return shakespeare
+
+
+# ---- mnist train: the shared run loop's checkpoints and resume ----------------------------
+
+MNIST_SMALL = ["--limit", 600, "--batch", 100, "--physical-batch", 50, "--val-split", 0.2, "--quiet"]
+
+
+@pytest.mark.parametrize("extra", [[], ["--early-stop-patience", 3, "--optimizer", "sgd", "--momentum", 0.9]])
+def test_mnist_resumes_mid_epoch_to_the_same_model(tmp_path, extra):
+    """4 updates an epoch (480 training images): the checkpoint after update 6 is in the middle
+    of epoch 2; resumed from it, the run ends with the uninterrupted run's model and log."""
+    common = ["--epochs", 3, *MNIST_SMALL, *extra]
+    whole, log = tmp_path / "whole.gguf", tmp_path / "whole.jsonl"
+    r = _cli("mnist", "train", "--out", whole, "--log", log, "--checkpoint-dir", tmp_path / "ck",
+             "--save-every", 3, *common)
+    assert r.returncode == 0, r.stderr
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == [
+        "ckpt-000003.gguf", "ckpt-000006.gguf", "ckpt-000009.gguf", "ckpt-000012.gguf"]
+    info = _cli("info", tmp_path / "ck" / "ckpt-000006.gguf")
+    assert info.returncode == 0 and "mnist train --resume" in info.stdout and "6 updates of 3 epochs" in info.stdout
+    again, log2 = tmp_path / "again.gguf", tmp_path / "again.jsonl"
+    r = _cli("mnist", "train", "--out", again, "--log", log2, "--resume", tmp_path / "ck" / "ckpt-000006.gguf",
+             "--quiet")
+    assert r.returncode == 0, r.stderr
+    assert again.read_bytes() == whole.read_bytes()
+    first, second = _lines(log), _lines(log2)
+    steps = {l["step"]: l["loss"] for l in first if "loss" in l}
+    assert [l["loss"] for l in second if "loss" in l] == [steps[s] for s in range(7, 13)]
+    epochs = lambda lines: [(l["epoch"], l["train_loss"], l["val_loss"]) for l in lines if "train_loss" in l
+                            and "event" not in l]
+    assert epochs(second) == epochs(first)[1:]   # epoch 2's training totals include its first two updates
+    assert {k: v for k, v in second[-1].items() if k not in ("elapsed_s", "out", "samples_seen")} == \
+        {k: v for k, v in first[-1].items() if k not in ("elapsed_s", "out", "samples_seen")}
+    # --epochs with --resume: the run's new total
+    r = _cli("mnist", "train", "--out", tmp_path / "more.gguf", "--log", tmp_path / "more.jsonl", "--resume",
+             tmp_path / "ck" / "ckpt-000012.gguf", "--epochs", 4, "--quiet")
+    assert r.returncode == 0, r.stderr
+    more = [l["step"] for l in _lines(tmp_path / "more.jsonl") if "loss" in l]
+    assert more == ([13, 14, 15, 16] if second[-1]["stop_reason"] == "finished" else [])
+    # the checkpoint becomes the model it holds
+    model = tmp_path / "at6.gguf"
+    r = _cli("convert-checkpoint", tmp_path / "ck" / "ckpt-000006.gguf", model)
+    assert r.returncode == 0 and "mnist-fc model" in r.stdout, r.stderr
+    assert _cli("mnist", "eval", "--model", model, "--json").returncode == 0
+
+
+def test_mnist_resume_refuses_other_data_and_other_checkpoints(tmp_path, text):
+    ck = tmp_path / "ck"
+    r = _cli("mnist", "train", "--out", tmp_path / "m.gguf", "--epochs", 1, "--checkpoint-dir", ck, *MNIST_SMALL)
+    assert r.returncode == 0, r.stderr
+    last = ck / "ckpt-000004.gguf"
+    r = _cli("train", "--data", text, "--out", tmp_path / "t.gguf", "--resume", last, *TINY)
+    assert r.returncode == 1 and "`ggtrain mnist train --resume` continues it" in r.stderr, r.stderr
+    r = _cli("train", "--data", text, "--out", tmp_path / "t.gguf", "--steps", 1, "--checkpoint-dir", tmp_path / "t",
+             *TINY)
+    assert r.returncode == 0, r.stderr
+    r = _cli("mnist", "train", "--out", tmp_path / "m2.gguf", "--resume", next((tmp_path / "t").iterdir()))
+    assert r.returncode == 1 and "`ggtrain train --resume` continues it" in r.stderr, r.stderr
+    # the bundled images, but not the first 600 of them: not the data the checkpoint was trained on
+    from ggtrain.cli.mnist import BUNDLED
+    data = tmp_path / "mnist"
+    data.mkdir()
+    for p in BUNDLED.iterdir():
+        (data / p.name).write_bytes(p.read_bytes())
+    import gzip
+    images = data / "train-images-idx3-ubyte.gz"
+    raw = bytearray(gzip.decompress(images.read_bytes()))
+    raw[16 + 100] ^= 0xFF    # one pixel of the first image
+    images.write_bytes(gzip.compress(bytes(raw)))
+    r = _cli("mnist", "train", "--out", tmp_path / "m2.gguf", "--resume", last, "--data", data)
+    assert r.returncode == 1 and "is not the data this checkpoint was trained on" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
