@@ -173,8 +173,16 @@ def chat(n: int, threads: int) -> None:
                "--threads", str(threads)]
         cold = measured(cmd, env)
         warm = measured(cmd, env)
+    plan = float(re.search(r"planned memory ([\d.]+) MiB", warm["err"]).group(1))
+    model = SMOLLM2.stat().st_size / 2**20
+    kept = pathlib.Path(cache)
+    tokens = sum(f.stat().st_size for f in kept.iterdir() if f.suffix in (".tokens", ".train")) / 2**20
+    rows = sum(f.stat().st_size for f in kept.glob("*.rows")) / 2**20
+    bound = tokens + model + plan
     print(f"finetune --steps 1, samples made by workers and kept: {cold['s']:.1f} s, peak {cold['peak_mib']:.0f} "
-          f"MiB; again, samples from the cache: {warm['s']:.1f} s, peak {warm['peak_mib']:.0f} MiB")
+          f"MiB = {cold['peak_mib'] / bound:.2f}x; again, samples and packed rows from the cache: {warm['s']:.1f} s, "
+          f"peak {warm['peak_mib']:.0f} MiB = {warm['peak_mib'] / bound:.2f}x (the bound: token files {tokens:.0f} + "
+          f"model {model:.0f} + plan {plan:.0f} MiB; packed rows kept: {rows:.0f} MiB)")
 
 
 def main() -> None:

@@ -4,7 +4,6 @@ lets a run stop cleanly."""
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import pathlib
@@ -13,7 +12,6 @@ import socket
 import sys
 from typing import Callable
 
-import numpy as np
 import typer
 from tqdm import tqdm
 
@@ -23,7 +21,6 @@ from ggtrain.core.backend_cuda import unavailable_reason
 from ggtrain.errors import ConfigError
 from ggtrain.formats.corpus import (SampleSet, TokenFile, cached_samples, corpus_tokens, default_cache_dir,
                                     sample_records, samples_key)
-from ggtrain.formats.dataset import read_data
 from ggtrain.formats.tokenizer import Tokenizer
 
 
@@ -86,42 +83,34 @@ def token_cache_dir(token_cache: str | None) -> str | None:
     return folder
 
 
-def fingerprint_arrays(*arrays) -> str:
-    """sha256 over the arrays' bytes, each as it is (contiguous: hashed in place): the data
-    fingerprint a checkpoint keeps (finetune: the packed int32 rows; mnist: the float32 images
-    and their labels)."""
-    h = hashlib.sha256()
-    for a in arrays:
-        h.update(memoryview(np.ascontiguousarray(a)).cast("B"))
-    return h.hexdigest()
-
-
 def read_records(path: pathlib.Path, tok: Tokenizer, template_of: Callable, template_key: str,
                  train_on_inputs: bool, token_cache: str | None, quiet: bool, world: distributed.World,
                  check: Callable[[str, str], None]) -> SampleSet:
     """The samples of a record --data file, from the token cache when made before, else made by
-    worker processes (a progress bar of records) and kept there. check(kind, layout) runs
-    before any sample is made (an error there costs no sampling); template_of(data) gives the
-    chat template the records need, or None."""
+    worker processes (a progress bar) and kept there. check(kind, layout) runs before any
+    sample is made (an error there costs no sampling); template_of(kind, conversational)
+    gives the chat template the records need, or None."""
     cache = token_cache_dir(token_cache)
     with file_errors(f"--data {path}"):
         key = samples_key(path, tok, template_key, train_on_inputs)
-    found = cached_samples(cache, key)
+    found = cached_samples(cache, key, path)
     if found is not None:
         check(found.kind, found.layout)
         return found
-    data = read_data(path)
-    check(data.kind, data.layout)
-    bar = None if quiet or not world.lead else tqdm(total=len(data.records), unit="record", desc=f"sampling {path.name}",
-                                                    file=sys.stderr, leave=False, mininterval=0.5)
+    bar = None
 
-    def progress(done: int, total: int) -> None:
-        if bar is not None:
-            bar.update(done - bar.n)
+    def progress(done: int, total: int, unit: str) -> None:
+        nonlocal bar
+        if quiet or not world.lead:
+            return
+        if bar is None:
+            bar = tqdm(total=total, unit=unit, unit_scale=unit == "B", desc=f"sampling {path.name}",
+                       file=sys.stderr, leave=False, mininterval=0.5)
+        bar.update(done - bar.n)
 
     try:
-        return sample_records(data, tok, template_of(data), train_on_inputs, cache, key, progress=progress,
-                              workers=1 if world.size > 1 else None)
+        return sample_records(path, tok, template_of, train_on_inputs, cache, key, progress=progress,
+                              workers=1 if world.size > 1 else None, check=check)
     except OSError as e:
         raise ConfigError(f"--token-cache {cache}: cannot write the samples of --data {path}: "
                           f"{e.strerror or e}") from None

@@ -20,8 +20,7 @@ import numpy as np
 import typer
 from tqdm import tqdm
 
-from ggtrain.cli.common import (JsonLog, file_errors, fingerprint_arrays, make_backend, read_corpus, read_records,
-                               start_world)
+from ggtrain.cli.common import JsonLog, make_backend, file_errors, read_corpus, read_records, start_world
 from ggtrain.cli.tasks import run_task, task_words
 from ggtrain.cli.config import config_record
 from ggtrain.cli.loop import (BACKEND, CHECKPOINT_DIR, CHECKPOINTING, CONFIG, EARLY_STOP_PATIENCE, EVAL_EVERY,
@@ -30,7 +29,8 @@ from ggtrain.cli.loop import (BACKEND, CHECKPOINT_DIR, CHECKPOINTING, CONFIG, EA
                               open_resume, optimizer_settings, validation_words)
 from ggtrain.cli.main import app
 from ggtrain.core.backend import StoredTensor
-from ggtrain.core.data import PackedBatches, TokenWindows, eval_windows, pack, pack_pairs, split_samples, split_tokens
+from ggtrain.core.data import (PackedBatches, Picked, TokenWindows, eval_windows, pack, pack_pairs, split_samples,
+                               split_tokens)
 from ggtrain.core.distributed import Shard
 from ggtrain.core.models.decoder import Decoder, ModelConfig
 from ggtrain.core.models.lora import TARGETS, LoraConfig, factor_names, init_lora
@@ -40,6 +40,7 @@ from ggtrain.errors import ConfigError
 from ggtrain.formats.checkpoint import Checkpoint, save_checkpoint
 from ggtrain.formats.chat import ChatTemplate, template_id
 from ggtrain.formats.chat import chat_template as find_template
+from ggtrain.formats.corpus import packed_rows
 from ggtrain.formats.dataset import is_plain_text
 from ggtrain.formats.gguf import read_gguf
 from ggtrain.formats.model_file import WRITE_TYPES, carried_kv, check_write_type, open_model, save_model
@@ -259,9 +260,8 @@ def finetune(
         if preference is not None and train_on_inputs:
             raise ConfigError(f"--train-on-inputs does not apply to --method {method}: its loss compares the answers")
 
-    def template_of(found) -> ChatTemplate | None:
-        conversational = found.kind == "preference" and isinstance(found.records[0][0], list)
-        return find_template(base_file, chat_template) if found.kind == "chat" or conversational else None
+    def template_of(kind: str, conversational: bool) -> ChatTemplate | None:
+        return find_template(base_file, chat_template) if kind == "chat" or conversational else None
 
     plain = is_plain_text(data)
     if plain:
@@ -273,21 +273,27 @@ def finetune(
         kind = records.kind
     pairs = 0    # pair slots of a physical batch
     n_pairs = 0
+    if not plain:   # packed rows are kept beside the samples, keyed by what decides them
+        spec = f"ctx={ctx}|packing={packing}|drop_long={drop_long}|val={val_split}|seed={seed}"
+
+        def packed_part(part: str, make) -> tuple:
+            return packed_rows(records.cache_dir, records.key, f"{part}|{spec}", make)
     if kind == "preference":
-        every = list(zip(records.samples, records.where))
+        every = records.samples
         train_p, val_p = split_samples(every, val_split, seed)
-        packed_data, stats = pack_pairs([p for p, _ in train_p], ctx, packing=packing, drop_long=drop_long,
-                                        where=[w for _, w in train_p])
+        packed_data, stats, data_fp, _ = packed_part("train", lambda allocate: pack_pairs(
+            train_p, ctx, packing=packing, drop_long=drop_long, where=Picked(records.where, train_p.idx),
+            allocate=allocate))
         n_pairs = len(every)
         if packed_data.rows < global_batch:
             raise ConfigError(f"--data {data}: {packed_data.rows} windows of {ctx} tokens, fewer than "
                               f"one batch of {global_batch}; use a smaller --batch or --ctx")
         batches = PackedBatches(packed_data, global_batch, seed + 1)
-        val_data = (pack_pairs([p for p, _ in val_p], ctx, packing=packing, drop_long=drop_long,
-                               first_id=len(train_p), where=[w for _, w in val_p])[0] if val_p else None)
-        val_batches = _eval_batches(val_data, global_batch) if val_p else []
+        val_data = (packed_part("val", lambda allocate: pack_pairs(
+            val_p, ctx, packing=packing, drop_long=drop_long, first_id=len(train_p),
+            where=Picked(records.where, val_p.idx), allocate=allocate))[0] if len(val_p) else None)
+        val_batches = _eval_batches(val_data, global_batch) if len(val_p) else []
         per_epoch = batches.batches_per_epoch
-        data_fp = fingerprint_arrays(*packed_data.fields().values())
         packed = True
         pairs = pair_slots(packed_data.pair, global_batch // world.size)
         if val_data is not None:
@@ -305,17 +311,16 @@ def finetune(
         packed = False
         summary = f"{len(train_ids)} training / {len(val_ids)} validation tokens in windows of {ctx}"
     else:
-        every = records.samples
-        train_s, val_s = split_samples(every, val_split, seed)
-        packed_data, stats = pack(train_s, ctx, packing=packing, drop_long=drop_long)
+        train_s, val_s = split_samples(records.samples, val_split, seed)
+        packed_data, stats, data_fp, _ = packed_part("train", lambda allocate: pack(
+            train_s, ctx, packing=packing, drop_long=drop_long, allocate=allocate))
         if packed_data.rows < global_batch:
             raise ConfigError(f"--data {data}: {packed_data.rows} windows of {ctx} tokens, fewer than "
                               f"one batch of {global_batch}; use a smaller --batch or --ctx")
         batches = PackedBatches(packed_data, global_batch, seed + 1)
-        val_batches = _eval_batches(pack(val_s, ctx, packing=packing, drop_long=drop_long)[0],
-                                    global_batch) if val_s else []
+        val_batches = _eval_batches(packed_part("val", lambda allocate: pack(
+            val_s, ctx, packing=packing, drop_long=drop_long, allocate=allocate))[0], global_batch) if len(val_s) else []
         per_epoch = batches.batches_per_epoch
-        data_fp = fingerprint_arrays(packed_data.tokens, packed_data.targets, packed_data.pos, packed_data.seg)
         packed = True
         summary = (f"{stats.samples} samples, {stats.trained} trained of {stats.tokens} tokens "
                    f"({stats.truncated} cut, {stats.dropped} dropped at --ctx {ctx}, {stats.empty} with "
@@ -351,7 +356,7 @@ def finetune(
     # logits only where a target is: at most the trained positions of the `batch` fullest rows
     loss_rows = 0
     if packed:   # (of this process's share)
-        per_row = np.sort((packed_data.targets >= 0).sum(axis=1))[::-1]
+        per_row = np.sort(packed_data.trained_per_row())[::-1]
         loss_rows = int(per_row[:train_cfg.batch].sum())
         if val_batches:
             loss_rows = max(loss_rows, max(int((v["targets"] >= 0).sum()) for v in val_batches))

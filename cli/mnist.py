@@ -7,12 +7,13 @@ import pathlib
 
 import typer
 
-from ggtrain.cli.common import JsonLog, fingerprint_arrays, make_backend, start_world
+from ggtrain.cli.common import JsonLog, make_backend, start_world
 from ggtrain.cli.config import config_record
 from ggtrain.cli.loop import (BACKEND, CHECKPOINT_DIR, CONFIG, EARLY_STOP_PATIENCE, MIN_DELTA, MOMENTUM,
                               ON_SAVE_ERROR, OPTIMIZER, QUIET, SAVE_EVERY, THREADS, check_checkpoint_options,
                               check_out, check_resume_data, continue_run, drive, open_resume, optimizer_settings)
 from ggtrain.cli.main import app
+from ggtrain.core.data import fingerprint_arrays
 from ggtrain.core.models import mnist as model
 from ggtrain.core.train import ClassifierConfig, ClassifierRun, classifier_data, split_train_val
 from ggtrain.errors import ConfigError

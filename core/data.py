@@ -14,8 +14,11 @@ segment id), `PackedBatches` draws the rows in a seeded order per epoch, resumab
 """
 from __future__ import annotations
 
+import hashlib
 import json
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from typing import Callable
 
 import numpy as np
 
@@ -134,6 +137,16 @@ def eval_windows(ids: np.ndarray, ctx: int, batch: int, max_batches: int) -> lis
     return out
 
 
+def fingerprint_arrays(*arrays) -> str:
+    """sha256 over the arrays' bytes, each as it is (contiguous: hashed in place): the data
+    fingerprint a checkpoint keeps (finetune: packed int32 rows; mnist: float32 images and
+    their labels)."""
+    h = hashlib.sha256()
+    for a in arrays:
+        h.update(memoryview(np.ascontiguousarray(a)).cast("B"))
+    return h.hexdigest()
+
+
 # ---- packed samples (fine-tuning) ------------------------------------------------------------
 #
 # A sample is a token sequence ids (n,) with a mask train (n,): train[i] says that ids[i] is a
@@ -158,6 +171,11 @@ class PackedData:
     pos: np.ndarray
     seg: np.ndarray
     pair: np.ndarray | None = None   # preference pairs: 2 * pair id + side (0 chosen), -1 elsewhere
+    trained: np.ndarray | None = None   # targets in each row, where known without reading them
+
+    def trained_per_row(self) -> np.ndarray:
+        """The number of targets (>= 0) in each row."""
+        return self.trained if self.trained is not None else (self.targets >= 0).sum(axis=1)
 
     def fields(self) -> dict:
         """{name: (rows, ctx) array} of what a batch carries ("pair" only for pairs)."""
@@ -165,6 +183,10 @@ class PackedData:
         if self.pair is not None:
             out["pair"] = self.pair
         return out
+
+    def fingerprint(self) -> str:
+        """sha256 of the rows (every field in order): the data fingerprint a checkpoint keeps."""
+        return fingerprint_arrays(*self.fields().values())
 
     @property
     def rows(self) -> int:
@@ -228,57 +250,71 @@ def _no_targets(n_samples: int, empty: int, truncated: int, dropped: int, ctx: i
                        f"completions)")
 
 
-def pack(samples, ctx: int, packing: bool = True, drop_long: bool = False) -> tuple:
+def allocate_packed(rows: int, ctx: int, pairs: bool) -> PackedData:
+    """Empty rows in memory: tokens and pos 0, targets, seg (and pair) -1."""
+    return PackedData(np.zeros((rows, ctx), np.int32), np.full((rows, ctx), -1, np.int32),
+                      np.zeros((rows, ctx), np.int32), np.full((rows, ctx), -1, np.int32),
+                      np.full((rows, ctx), -1, np.int32) if pairs else None)
+
+
+def pack(samples, ctx: int, packing: bool = True, drop_long: bool = False,
+         allocate: Callable[[int, int, bool], PackedData] = allocate_packed) -> tuple:
     """Pack samples into rows of ctx positions: (PackedData, PackStats).
 
-    samples: objects with .ids (n,) int and .train (n,) bool, or (ids, train) pairs.
-    A sample longer than ctx + 1 tokens is cut to its first ctx + 1 (or left out with
-    drop_long); one without a trained target (after cutting) is left out. With packing,
-    samples are placed greedily in the given order, each into the first row with room for
-    it (first fit), so a row holds several whole samples; without, one sample per row.
+    samples: a sequence (len, [k]) of objects with .ids (n,) int and .train (n,) bool, or of
+    (ids, train) pairs; it is read twice, one sample at a time, and nothing of it is kept (a
+    lazy sequence over memory-mapped tokens stays unread). A sample longer than ctx + 1
+    tokens is cut to its first ctx + 1 (or left out with drop_long); one without a trained
+    target (after cutting) is left out. With packing, samples are placed greedily in the
+    given order, each into the first row with room for it (first fit), so a row holds several
+    whole samples; without, one sample per row. allocate(rows, ctx, pairs) gives the empty
+    rows to fill (allocate_packed; a memory map of a cache file, formats/corpus.py).
     Raises ConfigError when no sample has a token to train on.
     """
     if ctx < 1:
         raise ConfigError(f"--ctx must be at least 1, got {ctx}")
-    groups, truncated, dropped, empty = [], 0, 0, 0
-    n_samples = 0
-    for sample in samples:
-        n_samples += 1
-        ids, train = _sample_fields(sample)
-        if len(ids) > ctx + 1:
+    kept, sizes, truncated, dropped, empty = [], [], 0, 0, 0
+    for k in range(len(samples)):
+        ids, train = _sample_fields(samples[k])
+        n = len(ids)
+        if n > ctx + 1:
             if drop_long:
                 dropped += 1
                 continue
-            ids, train = ids[:ctx + 1], train[:ctx + 1]
+            n = ctx + 1
             truncated += 1
-        item = _cut((ids, train), ctx)
-        if not (item[1] >= 0).any():
+        if not train[1:n].any():       # (ids are >= 0: a trained target is a target)
             empty += 1
             continue
-        groups.append([item])
-    if not groups:
-        raise _no_targets(n_samples, empty, truncated, dropped, ctx, "samples")
-    return _lay_out(groups, ctx, packing, n_samples, truncated, dropped, empty)
+        kept.append(k)
+        sizes.append((n - 1,))
+    if not kept:
+        raise _no_targets(len(samples), empty, truncated, dropped, ctx, "samples")
+
+    def items(j: int) -> list:
+        ids, train = _sample_fields(samples[kept[j]])
+        n = sizes[j][0] + 1
+        return [_cut((ids[:n], train[:n]), ctx)]
+    return _lay_out(sizes, items, ctx, packing, len(samples), truncated, dropped, empty, allocate=allocate)
 
 
 def pack_pairs(pairs, ctx: int, packing: bool = True, drop_long: bool = False, first_id: int = 0,
-               where: list | None = None) -> tuple:
+               where=None, allocate: Callable[[int, int, bool], PackedData] = allocate_packed) -> tuple:
     """Pack preference pairs into rows of ctx positions: (PackedData with `pair`, PackStats
     counting pairs).
 
-    pairs: (chosen, rejected) samples (as `pack` takes them); pair k gets id first_id + k.
-    Both sequences of a pair go in one row, side by side (a batch then holds both): a pair
-    longer than ctx positions has its longer side cut first, down to half the row (or is
-    left out with drop_long). Raises ConfigError naming the pair (where[k]) when a side has
-    no trained token left (its prompt fills its share of --ctx), or when no pair is left.
+    pairs: a sequence of (chosen, rejected) samples (as `pack` takes them, read twice); pair
+    k gets id first_id + k. Both sequences of a pair go in one row, side by side (a batch
+    then holds both): a pair longer than ctx positions has its longer side cut first, down to
+    half the row (or is left out with drop_long). Raises ConfigError naming the pair
+    (where[k]) when a side has no trained token left (its prompt fills its share of --ctx),
+    or when no pair is left.
     """
     if ctx < 2:
         raise ConfigError(f"--ctx must be at least 2 for preference pairs, got {ctx}")
-    groups, ids_of, truncated, dropped = [], [], 0, 0
-    n_pairs = 0
-    for k, (chosen, rejected) in enumerate(pairs):
-        n_pairs += 1
-        sides = [_sample_fields(chosen), _sample_fields(rejected)]
+    kept, sizes, truncated, dropped = [], [], 0, 0
+    for k in range(len(pairs)):
+        sides = [_sample_fields(side) for side in pairs[k]]
         la, lb = (len(ids) - 1 for ids, _ in sides)
         if la + lb > ctx:
             if drop_long:
@@ -286,38 +322,41 @@ def pack_pairs(pairs, ctx: int, packing: bool = True, drop_long: bool = False, f
                 continue
             half = ctx // 2
             la2 = min(la, max(ctx - lb, half))
-            lb2 = min(lb, ctx - la2)
-            sides = [(ids[:n + 1], train[:n + 1]) for (ids, train), n in zip(sides, (la2, lb2))]
+            la, lb = la2, min(lb, ctx - la2)
             truncated += 1
-        items = [_cut(side, ctx) for side in sides]
-        for name, (_, targets) in zip(("chosen", "rejected"), items):
-            if not (targets >= 0).any():
+        for name, (ids, train), n in zip(("chosen", "rejected"), sides, (la, lb)):
+            if not train[1:n + 1].any():
                 at = where[k] if where is not None else f"pair {k}"
                 raise ConfigError(f"{at}: the prompt leaves no {name} token to train on within --ctx {ctx} "
                                   f"(a pair's two sequences share one window); use a larger --ctx, or "
                                   f"--drop-long to leave such pairs out")
-        groups.append(items)
-        ids_of.append(first_id + k)
-    if not groups:
-        raise _no_targets(n_pairs, 0, truncated, dropped, ctx, "pairs")
-    return _lay_out(groups, ctx, packing, n_pairs, truncated, dropped, 0, ids_of)
+        kept.append(k)
+        sizes.append((la, lb))
+    if not kept:
+        raise _no_targets(len(pairs), 0, truncated, dropped, ctx, "pairs")
+
+    def items(j: int) -> list:
+        sides = [_sample_fields(side) for side in pairs[kept[j]]]
+        return [_cut((ids[:n + 1], train[:n + 1]), ctx) for (ids, train), n in zip(sides, sizes[j])]
+    return _lay_out(sizes, items, ctx, packing, len(pairs), truncated, dropped, 0,
+                    pair_ids=[first_id + k for k in kept], allocate=allocate)
 
 
-def _lay_out(groups: list, ctx: int, packing: bool, n_samples: int, truncated: int, dropped: int,
-             empty: int, pair_ids: list | None = None) -> tuple:
-    """PackedData and PackStats of groups of (inputs, targets) items, each group's items side
-    by side in one row (first fit with packing, else a row each); with pair_ids, group k is
-    the pair pair_ids[k] (its items the chosen and rejected sides)."""
-    row_of = (_first_fit([sum(len(t) for t, _ in g) for g in groups], ctx) if packing
-              else list(range(len(groups))))
+def _lay_out(sizes: list, items: Callable[[int], list], ctx: int, packing: bool, n_samples: int, truncated: int,
+             dropped: int, empty: int, pair_ids: list | None = None,
+             allocate: Callable[[int, int, bool], PackedData] = allocate_packed) -> tuple:
+    """PackedData and PackStats of groups of (inputs, targets) items: group k has items of
+    sizes[k] positions, made by items(k); each group's items side by side in one row (first
+    fit with packing, else a row each); with pair_ids, group k is the pair pair_ids[k] (its
+    items the chosen and rejected sides)."""
+    row_of = _first_fit([sum(g) for g in sizes], ctx) if packing else list(range(len(sizes)))
     rows = max(row_of) + 1
-    data = PackedData(np.zeros((rows, ctx), np.int32), np.full((rows, ctx), -1, np.int32),
-                      np.zeros((rows, ctx), np.int32), np.full((rows, ctx), -1, np.int32),
-                      np.full((rows, ctx), -1, np.int32) if pair_ids is not None else None)
+    data = allocate(rows, ctx, pair_ids is not None)
     fill = np.zeros(rows, np.int64)          # positions used in each row
     n_seg = np.zeros(rows, np.int64)         # samples placed in each row
-    for k, (group, r) in enumerate(zip(groups, row_of)):
-        for side, (inputs, targets) in enumerate(group):
+    trained = 0
+    for k, r in enumerate(row_of):
+        for side, (inputs, targets) in enumerate(items(k)):
             a, b = fill[r], fill[r] + len(inputs)
             data.tokens[r, a:b] = inputs
             data.targets[r, a:b] = targets
@@ -326,10 +365,10 @@ def _lay_out(groups: list, ctx: int, packing: bool, n_samples: int, truncated: i
             if pair_ids is not None:
                 data.pair[r, a:b] = 2 * pair_ids[k] + side
             fill[r], n_seg[r] = b, n_seg[r] + 1
+            trained += int((targets >= 0).sum())
     tokens = int(fill.sum())
-    stats = PackStats(samples=n_samples, packed=len(groups), truncated=truncated, dropped=dropped,
-                      empty=empty, rows=rows, tokens=tokens, trained=int((data.targets >= 0).sum()),
-                      padding=rows * ctx - tokens)
+    stats = PackStats(samples=n_samples, packed=len(sizes), truncated=truncated, dropped=dropped,
+                      empty=empty, rows=rows, tokens=tokens, trained=trained, padding=rows * ctx - tokens)
     return data, stats
 
 
@@ -420,10 +459,25 @@ class PackedBatches:
         self._order = (-1, None)
 
 
-def split_samples(samples: list, val_split: float, seed: int) -> tuple:
-    """(train, validation) lists of whole samples: a seeded random val_split of them is held
-    out (both keep the given order). Raises ConfigError when val_split is not in [0, 1) or
-    leaves either part empty."""
+class Picked(Sequence):
+    """Items `idx` of a sequence, in that order, read when asked for."""
+
+    def __init__(self, base, idx: np.ndarray):
+        self.base, self.idx = base, idx
+
+    def __len__(self) -> int:
+        return len(self.idx)
+
+    def __getitem__(self, k):
+        if isinstance(k, slice):
+            return [self.base[int(i)] for i in self.idx[k]]
+        return self.base[int(self.idx[k])]
+
+
+def split_samples(samples, val_split: float, seed: int) -> tuple:
+    """(train, validation) of a sequence of samples (or pairs) as Picked sequences of whole
+    samples: a seeded random val_split of them is held out (both keep the given order).
+    Raises ConfigError when val_split is not in [0, 1) or leaves either part empty."""
     if not 0.0 <= val_split < 1.0:
         raise ConfigError(f"--val-split must be in [0, 1), got {val_split}")
     n = len(samples)
@@ -433,7 +487,6 @@ def split_samples(samples: list, val_split: float, seed: int) -> tuple:
                           f"--val-split, more data, or --val-split 0")
     held = np.zeros(n, bool)
     held[np.random.default_rng(seed).permutation(n)[:n_val]] = True
-    train = [s for s, h in zip(samples, held) if not h]
-    if not train:
+    if held.all():
         raise ConfigError(f"--val-split {val_split} leaves no training sample of {n}")
-    return train, [s for s, h in zip(samples, held) if h]
+    return Picked(samples, np.flatnonzero(~held)), Picked(samples, np.flatnonzero(held))

@@ -22,12 +22,19 @@ killed run are removed by the next one (formats/files.py). With no cache directo
 unnamed temporary file (unlinked once mapped).
 
 Record files (JSON lines or arrays of records, formats/dataset.py): `sample_records` makes the
-samples of their records in forked workers (slices of the records, in order) and keeps them
-as `<key>.tokens` (every sample's ids, one after another), `<key>.train` (their masks, one byte
-a token), `<key>.lengths` (int64 a sample; a preference pair is two, chosen first) and
-`<key>.json` (kind, layout, each record's place), where key also covers the chat template
-and train_on_inputs (`samples_key`); `cached_samples` gives them back without reading the
-records.
+samples of their records in forked workers and keeps them as `<key>.tokens` (every sample's
+ids, one after another), `<key>.train` (their masks, one byte a token), `<key>.lengths` (int64
+a sample; a preference pair is two, chosen first), `<key>.places` (int64 a record: its line,
+or its index in an array) and `<key>.json` (kind, layout), where key also covers the chat
+template and train_on_inputs (`samples_key`); `cached_samples` gives them back, memory-mapped,
+without reading the records. JSON lines are cut into ranges of whole lines that the workers
+read, parse and sample themselves, so no process holds more than a range of records; a JSON
+array is read whole and its records sliced among the workers.
+
+`packed_rows` keeps what `core.data.pack` / `pack_pairs` make of them as `<key2>.rows` (every
+field's rows, int32) and `<key2>.json` (the stats, the rows' sha256, the targets in each row),
+key2 covering the samples' key and what decides the packing (ctx, options, the split), so a
+later run maps the rows it draws and reads nothing else.
 """
 from __future__ import annotations
 
@@ -37,13 +44,15 @@ import multiprocessing
 import os
 import tempfile
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import numpy as np
 
-from ggtrain.errors import ConfigError
-from ggtrain.formats.dataset import Sample, samples
+from ggtrain.core.data import PackedData, PackStats, allocate_packed
+from ggtrain.errors import ConfigError, FormatError
+from ggtrain.formats.dataset import Data, Sample, is_json_lines, read_data, read_lines, samples
 from ggtrain.formats.files import commit, discard, open_temporary, remove_stale_temporaries, write_atomic
 from ggtrain.formats.tokenizer import ByteTokenizer, Tokenizer
 
@@ -262,6 +271,12 @@ def _open_cached(cache_dir: str, key: str) -> TokenFile | None:
         return None          # absent or damaged: tokenized again and rewritten
 
 
+def _map_mask(path: str, n: int) -> np.ndarray:
+    if n == 0:
+        return np.zeros(0, dtype=bool)
+    return np.memmap(path, dtype=np.bool_, mode="r", shape=(n,))
+
+
 def _map(path: str, n: int) -> np.ndarray:
     if n == 0:
         return np.zeros(0, dtype=np.int32)
@@ -270,17 +285,75 @@ def _map(path: str, n: int) -> np.ndarray:
 
 # ---- record files: their samples, made in parallel and kept ------------------------------------
 
+_SAMPLE_FILES = ("tokens", "train", "lengths", "places")   # the arrays of a SampleSet, one file each
+_MIN_RANGE = 1 << 16        # bytes of JSON lines a worker reads at least (tests make it small)
+
+
+class RecordSamples(Sequence):
+    """The samples of a SampleSet as a sequence: item k is record k's Sample, or its
+    (chosen, rejected) pair; each made when asked for, as views of the token maps."""
+
+    def __init__(self, ids: np.ndarray, train: np.ndarray, lengths: np.ndarray, pairs: bool):
+        self.ids, self.train, self.pairs = ids, train, pairs
+        self.ends = np.cumsum(lengths)
+        self.starts = self.ends - lengths
+
+    def __len__(self) -> int:
+        return len(self.ends) // 2 if self.pairs else len(self.ends)
+
+    def _sample(self, j: int) -> Sample:
+        a, b = int(self.starts[j]), int(self.ends[j])
+        return Sample(self.ids[a:b], self.train[a:b])
+
+    def __getitem__(self, k: int):
+        if not -len(self) <= k < len(self):
+            raise IndexError(k)
+        k %= len(self)
+        return (self._sample(2 * k), self._sample(2 * k + 1)) if self.pairs else self._sample(k)
+
+
+class Places(Sequence):
+    """Where each record is, as errors name it ("data.jsonl line 7", "chat.json record 12"),
+    from its line numbers (JSON lines) or indices (a JSON array)."""
+
+    def __init__(self, path: str, numbers: np.ndarray, word: str):
+        self.path, self.numbers, self.word = path, numbers, word
+
+    def __len__(self) -> int:
+        return len(self.numbers)
+
+    def __getitem__(self, k: int) -> str:
+        return f"{self.path} {self.word} {int(self.numbers[k])}"
+
+
 @dataclass
 class SampleSet:
-    """The samples of a record file (formats/dataset.py): samples: [Sample], or for preference
-    pairs [(chosen, rejected)]; where: each record's place; kind, layout; conversational:
-    preference pairs given as messages; cached: found in the cache rather than made now."""
-    samples: list
-    where: list
+    """The samples of a record file (formats/dataset.py): ids, train (bool): every sample's
+    tokens and mask one after another (memory-mapped from the cache, or in memory); lengths:
+    each sample's (a preference pair: two, chosen first); places: each record's line (JSON
+    lines) or index (a JSON array); kind, layout; conversational: preference pairs given as
+    messages; cached: found in the cache rather than made now; key: the cache key
+    (samples_key); cache_dir: where they are kept (None: nowhere)."""
+    ids: np.ndarray
+    train: np.ndarray
+    lengths: np.ndarray
+    places: np.ndarray
+    path: str
     kind: str
     layout: str
     conversational: bool
     cached: bool
+    key: str
+    cache_dir: str | None = None
+    array: bool = False        # the file is one JSON array (places are indices)
+
+    @property
+    def samples(self) -> RecordSamples:
+        return RecordSamples(self.ids, self.train, self.lengths, self.kind == "preference")
+
+    @property
+    def where(self) -> Places:
+        return Places(self.path, self.places, "record" if self.array else "line")
 
 
 def samples_key(path, tokenizer: Tokenizer, template_id: str, train_on_inputs: bool) -> str:
@@ -289,8 +362,9 @@ def samples_key(path, tokenizer: Tokenizer, template_id: str, train_on_inputs: b
     return _key(path, tokenizer, False, f"samples|{template_id}|tio={int(train_on_inputs)}")
 
 
-def cached_samples(cache_dir: str | None, key: str) -> SampleSet | None:
-    """The samples stored under `key`, or None (absent, damaged or unfinished)."""
+def cached_samples(cache_dir: str | None, key: str, path) -> SampleSet | None:
+    """The samples of the record file `path` stored under `key`, or None (absent, damaged or
+    unfinished)."""
     if cache_dir is None:
         return None
     base = os.path.join(cache_dir, key)
@@ -300,100 +374,275 @@ def cached_samples(cache_dir: str | None, key: str) -> SampleSet | None:
         if meta.get("version") != _VERSION or meta.get("what") != "samples":
             return None
         lengths = np.fromfile(base + ".lengths", dtype="<i8")
+        places = np.fromfile(base + ".places", dtype="<i8")
         total = int(lengths.sum())
-        if len(lengths) != meta["samples"] or os.path.getsize(base + ".tokens") != 4 * total \
-                or os.path.getsize(base + ".train") != total:
+        if len(lengths) != meta["samples"] or len(places) != meta["records"] \
+                or os.path.getsize(base + ".tokens") != 4 * total or os.path.getsize(base + ".train") != total:
             return None
         ids, train = _map(base + ".tokens", total), _map_mask(base + ".train", total)
+        return SampleSet(ids, train, lengths, places, os.fspath(path), meta["kind"], meta["layout"],
+                         bool(meta["conversational"]), True, key, cache_dir, bool(meta["array"]))
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    return SampleSet(_unflatten(ids, train, lengths, meta["kind"] == "preference"), meta["where"],
-                     meta["kind"], meta["layout"], bool(meta["conversational"]), True)
 
 
-def sample_records(data, tokenizer: Tokenizer, template, train_on_inputs: bool, cache_dir: str | None,
-                   key: str | None, progress: Callable[[int, int], None] | None = None,
-                   workers: int | None = None) -> SampleSet:
-    """The samples of `data` (a dataset.Data of records), made by `workers` forked processes
-    over slices of the records, and stored under `key` in cache_dir (when given).
+def sample_records(path, tokenizer: Tokenizer, template_of: Callable, train_on_inputs: bool,
+                   cache_dir: str | None, key: str, progress: Callable[[int, int, str], None] | None = None,
+                   workers: int | None = None, check: Callable[[str, str], None] | None = None) -> SampleSet:
+    """The samples of the record file `path`, made by `workers` forked processes and stored
+    under `key` in cache_dir (when given).
 
-    progress(records done, records) is called as slices finish. Raises what
-    `dataset.samples` raises (FormatError naming the record)."""
+    JSON lines are cut into ranges of whole lines that each worker reads, parses and samples
+    itself, so this process never holds the records, only the first (its kind); a JSON
+    array is read here and its records sliced among the workers. check(kind, layout) runs
+    on the first record, before any sampling; template_of(kind, conversational) gives the
+    chat template the records need, or None. progress(done, total, unit) is called as parts
+    finish (unit "B" for JSON lines, "record" for an array). Raises FormatError naming the
+    file and line (or record) of a bad record, ConfigError for a cache that cannot be written."""
     global _RECORDS
-    n = len(data.records)
+    path = os.fspath(path)
     if workers is None:
         workers = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    step = max(1, min(2000, -(-n // (4 * workers))))
-    ranges = [(i, min(n, i + step)) for i in range(0, n, step)]
-    parts = []
-    _RECORDS = (data, tokenizer, template, train_on_inputs)
+    first_byte = _first_byte(path)
+    if first_byte is None:
+        raise FormatError(f"{path}: the file is empty")
+    lines = is_json_lines(path, first_byte)
+    if lines:
+        size = os.path.getsize(path)
+        ranges = _line_ranges(path, max(_MIN_RANGE, min(BLOCK, -(-size // (4 * workers)))))
+        head = _first_records(path)
+        data, total, unit = None, size, "B"
+        first = (head.layout, head.where[0])
+    else:
+        data = read_data(path)
+        head, first = data, None
+        step = max(1, min(2000, -(-len(data.records) // (4 * workers))))
+        ranges = [(i, min(len(data.records), i + step)) for i in range(0, len(data.records), step)]
+        total, unit = len(data.records), "record"
+    kind, layout = head.kind, head.layout
+    conversational = kind == "preference" and isinstance(head.records[0][0], list)
+    if check is not None:
+        check(kind, layout)
+    template = template_of(kind, conversational)
+    out = _SampleWriter(cache_dir, key)
+    _RECORDS = (path, first, data, tokenizer, template, train_on_inputs)
+    job = _sample_lines if lines else _sample_slice
     try:
         if workers <= 1 or len(ranges) == 1:
-            for r in ranges:
-                parts.append(_sample_range(*r))
-                if progress is not None:
-                    progress(r[1], n)
+            parts = map(job, ranges)
         else:
             pool = _fork_pool(workers)
-            with pool:
-                for r, part in zip(ranges, pool.imap(_sample_range_args, ranges)):
-                    parts.append(part)
-                    if progress is not None:
-                        progress(r[1], n)
+            parts = pool.imap(job, ranges)
+        try:
+            for r, part in zip(ranges, parts):
+                out.write(*part)
+                if progress is not None:
+                    progress(r[1], total, unit)
+        finally:
+            if workers > 1 and len(ranges) > 1:
+                pool.terminate()
+        meta = {"version": _VERSION, "what": "samples", "source": os.path.abspath(path), "kind": kind,
+                "layout": layout, "conversational": conversational, "array": not lines,
+                "tokenizer": repr(tokenizer)}
+        ids, train, lengths, places = out.finish(meta)
+    except BaseException:
+        out.discard()
+        raise
     finally:
         _RECORDS = None
-    ids = np.concatenate([p[0] for p in parts]) if parts else np.zeros(0, np.int32)
-    train = np.concatenate([p[1] for p in parts]) if parts else np.zeros(0, np.uint8)
-    lengths = np.concatenate([p[2] for p in parts]) if parts else np.zeros(0, np.int64)
-    pairs = data.kind == "preference"
-    conversational = pairs and n > 0 and isinstance(data.records[0][0], list)
-    if cache_dir is not None and key is not None:
-        os.makedirs(cache_dir, exist_ok=True)
-        remove_stale_temporaries(cache_dir)
-        base = os.path.join(cache_dir, key)
-        write_atomic(base + ".tokens", ids.astype("<i4").tobytes())
-        write_atomic(base + ".train", train.astype(np.uint8).tobytes())
-        write_atomic(base + ".lengths", lengths.astype("<i8").tobytes())
-        meta = {"version": _VERSION, "what": "samples", "source": os.path.abspath(data.path),
-                "samples": len(lengths), "kind": data.kind, "layout": data.layout,
-                "conversational": conversational, "tokenizer": repr(tokenizer), "where": list(data.where)}
-        write_atomic(base + ".json", json.dumps(meta).encode())
-    return SampleSet(_unflatten(ids, train.astype(bool), lengths, pairs), list(data.where), data.kind,
-                     data.layout, conversational, False)
+    return SampleSet(ids, train, lengths, places, path, kind, layout, conversational, False, key,
+                     cache_dir, not lines)
 
 
-_RECORDS: tuple | None = None        # (data, tokenizer, template, train_on_inputs) of forked workers
+class _SampleWriter:
+    """The arrays of a SampleSet as they come, part by part: into temporaries beside their
+    cache files (committed by finish, the .json last), or, without a cache, into memory."""
+
+    def __init__(self, cache_dir: str | None, key: str):
+        self.base = os.path.join(cache_dir, key) if cache_dir is not None else None
+        self.parts: dict = {name: [] for name in _SAMPLE_FILES}
+        self.files: dict = {}
+        if self.base is not None:
+            os.makedirs(cache_dir, exist_ok=True)
+            remove_stale_temporaries(cache_dir)
+            for name in _SAMPLE_FILES:
+                fd, tmp = open_temporary(f"{self.base}.{name}")
+                self.files[name] = (os.fdopen(fd, "wb"), tmp)
+
+    def write(self, *arrays) -> None:
+        for name, a, dt in zip(_SAMPLE_FILES, arrays, ("<i4", "u1", "<i8", "<i8")):
+            a = np.ascontiguousarray(a, dtype=dt)
+            if self.base is None:
+                self.parts[name].append(a)
+            else:
+                self.files[name][0].write(a.tobytes())
+
+    def finish(self, meta: dict) -> tuple:
+        """(ids, train, lengths, places): maps of the committed files, or the arrays."""
+        if self.base is None:
+            ids, train, lengths, places = (np.concatenate(self.parts[n]) if self.parts[n] else
+                                           np.zeros(0, dt) for n, dt in zip(_SAMPLE_FILES, (np.int32, np.uint8,
+                                                                                           np.int64, np.int64)))
+            return ids, train.astype(bool), lengths, places
+        for name, (f, tmp) in self.files.items():
+            f.flush()
+            os.fsync(f.fileno())
+            f.close()
+            commit(tmp, f"{self.base}.{name}")
+        self.files = {}
+        lengths = np.fromfile(self.base + ".lengths", dtype="<i8")
+        places = np.fromfile(self.base + ".places", dtype="<i8")
+        total = int(lengths.sum())
+        write_atomic(self.base + ".json", json.dumps({**meta, "samples": len(lengths), "records": len(places)}).encode())
+        return _map(self.base + ".tokens", total), _map_mask(self.base + ".train", total), lengths, places
+
+    def discard(self) -> None:
+        for f, tmp in self.files.values():
+            f.close()
+            discard(tmp)
+        self.files = {}
 
 
-def _sample_range_args(r: tuple) -> tuple:
-    return _sample_range(*r)
+_RECORDS: tuple | None = None   # (path, first, data, tokenizer, template, train_on_inputs) of forked workers
 
 
-def _sample_range(lo: int, hi: int) -> tuple:
-    """(ids, train as uint8, lengths) of records lo..hi, their samples one after another
-    (a pair: chosen then rejected)."""
-    data, tokenizer, template, train_on_inputs = _RECORDS
-    got = samples(data.records[lo:hi], data.kind, tokenizer, template, train_on_inputs, data.where[lo:hi])
+def _first_byte(path: str) -> bytes | None:
+    with open(path, "rb") as f:
+        head = f.read(len(_BOM))
+        if head != _BOM:
+            f.seek(0)
+        while block := f.read(1 << 16):
+            block = block.lstrip(b" \t\r\n")
+            if block:
+                return block[:1]
+    return None
+
+
+def _line_ranges(path: str, chunk: int) -> list:
+    """(lo, hi, first line) of consecutive ranges of whole lines, each about chunk bytes (a
+    longer line: a range of its own)."""
+    out, lo, line, buf = [], 0, 1, b""
+    with open(path, "rb") as f:
+        while True:
+            block = f.read(BLOCK)
+            buf += block
+            while len(buf) > chunk and (nl := buf.find(b"\n", chunk - 1)) >= 0:
+                out.append((lo, lo + nl + 1, line))
+                line += buf.count(b"\n", 0, nl + 1)
+                lo, buf = lo + nl + 1, buf[nl + 1:]
+            if not block:
+                break
+    if buf:
+        out.append((lo, lo + len(buf), line))
+    return out
+
+
+def _first_records(path: str) -> Data:
+    """The file's first record (its kind and layout), read alone."""
+    with open(path, "rb") as f:
+        line, lo = 1, 0
+        while raw := f.readline():
+            if raw.strip(b" \t\r\n") and not (lo == 0 and raw.strip(b" \t\r\n") == _BOM):
+                return read_lines(path, lo, lo + len(raw), line)
+            line, lo = line + 1, lo + len(raw)
+    raise FormatError(f"{path}: the file is empty")
+
+
+def _flatten(got: list, places: np.ndarray) -> tuple:
+    """(ids, train as uint8, lengths, places) of samples (a pair: chosen then rejected)."""
     flat = [s for item in got for s in (item if isinstance(item, tuple) else (item,))]
     if not flat:
-        return np.zeros(0, np.int32), np.zeros(0, np.uint8), np.zeros(0, np.int64)
+        return np.zeros(0, np.int32), np.zeros(0, np.uint8), np.zeros(0, np.int64), places
     return (np.concatenate([s.ids for s in flat]).astype(np.int32),
             np.concatenate([s.train for s in flat]).astype(np.uint8),
-            np.array([len(s.ids) for s in flat], dtype=np.int64))
+            np.array([len(s.ids) for s in flat], dtype=np.int64), places)
 
 
-def _unflatten(ids: np.ndarray, train: np.ndarray, lengths: np.ndarray, pairs: bool) -> list:
-    ids, train = np.asarray(ids), np.asarray(train)    # plain views of a map: slicing them is cheap
-    ends = np.cumsum(lengths)
-    starts = ends - lengths
-    out = [Sample(ids[a:b], train[a:b]) for a, b in zip(starts.tolist(), ends.tolist())]
-    return list(zip(out[0::2], out[1::2])) if pairs else out
+def _sample_lines(r: tuple) -> tuple:
+    """The samples of a range (lo, hi, first line) of a JSON lines file."""
+    path, first, _, tokenizer, template, train_on_inputs = _RECORDS
+    data = read_lines(path, *r, first=first)
+    got = samples(data.records, data.kind, tokenizer, template, train_on_inputs, data.where)
+    return _flatten(got, np.array([int(w.rsplit(" ", 1)[1]) for w in data.where], np.int64))
 
 
-def _map_mask(path: str, n: int) -> np.ndarray:
-    if n == 0:
-        return np.zeros(0, dtype=bool)
-    return np.memmap(path, dtype=np.bool_, mode="r", shape=(n,))
+def _sample_slice(r: tuple) -> tuple:
+    """The samples of records lo..hi of a JSON array file read whole."""
+    _, _, data, tokenizer, template, train_on_inputs = _RECORDS
+    lo, hi = r
+    got = samples(data.records[lo:hi], data.kind, tokenizer, template, train_on_inputs, data.where[lo:hi])
+    return _flatten(got, np.arange(lo, hi, dtype=np.int64))
+
+
+# ---- packed rows, kept ------------------------------------------------------------------------
+
+_PACKED_FIELDS = ("tokens", "targets", "pos", "seg", "pair")
+
+
+def packed_rows(cache_dir: str | None, key: str, spec: str, make: Callable) -> tuple:
+    """(PackedData, PackStats, fingerprint, cached) of samples packed by make(allocate)
+    (-> (PackedData, PackStats), e.g. `lambda allocate: data.pack(..., allocate=allocate)`),
+    kept in cache_dir as one memory-mapped file of every field's rows under a key of the
+    samples' `key` and `spec` (what decides the packing: ctx, options, the split), so a later
+    run maps them without packing or reading them: the fingerprint (PackedData.fingerprint)
+    and the stats are kept beside. Without cache_dir the rows are packed in memory."""
+    if cache_dir is None:
+        packed, stats = make(allocate_packed)
+        return packed, stats, packed.fingerprint(), False
+    base = os.path.join(cache_dir, hashlib.sha256(f"{key}|packed|{spec}".encode()).hexdigest()[:40])
+    found = _open_packed(base)
+    if found is not None:
+        return found
+    made: dict = {}
+
+    def allocate(rows: int, ctx: int, pairs: bool) -> PackedData:
+        fields = 5 if pairs else 4
+        fd, tmp = open_temporary(base + ".rows")
+        made.update(tmp=tmp, shape=(fields, rows, ctx))
+        with os.fdopen(fd, "wb") as f:
+            f.truncate(4 * fields * rows * ctx)
+        rows_map = np.memmap(tmp, dtype="<i4", mode="r+", shape=(fields, rows, ctx))
+        for i, name in enumerate(_PACKED_FIELDS[:fields]):
+            rows_map[i] = -1 if name in ("targets", "seg", "pair") else 0
+        made["map"] = rows_map
+        return PackedData(*rows_map)
+
+    try:
+        packed, stats = make(allocate)
+        rows_map = made.pop("map")
+        rows_map.flush()
+        fingerprint = packed.fingerprint()
+        trained = packed.trained_per_row()
+        del packed, rows_map
+        with open(made["tmp"], "rb+") as f:
+            os.fsync(f.fileno())
+        commit(made["tmp"], base + ".rows")
+        made.pop("tmp")
+        write_atomic(base + ".json", json.dumps({"version": _VERSION, "what": "packed", "shape": made["shape"],
+                                                 "stats": stats.as_dict(), "fingerprint": fingerprint,
+                                                 "trained_per_row": trained.tolist()}).encode())
+    except BaseException:
+        discard(made.get("tmp"))
+        raise
+    packed, stats, fingerprint, _ = _open_packed(base)
+    return packed, stats, fingerprint, False
+
+
+def _open_packed(base: str) -> tuple | None:
+    try:
+        with open(base + ".json", encoding="utf-8") as f:
+            meta = json.load(f)
+        if meta.get("version") != _VERSION or meta.get("what") != "packed":
+            return None
+        shape = tuple(int(n) for n in meta["shape"])
+        if os.path.getsize(base + ".rows") != 4 * shape[0] * shape[1] * shape[2]:
+            return None
+        rows_map = np.memmap(base + ".rows", dtype="<i4", mode="r", shape=shape)
+        packed = PackedData(*rows_map)
+        packed.trained = np.asarray(meta["trained_per_row"], np.int64)
+        return packed, PackStats(**meta["stats"]), str(meta["fingerprint"]), True
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def _fork_pool(workers: int):

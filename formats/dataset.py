@@ -138,10 +138,32 @@ def read_data(path) -> Data:
         # undecodable bytes survive as surrogates, as ggtrain train reads text
         return Data(path, "plain", text=raw.decode("utf-8", errors="surrogateescape"))
     text = _decode(raw, path)
-    jsonl = os.path.splitext(path)[1].lower() == ".jsonl" or first == b"{"
-    pairs = _json_lines(text, path) if jsonl else _json_array(text, path)
+    pairs = _json_lines(text, path) if is_json_lines(path, first) else _json_array(text, path)
     layout, records, where = _parse_records(pairs)
     return Data(path, _LAYOUTS[layout][0], records=records, where=where, layout=layout)
+
+
+def is_json_lines(path, first: bytes) -> bool:
+    """Whether a record file whose first non-blank byte is `first` holds JSON lines (else one
+    JSON array)."""
+    return os.path.splitext(os.fspath(path))[1].lower() == ".jsonl" or first == b"{"
+
+
+def read_lines(path, lo: int, hi: int, first_line: int, first: tuple | None = None) -> Data:
+    """The records of the whole lines in bytes lo..hi of a JSON lines file, the first of them
+    line first_line (errors name the file's lines); first: (layout, where) of the file's first
+    record (None: these are the first). Kind and layout are the file's; no records is not an
+    error here."""
+    path = os.fspath(path)
+    with open(path, "rb") as f:
+        f.seek(lo)
+        raw = f.read(hi - lo)
+    if lo == 0 and raw.startswith(_BOM):
+        raw = raw[len(_BOM):]
+    layout, records, where = _parse_records(_json_lines(_decode(raw, path, first_line), path, first_line), first)
+    layout = layout or (first[0] if first else None)
+    return Data(path, _LAYOUTS[layout][0] if layout else "text", records=records, where=where,
+                layout=layout or "text")
 
 
 def is_plain_text(path) -> bool:
@@ -171,20 +193,21 @@ def _plain(path: str, first: bytes) -> bool:
     return False
 
 
-def _decode(raw: bytes, path: str) -> str:
+def _decode(raw: bytes, path: str, first_line: int = 1) -> str:
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        line = raw.count(b"\n", 0, e.start) + 1
+        line = raw.count(b"\n", 0, e.start) + first_line
         column = e.start - (raw.rfind(b"\n", 0, e.start) + 1) + 1
         raise FormatError(f"{path} line {line} column {column}: not UTF-8 "
                           f"(byte 0x{raw[e.start]:02x})") from None
 
 
-def _json_lines(text: str, path: str) -> list:
-    """[(where, value)] of the non-blank lines of a JSON lines file."""
+def _json_lines(text: str, path: str, first_line: int = 1) -> list:
+    """[(where, value)] of the non-blank lines of a JSON lines file (or of its lines from
+    first_line on)."""
     out = []
-    for n, line in enumerate(text.split("\n"), 1):
+    for n, line in enumerate(text.split("\n"), first_line):
         if not line.strip(_JSON_WS):
             continue
         try:
@@ -242,9 +265,11 @@ def _layout(record: dict) -> str | None:
     return None
 
 
-def _parse_records(pairs: list) -> tuple:
-    """(layout, records, where) of [(where, JSON value)], each record checked and normalised."""
-    layout0, where0, records, where = None, None, [], []
+def _parse_records(pairs: list, first: tuple | None = None) -> tuple:
+    """(layout, records, where) of [(where, JSON value)], each record checked and normalised;
+    first: (layout, where) of the file's first record when these records come after it."""
+    layout0, where0 = first or (None, None)
+    records, where = [], []
     for at, rec in pairs:
         if not isinstance(rec, dict):
             raise FormatError(f"{at}: the record is {_json_type(rec)} (expected a JSON object)")

@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-from ggtrain.errors import ConfigError
+from ggtrain.errors import ConfigError, FormatError
 from ggtrain.formats import corpus
 from ggtrain.formats.corpus import corpus_tokens
 from ggtrain.formats.files import _host
@@ -304,36 +304,75 @@ def _same_samples(a, b):
             assert np.array_equal(s.ids, t.ids) and np.array_equal(np.asarray(s.train, bool), t.train)
 
 
+@pytest.mark.parametrize("form", ["jsonl", "array"])
 @pytest.mark.parametrize("kind", ["chat", "text", "prompt_completion", "preference"])
 def test_record_samples_are_those_of_the_records_and_come_back_from_the_cache(shared_data, tmp_path, monkeypatch,
-                                                                              kind):
+                                                                              kind, form):
+    """JSON lines are sampled by workers from ranges of lines (made small here: many ranges,
+    with a BOM and blank lines), a JSON array from slices of its records: the samples are
+    those of the records read whole, and so are their places."""
     from ggtrain.formats.chat import chat_template, template_id
     from ggtrain.formats.dataset import read_data
     from ggtrain.formats.gguf import read_gguf
     model = read_gguf(shared_data / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf")
     tok = tokenizer_from_gguf(model)
     template = chat_template(model)
-    path = _record_files(tmp_path, shared_data)[kind]
+    given = _record_files(tmp_path, shared_data)[kind]
+    text = given.read_text()
+    lines = ([json.dumps(r) for r in json.loads(text)] if given.suffix == ".json" else text.split("\n"))
+    path = tmp_path / f"records.{'jsonl' if form == 'jsonl' else 'json'}"
+    if form == "array":
+        path.write_text("[" + ",\n".join(lines) + "]")
+    else:
+        path.write_text("\ufeff" + "\n".join(l + ("\n\n  \r" if i % 7 == 3 else "") for i, l in enumerate(lines)) + "\n")
+    monkeypatch.setattr(corpus, "_MIN_RANGE", 300)
     data = read_data(path)
     want = data.samples(tok, template if kind in ("chat", "preference") else None, kind == "text")
     cache = str(tmp_path / "cache")
     key = corpus.samples_key(path, tok, template_id(model), kind == "text")
-    assert corpus.cached_samples(cache, key) is None
-    made = corpus.sample_records(data, tok, template if kind in ("chat", "preference") else None, kind == "text",
-                                 cache, key, workers=2)
+    assert corpus.cached_samples(cache, key, path) is None
+    seen = []
+
+    def template_of(k, conversational):
+        seen.append((k, conversational))
+        return template if k == "chat" or conversational else None
+    made = corpus.sample_records(path, tok, template_of, kind == "text", cache, key, workers=2,
+                                 progress=lambda done, total, unit: seen.append(unit))
+    assert seen[0] == (kind, kind == "preference") and set(seen[1:]) == {"B" if form == "jsonl" else "record"}
+    if form == "jsonl":
+        assert len(seen) > 8      # many ranges (about 4 a worker)
     _same_samples(made.samples, want)
-    assert not made.cached and made.kind == kind and made.where == data.where
-    serial = corpus.sample_records(data, tok, template if kind in ("chat", "preference") else None,
-                                   kind == "text", None, None, workers=1)
+    assert not made.cached and made.kind == kind and list(made.where) == data.where
+    serial = corpus.sample_records(path, tok, template_of, kind == "text", None, key, workers=1)
     _same_samples(serial.samples, want)
+    assert list(serial.where) == data.where
     monkeypatch.setattr(type(tok), "encode", lambda *a, **k: pytest.fail("sampled again"))
-    hit = corpus.cached_samples(cache, key)
-    assert hit.cached and hit.kind == kind and hit.layout == data.layout and hit.where == data.where
+    hit = corpus.cached_samples(cache, key, path)
+    assert hit.cached and hit.kind == kind and hit.layout == data.layout and list(hit.where) == data.where
     assert hit.conversational == (kind == "preference")
     _same_samples(hit.samples, want)
     # another template or train_on_inputs: another key
     assert corpus.samples_key(path, tok, "other", kind == "text") != key
     assert corpus.samples_key(path, tok, template_id(model), kind != "text") != key
+
+
+@pytest.mark.parametrize("damage", ["json", "layout", "utf8", "type"])
+def test_a_bad_record_in_a_later_range_is_named_as_read_data_names_it(shared_data, tmp_path, monkeypatch, damage):
+    from ggtrain.formats.dataset import read_data
+    tok = tokenizer_from_gguf(shared_data / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf")
+    path = _record_files(tmp_path, shared_data)["prompt_completion"]
+    raw = path.read_bytes().split(b"\n")
+    bad = {"json": b'{"prompt": "a", "completion": ', "layout": b'{"text": "a"}', "utf8": b'{"prompt": "\xff"}',
+           "type": b'{"prompt": "a", "completion": 7}'}[damage]
+    raw[40] = bad
+    path.write_bytes(b"\n".join(raw))
+    with pytest.raises(FormatError) as whole:
+        read_data(path)
+    monkeypatch.setattr(corpus, "_MIN_RANGE", 300)
+    with pytest.raises(FormatError) as streamed:
+        corpus.sample_records(path, tok, lambda *a: None, False, str(tmp_path / "cache"), "k", workers=2)
+    assert str(streamed.value) == str(whole.value) and "line 41" in str(streamed.value)
+    assert not [p for p in (tmp_path / "cache").iterdir()]     # nothing kept, no temporaries left
 
 
 def test_finetune_on_records_reuses_their_samples(shared_data, tmp_path):
@@ -346,7 +385,9 @@ def test_finetune_on_records_reuses_their_samples(shared_data, tmp_path):
     first = subprocess.run(args, capture_output=True, text=True)
     assert first.returncode == 0, first.stderr
     made = sorted(p.suffix for p in cache.iterdir())
-    assert made == [".json", ".lengths", ".tokens", ".train"]
+    # the samples, and the packed training rows (validation rows too, with a validation split)
+    assert set(made) == {".json", ".lengths", ".places", ".tokens", ".train", ".rows"}
+    assert made.count(".rows") in (1, 2) and made.count(".json") == 1 + made.count(".rows")
     mtimes = {p: p.stat().st_mtime_ns for p in cache.iterdir()}
     second = subprocess.run(args, capture_output=True, text=True)
     assert second.returncode == 0, second.stderr
@@ -430,3 +471,36 @@ def test_a_default_token_cache_that_cannot_be_written_is_a_warning_not_a_failure
     # a folder the user names is used, or the run fails saying why
     r = subprocess.run(args + ["--token-cache", str(blocker / "tokens")], capture_output=True, text=True, env=env)
     assert r.returncode == 1 and "--token-cache" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("pairs", [False, True])
+def test_packed_rows_are_kept_and_mapped_back_as_packed(tmp_path, pairs):
+    from ggtrain.core.data import pack, pack_pairs
+    from ggtrain.formats.dataset import Sample
+    rng = np.random.default_rng(3)
+
+    def sample():
+        n = int(rng.integers(2, 40))
+        train = rng.random(n) < 0.6
+        train[-1] |= pairs          # (a pair's side must have a target within its half row)
+        return Sample(rng.integers(0, 500, n).astype(np.int32), train)
+    items = [(sample(), sample()) for _ in range(60)] if pairs else [sample() for _ in range(120)]
+
+    def make(allocate):
+        return (pack_pairs(items, 90, allocate=allocate, first_id=3) if pairs else
+                pack(items, 32, drop_long=True, allocate=allocate))
+    want, want_stats, want_fp, cached = corpus.packed_rows(None, "k", "spec", make)
+    assert not cached
+    cache = str(tmp_path)
+    for hit in (False, True):
+        got, stats, fp, cached = corpus.packed_rows(cache, "k", "spec", make)
+        assert cached == hit and stats == want_stats and fp == want_fp == got.fingerprint()
+        for name, value in want.fields().items():
+            np.testing.assert_array_equal(got.fields()[name], value, err_msg=name)
+        np.testing.assert_array_equal(got.trained_per_row(), (want.targets >= 0).sum(axis=1))
+    rows = next(tmp_path.glob("*.rows"))
+    with open(rows, "r+b") as f:      # damaged: packed again
+        f.truncate(rows.stat().st_size - 4)
+    got, _, fp, cached = corpus.packed_rows(cache, "k", "spec", make)
+    assert not cached and fp == want_fp
+    assert corpus.packed_rows(cache, "k", "other spec", make)[3] is False

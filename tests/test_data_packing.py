@@ -209,7 +209,8 @@ def test_split_samples():
     again = split_samples(samples, 0.1, seed=0)
     assert [int(s[0][0]) for s in again[1]] == ids[1]
     assert [int(s[0][0]) for s in split_samples(samples, 0.1, seed=1)[1]] != ids[1]
-    assert split_samples(samples, 0.0, seed=0) == (samples, [])
+    whole, none = split_samples(samples, 0.0, seed=0)
+    assert list(whole) == samples and len(none) == 0
     with pytest.raises(ConfigError, match=r"--val-split 0.001 of 100 samples holds no sample"):
         split_samples(samples, 0.001, seed=0)
     with pytest.raises(ConfigError, match=r"--val-split must be in \[0, 1\)"):
