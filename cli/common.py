@@ -17,7 +17,7 @@ from tqdm import tqdm
 
 from ggtrain.core import distributed
 from ggtrain.core.backend_cpu import CpuBackend, default_threads
-from ggtrain.core.backend_cuda import unavailable_reason
+from ggtrain.core.backend_cuda import CudaBackend, unavailable_reason
 from ggtrain.errors import ConfigError
 from ggtrain.formats.corpus import (SampleSet, TokenFile, cached_samples, corpus_tokens, default_cache_dir,
                                     sample_records, samples_key)
@@ -28,7 +28,10 @@ def make_backend(backend: str = "cpu", threads: int | None = None) -> CpuBackend
     """The backend --backend names, with --threads; ConfigError naming the bad value, and for
     cuda saying why it cannot run here."""
     if backend == "cuda":
-        raise ConfigError(f"--backend cuda: not available: {unavailable_reason() or 'the CUDA backend is not built yet'}")
+        why = unavailable_reason()
+        if why:
+            raise ConfigError(f"--backend cuda: not available: {why}")
+        return CudaBackend()
     if backend != "cpu":
         raise ConfigError(f"--backend {backend}: expected cpu or cuda")
     if threads is not None and threads < 1:

@@ -60,7 +60,7 @@ def fingerprint_weights(weights: dict) -> str:
     for name in sorted(weights):
         w = weights[name]
         if isinstance(w, StoredTensor):
-            raw = w.buffer.bytes[:nbytes(w.shape, w.dtype)]
+            raw = w.buffer.host(nbytes(w.shape, w.dtype))
             h.update(f"{name}:{w.dtype}:{tuple(w.shape)}".encode())
         else:
             raw = np.ascontiguousarray(w, np.float32).view(np.uint8).reshape(-1)

@@ -11,13 +11,23 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ggtrain.errors import ShapeError
+from ggtrain.native.dtypes import dtype
+
 MAX_DIMS = 6
 
 
 class Buffer(ABC):
-    """A block of bytes on a backend's device."""
+    """A block of bytes on a backend's device; address: where the kernels see it (a host or
+    a device pointer)."""
 
     nbytes: int
+    address: int
+
+    @abstractmethod
+    def host(self, nbytes: int | None = None) -> np.ndarray:
+        """The first nbytes (all by default) as host bytes (uint8): a view of host memory,
+        a copy of device memory."""
 
 
 @dataclass(frozen=True)
@@ -107,3 +117,34 @@ class Backend(ABC):
 
     def sync(self) -> None:
         """Wait for queued work (the CPU backend runs synchronously)."""
+
+
+def fill_tensor(ffi, desc, ref: TensorRef) -> None:
+    """A gt_tensor (native/gt_core.h) of `ffi` describing ref (data NULL without a buffer)."""
+    if len(ref.shape) > MAX_DIMS:
+        raise ShapeError(f"tensor of shape {ref.shape} has more than {MAX_DIMS} dims")
+    desc.data = ffi.NULL if ref.buffer is None else ffi.cast("void *", ref.buffer.address + ref.offset)
+    desc.dtype = dtype(ref.dtype).id
+    desc.ndim = len(ref.shape)
+    for i in range(MAX_DIMS):
+        desc.shape[i] = ref.shape[i] if i < len(ref.shape) else 1
+        desc.strides[i] = ref.strides[i] if i < len(ref.strides) else 0
+
+
+def fill_node(ffi, node, call: KernelCall, fn, keep: list) -> None:
+    """A gt_node of `ffi` for call, its kernel fn (NULL for None); keep: what must outlive it."""
+    if len(call.srcs) > 6 or len(call.ip) > 8 or len(call.fp) > 8:
+        raise ShapeError(f"{call.kernel}: too many inputs or parameters")
+    node.fn = ffi.NULL if fn is None else fn
+    node.n_src = len(call.srcs)
+    fill_tensor(ffi, node.dst, call.dst)
+    for i, src in enumerate(call.srcs):
+        fill_tensor(ffi, node.src[i], src)
+    for i, v in enumerate(call.ip):
+        node.ip[i] = int(v)
+    for i, v in enumerate(call.fp):
+        node.fp[i] = float(v)
+    if call.scratch is not None:
+        node.scratch = ffi.cast("void *", call.scratch.buffer.address + call.scratch.offset)
+        node.scratch_size = call.scratch.shape[0]
+    keep.append(call)

@@ -5,7 +5,7 @@ import os
 
 import numpy as np
 
-from ggtrain.core.backend import MAX_DIMS, Backend, Buffer, KernelCall, Plan, TensorRef
+from ggtrain.core.backend import Backend, Buffer, KernelCall, Plan, TensorRef, fill_node
 from ggtrain.errors import ShapeError, UnsupportedOpError
 from ggtrain.native import _check, ffi, lib
 from ggtrain.native.dtypes import dtype as _dtype
@@ -35,6 +35,9 @@ class CpuBuffer(Buffer):
         self.bytes = raw[start:start + self.nbytes]
         self.address = self.bytes.ctypes.data
 
+    def host(self, nbytes: int | None = None) -> np.ndarray:
+        return self.bytes if nbytes is None else self.bytes[:nbytes]
+
     def view(self, offset: int, dtype: str, shape: tuple, strides: tuple | None = None) -> np.ndarray:
         """A numpy view of elements of an element dtype in this buffer (strides in elements)."""
         np_dtype = _dtype(dtype).numpy
@@ -58,6 +61,9 @@ class HostArray(Buffer):
         self.nbytes = array.nbytes
         self.bytes = array.reshape(-1).view(np.uint8)
         self.address = array.ctypes.data
+
+    def host(self, nbytes: int | None = None) -> np.ndarray:
+        return self.bytes if nbytes is None else self.bytes[:nbytes]
 
 
 # gathers of at least this many bytes run on the thread pool (get_rows), smaller ones in numpy
@@ -102,33 +108,8 @@ class CpuPlan(Plan):
         return [self._profile[i] * 1e-9 for i in range(len(self.calls))]
 
 
-def _fill_tensor(desc, ref: TensorRef) -> None:
-    if len(ref.shape) > MAX_DIMS:
-        raise ShapeError(f"tensor of shape {ref.shape} has more than {MAX_DIMS} dims")
-    desc.data = ffi.NULL if ref.buffer is None else ffi.cast("void *", ref.buffer.address + ref.offset)
-    desc.dtype = _dtype(ref.dtype).id
-    desc.ndim = len(ref.shape)
-    for i in range(MAX_DIMS):
-        desc.shape[i] = ref.shape[i] if i < len(ref.shape) else 1
-        desc.strides[i] = ref.strides[i] if i < len(ref.strides) else 0
-
-
 def _fill_node(node, call: KernelCall, fn, keep: list) -> None:
-    if len(call.srcs) > 6 or len(call.ip) > 8 or len(call.fp) > 8:
-        raise ShapeError(f"{call.kernel}: too many inputs or parameters")
-    node.fn = ffi.NULL if fn is None else fn
-    node.n_src = len(call.srcs)
-    _fill_tensor(node.dst, call.dst)
-    for i, src in enumerate(call.srcs):
-        _fill_tensor(node.src[i], src)
-    for i, v in enumerate(call.ip):
-        node.ip[i] = int(v)
-    for i, v in enumerate(call.fp):
-        node.fp[i] = float(v)
-    if call.scratch is not None:
-        node.scratch = ffi.cast("void *", call.scratch.buffer.address + call.scratch.offset)
-        node.scratch_size = call.scratch.shape[0]
-    keep.append(call)
+    fill_node(ffi, node, call, fn, keep)
 
 
 class CpuBackend(Backend):
@@ -284,3 +265,6 @@ class _ArrayBuffer(Buffer):
         self.array = array
         self.nbytes = array.nbytes
         self.address = array.ctypes.data
+
+    def host(self, nbytes: int | None = None) -> np.ndarray:
+        return self.array.reshape(-1).view(np.uint8)[:nbytes]

@@ -1,22 +1,40 @@
-"""The CUDA backend's availability probe (layer 2).
+"""The CUDA backend (layer 2): device buffers, copies, and plans run by ggtrain's CUDA library.
 
-The CUDA backend itself (device buffers, kernels for every op, cuBLAS loaded at run time) is
-issue 11 and does not exist yet: this module says why `--backend cuda` cannot run, naming
-every missing piece: the library ggtrain's CUDA kernels would be built into (nvcc-built,
-loaded at run time from next to the package or GGTRAIN_CUDA_LIB), the NVIDIA driver
-(libcuda), and a device.
+The library (`ggtrain/native/_cuda.so`, built by native/build_cuda.py when nvcc is on PATH;
+GGTRAIN_CUDA_LIB names another file) is loaded with cffi's ABI mode from its header
+(native/gt_core.h, then native/cuda/gtc.h): nothing links against CUDA at install time. It
+loads the NVIDIA driver and cuBLAS itself when it starts; cuBLAS comes from GGTRAIN_CUBLAS,
+the nvidia-cublas wheel (found here and passed on) or the loader's path.
+
+A plan is the CPU's list of gt_node (core/backend.py fill_node), its tensors pointing into
+device memory and each node's fn the CUDA launcher of the same kernel name; the library runs
+them in order on one stream. `unavailable_reason()` says in one line why `--backend cuda`
+cannot run on this machine, naming every missing piece.
 """
 from __future__ import annotations
 
 import ctypes
+import glob
+import importlib.util
 import os
 import pathlib
+import re
+import weakref
+
+import cffi
+import numpy as np
+
+from ggtrain.core.backend import Backend, Buffer, KernelCall, Plan, fill_node
+from ggtrain.errors import ShapeError, UnsupportedOpError
+from ggtrain.native import error_for
 
 LIB_ENV = "GGTRAIN_CUDA_LIB"
+CUBLAS_ENV = "GGTRAIN_CUBLAS"
 _NATIVE = pathlib.Path(__file__).resolve().parent.parent / "native"
+_HEADERS = (_NATIVE / "gt_core.h", _NATIVE / "cuda" / "gtc.h")
 
 
-def _library() -> str | None:
+def library_path() -> str | None:
     """Path of ggtrain's CUDA library, or None."""
     env = os.environ.get(LIB_ENV)
     if env:
@@ -25,29 +43,209 @@ def _library() -> str | None:
     return str(found[0]) if found else None
 
 
-def _driver() -> tuple:
-    """(devices, None) from the NVIDIA driver, or (0, why not)."""
+def _cublas_from_wheel() -> str | None:
+    """libcublas from an nvidia-cublas wheel (nvidia/cublas/lib for CUDA 12, nvidia/cu13/lib
+    for CUDA 13), if one is installed: the newest."""
+    spec = importlib.util.find_spec("nvidia")
+    found = []
+    for root in (spec.submodule_search_locations or []) if spec else []:
+        found += glob.glob(os.path.join(root, "*", "lib", "libcublas.so.*"))
+    found = [f for f in found if f.rsplit(".so.", 1)[1].split(".")[0].isdigit()]
+    return max(found, key=lambda f: int(f.rsplit(".so.", 1)[1].split(".")[0])) if found else None
+
+
+_LIB: tuple | None = None     # (ffi, lib) once loaded
+
+
+def load() -> tuple:
+    """(ffi, lib) of the CUDA library; UnsupportedOpError naming what is missing."""
+    global _LIB
+    if _LIB is None:
+        path = library_path()
+        if path is None:
+            raise UnsupportedOpError(_no_library())
+        ffi = cffi.FFI()
+        text = "\n".join(h.read_text() for h in _HEADERS)
+        ffi.cdef(re.sub(r"/\*.*?\*/", "", text, flags=re.S))   # (as native/build.py's cdef_text)
+        try:
+            lib = ffi.dlopen(path)
+        except OSError as e:
+            raise UnsupportedOpError(f"the CUDA library {path} cannot be loaded: {e}") from None
+        _LIB = (ffi, lib)
+    return _LIB
+
+
+def _no_library() -> str:
+    where = os.environ.get(LIB_ENV) or str(_NATIVE / "_cuda*.so")
+    return (f"this build has no CUDA library ({where} not found: nvcc was not on PATH when ggtrain was "
+            f"installed; reinstall with nvcc on PATH, or GGTRAIN_CUDA=1 to make that an error)")
+
+
+def _message(lib, ffi) -> str:
+    return ffi.string(lib.gtc_last_error()).decode("utf-8", "replace")
+
+
+def _check(rc: int, what: str = "") -> None:
+    if rc == 0:
+        return
+    ffi, lib = load()
+    msg = _message(lib, ffi) or f"CUDA error {rc}"
+    raise error_for(rc, f"{what}: {msg}" if what else msg)
+
+
+def _driver() -> str | None:
+    """Why the NVIDIA driver cannot serve (one line), or None."""
     try:
         cuda = ctypes.CDLL("libcuda.so.1")
     except OSError:
-        return 0, "no NVIDIA driver (libcuda.so.1 cannot be loaded)"
+        return "no NVIDIA driver (libcuda.so.1 cannot be loaded)"
     if cuda.cuInit(0) != 0:
-        return 0, "the NVIDIA driver does not initialise (cuInit failed)"
+        return "the NVIDIA driver does not initialise (cuInit failed)"
     count = ctypes.c_int(0)
     if cuda.cuDeviceGetCount(ctypes.byref(count)) != 0 or count.value == 0:
-        return 0, "no CUDA device"
-    return count.value, None
+        return "no CUDA device"
+    return None
 
 
 def unavailable_reason() -> str | None:
     """Why the CUDA backend cannot run here (one line), or None when it could."""
     reasons = []
-    lib = _library()
-    if lib is None:
-        where = os.environ.get(LIB_ENV) or str(_NATIVE / "_cuda*.so")
-        reasons.append(f"this build has no CUDA library ({where} not found: ggtrain's CUDA kernels are not "
-                       f"written yet, so no build has one)")
-    devices, why = _driver()
-    if why:
-        reasons.append(why)
+    if library_path() is None:
+        reasons.append(_no_library())
+    driver = _driver()
+    if driver:
+        reasons.append(driver)
+    elif library_path() is not None:
+        try:
+            ffi, lib = load()
+            count = ffi.new("int32_t *")
+            _check(lib.gtc_device_count(count), "counting CUDA devices")
+            if count[0] == 0:
+                reasons.append("no CUDA device")
+        except Exception as e:  # noqa: BLE001 - any failure is the reason, in one line
+            reasons.append(str(e))
     return "; ".join(reasons) if reasons else None
+
+
+# ---- buffers and plans ---------------------------------------------------------------------------
+
+def _free(lib, ptr) -> None:
+    lib.gtc_free(ptr)
+
+
+class CudaBuffer(Buffer):
+    """Device memory (zero-filled), freed with the object; address: the device pointer."""
+
+    def __init__(self, backend: "CudaBackend", nbytes: int):
+        ffi, lib = backend.ffi, backend.lib
+        self.nbytes = int(nbytes)
+        out = ffi.new("void **")
+        _check(lib.gtc_malloc(out, self.nbytes), "allocating GPU memory")
+        self.backend = backend
+        self.address = int(ffi.cast("uintptr_t", out[0]))
+        self._finalizer = weakref.finalize(self, _free, lib, out[0])
+
+    def host(self, nbytes: int | None = None) -> np.ndarray:
+        """A host copy of the first nbytes (all by default)."""
+        out = np.empty(self.nbytes if nbytes is None else nbytes, np.uint8)
+        return self.backend.copy_out(self, 0, out)
+
+
+class CudaPlan(Plan):
+    """gt_node records for the library, the memory they point into, and the work buffer."""
+
+    def __init__(self, backend: "CudaBackend", calls: list):
+        ffi = backend.ffi
+        self.calls = calls
+        self.nodes = ffi.new("gt_node[]", max(1, len(calls)))
+        keep = []
+        for i, call in enumerate(calls):
+            fill_node(ffi, self.nodes[i], call, backend.kernel_pointer(call.kernel), keep)
+        self._keep = keep
+        work = max([c.work_bytes for c in calls] + [0])
+        self.work = CudaBuffer(backend, work) if work else None
+        self.work_bytes = work
+
+
+class CudaBackend(Backend):
+    """Runs plans on one GPU with ggtrain's CUDA library (one stream; f32, exact unless tf32)."""
+
+    name = "cuda"
+    n_threads = 1     # a node is one launch: no CPU threads to share work among
+
+    def __init__(self, device: int = 0, tf32: bool = False):
+        why = unavailable_reason()
+        if why:
+            raise UnsupportedOpError(f"the CUDA backend cannot run here: {why}")
+        if CUBLAS_ENV not in os.environ:
+            wheel = _cublas_from_wheel()
+            if wheel:
+                os.environ[CUBLAS_ENV] = wheel
+        self.ffi, self.lib = load()
+        _check(self.lib.gtc_init(device), f"starting CUDA device {device}")
+        if tf32:
+            _check(self.lib.gtc_set_tf32(1), "TF32")
+        self.kernels = {self.ffi.string(self.lib.gtc_kernel_name(i)).decode()
+                        for i in range(self.lib.gtc_kernel_count())}
+        name = self.ffi.new("char[]", 256)
+        memory = self.ffi.new("int64_t *")
+        major, minor = self.ffi.new("int32_t *"), self.ffi.new("int32_t *")
+        _check(self.lib.gtc_device_info(device, name, 256, memory, major, minor), "reading the device")
+        self.device = (self.ffi.string(name).decode(), int(memory[0]), (int(major[0]), int(minor[0])))
+
+    def alloc(self, nbytes: int) -> CudaBuffer:
+        return CudaBuffer(self, nbytes)
+
+    def free(self, buffer: Buffer) -> None:
+        buffer._finalizer()
+
+    def _host_ptr(self, array: np.ndarray):
+        return self.ffi.cast("void *", array.ctypes.data)
+
+    def copy_in(self, buffer: CudaBuffer, offset: int, array: np.ndarray) -> None:
+        data = np.ascontiguousarray(array)
+        if offset < 0 or offset + data.nbytes > buffer.nbytes:
+            raise ShapeError(f"copy_in of {data.nbytes} bytes at {offset} overflows a {buffer.nbytes}-byte buffer")
+        dst = self.ffi.cast("void *", buffer.address + offset)
+        _check(self.lib.gtc_copy_in(dst, self._host_ptr(data), data.nbytes), "copying to the GPU")
+
+    def copy_out(self, buffer: CudaBuffer, offset: int, out: np.ndarray) -> np.ndarray:
+        if not out.flags.c_contiguous:
+            raise ShapeError("copy_out needs a contiguous array")
+        if offset < 0 or offset + out.nbytes > buffer.nbytes:
+            raise ShapeError(f"copy_out of {out.nbytes} bytes at {offset} overflows a {buffer.nbytes}-byte buffer")
+        src = self.ffi.cast("void *", buffer.address + offset)
+        _check(self.lib.gtc_copy_out(self._host_ptr(out), src, out.nbytes), "copying from the GPU")
+        return out
+
+    def supports(self, kernel: str) -> bool:
+        return kernel in self.kernels
+
+    def kernel_pointer(self, kernel: str):
+        fn = self.lib.gtc_kernel(kernel.encode())
+        if fn == self.ffi.NULL:
+            raise UnsupportedOpError(f"cuda backend has no kernel {kernel}")
+        return fn
+
+    def kernel_sizes(self, call: KernelCall) -> tuple:
+        node = self.ffi.new("gt_node *")
+        fill_node(self.ffi, node, call, None, [])
+        scratch, work = self.ffi.new("int64_t *"), self.ffi.new("int64_t *")
+        _check(self.lib.gtc_kernel_sizes(call.kernel.encode(), node, scratch, work),
+               f"sizing {call.label or call.kernel}")
+        return int(scratch[0]), int(work[0])
+
+    def compile(self, calls: list, n_threads: int | None = None) -> CudaPlan:
+        return CudaPlan(self, list(calls))
+
+    def run(self, plan: CudaPlan, n_threads: int | None = None) -> None:
+        failed = self.ffi.new("int64_t *")
+        work = self.ffi.cast("void *", plan.work.address) if plan.work else self.ffi.NULL
+        rc = self.lib.gtc_run(plan.nodes, len(plan.calls), work, plan.work_bytes, failed)
+        if rc != 0:
+            idx = int(failed[0])
+            label = (plan.calls[idx].label or plan.calls[idx].kernel) if 0 <= idx < len(plan.calls) else "?"
+            _check(rc, f"running {label} on the GPU")
+
+    def sync(self) -> None:
+        _check(self.lib.gtc_sync(), "waiting for the GPU")

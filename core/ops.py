@@ -1277,7 +1277,7 @@ def _infer_step(name, n_src):
     return infer
 
 
-# Layout of the hyper vector read by the step kernels: enum gt_hyper of ggtrain.h.
+# Layout of the hyper vector read by the step kernels: enum gt_hyper of gt_core.h.
 HYPER_LR, HYPER_BETA1, HYPER_BETA2 = lib.GT_HYPER_LR, lib.GT_HYPER_BETA1, lib.GT_HYPER_BETA2
 HYPER_EPS, HYPER_WD, HYPER_BC1, HYPER_BC2 = lib.GT_HYPER_EPS, lib.GT_HYPER_WD, lib.GT_HYPER_BC1, lib.GT_HYPER_BC2
 HYPER_MAX_NORM, HYPER_MOMENTUM = lib.GT_HYPER_MAX_NORM, lib.GT_HYPER_MOMENTUM

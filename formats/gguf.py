@@ -327,7 +327,7 @@ class LoadedTensor:
 
     def array(self) -> np.ndarray:
         """Numpy view of the buffer (CPU buffers): see GGUFFile.read_tensor."""
-        return _numpy_view(self.buffer.bytes[:self.info.nbytes], self.info.shape, self.info.type)
+        return _numpy_view(self.buffer.host(self.info.nbytes), self.info.shape, self.info.type)
 
 
 class _Parser:

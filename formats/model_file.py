@@ -131,7 +131,7 @@ def _tensor_spec(path, name: str, shape: tuple, value, t: str) -> tuple:
         if isinstance(value, FileTensor):
             raw = (lambda v=value: v.file.read_tensor(v.name))
         else:
-            raw = (lambda v=value: v.buffer.bytes[:_nbytes(v.shape, v.dtype)])
+            raw = (lambda v=value: v.buffer.host(_nbytes(v.shape, v.dtype)))
         if value.dtype == t:
             return name, raw, t.upper(), shape
         stored = value.dtype

@@ -1,6 +1,7 @@
 """Loader of the native core (layer 1): the cffi module, and `_check`.
 
-`_check(rc)` is the only place a gt_status becomes an exception.
+`error_for(rc, message)` is the only place a gt_status becomes an exception (`_check` for the
+CPU library, core/backend_cuda.py for the CUDA one).
 """
 from ggtrain.errors import (
     DTypeError,
@@ -19,7 +20,7 @@ except ImportError as exc:  # pragma: no cover - only on a broken install
         "(or `python setup.py build_ext --inplace` after editing C)"
     ) from exc
 
-# gt_status values (see ggtrain.h)
+# gt_status values (see gt_core.h)
 GT_OK = 0
 _ERRORS = {
     lib.GT_ERR_INVALID: lambda m, c: _ValueNativeError(m, c),
@@ -40,16 +41,20 @@ def last_error() -> str:
     return ffi.string(lib.gt_last_error()).decode("utf-8", "replace")
 
 
+def error_for(rc: int, msg: str) -> Exception:
+    """The exception of a gt_status with its message (any backend's)."""
+    make = _ERRORS.get(rc)
+    return make(msg, rc) if make else NativeError(msg, rc)
+
+
 def _check(rc: int, what: str = "") -> None:
-    """Raise the exception matching a gt_status (no-op for GT_OK)."""
+    """Raise the exception matching a gt_status of the CPU library (no-op for GT_OK)."""
     if rc == GT_OK:
         return
     msg = last_error() or f"native error {rc}"
     if what:
         msg = f"{what}: {msg}"
-    make = _ERRORS.get(rc)
-    exc = make(msg, rc) if make else NativeError(msg, rc)
-    raise exc
+    raise error_for(rc, msg)
 
 
-__all__ = ["ffi", "lib", "_check", "last_error", "GgtrainError"]
+__all__ = ["ffi", "lib", "_check", "error_for", "last_error", "GgtrainError"]

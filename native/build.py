@@ -1,7 +1,8 @@
 """cffi builders for the native core (layer 1): the CPU module, built in API mode.
 
 `ffibuilder` compiles every native/cpu/*.c file into the extension
-`ggtrain.native._cpu`, with the declarations of native/ggtrain.h as its cdef.
+`ggtrain.native._cpu`, with the declarations of native/gt_core.h and native/ggtrain.h as
+its cdef (build_cuda.py builds the CUDA library beside it when nvcc is there).
 setup.py names it in `cffi_modules`; `python native/build.py` builds in place.
 """
 import os
@@ -13,11 +14,11 @@ from cffi import FFI
 HERE = pathlib.Path(__file__).resolve().parent
 
 
-def _cdef_text() -> str:
-    """ggtrain.h without comments (cffi's parser needs no directives, and has none)."""
-    text = (HERE / "ggtrain.h").read_text()
-    text = re.sub(r"/\*.*?\*/", "", text, flags=re.S)
-    return text
+def cdef_text(*headers: str) -> str:
+    """The headers' declarations without comments (cffi's parser needs no directives, and
+    they have none): gt_core.h (what the backends share) and the backend's own API."""
+    text = "\n".join((HERE / h).read_text() for h in headers)
+    return re.sub(r"/\*.*?\*/", "", text, flags=re.S)
 
 
 def _sources() -> list:
@@ -37,10 +38,10 @@ if os.environ.get("GGTRAIN_NATIVE_WERROR") == "1":
     _CFLAGS.append("-Werror")
 
 ffibuilder = FFI()
-ffibuilder.cdef(_cdef_text())
+ffibuilder.cdef(cdef_text("gt_core.h", "ggtrain.h"))
 ffibuilder.set_source(
     "ggtrain.native._cpu",
-    '#include "native/ggtrain.h"\n',
+    '#include <stdint.h>\n#include "native/gt_core.h"\n#include "native/ggtrain.h"\n',
     sources=_sources(),
     include_dirs=[str(HERE.parent)],
     extra_compile_args=_CFLAGS,

@@ -19,6 +19,11 @@ atexit.register(shutil.rmtree, os.environ["GGTRAIN_TOKEN_CACHE"], True)
 
 @pytest.fixture(scope="session")
 def backend():
+    """The backend the op and kernel tests run on: the CPU's (2 threads), or with
+    GGTRAIN_TEST_BACKEND=cuda the GPU's (bench/cuda_check.py runs them so on a GPU machine)."""
+    if os.environ.get("GGTRAIN_TEST_BACKEND") == "cuda":
+        from ggtrain.core.backend_cuda import CudaBackend
+        return CudaBackend()
     return CpuBackend(2)
 
 

@@ -6,6 +6,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "../gt_core.h"
 #include "../ggtrain.h"
 
 #define GT_MAX_DIMS 6

@@ -1,5 +1,5 @@
 /* optim.c: optimizer steps as plan kernels (in place on the parameter and its
- * state). The hyper vector is laid out as enum gt_hyper (ggtrain.h), which the
+ * state). The hyper vector is laid out as enum gt_hyper (gt_core.h), which the
  * host reads through cffi. */
 #include <math.h>
 

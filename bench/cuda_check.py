@@ -1,0 +1,261 @@
+"""The CUDA backend on a GPU machine, in one run: every op, the commands end to end, the speed.
+
+Run on the device machine (bench/cuda_prepare.sh fetches the wheels it lacks, and prints the
+command that installs them and this project there, then runs this script):
+
+    python3 bench/cuda_check.py [--out DIR] [--skip-ops] [--skip-bench]
+
+1. Ops: the op-table and attention tests (tests/test_ops.py, tests/test_attention.py) with the
+   CUDA backend (GGTRAIN_TEST_BACKEND=cuda): every case forward against float64 numpy with the
+   case's tolerance, backward against finite differences; a junit XML of them goes to --out.
+2. End to end, CUDA against the CPU, the same seeds: `mnist train` (fc, 2 epochs; the
+   validation losses within 1e-3 relative, the parameters within 1e-3 absolute); `train` of a
+   small llama (20 updates; every update's loss within 1e-3 relative); a checkpoint written on
+   CUDA at update 10 resumed on the CPU and the reverse (the losses of updates 11-20 within
+   1e-3 of the uninterrupted run's).
+3. Speed against PyTorch eager f32 on the same GPU (same weights, batches, AdamW): llama
+   configs a and b of bench/bench_llama.py and a dim 1024 / 16-layer / ctx 1024 model in
+   tokens/s, and the fraction of the GPU's f32 peak (H100 SXM: 67 TFLOP/s without tensor cores).
+
+Every part prints one line a check, PASS or FAIL, and the script ends with a summary; exit
+status 1 when anything failed. `--device-backend cpu` runs the whole script on the CPU
+(both sides), to check the script itself on a machine without a GPU.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+FP32_PEAK = {"H100": 67e12, "H200": 67e12, "A100": 19.5e12}
+RESULTS: list = []
+
+
+def report(name: str, ok: bool, detail: str = "") -> None:
+    RESULTS.append((name, ok))
+    print(f"{'PASS' if ok else 'FAIL'} {name}{': ' + detail if detail else ''}", flush=True)
+
+
+def cli(*args, env=None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ggtrain", *map(str, args)], capture_output=True, text=True,
+                          env={**os.environ, **(env or {})}, cwd=ROOT)
+
+
+def lines(path) -> list:
+    return [json.loads(l) for l in pathlib.Path(path).read_text().splitlines()]
+
+
+# ---- 1. ops -------------------------------------------------------------------------------------
+
+def ops(out: pathlib.Path, device: str) -> None:
+    env = {**os.environ, "GGTRAIN_TEST_BACKEND": device, "PYTHONUNBUFFERED": "1"}
+    t0 = time.perf_counter()
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_ops.py",
+                        "tests/test_attention.py", f"--junitxml={out / 'ops.xml'}"],
+                       capture_output=True, text=True, env=env, cwd=ROOT)
+    tail = [l for l in r.stdout.splitlines() if l.strip()][-1:] or ["(no output)"]
+    failed = [l for l in r.stdout.splitlines() if l.startswith("FAILED")]
+    (out / "ops.txt").write_text(r.stdout + r.stderr)
+    report("op table on " + device, r.returncode == 0, f"{tail[0]} in {time.perf_counter() - t0:.0f} s")
+    for l in failed[:40]:
+        print("   ", l)
+
+
+# ---- 2. end to end ------------------------------------------------------------------------------
+
+def close(a, b, rtol=1e-3, atol=0.0) -> bool:
+    return bool(np.allclose(np.asarray(a, np.float64), np.asarray(b, np.float64), rtol=rtol, atol=atol))
+
+
+def end_to_end(tmp: pathlib.Path, device: str) -> None:
+    from ggtrain.core.models.mnist import PARAM_SHAPES
+    from ggtrain.formats.mnist import load_mnist_model
+
+    runs = {}
+    for be in ("cpu", device):
+        out, log = tmp / f"mnist-{be}.gguf", tmp / f"mnist-{be}.jsonl"
+        t0 = time.perf_counter()
+        r = cli("mnist", "train", "--out", out, "--log", log, "--epochs", 2, "--backend", be, "--quiet")
+        if r.returncode:
+            report(f"mnist train --backend {be}", False, r.stderr.strip()[-300:])
+            return
+        runs[be] = ([l["val_loss"] for l in lines(log) if "train_loss" in l and "event" not in l],
+                    load_mnist_model(out, PARAM_SHAPES)[1], time.perf_counter() - t0)
+    (vc, pc, tc), (vg, pg, tg) = runs["cpu"], runs[device]
+    ok = close(vc, vg) and all(close(pc[k], pg[k], 0, 1e-3) for k in pc)
+    report("mnist fc, 2 epochs, cuda = cpu", ok, f"val losses {vc} vs {vg}; {tc:.1f} s vs {tg:.1f} s")
+
+    text = ROOT / "cli" / "data" / "tinyshakespeare.txt"
+    tiny = ["--data", text, "--dim", 64, "--layers", 2, "--heads", 4, "--kv-heads", 2, "--ff", 128, "--ctx", 64,
+            "--batch", 4, "--steps", 20, "--warmup", 2, "--quiet", "--val-split", 0.05]
+    losses = {}
+    for be in ("cpu", device):
+        log = tmp / f"train-{be}.jsonl"
+        r = cli("train", *tiny, "--out", tmp / f"t-{be}.gguf", "--log", log, "--backend", be, "--checkpoint-dir",
+                tmp / f"ck-{be}", "--save-every", 10)
+        if r.returncode:
+            report(f"train --backend {be}", False, r.stderr.strip()[-300:])
+            return
+        losses[be] = [l["loss"] for l in lines(log) if "loss" in l and "step" in l and "event" not in l]
+    report("llama train, 20 updates, cuda = cpu", close(losses["cpu"], losses[device]),
+           f"first/last loss {losses['cpu'][0]:.5f}/{losses['cpu'][-1]:.5f} vs "
+           f"{losses[device][0]:.5f}/{losses[device][-1]:.5f}")
+    for a, b in (("cpu", device), (device, "cpu")):
+        log = tmp / f"resume-{a}-{b}.jsonl"
+        r = cli("train", *tiny, "--out", tmp / f"r-{a}-{b}.gguf", "--log", log, "--backend", b, "--resume",
+                tmp / f"ck-{a}" / "ckpt-000010.gguf")
+        got = [l["loss"] for l in lines(log) if "loss" in l and "step" in l and "event" not in l] if not r.returncode else []
+        report(f"checkpoint of {a} resumed on {b}", not r.returncode and close(got, losses[a][10:]),
+               r.stderr.strip()[-300:] if r.returncode else f"last loss {got[-1]:.5f} vs {losses[a][-1]:.5f}")
+
+
+# ---- 3. speed against PyTorch -------------------------------------------------------------------
+
+CONFIGS = {
+    "a": dict(vocab=256, dim=256, layers=4, heads=8, kv_heads=8, ff=768, ctx=128, batch=8),
+    "b": dict(vocab=256, dim=512, layers=8, heads=8, kv_heads=8, ff=1376, ctx=256, batch=4),
+    "1024": dict(vocab=256, dim=1024, layers=16, heads=16, kv_heads=16, ff=2816, ctx=1024, batch=4),
+}
+
+
+def torch_llama(cfg: dict, init: dict, device: str):
+    """PyTorch's eager f32 step on the same weights (bench_llama.py's model, on the GPU)."""
+    import torch
+    import torch.nn.functional as F
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    C, H, Hkv, L, T = cfg["dim"], cfg["heads"], cfg["kv_heads"], cfg["layers"], cfg["ctx"]
+    D = C // H
+    P = {k: torch.nn.Parameter(torch.from_numpy(v.copy()).to(device)) for k, v in init.items()}
+    i = torch.arange(D // 2, dtype=torch.float64)
+    theta = torch.arange(T, dtype=torch.float64)[:, None] * 10000.0 ** (-2 * i / D)
+    cos = torch.cos(theta).float()[None, :, None, :].to(device)
+    sin = torch.sin(theta).float()[None, :, None, :].to(device)
+
+    def rms(x, w):
+        return x * torch.rsqrt((x * x).mean(-1, keepdim=True) + 1e-5) * w
+
+    def rope(x):
+        x0, x1 = x[..., 0::2], x[..., 1::2]
+        return torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), -1).flatten(-2)
+
+    def loss_fn(w):
+        x = P["token_embd.weight"][w[:, :-1]]
+        b, t = w.shape[0], w.shape[1] - 1
+        for l in range(L):
+            p = f"blk.{l}."
+            h = rms(x, P[p + "attn_norm.weight"])
+            q = rope((h @ P[p + "attn_q.weight"].T).view(b, t, H, D)).transpose(1, 2)
+            k = rope((h @ P[p + "attn_k.weight"].T).view(b, t, Hkv, D)).transpose(1, 2)
+            v = (h @ P[p + "attn_v.weight"].T).view(b, t, Hkv, D).transpose(1, 2)
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, C)
+            x = x + o @ P[p + "attn_output.weight"].T
+            h = rms(x, P[p + "ffn_norm.weight"])
+            x = x + (F.silu(h @ P[p + "ffn_gate.weight"].T) * (h @ P[p + "ffn_up.weight"].T)) @ P[p + "ffn_down.weight"].T
+        logits = rms(x, P["output_norm.weight"]) @ P["output.weight"].T
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), w[:, 1:].reshape(-1))
+
+    decay = [p for p in P.values() if p.ndim >= 2]
+    rest = [p for p in P.values() if p.ndim < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
+                            lr=1e-3)
+
+    def step(w: np.ndarray) -> tuple:
+        wt = torch.from_numpy(w).long().to(device)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=False)
+        loss = loss_fn(wt)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(list(P.values()), 1.0)
+        opt.step()
+        value = float(loss.detach())    # (waits for the GPU)
+        return time.perf_counter() - t0, value
+    return step
+
+
+def bench(device: str, steps: int) -> None:
+    from ggtrain.cli.common import make_backend
+    from ggtrain.core.models.decoder import ModelConfig, init_params
+    from ggtrain.core.train import TextConfig, TextRun
+
+    be = make_backend(device)
+    name = getattr(be, "device", ("cpu",))[0]
+    peak = next((v for k, v in FP32_PEAK.items() if k in name), None)
+    print(f"device: {name}; f32 peak {peak / 1e12 if peak else float('nan'):.1f} TFLOP/s", flush=True)
+    try:
+        import torch
+        torch_ok = torch.cuda.is_available()
+    except ImportError:
+        torch_ok = False
+    for key, cfg in CONFIGS.items():
+        model = ModelConfig(**{k: v for k, v in cfg.items() if k != "batch"})
+        init = init_params(model, 0)
+        rng = np.random.default_rng(1)
+        windows = rng.integers(0, cfg["vocab"], (steps + 2, cfg["batch"], cfg["ctx"] + 1)).astype(np.int32)
+        tc = TextConfig(steps=10**6, batch=cfg["batch"], lr=1e-3, lr_min=1e-3, warmup=0, weight_decay=0.1,
+                        grad_clip=1.0, checkpointing=False)
+        try:
+            run = TextRun(model, init, tc, be)
+        except Exception as e:  # noqa: BLE001 - reported, the next config goes on
+            report(f"llama {key} on {device}", False, str(e)[:300])
+            continue
+        ours = []
+        for s in range(steps + 2):
+            w = windows[s]
+            t0 = time.perf_counter()
+            run.step.step([{run.tokens: w[:, :-1], run.targets: w[:, 1:]}], 1e-3)
+            ours.append(time.perf_counter() - t0)
+        tokens = cfg["batch"] * cfg["ctx"]
+        best = min(ours[2:])
+        flops = run.step.flops
+        line = f"llama {key}: ours {tokens / best:,.0f} tok/s ({flops / best / 1e12:.2f} TFLOP/s"
+        line += f", {100 * flops / best / peak:.1f}% of peak)" if peak else ")"
+        if torch_ok and device == "cuda":
+            step = torch_llama(cfg, init, "cuda")
+            theirs = min(step(windows[s])[0] for s in range(steps + 2))
+            line += f"; PyTorch eager f32 {tokens / theirs:,.0f} tok/s; ratio {theirs / best:.2f}x"
+        print(line, flush=True)
+        report(f"llama {key} ran on {device}", True)
+        del run
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=os.environ.get("OUT") or tempfile.mkdtemp(prefix="cuda-check-"))
+    ap.add_argument("--device-backend", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--skip-ops", action="store_true")
+    ap.add_argument("--skip-bench", action="store_true")
+    ap.add_argument("--steps", type=int, default=6)
+    args = ap.parse_args()
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.device_backend == "cuda":
+        from ggtrain.core.backend_cuda import unavailable_reason
+        why = unavailable_reason()
+        if why:
+            report("the CUDA backend starts", False, why)
+            sys.exit(1)
+    if not args.skip_ops:
+        ops(out, args.device_backend)
+    with tempfile.TemporaryDirectory() as tmp:
+        end_to_end(pathlib.Path(tmp), args.device_backend)
+    if not args.skip_bench:
+        bench(args.device_backend, args.steps)
+    failed = [n for n, ok in RESULTS if not ok]
+    print(f"\n{len(RESULTS) - len(failed)} of {len(RESULTS)} checks passed" + (f"; failed: {', '.join(failed)}"
+                                                                             if failed else ""))
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()

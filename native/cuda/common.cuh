@@ -1,0 +1,168 @@
+/* common.cuh: what the CUDA kernels share (not part of the C API): errors, the stream,
+ * tensor helpers on host and device, launch sizes, block reductions. */
+#ifndef GTC_COMMON_CUH
+#define GTC_COMMON_CUH
+
+#include <stdint.h>
+#include <cuda_runtime.h>
+
+extern "C" {
+#include "../gt_core.h"
+}
+
+#define GTC_MAX_DIMS 6
+#define GTC_THREADS 256
+
+/* Records a formatted message (with file and line) for gtc_last_error and returns code. */
+int gtc_set_error_(int code, const char *file, int line, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+#define GTC_FAIL(code, ...) gtc_set_error_((code), __FILE__, __LINE__, __VA_ARGS__)
+#define GTC_TRY(expr) do { int rc_ = (expr); if (rc_) return rc_; } while (0)
+
+/* The library's one stream, and a failed launch or CUDA call as a gt_status. */
+cudaStream_t gtc_stream_(void);
+int gtc_cuda_check_(cudaError_t err, const char *what, const char *file, int line);
+#define GTC_CUDA(call, what) gtc_cuda_check_((call), (what), __FILE__, __LINE__)
+#define GTC_LAUNCHED(what) gtc_cuda_check_(cudaGetLastError(), (what), __FILE__, __LINE__)
+
+/* Errors only the device can see (an index out of range): the first one is kept in a
+ * device word (gtc_error_word_(), passed to the kernels that can raise one) as
+ * (code << 24) | node index, and gtc_run reports it after the last node. */
+enum gtc_device_error { GTC_DEV_INDEX = 1, GTC_DEV_TARGET = 2, GTC_DEV_BIAS_CORRECTION = 3 };
+int *gtc_error_word_(void);
+int32_t gtc_node_index_(void);       /* the node gtc_run is launching (host) */
+__device__ inline void gtc_raise(int *err, int code, int32_t node) {
+    atomicCAS(err, 0, (code << 24) | (node & 0xFFFFFF));
+}
+/* What a kernel that can raise takes: the word and its node. */
+#define GTC_ERR_ARGS int *err_, int32_t node_
+#define GTC_ERR_PASS gtc_error_word_(), gtc_node_index_()
+#define GTC_RAISE(code) gtc_raise(err_, (code), node_)
+
+/* ---- tensors (host and device) ----------------------------------------------------------- */
+
+__host__ __device__ inline int64_t gtc_numel(const gt_tensor &t) {
+    int64_t n = 1;
+    for (int i = 0; i < t.ndim; i++) n *= t.shape[i];
+    return n;
+}
+
+__host__ __device__ inline int64_t gtc_ncols(const gt_tensor &t) { return t.ndim ? t.shape[t.ndim - 1] : 1; }
+
+__host__ __device__ inline int64_t gtc_nrows(const gt_tensor &t) {
+    int64_t n = 1;
+    for (int i = 0; i + 1 < t.ndim; i++) n *= t.shape[i];
+    return n;
+}
+
+__host__ __device__ inline bool gtc_contiguous(const gt_tensor &t) {
+    int64_t s = 1;
+    for (int i = t.ndim - 1; i >= 0; i--) {
+        if (t.shape[i] != 1 && t.strides[i] != s) return false;
+        s *= t.shape[i];
+    }
+    return true;
+}
+
+/* Element offset in t of flat (row-major) index i of `like`'s shape, t broadcast to it
+ * (right-aligned dims; t's dims of size 1, or missing, contribute nothing). */
+__host__ __device__ inline int64_t gtc_offset(const gt_tensor &t, const gt_tensor &like, int64_t i) {
+    int64_t off = 0;
+    int d = t.ndim - 1;
+    for (int k = like.ndim - 1; k >= 0; k--, d--) {
+        const int64_t n = like.shape[k];
+        const int64_t idx = i % n;
+        i /= n;
+        if (d >= 0 && t.shape[d] != 1) off += idx * t.strides[d];
+    }
+    return off;
+}
+
+/* Offset of the first element of row `row` (all dims but the last), any strides. */
+__host__ __device__ inline int64_t gtc_row_offset(const gt_tensor &t, int64_t row) {
+    int64_t off = 0;
+    for (int i = t.ndim - 2; i >= 0; i--) {
+        const int64_t n = t.shape[i];
+        off += (row % n) * t.strides[i];
+        row /= n;
+    }
+    return off;
+}
+
+/* Host-side checks, as the CPU kernels make them (same words). */
+int gtc_check_dtype_(const gt_tensor *t, int32_t dtype, const char *op, const char *what);
+int gtc_check_n_src_(const gt_node *node, int lo, int hi, const char *op);
+int gtc_check_contig_(const gt_tensor *t, const char *op, const char *what);
+int gtc_check_same_shape_(const gt_tensor *a, const gt_tensor *b, const char *op, const char *wa, const char *wb);
+#define GTC_F32(t, op, what) GTC_TRY(gtc_check_dtype_((t), GT_F32, (op), (what)))
+#define GTC_I32(t, op, what) GTC_TRY(gtc_check_dtype_((t), GT_I32, (op), (what)))
+
+/* Blocks of GTC_THREADS threads for n items, a grid-stride loop covering the rest. */
+inline unsigned gtc_blocks(int64_t n) {
+    int64_t b = (n + GTC_THREADS - 1) / GTC_THREADS;
+    if (b < 1) b = 1;
+    return (unsigned)(b > 65535 * 8 ? 65535 * 8 : b);
+}
+#define GTC_FOR(i, n) for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < (n); \
+                           i += (int64_t)gridDim.x * blockDim.x)
+
+/* Sum (or max) of one value per thread over a block of blockDim.x threads (a multiple of
+ * 32, at most 1024), in a fixed order: every thread gets the result. `shared` holds 32
+ * floats. Deterministic: the same bits for the same inputs and block size. */
+__device__ inline float gtc_warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+__device__ inline float gtc_warp_max(float v) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+__device__ inline float gtc_block_sum(float v, float *shared) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    v = gtc_warp_sum(v);
+    __syncthreads();
+    if (lane == 0) shared[warp] = v;
+    __syncthreads();
+    v = lane < nw ? shared[lane] : 0.0f;
+    return gtc_warp_sum(v);
+}
+__device__ inline float gtc_block_max(float v, float *shared) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    v = gtc_warp_max(v);
+    __syncthreads();
+    if (lane == 0) shared[warp] = v;
+    __syncthreads();
+    v = lane < nw ? shared[lane] : -INFINITY;
+    return gtc_warp_max(v);
+}
+
+/* f16 and bf16 bits <-> f32, on host and device alike (no intrinsics). */
+__host__ __device__ inline float gtc_f16(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t exp = (h >> 10) & 0x1Fu, man = h & 0x3FFu, bits;
+    if (exp == 0x1Fu) {
+        bits = sign | 0x7F800000u | (man << 13);
+    } else if (exp != 0) {
+        bits = sign | ((exp + 112u) << 23) | (man << 13);
+    } else if (man == 0) {
+        bits = sign;
+    } else {                       /* subnormal: normalise */
+        exp = 113u;
+        while (!(man & 0x400u)) { man <<= 1; exp--; }
+        bits = sign | (exp << 23) | ((man & 0x3FFu) << 13);
+    }
+    union { uint32_t u; float f; } v;
+    v.u = bits;
+    return v.f;
+}
+__host__ __device__ inline float gtc_bf16(uint16_t h) {
+    union { uint32_t u; float f; } v;
+    v.u = (uint32_t)h << 16;
+    return v.f;
+}
+
+/* The launchers, one per kernel of the table (kernels.h lists them). */
+#define GTC_LAUNCHER(name) extern "C" int gtc_k_##name(const gt_node *node, const gt_ctx *ctx)
+#define GTC_SIZES(name) extern "C" int gtc_s_##name(const gt_node *node, int64_t *scratch, int64_t *work)
+
+#endif

@@ -1,0 +1,272 @@
+/* matmul.cu: matrix products through cuBLAS (f32, exact unless gtc_set_tf32), products with a
+ * frozen weight in its stored type (decoded to f32 in the node's work memory, then the f32
+ * product: the same view, so the same layouts as the CPU's), and get_rows of stored weights. */
+#include <dlfcn.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common.cuh"
+#include "cublas.cuh"
+#include "kernels.h"
+#include "quant.cuh"
+
+extern "C" {
+#include "gtc.h"
+}
+
+/* ---- cuBLAS ---------------------------------------------------------------------------------- */
+
+static gtc_cublas g_blas;
+
+const gtc_cublas *gtc_cublas_(void) { return &g_blas; }
+
+int gtc_cublas_load_(cudaStream_t stream) {
+    const char *names[] = {getenv("GGTRAIN_CUBLAS"), "libcublas.so.13", "libcublas.so.12",
+                           "/usr/local/cuda/lib64/libcublas.so.13", "/usr/local/cuda/lib64/libcublas.so.12"};
+    const int n_names = (int)(sizeof names / sizeof names[0]);
+    char tried[768] = "";
+    void *lib = NULL;
+    for (int i = 0; i < n_names && !lib; i++) {
+        if (!names[i] || !names[i][0]) continue;
+        lib = dlopen(names[i], RTLD_NOW | RTLD_LOCAL);
+        if (!lib) {
+            size_t used = strlen(tried);
+            snprintf(tried + used, sizeof tried - used, "%s%s", used ? ", " : "", names[i]);
+        }
+    }
+    if (!lib)
+        return GTC_FAIL(GT_ERR_UNSUPPORTED, "cuBLAS cannot be loaded (tried %s): install the nvidia-cublas wheel "
+                        "or the CUDA toolkit, or name the library in GGTRAIN_CUBLAS", tried);
+    int (*create)(void **) = (int (*)(void **))dlsym(lib, "cublasCreate_v2");
+    int (*set_stream)(void *, cudaStream_t) = (int (*)(void *, cudaStream_t))dlsym(lib, "cublasSetStream_v2");
+    g_blas.sgemm = (decltype(g_blas.sgemm))dlsym(lib, "cublasSgemm_v2");
+    g_blas.sgemm_strided = (decltype(g_blas.sgemm_strided))dlsym(lib, "cublasSgemmStridedBatched");
+    g_blas.set_math_mode = (decltype(g_blas.set_math_mode))dlsym(lib, "cublasSetMathMode");
+    if (!create || !set_stream || !g_blas.sgemm || !g_blas.sgemm_strided || !g_blas.set_math_mode)
+        return GTC_FAIL(GT_ERR_UNSUPPORTED, "cuBLAS lacks a function ggtrain calls (cublasCreate_v2, "
+                        "cublasSetStream_v2, cublasSgemm_v2, cublasSgemmStridedBatched, cublasSetMathMode)");
+    int st = create(&g_blas.handle);
+    if (st) return GTC_FAIL(GT_ERR_UNSUPPORTED, "cublasCreate failed (status %d)", st);
+    st = set_stream(g_blas.handle, stream);
+    if (st) return GTC_FAIL(GT_ERR_UNSUPPORTED, "cublasSetStream failed (status %d)", st);
+    return GT_OK;
+}
+
+extern "C" int gtc_set_tf32(int32_t on) {
+    if (!g_blas.handle) return GTC_FAIL(GT_ERR_INVALID, "gtc_set_tf32: gtc_init has not run");
+    const int st = g_blas.set_math_mode(g_blas.handle, on ? 3 /* CUBLAS_TF32_TENSOR_OP_MATH */ : 0);
+    if (st) return GTC_FAIL(GT_ERR_UNSUPPORTED, "cublasSetMathMode failed (status %d)", st);
+    return GT_OK;
+}
+
+/* ---- f32 products ---------------------------------------------------------------------------- */
+
+/* One operand's last two dims as cuBLAS sees them (column-major): op and leading dim. */
+struct operand {
+    int op;
+    int64_t ld;
+};
+
+static int layout(const gt_tensor *t, const char *what, operand *o) {
+    const int nd = t->ndim;
+    const int64_t R = t->shape[nd - 2], C = t->shape[nd - 1], sr = t->strides[nd - 2], sc = t->strides[nd - 1];
+    if (sc == 1 || C == 1) {            /* rows of C contiguous floats: X^T column-major, ld sr */
+        o->op = GTC_OP_N;
+        o->ld = R == 1 ? (C > sr ? C : sr) : sr;
+        if (o->ld < C) o->ld = C;
+    } else if (sr == 1 || R == 1) {     /* columns contiguous: X column-major, ld sc; X^T = op T */
+        o->op = GTC_OP_T;
+        o->ld = sc < R ? R : sc;
+    } else {
+        return GTC_FAIL(GT_ERR_INVALID, "matmul: %s needs a unit stride in one of its last two dims", what);
+    }
+    return GT_OK;
+}
+
+/* dst (..., M, N) = a (..., M, K) @ b (..., K, N), batch dims broadcast; b's data may be
+ * another pointer than b->data (a decoded weight). */
+static int gemm(const gt_tensor *d, const gt_tensor *a, const gt_tensor *b, const float *bdata, const char *op) {
+    if (d->ndim < 2 || a->ndim < 2 || b->ndim < 2)
+        return GTC_FAIL(GT_ERR_SHAPE, "%s: operands need two dims", op);
+    const int64_t M = a->shape[a->ndim - 2], K = a->shape[a->ndim - 1], N = b->shape[b->ndim - 1];
+    if (b->shape[b->ndim - 2] != K || d->shape[d->ndim - 2] != M || d->shape[d->ndim - 1] != N)
+        return GTC_FAIL(GT_ERR_SHAPE, "%s: (%lld, %lld) @ (%lld, %lld) into (%lld, %lld)", op, (long long)M,
+                        (long long)K, (long long)b->shape[b->ndim - 2], (long long)N,
+                        (long long)d->shape[d->ndim - 2], (long long)d->shape[d->ndim - 1]);
+    if (!gtc_contiguous(*d)) return GTC_FAIL(GT_ERR_INVALID, "%s: dst must be contiguous", op);
+    if (M > INT32_MAX || N > INT32_MAX || K > INT32_MAX)
+        return GTC_FAIL(GT_ERR_UNSUPPORTED, "%s: a dim beyond 2^31", op);
+    if (!g_blas.handle) return GTC_FAIL(GT_ERR_INVALID, "%s: cuBLAS is not loaded", op);
+    operand oa = {GTC_OP_N, 0}, ob = {GTC_OP_N, 0};
+    GTC_TRY(layout(a, "src0", &oa));
+    GTC_TRY(layout(b, "src1", &ob));
+    /* the batches: dst's leading dims, each operand broadcast to them */
+    gt_tensor batch = *d;
+    batch.ndim = d->ndim - 2;
+    gt_tensor ab = *a, bb = *b;
+    ab.ndim = a->ndim - 2;
+    bb.ndim = b->ndim - 2;
+    const int64_t nb = gtc_numel(batch);
+    float *dd = (float *)d->data;
+    const float *ad = (const float *)a->data;
+    const float alpha = 1.0f, beta = 0.0f;
+    if (M == 0 || N == 0) return GT_OK;
+    if (K == 0) return GTC_CUDA(cudaMemsetAsync(dd, 0, (size_t)(nb * M * N) * 4, gtc_stream_()), op);
+    /* one strided-batched call when each operand's batch offsets step evenly */
+    const int64_t sa = nb > 1 ? gtc_offset(ab, batch, 1) : 0, sb = nb > 1 ? gtc_offset(bb, batch, 1) : 0;
+    bool even = nb > 1;
+    for (int64_t i = 2; even && i < nb; i++)
+        even = gtc_offset(ab, batch, i) == i * sa && gtc_offset(bb, batch, i) == i * sb;
+    int st;
+    if (even && nb <= INT32_MAX) {
+        st = g_blas.sgemm_strided(g_blas.handle, ob.op, oa.op, (int)N, (int)M, (int)K, &alpha, bdata, (int)ob.ld, sb,
+                                  ad, (int)oa.ld, sa, &beta, dd, (int)N, M * N, (int)nb);
+        if (st) return GTC_FAIL(GT_ERR_UNSUPPORTED, "%s: cublasSgemmStridedBatched failed (status %d)", op, st);
+        return GTC_LAUNCHED(op);
+    }
+    for (int64_t i = 0; i < nb; i++) {
+        st = g_blas.sgemm(g_blas.handle, ob.op, oa.op, (int)N, (int)M, (int)K, &alpha, bdata + gtc_offset(bb, batch, i),
+                          (int)ob.ld, ad + gtc_offset(ab, batch, i), (int)oa.ld, &beta, dd + i * M * N, (int)N);
+        if (st) return GTC_FAIL(GT_ERR_UNSUPPORTED, "%s: cublasSgemm failed (status %d)", op, st);
+    }
+    return GTC_LAUNCHED(op);
+}
+
+GTC_SIZES(matmul_fwd_f32) {
+    (void)node;
+    *scratch = 0;
+    *work = 0;
+    return GT_OK;
+}
+
+GTC_LAUNCHER(matmul_fwd_f32) {
+    (void)ctx;
+    const char *op = "matmul";
+    GTC_TRY(gtc_check_n_src_(node, 2, 2, op));
+    GTC_F32(&node->dst, op, "dst");
+    GTC_F32(&node->src[0], op, "src0");
+    GTC_F32(&node->src[1], op, "src1");
+    return gemm(&node->dst, &node->src[0], &node->src[1], (const float *)node->src[1].data, op);
+}
+
+/* ---- stored weights -------------------------------------------------------------------------- */
+
+/* W (R, C) of a stored view: W^T (shape (C, R), strides (1, C)) or W (shape (R, C), strides (C, 1)). */
+static int weight_dims(const gt_tensor *w, int64_t *R, int64_t *C, const char *op) {
+    if (w->ndim != 2) return GTC_FAIL(GT_ERR_SHAPE, "%s: the weight must have two dims", op);
+    if (w->strides[0] == 1 && w->strides[1] == w->shape[0]) {
+        *R = w->shape[1];
+        *C = w->shape[0];
+    } else if (w->strides[1] == 1 && w->strides[0] == w->shape[1]) {
+        *R = w->shape[0];
+        *C = w->shape[1];
+    } else {
+        return GTC_FAIL(GT_ERR_INVALID, "%s: the weight must be W or W^T of a whole stored matrix", op);
+    }
+    const int be = gtc_block_elems(w->dtype);
+    if (!be || *C % be) return GTC_FAIL(GT_ERR_INVALID, "%s: rows of %lld are not whole blocks", op, (long long)*C);
+    return GT_OK;
+}
+
+__global__ void decode_blocks(float *y, const uint8_t *w, int32_t type, int64_t n_blocks, int be, int bb) {
+    GTC_FOR(i, n_blocks) gtc_decode_block(type, w + i * bb, y + i * be);
+}
+
+static int decode(float *y, const gt_tensor *w, int64_t R, int64_t C) {
+    const int be = gtc_block_elems(w->dtype), bb = gtc_block_bytes(w->dtype);
+    const int64_t n = R * C / be;
+    decode_blocks<<<gtc_blocks(n), GTC_THREADS, 0, gtc_stream_()>>>(y, (const uint8_t *)w->data, w->dtype, n, be, bb);
+    return GTC_LAUNCHED("decoding a stored weight");
+}
+
+static int weight_sizes(const gt_node *node, int32_t type, int64_t *scratch, int64_t *work) {
+    int64_t R = 0, C = 0;
+    *scratch = 0;
+    *work = 0;
+    if (node->n_src < 2 || node->src[1].dtype != type) return GT_OK;
+    GTC_TRY(weight_dims(&node->src[1], &R, &C, "matmul"));
+    *work = R * C * (int64_t)sizeof(float);
+    return GT_OK;
+}
+
+static int weight_matmul(const gt_node *node, const gt_ctx *ctx, int32_t type, const char *op) {
+    GTC_TRY(gtc_check_n_src_(node, 2, 2, op));
+    GTC_F32(&node->dst, op, "dst");
+    GTC_F32(&node->src[0], op, "src0");
+    if (node->src[1].dtype != type) return GTC_FAIL(GT_ERR_DTYPE, "%s: the weight has another type", op);
+    int64_t R = 0, C = 0;
+    GTC_TRY(weight_dims(&node->src[1], &R, &C, op));
+    if (ctx->wsize < R * C * (int64_t)sizeof(float))
+        return GTC_FAIL(GT_ERR_INVALID, "%s: work memory %lld bytes, needs %lld", op, (long long)ctx->wsize,
+                        (long long)(R * C * 4));
+    float *y = (float *)ctx->wdata;
+    GTC_TRY(decode(y, &node->src[1], R, C));
+    return gemm(&node->dst, &node->src[0], &node->src[1], y, op);
+}
+
+__global__ void get_rows_blocks(float *d, const uint8_t *w, const int32_t *idx, int64_t n, int64_t V, int64_t C,
+                                int64_t row_bytes, int32_t type, int be, int bb, GTC_ERR_ARGS) {
+    const int64_t per = C / be;
+    GTC_FOR(i, n * per) {
+        const int64_t r = i / per, k = i % per;
+        const int32_t v = idx[r];
+        if (v < 0 || v >= V) {
+            GTC_RAISE(GTC_DEV_INDEX);
+            continue;
+        }
+        gtc_decode_block(type, w + v * row_bytes + k * bb, d + r * C + k * be);
+    }
+}
+
+static int weight_get_rows(const gt_node *node, int32_t type, const char *op) {
+    GTC_TRY(gtc_check_n_src_(node, 2, 2, op));
+    const gt_tensor *d = &node->dst, *w = &node->src[0], *ix = &node->src[1];
+    GTC_F32(d, op, "dst");
+    GTC_I32(ix, op, "idx");
+    if (w->dtype != type) return GTC_FAIL(GT_ERR_DTYPE, "%s: the table has another type", op);
+    if (w->ndim != 2 || w->strides[1] != 1 || w->strides[0] != w->shape[1])
+        return GTC_FAIL(GT_ERR_INVALID, "%s: the table must be a whole stored matrix", op);
+    GTC_TRY(gtc_check_contig_(ix, op, "idx"));
+    GTC_TRY(gtc_check_contig_(d, op, "dst"));
+    const int64_t V = w->shape[0], C = w->shape[1], n = gtc_numel(*ix);
+    const int be = gtc_block_elems(type), bb = gtc_block_bytes(type);
+    if (C % be) return GTC_FAIL(GT_ERR_INVALID, "%s: rows of %lld are not whole blocks", op, (long long)C);
+    if (gtc_numel(*d) != n * C) return GTC_FAIL(GT_ERR_SHAPE, "%s: dst must hold %lld rows of %lld", op,
+                                                (long long)n, (long long)C);
+    get_rows_blocks<<<gtc_blocks(n * (C / be)), GTC_THREADS, 0, gtc_stream_()>>>(
+        (float *)d->data, (const uint8_t *)w->data, (const int32_t *)ix->data, n, V, C, C / be * bb, type, be, bb,
+        GTC_ERR_PASS);
+    return GTC_LAUNCHED(op);
+}
+
+#define GTC_WEIGHT_KERNELS(name, type)                                                                   \
+    GTC_SIZES(matmul_fwd_f32_##name) { return weight_sizes(node, type, scratch, work); }                 \
+    GTC_LAUNCHER(matmul_fwd_f32_##name) { return weight_matmul(node, ctx, type, "matmul_" #name); }     \
+    GTC_LAUNCHER(get_rows_fwd_f32_##name) {                                                              \
+        (void)ctx;                                                                                       \
+        return weight_get_rows(node, type, "get_rows_" #name);                                           \
+    }
+GTC_WEIGHT_KERNELS(f16, GT_F16)
+GTC_WEIGHT_KERNELS(bf16, GT_BF16)
+GTC_WEIGHT_KERNELS(q4_0, GT_Q4_0)
+GTC_WEIGHT_KERNELS(q4_1, GT_Q4_1)
+GTC_WEIGHT_KERNELS(q5_0, GT_Q5_0)
+GTC_WEIGHT_KERNELS(q5_1, GT_Q5_1)
+GTC_WEIGHT_KERNELS(q8_0, GT_Q8_0)
+GTC_WEIGHT_KERNELS(q2_k, GT_Q2_K)
+GTC_WEIGHT_KERNELS(q3_k, GT_Q3_K)
+GTC_WEIGHT_KERNELS(q4_k, GT_Q4_K)
+GTC_WEIGHT_KERNELS(q5_k, GT_Q5_K)
+GTC_WEIGHT_KERNELS(q6_k, GT_Q6_K)
+
+/* ---- the host's copy of the decoder ---------------------------------------------------------- */
+
+extern "C" int gtc_dequantize_row_host(float *dst, const void *src, int32_t dtype, int64_t n) {
+    const int be = gtc_block_elems(dtype), bb = gtc_block_bytes(dtype);
+    if (!be) return GTC_FAIL(GT_ERR_UNSUPPORTED, "dequantize: type %d has no decoder", (int)dtype);
+    if (n % be) return GTC_FAIL(GT_ERR_INVALID, "dequantize: %lld elements are not whole blocks", (long long)n);
+    const uint8_t *b = (const uint8_t *)src;
+    for (int64_t i = 0; i < n / be; i++) gtc_decode_block(dtype, b + i * bb, dst + i * be);
+    return GT_OK;
+}

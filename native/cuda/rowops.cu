@@ -1,0 +1,474 @@
+/* rowops.cu: reductions, rms_norm, softmax (with masks), cross-entropy and rope. A row is
+ * one block of threads; sums go through gtc_block_sum, in a fixed order. */
+#include "common.cuh"
+#include "kernels.h"
+
+#define ROW_THREADS 256
+
+/* ---- sum, sumsq (all of src, any strides), sum_rows, repeat, repeat_bwd ------------------------ */
+
+template <bool SQ>
+__global__ void sum_all(float *d, gt_tensor s, int64_t n) {
+    __shared__ float sh[32];
+    const float *sd = (const float *)s.data;
+    float acc = 0.0f;
+    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+        const float v = sd[gtc_offset(s, s, i)];
+        acc += SQ ? v * v : v;
+    }
+    acc = gtc_block_sum(acc, sh);
+    if (threadIdx.x == 0) *d = acc;
+}
+
+template <bool SQ>
+static int launch_sum(const gt_node *node, const char *op) {
+    GTC_TRY(gtc_check_n_src_(node, 1, 1, op));
+    GTC_F32(&node->dst, op, "dst");
+    GTC_F32(&node->src[0], op, "src");
+    if (gtc_numel(node->dst) != 1) return GTC_FAIL(GT_ERR_SHAPE, "%s: dst must be a scalar", op);
+    sum_all<SQ><<<1, 1024, 0, gtc_stream_()>>>((float *)node->dst.data, node->src[0], gtc_numel(node->src[0]));
+    return GTC_LAUNCHED(op);
+}
+
+GTC_LAUNCHER(sum_fwd_f32) { (void)ctx; return launch_sum<false>(node, "sum"); }
+GTC_LAUNCHER(sumsq_fwd_f32) { (void)ctx; return launch_sum<true>(node, "sumsq"); }
+
+__global__ void sum_rows(float *d, gt_tensor s, int64_t N) {
+    __shared__ float sh[32];
+    const int64_t r = blockIdx.x;
+    const float *row = (const float *)s.data + gtc_row_offset(s, r);
+    const int64_t st = s.strides[s.ndim - 1];
+    float acc = 0.0f;
+    for (int64_t j = threadIdx.x; j < N; j += blockDim.x) acc += row[j * st];
+    acc = gtc_block_sum(acc, sh);
+    if (threadIdx.x == 0) d[r] = acc;
+}
+
+GTC_LAUNCHER(sum_rows_fwd_f32) {
+    (void)ctx;
+    const char *op = "sum_rows";
+    GTC_TRY(gtc_check_n_src_(node, 1, 1, op));
+    GTC_F32(&node->dst, op, "dst");
+    GTC_F32(&node->src[0], op, "src");
+    GTC_TRY(gtc_check_contig_(&node->dst, op, "dst"));
+    const int64_t rows = gtc_nrows(node->src[0]);
+    if (gtc_numel(node->dst) != rows) return GTC_FAIL(GT_ERR_SHAPE, "%s: dst must hold one value a row", op);
+    if (rows == 0) return GT_OK;
+    sum_rows<<<(unsigned)rows, ROW_THREADS, 0, gtc_stream_()>>>((float *)node->dst.data, node->src[0],
+                                                                 gtc_ncols(node->src[0]));
+    return GTC_LAUNCHED(op);
+}
+
+__global__ void repeat(float *d, gt_tensor s, gt_tensor like, int64_t n) {
+    const float *sd = (const float *)s.data;
+    GTC_FOR(i, n) d[i] = sd[gtc_offset(s, like, i)];
+}
+
+GTC_LAUNCHER(repeat_fwd_f32) {
+    (void)ctx;
+    const char *op = "repeat";
+    GTC_TRY(gtc_check_n_src_(node, 1, 1, op));
+    GTC_F32(&node->dst, op, "dst");
+    GTC_F32(&node->src[0], op, "src");
+    GTC_TRY(gtc_check_contig_(&node->dst, op, "dst"));
+    const int64_t n = gtc_numel(node->dst);
+    repeat<<<gtc_blocks(n), GTC_THREADS, 0, gtc_stream_()>>>((float *)node->dst.data, node->src[0], node->dst, n);
+    return GTC_LAUNCHED(op);
+}
+
+/* dst (dims of 1 where reduced; right-aligned, missing dims count as 1) = src summed over them:
+ * each dst element sums its src elements in row-major order. */
+__global__ void repeat_bwd(float *d, gt_tensor dst, gt_tensor s, int64_t n, int64_t per) {
+    const float *sd = (const float *)s.data;
+    const int off = s.ndim - dst.ndim;
+    GTC_FOR(j, n) {
+        /* dst's multi-index, in src's dims (missing leading dims: 0) */
+        int64_t idx[GTC_MAX_DIMS] = {0, 0, 0, 0, 0, 0};
+        int64_t r = j;
+        for (int k = dst.ndim - 1; k >= 0; k--) {
+            idx[k + off] = r % dst.shape[k];
+            r /= dst.shape[k];
+        }
+        float acc = 0.0f;
+        for (int64_t q = 0; q < per; q++) {
+            int64_t rest = q, o = 0;
+            for (int k = s.ndim - 1; k >= 0; k--) {
+                const bool reduced = k < off || dst.shape[k - off] == 1;
+                int64_t v = idx[k];
+                if (reduced && s.shape[k] != 1) {
+                    v = rest % s.shape[k];
+                    rest /= s.shape[k];
+                }
+                o += v * s.strides[k];
+            }
+            acc += sd[o];
+        }
+        d[j] = acc;
+    }
+}
+
+GTC_LAUNCHER(repeat_bwd_f32) {
+    (void)ctx;
+    const char *op = "repeat_bwd";
+    GTC_TRY(gtc_check_n_src_(node, 1, 1, op));
+    const gt_tensor *d = &node->dst, *s = &node->src[0];
+    GTC_F32(d, op, "dst");
+    GTC_F32(s, op, "src");
+    GTC_TRY(gtc_check_contig_(d, op, "dst"));
+    if (d->ndim > s->ndim) return GTC_FAIL(GT_ERR_SHAPE, "%s: dst has more dims than src", op);
+    const int64_t n = gtc_numel(*d);
+    if (n == 0) return GT_OK;
+    repeat_bwd<<<gtc_blocks(n), GTC_THREADS, 0, gtc_stream_()>>>((float *)d->data, *d, *s, n, gtc_numel(*s) / n);
+    return GTC_LAUNCHED(op);
+}
+
+/* ---- rms_norm ---------------------------------------------------------------------------------- */
+
+__global__ void rms_norm(float *d, const float *x, const float *g, int64_t N, float eps) {
+    __shared__ float sh[32];
+    const int64_t r = blockIdx.x;
+    const float *xr = x + r * N;
+    float ss = 0.0f, sg = 0.0f;
+    for (int64_t j = threadIdx.x; j < N; j += blockDim.x) {
+        ss += xr[j] * xr[j];
+        if (g) sg += g[r * N + j] * xr[j];
+    }
+    ss = gtc_block_sum(ss, sh);
+    if (g) sg = gtc_block_sum(sg, sh);
+    const float inv = 1.0f / sqrtf(ss / (float)N + eps);
+    float *dr = d + r * N;
+    if (!g) {
+        for (int64_t j = threadIdx.x; j < N; j += blockDim.x) dr[j] = xr[j] * inv;
+    } else {    /* dx = inv g - inv^3 x (sum g x) / N */
+        const float k = inv * inv * inv * sg / (float)N;
+        for (int64_t j = threadIdx.x; j < N; j += blockDim.x) dr[j] = inv * g[r * N + j] - k * xr[j];
+    }
+}
+
+static int launch_rms(const gt_node *node, bool backward, const char *op) {
+    GTC_TRY(gtc_check_n_src_(node, backward ? 2 : 1, backward ? 2 : 1, op));
+    const gt_tensor *d = &node->dst;
+    GTC_F32(d, op, "dst");
+    GTC_TRY(gtc_check_contig_(d, op, "dst"));
+    for (int i = 0; i < node->n_src; i++) {
+        GTC_F32(&node->src[i], op, "input");
+        GTC_TRY(gtc_check_contig_(&node->src[i], op, "input"));
+        GTC_TRY(gtc_check_same_shape_(&node->src[i], d, op, "input", "dst"));
+    }
+    const int64_t rows = gtc_nrows(*d);
+    if (rows == 0) return GT_OK;
+    rms_norm<<<(unsigned)rows, ROW_THREADS, 0, gtc_stream_()>>>(
+        (float *)d->data, (const float *)node->src[0].data, backward ? (const float *)node->src[1].data : NULL,
+        gtc_ncols(*d), node->fp[0]);
+    return GTC_LAUNCHED(op);
+}
+
+GTC_LAUNCHER(rms_norm_fwd_f32) { (void)ctx; return launch_rms(node, false, "rms_norm"); }
+GTC_LAUNCHER(rms_norm_bwd_f32) { (void)ctx; return launch_rms(node, true, "rms_norm_bwd"); }
+
+/* ---- softmax over the last dim, masks as ggtrain.h's ----------------------------------------- */
+
+/* Whether row r (of rows = numel / Tk) sees column j. */
+__device__ inline bool sees(int mask, int64_t r, int64_t j, int64_t Tq, int64_t Tk, int64_t rows_per_b,
+                            const int32_t *m) {
+    const int64_t i = r % Tq;
+    switch (mask) {
+    case 1: return j <= i + (Tk - Tq);
+    case 2: return j <= m[i];
+    case 3: {
+        const int64_t b = r / rows_per_b;
+        return j <= i && m[b * Tk + j] == m[b * Tk + i];
+    }
+    default: return true;
+    }
+}
+
+__global__ void softmax(float *d, const float *x, int64_t Tq, int64_t Tk, int mask, const int32_t *m,
+                        int64_t rows_per_b, float scale) {
+    __shared__ float sh[32];
+    const int64_t r = blockIdx.x;
+    const float *xr = x + r * Tk;
+    float *dr = d + r * Tk;
+    float mx = -INFINITY;
+    for (int64_t j = threadIdx.x; j < Tk; j += blockDim.x)
+        if (sees(mask, r, j, Tq, Tk, rows_per_b, m)) mx = fmaxf(mx, scale * xr[j]);
+    mx = gtc_block_max(mx, sh);
+    float sum = 0.0f;
+    for (int64_t j = threadIdx.x; j < Tk; j += blockDim.x)
+        if (sees(mask, r, j, Tq, Tk, rows_per_b, m)) sum += expf(scale * xr[j] - mx);
+    sum = gtc_block_sum(sum, sh);
+    for (int64_t j = threadIdx.x; j < Tk; j += blockDim.x)
+        dr[j] = mx != -INFINITY && sees(mask, r, j, Tq, Tk, rows_per_b, m) ? expf(scale * xr[j] - mx) / sum : 0.0f;
+}
+
+GTC_LAUNCHER(softmax_fwd_f32) {
+    (void)ctx;
+    const char *op = "softmax";
+    const gt_tensor *d = &node->dst, *x = &node->src[0];
+    const int mask = (int)node->ip[0];
+    GTC_TRY(gtc_check_n_src_(node, mask >= 2 ? 2 : 1, mask >= 2 ? 2 : 1, op));
+    GTC_F32(d, op, "dst");
+    GTC_F32(x, op, "src");
+    GTC_TRY(gtc_check_contig_(x, op, "src"));
+    GTC_TRY(gtc_check_contig_(d, op, "dst"));
+    GTC_TRY(gtc_check_same_shape_(x, d, op, "src", "dst"));
+    if (mask < 0 || mask > 3) return GTC_FAIL(GT_ERR_INVALID, "%s: mask (ip[0]) must be 0..3", op);
+    if (mask && x->ndim < 2) return GTC_FAIL(GT_ERR_SHAPE, "%s: a mask needs (..., T_q, T_k)", op);
+    const int64_t Tk = gtc_ncols(*x), Tq = x->ndim >= 2 ? x->shape[x->ndim - 2] : 1, rows = gtc_nrows(*x);
+    const int32_t *m = NULL;
+    int64_t rows_per_b = rows;
+    if (mask >= 2) {
+        GTC_I32(&node->src[1], op, mask == 2 ? "pos" : "seg");
+        GTC_TRY(gtc_check_contig_(&node->src[1], op, "mask input"));
+        m = (const int32_t *)node->src[1].data;
+        if (mask == 3) {
+            if (Tq != Tk || node->src[1].ndim != 2 || node->src[1].shape[1] != Tk)
+                return GTC_FAIL(GT_ERR_SHAPE, "%s: seg must be (B, T) with T_q == T_k == T", op);
+            rows_per_b = rows / node->src[1].shape[0];
+        } else if (gtc_numel(node->src[1]) != Tq) {
+            return GTC_FAIL(GT_ERR_SHAPE, "%s: pos must hold T_q values", op);
+        }
+    }
+    if (rows == 0) return GT_OK;
+    softmax<<<(unsigned)rows, ROW_THREADS, 0, gtc_stream_()>>>((float *)d->data, (const float *)x->data, Tq, Tk, mask,
+                                                                m, rows_per_b, node->fp[0]);
+    return GTC_LAUNCHED(op);
+}
+
+__global__ void softmax_bwd(float *d, const float *y, const float *g, int64_t N, float scale) {
+    __shared__ float sh[32];
+    const int64_t r = blockIdx.x;
+    float dot = 0.0f;
+    for (int64_t j = threadIdx.x; j < N; j += blockDim.x) dot += g[r * N + j] * y[r * N + j];
+    dot = gtc_block_sum(dot, sh);
+    for (int64_t j = threadIdx.x; j < N; j += blockDim.x) d[r * N + j] = scale * y[r * N + j] * (g[r * N + j] - dot);
+}
+
+GTC_LAUNCHER(softmax_bwd_f32) {
+    (void)ctx;
+    const char *op = "softmax_bwd";
+    GTC_TRY(gtc_check_n_src_(node, 2, 2, op));
+    const gt_tensor *d = &node->dst;
+    GTC_F32(d, op, "dst");
+    for (int i = 0; i < 2; i++) {
+        GTC_F32(&node->src[i], op, "input");
+        GTC_TRY(gtc_check_contig_(&node->src[i], op, "input"));
+        GTC_TRY(gtc_check_same_shape_(&node->src[i], d, op, "input", "dst"));
+    }
+    GTC_TRY(gtc_check_contig_(d, op, "dst"));
+    const int64_t rows = gtc_nrows(*d);
+    if (rows == 0) return GT_OK;
+    softmax_bwd<<<(unsigned)rows, ROW_THREADS, 0, gtc_stream_()>>>(
+        (float *)d->data, (const float *)node->src[0].data, (const float *)node->src[1].data, gtc_ncols(*d),
+        node->fp[0]);
+    return GTC_LAUNCHED(op);
+}
+
+/* ---- cross-entropy ----------------------------------------------------------------------------- */
+
+/* Each row's loss (0 on ignored rows) into loss[r]; counted[r] = 1 for a counted row. */
+__global__ void ce_rows(float *loss, const float *x, const int32_t *t, int64_t V, GTC_ERR_ARGS) {
+    __shared__ float sh[32];
+    const int64_t r = blockIdx.x;
+    const int32_t tr = t[r];
+    if (tr < 0) {
+        if (threadIdx.x == 0) loss[r] = 0.0f;
+        return;
+    }
+    if (tr >= V) {
+        if (threadIdx.x == 0) {
+            GTC_RAISE(GTC_DEV_TARGET);
+            loss[r] = 0.0f;
+        }
+        return;
+    }
+    const float *xr = x + r * V;
+    float mx = -INFINITY;
+    for (int64_t j = threadIdx.x; j < V; j += blockDim.x) mx = fmaxf(mx, xr[j]);
+    mx = gtc_block_max(mx, sh);
+    float sum = 0.0f;
+    for (int64_t j = threadIdx.x; j < V; j += blockDim.x) sum += expf(xr[j] - mx);
+    sum = gtc_block_sum(sum, sh);
+    if (threadIdx.x == 0) loss[r] = logf(sum) + mx - xr[tr];
+}
+
+/* dst = sum of the row losses / count (count: ip[0], or the targets >= 0; 0 gives 0). */
+__global__ void ce_mean(float *d, const float *loss, const int32_t *t, int64_t N, int64_t count) {
+    __shared__ float sh[32];
+    float acc = 0.0f, cnt = 0.0f;
+    for (int64_t r = threadIdx.x; r < N; r += blockDim.x) {
+        acc += loss[r];
+        cnt += t[r] >= 0 ? 1.0f : 0.0f;
+    }
+    acc = gtc_block_sum(acc, sh);
+    cnt = gtc_block_sum(cnt, sh);
+    const float c = count > 0 ? (float)count : cnt;
+    if (threadIdx.x == 0) *d = c > 0.0f ? acc / c : 0.0f;
+}
+
+GTC_SIZES(cross_entropy_fwd_f32) {
+    *work = 0;
+    *scratch = node->ip[1] == 1 ? 0 : gtc_nrows(node->src[0]) * (int64_t)sizeof(float);
+    return GT_OK;
+}
+
+static int check_ce(const gt_node *node, int n_src, const char *op) {
+    GTC_TRY(gtc_check_n_src_(node, n_src, n_src, op));
+    const gt_tensor *x = &node->src[0], *t = &node->src[1];
+    GTC_F32(&node->dst, op, "dst");
+    GTC_F32(x, op, "logits");
+    GTC_I32(t, op, "targets");
+    GTC_TRY(gtc_check_contig_(x, op, "logits"));
+    GTC_TRY(gtc_check_contig_(t, op, "targets"));
+    GTC_TRY(gtc_check_contig_(&node->dst, op, "dst"));
+    if (x->ndim != 2 || gtc_numel(*t) != x->shape[0])
+        return GTC_FAIL(GT_ERR_SHAPE, "%s: expected logits (N, V) and targets (N,)", op);
+    return GT_OK;
+}
+
+GTC_LAUNCHER(cross_entropy_fwd_f32) {
+    (void)ctx;
+    const char *op = "cross_entropy";
+    GTC_TRY(check_ce(node, 2, op));
+    const int64_t N = node->src[0].shape[0], V = node->src[0].shape[1];
+    const bool rows = node->ip[1] == 1;
+    float *loss = rows ? (float *)node->dst.data : (float *)node->scratch;
+    if (rows && gtc_numel(node->dst) != N) return GTC_FAIL(GT_ERR_SHAPE, "%s: dst must hold N losses", op);
+    if (!rows && (gtc_numel(node->dst) != 1 || node->scratch_size < N * (int64_t)sizeof(float)))
+        return GTC_FAIL(GT_ERR_SHAPE, "%s: dst must be a scalar, with N floats of scratch", op);
+    if (N > 0)
+        ce_rows<<<(unsigned)N, ROW_THREADS, 0, gtc_stream_()>>>(loss, (const float *)node->src[0].data,
+                                                                 (const int32_t *)node->src[1].data, V,
+                                                                 GTC_ERR_PASS);
+    if (!rows)
+        ce_mean<<<1, 1024, 0, gtc_stream_()>>>((float *)node->dst.data, loss, (const int32_t *)node->src[1].data, N,
+                                               node->ip[0]);
+    return GTC_LAUNCHED(op);
+}
+
+/* dlogits = g * (softmax - onehot) / count; 0 on ignored rows; in place allowed. */
+__global__ void ce_bwd(float *d, const float *x, const int32_t *t, const float *g, int64_t N, int64_t V,
+                       int64_t count, int rows) {
+    __shared__ float sh[32];
+    __shared__ float cnt_sh;
+    const int64_t r = blockIdx.x;
+    if (threadIdx.x == 0 && !rows) {
+        int64_t c = count;
+        if (c <= 0) {
+            c = 0;
+            for (int64_t k = 0; k < N; k++) c += t[k] >= 0;
+        }
+        cnt_sh = (float)c;
+    }
+    __syncthreads();
+    const int32_t tr = t[r];
+    const float *xr = x + r * V;
+    float *dr = d + r * V;
+    const float c = rows ? 1.0f : cnt_sh;
+    if (tr < 0 || tr >= V || c == 0.0f) {
+        for (int64_t j = threadIdx.x; j < V; j += blockDim.x) dr[j] = 0.0f;
+        return;
+    }
+    float mx = -INFINITY;
+    for (int64_t j = threadIdx.x; j < V; j += blockDim.x) mx = fmaxf(mx, xr[j]);
+    mx = gtc_block_max(mx, sh);
+    float sum = 0.0f;
+    for (int64_t j = threadIdx.x; j < V; j += blockDim.x) sum += expf(xr[j] - mx);
+    sum = gtc_block_sum(sum, sh);
+    const float k = (rows ? g[r] : g[0]) / c;
+    for (int64_t j = threadIdx.x; j < V; j += blockDim.x) {
+        const float p = expf(xr[j] - mx) / sum;
+        dr[j] = k * (p - (j == tr ? 1.0f : 0.0f));
+    }
+}
+
+GTC_LAUNCHER(cross_entropy_bwd_f32) {
+    (void)ctx;
+    const char *op = "cross_entropy_bwd";
+    GTC_TRY(check_ce(node, 3, op));
+    GTC_F32(&node->src[2], op, "g");
+    const int64_t N = node->src[0].shape[0], V = node->src[0].shape[1];
+    const bool rows = node->ip[1] == 1;
+    if (gtc_numel(node->src[2]) != (rows ? N : 1)) return GTC_FAIL(GT_ERR_SHAPE, "%s: g has the wrong size", op);
+    if (gtc_numel(node->dst) != N * V) return GTC_FAIL(GT_ERR_SHAPE, "%s: dst must be (N, V)", op);
+    if (N == 0) return GT_OK;
+    ce_bwd<<<(unsigned)N, ROW_THREADS, 0, gtc_stream_()>>>((float *)node->dst.data, (const float *)node->src[0].data,
+                                                            (const int32_t *)node->src[1].data,
+                                                            (const float *)node->src[2].data, N, V, node->ip[0],
+                                                            rows ? 1 : 0);
+    return GTC_LAUNCHED(op);
+}
+
+/* ---- rope, modes 0 (adjacent pairs) and 2 (neox: halves) --------------------------------------- */
+
+__global__ void rope(float *d, const float *x, const int32_t *pos, int per_row, int64_t pstride, const float *factors,
+                     int64_t fstride, int64_t rows, int64_t T, int64_t H, int64_t D, int64_t n_dims, int mode,
+                     double base, double fscale, double mscale, double sign) {
+    const int64_t half = n_dims / 2;
+    GTC_FOR(k, rows * T * H * (D - half)) {
+        /* k enumerates (row, t, h) and, per head, half pairs then the D - n_dims passed through */
+        const int64_t per = D - half, q = k % per, head = k / per;
+        const int64_t h = head % H, bt = head / H, t = bt % T, b = bt / T;
+        const int64_t off = ((b * T + t) * H + h) * D;
+        if (q < half) {
+            const int64_t p = per_row ? pos[b * T + t] : pos[t * pstride];
+            double freq = fscale * pow(base, -2.0 * (double)q / (double)n_dims);
+            if (factors) freq /= (double)factors[q * fstride];
+            const double th = (double)p * freq;
+            const float c = (float)(mscale * cos(th)), s = (float)(mscale * sign * sin(th));
+            const int64_t i0 = mode == 2 ? q : 2 * q, i1 = mode == 2 ? q + half : 2 * q + 1;
+            const float x0 = x[off + i0], x1 = x[off + i1];
+            d[off + i0] = x0 * c - x1 * s;
+            d[off + i1] = x0 * s + x1 * c;
+        } else {
+            const int64_t j = n_dims + (q - half);
+            d[off + j] = x[off + j];
+        }
+    }
+}
+
+static int launch_rope(const gt_node *node, double sign, const char *op) {
+    GTC_TRY(gtc_check_n_src_(node, 2, 3, op));
+    const gt_tensor *d = &node->dst, *x = &node->src[0], *p = &node->src[1];
+    GTC_F32(d, op, "dst");
+    GTC_F32(x, op, "x");
+    GTC_I32(p, op, "positions");
+    if (x->ndim < 3) return GTC_FAIL(GT_ERR_SHAPE, "%s: expected x (..., T, H, D)", op);
+    GTC_TRY(gtc_check_same_shape_(x, d, op, "x", "dst"));
+    GTC_TRY(gtc_check_contig_(x, op, "x"));
+    GTC_TRY(gtc_check_contig_(d, op, "dst"));
+    const int64_t D = x->shape[x->ndim - 1], H = x->shape[x->ndim - 2], T = x->shape[x->ndim - 3];
+    const int64_t rows = T * H * D > 0 ? gtc_numel(*x) / (T * H * D) : 0;
+    bool per_row = p->ndim == x->ndim - 2 && p->ndim > 1;
+    for (int i = 0; per_row && i < p->ndim; i++) per_row = p->shape[i] == x->shape[i];
+    if (!per_row && (p->ndim != 1 || p->shape[0] != T))
+        return GTC_FAIL(GT_ERR_SHAPE, "%s: expected positions (T,) or x's leading dims", op);
+    if (per_row) GTC_TRY(gtc_check_contig_(p, op, "positions"));
+    const int64_t n_dims = node->ip[0];
+    if (n_dims < 2 || n_dims % 2 || n_dims > D)
+        return GTC_FAIL(GT_ERR_INVALID, "%s: expected n_dims (ip[0]) even and in 2..D", op);
+    const int mode = (int)node->ip[1];
+    if (mode != 0 && mode != 2) return GTC_FAIL(GT_ERR_INVALID, "%s: expected mode (ip[1]) 0 or 2", op);
+    const float base = node->fp[0], fscale = node->fp[1], mscale = node->fp[2];
+    if (!(base > 0.0f) || !(fscale > 0.0f) || !(mscale > 0.0f))
+        return GTC_FAIL(GT_ERR_INVALID, "%s: freq_base, freq_scale and attn_factor must be > 0", op);
+    const float *factors = NULL;
+    int64_t fstride = 1;
+    if (node->n_src == 3) {
+        GTC_F32(&node->src[2], op, "factors");
+        if (gtc_numel(node->src[2]) != n_dims / 2) return GTC_FAIL(GT_ERR_SHAPE, "%s: expected n_dims/2 factors", op);
+        factors = (const float *)node->src[2].data;
+        fstride = node->src[2].strides[0];
+    }
+    const int64_t n = rows * T * H * (D - n_dims / 2);
+    if (n == 0) return GT_OK;
+    rope<<<gtc_blocks(n), GTC_THREADS, 0, gtc_stream_()>>>((float *)d->data, (const float *)x->data,
+                                                            (const int32_t *)p->data, per_row ? 1 : 0,
+                                                            per_row ? 1 : p->strides[0], factors,
+                                                            fstride, rows, T, H, D, n_dims, mode, base, fscale,
+                                                            mscale, sign);
+    return GTC_LAUNCHED(op);
+}
+
+GTC_LAUNCHER(rope_fwd_f32) { (void)ctx; return launch_rope(node, 1.0, "rope"); }
+GTC_LAUNCHER(rope_bwd_f32) { (void)ctx; return launch_rope(node, -1.0, "rope_bwd"); }
