@@ -1,0 +1,205 @@
+/* conv2d.cu: the direct convolution over NHWC with bias, relu and max-pool fused, and its two
+ * gradients, as ggtrain.h's conv2d: one thread an output element, the sums in the CPU's
+ * order (channel, kernel row, kernel column). Written for correctness first. */
+#include "common.cuh"
+#include "kernels.h"
+
+struct geom {
+    int64_t N, H, W, C, CO, KH, KW, S, P, OH, OW, pool, PH, PW;
+    int relu, bias;
+};
+
+static int geometry(const gt_node *node, const gt_tensor *x, const gt_tensor *k, geom *g, const char *op) {
+    g->KH = node->ip[0];
+    g->KW = node->ip[1];
+    g->S = node->ip[2];
+    g->P = node->ip[3];
+    g->relu = (int)node->ip[4];
+    g->pool = node->ip[5];
+    if (g->KH < 1 || g->KW < 1 || g->S < 1 || g->P < 0 || (g->relu != 0 && g->relu != 1) || g->pool < 1)
+        return GTC_FAIL(GT_ERR_INVALID, "%s: expected ip = {KH, KW, stride, pad, relu 0/1, pool >= 1}", op);
+    if (x->ndim != 4 || k->ndim != 4 || k->shape[1] != x->shape[3] || k->shape[2] != g->KH || k->shape[3] != g->KW)
+        return GTC_FAIL(GT_ERR_SHAPE, "%s: expected x (N, H, W, C) and kernel (CO, C, KH, KW)", op);
+    g->N = x->shape[0];
+    g->H = x->shape[1];
+    g->W = x->shape[2];
+    g->C = x->shape[3];
+    g->CO = k->shape[0];
+    g->OH = (g->H + 2 * g->P - g->KH) / g->S + 1;
+    g->OW = (g->W + 2 * g->P - g->KW) / g->S + 1;
+    g->PH = g->OH / g->pool;
+    g->PW = g->OW / g->pool;
+    return GT_OK;
+}
+
+/* relu?(conv + bias) at (n, oh, ow, co). */
+__device__ inline float conv_at(const geom &g, const float *x, const float *k, const float *b, int64_t n, int64_t oh,
+                                int64_t ow, int64_t co) {
+    float acc = 0.0f;
+    for (int64_t c = 0; c < g.C; c++)
+        for (int64_t kh = 0; kh < g.KH; kh++) {
+            const int64_t h = oh * g.S - g.P + kh;
+            for (int64_t kw = 0; kw < g.KW; kw++) {
+                const int64_t w = ow * g.S - g.P + kw;
+                const float xv = h >= 0 && h < g.H && w >= 0 && w < g.W ? x[((n * g.H + h) * g.W + w) * g.C + c] : 0.0f;
+                acc = fmaf(xv, k[((co * g.C + c) * g.KH + kh) * g.KW + kw], acc);
+            }
+        }
+    if (b) acc += b[co];
+    return g.relu ? (acc > 0.0f ? acc : 0.0f) : acc;
+}
+
+__global__ void conv_fwd(geom g, float *d, const float *x, const float *k, const float *b) {
+    if (g.pool == 1) {
+        GTC_FOR(i, g.N * g.OH * g.OW * g.CO) {
+            const int64_t co = i % g.CO, ow = (i / g.CO) % g.OW, oh = (i / (g.CO * g.OW)) % g.OH,
+                          n = i / (g.CO * g.OW * g.OH);
+            d[i] = conv_at(g, x, k, b, n, oh, ow, co);
+        }
+        return;
+    }
+    const int64_t plane = g.N * g.PH * g.PW * g.CO;
+    GTC_FOR(i, plane) {
+        const int64_t co = i % g.CO, pc = (i / g.CO) % g.PW, pr = (i / (g.CO * g.PW)) % g.PH,
+                      n = i / (g.CO * g.PW * g.PH);
+        float m = 0.0f, code = 0.0f;
+        for (int64_t a = 0; a < g.pool; a++)
+            for (int64_t c = 0; c < g.pool; c++) {
+                const float v = conv_at(g, x, k, b, n, pr * g.pool + a, pc * g.pool + c, co);
+                if ((a == 0 && c == 0) || v > m) {
+                    m = v;
+                    code = (float)(a * g.pool + c);
+                }
+            }
+        d[i] = m;
+        d[plane + i] = g.relu && !(m > 0.0f) ? -1.0f : code;
+    }
+}
+
+/* The gradient of the convolution's output (before relu and pool) at (n, oh, ow, co), from the
+ * forward's dst y and the gradient g of its values. */
+__device__ inline float dv_at(const geom &g, const float *y, const float *gr, int64_t n, int64_t oh, int64_t ow,
+                              int64_t co) {
+    if (g.pool == 1) {
+        const int64_t at = ((n * g.OH + oh) * g.OW + ow) * g.CO + co;
+        return g.relu && !(y[at] > 0.0f) ? 0.0f : gr[at];
+    }
+    const int64_t pr = oh / g.pool, pc = ow / g.pool;
+    if (pr >= g.PH || pc >= g.PW) return 0.0f;
+    const int64_t plane = g.N * g.PH * g.PW * g.CO, at = ((n * g.PH + pr) * g.PW + pc) * g.CO + co;
+    const float code = (float)((oh - pr * g.pool) * g.pool + (ow - pc * g.pool));
+    return y[plane + at] == code ? gr[at] : 0.0f;
+}
+
+__global__ void conv_weight_bwd(geom g, float *d, const float *x, const float *y, const float *gr) {
+    const int64_t rows = g.C * g.KH * g.KW;
+    GTC_FOR(i, (rows + 1) * g.CO) {
+        const int64_t co = i % g.CO, r = i / g.CO;
+        float acc = 0.0f;
+        for (int64_t n = 0; n < g.N; n++)
+            for (int64_t oh = 0; oh < g.OH; oh++)
+                for (int64_t ow = 0; ow < g.OW; ow++) {
+                    const float dv = dv_at(g, y, gr, n, oh, ow, co);
+                    if (dv == 0.0f) continue;
+                    if (r == rows) {
+                        acc += dv;
+                        continue;
+                    }
+                    const int64_t c = r / (g.KH * g.KW), kh = (r / g.KW) % g.KH, kw = r % g.KW;
+                    const int64_t h = oh * g.S - g.P + kh, w = ow * g.S - g.P + kw;
+                    if (h >= 0 && h < g.H && w >= 0 && w < g.W) acc += dv * x[((n * g.H + h) * g.W + w) * g.C + c];
+                }
+        d[i] = acc;
+    }
+}
+
+__global__ void conv_input_bwd(geom g, float *d, const float *k, const float *y, const float *gr) {
+    GTC_FOR(i, g.N * g.H * g.W * g.C) {
+        const int64_t c = i % g.C, w = (i / g.C) % g.W, h = (i / (g.C * g.W)) % g.H, n = i / (g.C * g.W * g.H);
+        float acc = 0.0f;
+        for (int64_t co = 0; co < g.CO; co++)
+            for (int64_t kh = 0; kh < g.KH; kh++) {
+                const int64_t hs = h + g.P - kh;
+                if (hs < 0 || hs % g.S || hs / g.S >= g.OH) continue;
+                for (int64_t kw = 0; kw < g.KW; kw++) {
+                    const int64_t ws = w + g.P - kw;
+                    if (ws < 0 || ws % g.S || ws / g.S >= g.OW) continue;
+                    const float dv = dv_at(g, y, gr, n, hs / g.S, ws / g.S, co);
+                    acc += dv * k[((co * g.C + c) * g.KH + kh) * g.KW + kw];
+                }
+            }
+        d[i] = acc;
+    }
+}
+
+static int check_all(const gt_node *node, int lo, int hi, const char *op) {
+    GTC_TRY(gtc_check_n_src_(node, lo, hi, op));
+    GTC_F32(&node->dst, op, "dst");
+    GTC_TRY(gtc_check_contig_(&node->dst, op, "dst"));
+    for (int i = 0; i < node->n_src; i++) {
+        GTC_F32(&node->src[i], op, "input");
+        GTC_TRY(gtc_check_contig_(&node->src[i], op, "input"));
+    }
+    return GT_OK;
+}
+
+static int64_t out_numel(const geom &g) {
+    return g.pool == 1 ? g.N * g.OH * g.OW * g.CO : 2 * g.N * g.PH * g.PW * g.CO;
+}
+
+GTC_LAUNCHER(conv2d_fwd_f32) {
+    (void)ctx;
+    const char *op = "conv2d";
+    GTC_TRY(check_all(node, 2, 3, op));
+    geom g;
+    GTC_TRY(geometry(node, &node->src[0], &node->src[1], &g, op));
+    g.bias = node->n_src == 3;
+    if (g.bias && gtc_numel(node->src[2]) != g.CO) return GTC_FAIL(GT_ERR_SHAPE, "%s: bias must be (CO,)", op);
+    if (gtc_numel(node->dst) != out_numel(g)) return GTC_FAIL(GT_ERR_SHAPE, "%s: dst has the wrong size", op);
+    const int64_t n = g.pool == 1 ? out_numel(g) : out_numel(g) / 2;
+    if (n == 0) return GT_OK;
+    conv_fwd<<<gtc_blocks(n), GTC_THREADS, 0, gtc_stream_()>>>(g, (float *)node->dst.data,
+                                                                (const float *)node->src[0].data,
+                                                                (const float *)node->src[1].data,
+                                                                g.bias ? (const float *)node->src[2].data : NULL);
+    return GTC_LAUNCHED(op);
+}
+
+GTC_LAUNCHER(conv2d_weight_bwd_f32) {
+    (void)ctx;
+    const char *op = "conv2d_weight_bwd";
+    GTC_TRY(check_all(node, 3, 3, op));
+    geom g;
+    const gt_tensor *x = &node->src[0], *d = &node->dst;
+    if (d->ndim != 2) return GTC_FAIL(GT_ERR_SHAPE, "%s: dst must be (C*KH*KW + 1, CO)", op);
+    gt_tensor k = *x;            /* the kernel's shape, from dst and ip */
+    k.shape[0] = d->shape[1];
+    k.shape[1] = x->shape[3];
+    k.shape[2] = node->ip[0];
+    k.shape[3] = node->ip[1];
+    GTC_TRY(geometry(node, x, &k, &g, op));
+    if (d->shape[0] != g.C * g.KH * g.KW + 1) return GTC_FAIL(GT_ERR_SHAPE, "%s: dst must be (C*KH*KW + 1, CO)", op);
+    if (gtc_numel(node->src[1]) != out_numel(g)) return GTC_FAIL(GT_ERR_SHAPE, "%s: y has the wrong size", op);
+    const int64_t n = gtc_numel(*d);
+    conv_weight_bwd<<<gtc_blocks(n), GTC_THREADS, 0, gtc_stream_()>>>(g, (float *)d->data, (const float *)x->data,
+                                                                       (const float *)node->src[1].data,
+                                                                       (const float *)node->src[2].data);
+    return GTC_LAUNCHED(op);
+}
+
+GTC_LAUNCHER(conv2d_input_bwd_f32) {
+    (void)ctx;
+    const char *op = "conv2d_input_bwd";
+    GTC_TRY(check_all(node, 3, 3, op));
+    geom g;
+    const gt_tensor *d = &node->dst;
+    GTC_TRY(geometry(node, d, &node->src[0], &g, op));
+    if (gtc_numel(node->src[1]) != out_numel(g)) return GTC_FAIL(GT_ERR_SHAPE, "%s: y has the wrong size", op);
+    const int64_t n = gtc_numel(*d);
+    if (n == 0) return GT_OK;
+    conv_input_bwd<<<gtc_blocks(n), GTC_THREADS, 0, gtc_stream_()>>>(g, (float *)d->data,
+                                                                      (const float *)node->src[0].data,
+                                                                      (const float *)node->src[1].data,
+                                                                      (const float *)node->src[2].data);
+    return GTC_LAUNCHED(op);
+}
