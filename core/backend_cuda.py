@@ -152,7 +152,8 @@ class CudaBuffer(Buffer):
 
 
 class CudaPlan(Plan):
-    """gt_node records for the library, the memory they point into, and the work buffer."""
+    """gt_node records for the library and the memory they point into; work memory is the
+    backend's one shared buffer."""
 
     def __init__(self, backend: "CudaBackend", calls: list):
         ffi = backend.ffi
@@ -162,9 +163,8 @@ class CudaPlan(Plan):
         for i, call in enumerate(calls):
             fill_node(ffi, self.nodes[i], call, backend.kernel_pointer(call.kernel), keep)
         self._keep = keep
-        work = max([c.work_bytes for c in calls] + [0])
-        self.work = CudaBuffer(backend, work) if work else None
-        self.work_bytes = work
+        self.work_bytes = max([c.work_bytes for c in calls] + [0])
+        backend.reserve_work(self.work_bytes)
 
 
 class CudaBackend(Backend):
@@ -192,6 +192,14 @@ class CudaBackend(Backend):
         major, minor = self.ffi.new("int32_t *"), self.ffi.new("int32_t *")
         _check(self.lib.gtc_device_info(device, name, 256, memory, major, minor), "reading the device")
         self.device = (self.ffi.string(name).decode(), int(memory[0]), (int(major[0]), int(minor[0])))
+        self._work: CudaBuffer | None = None   # one work buffer for every plan (they run in turn)
+
+    def reserve_work(self, nbytes: int) -> None:
+        """Grow the shared work buffer to at least nbytes (a stored weight's product decodes the
+        weight into it: R x C floats)."""
+        if nbytes and (self._work is None or self._work.nbytes < nbytes):
+            self._work = None          # (the old one goes first: the GPU may not hold both)
+            self._work = CudaBuffer(self, nbytes)
 
     def alloc(self, nbytes: int) -> CudaBuffer:
         return CudaBuffer(self, nbytes)
@@ -240,8 +248,10 @@ class CudaBackend(Backend):
 
     def run(self, plan: CudaPlan, n_threads: int | None = None) -> None:
         failed = self.ffi.new("int64_t *")
-        work = self.ffi.cast("void *", plan.work.address) if plan.work else self.ffi.NULL
-        rc = self.lib.gtc_run(plan.nodes, len(plan.calls), work, plan.work_bytes, failed)
+        self.reserve_work(plan.work_bytes)
+        work = self.ffi.cast("void *", self._work.address) if plan.work_bytes else self.ffi.NULL
+        size = self._work.nbytes if plan.work_bytes else 0
+        rc = self.lib.gtc_run(plan.nodes, len(plan.calls), work, size, failed)
         if rc != 0:
             idx = int(failed[0])
             label = (plan.calls[idx].label or plan.calls[idx].kernel) if 0 <= idx < len(plan.calls) else "?"

@@ -37,7 +37,9 @@ def command(compiler: str, out: pathlib.Path) -> list:
     gencode.append(f"-gencode=arch=compute_{ARCHS[-1]},code=compute_{ARCHS[-1]}")
     werror = ["-Werror=all-warnings"] if os.environ.get("GGTRAIN_NATIVE_WERROR") == "1" else []
     sources = sorted(str(p.relative_to(HERE.parent)) for p in (HERE / "cuda").glob("*.cu"))
-    return [compiler, "-O3", "-std=c++17", "--threads", "0", "--shared", "-cudart", "static",
+    # -fmad=false: no contraction of a * b + c into one rounding, so the block decoders give the
+    # CPU's bits and the elementwise kernels compute the CPU's formulas (cuBLAS is not affected)
+    return [compiler, "-O3", "-std=c++17", "-fmad=false", "--threads", "0", "--shared", "-cudart", "static",
             f"-Xcompiler=-fPIC,{warn}", *werror, *gencode, "-o", str(out), *sources, "-ldl"]
 
 

@@ -50,7 +50,8 @@ def test_the_kernel_table_is_the_cpus(cuda_lib):
                                   "q5_k", "q6_k"])
 def test_the_device_block_decoder_equals_the_cpu_dequantizer(cuda_lib, name):
     """Random blocks (their f16 scales finite, as a quantizer writes them): the decoder the
-    CUDA kernels run, compiled for the host, gives the CPU's f32 values bit for bit."""
+    CUDA kernels run, compiled for the host, gives the CPU's f32 values bit for bit (on the
+    device the same source, built with -fmad=false so no multiply-add is contracted)."""
     ffi, lib = cuda_lib
     t = dtype(name)
     rng = np.random.default_rng(7)

@@ -82,7 +82,7 @@ static int setup(const gt_node *node, att *a, int mask_src, const char *op) {
     const gt_tensor *q = &node->src[0], *k = &node->src[1], *v = &node->src[2];
     for (int s = 0; s < 3; s++) {
         GTC_F32(&node->src[s], op, "q, k, v");
-        if (node->src[s].ndim != 4 || node->src[s].strides[3] != 1)
+        if (node->src[s].ndim != 4 || (node->src[s].strides[3] != 1 && node->src[s].shape[3] > 1))
             return GTC_FAIL(GT_ERR_SHAPE, "%s: q, k, v must be (B, T, H, D) with unit stride along D", op);
     }
     a->q = *q;
@@ -114,15 +114,18 @@ static int setup(const gt_node *node, att *a, int mask_src, const char *op) {
         if (a->mask == 2 && gtc_numel(*m) != a->Tq) return GTC_FAIL(GT_ERR_SHAPE, "%s: pos must be (T_q,)", op);
         a->m = (const int32_t *)m->data;
     }
-    if (a->Tk * 2 * sizeof(float) > 96 * 1024)
-        return GTC_FAIL(GT_ERR_UNSUPPORTED, "%s: %lld keys are more than this kernel holds in shared memory", op,
-                        (long long)a->Tk);
     return GT_OK;
 }
 
-static int shared_bytes(int64_t floats) {
-    const int bytes = (int)(floats * sizeof(float));
-    return bytes;
+/* Dynamic shared memory for per_key floats of each of Tk keys; past what a block may hold,
+ * UNSUPPORTED naming the limit (the tiled kernel that has none is still to be written). */
+static int shared_bytes(int64_t Tk, int per_key, int *bytes, const char *op) {
+    const int64_t limit = 200 * 1024 / ((int64_t)sizeof(float) * per_key);
+    if (Tk > limit)
+        return GTC_FAIL(GT_ERR_UNSUPPORTED, "%s: %lld keys, more than this kernel holds in shared memory (%lld)", op,
+                        (long long)Tk, (long long)limit);
+    *bytes = (int)(Tk * per_key * (int64_t)sizeof(float));
+    return GT_OK;
 }
 
 GTC_SIZES(attention_fwd_f32) {
@@ -151,7 +154,8 @@ GTC_LAUNCHER(attention_fwd_f32) {
     if (gtc_numel(*d) != n_o + a.B * a.H * a.Tq) return GTC_FAIL(GT_ERR_SHAPE, "%s: dst must hold O and LSE", op);
     const int64_t rows = a.B * a.H * a.Tq;
     if (rows == 0) return GT_OK;
-    const int sb = shared_bytes(a.Tk);
+    int sb = 0;
+    GTC_TRY(shared_bytes(a.Tk, 1, &sb, op));
     GTC_TRY(allow_shared(att_fwd, sb, op));
     att_fwd<<<(unsigned)rows, ATT_THREADS, sb, gtc_stream_()>>>(a, (float *)d->data, (float *)d->data + n_o);
     return GTC_LAUNCHED(op);
@@ -285,7 +289,8 @@ GTC_LAUNCHER(attention_bwd_f32) {
     float *dq = (float *)d->data, *dk = dq + n_o, *dv = dk + n_kv;
     const int64_t rows = a.B * a.H * a.Tq, keys = a.B * a.Hkv * a.Tk;
     if (rows == 0) return GT_OK;
-    const int sb = shared_bytes(2 * a.Tk);
+    int sb = 0;
+    GTC_TRY(shared_bytes(a.Tk, 2, &sb, op));
     GTC_TRY(allow_shared(att_dq, sb, op));
     att_dq<<<(unsigned)rows, ATT_THREADS, sb, gtc_stream_()>>>(a, G, dq);
     GTC_TRY(GTC_LAUNCHED(op));

@@ -94,6 +94,8 @@ int gtc_check_dtype_(const gt_tensor *t, int32_t dtype, const char *op, const ch
 int gtc_check_n_src_(const gt_node *node, int lo, int hi, const char *op);
 int gtc_check_contig_(const gt_tensor *t, const char *op, const char *what);
 int gtc_check_same_shape_(const gt_tensor *a, const gt_tensor *b, const char *op, const char *wa, const char *wb);
+/* t broadcasts to like's shape (right-aligned; each of t's dims 1 or equal, no more dims). */
+int gtc_check_broadcast_(const gt_tensor *t, const gt_tensor *like, const char *op, const char *what);
 #define GTC_F32(t, op, what) GTC_TRY(gtc_check_dtype_((t), GT_F32, (op), (what)))
 #define GTC_I32(t, op, what) GTC_TRY(gtc_check_dtype_((t), GT_I32, (op), (what)))
 
@@ -125,6 +127,19 @@ __device__ inline float gtc_block_sum(float v, float *shared) {
     __syncthreads();
     v = lane < nw ? shared[lane] : 0.0f;
     return gtc_warp_sum(v);
+}
+__device__ inline double gtc_warp_sum_d(double v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+__device__ inline double gtc_block_sum_d(double v, double *shared) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    v = gtc_warp_sum_d(v);
+    __syncthreads();
+    if (lane == 0) shared[warp] = v;
+    __syncthreads();
+    v = lane < nw ? shared[lane] : 0.0;
+    return gtc_warp_sum_d(v);
 }
 __device__ inline float gtc_block_max(float v, float *shared) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;

@@ -20,6 +20,8 @@ static int geometry(const gt_node *node, const gt_tensor *x, const gt_tensor *k,
         return GTC_FAIL(GT_ERR_INVALID, "%s: expected ip = {KH, KW, stride, pad, relu 0/1, pool >= 1}", op);
     if (x->ndim != 4 || k->ndim != 4 || k->shape[1] != x->shape[3] || k->shape[2] != g->KH || k->shape[3] != g->KW)
         return GTC_FAIL(GT_ERR_SHAPE, "%s: expected x (N, H, W, C) and kernel (CO, C, KH, KW)", op);
+    if (x->shape[1] + 2 * g->P < g->KH || x->shape[2] + 2 * g->P < g->KW)
+        return GTC_FAIL(GT_ERR_SHAPE, "%s: the kernel is larger than the padded image", op);
     g->N = x->shape[0];
     g->H = x->shape[1];
     g->W = x->shape[2];
@@ -29,6 +31,8 @@ static int geometry(const gt_node *node, const gt_tensor *x, const gt_tensor *k,
     g->OW = (g->W + 2 * g->P - g->KW) / g->S + 1;
     g->PH = g->OH / g->pool;
     g->PW = g->OW / g->pool;
+    if (g->pool > 1 && (g->PH < 1 || g->PW < 1))
+        return GTC_FAIL(GT_ERR_SHAPE, "%s: the pool window %lld is larger than the output", op, (long long)g->pool);
     return GT_OK;
 }
 

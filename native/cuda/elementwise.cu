@@ -24,6 +24,8 @@ static int launch_binary(const gt_node *node, const char *op) {
     GTC_F32(&node->src[0], op, "src0");
     GTC_F32(&node->src[1], op, "src1");
     GTC_TRY(gtc_check_contig_(d, op, "dst"));
+    GTC_TRY(gtc_check_broadcast_(&node->src[0], d, op, "src0"));
+    GTC_TRY(gtc_check_broadcast_(&node->src[1], d, op, "src1"));
     const int64_t n = gtc_numel(*d);
     binary<OP><<<gtc_blocks(n), GTC_THREADS, 0, gtc_stream_()>>>((float *)d->data, node->src[0], node->src[1], *d, n);
     return GTC_LAUNCHED(op);
@@ -226,6 +228,7 @@ GTC_LAUNCHER(dropout_fwd_f32) {
     GTC_TRY(gtc_check_same_shape_(x, d, op, "x", "dst"));
     GTC_TRY(gtc_check_contig_(x, op, "x"));
     GTC_TRY(gtc_check_contig_(d, op, "dst"));
+    if (gtc_numel(node->src[1]) != 1) return GTC_FAIL(GT_ERR_SHAPE, "%s: expected seed of one element", op);
     const float p = node->fp[0];
     if (!(p >= 0.0f && p < 1.0f)) return GTC_FAIL(GT_ERR_INVALID, "%s: expected p (fp[0]) in [0, 1), got %g", op, p);
     if (node->ip[0] < 0 || node->ip[0] > (int64_t)UINT32_MAX)

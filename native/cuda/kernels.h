@@ -10,9 +10,9 @@
     X(softplus_fwd_f32) X(log1mexp_fwd_f32) X(exp_fwd_f32) X(log_fwd_f32) X(sqrt_fwd_f32)     \
     X(sqr_fwd_f32) X(relu_bwd_f32) X(silu_bwd_f32)                                             \
     X(swiglu_fwd_f32) X(swiglu_bwd_f32) X(geglu_fwd_f32) X(geglu_bwd_f32) X(dropout_fwd_f32)  \
-    X(sum_fwd_f32) X(sumsq_fwd_f32) X(sum_rows_fwd_f32) X(repeat_fwd_f32) X(repeat_bwd_f32)   \
+    S(sum_fwd_f32) S(sumsq_fwd_f32) X(sum_rows_fwd_f32) X(repeat_fwd_f32) X(repeat_bwd_f32)   \
     X(rms_norm_fwd_f32) X(rms_norm_bwd_f32) X(softmax_fwd_f32) X(softmax_bwd_f32)             \
-    S(cross_entropy_fwd_f32) X(cross_entropy_bwd_f32) X(rope_fwd_f32) X(rope_bwd_f32)         \
+    S(cross_entropy_fwd_f32) S(cross_entropy_bwd_f32) X(rope_fwd_f32) X(rope_bwd_f32)         \
     X(get_rows_fwd_f32) X(get_rows_bwd_f32) X(copy_fwd_f32) X(copy_fwd_f16) X(copy_fwd_bf16)  \
     X(set_rows_fwd_f32) X(view_bwd_f32) X(adamw_step_fwd_f32) X(sgd_step_fwd_f32)             \
     X(max_pool2d_fwd_f32) X(max_pool2d_bwd_f32) X(im2col_fwd_f32) X(im2col_bwd_f32)           \

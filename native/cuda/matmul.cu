@@ -73,11 +73,14 @@ static int layout(const gt_tensor *t, const char *what, operand *o) {
     const int64_t R = t->shape[nd - 2], C = t->shape[nd - 1], sr = t->strides[nd - 2], sc = t->strides[nd - 1];
     if (sc == 1 || C == 1) {            /* rows of C contiguous floats: X^T column-major, ld sr */
         o->op = GTC_OP_N;
-        o->ld = R == 1 ? (C > sr ? C : sr) : sr;
-        if (o->ld < C) o->ld = C;
+        o->ld = R == 1 ? (C > sr ? C : sr) : sr;   /* (one row: its stride is never used) */
+        if (o->ld < C) return GTC_FAIL(GT_ERR_INVALID, "matmul: %s's rows overlap (row stride %lld < %lld "
+                                       "columns): cuBLAS cannot read that view", what, (long long)sr, (long long)C);
     } else if (sr == 1 || R == 1) {     /* columns contiguous: X column-major, ld sc; X^T = op T */
         o->op = GTC_OP_T;
-        o->ld = sc < R ? R : sc;
+        o->ld = C == 1 || R == 1 ? (sc < R ? R : sc) : sc;
+        if (o->ld < R) return GTC_FAIL(GT_ERR_INVALID, "matmul: %s's columns overlap (column stride %lld < %lld "
+                                       "rows): cuBLAS cannot read that view", what, (long long)sc, (long long)R);
     } else {
         return GTC_FAIL(GT_ERR_INVALID, "matmul: %s needs a unit stride in one of its last two dims", what);
     }
@@ -98,6 +101,15 @@ static int gemm(const gt_tensor *d, const gt_tensor *a, const gt_tensor *b, cons
     if (M > INT32_MAX || N > INT32_MAX || K > INT32_MAX)
         return GTC_FAIL(GT_ERR_UNSUPPORTED, "%s: a dim beyond 2^31", op);
     if (!g_blas.handle) return GTC_FAIL(GT_ERR_INVALID, "%s: cuBLAS is not loaded", op);
+    if (a->ndim > d->ndim || b->ndim > d->ndim)
+        return GTC_FAIL(GT_ERR_SHAPE, "%s: dst must have at least as many dims as the inputs", op);
+    for (int i = 0; i < d->ndim - 2; i++) {     /* batch dims: each input's 1 or dst's */
+        const int ia = i - (d->ndim - a->ndim), ib = i - (d->ndim - b->ndim);
+        const int64_t na = ia >= 0 ? a->shape[ia] : 1, nbb = ib >= 0 ? b->shape[ib] : 1, n = d->shape[i];
+        if ((na != 1 && na != n) || (nbb != 1 && nbb != n) || (n != (na != 1 ? na : nbb)))
+            return GTC_FAIL(GT_ERR_SHAPE, "%s: batch dim %d does not broadcast: src0 %lld, src1 %lld, dst %lld", op,
+                            i, (long long)na, (long long)nbb, (long long)n);
+    }
     operand oa = {GTC_OP_N, 0}, ob = {GTC_OP_N, 0};
     GTC_TRY(layout(a, "src0", &oa));
     GTC_TRY(layout(b, "src1", &ob));

@@ -7,17 +7,30 @@
 
 /* ---- sum, sumsq (all of src, any strides), sum_rows, repeat, repeat_bwd ------------------------ */
 
+/* Partial sums (in double, as the CPU's) of SUM_BLOCKS fixed slices, then one block adds
+ * them in order: deterministic, and every SM reads. */
+#define SUM_BLOCKS 256
+
 template <bool SQ>
-__global__ void sum_all(float *d, gt_tensor s, int64_t n) {
-    __shared__ float sh[32];
+__global__ void sum_partial(double *part, gt_tensor s, int64_t n) {
+    __shared__ double sh[32];
     const float *sd = (const float *)s.data;
-    float acc = 0.0f;
-    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
-        const float v = sd[gtc_offset(s, s, i)];
+    const bool contig = gtc_contiguous(s);
+    const int64_t per = (n + gridDim.x - 1) / gridDim.x, lo = blockIdx.x * per, hi = lo + per < n ? lo + per : n;
+    double acc = 0.0;
+    for (int64_t i = lo + threadIdx.x; i < hi; i += blockDim.x) {
+        const double v = sd[contig ? i : gtc_offset(s, s, i)];
         acc += SQ ? v * v : v;
     }
-    acc = gtc_block_sum(acc, sh);
-    if (threadIdx.x == 0) *d = acc;
+    acc = gtc_block_sum_d(acc, sh);
+    if (threadIdx.x == 0) part[blockIdx.x] = acc;
+}
+
+__global__ void sum_final(float *d, const double *part, int nparts) {
+    __shared__ double sh[32];
+    double acc = threadIdx.x < nparts ? part[threadIdx.x] : 0.0;
+    acc = gtc_block_sum_d(acc, sh);
+    if (threadIdx.x == 0) *d = (float)acc;
 }
 
 template <bool SQ>
@@ -26,22 +39,33 @@ static int launch_sum(const gt_node *node, const char *op) {
     GTC_F32(&node->dst, op, "dst");
     GTC_F32(&node->src[0], op, "src");
     if (gtc_numel(node->dst) != 1) return GTC_FAIL(GT_ERR_SHAPE, "%s: dst must be a scalar", op);
-    sum_all<SQ><<<1, 1024, 0, gtc_stream_()>>>((float *)node->dst.data, node->src[0], gtc_numel(node->src[0]));
+    if (node->scratch_size < SUM_BLOCKS * (int64_t)sizeof(double))
+        return GTC_FAIL(GT_ERR_INVALID, "%s: scratch must hold %d doubles", op, SUM_BLOCKS);
+    double *part = (double *)node->scratch;
+    sum_partial<SQ><<<SUM_BLOCKS, 256, 0, gtc_stream_()>>>(part, node->src[0], gtc_numel(node->src[0]));
+    sum_final<<<1, SUM_BLOCKS, 0, gtc_stream_()>>>((float *)node->dst.data, part, SUM_BLOCKS);
     return GTC_LAUNCHED(op);
 }
 
 GTC_LAUNCHER(sum_fwd_f32) { (void)ctx; return launch_sum<false>(node, "sum"); }
 GTC_LAUNCHER(sumsq_fwd_f32) { (void)ctx; return launch_sum<true>(node, "sumsq"); }
+GTC_SIZES(sum_fwd_f32) {
+    (void)node;
+    *scratch = SUM_BLOCKS * (int64_t)sizeof(double);
+    *work = 0;
+    return GT_OK;
+}
+GTC_SIZES(sumsq_fwd_f32) { return gtc_s_sum_fwd_f32(node, scratch, work); }
 
 __global__ void sum_rows(float *d, gt_tensor s, int64_t N) {
-    __shared__ float sh[32];
+    __shared__ double sh[32];
     const int64_t r = blockIdx.x;
     const float *row = (const float *)s.data + gtc_row_offset(s, r);
-    const int64_t st = s.strides[s.ndim - 1];
-    float acc = 0.0f;
+    const int64_t st = s.ndim ? s.strides[s.ndim - 1] : 1;
+    double acc = 0.0;
     for (int64_t j = threadIdx.x; j < N; j += blockDim.x) acc += row[j * st];
-    acc = gtc_block_sum(acc, sh);
-    if (threadIdx.x == 0) d[r] = acc;
+    acc = gtc_block_sum_d(acc, sh);
+    if (threadIdx.x == 0) d[r] = (float)acc;
 }
 
 GTC_LAUNCHER(sum_rows_fwd_f32) {
@@ -71,6 +95,7 @@ GTC_LAUNCHER(repeat_fwd_f32) {
     GTC_F32(&node->dst, op, "dst");
     GTC_F32(&node->src[0], op, "src");
     GTC_TRY(gtc_check_contig_(&node->dst, op, "dst"));
+    GTC_TRY(gtc_check_broadcast_(&node->src[0], &node->dst, op, "src"));
     const int64_t n = gtc_numel(node->dst);
     repeat<<<gtc_blocks(n), GTC_THREADS, 0, gtc_stream_()>>>((float *)node->dst.data, node->src[0], node->dst, n);
     return GTC_LAUNCHED(op);
@@ -115,7 +140,7 @@ GTC_LAUNCHER(repeat_bwd_f32) {
     GTC_F32(d, op, "dst");
     GTC_F32(s, op, "src");
     GTC_TRY(gtc_check_contig_(d, op, "dst"));
-    if (d->ndim > s->ndim) return GTC_FAIL(GT_ERR_SHAPE, "%s: dst has more dims than src", op);
+    GTC_TRY(gtc_check_broadcast_(d, s, op, "dst"));   /* dst's dims: 1 (summed) or src's */
     const int64_t n = gtc_numel(*d);
     if (n == 0) return GT_OK;
     repeat_bwd<<<gtc_blocks(n), GTC_THREADS, 0, gtc_stream_()>>>((float *)d->data, *d, *s, n, gtc_numel(*s) / n);
@@ -222,8 +247,9 @@ GTC_LAUNCHER(softmax_fwd_f32) {
         GTC_TRY(gtc_check_contig_(&node->src[1], op, "mask input"));
         m = (const int32_t *)node->src[1].data;
         if (mask == 3) {
-            if (Tq != Tk || node->src[1].ndim != 2 || node->src[1].shape[1] != Tk)
-                return GTC_FAIL(GT_ERR_SHAPE, "%s: seg must be (B, T) with T_q == T_k == T", op);
+            if (Tq != Tk || node->src[1].ndim != 2 || node->src[1].shape[1] != Tk || x->ndim < 3 ||
+                node->src[1].shape[0] != x->shape[0] || node->src[1].shape[0] < 1)
+                return GTC_FAIL(GT_ERR_SHAPE, "%s: seg must be (B, T) for src (B, ..., T, T)", op);
             rows_per_b = rows / node->src[1].shape[0];
         } else if (gtc_numel(node->src[1]) != Tq) {
             return GTC_FAIL(GT_ERR_SHAPE, "%s: pos must hold T_q values", op);
@@ -294,16 +320,25 @@ __global__ void ce_rows(float *loss, const float *x, const int32_t *t, int64_t V
 
 /* dst = sum of the row losses / count (count: ip[0], or the targets >= 0; 0 gives 0). */
 __global__ void ce_mean(float *d, const float *loss, const int32_t *t, int64_t N, int64_t count) {
-    __shared__ float sh[32];
-    float acc = 0.0f, cnt = 0.0f;
+    __shared__ double sh[32];
+    double acc = 0.0, cnt = 0.0;
     for (int64_t r = threadIdx.x; r < N; r += blockDim.x) {
         acc += loss[r];
-        cnt += t[r] >= 0 ? 1.0f : 0.0f;
+        cnt += t[r] >= 0 ? 1.0 : 0.0;
     }
-    acc = gtc_block_sum(acc, sh);
-    cnt = gtc_block_sum(cnt, sh);
-    const float c = count > 0 ? (float)count : cnt;
-    if (threadIdx.x == 0) *d = c > 0.0f ? acc / c : 0.0f;
+    acc = gtc_block_sum_d(acc, sh);
+    cnt = gtc_block_sum_d(cnt, sh);
+    const double c = count > 0 ? (double)count : cnt;
+    if (threadIdx.x == 0) *d = c > 0.0 ? (float)(acc / c) : 0.0f;
+}
+
+/* The rows counted (targets >= 0), once, for the backward. */
+__global__ void ce_count(float *out, const int32_t *t, int64_t N, int64_t count) {
+    __shared__ double sh[32];
+    double cnt = 0.0;
+    for (int64_t r = threadIdx.x; r < N; r += blockDim.x) cnt += t[r] >= 0 ? 1.0 : 0.0;
+    cnt = gtc_block_sum_d(cnt, sh);
+    if (threadIdx.x == 0) *out = count > 0 ? (float)count : (float)cnt;
 }
 
 GTC_SIZES(cross_entropy_fwd_f32) {
@@ -347,24 +382,15 @@ GTC_LAUNCHER(cross_entropy_fwd_f32) {
 }
 
 /* dlogits = g * (softmax - onehot) / count; 0 on ignored rows; in place allowed. */
-__global__ void ce_bwd(float *d, const float *x, const int32_t *t, const float *g, int64_t N, int64_t V,
-                       int64_t count, int rows) {
+__global__ void ce_bwd(float *d, const float *x, const int32_t *t, const float *g, const float *count, int64_t V,
+                       int rows, GTC_ERR_ARGS) {
     __shared__ float sh[32];
-    __shared__ float cnt_sh;
     const int64_t r = blockIdx.x;
-    if (threadIdx.x == 0 && !rows) {
-        int64_t c = count;
-        if (c <= 0) {
-            c = 0;
-            for (int64_t k = 0; k < N; k++) c += t[k] >= 0;
-        }
-        cnt_sh = (float)c;
-    }
-    __syncthreads();
     const int32_t tr = t[r];
     const float *xr = x + r * V;
     float *dr = d + r * V;
-    const float c = rows ? 1.0f : cnt_sh;
+    const float c = rows ? 1.0f : *count;
+    if (tr >= V && threadIdx.x == 0) GTC_RAISE(GTC_DEV_TARGET);
     if (tr < 0 || tr >= V || c == 0.0f) {
         for (int64_t j = threadIdx.x; j < V; j += blockDim.x) dr[j] = 0.0f;
         return;
@@ -392,11 +418,22 @@ GTC_LAUNCHER(cross_entropy_bwd_f32) {
     if (gtc_numel(node->src[2]) != (rows ? N : 1)) return GTC_FAIL(GT_ERR_SHAPE, "%s: g has the wrong size", op);
     if (gtc_numel(node->dst) != N * V) return GTC_FAIL(GT_ERR_SHAPE, "%s: dst must be (N, V)", op);
     if (N == 0) return GT_OK;
+    if (node->scratch_size < (int64_t)sizeof(float)) return GTC_FAIL(GT_ERR_INVALID, "%s: scratch of one float", op);
+    float *count = (float *)node->scratch;
+    if (!rows)
+        ce_count<<<1, 1024, 0, gtc_stream_()>>>(count, (const int32_t *)node->src[1].data, N, node->ip[0]);
     ce_bwd<<<(unsigned)N, ROW_THREADS, 0, gtc_stream_()>>>((float *)node->dst.data, (const float *)node->src[0].data,
                                                             (const int32_t *)node->src[1].data,
-                                                            (const float *)node->src[2].data, N, V, node->ip[0],
-                                                            rows ? 1 : 0);
+                                                            (const float *)node->src[2].data, count, V, rows ? 1 : 0,
+                                                            GTC_ERR_PASS);
     return GTC_LAUNCHED(op);
+}
+
+GTC_SIZES(cross_entropy_bwd_f32) {
+    (void)node;
+    *scratch = sizeof(float);
+    *work = 0;
+    return GT_OK;
 }
 
 /* ---- rope, modes 0 (adjacent pairs) and 2 (neox: halves) --------------------------------------- */

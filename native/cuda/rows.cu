@@ -129,9 +129,19 @@ GTC_LAUNCHER(view_bwd_f32) {
     GTC_TRY(GTC_CUDA(cudaMemsetAsync(d->data, 0, (size_t)gtc_numel(*d) * sizeof(float), gtc_stream_()), op));
     gt_tensor view = *g;
     view.data = NULL;
-    for (int i = 0; i < g->ndim; i++) view.strides[i] = node->ip[1 + i];
+    int64_t reach = node->ip[0];
+    for (int i = 0; i < g->ndim; i++) {
+        view.strides[i] = node->ip[1 + i];
+        if (g->shape[i] > 1 && view.strides[i] <= 0)   /* (a repeated place would race on the device) */
+            return GTC_FAIL(GT_ERR_INVALID, "%s: view strides must be > 0, got %lld at dim %d", op,
+                            (long long)view.strides[i], i);
+        if (g->shape[i] > 0) reach += (g->shape[i] - 1) * (view.strides[i] > 0 ? view.strides[i] : 0);
+    }
     const int64_t n = gtc_numel(*g);
     if (n == 0) return GT_OK;
+    if (node->ip[0] < 0 || reach >= gtc_numel(*d))
+        return GTC_FAIL(GT_ERR_INVALID, "%s: the view (offset %lld, last element %lld) is outside the base of %lld", op,
+                        (long long)node->ip[0], (long long)reach, (long long)gtc_numel(*d));
     view_place<<<gtc_blocks(n), GTC_THREADS, 0, gtc_stream_()>>>((float *)d->data + node->ip[0],
                                                                   (const float *)g->data, view, n);
     return GTC_LAUNCHED(op);
@@ -179,6 +189,8 @@ static int im2col_dims(const gt_node *node, const gt_tensor *img, int64_t *OH, i
     const int64_t KH = node->ip[0], KW = node->ip[1], stride = node->ip[2], pad = node->ip[3];
     if (img->ndim != 4 || KH < 1 || KW < 1 || stride < 1 || pad < 0)
         return GTC_FAIL(GT_ERR_INVALID, "%s: expected (N, H, W, C) and ip = {KH, KW, stride, pad}", op);
+    if (img->shape[1] + 2 * pad < KH || img->shape[2] + 2 * pad < KW)
+        return GTC_FAIL(GT_ERR_SHAPE, "%s: the kernel is larger than the padded image", op);
     *OH = (img->shape[1] + 2 * pad - KH) / stride + 1;
     *OW = (img->shape[2] + 2 * pad - KW) / stride + 1;
     return GT_OK;

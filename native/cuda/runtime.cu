@@ -42,6 +42,7 @@ int gtc_cuda_check_(cudaError_t err, const char *what, const char *file, int lin
 
 static cudaStream_t g_stream;
 static int g_ready = 0;
+static int g_device = 0;
 static int32_t g_node = 0;
 static int *g_error_word = NULL;
 
@@ -75,6 +76,7 @@ extern "C" int gtc_init(int32_t device) {
     if (device < 0 || device >= n)
         return GTC_FAIL(GT_ERR_INVALID, "CUDA device %d: this machine has %d", (int)device, (int)n);
     GTC_TRY(GTC_CUDA(cudaSetDevice(device), "cudaSetDevice"));
+    g_device = device;
     GTC_TRY(GTC_CUDA(cudaStreamCreateWithFlags(&g_stream, cudaStreamNonBlocking), "cudaStreamCreate"));
     GTC_TRY(GTC_CUDA(cudaMalloc((void **)&g_error_word, sizeof(int)), "cudaMalloc"));
     GTC_TRY(gtc_cublas_load_(g_stream));
@@ -82,9 +84,10 @@ extern "C" int gtc_init(int32_t device) {
     return GT_OK;
 }
 
+/* The library started; the device made current on this thread (cudaSetDevice is per thread). */
 static int ready(const char *what) {
     if (!g_ready) return GTC_FAIL(GT_ERR_INVALID, "%s: gtc_init has not run", what);
-    return GT_OK;
+    return GTC_CUDA(cudaSetDevice(g_device), what);
 }
 
 /* ---- memory ---------------------------------------------------------------------------------- */
@@ -108,7 +111,8 @@ extern "C" int gtc_malloc(void **out, int64_t bytes) {
 }
 
 extern "C" int gtc_free(void *ptr) {
-    if (!ptr) return GT_OK;
+    if (!ptr || !g_ready) return GT_OK;
+    GTC_TRY(ready("gtc_free"));
     return GTC_CUDA(cudaFree(ptr), "cudaFree");
 }
 
@@ -245,5 +249,15 @@ int gtc_check_same_shape_(const gt_tensor *a, const gt_tensor *b, const char *op
     bool same = a->ndim == b->ndim;
     for (int i = 0; same && i < a->ndim; i++) same = a->shape[i] == b->shape[i];
     if (!same) return GTC_FAIL(GT_ERR_SHAPE, "%s: %s and %s differ in shape", op, wa, wb);
+    return GT_OK;
+}
+
+int gtc_check_broadcast_(const gt_tensor *t, const gt_tensor *like, const char *op, const char *what) {
+    bool ok = t->ndim <= like->ndim;
+    for (int i = 0; ok && i < t->ndim; i++) {
+        const int64_t n = t->shape[t->ndim - 1 - i], m = like->shape[like->ndim - 1 - i];
+        ok = n == 1 || n == m;
+    }
+    if (!ok) return GTC_FAIL(GT_ERR_SHAPE, "%s: %s does not broadcast to the output's shape", op, what);
     return GT_OK;
 }
