@@ -30,7 +30,7 @@ import time
 
 import numpy as np
 
-from ggtrain.errors import ConfigError, UnsupportedOpError
+from ggtrain.errors import ConfigError
 
 # (rank variable, size variable) of the launchers we know, first match wins
 LAUNCHER_VARS = (("PMI_RANK", "PMI_SIZE"), ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
@@ -77,19 +77,18 @@ class World:
         """Sum the first `count` f32 elements of a backend buffer over every process, in place.
 
         This is the gradient all-reduce, the one place a backend's memory meets the network:
-        the CPU backend's buffers are host memory that MPI reads and writes directly.
-        TODO(#13): a CUDA backend provides its own (NCCL on the device buffer, its unique id
-        sent from rank 0 over `comm`); until then other backends raise UnsupportedOpError.
+        the backend decides how its memory gets there (Backend.allreduce: the CPU's buffers
+        are host memory that MPI reads and writes directly; others stage through the host
+        until their device collective, NCCL for CUDA, is written).
         """
         if self.comm is None:
             return
-        if backend.name != "cpu":
-            raise UnsupportedOpError(f"data-parallel training on backend {backend.name}: the "
-                                     f"gradient all-reduce exists for the cpu backend only")
         from mpi4py import MPI
-        grads = buffer.view(0, "f32", (count,))
-        with self._collective("the gradient all-reduce"):
-            self.comm.Allreduce(MPI.IN_PLACE, grads, op=MPI.SUM)
+
+        def reduce(array: np.ndarray) -> None:
+            with self._collective("the gradient all-reduce"):
+                self.comm.Allreduce(MPI.IN_PLACE, array, op=MPI.SUM)
+        backend.allreduce(buffer, count, reduce)
 
     def sum(self, values) -> np.ndarray:
         """Element-wise sum over the processes of a small float64 vector (losses, counts, votes)."""

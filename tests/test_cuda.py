@@ -83,3 +83,24 @@ def test_without_a_gpu_the_library_loads_and_says_why_it_cannot_start(cuda_lib):
     with pytest.raises(UnsupportedOpError, match="the CUDA backend cannot run here: ") as e:
         backend_cuda.CudaBackend()
     assert "\n" not in str(e.value)
+
+
+def test_the_staged_allreduce_reduces_a_copy_and_writes_it_back():
+    """Backend.allreduce's default (what the CUDA backend uses until NCCL): the reduce sees
+    the buffer's first `count` floats and its result lands there; the CPU's reduces in place."""
+    from ggtrain.core.backend import Backend
+    from ggtrain.core.backend_cpu import CpuBackend
+    be = CpuBackend(1)
+    buf = be.alloc(40)
+    be.copy_in(buf, 0, np.arange(10, dtype=np.float32))
+    seen = []
+
+    def reduce(a):
+        seen.append(a.copy())
+        a *= 3.0
+    Backend.allreduce(be, buf, 6, reduce)
+    np.testing.assert_array_equal(seen[0], np.arange(6, dtype=np.float32))
+    np.testing.assert_array_equal(buf.view(0, "f32", (10,)), np.r_[np.arange(6) * 3.0, np.arange(6, 10)])
+    be.allreduce(buf, 2, reduce)
+    assert not np.shares_memory(seen[0], buf.bytes)
+    np.testing.assert_array_equal(buf.view(0, "f32", (3,)), [0.0, 9.0, 6.0])
