@@ -13,6 +13,7 @@ command that installs them and this project there, then runs this script):
    small llama (20 updates; every update's loss within 1e-3 relative); a checkpoint written on
    CUDA at update 10 resumed on the CPU and the reverse (the losses of updates 11-20 within
    1e-3 of the uninterrupted run's).
+   NCCL with one rank (the all-reduce of a device buffer leaves it as it was).
 3. Speed against PyTorch eager f32 on the same GPU (same weights, batches, AdamW): llama
    configs a and b of bench/bench_llama.py and a dim 1024 / 16-layer / ctx 1024 model in
    tokens/s, and the fraction of the GPU's f32 peak (H100 SXM: 67 TFLOP/s without tensor cores).
@@ -115,6 +116,30 @@ def end_to_end(tmp: pathlib.Path, device: str) -> None:
         got = [l["loss"] for l in lines(log) if "loss" in l and "step" in l and "event" not in l] if not r.returncode else []
         report(f"checkpoint of {a} resumed on {b}", not r.returncode and close(got, losses[a][10:]),
                r.stderr.strip()[-300:] if r.returncode else f"last loss {got[-1]:.5f} vs {losses[a][-1]:.5f}")
+
+
+def nccl() -> None:
+    """NCCL with one rank: the all-reduce of a device buffer leaves it as it was."""
+    from ggtrain.core.backend_cuda import CudaBackend
+
+    class OneRank:
+        rank, size = 0, 1
+
+        def broadcast(self, obj):
+            return obj
+
+        def reduce_host(self, array):
+            raise AssertionError("the staged all-reduce ran instead of NCCL")
+    be = CudaBackend()
+    buf = be.alloc(4 * 1000)
+    want = np.arange(1000, dtype=np.float32)
+    be.copy_in(buf, 0, want)
+    try:
+        be.allreduce(buf, 1000, OneRank())
+        got = be.copy_out(buf, 0, np.empty(1000, np.float32))
+        report("NCCL all-reduce, one rank", be._nccl is True and np.array_equal(got, want))
+    except Exception as e:  # noqa: BLE001
+        report("NCCL all-reduce, one rank", False, str(e)[:300])
 
 
 # ---- 3. speed against PyTorch -------------------------------------------------------------------
@@ -249,6 +274,8 @@ def main() -> None:
         ops(out, args.device_backend)
     with tempfile.TemporaryDirectory() as tmp:
         end_to_end(pathlib.Path(tmp), args.device_backend)
+    if args.device_backend == "cuda":
+        nccl()
     if not args.skip_bench:
         bench(args.device_backend, args.steps)
     failed = [n for n, ok in RESULTS if not ok]

@@ -115,15 +115,14 @@ class Backend(ABC):
     @abstractmethod
     def run(self, plan: Plan, n_threads: int | None = None) -> None: ...
 
-    def allreduce(self, buffer: Buffer, count: int, reduce) -> None:
+    def allreduce(self, buffer: Buffer, count: int, world) -> None:
         """Sum the first `count` f32 elements of `buffer` over the processes of a data-parallel
-        run, in place; reduce(array) sums a host f32 array in place over them (World's MPI
-        all-reduce). This one stages through host memory (copy out, reduce, copy in): right
-        on any backend; the CPU's reduces its host memory in place, and a device collective
-        (NCCL) is the CUDA backend's to add."""
+        run (core/distributed.py World), in place. This one stages through host memory (copy
+        out, world.reduce_host, copy in): right on any backend; the CPU's reduces its host
+        memory in place, the CUDA one uses NCCL on the device buffer."""
         host = np.empty(count, np.float32)
         self.copy_out(buffer, 0, host)
-        reduce(host)
+        world.reduce_host(host)
         self.copy_in(buffer, 0, host)
 
     def sync(self) -> None:

@@ -182,8 +182,8 @@ class CpuBackend(Backend):
         flat[:] = buffer.bytes[offset:offset + flat.size]
         return out
 
-    def allreduce(self, buffer: CpuBuffer, count: int, reduce) -> None:
-        reduce(buffer.view(0, "f32", (count,)))    # host memory: MPI reads and writes it in place
+    def allreduce(self, buffer: CpuBuffer, count: int, world) -> None:
+        world.reduce_host(buffer.view(0, "f32", (count,)))   # host memory: MPI reads and writes it in place
 
     def supports(self, kernel: str) -> bool:
         return hasattr(lib, "gt_" + kernel)

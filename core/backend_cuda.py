@@ -19,6 +19,7 @@ import importlib.util
 import os
 import pathlib
 import re
+import sys
 import weakref
 
 import cffi
@@ -193,6 +194,7 @@ class CudaBackend(Backend):
         _check(self.lib.gtc_device_info(device, name, 256, memory, major, minor), "reading the device")
         self.device = (self.ffi.string(name).decode(), int(memory[0]), (int(major[0]), int(minor[0])))
         self._work: CudaBuffer | None = None   # one work buffer for every plan (they run in turn)
+        self._nccl: bool | None = None         # NCCL joined (True), unavailable (False), not tried
 
     def reserve_work(self, nbytes: int) -> None:
         """Grow the shared work buffer to at least nbytes (a stored weight's product decodes the
@@ -225,6 +227,29 @@ class CudaBackend(Backend):
         src = self.ffi.cast("void *", buffer.address + offset)
         _check(self.lib.gtc_copy_out(self._host_ptr(out), src, out.nbytes), "copying from the GPU")
         return out
+
+    def allreduce(self, buffer: CudaBuffer, count: int, world) -> None:
+        """NCCL on the device buffer (its unique id sent from rank 0 over MPI on first use); where
+        NCCL cannot be loaded, a one-line warning and the staged all-reduce through host memory."""
+        if self._nccl is None:
+            try:
+                _check(self.lib.gtc_nccl_load(), "loading NCCL")
+                uid = self.ffi.new("char[]", 128)
+                if world.rank == 0:
+                    _check(self.lib.gtc_nccl_unique_id(uid), "NCCL's unique id")
+                raw = world.broadcast(bytes(self.ffi.buffer(uid)))
+                self.ffi.memmove(uid, raw, 128)
+                _check(self.lib.gtc_nccl_init(world.size, world.rank, uid), "joining the NCCL communicator")
+                self._nccl = True
+            except UnsupportedOpError as e:
+                if world.rank == 0:
+                    print(f"warning: {e}; the gradient all-reduce goes through host memory", file=sys.stderr)
+                self._nccl = False
+        if not self._nccl:
+            super().allreduce(buffer, count, world)
+            return
+        _check(self.lib.gtc_nccl_allreduce_f32(self.ffi.cast("void *", buffer.address), count),
+               "the gradient all-reduce")
 
     def supports(self, kernel: str) -> bool:
         return kernel in self.kernels

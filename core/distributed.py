@@ -83,12 +83,20 @@ class World:
         """
         if self.comm is None:
             return
-        from mpi4py import MPI
+        backend.allreduce(buffer, count, self)
 
-        def reduce(array: np.ndarray) -> None:
-            with self._collective("the gradient all-reduce"):
-                self.comm.Allreduce(MPI.IN_PLACE, array, op=MPI.SUM)
-        backend.allreduce(buffer, count, reduce)
+    def reduce_host(self, array: np.ndarray) -> None:
+        """Sum a host f32 array over every process, in place (MPI)."""
+        from mpi4py import MPI
+        with self._collective("the gradient all-reduce"):
+            self.comm.Allreduce(MPI.IN_PLACE, array, op=MPI.SUM)
+
+    def broadcast(self, obj):
+        """Rank 0's `obj` (small, picklable), on every process."""
+        if self.comm is None:
+            return obj
+        with self._collective("a broadcast from rank 0"):
+            return self.comm.bcast(obj, root=0)
 
     def sum(self, values) -> np.ndarray:
         """Element-wise sum over the processes of a small float64 vector (losses, counts, votes)."""

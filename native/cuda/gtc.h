@@ -51,6 +51,14 @@ int gtc_run(const struct gt_node *nodes, int64_t n, void *work, int64_t work_byt
  * 0: exact f32 (the default). */
 int gtc_set_tf32(int32_t on);
 
+/* NCCL (nccl.cu), for the gradient all-reduce of a data-parallel run on GPUs: load it, make
+ * the 128-byte unique id (rank 0), join the communicator (every rank, the id sent over MPI),
+ * then sum count f32 elements of a device buffer over the ranks, in place. */
+int gtc_nccl_load(void);
+int gtc_nccl_unique_id(void *out);
+int gtc_nccl_init(int32_t nranks, int32_t rank, const void *id);
+int gtc_nccl_allreduce_f32(void *buffer, int64_t count);
+
 /* Host copies of the device code that can run without a GPU, for the CPU-side tests:
  * dequantize n elements of a block type (the same __host__ __device__ decoder the
  * kernels use). */
