@@ -3,8 +3,9 @@
 The library (`ggtrain/native/_cuda.so`, built by native/build_cuda.py when nvcc is on PATH;
 GGTRAIN_CUDA_LIB names another file) is loaded with cffi's ABI mode from its header
 (native/gt_core.h, then native/cuda/gtc.h): nothing links against CUDA at install time. It
-loads the NVIDIA driver and cuBLAS itself when it starts; cuBLAS comes from GGTRAIN_CUBLAS,
-the nvidia-cublas wheel (found here and passed on) or the loader's path.
+loads the NVIDIA driver and cuBLAS itself when it starts (and NCCL for a data-parallel run);
+each comes from GGTRAIN_CUBLAS / GGTRAIN_NCCL, an NVIDIA wheel (found here and passed on) or
+the loader's path.
 
 A plan is the CPU's list of gt_node (core/backend.py fill_node), its tensors pointing into
 device memory and each node's fn the CUDA launcher of the same kernel name; the library runs
@@ -31,6 +32,7 @@ from ggtrain.native import error_for
 
 LIB_ENV = "GGTRAIN_CUDA_LIB"
 CUBLAS_ENV = "GGTRAIN_CUBLAS"
+NCCL_ENV = "GGTRAIN_NCCL"
 _NATIVE = pathlib.Path(__file__).resolve().parent.parent / "native"
 _HEADERS = (_NATIVE / "gt_core.h", _NATIVE / "cuda" / "gtc.h")
 
@@ -44,13 +46,13 @@ def library_path() -> str | None:
     return str(found[0]) if found else None
 
 
-def _cublas_from_wheel() -> str | None:
-    """libcublas from an nvidia-cublas wheel (nvidia/cublas/lib for CUDA 12, nvidia/cu13/lib
-    for CUDA 13), if one is installed: the newest."""
+def from_nvidia_wheels(stem: str) -> str | None:
+    """The newest lib<stem>.so.N an NVIDIA wheel installed (nvidia/<pkg>/lib for CUDA 12,
+    nvidia/cu13/lib for CUDA 13), or None."""
     spec = importlib.util.find_spec("nvidia")
     found = []
     for root in (spec.submodule_search_locations or []) if spec else []:
-        found += glob.glob(os.path.join(root, "*", "lib", "libcublas.so.*"))
+        found += glob.glob(os.path.join(root, "*", "lib", f"lib{stem}.so.*"))
     found = [f for f in found if f.rsplit(".so.", 1)[1].split(".")[0].isdigit()]
     return max(found, key=lambda f: int(f.rsplit(".so.", 1)[1].split(".")[0])) if found else None
 
@@ -178,10 +180,9 @@ class CudaBackend(Backend):
         why = unavailable_reason()
         if why:
             raise UnsupportedOpError(f"the CUDA backend cannot run here: {why}")
-        if CUBLAS_ENV not in os.environ:
-            wheel = _cublas_from_wheel()
-            if wheel:
-                os.environ[CUBLAS_ENV] = wheel
+        for env, stem in ((CUBLAS_ENV, "cublas"), (NCCL_ENV, "nccl")):   # the libraries the wheels bring
+            if env not in os.environ and (wheel := from_nvidia_wheels(stem)):
+                os.environ[env] = wheel
         self.ffi, self.lib = load()
         _check(self.lib.gtc_init(device), f"starting CUDA device {device}")
         if tf32:
