@@ -5,9 +5,9 @@ command that installs them and this project there, then runs this script):
 
     python3 bench/cuda_check.py [--out DIR] [--skip-ops] [--skip-bench]
 
-1. Ops: the op-table and attention tests (tests/test_ops.py, tests/test_attention.py) with the
-   CUDA backend (GGTRAIN_TEST_BACKEND=cuda): every case forward against float64 numpy with the
-   case's tolerance, backward against finite differences; a junit XML of them goes to --out.
+1. Ops: the op-table and kernel tests (OP_TESTS) with the CUDA backend (GGTRAIN_TEST_BACKEND=cuda):
+   every case forward against float64 numpy with the case's tolerance, backward against finite
+   differences, every kernel's own tests; a junit XML of them goes to --out.
 2. End to end, CUDA against the CPU, the same seeds: `mnist train` (fc, 2 epochs; the
    validation losses within 1e-3 relative, the parameters within 1e-3 absolute); `train` of a
    small llama (20 updates; every update's loss within 1e-3 relative); a checkpoint written on
@@ -56,11 +56,17 @@ def lines(path) -> list:
 
 # ---- 1. ops -------------------------------------------------------------------------------------
 
+# the tests that run every op and kernel on the backend under test (tests/conftest.py: the
+# `backend` fixture and run_kernel go to the GPU with GGTRAIN_TEST_BACKEND=cuda); some compare
+# with a CPU path's exact bits, which a GPU need not give: their failures are read, not fixed blind
+OP_TESTS = ("tests/test_ops.py", "tests/test_attention.py", "tests/test_kernels.py", "tests/test_matmul.py",
+            "tests/test_quant_matmul.py", "tests/test_conv2d.py")
+
 def ops(out: pathlib.Path, device: str) -> None:
     env = {**os.environ, "GGTRAIN_TEST_BACKEND": device, "PYTHONUNBUFFERED": "1"}
     t0 = time.perf_counter()
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_ops.py",
-                        "tests/test_attention.py", f"--junitxml={out / 'ops.xml'}"],
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *OP_TESTS,
+                        f"--junitxml={out / 'ops.xml'}"],
                        capture_output=True, text=True, env=env, cwd=ROOT)
     tail = [l for l in r.stdout.splitlines() if l.strip()][-1:] or ["(no output)"]
     failed = [l for l in r.stdout.splitlines() if l.startswith("FAILED")]

@@ -218,16 +218,39 @@ class CpuBackend(Backend):
 
 def run_kernel(kernel: str, dst: np.ndarray, srcs: list, ip=(), fp=(), n_threads: int = 1,
                scratch_bytes: int | None = None, work_bytes: int | None = None,
-               backend: CpuBackend | None = None) -> np.ndarray:
+               backend: Backend | None = None) -> np.ndarray:
     """Run one kernel on numpy arrays (tests and direct use); dst is filled in place.
 
     Arrays may be strided views of contiguous buffers. A tuple (array, dtype) names the
     dtype where numpy cannot (bf16 as uint16); (array, dtype, shape, strides) also gives
     the logical shape and element strides, as block types need (array: their raw bytes).
     Scratch and work sizes default to what the kernel asks for (Backend.kernel_sizes).
+    On a backend whose memory is not the host's (CUDA), each array's contiguous base goes
+    to the device and dst's comes back.
     """
     backend = backend or CpuBackend(n_threads)
-    bufs = []
+    host = isinstance(backend, CpuBackend)
+    bufs, back = [], []
+
+    def buffer(a: np.ndarray) -> tuple:
+        """(buffer, byte offset of a's first element in it)."""
+        if host:
+            return _ArrayBuffer(a), 0
+        root = a
+        while isinstance(root.base, np.ndarray):
+            root = root.base
+        if not root.flags.c_contiguous:
+            if not a.flags.c_contiguous:
+                raise ShapeError("run_kernel: a strided array must be a view of a contiguous one")
+            root = a
+        offset = a.__array_interface__["data"][0] - root.__array_interface__["data"][0]
+        for buf, known in back:        # one device copy of a base (an in-place kernel's dst is its src)
+            if known is root:
+                return buf, offset
+        buf = backend.alloc(max(1, root.nbytes))
+        backend.copy_in(buf, 0, root.reshape(-1).view(np.uint8))
+        back.append((buf, root))
+        return buf, offset
 
     def ref(a):
         dtype = shape = strides = None
@@ -238,12 +261,12 @@ def run_kernel(kernel: str, dst: np.ndarray, srcs: list, ip=(), fp=(), n_threads
         if dtype is None:
             dtype = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16",
                      np.dtype(np.int32): "i32", np.dtype(np.uint16): "bf16"}[a.dtype]
-        buf = _ArrayBuffer(a)
+        buf, offset = buffer(a)
         bufs.append(buf)
         if shape is None:
             item = a.dtype.itemsize
             shape, strides = tuple(a.shape), tuple(s // item for s in a.strides)
-        return TensorRef(buf, 0, dtype, tuple(shape), tuple(strides))
+        return TensorRef(buf, offset, dtype, tuple(shape), tuple(strides))
 
     call = KernelCall(kernel, ref(dst), tuple(ref(s) for s in srcs), tuple(ip), tuple(fp))
     if scratch_bytes is None or work_bytes is None:
@@ -252,12 +275,15 @@ def run_kernel(kernel: str, dst: np.ndarray, srcs: list, ip=(), fp=(), n_threads
         work_bytes = need_work if work_bytes is None else work_bytes
     scratch = None
     if scratch_bytes:
-        sb = CpuBuffer(scratch_bytes)
+        sb = backend.alloc(scratch_bytes)
         bufs.append(sb)
         scratch = TensorRef(sb, 0, "f32", (scratch_bytes,), (1,))
     call = KernelCall(kernel, call.dst, call.srcs, call.ip, call.fp, scratch, work_bytes)
     plan = backend.compile([call], n_threads)
     backend.run(plan, n_threads)
+    if back:    # dst's base (the first array given) comes back from the device
+        buf, root = back[0]
+        backend.copy_out(buf, 0, root.reshape(-1).view(np.uint8))
     return dst[0] if isinstance(dst, tuple) else dst
 
 

@@ -17,13 +17,22 @@ os.environ["GGTRAIN_TOKEN_CACHE"] = tempfile.mkdtemp(prefix="ggtrain-test-tokens
 atexit.register(shutil.rmtree, os.environ["GGTRAIN_TOKEN_CACHE"], True)
 
 
+if os.environ.get("GGTRAIN_TEST_BACKEND") == "cuda":   # the kernel tests' direct runs go to the GPU too
+    import functools
+
+    from ggtrain.core import backend_cpu
+    from ggtrain.core.backend_cuda import CudaBackend
+
+    _cuda = CudaBackend()
+    backend_cpu.run_kernel = functools.partial(backend_cpu.run_kernel, backend=_cuda)
+
+
 @pytest.fixture(scope="session")
 def backend():
     """The backend the op and kernel tests run on: the CPU's (2 threads), or with
     GGTRAIN_TEST_BACKEND=cuda the GPU's (bench/cuda_check.py runs them so on a GPU machine)."""
     if os.environ.get("GGTRAIN_TEST_BACKEND") == "cuda":
-        from ggtrain.core.backend_cuda import CudaBackend
-        return CudaBackend()
+        return _cuda
     return CpuBackend(2)
 
 

@@ -106,3 +106,57 @@ def test_the_staged_allreduce_reduces_a_copy_and_writes_it_back():
     be.allreduce(buf, 2, reduce)
     assert not np.shares_memory(seen[0], buf.bytes)
     np.testing.assert_array_equal(buf.view(0, "f32", (3,)), [0.0, 9.0, 6.0])
+
+
+def test_run_kernel_stages_arrays_through_a_device_backend():
+    """run_kernel on a backend whose memory is not the host's (CUDA's; here a CPU backend seen
+    through copies): strided views, an in-place kernel and dst come back as on the CPU."""
+    from ggtrain.core.backend import Backend
+    from ggtrain.core.backend_cpu import CpuBackend, run_kernel
+
+    class Staged(Backend):     # the CPU's kernels on buffers reached only by copies
+        name = "staged"
+
+        def __init__(self):
+            self.cpu = CpuBackend(1)
+
+        def __getattr__(self, name):
+            return getattr(self.cpu, name)
+
+        def alloc(self, nbytes):
+            return self.cpu.alloc(nbytes)
+
+        def free(self, buffer):
+            self.cpu.free(buffer)
+
+        def copy_in(self, buffer, offset, array):
+            self.cpu.copy_in(buffer, offset, array)
+
+        def copy_out(self, buffer, offset, out):
+            return self.cpu.copy_out(buffer, offset, out)
+
+        def supports(self, kernel):
+            return self.cpu.supports(kernel)
+
+        def kernel_sizes(self, call):
+            return self.cpu.kernel_sizes(call)
+
+        def compile(self, calls, n_threads=None):
+            return self.cpu.compile(calls, 1)
+
+        def run(self, plan, n_threads=None):
+            self.cpu.run(plan, 1)
+
+    rng = np.random.default_rng(0)
+    base = rng.standard_normal((6, 8)).astype(np.float32)
+    x, y = base[::2, 1:5], rng.standard_normal((3, 4)).astype(np.float32)    # a strided view
+    for be in (CpuBackend(1), Staged()):
+        out = np.zeros((3, 4), np.float32)
+        run_kernel("add_fwd_f32", out, [x, y], backend=be)
+        np.testing.assert_array_equal(out, x + y)
+        table = rng.standard_normal((5, 3)).astype(np.float32)
+        want = table.copy()
+        want[[4, 1]] = [[1, 2, 3], [4, 5, 6]]
+        run_kernel("set_rows_fwd_f32", table, [table, np.array([[1, 2, 3], [4, 5, 6]], np.float32),
+                                               np.array([4, 1], np.int32)], backend=be)
+        np.testing.assert_array_equal(table, want)
