@@ -160,3 +160,62 @@ def test_run_kernel_stages_arrays_through_a_device_backend():
         run_kernel("set_rows_fwd_f32", table, [table, np.array([[1, 2, 3], [4, 5, 6]], np.float32),
                                                np.array([4, 1], np.int32)], backend=be)
         np.testing.assert_array_equal(table, want)
+
+
+def _views():
+    """(a, b) operand pairs as the graph hands them to matmul: plain, transposed views (unit
+    stride along rows instead of columns), a row slice, batches broadcast either way, batches
+    that broadcast unevenly (one cuBLAS call a batch), and K = 0."""
+    rng = np.random.default_rng(3)
+
+    def r(*shape):
+        return rng.standard_normal(shape).astype(np.float32)
+    wide = r(7, 12)
+    return [
+        (r(5, 7), r(7, 3)),
+        (r(7, 5).T, r(7, 3)),                      # a transposed: column stride 1
+        (r(5, 7), r(3, 7).T),                      # b transposed (x @ W^T)
+        (r(7, 5).T, r(3, 7).T),
+        (r(5, 7), wide[:, 2:9]),                   # b's rows 12 apart
+        (r(1, 7), r(7, 4)),                        # one row
+        (r(5, 1), r(1, 4)),                        # K = 1
+        (r(4, 5, 7), r(7, 3)),                     # batch of a, b shared (strided-batched)
+        (r(5, 7), r(4, 7, 3)),                     # batch of b
+        (r(2, 3, 5, 7), r(2, 3, 7, 4)),
+        (r(2, 1, 5, 7), r(1, 3, 7, 4)),            # uneven: a call a batch
+        (r(3, 7, 5).transpose(0, 2, 1), r(3, 4, 7).transpose(0, 2, 1)),
+        (r(5, 0), r(0, 3)),                        # K = 0: zeros
+    ]
+
+
+def test_the_cublas_mapping_of_every_view_gives_the_product(cuda_lib):
+    """matmul_fwd_f32's launcher, its cuBLAS calls answered by a host reference of
+    cublasSgemm (column-major op/ld): the mapping of row-major and transposed views, batch
+    broadcasting and the strided-batched path give numpy's products."""
+    ffi, lib = cuda_lib
+    if backend_cuda.unavailable_reason() is None:
+        pytest.skip("a GPU is usable here: the host stand-in would replace cuBLAS in this process")
+    from ggtrain.core.backend import KernelCall, TensorRef, fill_node
+    from ggtrain.core.backend_cpu import _ArrayBuffer
+    assert lib.gtc_test_host_blas() == 0
+    fn = lib.gtc_kernel(b"matmul_fwd_f32")
+    for a, b in _views():
+        want = np.matmul(a.astype(np.float64), b.astype(np.float64))
+        out = np.full(want.shape, np.nan, np.float32)
+
+        def ref(x):
+            return TensorRef(_ArrayBuffer(x), 0, "f32", x.shape, tuple(s // 4 for s in x.strides))
+        node, keep = ffi.new("gt_node *"), []
+        fill_node(ffi, node, KernelCall("matmul_fwd_f32", ref(out), (ref(a), ref(b))), fn, keep)
+        ctx = ffi.new("gt_ctx *")
+        assert fn(node, ctx) == 0, ffi.string(lib.gtc_last_error()).decode()
+        np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5, err_msg=f"{a.shape} @ {b.shape}")
+    # a view cuBLAS cannot read is refused, not read wrongly: rows that overlap (stride 0)
+    a = np.lib.stride_tricks.as_strided(np.arange(7, dtype=np.float32), (5, 7), (0, 4))
+    out = np.zeros((5, 3), np.float32)
+    node = ffi.new("gt_node *")
+    fill_node(ffi, node, KernelCall("matmul_fwd_f32", TensorRef(_ArrayBuffer(out), 0, "f32", (5, 3), (3, 1)),
+                                    (TensorRef(_ArrayBuffer(np.ascontiguousarray(a)), 0, "f32", (5, 7), (0, 1)),
+                                     TensorRef(_ArrayBuffer(np.ones((7, 3), np.float32)), 0, "f32", (7, 3), (3, 1)))),
+              fn, [])
+    assert fn(node, ffi.new("gt_ctx *")) != 0 and "overlap" in ffi.string(lib.gtc_last_error()).decode()

@@ -63,3 +63,7 @@ int gtc_nccl_allreduce_f32(void *buffer, int64_t count);
  * dequantize n elements of a block type (the same __host__ __device__ decoder the
  * kernels use). */
 int gtc_dequantize_row_host(float *dst, const void *src, int32_t dtype, int64_t n);
+/* Tests only, never with a GPU in use: the f32 products' calls go to a host reference of
+ * cublasSgemm (column-major, op, ld), so matmul_fwd_f32's launcher runs on host pointers and
+ * its mapping of views to cuBLAS's arguments is checked against numpy. */
+int gtc_test_host_blas(void);

@@ -53,6 +53,43 @@ int gtc_cublas_load_(cudaStream_t stream) {
     return GT_OK;
 }
 
+/* ---- a host stand-in for cuBLAS (tests on machines without a GPU) ----------------------------- */
+
+static int g_host_blas = 0;   /* gemm's calls go to host_sgemm: host pointers, no launch to check */
+
+/* C = alpha op(A) op(B) + beta C, column-major, as cublasSgemm (the reference definition). */
+static int host_sgemm(void *, int ta, int tb, int m, int n, int k, const float *alpha, const float *A, int lda,
+                      const float *B, int ldb, const float *beta, float *C, int ldc) {
+    for (int j = 0; j < n; j++)
+        for (int i = 0; i < m; i++) {
+            double acc = 0.0;
+            for (int l = 0; l < k; l++) {
+                const float av = ta == GTC_OP_N ? A[i + (int64_t)l * lda] : A[l + (int64_t)i * lda];
+                const float bv = tb == GTC_OP_N ? B[l + (int64_t)j * ldb] : B[j + (int64_t)l * ldb];
+                acc += (double)av * bv;
+            }
+            float *c = C + i + (int64_t)j * ldc;
+            *c = (float)(*alpha * acc + (*beta != 0.0f ? *beta * *c : 0.0f));
+        }
+    return 0;
+}
+
+static int host_sgemm_strided(void *h, int ta, int tb, int m, int n, int k, const float *alpha, const float *A,
+                              int lda, long long sa, const float *B, int ldb, long long sb, const float *beta,
+                              float *C, int ldc, long long sc, int batch) {
+    for (int i = 0; i < batch; i++)
+        host_sgemm(h, ta, tb, m, n, k, alpha, A + i * sa, lda, B + i * sb, ldb, beta, C + i * sc, ldc);
+    return 0;
+}
+
+extern "C" int gtc_test_host_blas(void) {
+    g_host_blas = 1;
+    g_blas.handle = &g_host_blas;
+    g_blas.sgemm = host_sgemm;
+    g_blas.sgemm_strided = host_sgemm_strided;
+    return GT_OK;
+}
+
 extern "C" int gtc_set_tf32(int32_t on) {
     if (!g_blas.handle) return GTC_FAIL(GT_ERR_INVALID, "gtc_set_tf32: gtc_init has not run");
     const int st = g_blas.set_math_mode(g_blas.handle, on ? 3 /* CUBLAS_TF32_TENSOR_OP_MATH */ : 0);
@@ -110,9 +147,6 @@ static int gemm(const gt_tensor *d, const gt_tensor *a, const gt_tensor *b, cons
             return GTC_FAIL(GT_ERR_SHAPE, "%s: batch dim %d does not broadcast: src0 %lld, src1 %lld, dst %lld", op,
                             i, (long long)na, (long long)nbb, (long long)n);
     }
-    operand oa = {GTC_OP_N, 0}, ob = {GTC_OP_N, 0};
-    GTC_TRY(layout(a, "src0", &oa));
-    GTC_TRY(layout(b, "src1", &ob));
     /* the batches: dst's leading dims, each operand broadcast to them */
     gt_tensor batch = *d;
     batch.ndim = d->ndim - 2;
@@ -123,8 +157,14 @@ static int gemm(const gt_tensor *d, const gt_tensor *a, const gt_tensor *b, cons
     float *dd = (float *)d->data;
     const float *ad = (const float *)a->data;
     const float alpha = 1.0f, beta = 0.0f;
-    if (M == 0 || N == 0) return GT_OK;
-    if (K == 0) return GTC_CUDA(cudaMemsetAsync(dd, 0, (size_t)(nb * M * N) * 4, gtc_stream_()), op);
+    if (M == 0 || N == 0 || nb == 0) return GT_OK;    /* nothing to fill: the strides are moot */
+    if (K == 0) {                                      /* empty sums: zeros, whatever the strides */
+        if (g_host_blas) return (memset(dd, 0, (size_t)(nb * M * N) * 4), GT_OK);
+        return GTC_CUDA(cudaMemsetAsync(dd, 0, (size_t)(nb * M * N) * 4, gtc_stream_()), op);
+    }
+    operand oa = {GTC_OP_N, 0}, ob = {GTC_OP_N, 0};
+    GTC_TRY(layout(a, "src0", &oa));
+    GTC_TRY(layout(b, "src1", &ob));
     /* one strided-batched call when each operand's batch offsets step evenly */
     const int64_t sa = nb > 1 ? gtc_offset(ab, batch, 1) : 0, sb = nb > 1 ? gtc_offset(bb, batch, 1) : 0;
     bool even = nb > 1;
@@ -135,14 +175,14 @@ static int gemm(const gt_tensor *d, const gt_tensor *a, const gt_tensor *b, cons
         st = g_blas.sgemm_strided(g_blas.handle, ob.op, oa.op, (int)N, (int)M, (int)K, &alpha, bdata, (int)ob.ld, sb,
                                   ad, (int)oa.ld, sa, &beta, dd, (int)N, M * N, (int)nb);
         if (st) return GTC_FAIL(GT_ERR_UNSUPPORTED, "%s: cublasSgemmStridedBatched failed (status %d)", op, st);
-        return GTC_LAUNCHED(op);
+        return g_host_blas ? GT_OK : GTC_LAUNCHED(op);
     }
     for (int64_t i = 0; i < nb; i++) {
         st = g_blas.sgemm(g_blas.handle, ob.op, oa.op, (int)N, (int)M, (int)K, &alpha, bdata + gtc_offset(bb, batch, i),
                           (int)ob.ld, ad + gtc_offset(ab, batch, i), (int)oa.ld, &beta, dd + i * M * N, (int)N);
         if (st) return GTC_FAIL(GT_ERR_UNSUPPORTED, "%s: cublasSgemm failed (status %d)", op, st);
     }
-    return GTC_LAUNCHED(op);
+    return g_host_blas ? GT_OK : GTC_LAUNCHED(op);
 }
 
 GTC_SIZES(matmul_fwd_f32) {
