@@ -78,6 +78,15 @@ __host__ __device__ inline int64_t gtc_offset(const gt_tensor &t, const gt_tenso
     return off;
 }
 
+/* t is laid out as like's flat index: contiguous with like's shape (host side; kernels then
+ * index it by i, without gtc_offset's division per dim). */
+inline bool gtc_plain(const gt_tensor &t, const gt_tensor &like) {
+    if (t.ndim != like.ndim || !gtc_contiguous(t)) return false;
+    for (int i = 0; i < t.ndim; i++)
+        if (t.shape[i] != like.shape[i]) return false;
+    return true;
+}
+
 /* Offset of the first element of row `row` (all dims but the last), any strides. */
 __host__ __device__ inline int64_t gtc_row_offset(const gt_tensor &t, int64_t row) {
     int64_t off = 0;

@@ -8,10 +8,10 @@
 /* ---- binary, numpy broadcasting through zero strides ----------------------------------------- */
 
 template <int OP>
-__global__ void binary(float *d, gt_tensor a, gt_tensor b, gt_tensor like, int64_t n) {
+__global__ void binary(float *d, gt_tensor a, gt_tensor b, gt_tensor like, int64_t n, bool pa, bool pb) {
     const float *ad = (const float *)a.data, *bd = (const float *)b.data;
     GTC_FOR(i, n) {
-        const float x = ad[gtc_offset(a, like, i)], y = bd[gtc_offset(b, like, i)];
+        const float x = ad[pa ? i : gtc_offset(a, like, i)], y = bd[pb ? i : gtc_offset(b, like, i)];
         d[i] = OP == 0 ? x + y : OP == 1 ? x - y : OP == 2 ? x * y : x / y;
     }
 }
@@ -27,7 +27,9 @@ static int launch_binary(const gt_node *node, const char *op) {
     GTC_TRY(gtc_check_broadcast_(&node->src[0], d, op, "src0"));
     GTC_TRY(gtc_check_broadcast_(&node->src[1], d, op, "src1"));
     const int64_t n = gtc_numel(*d);
-    binary<OP><<<gtc_blocks(n), GTC_THREADS, 0, gtc_stream_()>>>((float *)d->data, node->src[0], node->src[1], *d, n);
+    binary<OP><<<gtc_blocks(n), GTC_THREADS, 0, gtc_stream_()>>>((float *)d->data, node->src[0], node->src[1], *d, n,
+                                                                  gtc_plain(node->src[0], *d),
+                                                                  gtc_plain(node->src[1], *d));
     return GTC_LAUNCHED(op);
 }
 
@@ -60,9 +62,9 @@ __device__ inline float unary_op(float x, float p) {
 }
 
 template <int OP>
-__global__ void unary(float *d, gt_tensor s, gt_tensor like, int64_t n, float p) {
+__global__ void unary(float *d, gt_tensor s, gt_tensor like, int64_t n, float p, bool plain) {
     const float *sd = (const float *)s.data;
-    GTC_FOR(i, n) d[i] = unary_op<OP>(OP == U_FILL ? 0.0f : sd[gtc_offset(s, like, i)], p);
+    GTC_FOR(i, n) d[i] = unary_op<OP>(OP == U_FILL ? 0.0f : sd[plain ? i : gtc_offset(s, like, i)], p);
 }
 
 template <int OP>
@@ -78,7 +80,8 @@ static int launch_unary(const gt_node *node, const char *op) {
         s = node->src[0];
     }
     const int64_t n = gtc_numel(*d);
-    unary<OP><<<gtc_blocks(n), GTC_THREADS, 0, gtc_stream_()>>>((float *)d->data, s, *d, n, node->fp[0]);
+    unary<OP><<<gtc_blocks(n), GTC_THREADS, 0, gtc_stream_()>>>((float *)d->data, s, *d, n, node->fp[0],
+                                                                 gtc_plain(s, *d));
     return GTC_LAUNCHED(op);
 }
 
@@ -97,10 +100,10 @@ GTC_LAUNCHER(sqr_fwd_f32) { (void)ctx; return launch_unary<U_SQR>(node, "sqr"); 
 /* ---- backward of relu and silu: src0 x, src1 g ----------------------------------------------- */
 
 template <int OP>
-__global__ void unary_bwd(float *d, gt_tensor x, gt_tensor g, gt_tensor like, int64_t n) {
+__global__ void unary_bwd(float *d, gt_tensor x, gt_tensor g, gt_tensor like, int64_t n, bool px, bool pg) {
     const float *xd = (const float *)x.data, *gd = (const float *)g.data;
     GTC_FOR(i, n) {
-        const float xi = xd[gtc_offset(x, like, i)], gi = gd[gtc_offset(g, like, i)];
+        const float xi = xd[px ? i : gtc_offset(x, like, i)], gi = gd[pg ? i : gtc_offset(g, like, i)];
         if (OP == U_RELU) {
             d[i] = xi > 0.0f ? gi : 0.0f;
         } else {
@@ -121,7 +124,9 @@ static int launch_unary_bwd(const gt_node *node, const char *op) {
     GTC_TRY(gtc_check_same_shape_(&node->src[0], d, op, "x", "dst"));
     GTC_TRY(gtc_check_same_shape_(&node->src[1], d, op, "g", "dst"));
     const int64_t n = gtc_numel(*d);
-    unary_bwd<OP><<<gtc_blocks(n), GTC_THREADS, 0, gtc_stream_()>>>((float *)d->data, node->src[0], node->src[1], *d, n);
+    unary_bwd<OP><<<gtc_blocks(n), GTC_THREADS, 0, gtc_stream_()>>>((float *)d->data, node->src[0], node->src[1], *d, n,
+                                                                     gtc_plain(node->src[0], *d),
+                                                                     gtc_plain(node->src[1], *d));
     return GTC_LAUNCHED(op);
 }
 
@@ -253,9 +258,9 @@ __device__ inline uint16_t to_bf16(float f) {
 }
 
 template <int DST>
-__global__ void copy(void *d, gt_tensor s, gt_tensor like, int64_t n) {
+__global__ void copy(void *d, gt_tensor s, gt_tensor like, int64_t n, bool plain) {
     GTC_FOR(i, n) {
-        const int64_t o = gtc_offset(s, like, i);
+        const int64_t o = plain ? i : gtc_offset(s, like, i);
         float v;
         if (s.dtype == GT_F32) v = ((const float *)s.data)[o];
         else if (s.dtype == GT_F16) v = gtc_f16(((const uint16_t *)s.data)[o]);
@@ -280,7 +285,7 @@ static int launch_copy(const gt_node *node, const char *op) {
     GTC_TRY(gtc_check_contig_(d, op, "dst"));
     if (gtc_numel(*s) != gtc_numel(*d)) return GTC_FAIL(GT_ERR_SHAPE, "%s: src and dst differ in size", op);
     const int64_t n = gtc_numel(*d);
-    copy<DST><<<gtc_blocks(n), GTC_THREADS, 0, gtc_stream_()>>>(d->data, *s, *s, n);
+    copy<DST><<<gtc_blocks(n), GTC_THREADS, 0, gtc_stream_()>>>(d->data, *s, *s, n, gtc_contiguous(*s));
     return GTC_LAUNCHED(op);
 }
 
