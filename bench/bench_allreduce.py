@@ -75,7 +75,7 @@ def step_time(cfg: dict, threads: int, steps: int) -> tuple:
     init = init_params(model, 0)
     n_params = sum(v.size for v in init.values())
     tc = TextConfig(steps=10**6, batch=cfg["batch"], lr=1e-3, lr_min=1e-3, warmup=0, weight_decay=0.1)
-    run = TextRun(model, init, tc, CpuBackend(threads), n_threads=threads)
+    run = TextRun(model, init, tc, CpuBackend(threads))
     rng = np.random.default_rng(0)
     times = []
     for _ in range(steps + 1):     # the first is a warm-up

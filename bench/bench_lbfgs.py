@@ -74,8 +74,7 @@ def run_ours(threads, iterations, x, y, init):
     physical = 1000 if len(y) % 1000 == 0 else len(y)
     cfg = ClassifierConfig(epochs=1, batch=len(y), physical_batch=physical, val_split=0.0, optimizer="lbfgs",
                            lr=1.0)
-    run = ClassifierRun(lambda p, t: model.forward("fc", p, t), init, (28, 28), cfg, CpuBackend(threads),
-                        n_threads=threads)
+    run = ClassifierRun(lambda p, t: model.forward("fc", p, t), init, (28, 28), cfg, CpuBackend(threads))
     k = len(y) // physical
     batches = [{run.x: x[j * physical:(j + 1) * physical], run.y: y[j * physical:(j + 1) * physical]}
                for j in range(k)]

@@ -115,7 +115,7 @@ class OursSide:
         model = ModelConfig(**{k: v for k, v in cfg.items() if k != "batch"})
         tc = TextConfig(steps=10**6, batch=cfg["batch"], lr=1e-3, lr_min=1e-3, warmup=0, weight_decay=0.1,
                         grad_clip=1.0, checkpointing=checkpointing)
-        self.run = TextRun(model, init, tc, CpuBackend(threads), n_threads=threads)
+        self.run = TextRun(model, init, tc, CpuBackend(threads))
         self.windows = windows
 
     def step(self, s: int) -> tuple:

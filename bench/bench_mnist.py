@@ -90,7 +90,7 @@ class OursSide:
 
         cfg = ClassifierConfig(epochs=1, val_split=0.0)
         self.run = ClassifierRun(lambda p, t: model.forward(arch, p, t), model.init_params(arch, 0), (28, 28), cfg,
-                                 CpuBackend(threads), n_threads=threads)
+                                 CpuBackend(threads))
         self.x, self.y = x, y
         self.n = len(y) // 1000 * 1000
         self.perm = np.random.default_rng(0).permutation(len(y))

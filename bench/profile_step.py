@@ -26,7 +26,7 @@ if arch.startswith("llama-"):
     cfg = CONFIGS[arch[6:]]
     model = ModelConfig(**{k: v for k, v in cfg.items() if k != "batch"})
     run = TextRun(model, init_params(model, 0), TextConfig(steps=10**6, batch=cfg["batch"], lr=1e-3, warmup=0,
-                                                           checkpointing=ckpt), be, n_threads=nt)
+                                                           checkpointing=ckpt), be)
     w = np.random.default_rng(0).integers(0, cfg["vocab"], (cfg["batch"], cfg["ctx"] + 1)).astype(np.int32)
     feed = [{run.tokens: w[:, :-1], run.targets: w[:, 1:]}]
     per_epoch, unit = None, "update"

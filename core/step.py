@@ -42,7 +42,7 @@ class TrainStep:
     """
 
     def __init__(self, loss: Tensor, params: list, optimizer, backend, grad_acc: int = 1,
-                 checkpointing: bool = True, n_threads: int | None = None, extra_outputs=(),
+                 checkpointing: bool = True, extra_outputs=(),
                  bind: dict | None = None, keep=None, world: World | None = None):
         """bind: {persistent tensor: backend buffer already holding its bytes} (frozen
         weights read straight from a file), adopted before anything is allocated. keep:
@@ -61,7 +61,7 @@ class TrainStep:
         self.runtime = Runtime(graph, backend)
         for t, buf in (bind or {}).items():
             self.runtime.bind(t, buf)
-        self.n_threads = n_threads or getattr(backend, "n_threads", 1)
+        self.n_threads = getattr(backend, "n_threads", 1)   # the backend's business (CpuBackend(n))
         self.updates = 0  # optimizer updates done
         self.stop = False  # whether some process asked to stop with the last update
 

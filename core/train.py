@@ -105,7 +105,7 @@ class ClassifierRun:
     """
 
     def __init__(self, forward, init: dict, input_shape: tuple, config: ClassifierConfig, backend,
-                 n_threads: int | None = None, world: World | None = None):
+                 world: World | None = None):
         self.config = config
         self.world = world or World()
         grad_acc = config.batch // config.physical_batch
@@ -120,7 +120,7 @@ class ClassifierRun:
                                         momentum=config.momentum, beta1=config.beta1, beta2=config.beta2,
                                         eps=config.eps)
         self.step = TrainStep(self.loss, [t for t in self.params.values() if t.requires_grad], self.optimizer, backend,
-                              grad_acc=grad_acc, checkpointing=False, n_threads=n_threads,
+                              grad_acc=grad_acc, checkpointing=False,
                               extra_outputs=[self.logits], world=self.world)
         self._eval = self.step.runtime.compile([self.logits], self.step.n_threads)
         self._stop = False
@@ -396,7 +396,7 @@ class TextRun:
     everything a bit-identical resume needs.
     """
 
-    def __init__(self, model, init: dict, config: TextConfig, backend, n_threads: int | None = None,
+    def __init__(self, model, init: dict, config: TextConfig, backend,
                  frozen: dict | None = None, lora=None, ctx: int | None = None, packed: bool = False,
                  loss_rows: int = 0, world: World | None = None, preference: PreferenceConfig | None = None,
                  pairs: int = 0):
@@ -475,7 +475,7 @@ class TextRun:
         else:
             self.schedule = CosineLR(config.lr, config.lr_min, min(config.warmup, config.steps), config.steps)
         self.step = TrainStep(self.loss, [t for t in self.params.values() if t.requires_grad], self.optimizer, backend,
-                              grad_acc=config.grad_acc, checkpointing=config.checkpointing, n_threads=n_threads,
+                              grad_acc=config.grad_acc, checkpointing=config.checkpointing,
                               bind=bind, keep=_frozen_product if lora is not None else None,
                               world=self.world, extra_outputs=self.outputs)
         if not packed:

@@ -170,8 +170,7 @@ def _train(grad_acc, steps=3, optimizer=None, checkpointing=True, n_threads=2, b
     rng = np.random.default_rng(0)
     g, x, y, params, loss = _mlp(rng, batch=batch // grad_acc)
     st = TrainStep(loss, params, optimizer or AdamW(lr=1e-2, weight_decay=0.1, max_grad_norm=1.0),
-                   CpuBackend(n_threads), grad_acc=grad_acc, checkpointing=checkpointing,
-                   n_threads=n_threads)
+                   CpuBackend(n_threads), grad_acc=grad_acc, checkpointing=checkpointing)
     data = np.random.default_rng(1)
     losses = []
     for _ in range(steps):

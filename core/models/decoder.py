@@ -467,7 +467,7 @@ class Runner:
     """
 
     def __init__(self, cfg: ModelConfig, weights: dict, backend, batch: int = 1, length: int | None = None,
-                 n_threads: int | None = None, adapters: dict | None = None, n_ctx: int = 0):
+                 adapters: dict | None = None, n_ctx: int = 0):
         self.cfg = cfg
         self.batch, self.length = batch, min(length or cfg.ctx, cfg.ctx)
         g = Graph()
@@ -483,7 +483,6 @@ class Runner:
         self.runtime = Runtime(g, backend)
         for t, buf in stored.items():
             self.runtime.bind(t, buf)
-        self.n_threads = n_threads
         self._plan_logits = None
         self._plan_loss = None
         self.runtime.set(self.pos, np.arange(self.length, dtype=np.int32))
@@ -500,22 +499,22 @@ class Runner:
     def logits(self, tokens: np.ndarray) -> np.ndarray:
         """Logits (batch, length, V) for tokens (batch, <= length); rows past the input are padding."""
         if self._plan_logits is None:
-            self._plan_logits = self.runtime.compile([self.logits_t], self.n_threads)
+            self._plan_logits = self.runtime.compile([self.logits_t])
         self.runtime.set(self.tokens, self._fill(tokens))
-        self.runtime.run(self._plan_logits, self.n_threads)
+        self.runtime.run(self._plan_logits)
         return self._plan_logits.read(self.logits_t)
 
     def nll(self, tokens: np.ndarray, targets: np.ndarray) -> float:
         """Summed negative log-likelihood of targets (negative ids ignored) given tokens."""
         if self._plan_loss is None:
-            self._plan_loss = self.runtime.compile([self.loss_t], self.n_threads)
+            self._plan_loss = self.runtime.compile([self.loss_t])
         tgt = np.full((self.batch, self.length), -1, np.int32)
         targets = np.asarray(targets, np.int32)
         tgt[:, :targets.shape[1]] = targets
         self.runtime.set(self.tokens, self._fill(tokens))
         self.runtime.set(self.targets, tgt)
         self.runtime.set(self.chunks, chunk_weights(tgt, self.chunks.shape[0]))
-        self.runtime.run(self._plan_loss, self.n_threads)
+        self.runtime.run(self._plan_loss)
         return float(self._plan_loss.read(self.loss_t)) * int((tgt >= 0).sum())
 
 
@@ -537,13 +536,12 @@ class Decoder:
     MIN_ROWS = 32
 
     def __init__(self, cfg: ModelConfig, weights: dict, backend, n_ctx: int | None = None,
-                 n_threads: int | None = None, adapters: dict | None = None, chunk: int = 256):
+                 adapters: dict | None = None, chunk: int = 256):
         self.cfg = cfg
         self.n_ctx = min(n_ctx or cfg.ctx, cfg.ctx)
         if self.n_ctx < 1 or chunk < 1:
             raise ConfigError(f"decoder: context {self.n_ctx} and chunk {chunk} must be >= 1")
         self.chunk = chunk
-        self.n_threads = n_threads
         self.graph = g = Graph()
         self.params, self.lora, stored = _frozen(g, weights, adapters)
         kv = cfg.kv_heads * cfg.head_dim
@@ -569,7 +567,7 @@ class Decoder:
             pos = g.input((t,), "i32", name=f"pos.{t}")
             logits = forward(self.cfg, self.params, tokens, pos, lora=self.lora, cache=self.cache,
                              n_kv=rows, last_only=not every, n_ctx=self.n_ctx)
-            self._plans[key] = (self.runtime.compile([logits], self.n_threads), tokens, pos, logits)
+            self._plans[key] = (self.runtime.compile([logits]), tokens, pos, logits)
         return self._plans[key]
 
     def reset(self) -> None:
@@ -601,7 +599,7 @@ class Decoder:
             plan, tokens, pos, logits = self._plan(part.size, self._rows(self.n_past + part.size), every)
             self.runtime.set(tokens, part[None, :])
             self.runtime.set(pos, np.arange(self.n_past, self.n_past + part.size, dtype=np.int32))
-            self.runtime.run(plan, self.n_threads)
+            self.runtime.run(plan)
             self.n_past += part.size
             if every:
                 out.append(plan.read(logits)[0])
