@@ -342,38 +342,13 @@ int gt_geglu_bwd_f32(const gt_node *n, const gt_ctx *c) { return glu_bwd(n, c, g
 
 /* ---- dropout ----------------------------------------------------------------- */
 
-static inline uint32_t rotl32(uint32_t x, int r) { return (x << r) | (x >> (32 - r)); }
-
-/* One 4-byte block of MurmurHash3_x86_32 (Austin Appleby, SMHasher) mixed into h. */
-static inline uint32_t murmur3_block(uint32_t h, uint32_t k) {
-    k *= 0xcc9e2d51u;
-    k = rotl32(k, 15);
-    k *= 0x1b873593u;
-    h ^= k;
-    h = rotl32(h, 13);
-    return h * 5u + 0xe6546b64u;
-}
-
-/* MurmurHash3_x86_32's finaliser (fmix32), applied after the length is xored in. */
-static inline uint32_t murmur3_fmix(uint32_t h) {
-    h ^= h >> 16;
-    h *= 0x85ebca6bu;
-    h ^= h >> 13;
-    h *= 0xc2b2ae35u;
-    h ^= h >> 16;
-    return h;
-}
-
 /* d[k] = x[k] * s where hash(index i0 + k) >= thr, else 0. h1 is the hash state
  * after the seed and the salt block, hi the index's high word (constant here).
  * Plain 32-bit integer arithmetic: the clones vectorize it and agree bit for bit. */
 GT_CLONES static void dropout_row(float *restrict d, const float *restrict x, uint32_t h1, uint32_t hi,
                                   uint32_t i0, int64_t n, uint32_t thr, float s) {
     for (int64_t k = 0; k < n; k++) {
-        uint32_t h = murmur3_block(h1, i0 + (uint32_t)k);
-        h = murmur3_block(h, hi);
-        h = murmur3_fmix(h ^ 12u);
-        d[k] = h >= thr ? x[k] * s : 0.0f;
+        d[k] = gt_dropout_hash(h1, i0 + (uint32_t)k, hi) >= thr ? x[k] * s : 0.0f;
     }
 }
 
@@ -411,7 +386,7 @@ int gt_dropout_fwd_f32(const gt_node *node, const gt_ctx *ctx) {
         return GT_FAIL(GT_ERR_INVALID, "%s: expected salt (ip[0]) in [0, 2^32), got %lld", op, (long long)salt);
     const uint32_t thr = (uint32_t)((double)p * 4294967296.0);
     const float s = (float)(1.0 / (1.0 - (double)p));
-    const uint32_t h1 = murmur3_block((uint32_t)*(const int32_t *)sd->data, (uint32_t)salt);
+    const uint32_t h1 = gt_murmur3_block((uint32_t)*(const int32_t *)sd->data, (uint32_t)salt);
     float *dd = d->data;
     const float *xd = x->data;
     int64_t lo, hi;

@@ -8,6 +8,7 @@
 
 #include "../gt_core.h"
 #include "../ggtrain.h"
+#include "../elementmath.h"
 
 #define GT_MAX_DIMS 6
 

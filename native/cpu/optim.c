@@ -40,15 +40,7 @@ static float clip_scale(const float *h, float norm) {
 GT_CLONES static void adamw_range(float *restrict p, const float *restrict g, float *restrict m, float *restrict v,
                                   int64_t n, float scale, float lr, float b1, float b2, float eps, float decay,
                                   float bc1, float bc2) {
-    for (int64_t i = 0; i < n; i++) {
-        const float gi = g[i] * scale;
-        const float mi = b1 * m[i] + (1.0f - b1) * gi;
-        const float vi = b2 * v[i] + (1.0f - b2) * gi * gi;
-        m[i] = mi;
-        v[i] = vi;
-        const float mhat = mi / bc1, vhat = vi / bc2;
-        p[i] = p[i] - decay * p[i] - lr * mhat / (sqrtf(vhat) + eps);
-    }
+    for (int64_t i = 0; i < n; i++) gt_adamw_1(&p[i], g[i] * scale, &m[i], &v[i], lr, b1, b2, eps, decay, bc1, bc2);
 }
 
 /* AdamW with decoupled weight decay (Loshchilov & Hutter), bias-corrected:

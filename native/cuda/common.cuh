@@ -9,6 +9,7 @@
 extern "C" {
 #include "../gt_core.h"
 }
+#include "../elementmath.h"
 
 #define GTC_MAX_DIMS 6
 #define GTC_THREADS 256
@@ -120,7 +121,8 @@ inline unsigned gtc_blocks(int64_t n) {
 /* Sum (or max) of one value per thread over a block of blockDim.x threads (a multiple of
  * 32, at most 1024), in a fixed order: every thread gets the result. `shared` holds 32
  * floats. Deterministic: the same bits for the same inputs and block size. */
-__device__ inline float gtc_warp_sum(float v) {
+template <typename T>
+__device__ inline T gtc_warp_sum(T v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;
 }
@@ -128,27 +130,16 @@ __device__ inline float gtc_warp_max(float v) {
     for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
     return v;
 }
-__device__ inline float gtc_block_sum(float v, float *shared) {
+/* (float or double: the double one for the sums the CPU makes in double) */
+template <typename T>
+__device__ inline T gtc_block_sum(T v, T *shared) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
     v = gtc_warp_sum(v);
     __syncthreads();
     if (lane == 0) shared[warp] = v;
     __syncthreads();
-    v = lane < nw ? shared[lane] : 0.0f;
+    v = lane < nw ? shared[lane] : T(0);
     return gtc_warp_sum(v);
-}
-__device__ inline double gtc_warp_sum_d(double v) {
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
-__device__ inline double gtc_block_sum_d(double v, double *shared) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    v = gtc_warp_sum_d(v);
-    __syncthreads();
-    if (lane == 0) shared[warp] = v;
-    __syncthreads();
-    v = lane < nw ? shared[lane] : 0.0;
-    return gtc_warp_sum_d(v);
 }
 __device__ inline float gtc_block_max(float v, float *shared) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;

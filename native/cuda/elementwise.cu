@@ -191,35 +191,12 @@ GTC_LAUNCHER(swiglu_bwd_f32) { (void)ctx; return launch_gate<false>(node, true, 
 GTC_LAUNCHER(geglu_fwd_f32) { (void)ctx; return launch_gate<true>(node, false, "geglu"); }
 GTC_LAUNCHER(geglu_bwd_f32) { (void)ctx; return launch_gate<true>(node, true, "geglu_bwd"); }
 
-/* ---- dropout: the CPU's hash, bit for bit (MurmurHash3_x86_32 of (salt, i lo, i hi)) --------- */
-
-__device__ inline uint32_t rotl32(uint32_t x, int r) { return (x << r) | (x >> (32 - r)); }
-__device__ inline uint32_t murmur_block(uint32_t h, uint32_t k) {
-    k *= 0xcc9e2d51u;
-    k = rotl32(k, 15);
-    k *= 0x1b873593u;
-    h ^= k;
-    h = rotl32(h, 13);
-    return h * 5u + 0xe6546b64u;
-}
-__device__ inline uint32_t murmur_fmix(uint32_t h) {
-    h ^= h >> 16;
-    h *= 0x85ebca6bu;
-    h ^= h >> 13;
-    h *= 0xc2b2ae35u;
-    h ^= h >> 16;
-    return h;
-}
+/* ---- dropout: the CPU's hash (native/elementmath.h), bit for bit ------------------------------ */
 
 __global__ void dropout(float *d, const float *x, const int32_t *seed, uint32_t salt, uint32_t thr, float s,
                         int64_t n) {
-    const uint32_t h1 = murmur_block((uint32_t)*seed, salt);
-    GTC_FOR(i, n) {
-        uint32_t h = murmur_block(h1, (uint32_t)i);
-        h = murmur_block(h, (uint32_t)((uint64_t)i >> 32));
-        h = murmur_fmix(h ^ 12u);
-        d[i] = h >= thr ? x[i] * s : 0.0f;
-    }
+    const uint32_t h1 = gt_murmur3_block((uint32_t)*seed, salt);
+    GTC_FOR(i, n) d[i] = gt_dropout_hash(h1, (uint32_t)i, (uint32_t)((uint64_t)i >> 32)) >= thr ? x[i] * s : 0.0f;
 }
 
 GTC_LAUNCHER(dropout_fwd_f32) {
@@ -309,15 +286,7 @@ __global__ void adamw(float *p, const float *g, const float *h, const float *nor
         GTC_RAISE(GTC_DEV_BIAS_CORRECTION);
         return;
     }
-    GTC_FOR(i, n) {
-        const float gi = g[i] * scale;
-        const float mi = b1 * m[i] + (1.0f - b1) * gi;
-        const float vi = b2 * v[i] + (1.0f - b2) * gi * gi;
-        m[i] = mi;
-        v[i] = vi;
-        const float mhat = mi / bc1, vhat = vi / bc2;
-        p[i] = p[i] - decay * p[i] - lr * mhat / (sqrtf(vhat) + eps);
-    }
+    GTC_FOR(i, n) gt_adamw_1(&p[i], g[i] * scale, &m[i], &v[i], lr, b1, b2, eps, decay, bc1, bc2);
 }
 
 __global__ void sgd(float *p, const float *g, const float *h, const float *norm, float *buf, float wd_on, int64_t n) {

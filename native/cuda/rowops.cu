@@ -22,14 +22,14 @@ __global__ void sum_partial(double *part, gt_tensor s, int64_t n) {
         const double v = sd[contig ? i : gtc_offset(s, s, i)];
         acc += SQ ? v * v : v;
     }
-    acc = gtc_block_sum_d(acc, sh);
+    acc = gtc_block_sum(acc, sh);
     if (threadIdx.x == 0) part[blockIdx.x] = acc;
 }
 
 __global__ void sum_final(float *d, const double *part, int nparts) {
     __shared__ double sh[32];
     double acc = threadIdx.x < nparts ? part[threadIdx.x] : 0.0;
-    acc = gtc_block_sum_d(acc, sh);
+    acc = gtc_block_sum(acc, sh);
     if (threadIdx.x == 0) *d = (float)acc;
 }
 
@@ -64,7 +64,7 @@ __global__ void sum_rows(float *d, gt_tensor s, int64_t N) {
     const int64_t st = s.ndim ? s.strides[s.ndim - 1] : 1;
     double acc = 0.0;
     for (int64_t j = threadIdx.x; j < N; j += blockDim.x) acc += row[j * st];
-    acc = gtc_block_sum_d(acc, sh);
+    acc = gtc_block_sum(acc, sh);
     if (threadIdx.x == 0) d[r] = (float)acc;
 }
 
@@ -326,8 +326,8 @@ __global__ void ce_mean(float *d, const float *loss, const int32_t *t, int64_t N
         acc += loss[r];
         cnt += t[r] >= 0 ? 1.0 : 0.0;
     }
-    acc = gtc_block_sum_d(acc, sh);
-    cnt = gtc_block_sum_d(cnt, sh);
+    acc = gtc_block_sum(acc, sh);
+    cnt = gtc_block_sum(cnt, sh);
     const double c = count > 0 ? (double)count : cnt;
     if (threadIdx.x == 0) *d = c > 0.0 ? (float)(acc / c) : 0.0f;
 }
@@ -337,7 +337,7 @@ __global__ void ce_count(float *out, const int32_t *t, int64_t N, int64_t count)
     __shared__ double sh[32];
     double cnt = 0.0;
     for (int64_t r = threadIdx.x; r < N; r += blockDim.x) cnt += t[r] >= 0 ? 1.0 : 0.0;
-    cnt = gtc_block_sum_d(cnt, sh);
+    cnt = gtc_block_sum(cnt, sh);
     if (threadIdx.x == 0) *out = count > 0 ? (float)count : (float)cnt;
 }
 
