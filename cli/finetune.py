@@ -263,7 +263,8 @@ def finetune(
     def template_of(kind: str, conversational: bool) -> ChatTemplate | None:
         return find_template(base_file, chat_template) if kind == "chat" or conversational else None
 
-    plain = is_plain_text(data)
+    with file_errors(f"--data {data}"):
+        plain = is_plain_text(data)
     if plain:
         check_kind("plain", "plain")
         kind = "plain"

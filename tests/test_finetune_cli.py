@@ -227,3 +227,10 @@ def test_help_lists_the_contract_options():
                 "--out-type", "--chat-template", "--train-on-inputs", "--packing", "--drop-long", "--resume",
                 "--checkpoint-dir", "--save-every", "--eval-every", "--val-split", "--grad-acc", "--epochs"):
         assert opt in r.stdout, opt
+
+
+def test_a_missing_data_file_is_one_line_naming_the_option(tmp_path, story):
+    for name in ("nope.jsonl", "nope.txt"):
+        r = _cli("finetune", "--model", story, "--data", tmp_path / name, "--out", tmp_path / "a.gguf", "--quiet")
+        assert r.returncode == 1 and r.stderr == f"error: --data {tmp_path / name}: no such file\n", r.stderr
+        assert not (tmp_path / "a.gguf").exists()
