@@ -37,7 +37,6 @@
 #include <stdatomic.h>
 
 #include "internal.h"
-#include "shape.h"
 #include "rowops.h"
 #include "simd.h"
 
@@ -68,27 +67,7 @@ static int64_t div_up(int64_t a, int64_t b) { return (a + b - 1) / b; }
 /* q, k, v of src[0..2]; with data == 0 (sizing: no memory yet) their shapes alone. */
 static int check_qkv(const gt_node *node, const char *op, int data, att *A) {
     const gt_tensor *q = &node->src[0], *k = &node->src[1], *v = &node->src[2];
-    const char *names[3] = {"q", "k", "v"};
-    char a[128], b[128];
-    GT_TRY(gt_check_n_src(node, 3, op));
-    for (int i = 0; i < 3; i++) {
-        const gt_tensor *t = &node->src[i];
-        if (data) GT_CHECK_F32(t, op, names[i]);
-        if (t->ndim != 4)
-            return GT_FAIL(GT_ERR_SHAPE, "%s: expected %s (B, T, heads, D), got %s", op, names[i],
-                           gt_shape_str(t, a, sizeof a));
-        if (t->shape[3] > 1 && t->strides[3] != 1)
-            return GT_FAIL(GT_ERR_INVALID, "%s: expected %s with unit stride along D, got stride %lld", op,
-                           names[i], (long long)t->strides[3]);
-    }
-    if (k->shape[0] != q->shape[0] || k->shape[3] != q->shape[3] || k->shape[2] < 1 ||
-        q->shape[2] % k->shape[2] != 0)
-        return GT_FAIL(GT_ERR_SHAPE, "%s: expected k (%lld, T_k, H_kv, %lld) with H_kv dividing the %lld heads "
-                       "of q %s, got %s", op, (long long)q->shape[0], (long long)q->shape[3],
-                       (long long)q->shape[2], gt_shape_str(q, a, sizeof a), gt_shape_str(k, b, sizeof b));
-    if (!gt_same_shape(v, k))
-        return GT_FAIL(GT_ERR_SHAPE, "%s: expected v of k's shape %s, got %s", op, gt_shape_str(k, a, sizeof a),
-                       gt_shape_str(v, b, sizeof b));
+    GT_TRY(gt_attention_qkv_check(node, op, data));
     A->B = q->shape[0];
     A->Tq = q->shape[1];
     A->H = q->shape[2];
@@ -109,37 +88,12 @@ static int check_qkv(const gt_node *node, const char *op, int data, att *A) {
 
 /* The mask: ip[0] (0 none, 1 causal, 2 by position, 3 by segment) and its input src[im]. */
 static int check_mask(const gt_node *node, const char *op, int im, att *A) {
-    const int64_t mode = node->ip[0];
-    char a[128], b[128];
-    if (mode < MASK_NONE || mode > MASK_SEG)
-        return GT_FAIL(GT_ERR_INVALID, "%s: expected mask ip[0] 0, 1, 2 or 3, got %lld", op, (long long)mode);
-    A->mode = (int)mode;
+    GT_TRY(gt_attention_mask_check(node, op, im));
+    A->mode = (int)node->ip[0];
     A->window = node->ip[1];
-    if (A->window < 0 || (A->window > 0 && mode == MASK_NONE))
-        return GT_FAIL(GT_ERR_INVALID, "%s: expected window ip[1] >= 0 (0: none; only with a mask), got %lld", op,
-                       (long long)A->window);
     A->scale = node->fp[0];
-    A->pos = A->seg = NULL;
-    if (mode < MASK_POS) return GT_OK;
-    GT_TRY(gt_check_n_src(node, im + 1, op));
-    const gt_tensor *m = &node->src[im];
-    const char *what = mode == MASK_POS ? "pos" : "seg";
-    GT_TRY(gt_check_i32(m, op, what));
-    GT_TRY(gt_check_contig(m, op, what));
-    if (mode == MASK_POS) {
-        if (m->ndim != 1 || m->shape[0] != A->Tq)
-            return GT_FAIL(GT_ERR_SHAPE, "%s: expected pos (%lld,) (T_q), got %s", op, (long long)A->Tq,
-                           gt_shape_str(m, a, sizeof a));
-        A->pos = m->data;
-        return GT_OK;
-    }
-    if (A->Tq != A->Tk)
-        return GT_FAIL(GT_ERR_SHAPE, "%s: the segment mask needs T_q == T_k, got %lld and %lld", op,
-                       (long long)A->Tq, (long long)A->Tk);
-    if (m->ndim != 2 || m->shape[0] != A->B || m->shape[1] != A->Tk)
-        return GT_FAIL(GT_ERR_SHAPE, "%s: expected seg (%lld, %lld) (B, T), got %s for q %s", op, (long long)A->B,
-                       (long long)A->Tk, gt_shape_str(m, a, sizeof a), gt_shape_str(&node->src[0], b, sizeof b));
-    A->seg = m->data;
+    A->pos = A->mode == MASK_POS ? node->src[im].data : NULL;
+    A->seg = A->mode == MASK_SEG ? node->src[im].data : NULL;
     return GT_OK;
 }
 

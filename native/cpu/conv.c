@@ -3,7 +3,6 @@
  * to one thread; the backward kernels gather every contribution to a dx element
  * in a fixed order and write every element of dx (zeros included). */
 #include "internal.h"
-#include "shape.h"
 #include "simd.h"
 
 #define LANES 16
@@ -200,24 +199,6 @@ int gt_im2col_bwd_f32(const gt_node *node, const gt_ctx *ctx) {
 
 /* ---- max_pool2d ---------------------------------------------------------------- */
 
-static int pool_params(const gt_node *node, const gt_tensor *x, const char *op, int64_t *k) {
-    char a[128];
-    *k = node->ip[0];
-    if (*k < 1) return GT_FAIL(GT_ERR_INVALID, "%s: expected window ip[0] >= 1, got %lld", op, (long long)*k);
-    if (x->ndim != 4)
-        return GT_FAIL(GT_ERR_SHAPE, "%s: expected x (N, H, W, C), got %s", op, gt_shape_str(x, a, sizeof a));
-    return GT_OK;
-}
-
-static int check_pooled(const gt_tensor *t, const gt_tensor *x, int64_t k, const char *op, const char *what) {
-    const int64_t N = x->shape[0], OH = x->shape[1] / k, OW = x->shape[2] / k, C = x->shape[3];
-    if (t->ndim == 4 && t->shape[0] == N && t->shape[1] == OH && t->shape[2] == OW && t->shape[3] == C) return GT_OK;
-    char a[128], b[128];
-    return GT_FAIL(GT_ERR_SHAPE, "%s: expected %s (N, H/k, W/k, C) = (%lld, %lld, %lld, %lld) for x %s and k %lld, got %s",
-                   op, what, (long long)N, (long long)OH, (long long)OW, (long long)C, gt_shape_str(x, a, sizeof a),
-                   (long long)k, gt_shape_str(t, b, sizeof b));
-}
-
 /* d[c] = max(d[c], x[c]); a NaN in x is skipped (comparison false) */
 GT_CLONES static void max_into(float *restrict d, const float *restrict x, int64_t n) {
     int64_t i = 0;
@@ -255,13 +236,7 @@ int gt_max_pool2d_fwd_f32(const gt_node *node, const gt_ctx *ctx) {
     const char *op = "max_pool2d";
     const gt_tensor *d = &node->dst, *x = &node->src[0];
     int64_t k;
-    GT_TRY(gt_check_n_src(node, 1, op));
-    GT_CHECK_F32(d, op, "dst");
-    GT_CHECK_F32(x, op, "x");
-    GT_TRY(pool_params(node, x, op, &k));
-    GT_TRY(check_pooled(d, x, k, op, "dst"));
-    GT_TRY(gt_check_contig(x, op, "x"));
-    GT_TRY(gt_check_contig(d, op, "dst"));
+    GT_TRY(gt_max_pool2d_check(node, 0, op, &k));
     const int64_t H = x->shape[1], W = x->shape[2], C = x->shape[3];
     const int64_t OH = d->shape[1], OW = d->shape[2];
     const float *xd = x->data;
@@ -359,16 +334,7 @@ int gt_max_pool2d_bwd_f32(const gt_node *node, const gt_ctx *ctx) {
     const char *op = "max_pool2d_bwd";
     const gt_tensor *d = &node->dst, *x = &node->src[0], *g = &node->src[1];
     int64_t k;
-    GT_TRY(gt_check_n_src(node, 2, op));
-    GT_CHECK_F32(d, op, "dst");
-    GT_CHECK_F32(x, op, "x");
-    GT_CHECK_F32(g, op, "g");
-    GT_TRY(pool_params(node, x, op, &k));
-    GT_TRY(gt_check_same_shape(d, x, op, "dst", "x"));
-    GT_TRY(check_pooled(g, x, k, op, "g"));
-    GT_TRY(gt_check_contig(x, op, "x"));
-    GT_TRY(gt_check_contig(g, op, "g"));
-    GT_TRY(gt_check_contig(d, op, "dst"));
+    GT_TRY(gt_max_pool2d_check(node, 1, op, &k));
     const int64_t N = x->shape[0], H = x->shape[1], W = x->shape[2], C = x->shape[3];
     const int64_t OH = H / k, OW = W / k, nb = (H + k - 1) / k;
     const float *xd = x->data, *gd = g->data;

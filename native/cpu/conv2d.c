@@ -27,7 +27,6 @@
 #include <math.h>
 
 #include "internal.h"
-#include "shape.h"
 #include "simd.h"
 
 #if defined(__x86_64__)
@@ -88,34 +87,13 @@ static int geom_init(cgeom *g, const gt_node *node, int64_t N, int64_t H, int64_
     return GT_OK;
 }
 
-/* The forward's output: (N, OH, OW, CO) when pool == 1, else (2, N, PH, PW, CO). */
+/* The forward's output and the upstream gradient, as checks.h checks them. */
 static int check_out(const gt_tensor *t, const cgeom *g, const char *op, const char *what) {
-    int ok;
-    if (g->pool == 1)
-        ok = t->ndim == 4 && t->shape[0] == g->N && t->shape[1] == g->OH && t->shape[2] == g->OW &&
-             t->shape[3] == g->CO;
-    else
-        ok = t->ndim == 5 && t->shape[0] == 2 && t->shape[1] == g->N && t->shape[2] == g->PH &&
-             t->shape[3] == g->PW && t->shape[4] == g->CO;
-    if (ok) return GT_OK;
-    char a[128];
-    if (g->pool == 1)
-        return GT_FAIL(GT_ERR_SHAPE, "%s: expected %s (N, OH, OW, CO) = (%lld, %lld, %lld, %lld), got %s", op, what,
-                       (long long)g->N, (long long)g->OH, (long long)g->OW, (long long)g->CO,
-                       gt_shape_str(t, a, sizeof a));
-    return GT_FAIL(GT_ERR_SHAPE, "%s: expected %s (2, N, OH/pool, OW/pool, CO) = (2, %lld, %lld, %lld, %lld), got %s",
-                   op, what, (long long)g->N, (long long)g->PH, (long long)g->PW, (long long)g->CO,
-                   gt_shape_str(t, a, sizeof a));
+    return gt_conv2d_out_check(t, g->N, g->OH, g->OW, g->CO, g->pool, op, what);
 }
 
-/* The upstream gradient: (N, PH, PW, CO). */
 static int check_grad(const gt_tensor *t, const cgeom *g, const char *op) {
-    if (t->ndim == 4 && t->shape[0] == g->N && t->shape[1] == g->PH && t->shape[2] == g->PW && t->shape[3] == g->CO)
-        return GT_OK;
-    char a[128];
-    return GT_FAIL(GT_ERR_SHAPE, "%s: expected g (N, OH/pool, OW/pool, CO) = (%lld, %lld, %lld, %lld), got %s", op,
-                   (long long)g->N, (long long)g->PH, (long long)g->PW, (long long)g->CO,
-                   gt_shape_str(t, a, sizeof a));
+    return gt_conv2d_grad_check(t, g->N, g->OH, g->OW, g->CO, g->pool, op);
 }
 
 static int check_kernel(const gt_tensor *k, const cgeom *g, const char *op) {

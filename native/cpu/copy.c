@@ -4,7 +4,6 @@
 #include <math.h>
 
 #include "internal.h"
-#include "shape.h"
 
 /* IEEE half <-> float, round to nearest even; NaN stays NaN, overflow -> inf. */
 float gt_f16_to_f32_1(uint16_t h) {

@@ -3,7 +3,6 @@
 #include <math.h>
 
 #include "internal.h"
-#include "shape.h"
 #include "simd.h"
 
 /* ---- binary: dst (contiguous) = src0 OP src1, numpy broadcasting ---------- */

@@ -10,53 +10,17 @@
 #include "../ggtrain.h"
 #include "../elementmath.h"
 
-#define GT_MAX_DIMS 6
-
 /* Records a formatted message with file and line for gt_last_error() and
  * returns `code`, so kernels write `return GT_FAIL(GT_ERR_SHAPE, "...", ...)`. */
 int gt_set_error_(int code, const char *file, int line, const char *fmt, ...)
     __attribute__((format(printf, 4, 5)));
 #define GT_FAIL(code, ...) gt_set_error_((code), __FILE__, __LINE__, __VA_ARGS__)
 
+/* numel, contiguity, rows and the argument checks, shared with the CUDA kernels */
+#include "../checks.h"
+
 /* Dispatch level chosen at run time: 0 scalar, 1 AVX2+FMA, 2 AVX-512F. */
 int gt_simd_level_(void);
-
-static inline int64_t gt_numel(const gt_tensor *t) {
-    int64_t n = 1;
-    for (int i = 0; i < t->ndim; i++) n *= t->shape[i];
-    return n;
-}
-
-static inline int gt_is_contiguous(const gt_tensor *t) {
-    int64_t s = 1;
-    for (int i = t->ndim - 1; i >= 0; i--) {
-        if (t->shape[i] != 1 && t->strides[i] != s) return 0;
-        s *= t->shape[i];
-    }
-    return 1;
-}
-
-/* Size of the last dim (1 for a scalar) and the number of rows before it. */
-static inline int64_t gt_ncols(const gt_tensor *t) {
-    return t->ndim ? t->shape[t->ndim - 1] : 1;
-}
-static inline int64_t gt_nrows(const gt_tensor *t) {
-    int64_t n = 1;
-    for (int i = 0; i + 1 < t->ndim; i++) n *= t->shape[i];
-    return n;
-}
-
-/* Element offset of the first element of row `row` (row-major order over all
- * dims but the last), using t's strides: works for any strided view. */
-static inline int64_t gt_row_offset(const gt_tensor *t, int64_t row) {
-    int64_t off = 0;
-    for (int i = t->ndim - 2; i >= 0; i--) {
-        int64_t n = t->shape[i];
-        off += (row % n) * t->strides[i];
-        row /= n;
-    }
-    return off;
-}
 
 /* Same for a tensor broadcast to `like`'s shape (right-aligned dims; dims
  * of size 1 in t, or missing, contribute stride 0). */
@@ -118,10 +82,6 @@ static inline float gt_expf_(float x) {
     return y;
 }
 
-int gt_check_f32_(const gt_tensor *t, const char *op, const char *what);
-
-/* Propagate a failure: `GT_TRY(check(...));` */
-#define GT_TRY(expr) do { int rc_ = (expr); if (rc_) return rc_; } while (0)
 
 /* The dtype table's entry for a type id, or NULL (dtype.c). */
 const gt_dtype_traits *gt_dtype_find_(int32_t id);
@@ -130,12 +90,6 @@ const gt_dtype_traits *gt_dtype_find_(int32_t id);
  * for a type without a dequantizer (quant.c). */
 typedef void (*gt_dequant_fn)(float *y, const uint8_t *b, int64_t nb);
 gt_dequant_fn gt_dequantizer_(int32_t dtype);
-/* The types a frozen weight may be stored in besides f32 (the dtype table's
- * DEQUANTIZE types): X(name, id) for each, to define one kernel per type. */
-#define GT_WEIGHT_TYPES(X)                                                                    \
-    X(f16, GT_F16) X(bf16, GT_BF16) X(q4_0, GT_Q4_0) X(q4_1, GT_Q4_1) X(q5_0, GT_Q5_0)         \
-    X(q5_1, GT_Q5_1) X(q8_0, GT_Q8_0) X(q2_k, GT_Q2_K) X(q3_k, GT_Q3_K) X(q4_k, GT_Q4_K)      \
-    X(q5_k, GT_Q5_K) X(q6_k, GT_Q6_K)
 
 /* y[r * ldy + n] = sum over k < K of x[r * ldx + k] * W[n, k] for r < m and n in
  * [n0, n1): a few rows of x times rows of a stored weight W of type dtype (not
@@ -156,7 +110,6 @@ void gt_qdot_rows_(float *y, int64_t ldy, const float *x, int64_t ldx, int m, co
 void gt_gemm_small_(float *c, int64_t ldc, const float *a, int64_t ars, int64_t acs, const float *b,
                     int64_t ldb, int64_t M, int64_t N, int64_t K, int acc);
 
-#define GT_CHECK_F32(t, op, what) do { int rc_ = gt_check_f32_((t), (op), (what)); if (rc_) return rc_; } while (0)
 
 float gt_f16_to_f32_1(uint16_t h);
 uint16_t gt_f32_to_f16_1(float f);

@@ -876,34 +876,11 @@ static int matmul_weight_sizes(const gt_node *node, int64_t *scratch, int64_t *w
 /* src1 = a stored weight W (R, C) of type wtype, whole, as the view W^T
  * (shape (C, R), strides (1, C)) or W (shape (R, C), strides (C, 1)); fills ws. */
 static int check_weight(const gt_tensor *b, int32_t wtype, wsource *ws) {
-    const gt_dtype_traits *t = gt_dtype_find_(wtype), *bt = gt_dtype_find_(b->dtype);
-    if (b->dtype != wtype)
-        return GT_FAIL(GT_ERR_DTYPE, "matmul: expected src1 (the weight) of dtype %s, got %s", t->name,
-                       bt ? bt->name : "an unknown dtype");
-    if (!b->data) return GT_FAIL(GT_ERR_INVALID, "matmul: src1 has no data pointer");
-    if (b->ndim != 2)
-        return GT_FAIL(GT_ERR_INVALID, "matmul: a %s src1 must be a 2-D stored weight or its transpose, "
-                       "got %d dims", t->name, b->ndim);
-    const int64_t K = b->shape[0], N = b->shape[1], s0 = b->strides[0], s1 = b->strides[1];
+    const gt_dtype_traits *t = gt_dtype_find_(wtype);
+    int trans = 0;
+    GT_TRY(gt_weight_view_check(b, wtype, t->block, "matmul", 1, &trans));
+    const int64_t K = b->shape[0], N = b->shape[1];
     const int qb = t->block;
-    /* a stride of a size-1 dim is never stepped; where both views fit (N == 1 or
-     * K == 1 with f16/bf16: the same bytes either way) take W itself */
-    const int plain = (N == 1 || s1 == 1) && (K == 1 || s0 == N) && N % qb == 0;
-    const int trans = !plain && (K == 1 || s0 == 1) && (N == 1 || s1 == K) && K % qb == 0;
-    if (!trans && !plain) {
-        if ((K == 1 || s0 == 1) && (N == 1 || s1 == K))
-            return GT_FAIL(GT_ERR_SHAPE, "matmul: a transposed %s src1 (K, N) = (%lld, %lld) needs K, the "
-                           "stored rows' length, to be a multiple of its %d-element blocks", t->name,
-                           (long long)K, (long long)N, qb);
-        if ((N == 1 || s1 == 1) && (K == 1 || s0 == N))
-            return GT_FAIL(GT_ERR_SHAPE, "matmul: a %s src1 (K, N) = (%lld, %lld) needs N, the stored rows' "
-                           "length, to be a multiple of its %d-element blocks", t->name, (long long)K,
-                           (long long)N, qb);
-        return GT_FAIL(GT_ERR_INVALID, "matmul: a %s src1 must be a whole stored matrix W (R, C) with "
-                       "strides (C, 1) or its transpose with strides (1, C); got shape (%lld, %lld) "
-                       "strides (%lld, %lld)", t->name, (long long)K, (long long)N, (long long)s0,
-                       (long long)s1);
-    }
     ws->p = b->data;
     ws->trans = trans;
     ws->block = qb;

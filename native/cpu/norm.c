@@ -5,7 +5,6 @@
 #include <math.h>
 
 #include "internal.h"
-#include "shape.h"
 #include "rowops.h"
 #include "simd.h"
 
@@ -51,28 +50,12 @@ GT_CLONES static void rms_bwd_row(float *restrict d, const float *restrict x, co
     for (; i < n; i++) d[i] = r * (g[i] - c * x[i]);
 }
 
-static int check_rms(const gt_node *node, const char *op, int n_src) {
-    const gt_tensor *d = &node->dst;
-    GT_TRY(gt_check_n_src(node, n_src, op));
-    GT_CHECK_F32(d, op, "dst");
-    GT_TRY(gt_check_contig(d, op, "dst"));
-    const char *names[2] = {"x", "g"};
-    for (int i = 0; i < n_src; i++) {
-        GT_CHECK_F32(&node->src[i], op, names[i]);
-        GT_TRY(gt_check_same_shape(&node->src[i], d, op, names[i], "dst"));
-        GT_TRY(gt_check_contig(&node->src[i], op, names[i]));
-    }
-    if (!(node->fp[0] >= 0.0f))
-        return GT_FAIL(GT_ERR_INVALID, "%s: expected eps (fp[0]) >= 0, got %g", op, (double)node->fp[0]);
-    return GT_OK;
-}
-
 /* rms_norm: dst = x / sqrt(mean(x^2) + eps), mean over the last dim.
  * x (..., C) f32 contiguous, dst same shape contiguous, eps = fp[0].
  * The row's sum of squares is accumulated in float (16 lanes, fixed order).
  * A scalar x (ndim 0) is one row of one element. */
 int gt_rms_norm_fwd_f32(const gt_node *node, const gt_ctx *ctx) {
-    GT_TRY(check_rms(node, "rms_norm", 1));
+    GT_TRY(gt_rms_norm_check(node, "rms_norm", 1));
     const gt_tensor *d = &node->dst;
     const int64_t ncols = gt_ncols(d), nrows = gt_nrows(d);
     const float eps = node->fp[0];
@@ -93,7 +76,7 @@ int gt_rms_norm_fwd_f32(const gt_node *node, const gt_ctx *ctx) {
  *     dx = r * (g - x * r^2 * sum(x * g) / C)
  * x, g, dst (..., C) f32 contiguous, same shape; eps = fp[0]. */
 int gt_rms_norm_bwd_f32(const gt_node *node, const gt_ctx *ctx) {
-    GT_TRY(check_rms(node, "rms_norm_bwd", 2));
+    GT_TRY(gt_rms_norm_check(node, "rms_norm_bwd", 2));
     const gt_tensor *d = &node->dst;
     const int64_t ncols = gt_ncols(d), nrows = gt_nrows(d);
     const float eps = node->fp[0];

@@ -31,14 +31,6 @@ int gt_set_error_(int code, const char *file, int line, const char *fmt, ...) {
 const char *gt_last_error(void) { return err_msg; }
 void gt_clear_error(void) { err_msg[0] = 0; }
 
-int gt_check_f32_(const gt_tensor *t, const char *op, const char *what) {
-    if (!t->data) return GT_FAIL(GT_ERR_INVALID, "%s: %s has no data pointer", op, what);
-    if (t->dtype != GT_F32) return GT_FAIL(GT_ERR_DTYPE, "%s: %s must be f32 (dtype %d)", op, what, t->dtype);
-    if (t->ndim < 0 || t->ndim > GT_MAX_DIMS)
-        return GT_FAIL(GT_ERR_SHAPE, "%s: %s has %d dims (max %d)", op, what, t->ndim, GT_MAX_DIMS);
-    return GT_OK;
-}
-
 /* ---- SIMD dispatch ------------------------------------------------------ */
 
 static int simd_cap = 2;

@@ -8,7 +8,6 @@
 #include <math.h>
 
 #include "internal.h"
-#include "shape.h"
 #include "simd.h"
 
 #define PAIRS 8     /* block of pairs per vector step */
@@ -43,57 +42,13 @@ GT_CLONES static void rotate_halves(float *restrict d, const float *restrict x, 
 
 static int rope(const gt_node *node, const gt_ctx *ctx, const char *op, double sign) {
     const gt_tensor *d = &node->dst, *x = &node->src[0], *p = &node->src[1];
-    const char *xname = sign > 0 ? "x" : "g";
-    char a[128];
-    if (node->n_src != 2 && node->n_src != 3)
-        return GT_FAIL(GT_ERR_INVALID, "%s: expected 2 or 3 sources (x, positions[, factors]), got %d", op,
-                       (int)node->n_src);
-    const gt_tensor *ff = node->n_src == 3 ? &node->src[2] : NULL;
-    GT_CHECK_F32(d, op, "dst");
-    GT_CHECK_F32(x, op, xname);
-    GT_TRY(gt_check_i32(p, op, "positions"));
-    if (x->ndim < 3)
-        return GT_FAIL(GT_ERR_SHAPE, "%s: expected %s (..., T, H, D), got %s", op, xname, gt_shape_str(x, a, sizeof a));
-    GT_TRY(gt_check_same_shape(x, d, op, xname, "dst"));
-    GT_TRY(gt_check_contig(x, op, xname));
-    GT_TRY(gt_check_contig(d, op, "dst"));
+    int per_row = 0;
+    GT_TRY(gt_rope_check(node, op, sign < 0, &per_row));
     const int64_t D = x->shape[x->ndim - 1], H = x->shape[x->ndim - 2], T = x->shape[x->ndim - 3];
     const int64_t B = gt_numel(x) / (T * H * D > 0 ? T * H * D : 1);
-    /* positions (T,) shared by every row, or one per row: x's leading dims (..., T) */
-    int per_row = p->ndim == x->ndim - 2 && p->ndim > 1;
-    for (int i = 0; per_row && i < p->ndim; i++) per_row = p->shape[i] == x->shape[i];
-    if (!per_row && (p->ndim != 1 || p->shape[0] != T)) {
-        char b[128], c[128];
-        gt_tensor lead = *x;
-        lead.ndim = x->ndim - 2;
-        return GT_FAIL(GT_ERR_SHAPE, "%s: expected positions (%lld,) or %s for %s %s, got %s", op, (long long)T,
-                       gt_shape_str(&lead, c, sizeof c), xname, gt_shape_str(x, a, sizeof a),
-                       gt_shape_str(p, b, sizeof b));
-    }
-    if (per_row) GT_TRY(gt_check_contig(p, op, "positions"));
-    const int64_t n_dims = node->ip[0];
-    if (n_dims < 2 || n_dims % 2 || n_dims > D)
-        return GT_FAIL(GT_ERR_INVALID, "%s: expected n_dims (ip[0]) even and in 2..D = %lld, got %lld", op,
-                       (long long)D, (long long)n_dims);
-    const int64_t mode = node->ip[1];
-    if (mode != 0 && mode != 2)
-        return GT_FAIL(GT_ERR_INVALID, "%s: expected mode (ip[1]) 0 (normal) or 2 (neox), got %lld", op,
-                       (long long)mode);
+    const int64_t n_dims = node->ip[0], mode = node->ip[1];
     const float base = node->fp[0], fscale = node->fp[1], mscale = node->fp[2];
-    if (!(base > 0.0f) || isinf(base))
-        return GT_FAIL(GT_ERR_INVALID, "%s: expected freq_base (fp[0]) > 0 and finite, got %g", op, (double)base);
-    if (!(fscale > 0.0f) || isinf(fscale))
-        return GT_FAIL(GT_ERR_INVALID, "%s: expected freq_scale (fp[1]) > 0 and finite, got %g", op,
-                       (double)fscale);
-    if (!(mscale > 0.0f) || isinf(mscale))
-        return GT_FAIL(GT_ERR_INVALID, "%s: expected attn_factor (fp[2]) > 0 and finite, got %g", op,
-                       (double)mscale);
-    if (ff) {
-        GT_CHECK_F32(ff, op, "factors");
-        if (ff->ndim != 1 || ff->shape[0] != n_dims / 2)
-            return GT_FAIL(GT_ERR_SHAPE, "%s: expected factors (%lld,) (n_dims / 2), got %s", op,
-                           (long long)(n_dims / 2), gt_shape_str(ff, a, sizeof a));
-    }
+    const gt_tensor *ff = node->n_src == 3 ? &node->src[2] : NULL;
     if (gt_numel(x) == 0) return GT_OK;
 
     const int64_t half = n_dims / 2;

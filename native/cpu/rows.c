@@ -3,7 +3,6 @@
  * so no two threads ever add into the same element and every element adds its
  * rows in index order: bit-identical for any thread count. */
 #include "internal.h"
-#include "shape.h"
 #include "simd.h"
 
 #define LANES 16

@@ -6,7 +6,6 @@
 #include <math.h>
 
 #include "internal.h"
-#include "shape.h"
 #include "rowops.h"
 #include "simd.h"
 
@@ -148,54 +147,13 @@ static void softmax_seg_row(float *y, const float *x, float s, const int32_t *sg
 int gt_softmax_fwd_f32(const gt_node *node, const gt_ctx *ctx) {
     const char *op = "softmax";
     const gt_tensor *d = &node->dst, *x = &node->src[0];
-    GT_TRY(gt_check_n_src(node, 1, op));
-    GT_CHECK_F32(d, op, "dst");
-    GT_CHECK_F32(x, op, "src");
-    GT_TRY(gt_check_same_shape(x, d, op, "src", "dst"));
-    GT_TRY(gt_check_contig(x, op, "src"));
-    GT_TRY(gt_check_contig(d, op, "dst"));
+    GT_TRY(gt_softmax_check(node, op));
     const int64_t mask = node->ip[0];
-    if (mask < 0 || mask > 3)
-        return GT_FAIL(GT_ERR_INVALID, "%s: expected mask ip[0] 0, 1, 2 or 3, got %lld", op, (long long)mask);
-    if (x->ndim < (mask == 3 ? 3 : mask ? 2 : 1)) {
-        char a[128];
-        return GT_FAIL(GT_ERR_SHAPE, "%s: expected src (..., T_q, T_k)%s, got %s", op,
-                       mask == 3 ? " with 3+ dims (B, ..., T_q, T_k) for the segment mask"
-                       : mask ? " with 2+ dims for the mask" : "", gt_shape_str(x, a, sizeof a));
-    }
     const int64_t tk = gt_ncols(x), nrows = gt_nrows(x);
     const int64_t tq = mask ? x->shape[x->ndim - 2] : 1;
-    const int32_t *pos = NULL;
-    if (mask == 2) {
-        const gt_tensor *p = &node->src[1];
-        GT_TRY(gt_check_n_src(node, 2, op));
-        GT_TRY(gt_check_i32(p, op, "pos"));
-        GT_TRY(gt_check_contig(p, op, "pos"));
-        if (gt_numel(p) != tq) {
-            char a[128], b[128];
-            return GT_FAIL(GT_ERR_SHAPE, "%s: expected pos of T_q = %lld positions for src %s, got %s", op,
-                           (long long)tq, gt_shape_str(x, a, sizeof a), gt_shape_str(p, b, sizeof b));
-        }
-        pos = p->data;
-    }
-    const int32_t *seg = NULL;
-    int64_t rows_per_batch = 0;
-    if (mask == 3) {
-        const gt_tensor *sg = &node->src[1];
-        GT_TRY(gt_check_n_src(node, 2, op));
-        GT_TRY(gt_check_i32(sg, op, "seg"));
-        char a[128], b[128];
-        if (tq != tk)
-            return GT_FAIL(GT_ERR_SHAPE, "%s: the segment mask needs T_q == T_k, got src %s", op,
-                           gt_shape_str(x, a, sizeof a));
-        if (sg->ndim != 2 || sg->shape[0] != x->shape[0] || sg->shape[1] != tk)
-            return GT_FAIL(GT_ERR_SHAPE, "%s: expected seg (%lld, %lld) (B, T_k) for src %s, got %s", op,
-                           (long long)x->shape[0], (long long)tk, gt_shape_str(x, a, sizeof a),
-                           gt_shape_str(sg, b, sizeof b));
-        GT_TRY(gt_check_contig(sg, op, "seg"));
-        seg = sg->data;
-        rows_per_batch = x->shape[0] ? nrows / x->shape[0] : 0;
-    }
+    const int32_t *pos = mask == 2 ? (const int32_t *)node->src[1].data : NULL;
+    const int32_t *seg = mask == 3 ? (const int32_t *)node->src[1].data : NULL;
+    const int64_t rows_per_batch = mask == 3 && x->shape[0] ? nrows / x->shape[0] : 0;
     const float s = node->fp[0];
     float *dd = d->data;
     const float *xd = x->data;
@@ -254,22 +212,12 @@ int gt_softmax_bwd_f32(const gt_node *node, const gt_ctx *ctx) {
 
 /* ---- cross_entropy ---------------------------------------------------------- */
 
-/* Checks shared by forward and backward (the same on every thread, so either
- * every thread fails before the forward's barrier or none does). Validates
- * every target and returns the number of counted rows in *count. */
+/* The node's checks (checks.h), then every target (< V) and the number of counted
+ * rows in *count; the same on every thread, so either every thread fails before the
+ * forward's barrier or none does. */
 static int check_ce(const gt_node *node, const char *op, int n_src, int64_t *count) {
+    GT_TRY(gt_cross_entropy_check(node, op, n_src));
     const gt_tensor *x = &node->src[0], *t = &node->src[1];
-    char a[128], b[128];
-    GT_TRY(gt_check_n_src(node, n_src, op));
-    GT_CHECK_F32(&node->dst, op, "dst");
-    GT_CHECK_F32(x, op, "logits");
-    GT_TRY(gt_check_i32(t, op, "targets"));
-    if (x->ndim != 2)
-        return GT_FAIL(GT_ERR_SHAPE, "%s: expected logits (N, V), got %s", op, gt_shape_str(x, a, sizeof a));
-    if (t->ndim != 1 || t->shape[0] != x->shape[0])
-        return GT_FAIL(GT_ERR_SHAPE, "%s: expected targets (%lld,) for logits %s, got %s", op,
-                       (long long)x->shape[0], gt_shape_str(x, a, sizeof a), gt_shape_str(t, b, sizeof b));
-    GT_TRY(gt_check_contig(x, op, "logits"));
     const int64_t nrows = x->shape[0], v = x->shape[1];
     const int32_t *td = t->data;
     const int64_t ts = t->strides[0];
@@ -281,8 +229,6 @@ static int check_ce(const gt_node *node, const char *op, int n_src, int64_t *cou
                            op, (long long)r, (int)tr, (long long)v);
         cnt += tr >= 0;
     }
-    if (node->ip[0] < 0)
-        return GT_FAIL(GT_ERR_INVALID, "%s: expected row count ip[0] >= 0, got %lld", op, (long long)node->ip[0]);
     *count = node->ip[0] ? node->ip[0] : cnt;
     return GT_OK;
 }
@@ -308,22 +254,11 @@ int gt_cross_entropy_fwd_f32(const gt_node *node, const gt_ctx *ctx) {
     const char *op = "cross_entropy";
     int64_t count;
     GT_TRY(check_ce(node, op, 2, &count));
+    GT_TRY(gt_cross_entropy_fwd_check(node, op));
     const gt_tensor *d = &node->dst, *x = &node->src[0], *t = &node->src[1];
-    if (!node->ip[1] && gt_numel(d) != 1) {
-        char a[128];
-        return GT_FAIL(GT_ERR_SHAPE, "%s: expected dst of one element, got %s", op, gt_shape_str(d, a, sizeof a));
-    }
     const int64_t nrows = x->shape[0], v = x->shape[1];
     const int per_row = node->ip[1] != 0;
-    if (per_row ? gt_numel(d) != nrows || !gt_is_contiguous(d) : 0) {
-        char a[128];
-        return GT_FAIL(GT_ERR_SHAPE, "%s: expected contiguous dst (%lld,) of per-row losses, got %s", op,
-                       (long long)nrows, gt_shape_str(d, a, sizeof a));
-    }
     float *loss = per_row ? (float *)d->data : node->scratch;
-    if (!per_row && nrows > 0 && (!loss || node->scratch_size < nrows * (int64_t)sizeof(float)))
-        return GT_FAIL(GT_ERR_INVALID, "%s: expected scratch of %lld bytes (4 * N), got %lld", op,
-                       (long long)(nrows * (int64_t)sizeof(float)), (long long)node->scratch_size);
     const float *xd = x->data;
     const int32_t *td = t->data;
     const int64_t ts = t->strides[0];
@@ -355,17 +290,10 @@ int gt_cross_entropy_bwd_f32(const gt_node *node, const gt_ctx *ctx) {
     const char *op = "cross_entropy_bwd";
     int64_t count;
     GT_TRY(check_ce(node, op, 3, &count));
+    GT_TRY(gt_cross_entropy_bwd_check(node, op));
     const gt_tensor *d = &node->dst, *x = &node->src[0], *t = &node->src[1], *g = &node->src[2];
-    GT_CHECK_F32(g, op, "g");
     const int per_row = node->ip[1] != 0;
     const int64_t nrows = x->shape[0], v = x->shape[1];
-    if (per_row ? g->ndim != 1 || g->shape[0] != nrows : gt_numel(g) != 1) {
-        char a[128];
-        return GT_FAIL(GT_ERR_SHAPE, "%s: expected g of %lld element(s), got %s", op,
-                       (long long)(per_row ? nrows : 1), gt_shape_str(g, a, sizeof a));
-    }
-    GT_TRY(gt_check_same_shape(d, x, op, "dst", "logits"));
-    GT_TRY(gt_check_contig(d, op, "dst"));
     const float *gd = g->data;
     const int64_t gs = per_row ? g->strides[0] : 0;
     const float gc0 = per_row ? 0.0f : count ? gd[0] / (float)count : 0.0f;
