@@ -168,6 +168,18 @@ class CudaPlan(Plan):
         self._keep = keep
         self.work_bytes = max([c.work_bytes for c in calls] + [0])
         backend.reserve_work(self.work_bytes)
+        self._ffi = ffi
+        self._profile = None
+
+    def profile(self, enable: bool = True) -> None:
+        """Start (or stop) adding each node's GPU time (CUDA events) into `node_seconds()`."""
+        self._profile = self._ffi.new("int64_t[]", max(1, len(self.calls))) if enable else None
+
+    def node_seconds(self) -> list:
+        """Accumulated GPU time per node (seconds) since profile() was enabled."""
+        if self._profile is None:
+            return []
+        return [self._profile[i] * 1e-9 for i in range(len(self.calls))]
 
 
 class CudaBackend(Backend):
@@ -277,6 +289,7 @@ class CudaBackend(Backend):
         self.reserve_work(plan.work_bytes)
         work = self.ffi.cast("void *", self._work.address) if plan.work_bytes else self.ffi.NULL
         size = self._work.nbytes if plan.work_bytes else 0
+        self.lib.gtc_set_profile(plan._profile if plan._profile is not None else self.ffi.NULL)
         rc = self.lib.gtc_run(plan.nodes, len(plan.calls), work, size, failed)
         if rc != 0:
             idx = int(failed[0])

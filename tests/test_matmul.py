@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from ggtrain.core.backend_cpu import run_kernel
+from ggtrain.core.backend_cpu import CpuBackend, run_kernel
 from ggtrain.errors import DTypeError, ShapeError
 from ggtrain.native import lib
 
@@ -222,10 +222,11 @@ def test_no_unit_stride():
 
 
 def test_missing_scratch():
+    # the packing scratch is the CPU kernel's (the CUDA one calls cuBLAS and needs none)
     dst = np.empty((3, 2), np.float32)
     with pytest.raises(ValueError, match="matmul.*scratch"):
         run_kernel("matmul_fwd_f32", dst, [np.ones((3, 4), np.float32), np.ones((4, 2), np.float32)],
-                   work_bytes=64)
+                   work_bytes=64, backend=CpuBackend(1))
 
 
 # ---- skinny path (N <= 80 at AVX-512, <= 32 at AVX2, <= 8 ymm at either) ----------

@@ -10,8 +10,6 @@ extern "C" {
 #include "../gt_core.h"
 }
 #include "../elementmath.h"
-
-#define GTC_MAX_DIMS 6
 #define GTC_THREADS 256
 
 /* Records a formatted message (with file and line) for gtc_last_error and returns code. */
@@ -20,50 +18,52 @@ int gtc_set_error_(int code, const char *file, int line, const char *fmt, ...)
 #define GTC_FAIL(code, ...) gtc_set_error_((code), __FILE__, __LINE__, __VA_ARGS__)
 #define GTC_TRY(expr) do { int rc_ = (expr); if (rc_) return rc_; } while (0)
 
+/* The layout helpers and argument checks the CPU kernels use, with their words. */
+#define GT_FAIL GTC_FAIL
+#include "../checks.h"
+#define GTC_MAX_DIMS GT_MAX_DIMS
+
 /* The library's one stream, and a failed launch or CUDA call as a gt_status. */
 cudaStream_t gtc_stream_(void);
 int gtc_cuda_check_(cudaError_t err, const char *what, const char *file, int line);
 #define GTC_CUDA(call, what) gtc_cuda_check_((call), (what), __FILE__, __LINE__)
 #define GTC_LAUNCHED(what) gtc_cuda_check_(cudaGetLastError(), (what), __FILE__, __LINE__)
 
-/* Errors only the device can see (an index out of range): the first one is kept in a
- * device word (gtc_error_word_(), passed to the kernels that can raise one) as
- * (code << 24) | node index, and gtc_run reports it after the last node. */
-enum gtc_device_error { GTC_DEV_INDEX = 1, GTC_DEV_TARGET = 2, GTC_DEV_BIAS_CORRECTION = 3 };
-int *gtc_error_word_(void);
+/* Errors only the device can see (an index out of range): the first one is kept in four
+ * device words (gtc_error_word_(), passed to the kernels that can raise one): (code << 24) |
+ * node index, then three numbers for its message (which element, its value, the bound), and
+ * gtc_run reports it after the last node in the CPU kernels' words (dev_error_message). */
+enum gtc_device_error {
+    GTC_DEV_GET_ROWS = 1,         /* idx[a] (flat) is b, expected 0 <= index < V = c */
+    GTC_DEV_GET_ROWS_BWD = 2,
+    GTC_DEV_SET_ROWS = 3,         /* idx[a] is b, expected 0 <= index < S = c */
+    GTC_DEV_TARGET = 4,           /* target of row a is b, expected < V = c */
+    GTC_DEV_TARGET_BWD = 5,
+    GTC_DEV_BIAS_CORRECTION = 6,
+};
+#define GTC_ERROR_WORDS 4
+unsigned long long *gtc_error_word_(void);
 int32_t gtc_node_index_(void);       /* the node gtc_run is launching (host) */
-__device__ inline void gtc_raise(int *err, int code, int32_t node) {
-    atomicCAS(err, 0, (code << 24) | (node & 0xFFFFFF));
+__device__ inline void gtc_raise(unsigned long long *err, int code, int32_t node, long long a, long long b,
+                                 long long c) {
+    const unsigned long long word = ((unsigned long long)code << 24) | (unsigned long long)(node & 0xFFFFFF);
+    if (atomicCAS(err, 0ull, word) == 0ull) {
+        err[1] = (unsigned long long)a;
+        err[2] = (unsigned long long)b;
+        err[3] = (unsigned long long)c;
+    }
 }
-/* What a kernel that can raise takes: the word and its node. */
-#define GTC_ERR_ARGS int *err_, int32_t node_
+/* What a kernel that can raise takes: the words and its node. */
+#define GTC_ERR_ARGS unsigned long long *err_, int32_t node_
 #define GTC_ERR_PASS gtc_error_word_(), gtc_node_index_()
-#define GTC_RAISE(code) gtc_raise(err_, (code), node_)
+#define GTC_RAISE(code, a, b, c) gtc_raise(err_, (code), node_, (long long)(a), (long long)(b), (long long)(c))
 
 /* ---- tensors (host and device) ----------------------------------------------------------- */
 
-__host__ __device__ inline int64_t gtc_numel(const gt_tensor &t) {
-    int64_t n = 1;
-    for (int i = 0; i < t.ndim; i++) n *= t.shape[i];
-    return n;
-}
-
-__host__ __device__ inline int64_t gtc_ncols(const gt_tensor &t) { return t.ndim ? t.shape[t.ndim - 1] : 1; }
-
-__host__ __device__ inline int64_t gtc_nrows(const gt_tensor &t) {
-    int64_t n = 1;
-    for (int i = 0; i + 1 < t.ndim; i++) n *= t.shape[i];
-    return n;
-}
-
-__host__ __device__ inline bool gtc_contiguous(const gt_tensor &t) {
-    int64_t s = 1;
-    for (int i = t.ndim - 1; i >= 0; i--) {
-        if (t.shape[i] != 1 && t.strides[i] != s) return false;
-        s *= t.shape[i];
-    }
-    return true;
-}
+__host__ __device__ inline int64_t gtc_numel(const gt_tensor &t) { return gt_numel(&t); }
+__host__ __device__ inline int64_t gtc_ncols(const gt_tensor &t) { return gt_ncols(&t); }
+__host__ __device__ inline int64_t gtc_nrows(const gt_tensor &t) { return gt_nrows(&t); }
+__host__ __device__ inline bool gtc_contiguous(const gt_tensor &t) { return gt_is_contiguous(&t); }
 
 /* Element offset in t of flat (row-major) index i of `like`'s shape, t broadcast to it
  * (right-aligned dims; t's dims of size 1, or missing, contribute nothing). */
@@ -79,6 +79,53 @@ __host__ __device__ inline int64_t gtc_offset(const gt_tensor &t, const gt_tenso
     return off;
 }
 
+/* The same with 32-bit index arithmetic (64-bit division is many instructions on the GPU):
+ * for like of fewer than 2^31 elements. */
+__host__ __device__ inline int64_t gtc_offset32(const gt_tensor &t, const gt_tensor &like, uint32_t i) {
+    int64_t off = 0;
+    int d = t.ndim - 1;
+    for (int k = like.ndim - 1; k >= 0; k--, d--) {
+        const uint32_t n = (uint32_t)like.shape[k];
+        const uint32_t idx = i % n;
+        i /= n;
+        if (d >= 0 && t.shape[d] != 1) off += (int64_t)idx * t.strides[d];
+    }
+    return off;
+}
+
+/* How a kernel reads t at flat index i of like's shape: mode 0 by i (t laid out as like);
+ * 1 by i % m (t contiguous and equal to like's trailing dims, repeated over the leading ones:
+ * a bias, a norm's weight); 2 through gtc_offset (any other broadcast or view). small: like
+ * has fewer than 2^31 elements, so the index arithmetic is 32-bit. Made on the host
+ * (gtc_reader_for), read on the device (gtc_at). */
+struct gtc_reader {
+    gt_tensor t;
+    int64_t m;
+    int mode;
+    bool small;
+};
+
+__device__ inline int64_t gtc_at(const gtc_reader &r, const gt_tensor &like, int64_t i) {
+    if (r.mode == 0) return i;
+    if (r.mode == 1) return r.small ? (int64_t)((uint32_t)i % (uint32_t)r.m) : i % r.m;
+    return r.small ? gtc_offset32(r.t, like, (uint32_t)i) : gtc_offset(r.t, like, i);
+}
+
+/* The same with the mode known at compile time (M < 0: read r.mode). */
+template <int M>
+__device__ inline int64_t gtc_at_m(const gtc_reader &r, const gt_tensor &like, int64_t i) {
+    if (M == 0) return i;
+    if (M == 1) return r.small ? (int64_t)((uint32_t)i % (uint32_t)r.m) : i % r.m;
+    if (M == 2) return r.small ? gtc_offset32(r.t, like, (uint32_t)i) : gtc_offset(r.t, like, i);
+    return gtc_at(r, like, i);
+}
+
+/* NOTE: kernels take tensors (gt_tensor, gtc_reader) by value as `const __grid_constant__`:
+ * indexing a by-value parameter's arrays with a run-time index (shape[k] in gtc_offset) makes
+ * every thread copy the whole struct to local memory first, which made a plain elementwise
+ * add run at a twentieth of the memory's speed on an H100; a grid constant is read in place. */
+#define GTC_PARAM const __grid_constant__
+
 /* t is laid out as like's flat index: contiguous with like's shape (host side; kernels then
  * index it by i, without gtc_offset's division per dim). */
 inline bool gtc_plain(const gt_tensor &t, const gt_tensor &like) {
@@ -88,16 +135,28 @@ inline bool gtc_plain(const gt_tensor &t, const gt_tensor &like) {
     return true;
 }
 
-/* Offset of the first element of row `row` (all dims but the last), any strides. */
-__host__ __device__ inline int64_t gtc_row_offset(const gt_tensor &t, int64_t row) {
-    int64_t off = 0;
-    for (int i = t.ndim - 2; i >= 0; i--) {
-        const int64_t n = t.shape[i];
-        off += (row % n) * t.strides[i];
-        row /= n;
+/* The reader of t for like's flat indices (t broadcasts to like: checked by the caller). */
+inline gtc_reader gtc_reader_for(const gt_tensor &t, const gt_tensor &like) {
+    gtc_reader r;
+    r.t = t;
+    r.m = gtc_numel(t);
+    r.small = gtc_numel(like) < ((int64_t)1 << 31);
+    r.mode = 2;
+    if (gtc_plain(t, like)) {
+        r.mode = 0;
+    } else if (gtc_contiguous(t) && r.m > 0) {
+        int lead = 0;                                       /* t's leading dims of 1 */
+        while (lead < t.ndim && t.shape[lead] == 1) lead++;
+        const int tail = t.ndim - lead;
+        bool same = tail <= like.ndim;
+        for (int k = 0; same && k < tail; k++) same = t.shape[lead + k] == like.shape[like.ndim - tail + k];
+        if (same) r.mode = 1;
     }
-    return off;
+    return r;
 }
+
+/* Offset of the first element of row `row` (all dims but the last), any strides. */
+__host__ __device__ inline int64_t gtc_row_offset(const gt_tensor &t, int64_t row) { return gt_row_offset(&t, row); }
 
 /* Host-side checks, as the CPU kernels make them (same words). */
 int gtc_check_dtype_(const gt_tensor *t, int32_t dtype, const char *op, const char *what);

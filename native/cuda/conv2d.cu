@@ -159,7 +159,7 @@ GTC_LAUNCHER(conv2d_fwd_f32) {
     GTC_TRY(geometry(node, &node->src[0], &node->src[1], &g, op));
     g.bias = node->n_src == 3;
     if (g.bias && gtc_numel(node->src[2]) != g.CO) return GTC_FAIL(GT_ERR_SHAPE, "%s: bias must be (CO,)", op);
-    if (gtc_numel(node->dst) != out_numel(g)) return GTC_FAIL(GT_ERR_SHAPE, "%s: dst has the wrong size", op);
+    GTC_TRY(gt_conv2d_out_check(&node->dst, g.N, g.OH, g.OW, g.CO, g.pool, op, "dst"));
     const int64_t n = g.pool == 1 ? out_numel(g) : out_numel(g) / 2;
     if (n == 0) return GT_OK;
     conv_fwd<<<gtc_blocks(n), GTC_THREADS, 0, gtc_stream_()>>>(g, (float *)node->dst.data,
@@ -183,7 +183,8 @@ GTC_LAUNCHER(conv2d_weight_bwd_f32) {
     k.shape[3] = node->ip[1];
     GTC_TRY(geometry(node, x, &k, &g, op));
     if (d->shape[0] != g.C * g.KH * g.KW + 1) return GTC_FAIL(GT_ERR_SHAPE, "%s: dst must be (C*KH*KW + 1, CO)", op);
-    if (gtc_numel(node->src[1]) != out_numel(g)) return GTC_FAIL(GT_ERR_SHAPE, "%s: y has the wrong size", op);
+    GTC_TRY(gt_conv2d_out_check(&node->src[1], g.N, g.OH, g.OW, g.CO, g.pool, op, "out"));
+    GTC_TRY(gt_conv2d_grad_check(&node->src[2], g.N, g.OH, g.OW, g.CO, g.pool, op));
     const int64_t n = gtc_numel(*d);
     conv_weight_bwd<<<gtc_blocks(n), GTC_THREADS, 0, gtc_stream_()>>>(g, (float *)d->data, (const float *)x->data,
                                                                        (const float *)node->src[1].data,
@@ -198,7 +199,8 @@ GTC_LAUNCHER(conv2d_input_bwd_f32) {
     geom g;
     const gt_tensor *d = &node->dst;
     GTC_TRY(geometry(node, d, &node->src[0], &g, op));
-    if (gtc_numel(node->src[1]) != out_numel(g)) return GTC_FAIL(GT_ERR_SHAPE, "%s: y has the wrong size", op);
+    GTC_TRY(gt_conv2d_out_check(&node->src[1], g.N, g.OH, g.OW, g.CO, g.pool, op, "out"));
+    GTC_TRY(gt_conv2d_grad_check(&node->src[2], g.N, g.OH, g.OW, g.CO, g.pool, op));
     const int64_t n = gtc_numel(*d);
     if (n == 0) return GT_OK;
     conv_input_bwd<<<gtc_blocks(n), GTC_THREADS, 0, gtc_stream_()>>>(g, (float *)d->data,

@@ -7,11 +7,14 @@
 
 /* ---- binary, numpy broadcasting through zero strides ----------------------------------------- */
 
-template <int OP>
-__global__ void binary(float *d, gt_tensor a, gt_tensor b, gt_tensor like, int64_t n, bool pa, bool pb) {
-    const float *ad = (const float *)a.data, *bd = (const float *)b.data;
+/* MA, MB: the readers' modes, at compile time for the common pairs (plain or a trailing
+ * broadcast on either side), -1 for the rest. */
+template <int OP, int MA, int MB>
+__global__ void binary(float *d, GTC_PARAM gtc_reader a, GTC_PARAM gtc_reader b, GTC_PARAM gt_tensor like,
+                       int64_t n) {
+    const float *ad = (const float *)a.t.data, *bd = (const float *)b.t.data;
     GTC_FOR(i, n) {
-        const float x = ad[pa ? i : gtc_offset(a, like, i)], y = bd[pb ? i : gtc_offset(b, like, i)];
+        const float x = ad[gtc_at_m<MA>(a, like, i)], y = bd[gtc_at_m<MB>(b, like, i)];
         d[i] = OP == 0 ? x + y : OP == 1 ? x - y : OP == 2 ? x * y : x / y;
     }
 }
@@ -27,9 +30,15 @@ static int launch_binary(const gt_node *node, const char *op) {
     GTC_TRY(gtc_check_broadcast_(&node->src[0], d, op, "src0"));
     GTC_TRY(gtc_check_broadcast_(&node->src[1], d, op, "src1"));
     const int64_t n = gtc_numel(*d);
-    binary<OP><<<gtc_blocks(n), GTC_THREADS, 0, gtc_stream_()>>>((float *)d->data, node->src[0], node->src[1], *d, n,
-                                                                  gtc_plain(node->src[0], *d),
-                                                                  gtc_plain(node->src[1], *d));
+    if (n == 0) return GT_OK;
+    const gtc_reader a = gtc_reader_for(node->src[0], *d), b = gtc_reader_for(node->src[1], *d);
+    const unsigned blocks = gtc_blocks(n);
+    float *dd = (float *)d->data;
+    cudaStream_t st = gtc_stream_();
+    if (a.mode == 0 && b.mode == 0) binary<OP, 0, 0><<<blocks, GTC_THREADS, 0, st>>>(dd, a, b, *d, n);
+    else if (a.mode == 0 && b.mode == 1) binary<OP, 0, 1><<<blocks, GTC_THREADS, 0, st>>>(dd, a, b, *d, n);
+    else if (a.mode == 1 && b.mode == 0) binary<OP, 1, 0><<<blocks, GTC_THREADS, 0, st>>>(dd, a, b, *d, n);
+    else binary<OP, -1, -1><<<blocks, GTC_THREADS, 0, st>>>(dd, a, b, *d, n);
     return GTC_LAUNCHED(op);
 }
 
@@ -62,9 +71,9 @@ __device__ inline float unary_op(float x, float p) {
 }
 
 template <int OP>
-__global__ void unary(float *d, gt_tensor s, gt_tensor like, int64_t n, float p, bool plain) {
-    const float *sd = (const float *)s.data;
-    GTC_FOR(i, n) d[i] = unary_op<OP>(OP == U_FILL ? 0.0f : sd[plain ? i : gtc_offset(s, like, i)], p);
+__global__ void unary(float *d, GTC_PARAM gtc_reader s, GTC_PARAM gt_tensor like, int64_t n, float p) {
+    const float *sd = (const float *)s.t.data;
+    GTC_FOR(i, n) d[i] = unary_op<OP>(OP == U_FILL ? 0.0f : sd[gtc_at(s, like, i)], p);
 }
 
 template <int OP>
@@ -74,14 +83,16 @@ static int launch_unary(const gt_node *node, const char *op) {
     GTC_TRY(gtc_check_contig_(d, op, "dst"));
     gt_tensor s = *d;
     if (OP != U_FILL) {
-        GTC_TRY(gtc_check_n_src_(node, 1, 1, op));
+        /* (more inputs than src0 are order-only: with_grad lowers to a scale of its src0) */
+        GTC_TRY(gtc_check_n_src_(node, 1, 6, op));
         GTC_F32(&node->src[0], op, "src");
         GTC_TRY(gtc_check_same_shape_(&node->src[0], d, op, "src", "dst"));
         s = node->src[0];
     }
     const int64_t n = gtc_numel(*d);
-    unary<OP><<<gtc_blocks(n), GTC_THREADS, 0, gtc_stream_()>>>((float *)d->data, s, *d, n, node->fp[0],
-                                                                 gtc_plain(s, *d));
+    if (n == 0) return GT_OK;
+    unary<OP><<<gtc_blocks(n), GTC_THREADS, 0, gtc_stream_()>>>((float *)d->data, gtc_reader_for(s, *d), *d, n,
+                                                                 node->fp[0]);
     return GTC_LAUNCHED(op);
 }
 
@@ -100,10 +111,11 @@ GTC_LAUNCHER(sqr_fwd_f32) { (void)ctx; return launch_unary<U_SQR>(node, "sqr"); 
 /* ---- backward of relu and silu: src0 x, src1 g ----------------------------------------------- */
 
 template <int OP>
-__global__ void unary_bwd(float *d, gt_tensor x, gt_tensor g, gt_tensor like, int64_t n, bool px, bool pg) {
-    const float *xd = (const float *)x.data, *gd = (const float *)g.data;
+__global__ void unary_bwd(float *d, GTC_PARAM gtc_reader x, GTC_PARAM gtc_reader g, GTC_PARAM gt_tensor like,
+                          int64_t n) {
+    const float *xd = (const float *)x.t.data, *gd = (const float *)g.t.data;
     GTC_FOR(i, n) {
-        const float xi = xd[px ? i : gtc_offset(x, like, i)], gi = gd[pg ? i : gtc_offset(g, like, i)];
+        const float xi = xd[gtc_at(x, like, i)], gi = gd[gtc_at(g, like, i)];
         if (OP == U_RELU) {
             d[i] = xi > 0.0f ? gi : 0.0f;
         } else {
@@ -124,9 +136,10 @@ static int launch_unary_bwd(const gt_node *node, const char *op) {
     GTC_TRY(gtc_check_same_shape_(&node->src[0], d, op, "x", "dst"));
     GTC_TRY(gtc_check_same_shape_(&node->src[1], d, op, "g", "dst"));
     const int64_t n = gtc_numel(*d);
-    unary_bwd<OP><<<gtc_blocks(n), GTC_THREADS, 0, gtc_stream_()>>>((float *)d->data, node->src[0], node->src[1], *d, n,
-                                                                     gtc_plain(node->src[0], *d),
-                                                                     gtc_plain(node->src[1], *d));
+    if (n == 0) return GT_OK;
+    unary_bwd<OP><<<gtc_blocks(n), GTC_THREADS, 0, gtc_stream_()>>>((float *)d->data,
+                                                                     gtc_reader_for(node->src[0], *d),
+                                                                     gtc_reader_for(node->src[1], *d), *d, n);
     return GTC_LAUNCHED(op);
 }
 
@@ -235,7 +248,7 @@ __device__ inline uint16_t to_bf16(float f) {
 }
 
 template <int DST>
-__global__ void copy(void *d, gt_tensor s, gt_tensor like, int64_t n, bool plain) {
+__global__ void copy(void *d, GTC_PARAM gt_tensor s, GTC_PARAM gt_tensor like, int64_t n, bool plain) {
     GTC_FOR(i, n) {
         const int64_t o = plain ? i : gtc_offset(s, like, i);
         float v;
@@ -283,7 +296,7 @@ __global__ void adamw(float *p, const float *g, const float *h, const float *nor
     const float lr = h[GT_HYPER_LR], b1 = h[GT_HYPER_BETA1], b2 = h[GT_HYPER_BETA2], eps = h[GT_HYPER_EPS];
     const float decay = lr * h[GT_HYPER_WD] * wd_on, bc1 = h[GT_HYPER_BC1], bc2 = h[GT_HYPER_BC2];
     if (!(bc1 > 0.0f) || !(bc2 > 0.0f)) {
-        GTC_RAISE(GTC_DEV_BIAS_CORRECTION);
+        GTC_RAISE(GTC_DEV_BIAS_CORRECTION, 0, 0, 0);
         return;
     }
     GTC_FOR(i, n) gt_adamw_1(&p[i], g[i] * scale, &m[i], &v[i], lr, b1, b2, eps, decay, bc1, bc2);

@@ -46,6 +46,9 @@ int gtc_kernel_sizes(const char *name, const struct gt_node *node, int64_t *scra
 /* Runs nodes[0..n-1] in order (work: device memory of work_bytes, every node's per-thread
  * work: CUDA nodes have one "thread"); *failed = the index of a failing node, or -1. */
 int gtc_run(const struct gt_node *nodes, int64_t n, void *work, int64_t work_bytes, int64_t *failed);
+/* Profiling: with ns not NULL, each later gtc_run times every node with CUDA events and adds
+ * its nanoseconds into ns[i] (the caller's array of n); NULL stops it. */
+void gtc_set_profile(int64_t *ns);
 
 /* 1: f32 GEMMs may use TF32 tensor cores (cuBLAS's TF32 math; about 1e-3 relative error),
  * 0: exact f32 (the default). */

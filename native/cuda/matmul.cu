@@ -204,20 +204,13 @@ GTC_LAUNCHER(matmul_fwd_f32) {
 
 /* ---- stored weights -------------------------------------------------------------------------- */
 
-/* W (R, C) of a stored view: W^T (shape (C, R), strides (1, C)) or W (shape (R, C), strides (C, 1)). */
-static int weight_dims(const gt_tensor *w, int64_t *R, int64_t *C, const char *op) {
-    if (w->ndim != 2) return GTC_FAIL(GT_ERR_SHAPE, "%s: the weight must have two dims", op);
-    if (w->strides[0] == 1 && w->strides[1] == w->shape[0]) {
-        *R = w->shape[1];
-        *C = w->shape[0];
-    } else if (w->strides[1] == 1 && w->strides[0] == w->shape[1]) {
-        *R = w->shape[0];
-        *C = w->shape[1];
-    } else {
-        return GTC_FAIL(GT_ERR_INVALID, "%s: the weight must be W or W^T of a whole stored matrix", op);
-    }
-    const int be = gtc_block_elems(w->dtype);
-    if (!be || *C % be) return GTC_FAIL(GT_ERR_INVALID, "%s: rows of %lld are not whole blocks", op, (long long)*C);
+/* W (R, C) of a stored view of type `type` (checks.h's words): W^T (shape (C, R), strides
+ * (1, C)) or W (shape (R, C), strides (C, 1)). */
+static int weight_dims(const gt_tensor *w, int32_t type, int64_t *R, int64_t *C, const char *op, int data) {
+    int trans = 0;
+    GTC_TRY(gt_weight_view_check(w, type, gtc_block_elems(type), op, data, &trans));
+    *R = w->shape[trans ? 1 : 0];
+    *C = w->shape[trans ? 0 : 1];
     return GT_OK;
 }
 
@@ -237,7 +230,7 @@ static int weight_sizes(const gt_node *node, int32_t type, int64_t *scratch, int
     *scratch = 0;
     *work = 0;
     if (node->n_src < 2 || node->src[1].dtype != type) return GT_OK;
-    GTC_TRY(weight_dims(&node->src[1], &R, &C, "matmul"));
+    GTC_TRY(weight_dims(&node->src[1], type, &R, &C, "matmul", 0));
     *work = R * C * (int64_t)sizeof(float);
     return GT_OK;
 }
@@ -246,12 +239,11 @@ static int weight_matmul(const gt_node *node, const gt_ctx *ctx, int32_t type, c
     GTC_TRY(gtc_check_n_src_(node, 2, 2, op));
     GTC_F32(&node->dst, op, "dst");
     GTC_F32(&node->src[0], op, "src0");
-    if (node->src[1].dtype != type) return GTC_FAIL(GT_ERR_DTYPE, "%s: the weight has another type", op);
     int64_t R = 0, C = 0;
-    GTC_TRY(weight_dims(&node->src[1], &R, &C, op));
-    if (ctx->wsize < R * C * (int64_t)sizeof(float))
-        return GTC_FAIL(GT_ERR_INVALID, "%s: work memory %lld bytes, needs %lld", op, (long long)ctx->wsize,
-                        (long long)(R * C * 4));
+    GTC_TRY(weight_dims(&node->src[1], type, &R, &C, op, 1));
+    if (!ctx->wdata || ctx->wsize < R * C * (int64_t)sizeof(float))
+        return GTC_FAIL(GT_ERR_INVALID, "%s: needs %lld bytes of scratch (the decoded weight), got %lld", op,
+                        (long long)(R * C * 4), (long long)ctx->wsize);
     float *y = (float *)ctx->wdata;
     GTC_TRY(decode(y, &node->src[1], R, C));
     return gemm(&node->dst, &node->src[0], &node->src[1], y, op);
@@ -264,7 +256,7 @@ __global__ void get_rows_blocks(float *d, const uint8_t *w, const int32_t *idx, 
         const int64_t r = i / per, k = i % per;
         const int32_t v = idx[r];
         if (v < 0 || v >= V) {
-            GTC_RAISE(GTC_DEV_INDEX);
+            GTC_RAISE(GTC_DEV_GET_ROWS, r, v, V);
             continue;
         }
         gtc_decode_block(type, w + v * row_bytes + k * bb, d + r * C + k * be);
@@ -276,7 +268,9 @@ static int weight_get_rows(const gt_node *node, int32_t type, const char *op) {
     const gt_tensor *d = &node->dst, *w = &node->src[0], *ix = &node->src[1];
     GTC_F32(d, op, "dst");
     GTC_I32(ix, op, "idx");
-    if (w->dtype != type) return GTC_FAIL(GT_ERR_DTYPE, "%s: the table has another type", op);
+    if (w->dtype != type)
+        return GTC_FAIL(GT_ERR_DTYPE, "%s: expected a table of dtype %s, got %s", op, gt_type_name(type),
+                        gt_type_name(w->dtype));
     if (w->ndim != 2 || w->strides[1] != 1 || w->strides[0] != w->shape[1])
         return GTC_FAIL(GT_ERR_INVALID, "%s: the table must be a whole stored matrix", op);
     GTC_TRY(gtc_check_contig_(ix, op, "idx"));
@@ -299,18 +293,7 @@ static int weight_get_rows(const gt_node *node, int32_t type, const char *op) {
         (void)ctx;                                                                                       \
         return weight_get_rows(node, type, "get_rows_" #name);                                           \
     }
-GTC_WEIGHT_KERNELS(f16, GT_F16)
-GTC_WEIGHT_KERNELS(bf16, GT_BF16)
-GTC_WEIGHT_KERNELS(q4_0, GT_Q4_0)
-GTC_WEIGHT_KERNELS(q4_1, GT_Q4_1)
-GTC_WEIGHT_KERNELS(q5_0, GT_Q5_0)
-GTC_WEIGHT_KERNELS(q5_1, GT_Q5_1)
-GTC_WEIGHT_KERNELS(q8_0, GT_Q8_0)
-GTC_WEIGHT_KERNELS(q2_k, GT_Q2_K)
-GTC_WEIGHT_KERNELS(q3_k, GT_Q3_K)
-GTC_WEIGHT_KERNELS(q4_k, GT_Q4_K)
-GTC_WEIGHT_KERNELS(q5_k, GT_Q5_K)
-GTC_WEIGHT_KERNELS(q6_k, GT_Q6_K)
+GT_WEIGHT_TYPES(GTC_WEIGHT_KERNELS)
 
 /* ---- the host's copy of the decoder ---------------------------------------------------------- */
 

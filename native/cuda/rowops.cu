@@ -12,7 +12,7 @@
 #define SUM_BLOCKS 256
 
 template <bool SQ>
-__global__ void sum_partial(double *part, gt_tensor s, int64_t n) {
+__global__ void sum_partial(double *part, GTC_PARAM gt_tensor s, int64_t n) {
     __shared__ double sh[32];
     const float *sd = (const float *)s.data;
     const bool contig = gtc_contiguous(s);
@@ -57,7 +57,7 @@ GTC_SIZES(sum_fwd_f32) {
 }
 GTC_SIZES(sumsq_fwd_f32) { return gtc_s_sum_fwd_f32(node, scratch, work); }
 
-__global__ void sum_rows(float *d, gt_tensor s, int64_t N) {
+__global__ void sum_rows(float *d, GTC_PARAM gt_tensor s, int64_t N) {
     __shared__ double sh[32];
     const int64_t r = blockIdx.x;
     const float *row = (const float *)s.data + gtc_row_offset(s, r);
@@ -83,9 +83,9 @@ GTC_LAUNCHER(sum_rows_fwd_f32) {
     return GTC_LAUNCHED(op);
 }
 
-__global__ void repeat(float *d, gt_tensor s, gt_tensor like, int64_t n) {
-    const float *sd = (const float *)s.data;
-    GTC_FOR(i, n) d[i] = sd[gtc_offset(s, like, i)];
+__global__ void repeat(float *d, GTC_PARAM gtc_reader s, GTC_PARAM gt_tensor like, int64_t n) {
+    const float *sd = (const float *)s.t.data;
+    GTC_FOR(i, n) d[i] = sd[gtc_at(s, like, i)];
 }
 
 GTC_LAUNCHER(repeat_fwd_f32) {
@@ -97,13 +97,15 @@ GTC_LAUNCHER(repeat_fwd_f32) {
     GTC_TRY(gtc_check_contig_(&node->dst, op, "dst"));
     GTC_TRY(gtc_check_broadcast_(&node->src[0], &node->dst, op, "src"));
     const int64_t n = gtc_numel(node->dst);
-    repeat<<<gtc_blocks(n), GTC_THREADS, 0, gtc_stream_()>>>((float *)node->dst.data, node->src[0], node->dst, n);
+    if (n == 0) return GT_OK;
+    repeat<<<gtc_blocks(n), GTC_THREADS, 0, gtc_stream_()>>>((float *)node->dst.data,
+                                                              gtc_reader_for(node->src[0], node->dst), node->dst, n);
     return GTC_LAUNCHED(op);
 }
 
 /* dst (dims of 1 where reduced; right-aligned, missing dims count as 1) = src summed over them:
  * each dst element sums its src elements in row-major order. */
-__global__ void repeat_bwd(float *d, gt_tensor dst, gt_tensor s, int64_t n, int64_t per) {
+__global__ void repeat_bwd(float *d, GTC_PARAM gt_tensor dst, GTC_PARAM gt_tensor s, int64_t n, int64_t per) {
     const float *sd = (const float *)s.data;
     const int off = s.ndim - dst.ndim;
     GTC_FOR(j, n) {
@@ -132,6 +134,37 @@ __global__ void repeat_bwd(float *d, gt_tensor dst, gt_tensor s, int64_t n, int6
     }
 }
 
+/* repeat_bwd over leading dims of a contiguous src (R, n) into dst (n): a block of 32 x 32
+ * threads a run of 32 columns, thread (x, y) summing rows y, y + 32, ... of column x, then the
+ * 32 partial sums of a column added in y order (a fixed order: the same bits every run). */
+__global__ void col_sums(float *d, const float *s, int64_t R, int64_t n) {
+    __shared__ float part[32][33];
+    const int64_t c = (int64_t)blockIdx.x * 32 + threadIdx.x;
+    float acc = 0.0f;
+    if (c < n)
+        for (int64_t r = threadIdx.y; r < R; r += 32) acc += s[r * n + c];
+    part[threadIdx.y][threadIdx.x] = acc;
+    __syncthreads();
+    if (threadIdx.y == 0 && c < n) {
+        float sum = 0.0f;
+        for (int y = 0; y < 32; y++) sum += part[y][threadIdx.x];
+        d[c] = sum;
+    }
+}
+
+/* dst sums src over a run of src's leading dims (dst's shape, leading 1s aside, is src's
+ * trailing dims) of a contiguous src. */
+static bool sums_leading_dims(const gt_tensor &d, const gt_tensor &s) {
+    if (!gtc_contiguous(s)) return false;
+    int lead = 0;
+    while (lead < d.ndim && d.shape[lead] == 1) lead++;
+    const int tail = d.ndim - lead;
+    if (tail > s.ndim) return false;
+    for (int k = 0; k < tail; k++)
+        if (d.shape[lead + k] != s.shape[s.ndim - tail + k]) return false;
+    return true;
+}
+
 GTC_LAUNCHER(repeat_bwd_f32) {
     (void)ctx;
     const char *op = "repeat_bwd";
@@ -143,6 +176,12 @@ GTC_LAUNCHER(repeat_bwd_f32) {
     GTC_TRY(gtc_check_broadcast_(d, s, op, "dst"));   /* dst's dims: 1 (summed) or src's */
     const int64_t n = gtc_numel(*d);
     if (n == 0) return GT_OK;
+    if (sums_leading_dims(*d, *s)) {
+        col_sums<<<(unsigned)((n + 31) / 32), dim3(32, 32), 0, gtc_stream_()>>>((float *)d->data,
+                                                                                (const float *)s->data,
+                                                                                gtc_numel(*s) / n, n);
+        return GTC_LAUNCHED(op);
+    }
     repeat_bwd<<<gtc_blocks(n), GTC_THREADS, 0, gtc_stream_()>>>((float *)d->data, *d, *s, n, gtc_numel(*s) / n);
     return GTC_LAUNCHED(op);
 }
@@ -171,15 +210,8 @@ __global__ void rms_norm(float *d, const float *x, const float *g, int64_t N, fl
 }
 
 static int launch_rms(const gt_node *node, bool backward, const char *op) {
-    GTC_TRY(gtc_check_n_src_(node, backward ? 2 : 1, backward ? 2 : 1, op));
+    GTC_TRY(gt_rms_norm_check(node, op, backward ? 2 : 1));
     const gt_tensor *d = &node->dst;
-    GTC_F32(d, op, "dst");
-    GTC_TRY(gtc_check_contig_(d, op, "dst"));
-    for (int i = 0; i < node->n_src; i++) {
-        GTC_F32(&node->src[i], op, "input");
-        GTC_TRY(gtc_check_contig_(&node->src[i], op, "input"));
-        GTC_TRY(gtc_check_same_shape_(&node->src[i], d, op, "input", "dst"));
-    }
     const int64_t rows = gtc_nrows(*d);
     if (rows == 0) return GT_OK;
     rms_norm<<<(unsigned)rows, ROW_THREADS, 0, gtc_stream_()>>>(
@@ -230,31 +262,11 @@ GTC_LAUNCHER(softmax_fwd_f32) {
     (void)ctx;
     const char *op = "softmax";
     const gt_tensor *d = &node->dst, *x = &node->src[0];
+    GTC_TRY(gt_softmax_check(node, op));
     const int mask = (int)node->ip[0];
-    GTC_TRY(gtc_check_n_src_(node, mask >= 2 ? 2 : 1, mask >= 2 ? 2 : 1, op));
-    GTC_F32(d, op, "dst");
-    GTC_F32(x, op, "src");
-    GTC_TRY(gtc_check_contig_(x, op, "src"));
-    GTC_TRY(gtc_check_contig_(d, op, "dst"));
-    GTC_TRY(gtc_check_same_shape_(x, d, op, "src", "dst"));
-    if (mask < 0 || mask > 3) return GTC_FAIL(GT_ERR_INVALID, "%s: mask (ip[0]) must be 0..3", op);
-    if (mask && x->ndim < 2) return GTC_FAIL(GT_ERR_SHAPE, "%s: a mask needs (..., T_q, T_k)", op);
-    const int64_t Tk = gtc_ncols(*x), Tq = x->ndim >= 2 ? x->shape[x->ndim - 2] : 1, rows = gtc_nrows(*x);
-    const int32_t *m = NULL;
-    int64_t rows_per_b = rows;
-    if (mask >= 2) {
-        GTC_I32(&node->src[1], op, mask == 2 ? "pos" : "seg");
-        GTC_TRY(gtc_check_contig_(&node->src[1], op, "mask input"));
-        m = (const int32_t *)node->src[1].data;
-        if (mask == 3) {
-            if (Tq != Tk || node->src[1].ndim != 2 || node->src[1].shape[1] != Tk || x->ndim < 3 ||
-                node->src[1].shape[0] != x->shape[0] || node->src[1].shape[0] < 1)
-                return GTC_FAIL(GT_ERR_SHAPE, "%s: seg must be (B, T) for src (B, ..., T, T)", op);
-            rows_per_b = rows / node->src[1].shape[0];
-        } else if (gtc_numel(node->src[1]) != Tq) {
-            return GTC_FAIL(GT_ERR_SHAPE, "%s: pos must hold T_q values", op);
-        }
-    }
+    const int64_t Tk = gtc_ncols(*x), Tq = mask ? x->shape[x->ndim - 2] : 1, rows = gtc_nrows(*x);
+    const int32_t *m = mask >= 2 ? (const int32_t *)node->src[1].data : NULL;
+    const int64_t rows_per_b = mask == 3 ? (x->shape[0] ? rows / x->shape[0] : 1) : rows;
     if (rows == 0) return GT_OK;
     softmax<<<(unsigned)rows, ROW_THREADS, 0, gtc_stream_()>>>((float *)d->data, (const float *)x->data, Tq, Tk, mask,
                                                                 m, rows_per_b, node->fp[0]);
@@ -303,7 +315,7 @@ __global__ void ce_rows(float *loss, const float *x, const int32_t *t, int64_t V
     }
     if (tr >= V) {
         if (threadIdx.x == 0) {
-            GTC_RAISE(GTC_DEV_TARGET);
+            GTC_RAISE(GTC_DEV_TARGET, r, tr, V);
             loss[r] = 0.0f;
         }
         return;
@@ -343,34 +355,23 @@ __global__ void ce_count(float *out, const int32_t *t, int64_t N, int64_t count)
 
 GTC_SIZES(cross_entropy_fwd_f32) {
     *work = 0;
-    *scratch = node->ip[1] == 1 ? 0 : gtc_nrows(node->src[0]) * (int64_t)sizeof(float);
+    *scratch = node->ip[1] ? 0 : gtc_nrows(node->src[0]) * (int64_t)sizeof(float);
     return GT_OK;
 }
 
-static int check_ce(const gt_node *node, int n_src, const char *op) {
-    GTC_TRY(gtc_check_n_src_(node, n_src, n_src, op));
-    const gt_tensor *x = &node->src[0], *t = &node->src[1];
-    GTC_F32(&node->dst, op, "dst");
-    GTC_F32(x, op, "logits");
-    GTC_I32(t, op, "targets");
-    GTC_TRY(gtc_check_contig_(x, op, "logits"));
-    GTC_TRY(gtc_check_contig_(t, op, "targets"));
-    GTC_TRY(gtc_check_contig_(&node->dst, op, "dst"));
-    if (x->ndim != 2 || gtc_numel(*t) != x->shape[0])
-        return GTC_FAIL(GT_ERR_SHAPE, "%s: expected logits (N, V) and targets (N,)", op);
-    return GT_OK;
+/* The kernels read the targets as one run (the CPU's read any stride). */
+static int targets_contig(const gt_node *node, const char *op) {
+    return gt_check_contig(&node->src[1], op, "targets");
 }
 
 GTC_LAUNCHER(cross_entropy_fwd_f32) {
     (void)ctx;
     const char *op = "cross_entropy";
-    GTC_TRY(check_ce(node, 2, op));
+    GTC_TRY(gt_cross_entropy_fwd_check(node, op));
+    GTC_TRY(targets_contig(node, op));
     const int64_t N = node->src[0].shape[0], V = node->src[0].shape[1];
-    const bool rows = node->ip[1] == 1;
+    const bool rows = node->ip[1] != 0;
     float *loss = rows ? (float *)node->dst.data : (float *)node->scratch;
-    if (rows && gtc_numel(node->dst) != N) return GTC_FAIL(GT_ERR_SHAPE, "%s: dst must hold N losses", op);
-    if (!rows && (gtc_numel(node->dst) != 1 || node->scratch_size < N * (int64_t)sizeof(float)))
-        return GTC_FAIL(GT_ERR_SHAPE, "%s: dst must be a scalar, with N floats of scratch", op);
     if (N > 0)
         ce_rows<<<(unsigned)N, ROW_THREADS, 0, gtc_stream_()>>>(loss, (const float *)node->src[0].data,
                                                                  (const int32_t *)node->src[1].data, V,
@@ -390,7 +391,7 @@ __global__ void ce_bwd(float *d, const float *x, const int32_t *t, const float *
     const float *xr = x + r * V;
     float *dr = d + r * V;
     const float c = rows ? 1.0f : *count;
-    if (tr >= V && threadIdx.x == 0) GTC_RAISE(GTC_DEV_TARGET);
+    if (tr >= V && threadIdx.x == 0) GTC_RAISE(GTC_DEV_TARGET_BWD, r, tr, V);
     if (tr < 0 || tr >= V || c == 0.0f) {
         for (int64_t j = threadIdx.x; j < V; j += blockDim.x) dr[j] = 0.0f;
         return;
@@ -411,12 +412,11 @@ __global__ void ce_bwd(float *d, const float *x, const int32_t *t, const float *
 GTC_LAUNCHER(cross_entropy_bwd_f32) {
     (void)ctx;
     const char *op = "cross_entropy_bwd";
-    GTC_TRY(check_ce(node, 3, op));
-    GTC_F32(&node->src[2], op, "g");
+    GTC_TRY(gt_cross_entropy_bwd_check(node, op));
+    GTC_TRY(targets_contig(node, op));
+    GTC_TRY(gt_check_contig(&node->src[2], op, "g"));
     const int64_t N = node->src[0].shape[0], V = node->src[0].shape[1];
-    const bool rows = node->ip[1] == 1;
-    if (gtc_numel(node->src[2]) != (rows ? N : 1)) return GTC_FAIL(GT_ERR_SHAPE, "%s: g has the wrong size", op);
-    if (gtc_numel(node->dst) != N * V) return GTC_FAIL(GT_ERR_SHAPE, "%s: dst must be (N, V)", op);
+    const bool rows = node->ip[1] != 0;
     if (N == 0) return GT_OK;
     if (node->scratch_size < (int64_t)sizeof(float)) return GTC_FAIL(GT_ERR_INVALID, "%s: scratch of one float", op);
     float *count = (float *)node->scratch;
@@ -465,35 +465,17 @@ __global__ void rope(float *d, const float *x, const int32_t *pos, int per_row, 
 }
 
 static int launch_rope(const gt_node *node, double sign, const char *op) {
-    GTC_TRY(gtc_check_n_src_(node, 2, 3, op));
     const gt_tensor *d = &node->dst, *x = &node->src[0], *p = &node->src[1];
-    GTC_F32(d, op, "dst");
-    GTC_F32(x, op, "x");
-    GTC_I32(p, op, "positions");
-    if (x->ndim < 3) return GTC_FAIL(GT_ERR_SHAPE, "%s: expected x (..., T, H, D)", op);
-    GTC_TRY(gtc_check_same_shape_(x, d, op, "x", "dst"));
-    GTC_TRY(gtc_check_contig_(x, op, "x"));
-    GTC_TRY(gtc_check_contig_(d, op, "dst"));
+    int per_row = 0;
+    GTC_TRY(gt_rope_check(node, op, sign < 0, &per_row));
     const int64_t D = x->shape[x->ndim - 1], H = x->shape[x->ndim - 2], T = x->shape[x->ndim - 3];
     const int64_t rows = T * H * D > 0 ? gtc_numel(*x) / (T * H * D) : 0;
-    bool per_row = p->ndim == x->ndim - 2 && p->ndim > 1;
-    for (int i = 0; per_row && i < p->ndim; i++) per_row = p->shape[i] == x->shape[i];
-    if (!per_row && (p->ndim != 1 || p->shape[0] != T))
-        return GTC_FAIL(GT_ERR_SHAPE, "%s: expected positions (T,) or x's leading dims", op);
-    if (per_row) GTC_TRY(gtc_check_contig_(p, op, "positions"));
     const int64_t n_dims = node->ip[0];
-    if (n_dims < 2 || n_dims % 2 || n_dims > D)
-        return GTC_FAIL(GT_ERR_INVALID, "%s: expected n_dims (ip[0]) even and in 2..D", op);
     const int mode = (int)node->ip[1];
-    if (mode != 0 && mode != 2) return GTC_FAIL(GT_ERR_INVALID, "%s: expected mode (ip[1]) 0 or 2", op);
     const float base = node->fp[0], fscale = node->fp[1], mscale = node->fp[2];
-    if (!(base > 0.0f) || !(fscale > 0.0f) || !(mscale > 0.0f))
-        return GTC_FAIL(GT_ERR_INVALID, "%s: freq_base, freq_scale and attn_factor must be > 0", op);
     const float *factors = NULL;
     int64_t fstride = 1;
     if (node->n_src == 3) {
-        GTC_F32(&node->src[2], op, "factors");
-        if (gtc_numel(node->src[2]) != n_dims / 2) return GTC_FAIL(GT_ERR_SHAPE, "%s: expected n_dims/2 factors", op);
         factors = (const float *)node->src[2].data;
         fstride = node->src[2].strides[0];
     }

@@ -10,7 +10,7 @@ __global__ void get_rows(float *d, const float *w, int64_t row_stride, const int
         const int64_t r = i / C, c = i % C;
         const int32_t v = idx[r];
         if (v < 0 || v >= V) {
-            GTC_RAISE(GTC_DEV_INDEX);
+            GTC_RAISE(GTC_DEV_GET_ROWS, r, v, V);
             continue;
         }
         d[i] = w[v * row_stride + c];
@@ -45,7 +45,7 @@ __global__ void scatter_add(float *d, const float *g, const int32_t *idx, int64_
         for (int64_t r = 0; r < n; r++) {
             const int32_t v = idx[r];
             if (v < 0 || v >= V) {
-                GTC_RAISE(GTC_DEV_INDEX);
+                GTC_RAISE(GTC_DEV_GET_ROWS_BWD, r, v, V);
                 continue;
             }
             d[v * C + c] += g[r * C + c];
@@ -79,14 +79,18 @@ GTC_LAUNCHER(get_rows_bwd_f32) {
 __global__ void set_rows(float *d, const float *values, const int32_t *idx, int64_t T, int64_t S, int64_t C,
                          GTC_ERR_ARGS) {
     GTC_FOR(c, C) {
-        for (int64_t t = 0; t < T; t++) {
+        /* every index is checked before any row is written, as on the CPU: each thread reads
+         * them all, so no thread writes when one is bad */
+        bool ok = true;
+        for (int64_t t = 0; t < T && ok; t++) {
             const int32_t r = idx[t];
             if (r < 0 || r >= S) {
-                GTC_RAISE(GTC_DEV_INDEX);
-                continue;
+                GTC_RAISE(GTC_DEV_SET_ROWS, t, r, S);
+                ok = false;
             }
-            d[r * C + c] = values[t * C + c];
         }
+        if (!ok) continue;
+        for (int64_t t = 0; t < T; t++) d[(int64_t)idx[t] * C + c] = values[t * C + c];
     }
 }
 
@@ -113,7 +117,7 @@ GTC_LAUNCHER(set_rows_fwd_f32) {
 
 /* view_bwd: dst zeros, then src (g of the view) at the view's place: element offset ip[0],
  * strides ip[1..] (src's dims). */
-__global__ void view_place(float *d, const float *g, gt_tensor view, int64_t n) {
+__global__ void view_place(float *d, const float *g, GTC_PARAM gt_tensor view, int64_t n) {
     GTC_FOR(i, n) d[gtc_offset(view, view, i)] = g[i];
 }
 
@@ -161,19 +165,20 @@ __global__ void im2col(float *d, const float *x, int64_t N, int64_t H, int64_t W
     }
 }
 
-/* im2col_bwd: each input element sums the columns that read it (a fixed order). */
+/* im2col_bwd: each input element sums the columns that read it, from 0 in order of increasing
+ * (oh, ow), as the CPU kernel does (kh and kw descending give oh and ow ascending): its bits. */
 __global__ void im2col_bwd(float *dx, const float *g, int64_t N, int64_t H, int64_t W, int64_t C, int64_t KH,
                            int64_t KW, int64_t stride, int64_t pad, int64_t OH, int64_t OW) {
     const int64_t cols = C * KH * KW;
     GTC_FOR(i, N * H * W * C) {
         const int64_t c = i % C, w = (i / C) % W, h = (i / (C * W)) % H, n = i / (C * W * H);
         float acc = 0.0f;
-        for (int64_t kh = 0; kh < KH; kh++) {
+        for (int64_t kh = KH - 1; kh >= 0; kh--) {
             const int64_t oh_s = h + pad - kh;
             if (oh_s < 0 || oh_s % stride) continue;
             const int64_t oh = oh_s / stride;
             if (oh >= OH) continue;
-            for (int64_t kw = 0; kw < KW; kw++) {
+            for (int64_t kw = KW - 1; kw >= 0; kw--) {
                 const int64_t ow_s = w + pad - kw;
                 if (ow_s < 0 || ow_s % stride) continue;
                 const int64_t ow = ow_s / stride;
@@ -273,27 +278,14 @@ __global__ void max_pool_bwd(float *dx, const float *x, const float *g, int64_t 
     }
 }
 
-static int pool_check(const gt_node *node, int n_src, const char *op) {
-    GTC_TRY(gtc_check_n_src_(node, n_src, n_src, op));
-    GTC_F32(&node->dst, op, "dst");
-    GTC_TRY(gtc_check_contig_(&node->dst, op, "dst"));
-    for (int i = 0; i < n_src; i++) {
-        GTC_F32(&node->src[i], op, "input");
-        GTC_TRY(gtc_check_contig_(&node->src[i], op, "input"));
-    }
-    if (node->src[0].ndim != 4 || node->ip[0] < 1)
-        return GTC_FAIL(GT_ERR_INVALID, "%s: expected x (N, H, W, C) and a window ip[0] >= 1", op);
-    return GT_OK;
-}
-
 GTC_LAUNCHER(max_pool2d_fwd_f32) {
     (void)ctx;
     const char *op = "max_pool2d";
-    GTC_TRY(pool_check(node, 1, op));
+    int64_t k = 0;
+    GTC_TRY(gt_max_pool2d_check(node, 0, op, &k));
     const gt_tensor *x = &node->src[0];
-    const int64_t k = node->ip[0], N = x->shape[0], H = x->shape[1], W = x->shape[2], C = x->shape[3];
+    const int64_t N = x->shape[0], H = x->shape[1], W = x->shape[2], C = x->shape[3];
     const int64_t n = N * (H / k) * (W / k) * C;
-    if (gtc_numel(node->dst) != n) return GTC_FAIL(GT_ERR_SHAPE, "%s: dst has the wrong size", op);
     if (n == 0) return GT_OK;
     max_pool<<<gtc_blocks(n), GTC_THREADS, 0, gtc_stream_()>>>((float *)node->dst.data, (const float *)x->data, N, H,
                                                                 W, C, k);
@@ -303,10 +295,10 @@ GTC_LAUNCHER(max_pool2d_fwd_f32) {
 GTC_LAUNCHER(max_pool2d_bwd_f32) {
     (void)ctx;
     const char *op = "max_pool2d_bwd";
-    GTC_TRY(pool_check(node, 2, op));
+    int64_t k = 0;
+    GTC_TRY(gt_max_pool2d_check(node, 1, op, &k));
     const gt_tensor *x = &node->src[0];
-    GTC_TRY(gtc_check_same_shape_(x, &node->dst, op, "x", "dst"));
-    const int64_t k = node->ip[0], N = x->shape[0], H = x->shape[1], W = x->shape[2], C = x->shape[3];
+    const int64_t N = x->shape[0], H = x->shape[1], W = x->shape[2], C = x->shape[3];
     const int64_t n = gtc_numel(*x);
     if (n == 0) return GT_OK;
     max_pool_bwd<<<gtc_blocks(n), GTC_THREADS, 0, gtc_stream_()>>>((float *)node->dst.data, (const float *)x->data,

@@ -44,11 +44,11 @@ static cudaStream_t g_stream;
 static int g_ready = 0;
 static int g_device = 0;
 static int32_t g_node = 0;
-static int *g_error_word = NULL;
+static unsigned long long *g_error_word = NULL;
 
 cudaStream_t gtc_stream_(void) { return g_stream; }
 int32_t gtc_node_index_(void) { return g_node; }
-int *gtc_error_word_(void) { return g_error_word; }
+unsigned long long *gtc_error_word_(void) { return g_error_word; }
 
 extern "C" int gtc_device_count(int32_t *count) {
     int n = 0;
@@ -78,7 +78,7 @@ extern "C" int gtc_init(int32_t device) {
     GTC_TRY(GTC_CUDA(cudaSetDevice(device), "cudaSetDevice"));
     g_device = device;
     GTC_TRY(GTC_CUDA(cudaStreamCreateWithFlags(&g_stream, cudaStreamNonBlocking), "cudaStreamCreate"));
-    GTC_TRY(GTC_CUDA(cudaMalloc((void **)&g_error_word, sizeof(int)), "cudaMalloc"));
+    GTC_TRY(GTC_CUDA(cudaMalloc((void **)&g_error_word, GTC_ERROR_WORDS * sizeof(unsigned long long)), "cudaMalloc"));
     GTC_TRY(gtc_cublas_load_(g_stream));
     g_ready = 1;
     return GT_OK;
@@ -177,27 +177,76 @@ extern "C" int gtc_kernel_sizes(const char *name, const gt_node *node, int64_t *
 
 /* ---- running nodes --------------------------------------------------------------------------- */
 
-static const char *dev_error_words(int code) {
+/* The device's error in the CPU kernels' words (the numbers as gtc_raise stored them). */
+static int dev_error_message(int64_t node, const unsigned long long *w) {
+    const int code = (int)(w[0] >> 24);
+    const long long a = (long long)w[1], b = (long long)w[2], c = (long long)w[3];
+    const char *op = code == GTC_DEV_GET_ROWS_BWD ? "get_rows_bwd" : code == GTC_DEV_TARGET_BWD ? "cross_entropy_bwd"
+                                                                                                : NULL;
     switch (code) {
-    case GTC_DEV_INDEX: return "an index outside its table";
-    case GTC_DEV_TARGET: return "a target >= the vocabulary";
-    case GTC_DEV_BIAS_CORRECTION: return "bias corrections must be > 0 (step count 0?)";
-    default: return "an error";
+    case GTC_DEV_GET_ROWS:
+    case GTC_DEV_GET_ROWS_BWD:
+        return GTC_FAIL(GT_ERR_INVALID, "node %lld: %s: idx[%lld] (flat) is %lld, expected 0 <= index < V = %lld",
+                        (long long)node, op ? op : "get_rows", a, b, c);
+    case GTC_DEV_SET_ROWS:
+        return GTC_FAIL(GT_ERR_INVALID, "node %lld: set_rows: idx[%lld] is %lld, expected 0 <= index < S = %lld",
+                        (long long)node, a, b, c);
+    case GTC_DEV_TARGET:
+    case GTC_DEV_TARGET_BWD:
+        return GTC_FAIL(GT_ERR_INVALID,
+                        "node %lld: %s: target of row %lld is %lld, expected < V = %lld (or < 0 to ignore the row)",
+                        (long long)node, op ? op : "cross_entropy", a, b, c);
+    case GTC_DEV_BIAS_CORRECTION:
+        return GTC_FAIL(GT_ERR_INVALID, "node %lld: adamw_step: bias corrections must be > 0 (step count 0?)",
+                        (long long)node);
+    default:
+        return GTC_FAIL(GT_ERR_INVALID, "node %lld: device error %d", (long long)node, code);
     }
+}
+
+static int64_t *g_profile = NULL;
+extern "C" void gtc_set_profile(int64_t *ns) { g_profile = ns; }
+
+/* Each node between two events (a profiled run; the events cost a little). */
+static int run_profiled(const gt_node *nodes, int64_t n, gt_ctx *ctx, int64_t *failed) {
+    cudaEvent_t ev[2];
+    GTC_TRY(GTC_CUDA(cudaEventCreate(&ev[0]), "profiling"));
+    GTC_TRY(GTC_CUDA(cudaEventCreate(&ev[1]), "profiling"));
+    int rc = GT_OK;
+    for (int64_t i = 0; i < n && !rc; i++) {
+        g_node = (int32_t)i;
+        cudaEventRecord(ev[0], g_stream);
+        rc = nodes[i].fn(&nodes[i], ctx);
+        cudaEventRecord(ev[1], g_stream);
+        cudaEventSynchronize(ev[1]);
+        float ms = 0.0f;
+        cudaEventElapsedTime(&ms, ev[0], ev[1]);
+        g_profile[i] += (int64_t)(ms * 1e6f);
+        if (rc) *failed = i;
+    }
+    cudaEventDestroy(ev[0]);
+    cudaEventDestroy(ev[1]);
+    return rc;
 }
 
 extern "C" int gtc_run(const gt_node *nodes, int64_t n, void *work, int64_t work_bytes, int64_t *failed) {
     *failed = -1;
     GTC_TRY(ready("gtc_run"));
-    const int zero = 0;
-    GTC_TRY(GTC_CUDA(cudaMemcpyAsync(g_error_word, &zero, sizeof zero, cudaMemcpyHostToDevice, g_stream), "gtc_run"));
+    GTC_TRY(GTC_CUDA(cudaMemsetAsync(g_error_word, 0, sizeof(unsigned long long), g_stream), "gtc_run"));
     gt_ctx ctx;
     memset(&ctx, 0, sizeof ctx);
     ctx.ith = 0;
     ctx.nth = 1;
     ctx.wdata = work;
     ctx.wsize = work_bytes;
-    for (int64_t i = 0; i < n; i++) {
+    if (g_profile) {
+        const int rc = run_profiled(nodes, n, &ctx, failed);
+        if (rc) {
+            cudaStreamSynchronize(g_stream);
+            return rc;
+        }
+    }
+    for (int64_t i = 0; i < n && !g_profile; i++) {
         g_node = (int32_t)i;
         int rc = nodes[i].fn(&nodes[i], &ctx);
         if (rc) {
@@ -206,50 +255,39 @@ extern "C" int gtc_run(const gt_node *nodes, int64_t n, void *work, int64_t work
             return rc;
         }
     }
-    int code = 0;
-    GTC_TRY(GTC_CUDA(cudaMemcpyAsync(&code, g_error_word, sizeof code, cudaMemcpyDeviceToHost, g_stream), "gtc_run"));
+    unsigned long long words[GTC_ERROR_WORDS] = {0, 0, 0, 0};
+    GTC_TRY(GTC_CUDA(cudaMemcpyAsync(words, g_error_word, sizeof words, cudaMemcpyDeviceToHost, g_stream), "gtc_run"));
     GTC_TRY(GTC_CUDA(cudaStreamSynchronize(g_stream), "running the plan"));
-    if (code) {
-        *failed = code & 0xFFFFFF;
-        return GTC_FAIL(GT_ERR_INVALID, "node %lld: %s", (long long)*failed, dev_error_words(code >> 24));
+    if (words[0]) {
+        *failed = (int64_t)(words[0] & 0xFFFFFF);
+        return dev_error_message(*failed, words);
     }
     return GT_OK;
 }
 
 /* ---- host-side checks ------------------------------------------------------------------------ */
 
-static const char *dtype_name(int32_t d) {
-    switch (d) {
-    case GT_F32: return "f32";
-    case GT_F16: return "f16";
-    case GT_BF16: return "bf16";
-    case GT_I32: return "i32";
-    default: return "a block type";
-    }
-}
-
 int gtc_check_dtype_(const gt_tensor *t, int32_t dtype, const char *op, const char *what) {
+    if (dtype == GT_I32) return gt_check_i32(t, op, what);
+    if (dtype == GT_F32) return gt_check_f32_(t, op, what);
     if (t->dtype != dtype)
-        return GTC_FAIL(GT_ERR_DTYPE, "%s: expected %s %s, got %s", op, what, dtype_name(dtype), dtype_name(t->dtype));
+        return GTC_FAIL(GT_ERR_DTYPE, "%s: expected %s of dtype %s, got %s", op, what, gt_type_name(dtype),
+                        gt_type_name(t->dtype));
     return GT_OK;
 }
 
+/* lo..hi inputs: fewer is the CPU kernels' error; more means a plan made for another kernel. */
 int gtc_check_n_src_(const gt_node *node, int lo, int hi, const char *op) {
-    if (node->n_src < lo || node->n_src > hi)
-        return GTC_FAIL(GT_ERR_INVALID, "%s: expected %d..%d sources, got %d", op, lo, hi, (int)node->n_src);
+    GTC_TRY(gt_check_n_src(node, lo, op));
+    if (node->n_src > hi)
+        return GTC_FAIL(GT_ERR_INVALID, "%s: expected at most %d inputs, got %d", op, hi, (int)node->n_src);
     return GT_OK;
 }
 
-int gtc_check_contig_(const gt_tensor *t, const char *op, const char *what) {
-    if (!gtc_contiguous(*t)) return GTC_FAIL(GT_ERR_INVALID, "%s: expected %s contiguous", op, what);
-    return GT_OK;
-}
+int gtc_check_contig_(const gt_tensor *t, const char *op, const char *what) { return gt_check_contig(t, op, what); }
 
 int gtc_check_same_shape_(const gt_tensor *a, const gt_tensor *b, const char *op, const char *wa, const char *wb) {
-    bool same = a->ndim == b->ndim;
-    for (int i = 0; same && i < a->ndim; i++) same = a->shape[i] == b->shape[i];
-    if (!same) return GTC_FAIL(GT_ERR_SHAPE, "%s: %s and %s differ in shape", op, wa, wb);
-    return GT_OK;
+    return gt_check_same_shape(a, b, op, wa, wb);
 }
 
 int gtc_check_broadcast_(const gt_tensor *t, const gt_tensor *like, const char *op, const char *what) {
