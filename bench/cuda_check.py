@@ -9,14 +9,17 @@ command that installs them and this project there, then runs this script):
    every case forward against float64 numpy with the case's tolerance, backward against finite
    differences, every kernel's own tests; a junit XML of them goes to --out.
 2. End to end, CUDA against the CPU, the same seeds: `mnist train` (fc, 2 epochs; the
-   validation losses within 1e-3 relative, the parameters within 1e-3 absolute); `train` of a
-   small llama (20 updates; every update's loss within 1e-3 relative); a checkpoint written on
-   CUDA at update 10 resumed on the CPU and the reverse (the losses of updates 11-20 within
-   1e-3 of the uninterrupted run's).
+   validation losses within 1e-3 relative, the parameters within 1e-3 absolute; cnn, 1 epoch);
+   a LoRA `finetune` of stories260K Q8_0 (carried in .gpu-data/: the stored-type matmul on the
+   device; 12 updates, every loss within 1e-3); `train` of a small llama (20 updates; every
+   update's loss within 1e-3 relative); a checkpoint written on CUDA at update 10 resumed on
+   the CPU and the reverse (the losses of updates 11-20 within 1e-3 of the uninterrupted run's).
    NCCL with one rank (the all-reduce of a device buffer leaves it as it was).
-3. Speed against PyTorch eager f32 on the same GPU (same weights, batches, AdamW): llama
-   configs a and b of bench/bench_llama.py and a dim 1024 / 16-layer / ctx 1024 model in
-   tokens/s, and the fraction of the GPU's f32 peak (H100 SXM: 67 TFLOP/s without tensor cores).
+3. Speed against PyTorch eager on the same GPU (same weights, batches, AdamW): llama configs a
+   and b of bench/bench_llama.py and a dim 1024 / 16-layer / ctx 1024 model in tokens/s, and
+   the fraction of the GPU's f32 peak (H100 SXM: 67 TFLOP/s without tensor cores), all f32;
+   then the 1024 model with TF32 GEMMs on both sides; and one update of the --profile config
+   by kernel and by node (GPU time between CUDA events).
 
 Every part prints one line a check, PASS or FAIL, and the script ends with a summary; exit
 status 1 when anything failed. `--device-backend cpu` runs the whole script on the CPU
@@ -46,8 +49,11 @@ def report(name: str, ok: bool, detail: str = "") -> None:
 
 
 def cli(*args, env=None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ggtrain", *map(str, args)], capture_output=True, text=True,
-                          env={**os.environ, **(env or {})}, cwd=ROOT)
+    try:
+        return subprocess.run([sys.executable, "-m", "ggtrain", *map(str, args)], capture_output=True, text=True,
+                              env={**os.environ, **(env or {})}, cwd=ROOT, timeout=180)
+    except subprocess.TimeoutExpired:
+        return subprocess.CompletedProcess(args, 124, "", f"ggtrain {args[0]} still running after 180 s")
 
 
 def lines(path) -> list:
@@ -65,9 +71,23 @@ OP_TESTS = ("tests/test_ops.py", "tests/test_attention.py", "tests/test_kernels.
 def ops(out: pathlib.Path, device: str) -> None:
     env = {**os.environ, "GGTRAIN_TEST_BACKEND": device, "PYTHONUNBUFFERED": "1"}
     t0 = time.perf_counter()
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *OP_TESTS,
-                        f"--junitxml={out / 'ops.xml'}"],
-                       capture_output=True, text=True, env=env, cwd=ROOT)
+    # on the GPU machine (16 cores, pytest-xdist and pytest-timeout installed) the cases run in 8
+    # processes, and one case that hangs is stopped after a minute instead of ending the lease
+    extra = []
+    for module, flags in (("xdist", ["-n", "8"]), ("pytest_timeout", ["--timeout", "60"])):
+        try:
+            __import__(module)
+            extra += flags
+        except ImportError:
+            pass
+    try:
+        r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *extra, *OP_TESTS,
+                            f"--junitxml={out / 'ops.xml'}"],
+                           capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    except subprocess.TimeoutExpired as e:
+        (out / "ops.txt").write_text(str(e.stdout or "") + str(e.stderr or ""))
+        report("op table on " + device, False, "still running after 300 s")
+        return
     tail = [l for l in r.stdout.splitlines() if l.strip()][-1:] or ["(no output)"]
     failed = [l for l in r.stdout.splitlines() if l.startswith("FAILED")]
     (out / "ops.txt").write_text(r.stdout + r.stderr)
@@ -100,7 +120,37 @@ def end_to_end(tmp: pathlib.Path, device: str) -> None:
     ok = close(vc, vg) and all(close(pc[k], pg[k], 0, 1e-3) for k in pc)
     report("mnist fc, 2 epochs, cuda = cpu", ok, f"val losses {vc} vs {vg}; {tc:.1f} s vs {tg:.1f} s")
 
+    cnn = []       # (lists, not keyed by backend: --device-backend cpu runs both sides on the CPU)
+    for be in ("cpu", device):
+        log = tmp / f"cnn-{be}.jsonl"
+        r = cli("mnist", "train", "--arch", "cnn", "--out", tmp / f"cnn-{be}.gguf", "--log", log, "--epochs", 1,
+                "--backend", be, "--quiet")
+        if r.returncode:
+            report(f"mnist train --model cnn --backend {be}", False, r.stderr.strip()[-300:])
+            break
+        cnn.append([l["val_loss"] for l in lines(log) if "train_loss" in l and "event" not in l])
+    if len(cnn) == 2:
+        report("mnist cnn, 1 epoch, cuda = cpu", close(cnn[0], cnn[1]), f"val losses {cnn[0]} vs {cnn[1]}")
+
     text = ROOT / "cli" / "data" / "tinyshakespeare.txt"
+    model = ROOT / ".gpu-data" / "stories260K-Q8_0.gguf"     # carried (bench/cuda_prepare.sh copies it)
+    if model.is_file():
+        ft = []
+        for be in ("cpu", device):
+            log = tmp / f"ft-{be}.jsonl"
+            r = cli("finetune", "--model", model, "--data", text, "--out", tmp / f"ft-{be}.gguf", "--log", log,
+                    "--steps", 12, "--ctx", 64, "--batch", 4, "--lora-rank", 8, "--warmup", 2, "--quiet",
+                    "--val-split", 0.05, "--backend", be)
+            if r.returncode:
+                report(f"finetune --backend {be}", False, r.stderr.strip()[-300:])
+                break
+            ft.append([l["loss"] for l in lines(log) if "loss" in l and "step" in l and "event" not in l])
+        if len(ft) == 2:
+            report("LoRA finetune stories260K Q8_0, 12 updates, cuda = cpu", close(ft[0], ft[1]),
+                   f"first/last loss {ft[0][0]:.5f}/{ft[0][-1]:.5f} vs {ft[1][0]:.5f}/{ft[1][-1]:.5f}")
+    else:
+        report("LoRA finetune (stories260K Q8_0 carried in .gpu-data)", False, f"{model} is missing")
+
     tiny = ["--data", text, "--dim", 64, "--layers", 2, "--heads", 4, "--kv-heads", 2, "--ff", 128, "--ctx", 64,
             "--batch", 4, "--steps", 20, "--warmup", 2, "--quiet", "--val-split", 0.05]
     losses = {}
@@ -157,13 +207,13 @@ CONFIGS = {
 }
 
 
-def torch_llama(cfg: dict, init: dict, device: str):
+def torch_llama(cfg: dict, init: dict, device: str, tf32: bool = False):
     """PyTorch's eager f32 step on the same weights (bench_llama.py's model, on the GPU)."""
     import torch
     import torch.nn.functional as F
 
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+    torch.backends.cudnn.allow_tf32 = tf32
     C, H, Hkv, L, T = cfg["dim"], cfg["heads"], cfg["kv_heads"], cfg["layers"], cfg["ctx"]
     D = C // H
     P = {k: torch.nn.Parameter(torch.from_numpy(v.copy()).to(device)) for k, v in init.items()}
@@ -214,7 +264,43 @@ def torch_llama(cfg: dict, init: dict, device: str):
     return step
 
 
-def bench(device: str, steps: int) -> None:
+def profile_step(run, w: np.ndarray) -> None:
+    """Each kernel's share of one update (GPU time between events, so a little over the
+    unprofiled step)."""
+    import collections
+    plans = [p for p in (run.step._micro, run.step._update) if p is not None]
+    for plan in plans:
+        plan.plan.profile()
+    run.step.step([{run.tokens: w[:, :-1], run.targets: w[:, 1:]}], 1e-3)
+    by, nodes, count = collections.Counter(), collections.Counter(), collections.Counter()
+    for plan in plans:
+        for call, sec in zip(plan.plan.calls, plan.plan.node_seconds()):
+            by[call.kernel] += sec
+            shapes = ", ".join("x".join(map(str, t.shape)) + ("" if _plain(t) else " (view)") for t in call.srcs)
+            key = f"{call.kernel} {'x'.join(map(str, call.dst.shape))} <- {shapes}"
+            nodes[key] += sec
+            count[key] += 1
+        plan.plan.profile(False)
+    total = sum(by.values())
+    print(f"  profile: {total * 1e3:.1f} ms of kernels in one update")
+    for k, v in by.most_common(14):
+        print(f"  {v * 1e3:8.2f} ms {100 * v / total:5.1f}%  {k}")
+    print("  by node:")
+    for k, v in nodes.most_common(16):
+        print(f"  {v * 1e3:8.2f} ms x{count[k]:<3} {k}")
+
+
+def _plain(t) -> bool:
+    """A tensor reference laid out contiguously (row-major, no gaps)."""
+    want = 1
+    for n, s in zip(reversed(t.shape), reversed(t.strides)):
+        if n != 1 and s != want:
+            return False
+        want *= n
+    return True
+
+
+def bench(device: str, steps: int, profile: str | None = None) -> None:
     from ggtrain.cli.common import make_backend
     from ggtrain.core.models.decoder import ModelConfig, init_params
     from ggtrain.core.train import TextConfig, TextRun
@@ -228,17 +314,24 @@ def bench(device: str, steps: int) -> None:
         torch_ok = torch.cuda.is_available()
     except ImportError:
         torch_ok = False
-    for key, cfg in CONFIGS.items():
+    runs = [(key, cfg, be, False) for key, cfg in CONFIGS.items()]
+    if device == "cuda":     # and TF32 tensor cores for the GEMMs (cuBLAS's TF32 math), on both sides
+        from ggtrain.core.backend_cuda import CudaBackend
+        runs.append(("1024", CONFIGS["1024"], None, True))
+    for key, cfg, backend, tf32 in runs:
+        if tf32:
+            backend = CudaBackend(tf32=True)
         model = ModelConfig(**{k: v for k, v in cfg.items() if k != "batch"})
         init = init_params(model, 0)
         rng = np.random.default_rng(1)
         windows = rng.integers(0, cfg["vocab"], (steps + 2, cfg["batch"], cfg["ctx"] + 1)).astype(np.int32)
         tc = TextConfig(steps=10**6, batch=cfg["batch"], lr=1e-3, lr_min=1e-3, warmup=0, weight_decay=0.1,
                         grad_clip=1.0, checkpointing=False)
+        name = f"llama {key}" + (" TF32" if tf32 else "")
         try:
-            run = TextRun(model, init, tc, be)
+            run = TextRun(model, init, tc, backend)
         except Exception as e:  # noqa: BLE001 - reported, the next config goes on
-            report(f"llama {key} on {device}", False, str(e)[:300])
+            report(f"{name} on {device}", False, str(e)[:300])
             continue
         ours = []
         for s in range(steps + 2):
@@ -249,14 +342,16 @@ def bench(device: str, steps: int) -> None:
         tokens = cfg["batch"] * cfg["ctx"]
         best = min(ours[2:])
         flops = run.step.flops
-        line = f"llama {key}: ours {tokens / best:,.0f} tok/s ({flops / best / 1e12:.2f} TFLOP/s"
-        line += f", {100 * flops / best / peak:.1f}% of peak)" if peak else ")"
+        line = f"{name}: ours {tokens / best:,.0f} tok/s ({flops / best / 1e12:.2f} TFLOP/s"
+        line += f", {100 * flops / best / peak:.1f}% of the f32 peak)" if peak else ")"
         if torch_ok and device == "cuda":
-            step = torch_llama(cfg, init, "cuda")
+            step = torch_llama(cfg, init, "cuda", tf32)
             theirs = min(step(windows[s])[0] for s in range(steps + 2))
-            line += f"; PyTorch eager f32 {tokens / theirs:,.0f} tok/s; ratio {theirs / best:.2f}x"
+            line += f"; PyTorch eager {'TF32' if tf32 else 'f32'} {tokens / theirs:,.0f} tok/s; ratio {theirs / best:.2f}x"
         print(line, flush=True)
-        report(f"llama {key} ran on {device}", True)
+        report(f"{name} ran on {device}", True)
+        if profile and key == profile and not tf32:
+            profile_step(run, windows[0])
         del run
 
 
@@ -267,6 +362,7 @@ def main() -> None:
     ap.add_argument("--skip-ops", action="store_true")
     ap.add_argument("--skip-bench", action="store_true")
     ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--profile", default="1024", help="the config whose update is profiled by kernel ('' for none)")
     args = ap.parse_args()
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -283,7 +379,7 @@ def main() -> None:
     if args.device_backend == "cuda":
         nccl()
     if not args.skip_bench:
-        bench(args.device_backend, args.steps)
+        bench(args.device_backend, args.steps, args.profile or None)
     failed = [n for n, ok in RESULTS if not ok]
     print(f"\n{len(RESULTS) - len(failed)} of {len(RESULTS)} checks passed" + (f"; failed: {', '.join(failed)}"
                                                                              if failed else ""))
