@@ -27,13 +27,13 @@ from ggtrain.formats.tokenizer import Tokenizer
 def make_backend(backend: str = "cpu", threads: int | None = None) -> CpuBackend:
     """The backend --backend names, with --threads; ConfigError naming the bad value, and for
     cuda saying why it cannot run here."""
-    if backend == "cuda":
+    if backend in ("cuda", "cuda-tf32"):
         why = unavailable_reason()
         if why:
-            raise ConfigError(f"--backend cuda: not available: {why}")
-        return CudaBackend()
+            raise ConfigError(f"--backend {backend}: not available: {why}")
+        return CudaBackend(tf32=backend == "cuda-tf32")
     if backend != "cpu":
-        raise ConfigError(f"--backend {backend}: expected cpu or cuda")
+        raise ConfigError(f"--backend {backend}: expected cpu, cuda or cuda-tf32")
     if threads is not None and threads < 1:
         raise ConfigError(f"--threads must be >= 1, got {threads}")
     return CpuBackend(threads or default_threads())

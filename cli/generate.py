@@ -16,6 +16,7 @@ import time
 import typer
 
 from ggtrain.cli.common import make_backend, file_errors
+from ggtrain.cli.loop import BACKEND, THREADS
 from ggtrain.cli.tasks import run_task, task_words
 from ggtrain.cli.main import app
 from ggtrain.core.models.decoder import ModelConfig, Decoder, Runner, generate
@@ -67,8 +68,8 @@ def generate_cmd(
     seed: int = typer.Option(0, "--seed", help="Seed of the sampler."),
     ctx: int = typer.Option(0, "--ctx", help="Positions of the KV cache (default: prompt + n, or "
                             f"min({UNTIL_EOG_CTX}, the model's context) with -n -1)."),
-    threads: int = typer.Option(None, "--threads", help="CPU threads (default: all available)."),
-    backend: str = typer.Option("cpu", "--backend", help="cpu (cuda in builds that have it)."),
+    threads: int = THREADS,
+    backend: str = BACKEND,
     timings: bool = typer.Option(False, "--timings", help='Print {"load_s", "prompt_tokens", "prompt_s", '
                                  '"tokens", "tokens_per_s"} as JSON on stderr at the end.'),
 ):
@@ -139,8 +140,8 @@ def eval_cmd(
     as_json: bool = typer.Option(False, "--json", help='Print {"perplexity", "nll", "tokens"} (--task: {"items", '
                                  '"acc", "acc_stderr", "acc_norm", "acc_norm_stderr"}) as JSON.'),
     quiet: bool = typer.Option(False, "--quiet", help="No progress bar."),
-    threads: int = typer.Option(None, "--threads", help="CPU threads (default: all available)."),
-    backend: str = typer.Option("cpu", "--backend", help="cpu (cuda in builds that have it)."),
+    threads: int = THREADS,
+    backend: str = BACKEND,
 ):
     """Perplexity of a model on a text (non-overlapping windows, every token scored once), or
     its accuracy on a multiple-choice task."""

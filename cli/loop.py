@@ -43,7 +43,9 @@ ON_SAVE_ERROR = typer.Option("stop", "--on-save-error",
 SAVE_ERRORS = ("stop", "continue")
 EVAL_EVERY = typer.Option(0, "--eval-every", help="Validation loss every N updates (0: at the end only).")
 THREADS = typer.Option(None, "--threads", help="CPU threads (default: all available).")
-BACKEND = typer.Option("cpu", "--backend", help="cpu (cuda in builds that have it).")
+BACKEND = typer.Option("cpu", "--backend",
+                       help="cpu, or cuda (one GPU, exact f32), or cuda-tf32 (the GPU's f32 matrix products on "
+                            "TF32 tensor cores: about 2x faster, about 1e-3 relative error).")
 LOG = typer.Option(None, "--log", help="JSON lines: steps, evaluations, and a final summary.")
 QUIET = typer.Option(False, "--quiet", help="No progress bar.")
 TOKEN_CACHE = typer.Option(None, "--token-cache",

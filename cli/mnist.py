@@ -153,8 +153,8 @@ def evaluate(
     data: pathlib.Path = typer.Option(None, "--data", help="Folder with the MNIST IDX files; "
                                       "default: the bundled 1000-image test subset."),
     as_json: bool = typer.Option(False, "--json", help='Print {"loss": .., "accuracy": ..} as JSON.'),
-    threads: int = typer.Option(None, "--threads", help="CPU threads (default: all available)."),
-    backend: str = typer.Option("cpu", "--backend", help="cpu (cuda in builds that have it)."),
+    threads: int = THREADS,
+    backend: str = BACKEND,
 ):
     """Test loss and accuracy (with standard errors) of an MNIST model on the t10k set."""
     arch, params = load_mnist_model(model_path, model.PARAM_SHAPES)
