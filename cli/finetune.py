@@ -33,6 +33,7 @@ from ggtrain.core.data import (PackedBatches, Picked, TokenWindows, eval_windows
                                split_tokens)
 from ggtrain.core.distributed import Shard
 from ggtrain.core.models.decoder import Decoder, ModelConfig
+from ggtrain.core.models.families import FAMILIES
 from ggtrain.core.models.lora import TARGETS, LoraConfig, factor_names, init_lora
 from ggtrain.core.preference import METHODS, PreferenceConfig, pair_slots
 from ggtrain.core.train import TextConfig, TextRun
@@ -117,7 +118,7 @@ def _warmup_updates(warmup: float, steps: int) -> int:
 def finetune(
     context: typer.Context,
     model: pathlib.Path = typer.Option(None, "--model",
-                                       help="The base GGUF model (llama, qwen2, qwen3 families; F32 ... Q4_0, K-quants); not needed with "
+                                       help=f"The base GGUF model (families {', '.join(sorted(FAMILIES))}; F32 ... Q4_0, K-quants); not needed with "
                                             "--full --resume of a model checkpoint (convert-checkpoint --to checkpoint)."),
     data: pathlib.Path = typer.Option(..., "--data", "--train-data",
                                       help="Training data: .txt, or JSON lines / a JSON array of {\"text\"}, "

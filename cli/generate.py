@@ -20,6 +20,7 @@ from ggtrain.cli.loop import BACKEND, THREADS
 from ggtrain.cli.tasks import run_task, task_words
 from ggtrain.cli.main import app
 from ggtrain.core.models.decoder import ModelConfig, Decoder, Runner, generate
+from ggtrain.core.models.families import FAMILIES
 from ggtrain.core.sampling import Sampler
 from ggtrain.errors import ConfigError
 from ggtrain.formats.chat import chat_template as find_template
@@ -46,7 +47,7 @@ def _open(model, lora, lora_scale, backend):
 
 @app.command("generate")
 def generate_cmd(
-    model: pathlib.Path = typer.Option(..., "--model", help="A GGUF model (llama, qwen2, qwen3, ...; F32, F16, Q8_0, Q4_0, K-quants, ...)."),
+    model: pathlib.Path = typer.Option(..., "--model", help=f"A GGUF model (families {', '.join(sorted(FAMILIES))}; F32, F16, Q8_0, Q4_0, K-quants, ...)."),
     lora: pathlib.Path = typer.Option(None, "--lora", help="A LoRA adapter GGUF (llama.cpp's format) to apply."),
     lora_scale: float = typer.Option(1.0, "--lora-scale", help="Scale of the adapter (as llama.cpp's --lora-scaled)."),
     prompt: str = typer.Option(..., "--prompt", help="Text to continue (with --chat: the user's message)."),
@@ -125,7 +126,7 @@ def generate_cmd(
 
 @app.command("eval")
 def eval_cmd(
-    model: pathlib.Path = typer.Option(..., "--model", help="A GGUF model (llama, qwen2, qwen3, ...)."),
+    model: pathlib.Path = typer.Option(..., "--model", help=f"A GGUF model (families {', '.join(sorted(FAMILIES))})."),
     lora: pathlib.Path = typer.Option(None, "--lora", help="A LoRA adapter GGUF (llama.cpp's format) to apply."),
     lora_scale: float = typer.Option(1.0, "--lora-scale", help="Scale of the adapter."),
     data: pathlib.Path = typer.Option(None, "--data", help="A UTF-8 text file: its perplexity."),

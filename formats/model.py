@@ -41,8 +41,9 @@ _FLOAT_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig) if f.type 
 _SCALING_TYPE, _SCALING_FACTOR, _SCALE_LINEAR = "rope.scaling.type", "rope.scaling.factor", "rope.scale_linear"
 _VALUE_LENGTH = "attention.value_length"
 _EXPERTS = ("expert_count", "expert_used_count")
+_ROPE_FINETUNED = "rope.scaling.finetuned"
 _HARMLESS = ("rope.scaling.original_context_length",   # read by YaRN only (refused below)
-             "rope.scaling.finetuned")                 # a note of the converter's
+             _ROPE_FINETUNED)                          # a note of the converter's (granite: see its check)
 
 # the key that marks a ggtrain training checkpoint (formats/checkpoint.py)
 CHECKPOINT_KEY = "ggtrain.checkpoint.version"
@@ -83,6 +84,9 @@ def config_to_kv(cfg: ModelConfig, name: str = "ggtrain", file_type: int | None 
             kv.append((f"{a}.{own['window_pattern']}", cfg.window_pattern, VT.UINT32))
     if cfg.logit_softcap:
         kv.append((f"{a}.{own['logit_softcap']}", float(cfg.logit_softcap), VT.FLOAT32))
+    for field in ("embedding_scale", "residual_scale", "attn_scale", "logit_scale"):   # granite's, all
+        if field in own:
+            kv.append((f"{a}.{own[field]}", float(getattr(cfg, field)), VT.FLOAT32))
     if cfg.rope_long:
         kv.append((f"{a}.{_SCALING_TYPE}", "longrope", VT.STRING))
         if cfg.rope_orig_ctx:
@@ -174,10 +178,12 @@ def config_from_kv(f: GGUFFile) -> dict:
                                   f"ggtrain does not compute (dense {', '.join(sorted(FAMILIES))} only)")
         elif rest == _VALUE_LENGTH:
             values["_value_length"] = _number(f, key, False)
+        elif rest == _ROPE_FINETUNED and fam.rope_switch and not f.kv[key].value:
+            raise FormatError(f"{f.path}: {key} = false: {a} without rope, which ggtrain does not compute")
         elif rest not in _HARMLESS and rest not in fam.ignored_keys:
             raise FormatError(f"{f.path}: key {key!r} is not applied by ggtrain's {a} decoder, so the "
                               f"model would be computed wrongly (it reads {', '.join(sorted(by_key))})")
-    missing = [f"{a}.{COMMON_KEYS[k]}" for k in REQUIRED_KEYS if k not in values]
+    missing = [f"{a}.{fam.all_keys[k]}" for k in REQUIRED_KEYS + fam.required_keys if k not in values]
     if missing:
         raise FormatError(f"{f.path}: {a} key {missing[0]!r} is missing"
                           + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))

@@ -6,7 +6,8 @@ ops: RMSNorm, rope with adjacent pairs (llama) or NEOX halves (qwen2, qwen3), ll
 frequency factors and linear scaling, q/k/v biases (qwen2), per-head q/k RMSNorm (qwen3),
 causal attention with grouped KV heads and any head size, SwiGLU; gemma3's scaled
 embedding, post-attention and post-FFN norms, GeGLU (tanh gelu), sliding-window local
-layers with their own rope base, and logit soft-capping.
+layers with their own rope base, and logit soft-capping; granite's embedding, residual,
+attention and logit multipliers.
 """
 import numpy as np
 
@@ -64,6 +65,9 @@ def forward(cfg, p, tokens, pos, gelu=gelu_tanh, n_ctx=None):
     x = p["token_embd.weight"][tokens]
     if gemma:
         x = x * np.sqrt(cfg.dim)
+    residual = getattr(cfg, "residual_scale", 0.0) or 1.0        # granite's multipliers (0: none)
+    if getattr(cfg, "embedding_scale", 0.0):
+        x = x * cfg.embedding_scale
     causal = np.triu(np.full((t, t), -np.inf), 1)
     for i in range(cfg.layers):
         q_ = f"blk.{i}."
@@ -95,7 +99,7 @@ def forward(cfg, p, tokens, pos, gelu=gelu_tanh, n_ctx=None):
             k = rope(k, pos, cfg.n_rot, base, **rot_i)
         k = np.repeat(k, h // hkv, axis=2)                      # q head j uses kv head j // G
         v = np.repeat(v, h // hkv, axis=2)
-        scale = 1 / np.sqrt(cfg.dim // h if gemma and cfg.layers == 62 else d)
+        scale = getattr(cfg, "attn_scale", 0.0) or 1 / np.sqrt(cfg.dim // h if gemma and cfg.layers == 62 else d)
         s = np.einsum("bqhd,bkhd->bhqk", q, k) * scale + mask
         s = np.exp(s - s.max(-1, keepdims=True))
         s /= s.sum(-1, keepdims=True)
@@ -103,7 +107,7 @@ def forward(cfg, p, tokens, pos, gelu=gelu_tanh, n_ctx=None):
         a = o @ p[q_ + "attn_output.weight"].T
         if gemma:
             a = rms_norm(a, p[q_ + "post_attention_norm.weight"], cfg.norm_eps)
-        x = x + a
+        x = x + a * residual
         f = rms_norm(x, p[q_ + "ffn_norm.weight"], cfg.norm_eps)
         if q_ + "ffn_gate.weight" in p:
             gate, up = f @ p[q_ + "ffn_gate.weight"].T, f @ p[q_ + "ffn_up.weight"].T
@@ -113,10 +117,10 @@ def forward(cfg, p, tokens, pos, gelu=gelu_tanh, n_ctx=None):
         f = (act * up) @ p[q_ + "ffn_down.weight"].T
         if gemma:
             f = rms_norm(f, p[q_ + "post_ffw_norm.weight"], cfg.norm_eps)
-        x = x + f
+        x = x + f * residual
     x = rms_norm(x, p["output_norm.weight"], cfg.norm_eps)
     head = p["token_embd.weight"] if cfg.tied else p["output.weight"]
-    logits = x @ head.T
+    logits = x @ head.T / getattr(cfg, "logit_scale", 1.0)
     cap = getattr(cfg, "logit_softcap", 0.0)
     return cap * np.tanh(logits / cap) if cap else logits
 

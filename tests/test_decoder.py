@@ -29,6 +29,8 @@ FAMILIES = [
     dict(arch="phi3", kv_heads=2, rope_long=True, rope_orig_ctx=64, rope_attn_factor=1.2),
     # smollm3: layer 3 without rope
     dict(arch="smollm3", layers=4),
+    # granite: its embedding, residual, attention and logit multipliers
+    dict(arch="granite", embedding_scale=3.0, residual_scale=0.5, attn_scale=0.2, logit_scale=2.5),
 ]
 
 

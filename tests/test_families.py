@@ -41,6 +41,9 @@ CASES = {
     # the original context, so the long factors; the attention factor on the rotated dims
     "phi3-longrope": dict(arch="phi3", rope_long=True, rope_orig_ctx=64, rope_attn_factor=1.19),
     "smollm3": dict(arch="smollm3", layers=4),        # layer 3 without rope
+    # granite's four multipliers (Granite 3.x's are of this order: 12, 0.22, 1/128 and 8)
+    "granite": dict(arch="granite", kv_heads=1, embedding_scale=12.0, residual_scale=0.22, attn_scale=0.05,
+                    logit_scale=8.0),
     "gemma3": dict(arch="gemma3", head_dim=32, kv_heads=1, tied=True, layers=3, window=8, window_pattern=2,
                    rope_base=1e6, rope_base_swa=10000.0, logit_softcap=30.0),
 }
@@ -92,6 +95,11 @@ def write_with_gguf_py(path, cfg: ModelConfig, weights: dict, tok) -> None:
         w.add_rope_freq_base_swa(cfg.rope_base_swa)
     if cfg.logit_softcap:
         w.add_final_logit_softcapping(cfg.logit_softcap)
+    if cfg.arch == "granite":
+        w.add_embedding_scale(cfg.embedding_scale)
+        w.add_residual_scale(cfg.residual_scale)
+        w.add_attention_scale(cfg.attn_scale)
+        w.add_logit_scale(cfg.logit_scale)
     if cfg.arch == "phi3":      # the converter writes Phi's window; llama.cpp disables it (so do we)
         w.add_sliding_window(16)
     if cfg.rope_long:
@@ -252,6 +260,38 @@ def test_bad_family_file_is_one_line_and_writes_nothing(tmp_path, damage, messag
     assert r.returncode == 1 and "Traceback" not in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and message in r.stderr, r.stderr
     assert str(path) in r.stderr and not out.exists()
+
+
+@pytest.mark.parametrize("drop,add,message", [
+    ("granite.logit_scale", None, "granite key 'granite.logit_scale' is missing"),      # llama.cpp needs all four
+    (None, ("granite.rope.scaling.finetuned", False), "granite.rope.scaling.finetuned = false: granite without rope"),
+])
+def test_granite_scales_are_required_and_no_rope_is_refused(tmp_path, drop, add, message):
+    tok = ByteTokenizer()
+    cfg = ModelConfig(vocab=tok.n_vocab, **{**BASE, **CASES["granite"]})
+    weights = family_params(cfg)
+    write_with_gguf_py(tmp_path / "g.gguf", cfg, weights, tok)
+    f = read_gguf(tmp_path / "g.gguf")
+    path = tmp_path / "bad.gguf"
+    w = gguf.GGUFWriter(str(path), "granite")
+    for key, v in f.kv.items():
+        if key.startswith(("general.architecture", "GGUF.")) or key == drop:
+            continue
+        value = v.value.tolist() if isinstance(v.value, np.ndarray) else v.value
+        w.add_key_value(key, value, v.type, sub_type=getattr(v, "item_type", None))
+    if add:
+        w.add_bool(*add)
+    for name, arr in weights.items():
+        w.add_tensor(name, arr)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    data = tmp_path / "t.txt"
+    data.write_text(TEXT)
+    r = run_cli("eval", "--model", path, "--data", data)
+    assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert message in r.stderr and str(path) in r.stderr, r.stderr
 
 
 def test_family_greedy_generation_equals_llama_cpp(llama, family_model):

@@ -54,7 +54,10 @@ class ModelConfig:
     base of local layers; logit_softcap: > 0, logits become c tanh(logits / c).
     rope_long: the model carries rope_factors_long/short (phi3's longrope), the long ones
     for runs of a context beyond rope_orig_ctx (0: ctx); rope_attn_factor scales the rotated
-    dims.
+    dims. granite's multipliers, as llama.cpp reads them: embedding_scale multiplies the
+    embedding, residual_scale what each attention and FFN adds to the residual (0: neither
+    is scaled), attn_scale scales q.k (0: the family's scale), logits are divided by
+    logit_scale.
     """
 
     vocab: int
@@ -79,6 +82,10 @@ class ModelConfig:
     rope_long: bool = False
     rope_orig_ctx: int = 0
     rope_attn_factor: float = 1.0
+    embedding_scale: float = 0.0
+    residual_scale: float = 0.0
+    attn_scale: float = 0.0
+    logit_scale: float = 1.0
 
     def __post_init__(self):
         fam = family(self.arch)
@@ -110,6 +117,14 @@ class ModelConfig:
             raise ConfigError(f"{self.arch}: the family has no sliding-window attention")
         if self.rope_long and not fam.long_rope:
             raise ConfigError(f"{self.arch}: the family has no long-context rope factors")
+        scales = dict(embedding_scale=self.embedding_scale, residual_scale=self.residual_scale,
+                      attn_scale=self.attn_scale, logit_scale=self.logit_scale - 1.0)
+        for name, off in scales.items():     # (off: how far from "not applied")
+            if not getattr(self, name) >= 0 or (name == "logit_scale" and not self.logit_scale > 0):
+                raise ConfigError(f"{self.arch}: {name} {getattr(self, name)} must be "
+                                  + ("> 0" if name == "logit_scale" else ">= 0"))
+            if off and name not in fam.keys:
+                raise ConfigError(f"{self.arch}: the family has no {name}")
         if self.rope_orig_ctx < 0 or not self.rope_attn_factor > 0:
             raise ConfigError(f"{self.arch}: rope_orig_ctx {self.rope_orig_ctx} must be >= 0, "
                               f"rope_attn_factor {self.rope_attn_factor} > 0")
@@ -282,6 +297,8 @@ def forward(cfg: ModelConfig, params: dict, tokens, pos, graph=None, checkpoint:
     x = ops.get_rows(params["token_embd.weight"], tokens)                            # (B, T, C)
     if fam.embed_scale:
         x = ops.scale(x, math.sqrt(cfg.dim))
+    if cfg.embedding_scale:
+        x = ops.scale(x, cfg.embedding_scale)
     for i in range(cfg.layers):
         p = f"blk.{i}."
         h = ops.mul(ops.rms_norm(x, eps), params[p + "attn_norm.weight"])
@@ -290,6 +307,8 @@ def forward(cfg: ModelConfig, params: dict, tokens, pos, graph=None, checkpoint:
         a = _attention(cfg, h, p, params, pos, lora, kv, n_kv, seg, keep=keep, layer=i, n_ctx=n_ctx or t)
         if fam.post_norms:
             a = ops.mul(ops.rms_norm(a, eps), params[p + "post_attention_norm.weight"])
+        if cfg.residual_scale:
+            a = ops.scale(a, cfg.residual_scale)
         x = ops.add(x, a)
         if keep is not None:
             keep(x)
@@ -306,6 +325,8 @@ def forward(cfg: ModelConfig, params: dict, tokens, pos, graph=None, checkpoint:
                    p + "ffn_down.weight", lora)
         if fam.post_norms:
             f = ops.mul(ops.rms_norm(f, eps), params[p + "post_ffw_norm.weight"])
+        if cfg.residual_scale:
+            f = ops.scale(f, cfg.residual_scale)
         x = ops.add(x, f)
         if checkpoint and graph is not None:
             graph.checkpoint(x)
@@ -320,8 +341,10 @@ def forward(cfg: ModelConfig, params: dict, tokens, pos, graph=None, checkpoint:
 
 def output(cfg: ModelConfig, params: dict, x, lora: dict | None = None):
     """Logits (..., V) of normed hidden states x (..., C): the output projection (the
-    embedding when tied), soft-capped where the model says."""
+    embedding when tied), divided by logit_scale and soft-capped where the model says."""
     logits = linear(x, params, "token_embd.weight" if cfg.tied else "output.weight", lora)
+    if cfg.logit_scale != 1.0:
+        logits = ops.scale(logits, 1.0 / cfg.logit_scale)
     if cfg.logit_softcap:
         c = cfg.logit_softcap
         logits = ops.scale(ops.tanh(ops.scale(logits, 1.0 / c)), c)

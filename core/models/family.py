@@ -95,6 +95,8 @@ class Family:
     by sqrt(n_embd). attention_scale: cfg -> the scale of q.k. window_pattern: with a
     sliding window, every n-th layer is global (llama.cpp's default for the family).
     Post-attention / post-FFN norms and q/k norms are there when the block has their tensors.
+    required_keys: config fields of `keys` a file must state. rope_switch: the family reads
+    rope.scaling.finetuned = false as "no rope" (granite), which ggtrain refuses.
     """
 
     arch: str
@@ -110,6 +112,8 @@ class Family:
     attention_scale: Callable = head_scale
     window_pattern: int = 0
     no_rope_every: int = 0
+    required_keys: tuple = ()
+    rope_switch: bool = False
 
     def __post_init__(self):
         unknown = [n for n in self.block if n not in BLOCK_SHAPES]
