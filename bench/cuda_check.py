@@ -268,6 +268,8 @@ def profile_step(run, w: np.ndarray) -> None:
     """Each kernel's share of one update (GPU time between events, so a little over the
     unprofiled step)."""
     import collections
+
+    from ggtrain.core.tensor import is_contiguous
     plans = [p for p in (run.step._micro, run.step._update) if p is not None]
     for plan in plans:
         plan.plan.profile()
@@ -276,7 +278,8 @@ def profile_step(run, w: np.ndarray) -> None:
     for plan in plans:
         for call, sec in zip(plan.plan.calls, plan.plan.node_seconds()):
             by[call.kernel] += sec
-            shapes = ", ".join("x".join(map(str, t.shape)) + ("" if _plain(t) else " (view)") for t in call.srcs)
+            shapes = ", ".join("x".join(map(str, t.shape)) + ("" if is_contiguous(t.shape, t.strides) else " (view)")
+                               for t in call.srcs)
             key = f"{call.kernel} {'x'.join(map(str, call.dst.shape))} <- {shapes}"
             nodes[key] += sec
             count[key] += 1
@@ -289,15 +292,6 @@ def profile_step(run, w: np.ndarray) -> None:
     for k, v in nodes.most_common(16):
         print(f"  {v * 1e3:8.2f} ms x{count[k]:<3} {k}")
 
-
-def _plain(t) -> bool:
-    """A tensor reference laid out contiguously (row-major, no gaps)."""
-    want = 1
-    for n, s in zip(reversed(t.shape), reversed(t.strides)):
-        if n != 1 and s != want:
-            return False
-        want *= n
-    return True
 
 
 def bench(device: str, steps: int, profile: str | None = None) -> None:

@@ -22,6 +22,16 @@ TENSOR_DTYPES = tuple(dict.fromkeys(ELEMENT_TYPES + WEIGHT_TYPES))
 PERSISTENT_KINDS = ("param", "input", "const", "state")
 
 
+def is_contiguous(shape: tuple, strides: tuple) -> bool:
+    """Row-major with no gaps (the strides of size-1 dims do not matter)."""
+    s = 1
+    for n, st in zip(reversed(shape), reversed(strides)):
+        if n != 1 and st != s:
+            return False
+        s *= n
+    return True
+
+
 def contiguous_strides(shape: tuple) -> tuple:
     """Row-major strides in elements for `shape`."""
     strides = []
@@ -91,12 +101,7 @@ class Tensor:
         return nbytes(self.shape, self.dtype)
 
     def is_contiguous(self) -> bool:
-        s = 1
-        for n, st in zip(reversed(self.shape), reversed(self.strides)):
-            if n != 1 and st != s:
-                return False
-            s *= n
-        return True
+        return is_contiguous(self.shape, self.strides)
 
     def __repr__(self) -> str:
         what = self.op or self.kind

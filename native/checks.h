@@ -11,13 +11,7 @@
 #include <stdint.h>
 #include <stdio.h>
 
-#ifndef GT_HD
-#ifdef __CUDACC__
-#define GT_HD __host__ __device__
-#else
-#define GT_HD
-#endif
-#endif
+#include "elementmath.h"     /* GT_HD */
 
 #define GT_MAX_DIMS 6
 

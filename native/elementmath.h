@@ -7,12 +7,10 @@
 #include <math.h>
 #include <stdint.h>
 
-#ifndef GT_HD
 #ifdef __CUDACC__
 #define GT_HD __host__ __device__
 #else
 #define GT_HD
-#endif
 #endif
 
 GT_HD static inline uint32_t gt_rotl32(uint32_t x, int r) { return (x << r) | (x >> (32 - r)); }

@@ -215,6 +215,34 @@ def test_family_lora_and_merged_model_equal_llama_cpp(llama, family_model, tmp_p
     assert ModelConfig(**mcfg) == cfg and set(mweights) == set(weights)
 
 
+def _rewrite_keys(src, dst, weights: dict, arch: str, drop: str = "", add=()):
+    """src's keys and weights rewritten through gguf-py into dst: its architecture arch (the
+    arch-prefixed keys renamed), without the key drop, with the (key, value) pairs of add
+    (a str, a bool or a uint32); returns dst."""
+    f = read_gguf(src)
+    old = f.kv["general.architecture"].value
+    w = gguf.GGUFWriter(str(dst), arch)
+    for key, v in f.kv.items():
+        if key.startswith(("general.architecture", "GGUF.")) or key == drop:
+            continue
+        value = v.value.tolist() if isinstance(v.value, np.ndarray) else v.value
+        w.add_key_value(key.replace(old + ".", arch + ".", 1), value, v.type, sub_type=getattr(v, "item_type", None))
+    for key, value in add:
+        if isinstance(value, str):
+            w.add_string(key, value)
+        elif isinstance(value, bool):
+            w.add_bool(key, value)
+        else:
+            w.add_uint32(key, value)
+    for name, arr in weights.items():
+        w.add_tensor(name, arr)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
+
+
 @pytest.mark.parametrize("damage,message", [
     (dict(kv=[("qwen2.rope.scaling.type", "yarn")]), "qwen2.rope.scaling.type = 'yarn': a rope scaling ggtrain "
                                                       "does not implement"),
@@ -232,27 +260,9 @@ def test_bad_family_file_is_one_line_and_writes_nothing(tmp_path, damage, messag
     weights.pop(damage.get("drop", ""), None)
     path = tmp_path / "bad.gguf"
     write_with_gguf_py(path, cfg, weights, tok)
-    if "kv" in damage or "arch" in damage:   # rewrite the file's keys through gguf-py
-        f = read_gguf(path)
-        w = gguf.GGUFWriter(str(tmp_path / "bad2.gguf"), damage.get("arch", "qwen2"))
-        for key, v in f.kv.items():
-            if key.startswith(("general.architecture", "GGUF.")):
-                continue
-            key = key.replace("qwen2.", damage.get("arch", "qwen2") + ".")
-            value = v.value.tolist() if isinstance(v.value, np.ndarray) else v.value
-            w.add_key_value(key, value, v.type, sub_type=getattr(v, "item_type", None))
-        for key, value in damage.get("kv", []):
-            if isinstance(value, str):
-                w.add_string(key, value)
-            else:
-                w.add_uint32(key, value)
-        for name, arr in weights.items():
-            w.add_tensor(name, arr)
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_tensors_to_file()
-        w.close()
-        path = tmp_path / "bad2.gguf"
+    if "kv" in damage or "arch" in damage:
+        path = _rewrite_keys(path, tmp_path / "bad2.gguf", weights, damage.get("arch", "qwen2"),
+                             add=damage.get("kv", []))
     data = tmp_path / "t.txt"
     data.write_text(TEXT * 4)
     out = tmp_path / "a.gguf"
@@ -271,22 +281,8 @@ def test_granite_scales_are_required_and_no_rope_is_refused(tmp_path, drop, add,
     cfg = ModelConfig(vocab=tok.n_vocab, **{**BASE, **CASES["granite"]})
     weights = family_params(cfg)
     write_with_gguf_py(tmp_path / "g.gguf", cfg, weights, tok)
-    f = read_gguf(tmp_path / "g.gguf")
-    path = tmp_path / "bad.gguf"
-    w = gguf.GGUFWriter(str(path), "granite")
-    for key, v in f.kv.items():
-        if key.startswith(("general.architecture", "GGUF.")) or key == drop:
-            continue
-        value = v.value.tolist() if isinstance(v.value, np.ndarray) else v.value
-        w.add_key_value(key, value, v.type, sub_type=getattr(v, "item_type", None))
-    if add:
-        w.add_bool(*add)
-    for name, arr in weights.items():
-        w.add_tensor(name, arr)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    path = _rewrite_keys(tmp_path / "g.gguf", tmp_path / "bad.gguf", weights, "granite", drop=drop or "",
+                         add=[add] if add else [])
     data = tmp_path / "t.txt"
     data.write_text(TEXT)
     r = run_cli("eval", "--model", path, "--data", data)

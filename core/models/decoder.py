@@ -117,14 +117,16 @@ class ModelConfig:
             raise ConfigError(f"{self.arch}: the family has no sliding-window attention")
         if self.rope_long and not fam.long_rope:
             raise ConfigError(f"{self.arch}: the family has no long-context rope factors")
-        scales = dict(embedding_scale=self.embedding_scale, residual_scale=self.residual_scale,
-                      attn_scale=self.attn_scale, logit_scale=self.logit_scale - 1.0)
-        for name, off in scales.items():     # (off: how far from "not applied")
-            if not getattr(self, name) >= 0 or (name == "logit_scale" and not self.logit_scale > 0):
-                raise ConfigError(f"{self.arch}: {name} {getattr(self, name)} must be "
-                                  + ("> 0" if name == "logit_scale" else ">= 0"))
-            if off and name not in fam.keys:
-                raise ConfigError(f"{self.arch}: the family has no {name}")
+        if not (self.embedding_scale >= 0 and self.residual_scale >= 0 and self.attn_scale >= 0
+                and self.logit_scale > 0):
+            raise ConfigError(f"{self.arch}: embedding_scale {self.embedding_scale}, residual_scale "
+                              f"{self.residual_scale}, attn_scale {self.attn_scale} must be >= 0, logit_scale "
+                              f"{self.logit_scale} > 0")
+        applied = dict(embedding_scale=self.embedding_scale != 0, residual_scale=self.residual_scale != 0,
+                       attn_scale=self.attn_scale != 0, logit_scale=self.logit_scale != 1.0)
+        unread = [name for name, on in applied.items() if on and name not in fam.keys]
+        if unread:
+            raise ConfigError(f"{self.arch}: the family has no {unread[0]}")
         if self.rope_orig_ctx < 0 or not self.rope_attn_factor > 0:
             raise ConfigError(f"{self.arch}: rope_orig_ctx {self.rope_orig_ctx} must be >= 0, "
                               f"rope_attn_factor {self.rope_attn_factor} > 0")

@@ -105,19 +105,17 @@ struct gtc_reader {
     bool small;
 };
 
-__device__ inline int64_t gtc_at(const gtc_reader &r, const gt_tensor &like, int64_t i) {
-    if (r.mode == 0) return i;
-    if (r.mode == 1) return r.small ? (int64_t)((uint32_t)i % (uint32_t)r.m) : i % r.m;
+/* M >= 0: the mode known at compile time (the other branches compile away); M < 0: r.mode. */
+template <int M>
+__device__ inline int64_t gtc_at_m(const gtc_reader &r, const gt_tensor &like, int64_t i) {
+    const int mode = M >= 0 ? M : r.mode;
+    if (mode == 0) return i;
+    if (mode == 1) return r.small ? (int64_t)((uint32_t)i % (uint32_t)r.m) : i % r.m;
     return r.small ? gtc_offset32(r.t, like, (uint32_t)i) : gtc_offset(r.t, like, i);
 }
 
-/* The same with the mode known at compile time (M < 0: read r.mode). */
-template <int M>
-__device__ inline int64_t gtc_at_m(const gtc_reader &r, const gt_tensor &like, int64_t i) {
-    if (M == 0) return i;
-    if (M == 1) return r.small ? (int64_t)((uint32_t)i % (uint32_t)r.m) : i % r.m;
-    if (M == 2) return r.small ? gtc_offset32(r.t, like, (uint32_t)i) : gtc_offset(r.t, like, i);
-    return gtc_at(r, like, i);
+__device__ inline int64_t gtc_at(const gtc_reader &r, const gt_tensor &like, int64_t i) {
+    return gtc_at_m<-1>(r, like, i);
 }
 
 /* NOTE: kernels take tensors (gt_tensor, gtc_reader) by value as `const __grid_constant__`:
