@@ -53,13 +53,13 @@ t_start = time.perf_counter()
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from peft import LoraConfig, get_peft_model
-path, data, steps, threads, ctx, batch = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6])
+path, data, steps, threads, ctx, batch, dev = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6]), sys.argv[7]
 text = data.endswith(".txt")
 torch.set_num_threads(threads)
 torch.manual_seed(0)
 d, f = os.path.split(path)
 tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
-model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, torch_dtype=torch.float32)
+model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, torch_dtype=torch.float32).to(dev)
 model = get_peft_model(model, LoraConfig(r=%(rank)d, lora_alpha=%(alpha)d, lora_dropout=0.0, task_type="CAUSAL_LM",
     target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
 ids = []
@@ -71,7 +71,7 @@ else:
         enc = tok.apply_chat_template(msgs, tokenize=True)
         ids += list(enc["input_ids"] if hasattr(enc, "keys") else enc)
 n = len(ids) // ctx
-windows = torch.tensor(ids[:n * ctx]).view(n, ctx)
+windows = torch.tensor(ids[:n * ctx]).view(n, ctx).to(dev)
 params = [p for p in model.parameters() if p.requires_grad]
 opt = torch.optim.AdamW(params, lr=%(lr)g, weight_decay=0.01)
 model.train()
@@ -86,17 +86,22 @@ for step in range(steps):
     torch.nn.utils.clip_grad_norm_(params, 1.0)
     opt.step()
     opt.zero_grad()
+    if dev != "cpu":
+        torch.cuda.synchronize()
     times.append(time.perf_counter() - t)
-print(json.dumps({"load_s": t_first, "step_s": times, "loss": float(loss)}))
+gpu_mib = torch.cuda.max_memory_allocated() / 2**20 if dev != "cpu" else None
+print(json.dumps({"load_s": t_first, "step_s": times, "loss": float(loss), "gpu_mib": gpu_mib}))
 """ % dict(rank=RANK, alpha=ALPHA, lr=LR)
 
 
-def theirs(model, steps, threads, data=CHAT, ctx=CTX, batch=BATCH) -> dict:
+def theirs(model, steps, threads, data=CHAT, ctx=CTX, batch=BATCH, device="cpu") -> dict:
+    """HF transformers + PEFT on the f32 dequantization of the same GGUF, on the CPU's threads or
+    device "cuda" (bench/cuda_check.py, where GGTRAIN_TORCH_PYTHON names the GPU's python)."""
     py = ensure_torch()
     if subprocess.run([str(py), "-c", "import transformers, peft, gguf"], capture_output=True).returncode:
         subprocess.run([str(py), "-m", "pip", "install", "-q", "transformers", "peft", "gguf"], check=True)
     out, err, rc, rss = _measured([str(py), "-c", _THEIRS, str(model), str(data), str(steps), str(threads),
-                                   str(ctx), str(batch)])
+                                   str(ctx), str(batch), device])
     if rc != 0:
         sys.exit(f"transformers + PEFT run failed: {err[-2000:]}")
     res = json.loads(out.strip().splitlines()[-1])
@@ -105,14 +110,16 @@ def theirs(model, steps, threads, data=CHAT, ctx=CTX, batch=BATCH) -> dict:
     return res
 
 
-def ours(model, steps, threads, data=CHAT, ctx=CTX, batch=BATCH) -> dict:
+def ours(model, steps, threads, data=CHAT, ctx=CTX, batch=BATCH, backend="cpu") -> dict:
+    """`ggtrain finetune` on the stored file, --backend cpu (threads) or cuda."""
     with tempfile.TemporaryDirectory() as tmp:
         log = pathlib.Path(tmp) / "run.jsonl"
         out, err, rc, rss = _measured([sys.executable, "-m", "ggtrain", "finetune", "--model", str(model),
                                        "--data", str(data), "--out", str(pathlib.Path(tmp) / "a.gguf"),
                                        "--steps", str(steps), "--ctx", str(ctx), "--batch", str(batch),
                                        "--lora-rank", str(RANK), "--lora-alpha", str(ALPHA), "--lr", str(LR),
-                                       "--threads", str(threads), "--log", str(log), "--quiet"])
+                                       "--threads", str(threads), "--log", str(log), "--quiet",
+                                       "--backend", backend])
         if rc != 0:
             sys.exit(f"ggtrain finetune failed: {err[-2000:]}")
         lines = [json.loads(x) for x in log.read_text().splitlines()]

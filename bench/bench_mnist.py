@@ -37,8 +37,9 @@ import numpy as np, torch
 args = json.loads(sys.argv[1])
 torch.set_num_threads(args["threads"])
 torch.manual_seed(0)
+dev = args.get("device", "cpu")
 d = np.load(args["data"])
-X = torch.from_numpy(d["x"]).reshape(-1, 1, 28, 28); Y = torch.from_numpy(d["y"]).long()
+X = torch.from_numpy(d["x"]).reshape(-1, 1, 28, 28).to(dev); Y = torch.from_numpy(d["y"]).long().to(dev)
 arch = args["arch"]
 if arch == "fc":
     model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(784, 500), torch.nn.ReLU(), torch.nn.Linear(500, 10))
@@ -46,6 +47,7 @@ else:
     model = torch.nn.Sequential(torch.nn.Conv2d(1, 8, 3, padding=1), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
                                 torch.nn.Conv2d(8, 16, 3, padding=1), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
                                 torch.nn.Flatten(), torch.nn.Linear(784, 10))
+model = model.to(dev)
 with torch.no_grad():
     for p in model.parameters():
         p.normal_(0.0, 0.01)
@@ -53,7 +55,7 @@ opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.999), eps=1e-
 lossf = torch.nn.CrossEntropyLoss()
 n = len(Y) // 1000 * 1000
 def epoch(updates):
-    perm = torch.randperm(len(Y))
+    perm = torch.randperm(len(Y), device=dev)
     for u in range(updates):
         opt.zero_grad(set_to_none=False)
         for j in range(2):
@@ -61,7 +63,7 @@ def epoch(updates):
             loss = lossf(model(X[idx]), Y[idx]) / 2
             loss.backward()
         opt.step()
-    return float(loss.detach())
+    return float(loss.detach())    # (on a GPU: waits for it)
 epoch(5)  # warm-up
 print("ready", flush=True)
 for line in sys.stdin:  # one timed epoch per command
@@ -71,26 +73,29 @@ for line in sys.stdin:  # one timed epoch per command
 
 
 class TorchSide(TorchProcess):
-    """The PyTorch process: set up and warmed up once, then one timed epoch per call."""
+    """The PyTorch process: set up and warmed up once, then one timed epoch per call (on its
+    CPU threads, or device "cuda": bench/cuda_check.py)."""
 
-    def __init__(self, arch, threads, data_file):
-        super().__init__(TORCH_SCRIPT, {"arch": arch, "threads": threads, "data": data_file}, threads)
+    def __init__(self, arch, threads, data_file, device="cpu"):
+        super().__init__(TORCH_SCRIPT, {"arch": arch, "threads": threads, "data": data_file, "device": device},
+                         threads)
 
     def epoch(self) -> float:
         return self.ask("epoch")["epoch_s"]
 
 
 class OursSide:
-    """Our classifier run on the same data, warmed up; one timed epoch per call."""
+    """Our classifier run on the same data, warmed up; one timed epoch per call (on `threads`
+    CPU threads, or the backend given: bench/cuda_check.py's GPU)."""
 
-    def __init__(self, arch, threads, x, y):
+    def __init__(self, arch, threads, x, y, backend=None):
         from ggtrain.core.backend_cpu import CpuBackend
         from ggtrain.core.models import mnist as model
         from ggtrain.core.train import ClassifierConfig, ClassifierRun
 
         cfg = ClassifierConfig(epochs=1, val_split=0.0)
         self.run = ClassifierRun(lambda p, t: model.forward(arch, p, t), model.init_params(arch, 0), (28, 28), cfg,
-                                 CpuBackend(threads))
+                                 backend or CpuBackend(threads))
         self.x, self.y = x, y
         self.n = len(y) // 1000 * 1000
         self.perm = np.random.default_rng(0).permutation(len(y))

@@ -3,7 +3,8 @@
 Run on the device machine (bench/cuda_prepare.sh fetches the wheels it lacks, and prints the
 command that installs them and this project there, then runs this script):
 
-    python3 bench/cuda_check.py [--out DIR] [--skip-ops] [--skip-bench]
+    python3 bench/cuda_check.py [--out DIR] [--skip-ops] [--skip-e2e] [--skip-bench] [--mnist DIR]
+                                [--smollm2 FILE --chat FILE]
 
 1. Ops: the op-table and kernel tests (OP_TESTS) with the CUDA backend (GGTRAIN_TEST_BACKEND=cuda):
    every case forward against float64 numpy with the case's tolerance, backward against finite
@@ -18,8 +19,13 @@ command that installs them and this project there, then runs this script):
 3. Speed against PyTorch eager on the same GPU (same weights, batches, AdamW): llama configs a
    and b of bench/bench_llama.py and a dim 1024 / 16-layer / ctx 1024 model in tokens/s, and
    the fraction of the GPU's f32 peak (H100 SXM: 67 TFLOP/s without tensor cores), all f32;
-   then the 1024 model with TF32 GEMMs on both sides; and one update of the --profile config
-   by kernel and by node (GPU time between CUDA events).
+   then the 1024 model with TF32 and with bf16 GEMMs on both sides (PyTorch's float32 matmul
+   precision "high" / "medium", and its bf16 autocast beside them); and one update of the
+   --profile config by kernel and by node (GPU time between CUDA events). The tensor-core
+   precisions also train the small llama: every loss within 5e-3 (tf32) / 2e-2 (bf16) of the CPU's.
+4. With --mnist DIR: an MNIST epoch (fc, cnn) against PyTorch on the GPU (bench_mnist.py's
+   two sides). With --smollm2 FILE: a LoRA fine-tune of SmolLM2 against HF transformers + PEFT
+   on the GPU (bench_finetune.py's two sides), ctx 256 b4 and ctx 1024 b8.
 
 Every part prints one line a check, PASS or FAIL, and the script ends with a summary; exit
 status 1 when anything failed. `--device-backend cpu` runs the whole script on the CPU
@@ -172,6 +178,23 @@ def end_to_end(tmp: pathlib.Path, device: str) -> None:
         got = [l["loss"] for l in lines(log) if "loss" in l and "step" in l and "event" not in l] if not r.returncode else []
         report(f"checkpoint of {a} resumed on {b}", not r.returncode and close(got, losses[a][10:]),
                r.stderr.strip()[-300:] if r.returncode else f"last loss {got[-1]:.5f} vs {losses[a][-1]:.5f}")
+    if device != "cuda":
+        return
+    # the tensor-core precisions: the same run, every loss within the --help's stated error
+    from ggtrain.cli.common import BACKENDS
+    for backend, (math, _) in BACKENDS.items():
+        if math in (None, "f32"):
+            continue
+        log = tmp / f"train-{backend}.jsonl"
+        r = cli("train", *tiny, "--out", tmp / f"t-{backend}.gguf", "--log", log, "--backend", backend)
+        if r.returncode:
+            report(f"train --backend {backend}", False, r.stderr.strip()[-300:])
+            continue
+        got = [l["loss"] for l in lines(log) if "loss" in l and "step" in l and "event" not in l]
+        worst = float(np.max(np.abs(np.subtract(got, losses["cpu"])) / np.abs(losses["cpu"])))
+        bound = {"tf32": 5e-3, "bf16": 2e-2}[math]
+        report(f"llama train, 20 updates, {backend} = cpu within {bound:g}", worst < bound,
+               f"largest relative loss difference {worst:.2e}")
 
 
 def nccl() -> None:
@@ -207,13 +230,18 @@ CONFIGS = {
 }
 
 
-def torch_llama(cfg: dict, init: dict, device: str, tf32: bool = False):
-    """PyTorch's eager f32 step on the same weights (bench_llama.py's model, on the GPU)."""
+# PyTorch's float32 matmul precision for each of ours: "medium" lets cuBLAS round f32 inputs
+# to bf16 (its 32F_FAST_16BF compute type), as cuda-bf16 does
+TORCH_PRECISION = {"f32": "highest", "tf32": "high", "bf16": "medium"}
+
+
+def torch_llama(cfg: dict, init: dict, device: str, math: str = "f32", autocast: bool = False):
+    """PyTorch's eager step on the same weights (bench_llama.py's model, on the GPU): f32
+    tensors, the matrix products in `math`'s precision; or with autocast, bf16 activations."""
     import torch
     import torch.nn.functional as F
 
-    torch.backends.cuda.matmul.allow_tf32 = tf32
-    torch.backends.cudnn.allow_tf32 = tf32
+    torch.set_float32_matmul_precision(TORCH_PRECISION[math])
     C, H, Hkv, L, T = cfg["dim"], cfg["heads"], cfg["kv_heads"], cfg["layers"], cfg["ctx"]
     D = C // H
     P = {k: torch.nn.Parameter(torch.from_numpy(v.copy()).to(device)) for k, v in init.items()}
@@ -255,7 +283,8 @@ def torch_llama(cfg: dict, init: dict, device: str, tf32: bool = False):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=False)
-        loss = loss_fn(wt)
+        with torch.autocast("cuda", torch.bfloat16, enabled=autocast):
+            loss = loss_fn(wt)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(list(P.values()), 1.0)
         opt.step()
@@ -308,20 +337,20 @@ def bench(device: str, steps: int, profile: str | None = None) -> None:
         torch_ok = torch.cuda.is_available()
     except ImportError:
         torch_ok = False
-    runs = [(key, cfg, be, False) for key, cfg in CONFIGS.items()]
-    if device == "cuda":     # and TF32 tensor cores for the GEMMs (cuBLAS's TF32 math), on both sides
+    runs = [(key, cfg, be, "f32") for key, cfg in CONFIGS.items()]
+    if device == "cuda":     # and the GEMMs on TF32 / bf16 tensor cores, on both sides
         from ggtrain.core.backend_cuda import CudaBackend
-        runs.append(("1024", CONFIGS["1024"], None, True))
-    for key, cfg, backend, tf32 in runs:
-        if tf32:
-            backend = CudaBackend(tf32=True)
+        runs += [("1024", CONFIGS["1024"], None, "tf32"), ("1024", CONFIGS["1024"], None, "bf16")]
+    for key, cfg, backend, math in runs:
+        if math != "f32":
+            backend = CudaBackend(math=math)
         model = ModelConfig(**{k: v for k, v in cfg.items() if k != "batch"})
         init = init_params(model, 0)
         rng = np.random.default_rng(1)
         windows = rng.integers(0, cfg["vocab"], (steps + 2, cfg["batch"], cfg["ctx"] + 1)).astype(np.int32)
         tc = TextConfig(steps=10**6, batch=cfg["batch"], lr=1e-3, lr_min=1e-3, warmup=0, weight_decay=0.1,
                         grad_clip=1.0, checkpointing=False)
-        name = f"llama {key}" + (" TF32" if tf32 else "")
+        name = f"llama {key}" + (f" {math}" if math != "f32" else "")
         try:
             run = TextRun(model, init, tc, backend)
         except Exception as e:  # noqa: BLE001 - reported, the next config goes on
@@ -339,14 +368,69 @@ def bench(device: str, steps: int, profile: str | None = None) -> None:
         line = f"{name}: ours {tokens / best:,.0f} tok/s ({flops / best / 1e12:.2f} TFLOP/s"
         line += f", {100 * flops / best / peak:.1f}% of the f32 peak)" if peak else ")"
         if torch_ok and device == "cuda":
-            step = torch_llama(cfg, init, "cuda", tf32)
+            step = torch_llama(cfg, init, "cuda", math)
             theirs = min(step(windows[s])[0] for s in range(steps + 2))
-            line += f"; PyTorch eager {'TF32' if tf32 else 'f32'} {tokens / theirs:,.0f} tok/s; ratio {theirs / best:.2f}x"
+            line += f"; PyTorch eager {math} {tokens / theirs:,.0f} tok/s; ratio {theirs / best:.2f}x"
+            if math == "bf16":     # what a PyTorch user would run for bf16: autocast
+                step = torch_llama(cfg, init, "cuda", "f32", autocast=True)
+                theirs = min(step(windows[s])[0] for s in range(steps + 2))
+                line += f"; PyTorch autocast bf16 {tokens / theirs:,.0f} tok/s; ratio {theirs / best:.2f}x"
+            torch.set_float32_matmul_precision("highest")
         print(line, flush=True)
         report(f"{name} ran on {device}", True)
-        if profile and key == profile and not tf32:
+        if profile and key == profile and math == "f32":
             profile_step(run, windows[0])
         del run
+
+
+def mnist_speed(data: pathlib.Path, rounds: int = 3) -> None:
+    """One MNIST epoch (the 57,000 training images of --mnist DIR, bench_mnist.py's batches
+    and AdamW), ours on the GPU against PyTorch eager on the GPU, alternating epoch by epoch."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from bench_mnist import OursSide, TorchSide
+
+    from ggtrain.core.backend_cuda import CudaBackend
+    from ggtrain.formats.idx import load_mnist
+
+    x, y = load_mnist(data, "train")
+    x, y = x[:57000], y[:57000]
+    os.environ.setdefault("GGTRAIN_TORCH_PYTHON", sys.executable)
+    with tempfile.TemporaryDirectory() as tmp:
+        npz = os.path.join(tmp, "mnist.npz")
+        np.savez(npz, x=x, y=y)
+        for arch in ("fc", "cnn"):
+            ours, theirs = OursSide(arch, 1, x, y, backend=CudaBackend()), TorchSide(arch, 1, npz, device="cuda")
+            t_ours, t_theirs = [], []
+            for _ in range(rounds):
+                t_ours.append(ours.epoch())
+                t_theirs.append(theirs.epoch())
+            theirs.close()
+            gf = ours.flop_per_epoch / min(t_ours) / 1e9
+            print(f"mnist {arch}, one epoch of {len(y)} images: ours {min(t_ours):.3f} s, PyTorch eager "
+                  f"{min(t_theirs):.3f} s; ratio {min(t_theirs) / min(t_ours):.2f}x ({gf:.0f} GFLOP/s)", flush=True)
+            report(f"mnist {arch} epoch timed on cuda", True)
+
+
+def smollm2_speed(model: pathlib.Path, chat: pathlib.Path, steps: int = 12) -> None:
+    """LoRA fine-tuning of SmolLM2-135M-Instruct (r16, the seven projections, AdamW, chat data),
+    bench_finetune.py's two sides on the GPU: `ggtrain finetune --backend cuda` on the Q4_1 file
+    as stored, HF transformers + PEFT on its f32 dequantization (torch there, in this python)."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import bench_finetune
+
+    os.environ.setdefault("GGTRAIN_TORCH_PYTHON", sys.executable)
+    for ctx, batch in ((256, 4), (1024, 8)):
+        try:
+            a = bench_finetune.ours(model, steps, 1, data=chat, ctx=ctx, batch=batch, backend="cuda")
+            b = bench_finetune.theirs(model, steps, 1, data=chat, ctx=ctx, batch=batch, device="cuda")
+        except SystemExit as e:      # (the bench's own words for a failed side)
+            report(f"SmolLM2 LoRA ctx {ctx} b{batch} on cuda", False, str(e)[-400:])
+            continue
+        print(f"SmolLM2 LoRA r16 ctx {ctx} b{batch}: ours (Q4_1) {a['tokens_per_s']:,.0f} tok/s, HF + PEFT (f32) "
+              f"{b['tokens_per_s']:,.0f} tok/s; ratio {a['tokens_per_s'] / b['tokens_per_s']:.2f}x; load "
+              f"{a['load_s']:.1f} s vs {b['load_s']:.1f} s; their GPU memory {b.get('gpu_mib') or 0:.0f} MiB; "
+              f"host RSS {a['rss_mib']:.0f} vs {b['rss_mib']:.0f} MiB", flush=True)
+        report(f"SmolLM2 LoRA ctx {ctx} b{batch} ran on cuda", True)
 
 
 def main() -> None:
@@ -354,7 +438,12 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT") or tempfile.mkdtemp(prefix="cuda-check-"))
     ap.add_argument("--device-backend", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--skip-ops", action="store_true")
+    ap.add_argument("--skip-e2e", action="store_true")
     ap.add_argument("--skip-bench", action="store_true")
+    ap.add_argument("--mnist", type=pathlib.Path, help="a folder of the MNIST IDX files: time an epoch against PyTorch")
+    ap.add_argument("--smollm2", type=pathlib.Path, help="SmolLM2-135M-Instruct.Q4_1.gguf: LoRA against HF + PEFT")
+    ap.add_argument("--chat", type=pathlib.Path, default=ROOT / ".gpu-data" / "dummy_conversation.json",
+                    help="the chat data of --smollm2's fine-tune")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--profile", default="1024", help="the config whose update is profiled by kernel ('' for none)")
     args = ap.parse_args()
@@ -368,12 +457,17 @@ def main() -> None:
             sys.exit(1)
     if not args.skip_ops:
         ops(out, args.device_backend)
-    with tempfile.TemporaryDirectory() as tmp:
-        end_to_end(pathlib.Path(tmp), args.device_backend)
-    if args.device_backend == "cuda":
-        nccl()
+    if not args.skip_e2e:
+        with tempfile.TemporaryDirectory() as tmp:
+            end_to_end(pathlib.Path(tmp), args.device_backend)
+        if args.device_backend == "cuda":
+            nccl()
     if not args.skip_bench:
         bench(args.device_backend, args.steps, args.profile or None)
+    if args.mnist and args.device_backend == "cuda":
+        mnist_speed(args.mnist)
+    if args.smollm2 and args.device_backend == "cuda":
+        smollm2_speed(args.smollm2, args.chat)
     failed = [n for n, ok in RESULTS if not ok]
     print(f"\n{len(RESULTS) - len(failed)} of {len(RESULTS)} checks passed" + (f"; failed: {', '.join(failed)}"
                                                                              if failed else ""))

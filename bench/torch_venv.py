@@ -10,7 +10,10 @@ TORCH_VENV = pathlib.Path(__file__).resolve().parent / ".venv-torch"
 
 
 def ensure_torch() -> pathlib.Path:
-    """The venv's python, creating the venv (torch==2.13.0, numpy) if it is missing."""
+    """The venv's python, creating the venv (torch==2.13.0, numpy) if it is missing; or the
+    python GGTRAIN_TORCH_PYTHON names (a GPU machine's, where torch with CUDA is installed)."""
+    if os.environ.get("GGTRAIN_TORCH_PYTHON"):
+        return pathlib.Path(os.environ["GGTRAIN_TORCH_PYTHON"])
     py = TORCH_VENV / "bin" / "python"
     if not py.exists():
         subprocess.run([sys.executable, "-m", "venv", str(TORCH_VENV)], check=True)

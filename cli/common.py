@@ -24,16 +24,29 @@ from ggtrain.formats.corpus import (SampleSet, TokenFile, cached_samples, corpus
 from ggtrain.formats.tokenizer import Tokenizer
 
 
+# --backend's values: what each runs on, the precision of the GPU's matrix products (the CUDA
+# library's names, gtc_set_math) and the words --help gives it
+BACKENDS = {
+    "cpu": (None, "the CPU's threads"),
+    "cuda": ("f32", "one GPU, exact f32"),
+    "cuda-tf32": ("tf32", "the GPU's f32 matrix products on TF32 tensor cores: about 2x faster, about 1e-3 "
+                          "relative error"),
+    "cuda-bf16": ("bf16", "the GPU's f32 matrix products on bf16 tensor cores, f32 sums: faster still, "
+                          "about 1e-2 relative error"),
+}
+
+
 def make_backend(backend: str = "cpu", threads: int | None = None) -> CpuBackend:
     """The backend --backend names, with --threads; ConfigError naming the bad value, and for
     cuda saying why it cannot run here."""
-    if backend in ("cuda", "cuda-tf32"):
+    if backend not in BACKENDS:
+        raise ConfigError(f"--backend {backend}: expected {', '.join(list(BACKENDS)[:-1])} or {list(BACKENDS)[-1]}")
+    math = BACKENDS[backend][0]
+    if math is not None:
         why = unavailable_reason()
         if why:
             raise ConfigError(f"--backend {backend}: not available: {why}")
-        return CudaBackend(tf32=backend == "cuda-tf32")
-    if backend != "cpu":
-        raise ConfigError(f"--backend {backend}: expected cpu, cuda or cuda-tf32")
+        return CudaBackend(math=math)
     if threads is not None and threads < 1:
         raise ConfigError(f"--threads must be >= 1, got {threads}")
     return CpuBackend(threads or default_threads())

@@ -12,7 +12,7 @@ from typing import Callable
 import typer
 from tqdm import tqdm
 
-from ggtrain.cli.common import JsonLog, stop_on_ctrl_c
+from ggtrain.cli.common import BACKENDS, JsonLog, stop_on_ctrl_c
 from ggtrain.cli.tasks import task_words
 from ggtrain.cli.config import load_config
 from ggtrain.core.optim import OPTIMIZERS
@@ -43,9 +43,7 @@ ON_SAVE_ERROR = typer.Option("stop", "--on-save-error",
 SAVE_ERRORS = ("stop", "continue")
 EVAL_EVERY = typer.Option(0, "--eval-every", help="Validation loss every N updates (0: at the end only).")
 THREADS = typer.Option(None, "--threads", help="CPU threads (default: all available).")
-BACKEND = typer.Option("cpu", "--backend",
-                       help="cpu, or cuda (one GPU, exact f32), or cuda-tf32 (the GPU's f32 matrix products on "
-                            "TF32 tensor cores: about 2x faster, about 1e-3 relative error).")
+BACKEND = typer.Option("cpu", "--backend", help="; ".join(f"{k}: {v[1]}" for k, v in BACKENDS.items()) + ".")
 LOG = typer.Option(None, "--log", help="JSON lines: steps, evaluations, and a final summary.")
 QUIET = typer.Option(False, "--quiet", help="No progress bar.")
 TOKEN_CACHE = typer.Option(None, "--token-cache",

@@ -183,12 +183,13 @@ class CudaPlan(Plan):
 
 
 class CudaBackend(Backend):
-    """Runs plans on one GPU with ggtrain's CUDA library (one stream; f32, exact unless tf32)."""
+    """Runs plans on one GPU with ggtrain's CUDA library (one stream; f32 tensors, the matrix
+    products exact unless `math` names a tensor-core precision: maths() lists them)."""
 
     name = "cuda"
     n_threads = 1     # a node is one launch: no CPU threads to share work among
 
-    def __init__(self, device: int = 0, tf32: bool = False):
+    def __init__(self, device: int = 0, math: str = "f32"):
         why = unavailable_reason()
         if why:
             raise UnsupportedOpError(f"the CUDA backend cannot run here: {why}")
@@ -197,8 +198,8 @@ class CudaBackend(Backend):
                 os.environ[env] = wheel
         self.ffi, self.lib = load()
         _check(self.lib.gtc_init(device), f"starting CUDA device {device}")
-        if tf32:
-            _check(self.lib.gtc_set_tf32(1), "TF32")
+        _check(self.lib.gtc_set_math(math.encode()), "choosing the matrix products' precision")
+        self.math = math
         self.kernels = {self.ffi.string(self.lib.gtc_kernel_name(i)).decode()
                         for i in range(self.lib.gtc_kernel_count())}
         name = self.ffi.new("char[]", 256)

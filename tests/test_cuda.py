@@ -219,3 +219,51 @@ def test_the_cublas_mapping_of_every_view_gives_the_product(cuda_lib):
                                      TensorRef(_ArrayBuffer(np.ones((7, 3), np.float32)), 0, "f32", (7, 3), (3, 1)))),
               fn, [])
     assert fn(node, ffi.new("gt_ctx *")) != 0 and "overlap" in ffi.string(lib.gtc_last_error()).decode()
+
+
+def _rounded(x: np.ndarray, drop: int) -> np.ndarray:
+    """x rounded to nearest even with its lowest `drop` fraction bits cleared (bf16: 16, TF32: 13)."""
+    u = x.astype(np.float32).view(np.uint32).astype(np.uint64)
+    u = (u + (1 << (drop - 1)) - 1 + ((u >> drop) & 1)) & ~np.uint64((1 << drop) - 1)
+    return u.astype(np.uint32).view(np.float32)
+
+
+def test_every_backend_precision_is_the_librarys_and_picks_its_compute_type(cuda_lib):
+    """--backend's CUDA precisions (cli/common.py BACKENDS) are the names the library knows,
+    gtc_set_math picks each one's cuBLAS compute type (the host stand-in rounds the inputs as
+    that type reads them: bf16's 7 or TF32's 10 fraction bits), and an unknown name is refused
+    with the list."""
+    from ggtrain.cli.common import BACKENDS
+    ffi, lib = cuda_lib
+    if backend_cuda.unavailable_reason() is None:
+        pytest.skip("a GPU is usable here: the host stand-in would replace cuBLAS in this process")
+    from ggtrain.core.backend import KernelCall, TensorRef, fill_node
+    from ggtrain.core.backend_cpu import _ArrayBuffer
+    names = []
+    while (name := lib.gtc_math_name(len(names))) != ffi.NULL:
+        names.append(ffi.string(name).decode())
+    assert sorted(m for m, _ in BACKENDS.values() if m) == sorted(names)
+    assert lib.gtc_test_host_blas() == 0
+    rng = np.random.default_rng(3)
+    a, b = rng.standard_normal((6, 9)).astype(np.float32), rng.standard_normal((9, 5)).astype(np.float32)
+    fn = lib.gtc_kernel(b"matmul_fwd_f32")
+
+    def ref(x):
+        return TensorRef(_ArrayBuffer(x), 0, "f32", x.shape, tuple(s // 4 for s in x.strides))
+    try:
+        for math, drop in (("bf16", 16), ("tf32", 13), ("f32", 0)):
+            assert lib.gtc_set_math(math.encode()) == 0
+            out = np.full((6, 5), np.nan, np.float32)
+            node = ffi.new("gt_node *")
+            fill_node(ffi, node, KernelCall("matmul_fwd_f32", ref(out), (ref(a), ref(b))), fn, [])
+            assert fn(node, ffi.new("gt_ctx *")) == 0, ffi.string(lib.gtc_last_error()).decode()
+            ra, rb = (_rounded(a, drop), _rounded(b, drop)) if drop else (a, b)
+            want = ra.astype(np.float64) @ rb.astype(np.float64)
+            np.testing.assert_allclose(out, want, rtol=1e-6, atol=1e-6, err_msg=math)
+            if drop:     # the rounding made a difference the check can see
+                assert np.abs(want - a.astype(np.float64) @ b.astype(np.float64)).max() > 1e-4, math
+        assert lib.gtc_set_math(b"fp8") != 0
+        assert ("matrix products in fp8: expected one of f32, tf32, bf16"
+                in ffi.string(lib.gtc_last_error()).decode())
+    finally:
+        lib.gtc_set_math(b"f32")

@@ -7,14 +7,20 @@
 
 enum { GTC_OP_N = 0, GTC_OP_T = 1 };   /* cublasOperation_t */
 
+/* cublasComputeType_t: f32 sums; the inputs exact, or rounded to TF32 or bf16 on tensor cores */
+enum { GTC_COMPUTE_32F = 68, GTC_COMPUTE_32F_FAST_16BF = 75, GTC_COMPUTE_32F_FAST_TF32 = 77 };
+enum { GTC_R_32F = 0 };                /* cudaDataType_t of every operand: f32 */
+enum { GTC_GEMM_DEFAULT = -1 };        /* cublasGemmAlgo_t: cuBLAS's choice */
+
 struct gtc_cublas {
     void *handle;
-    int (*sgemm)(void *h, int ta, int tb, int m, int n, int k, const float *alpha, const float *a, int lda,
-                 const float *b, int ldb, const float *beta, float *c, int ldc);
-    int (*sgemm_strided)(void *h, int ta, int tb, int m, int n, int k, const float *alpha, const float *a, int lda,
-                         long long sa, const float *b, int ldb, long long sb, const float *beta, float *c, int ldc,
-                         long long sc, int batch);
-    int (*set_math_mode)(void *h, int mode);
+    int compute;    /* the compute type of every product (gtc_set_math) */
+    int (*gemm)(void *h, int ta, int tb, int m, int n, int k, const void *alpha, const void *a, int a_type, int lda,
+                const void *b, int b_type, int ldb, const void *beta, void *c, int c_type, int ldc, int compute,
+                int algo);
+    int (*gemm_strided)(void *h, int ta, int tb, int m, int n, int k, const void *alpha, const void *a, int a_type,
+                        int lda, long long sa, const void *b, int b_type, int ldb, long long sb, const void *beta,
+                        void *c, int c_type, int ldc, long long sc, int batch, int compute, int algo);
 };
 
 /* Loads cuBLAS (GGTRAIN_CUBLAS names the file; else libcublas.so.13, then .12, on the loader's

@@ -50,9 +50,11 @@ int gtc_run(const struct gt_node *nodes, int64_t n, void *work, int64_t work_byt
  * its nanoseconds into ns[i] (the caller's array of n); NULL stops it. */
 void gtc_set_profile(int64_t *ns);
 
-/* 1: f32 GEMMs may use TF32 tensor cores (cuBLAS's TF32 math; about 1e-3 relative error),
- * 0: exact f32 (the default). */
-int gtc_set_tf32(int32_t on);
+/* The precision of every f32 matrix product from now on, by name: "f32" (exact, the default),
+ * "tf32" or "bf16" (the inputs rounded to TF32 or bf16 on tensor cores, f32 sums: cuBLAS's
+ * 32F_FAST compute types). gtc_math_name(i) is the i-th name, NULL past the last. */
+int gtc_set_math(const char *name);
+const char *gtc_math_name(int32_t i);
 
 /* NCCL (nccl.cu), for the gradient all-reduce of a data-parallel run on GPUs: load it, make
  * the 128-byte unique id (rank 0), join the communicator (every rank, the id sent over MPI),

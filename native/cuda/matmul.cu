@@ -1,4 +1,4 @@
-/* matmul.cu: matrix products through cuBLAS (f32, exact unless gtc_set_tf32), products with a
+/* matmul.cu: matrix products through cuBLAS (f32, exact unless gtc_set_math), products with a
  * frozen weight in its stored type (decoded to f32 in the node's work memory, then the f32
  * product: the same view, so the same layouts as the CPU's), and get_rows of stored weights. */
 #include <dlfcn.h>
@@ -40,12 +40,12 @@ int gtc_cublas_load_(cudaStream_t stream) {
                         "or the CUDA toolkit, or name the library in GGTRAIN_CUBLAS", tried);
     int (*create)(void **) = (int (*)(void **))dlsym(lib, "cublasCreate_v2");
     int (*set_stream)(void *, cudaStream_t) = (int (*)(void *, cudaStream_t))dlsym(lib, "cublasSetStream_v2");
-    g_blas.sgemm = (decltype(g_blas.sgemm))dlsym(lib, "cublasSgemm_v2");
-    g_blas.sgemm_strided = (decltype(g_blas.sgemm_strided))dlsym(lib, "cublasSgemmStridedBatched");
-    g_blas.set_math_mode = (decltype(g_blas.set_math_mode))dlsym(lib, "cublasSetMathMode");
-    if (!create || !set_stream || !g_blas.sgemm || !g_blas.sgemm_strided || !g_blas.set_math_mode)
+    g_blas.gemm = (decltype(g_blas.gemm))dlsym(lib, "cublasGemmEx");
+    g_blas.gemm_strided = (decltype(g_blas.gemm_strided))dlsym(lib, "cublasGemmStridedBatchedEx");
+    g_blas.compute = GTC_COMPUTE_32F;
+    if (!create || !set_stream || !g_blas.gemm || !g_blas.gemm_strided)
         return GTC_FAIL(GT_ERR_UNSUPPORTED, "cuBLAS lacks a function ggtrain calls (cublasCreate_v2, "
-                        "cublasSetStream_v2, cublasSgemm_v2, cublasSgemmStridedBatched, cublasSetMathMode)");
+                        "cublasSetStream_v2, cublasGemmEx, cublasGemmStridedBatchedEx)");
     int st = create(&g_blas.handle);
     if (st) return GTC_FAIL(GT_ERR_UNSUPPORTED, "cublasCreate failed (status %d)", st);
     st = set_stream(g_blas.handle, stream);
@@ -55,46 +55,80 @@ int gtc_cublas_load_(cudaStream_t stream) {
 
 /* ---- a host stand-in for cuBLAS (tests on machines without a GPU) ----------------------------- */
 
-static int g_host_blas = 0;   /* gemm's calls go to host_sgemm: host pointers, no launch to check */
+static int g_host_blas = 0;   /* gemm's calls go to host_gemm: host pointers, no launch to check */
 
-/* C = alpha op(A) op(B) + beta C, column-major, as cublasSgemm (the reference definition). */
-static int host_sgemm(void *, int ta, int tb, int m, int n, int k, const float *alpha, const float *A, int lda,
-                      const float *B, int ldb, const float *beta, float *C, int ldc) {
+/* x as the compute type reads it: f32 as is, or rounded to nearest even at TF32's 10 or bf16's
+ * 7 fraction bits (the stand-in's model of the tensor cores' input rounding). */
+static float host_input(float x, int compute) {
+    const int drop = compute == GTC_COMPUTE_32F_FAST_16BF ? 16 : compute == GTC_COMPUTE_32F_FAST_TF32 ? 13 : 0;
+    if (!drop || x != x) return x;
+    uint32_t u;
+    memcpy(&u, &x, 4);
+    u = (u + ((1u << (drop - 1)) - 1) + ((u >> drop) & 1)) & ~((1u << drop) - 1);
+    memcpy(&x, &u, 4);
+    return x;
+}
+
+/* C = alpha op(A) op(B) + beta C, column-major, f32 operands, as cublasGemmEx defines it. */
+static int host_gemm(void *, int ta, int tb, int m, int n, int k, const void *alpha_, const void *A_, int,
+                     int lda, const void *B_, int, int ldb, const void *beta_, void *C_, int, int ldc, int compute,
+                     int) {
+    const float *A = (const float *)A_, *B = (const float *)B_, alpha = *(const float *)alpha_,
+                beta = *(const float *)beta_;
+    float *C = (float *)C_;
     for (int j = 0; j < n; j++)
         for (int i = 0; i < m; i++) {
             double acc = 0.0;
             for (int l = 0; l < k; l++) {
                 const float av = ta == GTC_OP_N ? A[i + (int64_t)l * lda] : A[l + (int64_t)i * lda];
                 const float bv = tb == GTC_OP_N ? B[l + (int64_t)j * ldb] : B[j + (int64_t)l * ldb];
-                acc += (double)av * bv;
+                acc += (double)host_input(av, compute) * host_input(bv, compute);
             }
             float *c = C + i + (int64_t)j * ldc;
-            *c = (float)(*alpha * acc + (*beta != 0.0f ? *beta * *c : 0.0f));
+            *c = (float)(alpha * acc + (beta != 0.0f ? beta * *c : 0.0f));
         }
     return 0;
 }
 
-static int host_sgemm_strided(void *h, int ta, int tb, int m, int n, int k, const float *alpha, const float *A,
-                              int lda, long long sa, const float *B, int ldb, long long sb, const float *beta,
-                              float *C, int ldc, long long sc, int batch) {
+static int host_gemm_strided(void *h, int ta, int tb, int m, int n, int k, const void *alpha, const void *A,
+                             int at, int lda, long long sa, const void *B, int bt, int ldb, long long sb,
+                             const void *beta, void *C, int ct, int ldc, long long sc, int batch, int compute,
+                             int algo) {
     for (int i = 0; i < batch; i++)
-        host_sgemm(h, ta, tb, m, n, k, alpha, A + i * sa, lda, B + i * sb, ldb, beta, C + i * sc, ldc);
+        host_gemm(h, ta, tb, m, n, k, alpha, (const float *)A + i * sa, at, lda, (const float *)B + i * sb, bt, ldb,
+                  beta, (float *)C + i * sc, ct, ldc, compute, algo);
     return 0;
 }
 
 extern "C" int gtc_test_host_blas(void) {
     g_host_blas = 1;
     g_blas.handle = &g_host_blas;
-    g_blas.sgemm = host_sgemm;
-    g_blas.sgemm_strided = host_sgemm_strided;
+    g_blas.gemm = host_gemm;
+    g_blas.gemm_strided = host_gemm_strided;
+    g_blas.compute = GTC_COMPUTE_32F;
     return GT_OK;
 }
 
-extern "C" int gtc_set_tf32(int32_t on) {
-    if (!g_blas.handle) return GTC_FAIL(GT_ERR_INVALID, "gtc_set_tf32: gtc_init has not run");
-    const int st = g_blas.set_math_mode(g_blas.handle, on ? 3 /* CUBLAS_TF32_TENSOR_OP_MATH */ : 0);
-    if (st) return GTC_FAIL(GT_ERR_UNSUPPORTED, "cublasSetMathMode failed (status %d)", st);
-    return GT_OK;
+/* The precisions of the f32 products, by name: cuBLAS's compute type and the words --help and
+ * errors use (the one table: gtc_math_name lists it for the Python side). */
+static const struct {
+    const char *name;
+    int compute;
+} g_maths[] = {{"f32", GTC_COMPUTE_32F}, {"tf32", GTC_COMPUTE_32F_FAST_TF32}, {"bf16", GTC_COMPUTE_32F_FAST_16BF}};
+
+extern "C" const char *gtc_math_name(int32_t i) {
+    return i >= 0 && i < (int32_t)(sizeof g_maths / sizeof g_maths[0]) ? g_maths[i].name : NULL;
+}
+
+extern "C" int gtc_set_math(const char *name) {
+    if (!g_blas.handle) return GTC_FAIL(GT_ERR_INVALID, "gtc_set_math: gtc_init has not run");
+    char names[64] = "";
+    for (const auto &m : g_maths) {
+        if (name && !strcmp(name, m.name)) return (g_blas.compute = m.compute, GT_OK);
+        const size_t used = strlen(names);
+        snprintf(names + used, sizeof names - used, "%s%s", used ? ", " : "", m.name);
+    }
+    return GTC_FAIL(GT_ERR_INVALID, "matrix products in %s: expected one of %s", name ? name : "(null)", names);
 }
 
 /* ---- f32 products ---------------------------------------------------------------------------- */
@@ -172,15 +206,17 @@ static int gemm(const gt_tensor *d, const gt_tensor *a, const gt_tensor *b, cons
         even = gtc_offset(ab, batch, i) == i * sa && gtc_offset(bb, batch, i) == i * sb;
     int st;
     if (even && nb <= INT32_MAX) {
-        st = g_blas.sgemm_strided(g_blas.handle, ob.op, oa.op, (int)N, (int)M, (int)K, &alpha, bdata, (int)ob.ld, sb,
-                                  ad, (int)oa.ld, sa, &beta, dd, (int)N, M * N, (int)nb);
-        if (st) return GTC_FAIL(GT_ERR_UNSUPPORTED, "%s: cublasSgemmStridedBatched failed (status %d)", op, st);
+        st = g_blas.gemm_strided(g_blas.handle, ob.op, oa.op, (int)N, (int)M, (int)K, &alpha, bdata, GTC_R_32F,
+                                 (int)ob.ld, sb, ad, GTC_R_32F, (int)oa.ld, sa, &beta, dd, GTC_R_32F, (int)N, M * N,
+                                 (int)nb, g_blas.compute, GTC_GEMM_DEFAULT);
+        if (st) return GTC_FAIL(GT_ERR_UNSUPPORTED, "%s: cublasGemmStridedBatchedEx failed (status %d)", op, st);
         return g_host_blas ? GT_OK : GTC_LAUNCHED(op);
     }
     for (int64_t i = 0; i < nb; i++) {
-        st = g_blas.sgemm(g_blas.handle, ob.op, oa.op, (int)N, (int)M, (int)K, &alpha, bdata + gtc_offset(bb, batch, i),
-                          (int)ob.ld, ad + gtc_offset(ab, batch, i), (int)oa.ld, &beta, dd + i * M * N, (int)N);
-        if (st) return GTC_FAIL(GT_ERR_UNSUPPORTED, "%s: cublasSgemm failed (status %d)", op, st);
+        st = g_blas.gemm(g_blas.handle, ob.op, oa.op, (int)N, (int)M, (int)K, &alpha, bdata + gtc_offset(bb, batch, i),
+                         GTC_R_32F, (int)ob.ld, ad + gtc_offset(ab, batch, i), GTC_R_32F, (int)oa.ld, &beta,
+                         dd + i * M * N, GTC_R_32F, (int)N, g_blas.compute, GTC_GEMM_DEFAULT);
+        if (st) return GTC_FAIL(GT_ERR_UNSUPPORTED, "%s: cublasGemmEx failed (status %d)", op, st);
     }
     return g_host_blas ? GT_OK : GTC_LAUNCHED(op);
 }
