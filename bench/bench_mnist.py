@@ -101,15 +101,18 @@ class OursSide:
         self.perm = np.random.default_rng(0).permutation(len(y))
         self._updates(5)
 
-    def _updates(self, count):
+    def batches(self, u: int) -> list:
+        """Update u's two physical batches, as ClassifierRun.fit feeds them: images gathered
+        straight into the input buffer."""
         from ggtrain.core.graph import Rows
 
         x, y, perm, run = self.x, self.y, self.perm, self.run
+        return [{run.x: Rows(x, perm[(2 * u + j) * 500:(2 * u + j + 1) * 500]),
+                 run.y: y[perm[(2 * u + j) * 500:(2 * u + j + 1) * 500]]} for j in range(2)]
+
+    def _updates(self, count):
         for u in range(count):
-            # as ClassifierRun.fit feeds them: images gathered straight into the input buffer
-            batches = [{run.x: Rows(x, perm[(2 * u + j) * 500:(2 * u + j + 1) * 500]),
-                        run.y: y[perm[(2 * u + j) * 500:(2 * u + j + 1) * 500]]} for j in range(2)]
-            run.step.step(batches, 1e-3)
+            self.run.step.step(self.batches(u), 1e-3)
 
     def epoch(self) -> float:
         t = time.perf_counter()

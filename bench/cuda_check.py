@@ -197,6 +197,30 @@ def end_to_end(tmp: pathlib.Path, device: str) -> None:
                f"largest relative loss difference {worst:.2e}")
 
 
+def precision_rounding() -> None:
+    """Each --backend precision reads a product's inputs as stated: the product of random
+    matrices is nearest the float64 product of the inputs rounded to its fraction bits (f32
+    23, TF32 10, bf16 7: tests/refs.py rounds to nearest even)."""
+    from ggtrain.cli.common import BACKENDS
+    from ggtrain.core.backend_cpu import run_kernel
+    from ggtrain.core.backend_cuda import CudaBackend
+    from tests.refs import rounded
+
+    rng = np.random.default_rng(5)
+    a, b = rng.standard_normal((256, 512)).astype(np.float32), rng.standard_normal((512, 256)).astype(np.float32)
+    drops = {"f32": 0, "tf32": 13, "bf16": 16}
+    refs = {m: (rounded(a, d) if d else a).astype(np.float64) @ (rounded(b, d) if d else b).astype(np.float64)
+            for m, d in drops.items()}
+    for backend, (math, _) in BACKENDS.items():
+        if math is None:
+            continue
+        out = run_kernel("matmul_fwd_f32", np.zeros((256, 256), np.float32), [a, b], backend=CudaBackend(math=math))
+        errs = {m: float(np.abs(out - r).max()) for m, r in refs.items()}
+        report(f"--backend {backend} reads the products' inputs as {math}", min(errs, key=errs.get) == math,
+               "largest difference from the product of inputs rounded to " +
+               ", ".join(f"{m} {e:.1e}" for m, e in errs.items()))
+
+
 def nccl() -> None:
     """NCCL with one rank: the all-reduce of a device buffer leaves it as it was."""
     from ggtrain.core.backend_cuda import CudaBackend
@@ -294,15 +318,20 @@ def torch_llama(cfg: dict, init: dict, device: str, math: str = "f32", autocast:
 
 
 def profile_step(run, w: np.ndarray) -> None:
-    """Each kernel's share of one update (GPU time between events, so a little over the
-    unprofiled step)."""
+    """Each kernel's share of one update of a TextRun on windows w."""
+    profile_plans(run.step, [{run.tokens: w[:, :-1], run.targets: w[:, 1:]}])
+
+
+def profile_plans(step, batches: list) -> None:
+    """Each kernel's share of one update of `step` on `batches` (GPU time between events, so a
+    little over the unprofiled step)."""
     import collections
 
     from ggtrain.core.tensor import is_contiguous
-    plans = [p for p in (run.step._micro, run.step._update) if p is not None]
+    plans = [p for p in (step._micro, step._update) if p is not None]
     for plan in plans:
         plan.plan.profile()
-    run.step.step([{run.tokens: w[:, :-1], run.targets: w[:, 1:]}], 1e-3)
+    step.step(batches, 1e-3)
     by, nodes, count = collections.Counter(), collections.Counter(), collections.Counter()
     for plan in plans:
         for call, sec in zip(plan.plan.calls, plan.plan.node_seconds()):
@@ -405,6 +434,8 @@ def mnist_speed(data: pathlib.Path, rounds: int = 3) -> None:
                 t_ours.append(ours.epoch())
                 t_theirs.append(theirs.epoch())
             theirs.close()
+            if min(t_ours) > min(t_theirs):     # where our time goes: one update by kernel
+                profile_plans(ours.run.step, ours.batches(0))
             gf = ours.flop_per_epoch / min(t_ours) / 1e9
             print(f"mnist {arch}, one epoch of {len(y)} images: ours {min(t_ours):.3f} s, PyTorch eager "
                   f"{min(t_theirs):.3f} s; ratio {min(t_theirs) / min(t_ours):.2f}x ({gf:.0f} GFLOP/s)", flush=True)
@@ -462,6 +493,7 @@ def main() -> None:
             end_to_end(pathlib.Path(tmp), args.device_backend)
         if args.device_backend == "cuda":
             nccl()
+            precision_rounding()
     if not args.skip_bench:
         bench(args.device_backend, args.steps, args.profile or None)
     if args.mnist and args.device_backend == "cuda":

@@ -290,6 +290,8 @@ class CudaBackend(Backend):
         self.reserve_work(plan.work_bytes)
         work = self.ffi.cast("void *", self._work.address) if plan.work_bytes else self.ffi.NULL
         size = self._work.nbytes if plan.work_bytes else 0
+        # (the precision is the library's one setting: each backend's plans run with their own)
+        _check(self.lib.gtc_set_math(self.math.encode()), "choosing the matrix products' precision")
         self.lib.gtc_set_profile(plan._profile if plan._profile is not None else self.ffi.NULL)
         rc = self.lib.gtc_run(plan.nodes, len(plan.calls), work, size, failed)
         if rc != 0:

@@ -415,10 +415,7 @@ def _view_bwd_ref(g, base_shape, strides, offset):
 
 
 def _bf16_round(x):
-    f = x.astype(np.float32)
-    u = f.view(np.uint32)
-    u = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) << 16
-    return u.astype(np.uint32).view(np.float32).astype(np.float64)
+    return refs.rounded(x, 16).astype(np.float64)
 
 
 # ---- optimizer steps: one update from given state, against the closed form -------------------

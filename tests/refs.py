@@ -14,6 +14,14 @@ def _f64(a):
     return np.asarray(a, dtype=np.float64)
 
 
+def rounded(x, drop: int):
+    """f32 x rounded to nearest even with its lowest `drop` fraction bits cleared (bf16: 16,
+    TF32: 13), as f32."""
+    u = np.asarray(x, np.float32).view(np.uint32).astype(np.uint64)
+    u = (u + (1 << (drop - 1)) - 1 + ((u >> drop) & 1)) & ~np.uint64((1 << drop) - 1)
+    return u.astype(np.uint32).view(np.float32)
+
+
 def rms_norm(x, eps):
     """x / sqrt(mean(x^2, last dim) + eps)."""
     x = _f64(x)

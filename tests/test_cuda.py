@@ -13,6 +13,7 @@ from ggtrain.errors import UnsupportedOpError
 from ggtrain.native import ffi as cpu_ffi
 from ggtrain.native import lib as cpu_lib
 from ggtrain.native.dtypes import dtype
+from tests import refs
 
 # CPU kernels the CUDA library does not have yet (none: a new CPU kernel shows up here until
 # its CUDA launcher is written).
@@ -221,13 +222,6 @@ def test_the_cublas_mapping_of_every_view_gives_the_product(cuda_lib):
     assert fn(node, ffi.new("gt_ctx *")) != 0 and "overlap" in ffi.string(lib.gtc_last_error()).decode()
 
 
-def _rounded(x: np.ndarray, drop: int) -> np.ndarray:
-    """x rounded to nearest even with its lowest `drop` fraction bits cleared (bf16: 16, TF32: 13)."""
-    u = x.astype(np.float32).view(np.uint32).astype(np.uint64)
-    u = (u + (1 << (drop - 1)) - 1 + ((u >> drop) & 1)) & ~np.uint64((1 << drop) - 1)
-    return u.astype(np.uint32).view(np.float32)
-
-
 def test_every_backend_precision_is_the_librarys_and_picks_its_compute_type(cuda_lib):
     """--backend's CUDA precisions (cli/common.py BACKENDS) are the names the library knows,
     gtc_set_math picks each one's cuBLAS compute type (the host stand-in rounds the inputs as
@@ -257,7 +251,7 @@ def test_every_backend_precision_is_the_librarys_and_picks_its_compute_type(cuda
             node = ffi.new("gt_node *")
             fill_node(ffi, node, KernelCall("matmul_fwd_f32", ref(out), (ref(a), ref(b))), fn, [])
             assert fn(node, ffi.new("gt_ctx *")) == 0, ffi.string(lib.gtc_last_error()).decode()
-            ra, rb = (_rounded(a, drop), _rounded(b, drop)) if drop else (a, b)
+            ra, rb = (refs.rounded(a, drop), refs.rounded(b, drop)) if drop else (a, b)
             want = ra.astype(np.float64) @ rb.astype(np.float64)
             np.testing.assert_allclose(out, want, rtol=1e-6, atol=1e-6, err_msg=math)
             if drop:     # the rounding made a difference the check can see

@@ -1,6 +1,7 @@
 /* conv2d.cu: the direct convolution over NHWC with bias, relu and max-pool fused, and its two
  * gradients, as ggtrain.h's conv2d: one thread an output element, the sums in the CPU's
- * order (channel, kernel row, kernel column). Written for correctness first. */
+ * order (channel, kernel row, kernel column); the kernel's gradient, a sum over every output
+ * position, in chunks of positions (one thread a chunk and output), then the chunks in order. */
 #include "common.cuh"
 #include "kernels.h"
 
@@ -95,25 +96,52 @@ __device__ inline float dv_at(const geom &g, const float *y, const float *gr, in
     return y[plane + at] == code ? gr[at] : 0.0f;
 }
 
-__global__ void conv_weight_bwd(geom g, float *d, const float *x, const float *y, const float *gr) {
-    const int64_t rows = g.C * g.KH * g.KW;
-    GTC_FOR(i, (rows + 1) * g.CO) {
-        const int64_t co = i % g.CO, r = i / g.CO;
+/* Output positions (n, oh, ow) one partial sum of the kernel's gradient covers. */
+#define CONV_CHUNK 512
+
+static int64_t weight_chunks(const geom &g) {
+    const int64_t p = g.N * g.OH * g.OW;
+    return p > 0 ? (p + CONV_CHUNK - 1) / CONV_CHUNK : 1;
+}
+
+/* part[chunk][r * CO + co]: the gradient of kernel row r (c, kh, kw; r = C*KH*KW: the bias) of
+ * output channel co, summed over the chunk's positions in order. */
+__global__ void conv_weight_partial(geom g, float *part, const float *x, const float *y, const float *gr,
+                                    int64_t chunks) {
+    const int64_t rows = g.C * g.KH * g.KW, outs = (rows + 1) * g.CO, P = g.N * g.OH * g.OW;
+    GTC_FOR(i, chunks * outs) {
+        const int64_t o = i % outs, chunk = i / outs, co = o % g.CO, r = o / g.CO;
+        const int64_t c = r / (g.KH * g.KW), kh = (r / g.KW) % g.KH, kw = r % g.KW;
+        const int64_t p0 = chunk * CONV_CHUNK, p1 = p0 + CONV_CHUNK < P ? p0 + CONV_CHUNK : P;
+        int64_t ow = p0 % g.OW, oh = (p0 / g.OW) % g.OH, n = p0 / (g.OW * g.OH);
         float acc = 0.0f;
-        for (int64_t n = 0; n < g.N; n++)
-            for (int64_t oh = 0; oh < g.OH; oh++)
-                for (int64_t ow = 0; ow < g.OW; ow++) {
-                    const float dv = dv_at(g, y, gr, n, oh, ow, co);
-                    if (dv == 0.0f) continue;
-                    if (r == rows) {
-                        acc += dv;
-                        continue;
-                    }
-                    const int64_t c = r / (g.KH * g.KW), kh = (r / g.KW) % g.KH, kw = r % g.KW;
+        for (int64_t p = p0; p < p1; p++) {
+            const float dv = dv_at(g, y, gr, n, oh, ow, co);
+            if (dv != 0.0f) {
+                if (r == rows) {
+                    acc += dv;
+                } else {
                     const int64_t h = oh * g.S - g.P + kh, w = ow * g.S - g.P + kw;
                     if (h >= 0 && h < g.H && w >= 0 && w < g.W) acc += dv * x[((n * g.H + h) * g.W + w) * g.C + c];
                 }
-        d[i] = acc;
+            }
+            if (++ow == g.OW) {
+                ow = 0;
+                if (++oh == g.OH) {
+                    oh = 0;
+                    n++;
+                }
+            }
+        }
+        part[i] = acc;
+    }
+}
+
+__global__ void conv_weight_total(float *d, const float *part, int64_t outs, int64_t chunks) {
+    GTC_FOR(o, outs) {
+        float acc = 0.0f;
+        for (int64_t k = 0; k < chunks; k++) acc += part[k * outs + o];
+        d[o] = acc;
     }
 }
 
@@ -169,26 +197,46 @@ GTC_LAUNCHER(conv2d_fwd_f32) {
     return GTC_LAUNCHED(op);
 }
 
+/* The kernel gradient's geometry: the kernel's shape from dst (C*KH*KW + 1, CO) and ip. */
+static int weight_geometry(const gt_node *node, geom *g, const char *op) {
+    const gt_tensor *x = &node->src[0], *d = &node->dst;
+    if (node->n_src < 1 || d->ndim != 2 || x->ndim != 4)
+        return GTC_FAIL(GT_ERR_SHAPE, "%s: expected x (N, H, W, C) and dst (C*KH*KW + 1, CO)", op);
+    gt_tensor k = *x;
+    k.shape[0] = d->shape[1];
+    k.shape[1] = x->shape[3];
+    k.shape[2] = node->ip[0];
+    k.shape[3] = node->ip[1];
+    GTC_TRY(geometry(node, x, &k, g, op));
+    if (d->shape[0] != g->C * g->KH * g->KW + 1)
+        return GTC_FAIL(GT_ERR_SHAPE, "%s: dst must be (C*KH*KW + 1, CO)", op);
+    return GT_OK;
+}
+
+GTC_SIZES(conv2d_weight_bwd_f32) {
+    geom g;
+    GTC_TRY(weight_geometry(node, &g, "conv2d_weight_bwd"));
+    *scratch = weight_chunks(g) * gtc_numel(node->dst) * (int64_t)sizeof(float);
+    *work = 0;
+    return GT_OK;
+}
+
 GTC_LAUNCHER(conv2d_weight_bwd_f32) {
     (void)ctx;
     const char *op = "conv2d_weight_bwd";
     GTC_TRY(check_all(node, 3, 3, op));
     geom g;
     const gt_tensor *x = &node->src[0], *d = &node->dst;
-    if (d->ndim != 2) return GTC_FAIL(GT_ERR_SHAPE, "%s: dst must be (C*KH*KW + 1, CO)", op);
-    gt_tensor k = *x;            /* the kernel's shape, from dst and ip */
-    k.shape[0] = d->shape[1];
-    k.shape[1] = x->shape[3];
-    k.shape[2] = node->ip[0];
-    k.shape[3] = node->ip[1];
-    GTC_TRY(geometry(node, x, &k, &g, op));
-    if (d->shape[0] != g.C * g.KH * g.KW + 1) return GTC_FAIL(GT_ERR_SHAPE, "%s: dst must be (C*KH*KW + 1, CO)", op);
+    GTC_TRY(weight_geometry(node, &g, op));
     GTC_TRY(gt_conv2d_out_check(&node->src[1], g.N, g.OH, g.OW, g.CO, g.pool, op, "out"));
     GTC_TRY(gt_conv2d_grad_check(&node->src[2], g.N, g.OH, g.OW, g.CO, g.pool, op));
-    const int64_t n = gtc_numel(*d);
-    conv_weight_bwd<<<gtc_blocks(n), GTC_THREADS, 0, gtc_stream_()>>>(g, (float *)d->data, (const float *)x->data,
-                                                                       (const float *)node->src[1].data,
-                                                                       (const float *)node->src[2].data);
+    const int64_t outs = gtc_numel(*d), chunks = weight_chunks(g);
+    if (node->scratch_size < chunks * outs * (int64_t)sizeof(float))
+        return GTC_FAIL(GT_ERR_INVALID, "%s: scratch must hold %lld floats", op, (long long)(chunks * outs));
+    float *part = (float *)node->scratch;
+    conv_weight_partial<<<gtc_blocks(chunks * outs), GTC_THREADS, 0, gtc_stream_()>>>(
+        g, part, (const float *)x->data, (const float *)node->src[1].data, (const float *)node->src[2].data, chunks);
+    conv_weight_total<<<gtc_blocks(outs), GTC_THREADS, 0, gtc_stream_()>>>((float *)d->data, part, outs, chunks);
     return GTC_LAUNCHED(op);
 }
 
