@@ -19,10 +19,11 @@ command that installs them and this project there, then runs this script):
 3. Speed against PyTorch eager on the same GPU (same weights, batches, AdamW): llama configs a
    and b of bench/bench_llama.py and a dim 1024 / 16-layer / ctx 1024 model in tokens/s, and
    the fraction of the GPU's f32 peak (H100 SXM: 67 TFLOP/s without tensor cores), all f32;
-   then the 1024 model with TF32 and with bf16 GEMMs on both sides (PyTorch's float32 matmul
-   precision "high" / "medium", and its bf16 autocast beside them); and one update of the
-   --profile config by kernel and by node (GPU time between CUDA events). The tensor-core
-   precisions also train the small llama: every loss within 5e-3 (tf32) / 2e-2 (bf16) of the CPU's.
+   then the 1024 model with TF32 GEMMs on both sides (PyTorch's float32 matmul precision
+   "high"), and PyTorch's bf16 autocast beside it; and one update of the --profile config by
+   kernel and by node (GPU time between CUDA events). Each tensor-core precision also trains
+   the small llama (every loss within its bound of the CPU's), and reads a product's inputs as
+   it says (the product nearest the float64 one of inputs rounded so).
 4. With --mnist DIR: an MNIST epoch (fc, cnn) against PyTorch on the GPU (bench_mnist.py's
    two sides). With --smollm2 FILE: a LoRA fine-tune of SmolLM2 against HF transformers + PEFT
    on the GPU (bench_finetune.py's two sides), ctx 256 b4 and ctx 1024 b8.
@@ -192,7 +193,7 @@ def end_to_end(tmp: pathlib.Path, device: str) -> None:
             continue
         got = [l["loss"] for l in lines(log) if "loss" in l and "step" in l and "event" not in l]
         worst = float(np.max(np.abs(np.subtract(got, losses["cpu"])) / np.abs(losses["cpu"])))
-        bound = {"tf32": 5e-3, "bf16": 2e-2}[math]
+        bound = {"tf32": 5e-3}[math]
         report(f"llama train, 20 updates, {backend} = cpu within {bound:g}", worst < bound,
                f"largest relative loss difference {worst:.2e}")
 
@@ -204,11 +205,12 @@ def precision_rounding() -> None:
     from ggtrain.cli.common import BACKENDS
     from ggtrain.core.backend_cpu import run_kernel
     from ggtrain.core.backend_cuda import CudaBackend
+    sys.path.insert(0, str(ROOT))
     from tests.refs import rounded
 
     rng = np.random.default_rng(5)
     a, b = rng.standard_normal((256, 512)).astype(np.float32), rng.standard_normal((512, 256)).astype(np.float32)
-    drops = {"f32": 0, "tf32": 13, "bf16": 16}
+    drops = {"f32": 0, "tf32": 13, "bf16": 16}     # (bf16: a precision that must not be the one read)
     refs = {m: (rounded(a, d) if d else a).astype(np.float64) @ (rounded(b, d) if d else b).astype(np.float64)
             for m, d in drops.items()}
     for backend, (math, _) in BACKENDS.items():
@@ -254,9 +256,8 @@ CONFIGS = {
 }
 
 
-# PyTorch's float32 matmul precision for each of ours: "medium" lets cuBLAS round f32 inputs
-# to bf16 (its 32F_FAST_16BF compute type), as cuda-bf16 does
-TORCH_PRECISION = {"f32": "highest", "tf32": "high", "bf16": "medium"}
+# PyTorch's float32 matmul precision for each of ours
+TORCH_PRECISION = {"f32": "highest", "tf32": "high"}
 
 
 def torch_llama(cfg: dict, init: dict, device: str, math: str = "f32", autocast: bool = False):
@@ -369,7 +370,7 @@ def bench(device: str, steps: int, profile: str | None = None) -> None:
     runs = [(key, cfg, be, "f32") for key, cfg in CONFIGS.items()]
     if device == "cuda":     # and the GEMMs on TF32 / bf16 tensor cores, on both sides
         from ggtrain.core.backend_cuda import CudaBackend
-        runs += [("1024", CONFIGS["1024"], None, "tf32"), ("1024", CONFIGS["1024"], None, "bf16")]
+        runs.append(("1024", CONFIGS["1024"], None, "tf32"))
     for key, cfg, backend, math in runs:
         if math != "f32":
             backend = CudaBackend(math=math)
@@ -400,7 +401,7 @@ def bench(device: str, steps: int, profile: str | None = None) -> None:
             step = torch_llama(cfg, init, "cuda", math)
             theirs = min(step(windows[s])[0] for s in range(steps + 2))
             line += f"; PyTorch eager {math} {tokens / theirs:,.0f} tok/s; ratio {theirs / best:.2f}x"
-            if math == "bf16":     # what a PyTorch user would run for bf16: autocast
+            if math == "tf32":     # and what a PyTorch user would run for speed: bf16 autocast
                 step = torch_llama(cfg, init, "cuda", "f32", autocast=True)
                 theirs = min(step(windows[s])[0] for s in range(steps + 2))
                 line += f"; PyTorch autocast bf16 {tokens / theirs:,.0f} tok/s; ratio {theirs / best:.2f}x"

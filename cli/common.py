@@ -31,8 +31,6 @@ BACKENDS = {
     "cuda": ("f32", "one GPU, exact f32"),
     "cuda-tf32": ("tf32", "the GPU's f32 matrix products on TF32 tensor cores: about 2x faster, about 1e-3 "
                           "relative error"),
-    "cuda-bf16": ("bf16", "the GPU's f32 matrix products on bf16 tensor cores, f32 sums: faster still, "
-                          "about 1e-2 relative error"),
 }
 
 

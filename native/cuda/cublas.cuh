@@ -7,8 +7,10 @@
 
 enum { GTC_OP_N = 0, GTC_OP_T = 1 };   /* cublasOperation_t */
 
-/* cublasComputeType_t: f32 sums; the inputs exact, or rounded to TF32 or bf16 on tensor cores */
-enum { GTC_COMPUTE_32F = 68, GTC_COMPUTE_32F_FAST_16BF = 75, GTC_COMPUTE_32F_FAST_TF32 = 77 };
+/* cublasComputeType_t: f32 sums, the inputs exact or rounded to TF32 on tensor cores. (Not
+ * 32F_FAST_16BF: on an H100 it gave f32 operands TF32's rounding, bench/cuda_check.py showed;
+ * bf16 products need bf16 operands.) */
+enum { GTC_COMPUTE_32F = 68, GTC_COMPUTE_32F_FAST_TF32 = 77 };
 enum { GTC_R_32F = 0 };                /* cudaDataType_t of every operand: f32 */
 enum { GTC_GEMM_DEFAULT = -1 };        /* cublasGemmAlgo_t: cuBLAS's choice */
 

@@ -50,9 +50,9 @@ int gtc_run(const struct gt_node *nodes, int64_t n, void *work, int64_t work_byt
  * its nanoseconds into ns[i] (the caller's array of n); NULL stops it. */
 void gtc_set_profile(int64_t *ns);
 
-/* The precision of every f32 matrix product from now on, by name: "f32" (exact, the default),
- * "tf32" or "bf16" (the inputs rounded to TF32 or bf16 on tensor cores, f32 sums: cuBLAS's
- * 32F_FAST compute types). gtc_math_name(i) is the i-th name, NULL past the last. */
+/* The precision of every f32 matrix product from now on, by name: "f32" (exact, the default)
+ * or "tf32" (the inputs rounded to TF32 on tensor cores, f32 sums: cuBLAS's 32F_FAST_TF32
+ * compute type). gtc_math_name(i) is the i-th name, NULL past the last. */
 int gtc_set_math(const char *name);
 const char *gtc_math_name(int32_t i);
 

@@ -57,10 +57,10 @@ int gtc_cublas_load_(cudaStream_t stream) {
 
 static int g_host_blas = 0;   /* gemm's calls go to host_gemm: host pointers, no launch to check */
 
-/* x as the compute type reads it: f32 as is, or rounded to nearest even at TF32's 10 or bf16's
- * 7 fraction bits (the stand-in's model of the tensor cores' input rounding). */
+/* x as the compute type reads it: f32 as is, or rounded to nearest even at TF32's 10 fraction
+ * bits (the stand-in's model of the tensor cores' input rounding). */
 static float host_input(float x, int compute) {
-    const int drop = compute == GTC_COMPUTE_32F_FAST_16BF ? 16 : compute == GTC_COMPUTE_32F_FAST_TF32 ? 13 : 0;
+    const int drop = compute == GTC_COMPUTE_32F_FAST_TF32 ? 13 : 0;
     if (!drop || x != x) return x;
     uint32_t u;
     memcpy(&u, &x, 4);
@@ -114,7 +114,7 @@ extern "C" int gtc_test_host_blas(void) {
 static const struct {
     const char *name;
     int compute;
-} g_maths[] = {{"f32", GTC_COMPUTE_32F}, {"tf32", GTC_COMPUTE_32F_FAST_TF32}, {"bf16", GTC_COMPUTE_32F_FAST_16BF}};
+} g_maths[] = {{"f32", GTC_COMPUTE_32F}, {"tf32", GTC_COMPUTE_32F_FAST_TF32}};
 
 extern "C" const char *gtc_math_name(int32_t i) {
     return i >= 0 && i < (int32_t)(sizeof g_maths / sizeof g_maths[0]) ? g_maths[i].name : NULL;
