@@ -9,7 +9,10 @@ user runs it: default F16 KV cache, mmap, greedy sampling; both get the same thr
 and context (--ctx; ours keeps an f32 cache of that many positions).
 
     python bench/bench_generate.py [--model PATH ...] [--tinyllama] [-n 48] [--threads 2]
-                                   [--rounds 3] [--prompt TEXT]
+                                   [--rounds 3] [--prompt TEXT] [--exact]
+
+Ours runs as `ggtrain generate` does by default: quantized weights times activations rounded
+to 8 bits, llama.cpp's numerics (--exact adds a row of ours with f32 activations).
 
 Default model: SmolLM2-135M-Instruct Q4_1 from ../shared/data. --tinyllama adds the
 TinyLlama-1.1B-shaped Q4_0 model of bench/tinyllama.py (built on first use).
@@ -87,10 +90,10 @@ def flop_per_token(model) -> float:
     return 2.0 * (sum(tensors.values()) + (0 if "output.weight" in tensors else embd))
 
 
-def ours(model, prompt, n, threads, ctx) -> dict:
+def ours(model, prompt, n, threads, ctx, exact=False) -> dict:
     out, err, rc, rss = _measured([sys.executable, "-m", "ggtrain", "generate", "--model", str(model),
                                    "--prompt", prompt, "-n", str(n), "--temp", "0", "--threads",
-                                   str(threads), "--ctx", str(ctx), "--timings"])
+                                   str(threads), "--ctx", str(ctx), "--timings"] + (["--exact"] if exact else []))
     if rc != 0:
         sys.exit(f"ggtrain generate failed: {err}")
     res = json.loads(err.strip().splitlines()[-1])
@@ -116,6 +119,8 @@ def main() -> None:
     ap.add_argument("-n", type=int, default=48)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--exact", action="store_true",
+                    help="also ours with --exact (f32 activations), in the same alternation")
     ap.add_argument("--ctx", type=int, default=256,
                     help="context (KV cache positions) of both sides; llama.cpp pads to 256")
     args = ap.parse_args()
@@ -128,10 +133,12 @@ def main() -> None:
     for model in models:
         if not model.is_file():
             sys.exit(f"{model}: no such file")
-        a, b = [], []
+        a, b, c = [], [], []
         for _ in range(args.rounds):
             a.append(ours(model, args.prompt, args.n, args.threads, args.ctx))
             b.append(theirs(model, args.prompt, args.n, args.threads, args.ctx))
+            if args.exact:
+                c.append(ours(model, args.prompt, args.n, args.threads, args.ctx, exact=True))
             peak.sample()
         best_a = max(r["tokens_per_s"] for r in a)
         best_b = max(r["tokens_per_s"] for r in b)
@@ -141,6 +148,12 @@ def main() -> None:
         common = os.path.commonprefix([a[0]["text"], b[0]["text"]])
         gf = flop_per_token(model) * best_a / 1e9
         rows.append((model.name, best_a, best_b, rss_a, rss_b, same, gf, a[0], b[0], len(common)))
+        if c:
+            best_c = max(r["tokens_per_s"] for r in c)
+            common_c = os.path.commonprefix([c[0]["text"], b[0]["text"]])
+            rows.append((model.name + " --exact", best_c, best_b, max(r["rss_mib"] for r in c), rss_b,
+                         c[0]["text"] == b[0]["text"], flop_per_token(model) * best_c / 1e9, c[0], b[0],
+                         len(common_c)))
     print(f"generate: {args.n} tokens after {args.prompt!r}, greedy, {args.threads} threads, context "
           f"{args.ctx}, best of {args.rounds} alternating rounds; {peak.describe()}")
     print(f"{'model':38s} {'ours t/s':>9s} {'llama.cpp':>9s} {'ratio':>6s} | {'ours MiB':>8s} "

@@ -19,7 +19,8 @@ from ggtrain.cli.common import make_backend, file_errors
 from ggtrain.cli.loop import BACKEND, THREADS
 from ggtrain.cli.tasks import run_task, task_words
 from ggtrain.cli.main import app
-from ggtrain.core.models.decoder import ModelConfig, Decoder, Runner, generate
+from ggtrain.core.models.decoder import ModelConfig, Decoder, Runner, act8_available, generate
+from ggtrain.core import ops
 from ggtrain.core.models.families import FAMILIES
 from ggtrain.core.sampling import Sampler
 from ggtrain.errors import ConfigError
@@ -32,6 +33,11 @@ from ggtrain.formats.tasks import read_task
 
 # the context generate reserves when it runs until end of generation (-n -1) and no --ctx is given
 UNTIL_EOG_CTX = 4096
+EXACT = typer.Option(False, "--exact",
+                     help="Multiply quantized weights by the activations in f32. By default the CPU does as "
+                          "llama.cpp: activations rounded to 8 bits in blocks of 32, integer block products "
+                          f"(weights stored as {', '.join(ops.ACT8_TYPES)}; other types, and CUDA, are f32), "
+                          "~1e-3 relative from f32 and llama.cpp's numbers and greedy text.")
 
 
 def _open(model, lora, lora_scale, backend):
@@ -71,6 +77,7 @@ def generate_cmd(
                             f"min({UNTIL_EOG_CTX}, the model's context) with -n -1)."),
     threads: int = THREADS,
     backend: str = BACKEND,
+    exact: bool = EXACT,
     timings: bool = typer.Option(False, "--timings", help='Print {"load_s", "prompt_tokens", "prompt_s", '
                                  '"tokens", "tokens_per_s"} as JSON on stderr at the end.'),
 ):
@@ -105,7 +112,7 @@ def generate_cmd(
     if n == 0:
         sys.stdout.write("\n")
         return
-    decoder = Decoder(cfg, weights, be, n_ctx=n_ctx, adapters=adapters)
+    decoder = Decoder(cfg, weights, be, n_ctx=n_ctx, adapters=adapters, act8=not exact and act8_available(be))
     text = codecs.getincrementaldecoder("utf-8")(errors="replace")
     stop = frozenset(tok.eog_ids)
     t_loaded = time.perf_counter()
@@ -143,6 +150,7 @@ def eval_cmd(
     quiet: bool = typer.Option(False, "--quiet", help="No progress bar."),
     threads: int = THREADS,
     backend: str = BACKEND,
+    exact: bool = EXACT,
 ):
     """Perplexity of a model on a text (non-overlapping windows, every token scored once), or
     its accuracy on a multiple-choice task."""
@@ -161,7 +169,8 @@ def eval_cmd(
         items = items[:limit] if limit else items
         if not 0 <= ctx <= cfg.ctx:
             raise ConfigError(f"--ctx {ctx}: must be in 1..{cfg.ctx} (the model's context)")
-        decoder = Decoder(cfg, weights, be, n_ctx=ctx or cfg.ctx, adapters=adapters)
+        decoder = Decoder(cfg, weights, be, n_ctx=ctx or cfg.ctx, adapters=adapters,
+                          act8=not exact and act8_available(be))
         result = run_task(decoder, tok, items, quiet=quiet)
         if as_json:
             typer.echo(json.dumps(result))
@@ -178,7 +187,8 @@ def eval_cmd(
     ids = tok.encode(text, add_bos=tok.add_bos)
     if len(ids) < 2:
         raise ConfigError(f"--data {data}: fewer than 2 tokens to score")
-    runner = Runner(cfg, weights, be, length=min(length, len(ids) - 1), adapters=adapters, n_ctx=length)
+    runner = Runner(cfg, weights, be, length=min(length, len(ids) - 1), adapters=adapters, n_ctx=length,
+                    act8=not exact and act8_available(be))
     total, count = 0.0, 0
     for start in range(0, len(ids) - 1, runner.length):
         window = ids[start:start + runner.length + 1]

@@ -568,6 +568,32 @@ register(OpDef("matmul", _infer_matmul, "matmul_fwd", backward=_matmul_bwd,
                unit_stride_2d=(0, 1), dtypes=_WEIGHT_VARIANTS, suffix=lambda y: _weight_suffix(y.srcs[1])))
 
 
+# the weight types whose product with 8-bit activations has a kernel (native/checks.h's
+# GT_ACT8_TYPES, read from the library)
+ACT8_TYPES = tuple(w for w in WEIGHT_TYPES if hasattr(lib, f"gt_matmul_q8_fwd_f32_{w}"))
+
+
+def matmul_q8(a: Tensor, b: Tensor) -> Tensor:
+    """a (..., M, K) @ b, b the transposed view W.T of a stored weight W (N, K) of an
+    ACT8_TYPES type, with a's rows first quantized to 8 bits in blocks of 32 and the block
+    products summed in integers: llama.cpp's numerics for a quantized weight (native/cpu/
+    qdot8.c). Forward only: generation and evaluation, never training."""
+    return apply("matmul_q8", [a, b])
+
+
+def _infer_matmul_q8(srcs, params):
+    a, b = srcs
+    _need(b.dtype in ACT8_TYPES, f"matmul_q8: the weight must be stored in one of {', '.join(ACT8_TYPES)}, "
+          f"got {b.dtype} ({b!r})", DTypeError)
+    shape, dtype = _infer_matmul(srcs, params)
+    _need(b.strides[-2] == 1, f"matmul_q8: the weight must be the view W.T (x @ W.T), got strides {b.strides}")
+    return shape, dtype
+
+
+register(OpDef("matmul_q8", _infer_matmul_q8, "matmul_q8_fwd", unit_stride_2d=(0,), differentiable=(),
+               dtypes=tuple(f"f32_{w}" for w in ACT8_TYPES), suffix=lambda y: _weight_suffix(y.srcs[1])))
+
+
 def linear(x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
     """x (..., K) @ w.T + b for a weight w (N, K) stored like ggml/PyTorch (composite)."""
     y = matmul(x, transpose(w, -1, -2))

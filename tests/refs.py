@@ -22,6 +22,48 @@ def rounded(x, drop: int):
     return u.astype(np.uint32).view(np.float32)
 
 
+def act8_quantize(x):
+    """llama.cpp's 8-bit activations of rows x (..., K): q (..., K/32, 32) int, d and s (..., K/32) as f32."""
+    x = np.asarray(x, np.float32)
+    xb = x.reshape(x.shape[:-1] + (x.shape[-1] // 32, 32))
+    amax = np.abs(xb).max(-1)
+    with np.errstate(divide="ignore"):
+        idv = np.where(amax != 0, np.float32(127) / np.where(amax != 0, amax, 1), np.float32(0)).astype(np.float32)
+    q = np.rint(xb * idv[..., None]).astype(np.int32)
+    d = (amax / np.float32(127)).astype(np.float32)
+    s = (d * q.sum(-1).astype(np.float32)).astype(np.float32)
+    return q, d.astype(np.float16).astype(np.float32), s.astype(np.float16).astype(np.float32)
+
+def weight_blocks(raw, wtype, R, C):
+    """(q (R, C/32, 32) int, d, m (R, C/32)) of a stored q4_0 / q4_1 / q8_0 matrix."""
+    nb = C // 32
+    if wtype == "q8_0":
+        b = np.frombuffer(raw, np.uint8).reshape(R, nb, 34)
+        d = b[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
+        return b[..., 2:].view(np.int8).astype(np.int32), d, np.zeros_like(d)
+    bb = 18 if wtype == "q4_0" else 20
+    b = np.frombuffer(raw, np.uint8).reshape(R, nb, bb)
+    d = b[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
+    m = b[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32) if wtype == "q4_1" else np.zeros_like(d)
+    qs = b[..., bb - 16:]
+    q = np.concatenate([qs & 15, qs >> 4], -1).astype(np.int32)
+    return (q - 8 if wtype == "q4_0" else q), d, m
+
+def weight_blocks_f64(raw, wtype, R, C):
+    """The stored q4_0 / q4_1 / q8_0 matrix (R, C) in float64: d * q (+ m)."""
+    q, d, m = weight_blocks(raw, wtype, R, C)
+    return (q * d[..., None].astype(np.float64) + m[..., None]).reshape(R, C)
+
+
+def act8_matmul(x, raw, wtype, R, C):
+    """float64 x @ W^T as llama.cpp computes it with 8-bit activations."""
+    qx, dx, sx = act8_quantize(x)
+    qw, dw, mw = weight_blocks(raw, wtype, R, C)
+    isum = np.einsum("...bk,rbk->...rb", qx.astype(np.int64), qw.astype(np.int64)).astype(np.float64)
+    return (isum * (dw.astype(np.float64) * dx[..., None, :].astype(np.float64))).sum(-1) + \
+           (mw.astype(np.float64) * sx[..., None, :].astype(np.float64)).sum(-1)
+
+
 def rms_norm(x, eps):
     """x / sqrt(mean(x^2, last dim) + eps)."""
     x = _f64(x)

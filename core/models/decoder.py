@@ -197,8 +197,13 @@ def linear(x, params: dict, name: str, lora: dict | None = None):
     scale * (x @ A.T) @ B.T with lora[name] = (A (r, n_in), B (n_out, r), scale), as
     llama.cpp applies an adapter (scale = user scale * alpha / r). A fourth item
     (p, seed, salt) drops the adapter's input out in training (ops.dropout; PEFT's
-    lora_dropout), never the base product's."""
-    y = ops.linear(x, params[name])
+    lora_dropout), never the base product's. With params.act8 (FrozenParams), a weight of an
+    ops.ACT8_TYPES type multiplies x quantized to 8 bits (ops.matmul_q8) instead."""
+    w = params[name]
+    if getattr(params, "act8", False) and w.dtype in ops.ACT8_TYPES:     # llama.cpp's numerics
+        y = ops.matmul_q8(x, ops.transpose(w, -1, -2))
+    else:
+        y = ops.linear(x, w)
     if lora and name in lora:
         a, b, scale, *drop = lora[name]
         xa = ops.dropout(x, *drop[0]) if drop and drop[0] is not None else x
@@ -457,14 +462,28 @@ def sequence_nll(cfg: ModelConfig, params: dict, x, targets, select, n_chunks: i
     return total
 
 
-def _frozen(graph, weights: dict, adapters: dict | None) -> tuple:
-    """Graph parameters for fixed weights: {name: Tensor}, the LoRA dict for forward, and
-    {Tensor: buffer} of the weights that are already in backend memory (to bind).
+class FrozenParams(dict):
+    """{name: Tensor} of fixed weights; act8: their products with quantized weights take
+    8-bit activations (`linear`)."""
+
+    act8 = False
+
+
+def act8_available(backend) -> bool:
+    """Whether `backend` has the 8-bit-activation products (the CPU does; CUDA computes f32)."""
+    return bool(ops.ACT8_TYPES) and all(backend.supports(f"matmul_q8_fwd_f32_{w}") for w in ops.ACT8_TYPES)
+
+
+def _frozen(graph, weights: dict, adapters: dict | None, act8: bool = False) -> tuple:
+    """Graph parameters for fixed weights: {name: Tensor} (FrozenParams, act8 as given), the
+    LoRA dict for forward, and {Tensor: buffer} of the weights that are already in backend
+    memory (to bind).
 
     weights: {name: f32 array, or StoredTensor (bytes already in a backend buffer, any
     stored type)}; adapters: {weight name: (A, B, scale)} with f32 arrays.
     """
-    params, stored = {}, {}
+    params, stored = FrozenParams(), {}
+    params.act8 = act8
     for name, w in weights.items():
         if isinstance(w, StoredTensor):
             t = graph.param(w.shape, name=name, trainable=False, dtype=w.dtype)
@@ -488,15 +507,16 @@ class Runner:
 
     weights: {name: f32 array or StoredTensor}; adapters: {weight name: (A, B, scale)}.
     n_ctx: the run's context when it is not `length` (a user's --ctx, of which a short text
-    fills less): it picks phi3's long or short rope factors.
+    fills less): it picks phi3's long or short rope factors. act8: quantized weights multiply
+    8-bit activations, as llama.cpp does (see `linear`; act8_available says where).
     """
 
     def __init__(self, cfg: ModelConfig, weights: dict, backend, batch: int = 1, length: int | None = None,
-                 adapters: dict | None = None, n_ctx: int = 0):
+                 adapters: dict | None = None, n_ctx: int = 0, act8: bool = False):
         self.cfg = cfg
         self.batch, self.length = batch, min(length or cfg.ctx, cfg.ctx)
         g = Graph()
-        params, lora, stored = _frozen(g, weights, adapters)
+        params, lora, stored = _frozen(g, weights, adapters, act8)
         self.tokens = g.input((batch, self.length), "i32", name="tokens")
         self.targets = g.input((batch, self.length), "i32", name="targets")
         self.pos = g.input((self.length,), "i32", name="pos")
@@ -555,20 +575,20 @@ class Decoder:
     The cache holds n_ctx positions (f32 keys and values per layer). Plans are compiled
     on demand per (tokens fed at once, cache rows attended): the rows attended grow in
     powers of two as the sequence does, so attention never reads more than twice the
-    rows in use; prompts are fed in chunks of `chunk` tokens.
+    rows in use; prompts are fed in chunks of `chunk` tokens. act8: as Runner's.
     """
 
     MIN_ROWS = 32
 
     def __init__(self, cfg: ModelConfig, weights: dict, backend, n_ctx: int | None = None,
-                 adapters: dict | None = None, chunk: int = 256):
+                 adapters: dict | None = None, chunk: int = 256, act8: bool = False):
         self.cfg = cfg
         self.n_ctx = min(n_ctx or cfg.ctx, cfg.ctx)
         if self.n_ctx < 1 or chunk < 1:
             raise ConfigError(f"decoder: context {self.n_ctx} and chunk {chunk} must be >= 1")
         self.chunk = chunk
         self.graph = g = Graph()
-        self.params, self.lora, stored = _frozen(g, weights, adapters)
+        self.params, self.lora, stored = _frozen(g, weights, adapters, act8)
         kv = cfg.kv_heads * cfg.head_dim
         self.cache = [(g.state((self.n_ctx, kv), name=f"cache_k.{i}"),
                        g.state((self.n_ctx, kv), name=f"cache_v.{i}")) for i in range(cfg.layers)]

@@ -97,9 +97,31 @@ gt_dequant_fn gt_dequantizer_(int32_t dtype);
  * order). m <= GT_QDOT_MAX_M; K a whole number of blocks; scratch: 64-byte
  * alignable room for GT_QDOT_SCRATCH_FLOATS floats. */
 #define GT_QDOT_MAX_M 32
+/* The row-dot kernels read W once, row after row, and fetch the rows this far ahead (the
+ * hardware prefetcher alone left the 30 MB output projection at half the speed of an
+ * L2-resident W). Harmless past the end (prefetches do not fault). */
+#define GT_QDOT_PREFETCH_ROWS 8
 #define GT_QDOT_SCRATCH_FLOATS 512
 void gt_qdot_rows_(float *y, int64_t ldy, const float *x, int64_t ldx, int m, const uint8_t *w,
                    int64_t row_bytes, int32_t dtype, int64_t K, int64_t n0, int64_t n1, float *scratch);
+
+/* A block of 32 activations quantized to 8 bits as llama.cpp's quantize_row_q8_0/q8_1 do
+ * (qdot8.c): q = x * 127 / amax rounded to nearest even, d = amax / 127 and s = d * sum(q),
+ * each kept as its f16 rounding (here as the f32 value of that f16). */
+typedef struct gt_act8 {
+    float d, s;
+    int8_t q[32];
+} gt_act8;
+
+/* y[b] for the K / 32 blocks of x (K a multiple of 32). */
+void gt_act8_quantize_(gt_act8 *y, const float *x, int64_t K);
+/* 1 for the weight types the 8-bit path multiplies (GT_ACT8_TYPES), else 0. */
+int gt_act8_supports_(int32_t dtype);
+/* y[r * ldy + n] = the dot of x row r (K / 32 blocks, rows ldx blocks apart) with W row n,
+ * for r < m and n in [n0, n1), W (N rows) of a GT_ACT8_TYPES type with rows row_bytes apart;
+ * qdot8.c's top comment gives the integer and float order (which for Q4_0 depends on N). */
+void gt_qdot8_rows_(float *y, int64_t ldy, const gt_act8 *x, int64_t ldx, int m, const uint8_t *w,
+                    int64_t row_bytes, int32_t dtype, int64_t K, int64_t N, int64_t n0, int64_t n1);
 
 /* C (M x N, row stride ldc) = (acc ? C : 0) + A @ B for the small products inside fused
  * kernels (matmul.c, the skinny path's register tiles): A[m, k] at a[m*ars + k*acs] (any

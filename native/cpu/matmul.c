@@ -913,7 +913,34 @@ static void small_m(float *C, int64_t ldc, const float *x, operand A, int64_t M,
  * is reused. K = 0 gives zeros. Exact per-element FMA chain over k in order
  * (see the top of the file), so results do not depend on the thread count.
  * wdata: gt_matmul_fwd_f32_sizes' work bytes per thread. */
-static int matmul(const gt_node *node, const gt_ctx *ctx, int32_t wtype) {
+/* Work bytes per thread of matmul_q8: a row of x gathered when strided, and SMALL_M rows of
+ * it quantized. */
+static int64_t act8_work_size(int64_t K) {
+    return (K > 0 ? K : 0) * (int64_t)sizeof(float) + SMALL_M * (K / 32 + 1) * (int64_t)sizeof(gt_act8) + ALIGN;
+}
+
+/* C[:Mx, n0:n1] (row stride ldc) = x (Mx, K; strides of A) quantized to 8 bits @ W^T[:, n0:n1]
+ * (qdot8.c), SMALL_M rows of x at a time. */
+static void act8_rows(float *C, int64_t ldc, const float *x, operand A, int64_t Mx, int64_t K, int64_t N,
+                      int32_t dtype, const wsource *W, int64_t n0, int64_t n1, void *work) {
+    float *row = (float *)(((uintptr_t)work + ALIGN - 1) & ~(uintptr_t)(ALIGN - 1));
+    gt_act8 *q = (gt_act8 *)(row + K);
+    const int64_t nb = K / 32;
+    for (int64_t m0 = 0; m0 < Mx; m0 += SMALL_M) {
+        const int64_t g = Mx - m0 < SMALL_M ? Mx - m0 : SMALL_M;
+        for (int64_t r = 0; r < g; r++) {
+            const float *xr = x + (m0 + r) * A.rs;
+            if (A.cs != 1) {
+                for (int64_t k = 0; k < K; k++) row[k] = xr[k * A.cs];
+                xr = row;
+            }
+            gt_act8_quantize_(q + r * nb, xr, K);
+        }
+        gt_qdot8_rows_(C + m0 * ldc, ldc, q, nb, (int)g, W->p, W->row_bytes, dtype, K, N, n0, n1);
+    }
+}
+
+static int matmul(const gt_node *node, const gt_ctx *ctx, int32_t wtype, int act8) {
     const gt_tensor *d = &node->dst, *a = &node->src[0], *b = &node->src[1];
     if (node->n_src != 2) return GT_FAIL(GT_ERR_INVALID, "matmul: expected 2 inputs, got %d", node->n_src);
     GT_CHECK_F32(d, "matmul", "dst");
@@ -973,7 +1000,7 @@ static int matmul(const gt_node *node, const gt_ctx *ctx, int32_t wtype) {
     if (B.rs != 1 && B.cs != 1)
         return GT_FAIL(GT_ERR_INVALID, "matmul: src1 must have row or column stride 1, got strides "
                        "(%lld, %lld)", (long long)B.rs, (long long)B.cs);
-    const int64_t need = wtype == GT_F32 ? work_size() : weight_work_size(K);
+    const int64_t need = act8 ? act8_work_size(K) : wtype == GT_F32 ? work_size() : weight_work_size(K);
     if (!ctx->wdata || ctx->wsize < need)
         return GT_FAIL(GT_ERR_INVALID, "matmul: needs %lld bytes of per-thread scratch, got %lld",
                        (long long)need, (long long)(ctx->wdata ? ctx->wsize : 0));
@@ -998,6 +1025,30 @@ static int matmul(const gt_node *node, const gt_ctx *ctx, int32_t wtype) {
             Mx = M * nbatch;
             nbatch = 1;
         }
+    }
+
+    /* activations in 8 bits: row dots with W^T, threads splitting N */
+    if (act8) {
+        if (!W || !W->trans || !gt_act8_supports_(wtype))
+#define ACT8_NAME_(w, ID) " " #w
+            return GT_FAIL(GT_ERR_INVALID, "matmul_q8: expected x @ W^T with W stored in one of"
+                           GT_ACT8_TYPES(ACT8_NAME_));
+#undef ACT8_NAME_
+        int64_t lo, hi;
+        gt_split((N + SMALL_N_UNIT - 1) / SMALL_N_UNIT, ctx, &lo, &hi);
+        lo *= SMALL_N_UNIT;
+        hi = hi * SMALL_N_UNIT < N ? hi * SMALL_N_UNIT : N;
+        if (lo >= hi) return GT_OK;
+        for (int64_t t = 0; t < nbatch; t++) {
+            const float *x = A.p;
+            int64_t rem = t;
+            for (int i = nb - 1; i >= 0; i--) {
+                x += rem % d->shape[i] * sa[i];
+                rem /= d->shape[i];
+            }
+            act8_rows(C + t * Mx * N, N, x, A, Mx, K, N, wtype, W, lo, hi, ctx->wdata);
+        }
+        return GT_OK;
     }
 
     /* a few rows times a transposed stored weight: the row-dot path */
@@ -1053,15 +1104,28 @@ static int matmul(const gt_node *node, const gt_ctx *ctx, int32_t wtype) {
     return GT_OK;
 }
 
-int gt_matmul_fwd_f32(const gt_node *node, const gt_ctx *ctx) { return matmul(node, ctx, GT_F32); }
+int gt_matmul_fwd_f32(const gt_node *node, const gt_ctx *ctx) { return matmul(node, ctx, GT_F32, 0); }
 
 /* gt_matmul_fwd_f32_<w> for every stored weight type: the same kernel, with a
  * weight type to check src1 against and dequantize it from. */
 #define MATMUL_WEIGHT(w, ID)                                                                   \
     int gt_matmul_fwd_f32_##w(const gt_node *node, const gt_ctx *ctx) {                        \
-        return matmul(node, ctx, ID);                                                          \
+        return matmul(node, ctx, ID, 0);                                                       \
     }                                                                                          \
     int gt_matmul_fwd_f32_##w##_sizes(const gt_node *node, int64_t *scratch, int64_t *work) {  \
         return matmul_weight_sizes(node, scratch, work, ID);                                   \
     }
 GT_WEIGHT_TYPES(MATMUL_WEIGHT)
+
+/* gt_matmul_q8_fwd_f32_<w>: the product with x quantized to 8 bits (qdot8.c). */
+#define MATMUL_ACT8(w, ID)                                                                     \
+    int gt_matmul_q8_fwd_f32_##w(const gt_node *node, const gt_ctx *ctx) {                     \
+        return matmul(node, ctx, ID, 1);                                                       \
+    }                                                                                          \
+    int gt_matmul_q8_fwd_f32_##w##_sizes(const gt_node *node, int64_t *scratch, int64_t *work) { \
+        const gt_tensor *a = &node->src[0];                                                    \
+        *scratch = 0;                                                                          \
+        *work = act8_work_size(a->ndim >= 1 ? a->shape[a->ndim - 1] : 0);                      \
+        return GT_OK;                                                                          \
+    }
+GT_ACT8_TYPES(MATMUL_ACT8)

@@ -103,10 +103,7 @@ GT_CLONES static void rows_plain(float *y, int64_t ldy, const float *x, int64_t 
 
 #if defined(__x86_64__)
 
-/* W is read once, row after row: fetch the rows this far ahead (the hardware
- * prefetcher alone left the 30 MB output projection at half the speed of an
- * L2-resident W). Harmless past the end (prefetches do not fault). */
-#define PF_ROWS 8
+#define PF_ROWS GT_QDOT_PREFETCH_ROWS
 
 /* 16-element chunks per unit, a constant for every kind but K_GEN */
 #define CHUNKS(kind, unit)                                                                       \

@@ -1,0 +1,297 @@
+/* qdot8.c: x @ W^T with the activations quantized to 8 bits, as llama.cpp multiplies a
+ * quantized weight by a vector (generation and evaluation; never training).
+ *
+ * Activations: each row of x, in blocks of 32 along k, becomes a gt_act8 as llama.cpp's
+ * AVX2 quantize_row_q8_0/q8_1 make them: amax = max |x|, d = amax / 127, q = x * (127 /
+ * amax) rounded to nearest even (0 where amax is 0), d kept as its f16 rounding, and
+ * s = f16(d * sum q) for the weight types with a minimum (Q4_1).
+ *
+ * The dot of a W row with an x row, as llama.cpp's AVX2 build computes it (its vec_dot
+ * functions, and for Q4_0 the GEMV of the weights it repacks), integer products exact:
+ *   Q4_1, Q8_0, and Q4_0 when W's rows are not a multiple of 8 (llama.cpp does not repack
+ *   those): per block b,
+ *     lane l (0..7) = sum over i in 4l .. 4l+3 of w_q[i] * x_q[i]
+ *       (w_q: Q4_0 nibble - 8, Q4_1 nibble, Q8_0 the byte; element i of the block),
+ *     acc[l] = fma(f16(w.d) * x.d, (float)lane l, acc[l])      (acc = +0 at the start),
+ *     summs = fma(f16(w.m), x.s, summs)                         (Q4_1 only),
+ *   then y = ((acc0 + acc4) + (acc2 + acc6)) + ((acc1 + acc5) + (acc3 + acc7)) + summs;
+ *   Q4_0 with W's rows a multiple of 8 (llama.cpp repacks it, ggml_gemv_q4_0_8x8_q8_0): one
+ *   chain, y = +0, then per block y = fma((float)(sum of the block's 32 products),
+ *   f16(w.d) * x.d, y).
+ * The plain C path and the AVX2 one (and its VNNI forms, the same integers) give the same
+ * bits for any split of W's rows between threads.
+ */
+#include <math.h>
+#include <string.h>
+
+#include "internal.h"
+#include "simd.h"
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+/* ---- activations -------------------------------------------------------------------- */
+
+static void quantize_block(gt_act8 *y, const float *x) {
+    float amax = 0.0f;
+    for (int i = 0; i < 32; i++) {
+        const float a = fabsf(x[i]);
+        amax = a > amax ? a : amax;
+    }
+    const float d = amax / 127.0f, id = amax != 0.0f ? 127.0f / amax : 0.0f;
+    int32_t sum = 0;
+    for (int i = 0; i < 32; i++) {
+        const int32_t q = (int32_t)nearbyintf(x[i] * id);   /* the default mode: nearest even */
+        y->q[i] = (int8_t)q;
+        sum += q;
+    }
+    y->d = gt_f16_to_f32_1(gt_f32_to_f16_1(d));
+    y->s = gt_f16_to_f32_1(gt_f32_to_f16_1(d * (float)sum));
+}
+
+#if defined(__x86_64__)
+/* The same block with AVX2: the max of |x| (exact in any order), x * id rounded to nearest
+ * even by vroundps (nearbyintf's default mode), the integer sum, the scales as above. */
+__attribute__((target("avx2,fma,f16c"))) static void quantize_block_avx2(gt_act8 *y, const float *x) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 v[4], m = _mm256_setzero_ps();
+    for (int j = 0; j < 4; j++) {
+        v[j] = _mm256_loadu_ps(x + 8 * j);
+        m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[j]));
+    }
+    __m128 m4 = _mm_max_ps(_mm256_extractf128_ps(m, 1), _mm256_castps256_ps128(m));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    const float amax = _mm_cvtss_f32(m4);
+    const float d = amax / 127.0f, id = amax != 0.0f ? 127.0f / amax : 0.0f;
+    const __m256 idv = _mm256_set1_ps(id);
+    __m256i q[4], sum = _mm256_setzero_si256();
+    for (int j = 0; j < 4; j++) {
+        q[j] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[j], idv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        sum = _mm256_add_epi32(sum, q[j]);
+    }
+    const __m256i p = _mm256_permutevar8x32_epi32(
+        _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3])),
+        _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256((__m256i *)y->q, p);
+    __m128i s4 = _mm_add_epi32(_mm256_extracti128_si256(sum, 1), _mm256_castsi256_si128(sum));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+    y->d = _cvtsh_ss(_cvtss_sh(d, _MM_FROUND_TO_NEAREST_INT));
+    y->s = _cvtsh_ss(_cvtss_sh(d * (float)_mm_cvtsi128_si32(s4), _MM_FROUND_TO_NEAREST_INT));
+}
+#endif
+
+void gt_act8_quantize_(gt_act8 *y, const float *x, int64_t K) {
+#if defined(__x86_64__)
+    if (gt_simd_level_() >= 1 && __builtin_cpu_supports("f16c")) {
+        for (int64_t b = 0; b < K / 32; b++) quantize_block_avx2(y + b, x + 32 * b);
+        return;
+    }
+#endif
+    for (int64_t b = 0; b < K / 32; b++) quantize_block(y + b, x + 32 * b);
+}
+
+/* ---- the weight blocks ---------------------------------------------------------------- */
+
+enum kind { K_Q4_0, K_Q4_1, K_Q8_0 };
+
+static int kind_of(int32_t dtype) {
+    switch (dtype) {
+    case GT_Q4_0: return K_Q4_0;
+    case GT_Q4_1: return K_Q4_1;
+    case GT_Q8_0: return K_Q8_0;
+    default: return -1;
+    }
+}
+
+int gt_act8_supports_(int32_t dtype) { return kind_of(dtype) >= 0; }
+
+/* element i of a block as an integer */
+static inline int32_t wq(int kind, const uint8_t *b, int i) {
+    switch (kind) {
+    case K_Q4_0: return (i < 16 ? b[2 + i] & 15 : b[2 + i - 16] >> 4) - 8;
+    case K_Q4_1: return i < 16 ? b[4 + i] & 15 : b[4 + i - 16] >> 4;
+    default: return (int8_t)b[2 + i];
+    }
+}
+
+static inline float hsum8(const float a[8]) {
+    const float r0 = a[0] + a[4], r1 = a[1] + a[5], r2 = a[2] + a[6], r3 = a[3] + a[7];
+    return (r0 + r2) + (r1 + r3);
+}
+
+/* ---- plain C ---------------------------------------------------------------------------- */
+
+static void rows_plain(float *y, int64_t ldy, const gt_act8 *x, int64_t ldx, int m, const uint8_t *w,
+                       int64_t row_bytes, int kind, int chain, int block_bytes, int64_t nb, int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; n++)
+        for (int r = 0; r < m; r++) {
+            const gt_act8 *xr = x + r * ldx;
+            float acc[8] = {0}, summs = 0.0f, one = 0.0f;
+            for (int64_t b = 0; b < nb; b++) {
+                const uint8_t *wb = w + n * row_bytes + b * block_bytes;
+                const float dd = gt_f16_to_f32_1((uint16_t)(wb[0] | wb[1] << 8)) * xr[b].d;
+                int32_t lane[8], all = 0;
+                for (int l = 0; l < 8; l++) {
+                    int32_t s = 0;
+                    for (int i = 4 * l; i < 4 * l + 4; i++) s += wq(kind, wb, i) * xr[b].q[i];
+                    lane[l] = s;
+                    all += s;
+                }
+                if (chain) {
+                    one = fmaf((float)all, dd, one);
+                    continue;
+                }
+                for (int l = 0; l < 8; l++) acc[l] = fmaf(dd, (float)lane[l], acc[l]);
+                if (kind == K_Q4_1) summs = fmaf(gt_f16_to_f32_1((uint16_t)(wb[2] | wb[3] << 8)), xr[b].s, summs);
+            }
+            y[r * ldy + n] = chain ? one : hsum8(acc) + summs;
+        }
+}
+
+/* ---- AVX2 (and VNNI) ------------------------------------------------------------------------ */
+
+#if defined(__x86_64__)
+#define T8 "avx2,fma,f16c"
+#define T8_VNNI "avx2,fma,f16c,avxvnni"
+#define T8_VNNI512 "avx2,fma,f16c,avx512f,avx512vl,avx512vnni"
+enum { DOT_MADD, DOT_VNNI, DOT_VNNI512 };
+
+/* The block's 32 weights as signed bytes (Q4_1: unsigned nibbles), element i in byte i. */
+#define WBYTES(kind, b)                                                                                        \
+    ((kind) == K_Q8_0 ? _mm256_loadu_si256((const __m256i *)((b) + 2))                                         \
+                      : wbytes4((kind), _mm_loadu_si128((const __m128i *)((b) + ((kind) == K_Q4_1 ? 4 : 2)))))
+
+static inline __attribute__((always_inline, target(T8))) __m256i wbytes4(int kind, __m128i raw) {
+    const __m128i m4 = _mm_set1_epi8(15);
+    const __m256i v = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), m4), _mm_and_si128(raw, m4));
+    return kind == K_Q4_0 ? _mm256_sub_epi8(v, _mm256_set1_epi8(8)) : v;
+}
+
+static inline __attribute__((always_inline, target(T8))) int32_t hsum_i32(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_extracti128_si256(v, 1), _mm256_castsi256_si128(v));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+    return _mm_cvtsi128_si32(s);
+}
+
+static inline __attribute__((always_inline, target(T8))) float hsum8_256(__m256 a) {
+    float t[8];
+    _mm256_storeu_ps(t, a);
+    return hsum8(t);
+}
+
+/* NW rows of W (from w), MM rows of x. u: the unsigned operand of the byte products (|w|, or
+ * Q4_1's nibbles), v: x with w's sign (or x); lanes l = the sum of bytes 4l .. 4l+3's products,
+ * by maddubs + madd (the pair sums never saturate: |w| <= 127, |x| <= 127) or by VNNI's dpbusd,
+ * the same integers. */
+#define BODY8(NAME, TARGET, DPB)                                                                                  \
+    static inline __attribute__((always_inline, target(TARGET))) void NAME(                                     \
+        float *y, int64_t ldy, const gt_act8 *x, int64_t ldx, const uint8_t *w, int64_t row_bytes, int kind,     \
+        int chain, int block_bytes, int64_t nb, int NW, int MM) {                                                \
+        __m256 acc[2][4];                                                                                        \
+        float summs[2][4];                                                                                       \
+        for (int j = 0; j < NW; j++)                                                                             \
+            for (int r = 0; r < MM; r++) {                                                                       \
+                acc[j][r] = _mm256_setzero_ps();                                                                 \
+                summs[j][r] = 0.0f;                                                                              \
+            }                                                                                                    \
+        for (int64_t b = 0; b < nb; b++) {                                                                       \
+            _Pragma("GCC unroll 2") for (int j = 0; j < NW; j++) {                                               \
+                const uint8_t *wb = w + j * row_bytes + b * block_bytes;                                         \
+                _mm_prefetch((const char *)(wb + GT_QDOT_PREFETCH_ROWS * row_bytes), _MM_HINT_T0);               \
+                const __m256i wv = WBYTES(kind, wb);                                                             \
+                const __m256i u = kind == K_Q4_1 ? wv : _mm256_sign_epi8(wv, wv);                                \
+                const float dw = _cvtsh_ss((uint16_t)(wb[0] | wb[1] << 8));                                      \
+                const float mw = kind == K_Q4_1 ? _cvtsh_ss((uint16_t)(wb[2] | wb[3] << 8)) : 0.0f;              \
+                _Pragma("GCC unroll 4") for (int r = 0; r < MM; r++) {                                           \
+                    const gt_act8 *xb = x + r * ldx + b;                                                         \
+                    const __m256i xv = _mm256_loadu_si256((const __m256i *)xb->q);                               \
+                    const __m256i lanes = DPB(u, kind == K_Q4_1 ? xv : _mm256_sign_epi8(xv, wv));                \
+                    if (chain) {                                                                                 \
+                        summs[j][r] = fmaf((float)hsum_i32(lanes), dw * xb->d, summs[j][r]);                     \
+                        continue;                                                                                \
+                    }                                                                                            \
+                    acc[j][r] = _mm256_fmadd_ps(_mm256_set1_ps(dw * xb->d), _mm256_cvtepi32_ps(lanes), acc[j][r]); \
+                    if (kind == K_Q4_1) summs[j][r] = fmaf(mw, xb->s, summs[j][r]);                              \
+                }                                                                                                \
+            }                                                                                                    \
+        }                                                                                                        \
+        for (int j = 0; j < NW; j++)                                                                             \
+            for (int r = 0; r < MM; r++)                                                                         \
+                y[r * ldy + j] = chain ? summs[j][r] : hsum8_256(acc[j][r]) + summs[j][r];                       \
+    }
+
+#define DPB_MADD(u, v) _mm256_madd_epi16(_mm256_maddubs_epi16((u), (v)), _mm256_set1_epi16(1))
+#define DPB_VNNI(u, v) _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), (u), (v))
+#define DPB_VNNI512(u, v) _mm256_dpbusd_epi32(_mm256_setzero_si256(), (u), (v))
+BODY8(body8_madd, T8, DPB_MADD)
+BODY8(body8_vnni, T8_VNNI, DPB_VNNI)
+BODY8(body8_vnni512, T8_VNNI512, DPB_VNNI512)
+
+/* one function per (dot, kind): NW (1, 2) and MM (1..4) picked at run time, the kind's and
+ * the shape's branches folded away in each body */
+#define ROWS8_FN(BODY, TARGET, KIND)                                                                            \
+    __attribute__((target(TARGET))) static void rows8_##BODY##_##KIND(                                          \
+        float *y, int64_t ldy, const gt_act8 *x, int64_t ldx, const uint8_t *w, int64_t row_bytes, int chain,    \
+        int block_bytes, int64_t nb, int mm, int nw) {                                                          \
+        switch (mm * 2 + nw - 1) {                                                                              \
+        case 2: BODY(y, ldy, x, ldx, w, row_bytes, KIND, chain, block_bytes, nb, 1, 1); break;                  \
+        case 3: BODY(y, ldy, x, ldx, w, row_bytes, KIND, chain, block_bytes, nb, 2, 1); break;                  \
+        case 4: BODY(y, ldy, x, ldx, w, row_bytes, KIND, chain, block_bytes, nb, 1, 2); break;                  \
+        case 5: BODY(y, ldy, x, ldx, w, row_bytes, KIND, chain, block_bytes, nb, 2, 2); break;                  \
+        case 6: BODY(y, ldy, x, ldx, w, row_bytes, KIND, chain, block_bytes, nb, 1, 3); break;                  \
+        case 7: BODY(y, ldy, x, ldx, w, row_bytes, KIND, chain, block_bytes, nb, 2, 3); break;                  \
+        case 8: BODY(y, ldy, x, ldx, w, row_bytes, KIND, chain, block_bytes, nb, 1, 4); break;                  \
+        case 9: BODY(y, ldy, x, ldx, w, row_bytes, KIND, chain, block_bytes, nb, 2, 4); break;                  \
+        default: break;                                                                                         \
+        }                                                                                                       \
+    }
+#define ROWS8_KINDS(BODY, TARGET) \
+    ROWS8_FN(BODY, TARGET, K_Q4_0) ROWS8_FN(BODY, TARGET, K_Q4_1) ROWS8_FN(BODY, TARGET, K_Q8_0)
+ROWS8_KINDS(body8_madd, T8)
+ROWS8_KINDS(body8_vnni, T8_VNNI)
+ROWS8_KINDS(body8_vnni512, T8_VNNI512)
+
+typedef void (*rows8_fn)(float *y, int64_t ldy, const gt_act8 *x, int64_t ldx, const uint8_t *w, int64_t row_bytes,
+                         int chain, int block_bytes, int64_t nb, int mm, int nw);
+static const rows8_fn ROWS8[3][3] = {
+    {rows8_body8_madd_K_Q4_0, rows8_body8_madd_K_Q4_1, rows8_body8_madd_K_Q8_0},
+    {rows8_body8_vnni_K_Q4_0, rows8_body8_vnni_K_Q4_1, rows8_body8_vnni_K_Q8_0},
+    {rows8_body8_vnni512_K_Q4_0, rows8_body8_vnni512_K_Q4_1, rows8_body8_vnni512_K_Q8_0}};
+
+/* the CPU's byte dot: AVX-VNNI, else AVX512-VNNI (with VL), else maddubs + madd */
+static int dot_level(void) {
+    static int level = -1;
+    if (level < 0)
+        level = __builtin_cpu_supports("avxvnni") ? DOT_VNNI
+              : __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") ? DOT_VNNI512
+              : DOT_MADD;
+    return level;
+}
+#endif /* __x86_64__ */
+
+void gt_qdot8_rows_(float *y, int64_t ldy, const gt_act8 *x, int64_t ldx, int m, const uint8_t *w,
+                    int64_t row_bytes, int32_t dtype, int64_t K, int64_t N, int64_t n0, int64_t n1) {
+    const int kind = kind_of(dtype);
+    const int chain = kind == K_Q4_0 && N % 8 == 0;
+    const int block_bytes = gt_dtype_find_(dtype)->block_bytes;
+    const int64_t nb = K / 32;
+#if defined(__x86_64__)
+    if (gt_simd_level_() >= 1 && __builtin_cpu_supports("f16c")) {
+        const rows8_fn fn = ROWS8[gt_simd_level_() >= 2 ? dot_level() : DOT_MADD][kind];
+        for (int r0 = 0; r0 < m; r0 += 4) {
+            const int g = m - r0 < 4 ? m - r0 : 4;
+            int64_t n = n0;
+            for (; n + 2 <= n1; n += 2)
+                fn(y + r0 * ldy + n, ldy, x + r0 * ldx, ldx, w + n * row_bytes, row_bytes, chain, block_bytes, nb, g, 2);
+            for (; n < n1; n++)
+                fn(y + r0 * ldy + n, ldy, x + r0 * ldx, ldx, w + n * row_bytes, row_bytes, chain, block_bytes, nb, g, 1);
+        }
+        return;
+    }
+#endif
+    rows_plain(y, ldy, x, ldx, m, w, row_bytes, kind, chain, block_bytes, nb, n0, n1);
+}

@@ -1,0 +1,105 @@
+"""Products of quantized weights with activations quantized to 8 bits (ops.matmul_q8, the
+kernels matmul_q8_fwd_f32_<w> of native/cpu/qdot8.c): llama.cpp's numerics for generation
+and evaluation, against a float64 reference of its quantize-then-dot semantics
+(tests/refs.py act8_quantize / act8_matmul)."""
+import numpy as np
+import pytest
+
+from ggtrain.core import ops
+from ggtrain.core.backend_cpu import CpuBackend, run_kernel
+from ggtrain.core.graph import Graph
+from ggtrain.errors import DTypeError, NativeError, ShapeError
+from ggtrain.formats.gguf import quantize
+from ggtrain.native import lib
+from tests import refs
+
+BACKENDS = {n: CpuBackend(n) for n in (1, 2, 3)}
+
+
+def _raw(W: np.ndarray, w: str) -> np.ndarray:
+    return np.frombuffer(bytes(quantize(W, w)), np.uint8)
+
+
+def q8(x, raw, w, R, C, n_threads=1):
+    """x @ W^T through matmul_q8_fwd_f32_<w>, W (R, C) stored as raw."""
+    dst = np.full(x.shape[:-1] + (R,), np.nan, np.float32)
+    return run_kernel(f"matmul_q8_fwd_f32_{w}", dst, [x, (raw, w, (C, R), (1, C))], n_threads=n_threads,
+                      backend=BACKENDS[n_threads])
+
+
+def test_the_library_has_the_types_the_op_names():
+    assert ops.ACT8_TYPES == ("q4_0", "q4_1", "q8_0")
+
+
+@pytest.mark.parametrize("w", ["q4_0", "q4_1", "q8_0"])
+@pytest.mark.parametrize("M,K,N", [(1, 32, 1), (1, 96, 40), (3, 256, 17), (5, 64, 33), (33, 128, 9)])
+def test_products_equal_the_float64_reference_of_quantize_then_dot(w, M, K, N):
+    """Every row: within float rounding of the float64 sum of the integer block products
+    scaled by the blocks' f16 scales (+ the Q4_1 minimum times the activations' f16 sum);
+    clearly not the f32 product (the activations were rounded to 8 bits); the same bits for
+    1, 2 and 3 threads. M = 33 crosses the kernel's groups of 32 rows."""
+    rng = np.random.default_rng(M * 1000 + K + N)
+    W = rng.standard_normal((N, K)).astype(np.float32)
+    x = rng.standard_normal((M, K)).astype(np.float32)
+    raw = _raw(W, w)
+    got = q8(x, raw, w, N, K)
+    want = refs.act8_matmul(x, raw.tobytes(), w, N, K)
+    scale = np.abs(want).max() + 1.0
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * scale)
+    exact = x.astype(np.float64) @ refs.weight_blocks_f64(raw.tobytes(), w, N, K).T
+    assert np.abs(exact - want).max() > 1e-4 * scale          # the 8-bit rounding is visible
+    for n in (2, 3):
+        np.testing.assert_array_equal(q8(x, raw, w, N, K, n), got)
+
+
+@pytest.mark.parametrize("w", ["q4_0", "q4_1", "q8_0"])
+def test_plain_c_and_simd_give_the_same_bits(w):
+    """The AVX2 path (integer lanes, then one FMA a lane and block) and the plain C path
+    (the same lanes written out) agree bit for bit."""
+    rng = np.random.default_rng(7)
+    W = rng.standard_normal((21, 160)).astype(np.float32)
+    x = (rng.standard_normal((6, 160)) * np.exp(rng.standard_normal((6, 160)))).astype(np.float32)
+    raw = _raw(W, w)
+    got = {}
+    try:
+        for level in (0, 1, 2):
+            lib.gt_set_simd_level(level)
+            got[level] = q8(x, raw, w, 21, 160)
+    finally:
+        lib.gt_set_simd_level(2)
+    np.testing.assert_array_equal(got[0], got[1])
+    np.testing.assert_array_equal(got[0], got[2])
+
+
+def test_activations_round_half_to_even_and_keep_f16_scales():
+    """A Q8_0 weight of ones (scale 1) sums the activations' integers times their scale: a
+    block whose largest magnitude is 127 keeps 127 / amax = 1, so x = 2.5, 3.5, -2.5, 0.5
+    round to nearest even (2, 4, -2, 0), as llama.cpp's AVX2 quantizer does; a block of zeros
+    gives 0 (no NaN), and a scale is the f16 rounding of amax / 127."""
+    block = np.zeros((1, 34), np.uint8)
+    block[0, :2] = np.frombuffer(np.float16(1.0).tobytes(), np.uint8)
+    block[0, 2:] = 1
+    raw = np.tile(block, (1, 3)).reshape(-1)         # one row, 3 blocks of K = 96
+    x = np.zeros((1, 96), np.float32)
+    x[0, :6] = [127.0, 2.5, 3.5, -2.5, 0.5, 1.5]      # block 0: 127 + 2 + 4 - 2 + 0 + 2
+    x[0, 64:66] = [0.1, -0.05]                        # block 2: amax 0.1
+    got = q8(x, raw, "q8_0", 1, 96)[0, 0]
+    d2 = np.float32(np.float16(np.float32(0.1) / np.float32(127)))
+    q2 = np.rint(np.float32(-0.05) * (np.float32(127) / np.float32(0.1)))        # -63.5 -> -64
+    assert q2 == -64
+    assert got == np.float32(133.0 + np.float64(d2) * (127 + q2))
+
+
+def test_bad_operands_are_refused():
+    g = Graph()
+    x = g.input((2, 64))
+    w16 = g.param((8, 64), name="w16", trainable=False, dtype="f16")
+    with pytest.raises(DTypeError, match="matmul_q8: the weight must be stored in one of q4_0, q4_1, q8_0"):
+        ops.matmul_q8(x, ops.transpose(w16, 0, 1))
+    wq = g.param((8, 64), name="wq", trainable=False, dtype="q8_0")
+    with pytest.raises(ShapeError, match=r"matmul_q8: the weight must be the view W.T"):
+        ops.matmul_q8(g.input((2, 8)), wq)
+    raw = _raw(np.ones((8, 64), np.float32), "q8_0")
+    with pytest.raises(NativeError, match=r"matmul_q8: expected x @ W\^T with W stored in one of q4_0 q4_1 q8_0"):
+        run_kernel("matmul_q8_fwd_f32_q8_0", np.zeros((2, 64), np.float32),
+                   [np.ones((2, 8), np.float32), (raw, "q8_0", (8, 64), (64, 1))])
