@@ -53,22 +53,55 @@ def test_products_equal_the_float64_reference_of_quantize_then_dot(w, M, K, N):
 
 
 @pytest.mark.parametrize("w", ["q4_0", "q4_1", "q8_0"])
-def test_plain_c_and_simd_give_the_same_bits(w):
-    """The AVX2 path (integer lanes, then one FMA a lane and block) and the plain C path
-    (the same lanes written out) agree bit for bit."""
+@pytest.mark.parametrize("N", [21, 44])
+def test_plain_c_and_simd_give_the_same_bits(w, N):
+    """The AVX2 path (maddubs, level 1), its VNNI form (level 2, where the CPU has it) and
+    the plain C path agree bit for bit: per-lane FMAs; for Q4_0 with N a multiple of 8 rows
+    (N = 44: five groups of 8 rows, then 4 rows alone) one chain a row, eight rows a vector."""
     rng = np.random.default_rng(7)
-    W = rng.standard_normal((21, 160)).astype(np.float32)
+    W = rng.standard_normal((N, 160)).astype(np.float32)
     x = (rng.standard_normal((6, 160)) * np.exp(rng.standard_normal((6, 160)))).astype(np.float32)
     raw = _raw(W, w)
     got = {}
     try:
         for level in (0, 1, 2):
             lib.gt_set_simd_level(level)
-            got[level] = q8(x, raw, w, 21, 160)
+            got[level] = q8(x, raw, w, N, 160)
     finally:
         lib.gt_set_simd_level(2)
     np.testing.assert_array_equal(got[0], got[1])
     np.testing.assert_array_equal(got[0], got[2])
+    np.testing.assert_allclose(got[0], refs.act8_matmul(x, raw.tobytes(), w, N, 160), rtol=1e-5, atol=1e-5)
+
+
+def test_q4_0_sums_each_block_then_chains_the_blocks_when_rows_are_a_multiple_of_8():
+    """llama.cpp's repacked Q4_0 GEMV (rows a multiple of 8): y = fma((float)block sum, d_w * d_x,
+    y) over the blocks in order, float32 throughout; with 44 rows (not a multiple of 8) the
+    eight-lane dot instead. The two orders differ in the last bits, and each kernel gives its
+    own exactly (float32 emulated with float64 rounded at every step: the products and sums
+    here are exact in float64, so one rounding to float32 is the FMA's)."""
+    rng = np.random.default_rng(11)
+    K = 96
+    x = (rng.standard_normal((1, K)) * 3).astype(np.float32)
+    qx, dx, _ = refs.act8_quantize(x)
+    for N in (40, 44):
+        raw = _raw(rng.standard_normal((N, K)).astype(np.float32), "q4_0")
+        qw, dw, _ = refs.weight_blocks(raw.tobytes(), "q4_0", N, K)
+        isum = np.einsum("bk,nbk->nb", qx[0].astype(np.int64), qw.astype(np.int64))
+        lanes = np.einsum("blk,nblk->nbl", qx[0].reshape(-1, 8, 4).astype(np.int64),
+                          qw.reshape(N, -1, 8, 4).astype(np.int64))
+        dd = (dw * dx[0]).astype(np.float32)                        # (N, blocks), f32 products
+        want = np.zeros(N, np.float32)
+        if N % 8 == 0:
+            for b in range(K // 32):
+                want = (want.astype(np.float64) + isum[:, b] * dd[:, b].astype(np.float64)).astype(np.float32)
+        else:
+            acc = np.zeros((N, 8), np.float32)
+            for b in range(K // 32):
+                acc = (acc.astype(np.float64) + lanes[:, b] * dd[:, b:b + 1].astype(np.float64)).astype(np.float32)
+            r = acc[:, 0:4] + acc[:, 4:8]
+            want = (r[:, 0] + r[:, 2]) + (r[:, 1] + r[:, 3])
+        np.testing.assert_array_equal(q8(x, raw, "q4_0", N, K)[0], want, err_msg=f"N = {N}")
 
 
 def test_activations_round_half_to_even_and_keep_f16_scales():

@@ -107,9 +107,10 @@ void gt_qdot_rows_(float *y, int64_t ldy, const float *x, int64_t ldx, int m, co
 
 /* A block of 32 activations quantized to 8 bits as llama.cpp's quantize_row_q8_0/q8_1 do
  * (qdot8.c): q = x * 127 / amax rounded to nearest even, d = amax / 127 and s = d * sum(q),
- * each kept as its f16 rounding (here as the f32 value of that f16). */
+ * each kept as its f16 rounding (here as the f32 value of that f16); sum: the exact sum of q. */
 typedef struct gt_act8 {
     float d, s;
+    int32_t sum;
     int8_t q[32];
 } gt_act8;
 

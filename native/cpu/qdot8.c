@@ -48,6 +48,7 @@ static void quantize_block(gt_act8 *y, const float *x) {
     }
     y->d = gt_f16_to_f32_1(gt_f32_to_f16_1(d));
     y->s = gt_f16_to_f32_1(gt_f32_to_f16_1(d * (float)sum));
+    y->sum = sum;
 }
 
 #if defined(__x86_64__)
@@ -79,7 +80,8 @@ __attribute__((target("avx2,fma,f16c"))) static void quantize_block_avx2(gt_act8
     s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
     s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
     y->d = _cvtsh_ss(_cvtss_sh(d, _MM_FROUND_TO_NEAREST_INT));
-    y->s = _cvtsh_ss(_cvtss_sh(d * (float)_mm_cvtsi128_si32(s4), _MM_FROUND_TO_NEAREST_INT));
+    y->sum = _mm_cvtsi128_si32(s4);
+    y->s = _cvtsh_ss(_cvtss_sh(d * (float)y->sum, _MM_FROUND_TO_NEAREST_INT));
 }
 #endif
 
@@ -255,6 +257,51 @@ ROWS8_KINDS(body8_madd, T8)
 ROWS8_KINDS(body8_vnni, T8_VNNI)
 ROWS8_KINDS(body8_vnni512, T8_VNNI512)
 
+/* Q4_0's one chain a row (W's rows a multiple of 8), eight W rows at a time with one lane a
+ * row, as llama.cpp's repacked GEMV: per block, each row's 32 products summed exactly (the
+ * unsigned nibbles' dot, minus 8 times the block's sum of x), then acc = fma((float)sum,
+ * d_w * d_x, acc) in every lane: the same bits as the plain chain. */
+static inline __attribute__((always_inline, target(T8))) __m256i reduce8(const __m256i v[8]) {
+    const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+    const __m256i b = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
+    return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
+}
+
+#define CHAIN8(NAME, TARGET, DPB)                                                                                \
+    __attribute__((target(TARGET))) static void NAME(float *y, int64_t ldy, const gt_act8 *x, int64_t ldx,       \
+                                                     const uint8_t *w, int64_t row_bytes, int64_t nb, int MM) {   \
+        __m256 acc[4];                                                                                           \
+        for (int r = 0; r < MM; r++) acc[r] = _mm256_setzero_ps();                                               \
+        const __m128i m4 = _mm_set1_epi8(15);                                                                    \
+        for (int64_t b = 0; b < nb; b++) {                                                                       \
+            __m256i wv[8];                                                                                       \
+            uint16_t dh[8];                                                                                      \
+            _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++) {                                                \
+                const uint8_t *wb = w + j * row_bytes + b * 18;                                                  \
+                _mm_prefetch((const char *)(wb + GT_QDOT_PREFETCH_ROWS * row_bytes), _MM_HINT_T0);               \
+                const __m128i raw = _mm_loadu_si128((const __m128i *)(wb + 2));                                  \
+                wv[j] = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), m4), _mm_and_si128(raw, m4));     \
+                dh[j] = (uint16_t)(wb[0] | wb[1] << 8);                                                          \
+            }                                                                                                    \
+            const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)dh));                             \
+            _Pragma("GCC unroll 4") for (int r = 0; r < MM; r++) {                                               \
+                const gt_act8 *xb = x + r * ldx + b;                                                             \
+                const __m256i xv = _mm256_loadu_si256((const __m256i *)xb->q);                                   \
+                __m256i lanes[8];                                                                                \
+                _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++) lanes[j] = DPB(wv[j], xv);                   \
+                const __m256i sums = _mm256_sub_epi32(reduce8(lanes), _mm256_set1_epi32(8 * xb->sum));           \
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(dw, _mm256_set1_ps(xb->d)), acc[r]); \
+            }                                                                                                    \
+        }                                                                                                        \
+        for (int r = 0; r < MM; r++) _mm256_storeu_ps(y + r * ldy, acc[r]);                                      \
+    }
+CHAIN8(chain8_madd, T8, DPB_MADD)
+CHAIN8(chain8_vnni, T8_VNNI, DPB_VNNI)
+CHAIN8(chain8_vnni512, T8_VNNI512, DPB_VNNI512)
+typedef void (*chain8_fn)(float *y, int64_t ldy, const gt_act8 *x, int64_t ldx, const uint8_t *w, int64_t row_bytes,
+                          int64_t nb, int MM);
+static const chain8_fn CHAIN8S[3] = {chain8_madd, chain8_vnni, chain8_vnni512};
+
 typedef void (*rows8_fn)(float *y, int64_t ldy, const gt_act8 *x, int64_t ldx, const uint8_t *w, int64_t row_bytes,
                          int chain, int block_bytes, int64_t nb, int mm, int nw);
 static const rows8_fn ROWS8[3][3] = {
@@ -281,10 +328,14 @@ void gt_qdot8_rows_(float *y, int64_t ldy, const gt_act8 *x, int64_t ldx, int m,
     const int64_t nb = K / 32;
 #if defined(__x86_64__)
     if (gt_simd_level_() >= 1 && __builtin_cpu_supports("f16c")) {
-        const rows8_fn fn = ROWS8[gt_simd_level_() >= 2 ? dot_level() : DOT_MADD][kind];
+        const int dot = gt_simd_level_() >= 2 ? dot_level() : DOT_MADD;
+        const rows8_fn fn = ROWS8[dot][kind];
         for (int r0 = 0; r0 < m; r0 += 4) {
             const int g = m - r0 < 4 ? m - r0 : 4;
             int64_t n = n0;
+            if (chain)
+                for (; n + 8 <= n1; n += 8)
+                    CHAIN8S[dot](y + r0 * ldy + n, ldy, x + r0 * ldx, ldx, w + n * row_bytes, row_bytes, nb, g);
             for (; n + 2 <= n1; n += 2)
                 fn(y + r0 * ldy + n, ldy, x + r0 * ldx, ldx, w + n * row_bytes, row_bytes, chain, block_bytes, nb, g, 2);
             for (; n < n1; n++)
