@@ -4,7 +4,9 @@ Same model (784-500-10), the same initial weights (ggtrain's init), the same ful
 N training images, history 6, strong Wolfe line search, first trial step 1, K iterations.
 PyTorch runs in its own venv (bench/.venv-torch, see torch_venv.py). Prints, for each, the
 loss after K iterations, the forward+backward evaluations it took, and seconds per
-evaluation; the ratios are ours / PyTorch (time: lower is better).
+evaluation; the ratios are ours / PyTorch (time: lower is better); then our GFLOP/s (an
+evaluation's FLOPs: the graph's count of the products of one forward and backward over the
+batch) as a fraction of the FP32 peak measured in the same run (bench/peak.py).
 
     python bench/bench_lbfgs.py [--images 10000] [--iterations 20] [--threads 2]
 """
@@ -22,6 +24,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from peak import Peak  # noqa: E402
 from torch_venv import ensure_torch  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -84,7 +87,7 @@ def run_ours(threads, iterations, x, y, init):
         run.step.step(batches, 1.0, same_batch=i > 0)
         evals += run.step.last_search["evals"]
     elapsed = time.perf_counter() - t
-    return {"loss": run.evaluate(x, y)["loss"], "evals": evals, "s": elapsed}
+    return {"loss": run.evaluate(x, y)["loss"], "evals": evals, "s": elapsed, "flop_per_eval": run.step.flops}
 
 
 def main():
@@ -99,17 +102,22 @@ def main():
     x, y = load_mnist(DATA, "train")
     x, y = x[:args.images], y[:args.images]
     init = model.init_params("fc", 0)
+    peak = Peak(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         data_file = os.path.join(tmp, "mnist.npz")
         np.savez(data_file, x=x, y=y, **init)
         ours = run_ours(args.threads, args.iterations, x, y, init)
+        peak.sample()
         ref = run_torch(args.threads, args.iterations, data_file)
+        peak.sample()
     print(f"full-batch L-BFGS, MNIST FC, {args.images} images, {args.iterations} iterations, {args.threads} threads")
     print(f"{'':<8} {'loss':>8} {'evals':>6} {'s/eval':>8}")
     for name, r in (("ggtrain", ours), ("pytorch", ref)):
         print(f"{name:<8} {r['loss']:>8.4f} {r['evals']:>6} {r['s'] / r['evals']:>8.3f}")
     print(f"ratio    {ours['loss'] / ref['loss']:>8.2f} {ours['evals'] / ref['evals']:>6.2f} "
           f"{(ours['s'] / ours['evals']) / (ref['s'] / ref['evals']):>8.2f}")
+    gf = ours["flop_per_eval"] / (ours["s"] / ours["evals"]) / 1e9
+    print(f"ours: {gf:.1f} GFLOP/s = {peak.percent(gf):.0f}% of {peak.describe()}")
 
 
 if __name__ == "__main__":

@@ -36,8 +36,13 @@ UNTIL_EOG_CTX = 4096
 EXACT = typer.Option(False, "--exact",
                      help="Multiply quantized weights by the activations in f32. By default the CPU does as "
                           "llama.cpp: activations rounded to 8 bits in blocks of 32, integer block products "
-                          f"(weights stored as {', '.join(ops.ACT8_TYPES)}; other types, and CUDA, are f32), "
-                          "~1e-3 relative from f32 and llama.cpp's numbers and greedy text.")
+                          f"(weights stored as {', '.join(ops.ACT8_TYPES)}; other types, and CUDA, are f32): "
+                          "llama.cpp's greedy text, and faster.")
+INT8 = typer.Option(False, "--int8",
+                    help="Multiply quantized weights by activations rounded to 8 bits, as llama.cpp does "
+                         f"({', '.join(ops.ACT8_TYPES)} weights, on the CPU): llama-perplexity's numbers (the "
+                         "mean NLL moves by ~1e-3 or less); by row dots, ~2-3x slower than the default f32 "
+                         "GEMM over whole windows.")
 
 
 def _open(model, lora, lora_scale, backend):
@@ -131,6 +136,13 @@ def generate_cmd(
                                      "tokens_per_s": round(rate, 3)}) + "\n")
 
 
+def act8_ok(be) -> bool:
+    """--int8 where the backend has the 8-bit products; else a ConfigError saying where they are."""
+    if not act8_available(be):
+        raise ConfigError(f"--int8: the {be.name} backend multiplies in f32 only (8-bit activations are the CPU's)")
+    return True
+
+
 @app.command("eval")
 def eval_cmd(
     model: pathlib.Path = typer.Option(..., "--model", help=f"A GGUF model (families {', '.join(sorted(FAMILIES))})."),
@@ -150,7 +162,7 @@ def eval_cmd(
     quiet: bool = typer.Option(False, "--quiet", help="No progress bar."),
     threads: int = THREADS,
     backend: str = BACKEND,
-    exact: bool = EXACT,
+    int8: bool = INT8,
 ):
     """Perplexity of a model on a text (non-overlapping windows, every token scored once), or
     its accuracy on a multiple-choice task."""
@@ -169,8 +181,7 @@ def eval_cmd(
         items = items[:limit] if limit else items
         if not 0 <= ctx <= cfg.ctx:
             raise ConfigError(f"--ctx {ctx}: must be in 1..{cfg.ctx} (the model's context)")
-        decoder = Decoder(cfg, weights, be, n_ctx=ctx or cfg.ctx, adapters=adapters,
-                          act8=not exact and act8_available(be))
+        decoder = Decoder(cfg, weights, be, n_ctx=ctx or cfg.ctx, adapters=adapters, act8=int8 and act8_ok(be))
         result = run_task(decoder, tok, items, quiet=quiet)
         if as_json:
             typer.echo(json.dumps(result))
@@ -188,7 +199,7 @@ def eval_cmd(
     if len(ids) < 2:
         raise ConfigError(f"--data {data}: fewer than 2 tokens to score")
     runner = Runner(cfg, weights, be, length=min(length, len(ids) - 1), adapters=adapters, n_ctx=length,
-                    act8=not exact and act8_available(be))
+                    act8=int8 and act8_ok(be))
     total, count = 0.0, 0
     for start in range(0, len(ids) - 1, runner.length):
         window = ids[start:start + runner.length + 1]

@@ -54,8 +54,8 @@ def _their_nll(llama, model, text) -> float:
     return total / (len(ids) - 1)
 
 
-def _our_eval(model, data, *extra) -> dict:
-    r = run_cli("eval", "--model", model, "--data", data, "--ctx", 512, "--json", "--threads", 2, *extra)
+def _our_eval(model, data) -> dict:
+    r = run_cli("eval", "--model", model, "--data", data, "--ctx", 512, "--json", "--threads", 2)
     assert r.returncode == 0, r.stderr
     return json.loads(r.stdout)
 
@@ -65,15 +65,13 @@ def test_gemma3_270m_nll_equals_llama_cpp(llama, gemma, tmp_path):
         "The quick brown fox jumps over the lazy dog. " * 30
     data = tmp_path / "t.txt"
     data.write_text(text)
-    # f32 activations (--exact): the file's Q4_K, Q6_K and Q5_0 have no 8-bit path yet, so the
-    # default would round only the Q8_0 products' inputs, and the f32 copy's none
-    ours = _our_eval(gemma, data, "--exact")
+    ours = _our_eval(gemma, data)
     assert ours["nll"] == pytest.approx(_their_nll(llama, gemma, text), abs=NLL_TOL_Q)
     # the same weights as F32: llama.cpp computes in f32 too
     f32 = tmp_path / "g32.gguf"
     r = run_cli("convert-checkpoint", gemma, f32, "--out-type", "f32")
     assert r.returncode == 0, r.stderr
-    ours_f32 = _our_eval(f32, data, "--exact")
+    ours_f32 = _our_eval(f32, data)
     assert ours_f32["nll"] == pytest.approx(ours["nll"], abs=1e-5)      # dequantized in the GEMM or once
     assert ours["nll"] == pytest.approx(_their_nll(llama, f32, text), abs=NLL_TOL_F32)
 

@@ -195,3 +195,27 @@ def test_smollm2_logits_equal_float64_oracle(shared_data, backend):
     # its integer dot products, is 0.9 away; see test_interop)
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-3)
     assert (got.argmax(-1) == want.argmax(-1)).all()
+
+
+def test_eval_int8_is_the_runner_with_8_bit_activations(shared_data, tmp_path):
+    """`eval --int8` on stories260K-Q8_0 gives the perplexity of the Runner with act8 (the
+    8-bit products), not the default's (f32 activations), which it is close to."""
+    from ggtrain.formats.model_file import open_model
+    path = shared_data / "gguf" / "stories260K-Q8_0.gguf"
+    be = CpuBackend(2)
+    config, weights, tok = open_model(path, be)          # the stored Q8_0 matrices, as the CLI reads them
+    text = "Lily and Ben went to the park. They saw a big dog and a small cat. The dog was happy."
+    (tmp_path / "t.txt").write_text(text)
+    ids = tok.encode(text, add_bos=True)
+    got = {}
+    for flag in ((), ("--int8",)):
+        r = _cli("eval", "--model", str(path), "--data", str(tmp_path / "t.txt"), "--json", *flag)
+        assert r.returncode == 0, r.stderr
+        got[flag] = json.loads(r.stdout)["nll"]
+    want = {}
+    for act8 in (False, True):
+        runner = Runner(ModelConfig(**config), weights, be, length=len(ids) - 1, act8=act8)
+        want[act8] = runner.nll(ids[None, :-1], ids[None, 1:]) / (len(ids) - 1)
+    assert got[()] == pytest.approx(want[False], abs=1e-6)
+    assert got[("--int8",)] == pytest.approx(want[True], abs=1e-6)
+    assert 1e-5 < abs(want[True] - want[False]) < 0.05
