@@ -35,19 +35,23 @@ def act8_quantize(x):
     return q, d.astype(np.float16).astype(np.float32), s.astype(np.float16).astype(np.float32)
 
 def weight_blocks(raw, wtype, R, C):
-    """(q (R, C/32, 32) int, d, m (R, C/32)) of a stored q4_0 / q4_1 / q8_0 matrix."""
+    """(q (R, C/32, 32) int, d, m (R, C/32)) of a stored q4_0 / q4_1 / q5_0 / q5_1 / q8_0 matrix."""
     nb = C // 32
-    if wtype == "q8_0":
-        b = np.frombuffer(raw, np.uint8).reshape(R, nb, 34)
-        d = b[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
-        return b[..., 2:].view(np.int8).astype(np.int32), d, np.zeros_like(d)
-    bb = 18 if wtype == "q4_0" else 20
+    bb = {"q4_0": 18, "q4_1": 20, "q5_0": 22, "q5_1": 24, "q8_0": 34}[wtype]
     b = np.frombuffer(raw, np.uint8).reshape(R, nb, bb)
     d = b[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
-    m = b[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32) if wtype == "q4_1" else np.zeros_like(d)
+    has_min = wtype in ("q4_1", "q5_1")
+    m = b[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32) if has_min else np.zeros_like(d)
+    if wtype == "q8_0":
+        return b[..., 2:].view(np.int8).astype(np.int32), d, m
     qs = b[..., bb - 16:]
     q = np.concatenate([qs & 15, qs >> 4], -1).astype(np.int32)
-    return (q - 8 if wtype == "q4_0" else q), d, m
+    if wtype.startswith("q5"):
+        at = 4 if has_min else 2
+        qh = b[..., at:at + 4].copy().view(np.uint32)[..., 0].astype(np.int64)
+        q = q | (((qh[..., None] >> np.arange(32)) & 1) << 4).astype(np.int32)
+    return q - {"q4_0": 8, "q5_0": 16}.get(wtype, 0), d, m
+
 
 def weight_blocks_f64(raw, wtype, R, C):
     """The stored q4_0 / q4_1 / q8_0 matrix (R, C) in float64: d * q (+ m)."""

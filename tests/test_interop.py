@@ -360,10 +360,11 @@ def test_greedy_generation_with_8_bit_activations_follows_llama_cpp(llama, share
     assert i is not None and margin >= TIE_8BIT, (i, margin)
 
 
-@pytest.mark.parametrize("out_type", ["q8_0", "q4_1", "q4_0"])
+@pytest.mark.parametrize("out_type", ["q8_0", "q4_1", "q4_0", "q5_0", "q5_1"])
 def test_logits_with_8_bit_activations_equal_llama_cpp(llama, tmp_path, out_type):
     """A small random llama written with quantized matrices (q8_0: all; q4_1, q4_0: the blocks'
-    matrices, q8_0 beside them): with 8-bit activations our logits are llama.cpp's (F32 KV
+    matrices, q8_0 beside them; q5_0, q5_1 by llama.cpp's quantizer, the embedding and output
+    q8_0): with 8-bit activations our logits are llama.cpp's (F32 KV
     cache) to float rounding, where f32 activations are 1e-3 away at every position. Not at
     every position: a rounding flip (an activation within an ulp of a rounding boundary, which
     llama.cpp's upstream sums and ours put on different sides) moves the logits by ~1e-2, and
@@ -374,7 +375,15 @@ def test_logits_with_8_bit_activations_equal_llama_cpp(llama, tmp_path, out_type
     tok = load_tokenizer("byte", "First Citizen: Before we proceed any further, hear me speak.")
     config = dict(vocab=tok.n_vocab, dim=256, layers=2, heads=4, kv_heads=2, ff=256, ctx=256)
     path = tmp_path / f"tiny-{out_type}.gguf"
-    save_model(path, config, init_params(ModelConfig(**config), seed=1, std=0.02), tok, out_type=out_type)
+    if out_type.startswith("q5"):     # (ggtrain writes no Q5 type: llama.cpp's quantizer does)
+        f32 = tmp_path / "tiny-f32.gguf"
+        save_model(f32, config, init_params(ModelConfig(**config), seed=1, std=0.02), tok)
+        params = llama.llama_model_quantize_default_params()
+        params.ftype = getattr(llama, f"LLAMA_FTYPE_MOSTLY_{out_type.upper()}")
+        params.output_tensor_type = params.token_embedding_type = llama.GGML_TYPE_Q8_0   # (not Q6_K)
+        assert llama.llama_model_quantize(str(f32).encode(), str(path).encode(), params) == 0
+    else:
+        save_model(path, config, init_params(ModelConfig(**config), seed=1, std=0.02), tok, out_type=out_type)
     be = CpuBackend(2)
     cfg, weights, _ = open_model(path, be)
     ids = tok.encode("First Citizen: Before we proceed", add_bos=True).tolist()

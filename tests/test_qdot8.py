@@ -17,6 +17,10 @@ BACKENDS = {n: CpuBackend(n) for n in (1, 2, 3)}
 
 
 def _raw(W: np.ndarray, w: str) -> np.ndarray:
+    """W quantized: ours where we write the type, gguf-py's for Q5_0 / Q5_1."""
+    if w in ("q5_0", "q5_1"):
+        from gguf import GGMLQuantizationType, quants
+        return np.frombuffer(quants.quantize(W, GGMLQuantizationType[w.upper()]).tobytes(), np.uint8)
     return np.frombuffer(bytes(quantize(W, w)), np.uint8)
 
 
@@ -28,10 +32,10 @@ def q8(x, raw, w, R, C, n_threads=1):
 
 
 def test_the_library_has_the_types_the_op_names():
-    assert ops.ACT8_TYPES == ("q4_0", "q4_1", "q8_0")
+    assert ops.ACT8_TYPES == ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0")
 
 
-@pytest.mark.parametrize("w", ["q4_0", "q4_1", "q8_0"])
+@pytest.mark.parametrize("w", ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0"])
 @pytest.mark.parametrize("M,K,N", [(1, 32, 1), (1, 96, 40), (3, 256, 17), (5, 64, 33), (33, 128, 9)])
 def test_products_equal_the_float64_reference_of_quantize_then_dot(w, M, K, N):
     """Every row: within float rounding of the float64 sum of the integer block products
@@ -52,7 +56,7 @@ def test_products_equal_the_float64_reference_of_quantize_then_dot(w, M, K, N):
         np.testing.assert_array_equal(q8(x, raw, w, N, K, n), got)
 
 
-@pytest.mark.parametrize("w", ["q4_0", "q4_1", "q8_0"])
+@pytest.mark.parametrize("w", ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0"])
 @pytest.mark.parametrize("N", [21, 44])
 def test_plain_c_and_simd_give_the_same_bits(w, N):
     """The AVX2 path (maddubs, level 1), its VNNI form (level 2, where the CPU has it) and
@@ -127,12 +131,12 @@ def test_bad_operands_are_refused():
     g = Graph()
     x = g.input((2, 64))
     w16 = g.param((8, 64), name="w16", trainable=False, dtype="f16")
-    with pytest.raises(DTypeError, match="matmul_q8: the weight must be stored in one of q4_0, q4_1, q8_0"):
+    with pytest.raises(DTypeError, match="matmul_q8: the weight must be stored in one of q4_0, q4_1, q5_0, q5_1, q8_0"):
         ops.matmul_q8(x, ops.transpose(w16, 0, 1))
     wq = g.param((8, 64), name="wq", trainable=False, dtype="q8_0")
     with pytest.raises(ShapeError, match=r"matmul_q8: the weight must be the view W.T"):
         ops.matmul_q8(g.input((2, 8)), wq)
     raw = _raw(np.ones((8, 64), np.float32), "q8_0")
-    with pytest.raises(NativeError, match=r"matmul_q8: expected x @ W\^T with W stored in one of q4_0 q4_1 q8_0"):
+    with pytest.raises(NativeError, match=r"matmul_q8: expected x @ W\^T with W stored in one of q4_0 q4_1 q5_0 q5_1 q8_0"):
         run_kernel("matmul_q8_fwd_f32_q8_0", np.zeros((2, 64), np.float32),
                    [np.ones((2, 8), np.float32), (raw, "q8_0", (8, 64), (64, 1))])

@@ -4,16 +4,17 @@
  * Activations: each row of x, in blocks of 32 along k, becomes a gt_act8 as llama.cpp's
  * AVX2 quantize_row_q8_0/q8_1 make them: amax = max |x|, d = amax / 127, q = x * (127 /
  * amax) rounded to nearest even (0 where amax is 0), d kept as its f16 rounding, and
- * s = f16(d * sum q) for the weight types with a minimum (Q4_1).
+ * s = f16(d * sum q) for the weight types with a minimum (Q4_1, Q5_1).
  *
  * The dot of a W row with an x row, as llama.cpp's AVX2 build computes it (its vec_dot
  * functions, and for Q4_0 the GEMV of the weights it repacks), integer products exact:
- *   Q4_1, Q8_0, and Q4_0 when W's rows are not a multiple of 8 (llama.cpp does not repack
- *   those): per block b,
+ *   Q4_1, Q5_0, Q5_1, Q8_0, and Q4_0 when W's rows are not a multiple of 8 (llama.cpp does
+ *   not repack those): per block b,
  *     lane l (0..7) = sum over i in 4l .. 4l+3 of w_q[i] * x_q[i]
- *       (w_q: Q4_0 nibble - 8, Q4_1 nibble, Q8_0 the byte; element i of the block),
+ *       (w_q: Q4_0 nibble - 8, Q4_1 nibble, Q5_0 5-bit value - 16, Q5_1 5-bit value, Q8_0 the
+ *       byte; element i of the block),
  *     acc[l] = fma(f16(w.d) * x.d, (float)lane l, acc[l])      (acc = +0 at the start),
- *     summs = fma(f16(w.m), x.s, summs)                         (Q4_1 only),
+ *     summs = fma(f16(w.m), x.s, summs)                         (Q4_1, Q5_1),
  *   then y = ((acc0 + acc4) + (acc2 + acc6)) + ((acc1 + acc5) + (acc3 + acc7)) + summs;
  *   Q4_0 with W's rows a multiple of 8 (llama.cpp repacks it, ggml_gemv_q4_0_8x8_q8_0): one
  *   chain, y = +0, then per block y = fma((float)(sum of the block's 32 products),
@@ -97,24 +98,34 @@ void gt_act8_quantize_(gt_act8 *y, const float *x, int64_t K) {
 
 /* ---- the weight blocks ---------------------------------------------------------------- */
 
-enum kind { K_Q4_0, K_Q4_1, K_Q8_0 };
+enum kind { K_Q4_0, K_Q4_1, K_Q5_0, K_Q5_1, K_Q8_0, N_KINDS };
 
 static int kind_of(int32_t dtype) {
     switch (dtype) {
     case GT_Q4_0: return K_Q4_0;
     case GT_Q4_1: return K_Q4_1;
+    case GT_Q5_0: return K_Q5_0;
+    case GT_Q5_1: return K_Q5_1;
     case GT_Q8_0: return K_Q8_0;
     default: return -1;
     }
 }
 
+/* the kinds whose blocks have a minimum m (w = d * q + m): their dot adds m * x.s; the others'
+ * weights are signed */
+#define HAS_MIN(kind) ((kind) == K_Q4_1 || (kind) == K_Q5_1)
+
 int gt_act8_supports_(int32_t dtype) { return kind_of(dtype) >= 0; }
 
-/* element i of a block as an integer */
+/* element i of a block as an integer (Q5: the low nibble, bit i of qh above it) */
 static inline int32_t wq(int kind, const uint8_t *b, int i) {
+    const uint32_t qh = (uint32_t)b[kind == K_Q5_1 ? 4 : 2] | (uint32_t)b[kind == K_Q5_1 ? 5 : 3] << 8 |
+                        (uint32_t)b[kind == K_Q5_1 ? 6 : 4] << 16 | (uint32_t)b[kind == K_Q5_1 ? 7 : 5] << 24;
     switch (kind) {
     case K_Q4_0: return (i < 16 ? b[2 + i] & 15 : b[2 + i - 16] >> 4) - 8;
     case K_Q4_1: return i < 16 ? b[4 + i] & 15 : b[4 + i - 16] >> 4;
+    case K_Q5_0: return ((i < 16 ? b[6 + i] & 15 : b[6 + i - 16] >> 4) | (int32_t)((qh >> i) & 1) << 4) - 16;
+    case K_Q5_1: return (i < 16 ? b[8 + i] & 15 : b[8 + i - 16] >> 4) | (int32_t)((qh >> i) & 1) << 4;
     default: return (int8_t)b[2 + i];
     }
 }
@@ -147,7 +158,7 @@ static void rows_plain(float *y, int64_t ldy, const gt_act8 *x, int64_t ldx, int
                     continue;
                 }
                 for (int l = 0; l < 8; l++) acc[l] = fmaf(dd, (float)lane[l], acc[l]);
-                if (kind == K_Q4_1) summs = fmaf(gt_f16_to_f32_1((uint16_t)(wb[2] | wb[3] << 8)), xr[b].s, summs);
+                if (HAS_MIN(kind)) summs = fmaf(gt_f16_to_f32_1((uint16_t)(wb[2] | wb[3] << 8)), xr[b].s, summs);
             }
             y[r * ldy + n] = chain ? one : hsum8(acc) + summs;
         }
@@ -161,16 +172,27 @@ static void rows_plain(float *y, int64_t ldy, const gt_act8 *x, int64_t ldx, int
 #define T8_VNNI512 "avx2,fma,f16c,avx512f,avx512vl,avx512vnni"
 enum { DOT_MADD, DOT_VNNI, DOT_VNNI512 };
 
-/* The block's 32 weights as signed bytes (Q4_1: unsigned nibbles), element i in byte i. */
-#define WBYTES(kind, b)                                                                                        \
-    ((kind) == K_Q8_0 ? _mm256_loadu_si256((const __m256i *)((b) + 2))                                         \
-                      : wbytes4((kind), _mm_loadu_si128((const __m128i *)((b) + ((kind) == K_Q4_1 ? 4 : 2)))))
-
-static inline __attribute__((always_inline, target(T8))) __m256i wbytes4(int kind, __m128i raw) {
+/* The block's 32 weights as signed bytes (Q4_1, Q5_1: unsigned), element i in byte i. */
+static inline __attribute__((always_inline, target(T8))) __m256i wbytes(int kind, const uint8_t *b) {
+    if (kind == K_Q8_0) return _mm256_loadu_si256((const __m256i *)(b + 2));
+    static const int qs_at[N_KINDS] = {2, 4, 6, 8, 0};
+    const __m128i raw = _mm_loadu_si128((const __m128i *)(b + qs_at[kind]));
     const __m128i m4 = _mm_set1_epi8(15);
-    const __m256i v = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), m4), _mm_and_si128(raw, m4));
-    return kind == K_Q4_0 ? _mm256_sub_epi8(v, _mm256_set1_epi8(8)) : v;
+    __m256i v = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), m4), _mm_and_si128(raw, m4));
+    if (kind == K_Q5_0 || kind == K_Q5_1) {    /* bit i of qh as 16 in byte i */
+        uint32_t qh;
+        memcpy(&qh, b + (kind == K_Q5_1 ? 4 : 2), 4);
+        const __m256i rep = _mm256_shuffle_epi8(_mm256_set1_epi32((int)qh),
+                                                _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202,
+                                                                  0x0101010101010101, 0x0000000000000000));
+        const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+        const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(rep, bit), bit);
+        v = _mm256_or_si256(v, _mm256_and_si256(set, _mm256_set1_epi8(16)));
+    }
+    return kind == K_Q4_0 ? _mm256_sub_epi8(v, _mm256_set1_epi8(8))
+         : kind == K_Q5_0 ? _mm256_sub_epi8(v, _mm256_set1_epi8(16)) : v;
 }
+#define WBYTES(kind, b) wbytes((kind), (b))
 
 static inline __attribute__((always_inline, target(T8))) int32_t hsum_i32(__m256i v) {
     __m128i s = _mm_add_epi32(_mm256_extracti128_si256(v, 1), _mm256_castsi256_si128(v));
@@ -205,19 +227,19 @@ static inline __attribute__((always_inline, target(T8))) float hsum8_256(__m256 
                 const uint8_t *wb = w + j * row_bytes + b * block_bytes;                                         \
                 _mm_prefetch((const char *)(wb + GT_QDOT_PREFETCH_ROWS * row_bytes), _MM_HINT_T0);               \
                 const __m256i wv = WBYTES(kind, wb);                                                             \
-                const __m256i u = kind == K_Q4_1 ? wv : _mm256_sign_epi8(wv, wv);                                \
+                const __m256i u = HAS_MIN(kind) ? wv : _mm256_sign_epi8(wv, wv);                                 \
                 const float dw = _cvtsh_ss((uint16_t)(wb[0] | wb[1] << 8));                                      \
-                const float mw = kind == K_Q4_1 ? _cvtsh_ss((uint16_t)(wb[2] | wb[3] << 8)) : 0.0f;              \
+                const float mw = HAS_MIN(kind) ? _cvtsh_ss((uint16_t)(wb[2] | wb[3] << 8)) : 0.0f;               \
                 _Pragma("GCC unroll 4") for (int r = 0; r < MM; r++) {                                           \
                     const gt_act8 *xb = x + r * ldx + b;                                                         \
                     const __m256i xv = _mm256_loadu_si256((const __m256i *)xb->q);                               \
-                    const __m256i lanes = DPB(u, kind == K_Q4_1 ? xv : _mm256_sign_epi8(xv, wv));                \
+                    const __m256i lanes = DPB(u, HAS_MIN(kind) ? xv : _mm256_sign_epi8(xv, wv));                 \
                     if (chain) {                                                                                 \
                         summs[j][r] = fmaf((float)hsum_i32(lanes), dw * xb->d, summs[j][r]);                     \
                         continue;                                                                                \
                     }                                                                                            \
                     acc[j][r] = _mm256_fmadd_ps(_mm256_set1_ps(dw * xb->d), _mm256_cvtepi32_ps(lanes), acc[j][r]); \
-                    if (kind == K_Q4_1) summs[j][r] = fmaf(mw, xb->s, summs[j][r]);                              \
+                    if (HAS_MIN(kind)) summs[j][r] = fmaf(mw, xb->s, summs[j][r]);                               \
                 }                                                                                                \
             }                                                                                                    \
         }                                                                                                        \
@@ -251,8 +273,9 @@ BODY8(body8_vnni512, T8_VNNI512, DPB_VNNI512)
         default: break;                                                                                         \
         }                                                                                                       \
     }
-#define ROWS8_KINDS(BODY, TARGET) \
-    ROWS8_FN(BODY, TARGET, K_Q4_0) ROWS8_FN(BODY, TARGET, K_Q4_1) ROWS8_FN(BODY, TARGET, K_Q8_0)
+#define ROWS8_KINDS(BODY, TARGET)                                                                       \
+    ROWS8_FN(BODY, TARGET, K_Q4_0) ROWS8_FN(BODY, TARGET, K_Q4_1) ROWS8_FN(BODY, TARGET, K_Q5_0)         \
+    ROWS8_FN(BODY, TARGET, K_Q5_1) ROWS8_FN(BODY, TARGET, K_Q8_0)
 ROWS8_KINDS(body8_madd, T8)
 ROWS8_KINDS(body8_vnni, T8_VNNI)
 ROWS8_KINDS(body8_vnni512, T8_VNNI512)
@@ -269,7 +292,8 @@ static inline __attribute__((always_inline, target(T8))) __m256i reduce8(const _
 
 #define CHAIN8(NAME, TARGET, DPB)                                                                                \
     __attribute__((target(TARGET))) static void NAME(float *y, int64_t ldy, const gt_act8 *x, int64_t ldx,       \
-                                                     const uint8_t *w, int64_t row_bytes, int64_t nb, int MM) {   \
+                                                     const uint8_t *w, int64_t row_bytes, int block_bytes,       \
+                                                     int64_t nb, int MM) {                                        \
         __m256 acc[4];                                                                                           \
         for (int r = 0; r < MM; r++) acc[r] = _mm256_setzero_ps();                                               \
         const __m128i m4 = _mm_set1_epi8(15);                                                                    \
@@ -277,7 +301,7 @@ static inline __attribute__((always_inline, target(T8))) __m256i reduce8(const _
             __m256i wv[8];                                                                                       \
             uint16_t dh[8];                                                                                      \
             _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++) {                                                \
-                const uint8_t *wb = w + j * row_bytes + b * 18;                                                  \
+                const uint8_t *wb = w + j * row_bytes + b * block_bytes;                                         \
                 _mm_prefetch((const char *)(wb + GT_QDOT_PREFETCH_ROWS * row_bytes), _MM_HINT_T0);               \
                 const __m128i raw = _mm_loadu_si128((const __m128i *)(wb + 2));                                  \
                 wv[j] = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), m4), _mm_and_si128(raw, m4));     \
@@ -299,15 +323,14 @@ CHAIN8(chain8_madd, T8, DPB_MADD)
 CHAIN8(chain8_vnni, T8_VNNI, DPB_VNNI)
 CHAIN8(chain8_vnni512, T8_VNNI512, DPB_VNNI512)
 typedef void (*chain8_fn)(float *y, int64_t ldy, const gt_act8 *x, int64_t ldx, const uint8_t *w, int64_t row_bytes,
-                          int64_t nb, int MM);
+                          int block_bytes, int64_t nb, int MM);
 static const chain8_fn CHAIN8S[3] = {chain8_madd, chain8_vnni, chain8_vnni512};
 
 typedef void (*rows8_fn)(float *y, int64_t ldy, const gt_act8 *x, int64_t ldx, const uint8_t *w, int64_t row_bytes,
                          int chain, int block_bytes, int64_t nb, int mm, int nw);
-static const rows8_fn ROWS8[3][3] = {
-    {rows8_body8_madd_K_Q4_0, rows8_body8_madd_K_Q4_1, rows8_body8_madd_K_Q8_0},
-    {rows8_body8_vnni_K_Q4_0, rows8_body8_vnni_K_Q4_1, rows8_body8_vnni_K_Q8_0},
-    {rows8_body8_vnni512_K_Q4_0, rows8_body8_vnni512_K_Q4_1, rows8_body8_vnni512_K_Q8_0}};
+#define ROWS8_ROW(BODY) \
+    {rows8_##BODY##_K_Q4_0, rows8_##BODY##_K_Q4_1, rows8_##BODY##_K_Q5_0, rows8_##BODY##_K_Q5_1, rows8_##BODY##_K_Q8_0}
+static const rows8_fn ROWS8[3][N_KINDS] = {ROWS8_ROW(body8_madd), ROWS8_ROW(body8_vnni), ROWS8_ROW(body8_vnni512)};
 
 /* the CPU's byte dot: AVX-VNNI, else AVX512-VNNI (with VL), else maddubs + madd */
 static int dot_level(void) {
@@ -335,7 +358,8 @@ void gt_qdot8_rows_(float *y, int64_t ldy, const gt_act8 *x, int64_t ldx, int m,
             int64_t n = n0;
             if (chain)
                 for (; n + 8 <= n1; n += 8)
-                    CHAIN8S[dot](y + r0 * ldy + n, ldy, x + r0 * ldx, ldx, w + n * row_bytes, row_bytes, nb, g);
+                    CHAIN8S[dot](y + r0 * ldy + n, ldy, x + r0 * ldx, ldx, w + n * row_bytes, row_bytes, block_bytes,
+                                 nb, g);
             for (; n + 2 <= n1; n += 2)
                 fn(y + r0 * ldy + n, ldy, x + r0 * ldx, ldx, w + n * row_bytes, row_bytes, chain, block_bytes, nb, g, 2);
             for (; n < n1; n++)
