@@ -122,7 +122,9 @@ static inline int gt_check_n_src(const gt_node *node, int n, const char *op) {
 
 /* The weight types whose products with activations quantized to 8 bits (llama.cpp's
  * numerics, generation and evaluation) have a CPU kernel, matmul_q8_fwd_f32_<name>. */
-#define GT_ACT8_TYPES(X) X(q4_0, GT_Q4_0) X(q4_1, GT_Q4_1) X(q5_0, GT_Q5_0) X(q5_1, GT_Q5_1) X(q8_0, GT_Q8_0)
+#define GT_ACT8_TYPES(X)                                                                      \
+    X(q4_0, GT_Q4_0) X(q4_1, GT_Q4_1) X(q5_0, GT_Q5_0) X(q5_1, GT_Q5_1) X(q8_0, GT_Q8_0) X(q4_k, GT_Q4_K) \
+    X(q6_k, GT_Q6_K)
 
 /* A dtype's name in messages: f32, i32 or one of GT_WEIGHT_TYPES. */
 static inline const char *gt_type_name(int32_t dtype) {

@@ -68,6 +68,78 @@ def act8_matmul(x, raw, wtype, R, C):
            (mw.astype(np.float64) * sx[..., None, :].astype(np.float64)).sum(-1)
 
 
+def act8k_quantize(x):
+    """llama.cpp's Q8_K activations of rows x (..., K): q (..., K/256, 256) int, d (..., K/256) f32
+    (1 / iscale, iscale = -127 / the first element of largest magnitude), bsums (..., K/256, 16)."""
+    x = np.asarray(x, np.float32)
+    xb = x.reshape(x.shape[:-1] + (x.shape[-1] // 256, 256))
+    at = np.abs(xb).argmax(-1)
+    mx = np.take_along_axis(xb, at[..., None], -1)[..., 0]
+    with np.errstate(divide="ignore"):
+        iscale = np.where(mx != 0, np.float32(-127) / np.where(mx != 0, mx, 1), np.float32(0)).astype(np.float32)
+    q = np.minimum(127, np.rint((xb * iscale[..., None]).astype(np.float32))).astype(np.int32)
+    with np.errstate(divide="ignore"):
+        d = np.where(iscale != 0, np.float32(1) / np.where(iscale != 0, iscale, 1), 0).astype(np.float32)
+    return q, d, q.reshape(q.shape[:-1] + (16, 16)).sum(-1)
+
+
+def kquant_blocks(raw, wtype, R, C):
+    """The integer parts of a stored q4_k / q6_k matrix (R, C): q (R, C/256, 256) (q4_k: 0..15;
+    q6_k: -32..31), the scale of each element's sub-block sc (R, C/256, 256), and d, and for
+    q4_k the sub-blocks' mins mn (R, C/256, 256) and dmin, per super-block (R, C/256)."""
+    nb = C // 256
+    if wtype == "q4_k":
+        b = np.frombuffer(raw, np.uint8).reshape(R, nb, 144).astype(np.int64)
+        d = b[..., :2].astype(np.uint8).copy().view(np.float16)[..., 0].astype(np.float32)
+        dmin = b[..., 2:4].astype(np.uint8).copy().view(np.float16)[..., 0].astype(np.float32)
+        s = b[..., 4:16]
+        sc = np.empty((R, nb, 8), np.int64)
+        mn = np.empty((R, nb, 8), np.int64)
+        for j in range(8):
+            if j < 4:
+                sc[..., j], mn[..., j] = s[..., j] & 63, s[..., j + 4] & 63
+            else:
+                sc[..., j] = (s[..., j + 4] & 15) | ((s[..., j - 4] >> 6) << 4)
+                mn[..., j] = (s[..., j + 4] >> 4) | ((s[..., j] >> 6) << 4)
+        qs = b[..., 16:].reshape(R, nb, 4, 32)
+        q = np.stack([qs & 15, qs >> 4], 3).reshape(R, nb, 256)
+        return q, np.repeat(sc, 32, -1), d, np.repeat(mn, 32, -1), dmin
+    b = np.frombuffer(raw, np.uint8).reshape(R, nb, 210).astype(np.int64)
+    ql, qh = b[..., :128], b[..., 128:192]
+    sc = b[..., 192:208].astype(np.uint8).view(np.int8).astype(np.int64)
+    d = b[..., 208:210].astype(np.uint8).copy().view(np.float16)[..., 0].astype(np.float32)
+    q = np.empty((R, nb, 256), np.int64)
+    for h in range(2):
+        l_, h_ = ql[..., 64 * h:64 * h + 64], qh[..., 32 * h:32 * h + 32]
+        for part in range(4):
+            lo = (l_[..., :32] if part % 2 == 0 else l_[..., 32:])
+            lo = lo & 15 if part < 2 else lo >> 4
+            q[..., 128 * h + 32 * part:128 * h + 32 * part + 32] = lo | (((h_ >> (2 * part)) & 3) << 4)
+    return q - 32, np.repeat(sc, 16, -1), d, None, None
+
+
+def kquant_f64(raw, wtype, R, C):
+    """The stored q4_k / q6_k matrix (R, C) in float64."""
+    q, sc, d, mn, dmin = kquant_blocks(raw, wtype, R, C)
+    w = d[..., None].astype(np.float64) * sc * q
+    if wtype == "q4_k":
+        w = w - dmin[..., None].astype(np.float64) * mn
+    return w.reshape(R, C)
+
+
+def act8k_matmul(x, raw, wtype, R, C):
+    """float64 x @ W^T as llama.cpp computes it with Q8_K activations."""
+    qx, dx, _ = act8k_quantize(x)
+    q, sc, d, mn, dmin = kquant_blocks(raw, wtype, R, C)
+    dx = dx.astype(np.float64)
+    isum = np.einsum("...bk,rbk->...rb", qx.astype(np.int64), sc * q).astype(np.float64)
+    out = (isum * d.astype(np.float64) * dx[..., None, :]).sum(-1)
+    if wtype == "q4_k":
+        msum = np.einsum("...bk,rbk->...rb", qx.astype(np.int64), mn).astype(np.float64)
+        out = out - (msum * dmin.astype(np.float64) * dx[..., None, :]).sum(-1)
+    return out
+
+
 def rms_norm(x, eps):
     """x / sqrt(mean(x^2, last dim) + eps)."""
     x = _f64(x)

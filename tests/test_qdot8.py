@@ -32,7 +32,7 @@ def q8(x, raw, w, R, C, n_threads=1):
 
 
 def test_the_library_has_the_types_the_op_names():
-    assert ops.ACT8_TYPES == ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0")
+    assert ops.ACT8_TYPES == ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q6_k")
 
 
 @pytest.mark.parametrize("w", ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0"])
@@ -131,12 +131,47 @@ def test_bad_operands_are_refused():
     g = Graph()
     x = g.input((2, 64))
     w16 = g.param((8, 64), name="w16", trainable=False, dtype="f16")
-    with pytest.raises(DTypeError, match="matmul_q8: the weight must be stored in one of q4_0, q4_1, q5_0, q5_1, q8_0"):
+    with pytest.raises(DTypeError, match="matmul_q8: the weight must be stored in one of q4_0, q4_1, q5_0, q5_1, q8_0, q4_k, q6_k"):
         ops.matmul_q8(x, ops.transpose(w16, 0, 1))
     wq = g.param((8, 64), name="wq", trainable=False, dtype="q8_0")
     with pytest.raises(ShapeError, match=r"matmul_q8: the weight must be the view W.T"):
         ops.matmul_q8(g.input((2, 8)), wq)
     raw = _raw(np.ones((8, 64), np.float32), "q8_0")
-    with pytest.raises(NativeError, match=r"matmul_q8: expected x @ W\^T with W stored in one of q4_0 q4_1 q5_0 q5_1 q8_0"):
+    with pytest.raises(NativeError, match=r"matmul_q8: expected x @ W\^T with W stored in one of q4_0 q4_1 q5_0 q5_1 q8_0 q4_k q6_k"):
         run_kernel("matmul_q8_fwd_f32_q8_0", np.zeros((2, 64), np.float32),
                    [np.ones((2, 8), np.float32), (raw, "q8_0", (8, 64), (64, 1))])
+
+
+def _kquant_raw(rng, w: str, N: int, K: int) -> np.ndarray:
+    """Random q4_k / q6_k super-blocks, their f16 scales small and finite."""
+    bb, at = {"q4_k": (144, (0, 2)), "q6_k": (210, (208,))}[w]
+    raw = rng.integers(0, 256, (N, K // 256, bb), dtype=np.uint8)
+    for a in at:
+        raw[..., a:a + 2] = np.frombuffer(rng.uniform(-0.01, 0.01, (N, K // 256)).astype(np.float16).tobytes(),
+                                          np.uint8).reshape(N, K // 256, 2)
+    return raw.reshape(-1)
+
+
+@pytest.mark.parametrize("w", ["q4_k", "q6_k"])
+@pytest.mark.parametrize("M,K,N", [(1, 256, 1), (1, 512, 24), (3, 768, 17), (33, 256, 9)])
+def test_k_quant_products_equal_the_float64_reference(w, M, K, N):
+    """Q4_K and Q6_K times activations in llama.cpp's Q8_K super-blocks (one scale a 256, -127 /
+    the element of largest magnitude, sums of 16): the float64 sum of the integer products with
+    the sub-blocks' scales (and Q4_K's mins times the activations' sums), to float rounding; not
+    the f32 product; the same bits for 1, 2, 3 threads and the plain C and AVX2 paths."""
+    rng = np.random.default_rng(M * 7 + K + N)
+    raw = _kquant_raw(rng, w, N, K)
+    x = (rng.standard_normal((M, K)) * np.exp(rng.standard_normal((M, K)))).astype(np.float32)
+    got = q8(x, raw, w, N, K)
+    want = refs.act8k_matmul(x, raw.tobytes(), w, N, K)
+    scale = np.abs(want).max() + 1.0
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * scale)
+    exact = x.astype(np.float64) @ refs.kquant_f64(raw.tobytes(), w, N, K).T
+    assert np.abs(exact - want).max() > 1e-5 * scale
+    for n in (2, 3):
+        np.testing.assert_array_equal(q8(x, raw, w, N, K, n), got)
+    try:
+        lib.gt_set_simd_level(0)
+        np.testing.assert_array_equal(q8(x, raw, w, N, K), got)
+    finally:
+        lib.gt_set_simd_level(2)

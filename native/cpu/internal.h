@@ -105,6 +105,17 @@ gt_dequant_fn gt_dequantizer_(int32_t dtype);
 void gt_qdot_rows_(float *y, int64_t ldy, const float *x, int64_t ldx, int m, const uint8_t *w,
                    int64_t row_bytes, int32_t dtype, int64_t K, int64_t n0, int64_t n1, float *scratch);
 
+/* Q4_K/Q5_K: the j-th of eight 6-bit (scale, min) pairs packed in 12 bytes. */
+static inline void gt_k4_scale_min_(const uint8_t *q, int j, int *sc, int *mn) {
+    if (j < 4) {
+        *sc = q[j] & 63;
+        *mn = q[j + 4] & 63;
+    } else {
+        *sc = (q[j + 4] & 0x0f) | ((q[j - 4] >> 6) << 4);
+        *mn = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+}
+
 /* A block of 32 activations quantized to 8 bits as llama.cpp's quantize_row_q8_0/q8_1 do
  * (qdot8.c): q = x * 127 / amax rounded to nearest even, d = amax / 127 and s = d * sum(q),
  * each kept as its f16 rounding (here as the f32 value of that f16); sum: the exact sum of q. */
@@ -116,6 +127,21 @@ typedef struct gt_act8 {
 
 /* y[b] for the K / 32 blocks of x (K a multiple of 32). */
 void gt_act8_quantize_(gt_act8 *y, const float *x, int64_t K);
+/* A super-block of 256 activations quantized as llama.cpp's quantize_row_q8_K (its reference
+ * code, which x86 runs): max = the element of largest magnitude (the first), iscale = -127 /
+ * max, q = min(127, iscale * x rounded to nearest even), d = 1 / iscale (f32), and the sums of
+ * q over each 16 elements. For the K-quant weights. */
+typedef struct gt_act8k {
+    float d;
+    int8_t q[256];
+    int16_t bsums[16];
+} gt_act8k;
+
+void gt_act8k_quantize_(gt_act8k *y, const float *x, int64_t K);
+/* gt_qdot8_rows_ for the K-quant types of GT_ACT8_TYPES, x in gt_act8k super-blocks. */
+void gt_qdot8k_rows_(float *y, int64_t ldy, const gt_act8k *x, int64_t ldx, int m, const uint8_t *w,
+                     int64_t row_bytes, int32_t dtype, int64_t K, int64_t N, int64_t n0, int64_t n1);
+
 /* 1 for the weight types the 8-bit path multiplies (GT_ACT8_TYPES), else 0. */
 int gt_act8_supports_(int32_t dtype);
 /* y[r * ldy + n] = the dot of x row r (K / 32 blocks, rows ldx blocks apart) with W row n,

@@ -916,7 +916,9 @@ static void small_m(float *C, int64_t ldc, const float *x, operand A, int64_t M,
 /* Work bytes per thread of matmul_q8: a row of x gathered when strided, and SMALL_M rows of
  * it quantized. */
 static int64_t act8_work_size(int64_t K) {
-    return (K > 0 ? K : 0) * (int64_t)sizeof(float) + SMALL_M * (K / 32 + 1) * (int64_t)sizeof(gt_act8) + ALIGN;
+    const int64_t blocks = SMALL_M * (K / 32 + 1) * (int64_t)sizeof(gt_act8),
+                  super = SMALL_M * (K / 256 + 1) * (int64_t)sizeof(gt_act8k);
+    return (K > 0 ? K : 0) * (int64_t)sizeof(float) + (blocks > super ? blocks : super) + ALIGN;
 }
 
 /* C[:Mx, n0:n1] (row stride ldc) = x (Mx, K; strides of A) quantized to 8 bits @ W^T[:, n0:n1]
@@ -924,8 +926,10 @@ static int64_t act8_work_size(int64_t K) {
 static void act8_rows(float *C, int64_t ldc, const float *x, operand A, int64_t Mx, int64_t K, int64_t N,
                       int32_t dtype, const wsource *W, int64_t n0, int64_t n1, void *work) {
     float *row = (float *)(((uintptr_t)work + ALIGN - 1) & ~(uintptr_t)(ALIGN - 1));
+    const int super = gt_dtype_find_(dtype)->block == 256;     /* K-quants: Q8_K super-blocks */
     gt_act8 *q = (gt_act8 *)(row + K);
-    const int64_t nb = K / 32;
+    gt_act8k *qk = (gt_act8k *)(row + K);
+    const int64_t nb = K / (super ? 256 : 32);
     for (int64_t m0 = 0; m0 < Mx; m0 += SMALL_M) {
         const int64_t g = Mx - m0 < SMALL_M ? Mx - m0 : SMALL_M;
         for (int64_t r = 0; r < g; r++) {
@@ -934,9 +938,11 @@ static void act8_rows(float *C, int64_t ldc, const float *x, operand A, int64_t 
                 for (int64_t k = 0; k < K; k++) row[k] = xr[k * A.cs];
                 xr = row;
             }
-            gt_act8_quantize_(q + r * nb, xr, K);
+            if (super) gt_act8k_quantize_(qk + r * nb, xr, K);
+            else gt_act8_quantize_(q + r * nb, xr, K);
         }
-        gt_qdot8_rows_(C + m0 * ldc, ldc, q, nb, (int)g, W->p, W->row_bytes, dtype, K, N, n0, n1);
+        if (super) gt_qdot8k_rows_(C + m0 * ldc, ldc, qk, nb, (int)g, W->p, W->row_bytes, dtype, K, N, n0, n1);
+        else gt_qdot8_rows_(C + m0 * ldc, ldc, q, nb, (int)g, W->p, W->row_bytes, dtype, K, N, n0, n1);
     }
 }
 

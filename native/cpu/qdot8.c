@@ -115,7 +115,7 @@ static int kind_of(int32_t dtype) {
  * weights are signed */
 #define HAS_MIN(kind) ((kind) == K_Q4_1 || (kind) == K_Q5_1)
 
-int gt_act8_supports_(int32_t dtype) { return kind_of(dtype) >= 0; }
+int gt_act8_supports_(int32_t dtype) { return kind_of(dtype) >= 0 || dtype == GT_Q4_K || dtype == GT_Q6_K; }
 
 /* element i of a block as an integer (Q5: the low nibble, bit i of qh above it) */
 static inline int32_t wq(int kind, const uint8_t *b, int i) {

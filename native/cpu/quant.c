@@ -144,16 +144,6 @@ GT_CLONES static void dequant_q3_k(float *y, const uint8_t *b, int64_t nb) {
     }
 }
 
-/* Q4_K/Q5_K: eight 6-bit (scale, min) pairs packed in 12 bytes. */
-static inline void k4_scale_min(const uint8_t *q, int j, int *sc, int *mn) {
-    if (j < 4) {
-        *sc = q[j] & 63;
-        *mn = q[j + 4] & 63;
-    } else {
-        *sc = (q[j + 4] & 0x0f) | ((q[j - 4] >> 6) << 4);
-        *mn = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
-    }
-}
 
 GT_CLONES static void dequant_q4_k(float *y, const uint8_t *b, int64_t nb) {
     for (int64_t i = 0; i < nb; i++, b += 144) {
@@ -161,9 +151,9 @@ GT_CLONES static void dequant_q4_k(float *y, const uint8_t *b, int64_t nb) {
         const uint8_t *scales = b + 4, *q = b + 16;
         for (int j = 0, is = 0; j < QK_K; j += 64, q += 32, is += 2) {
             int sc, mn;
-            k4_scale_min(scales, is, &sc, &mn);
+            gt_k4_scale_min_(scales, is, &sc, &mn);
             const float d1 = d * (float)sc, m1 = dmin * (float)mn;
-            k4_scale_min(scales, is + 1, &sc, &mn);
+            gt_k4_scale_min_(scales, is + 1, &sc, &mn);
             const float d2 = d * (float)sc, m2 = dmin * (float)mn;
             for (int l = 0; l < 32; l++) *y++ = d1 * (float)(q[l] & 0x0f) - m1;
             for (int l = 0; l < 32; l++) *y++ = d2 * (float)(q[l] >> 4) - m2;
@@ -178,9 +168,9 @@ GT_CLONES static void dequant_q5_k(float *y, const uint8_t *b, int64_t nb) {
         uint8_t u1 = 1, u2 = 2;
         for (int j = 0, is = 0; j < QK_K; j += 64, ql += 32, is += 2, u1 <<= 2, u2 <<= 2) {
             int sc, mn;
-            k4_scale_min(scales, is, &sc, &mn);
+            gt_k4_scale_min_(scales, is, &sc, &mn);
             const float d1 = d * (float)sc, m1 = dmin * (float)mn;
-            k4_scale_min(scales, is + 1, &sc, &mn);
+            gt_k4_scale_min_(scales, is + 1, &sc, &mn);
             const float d2 = d * (float)sc, m2 = dmin * (float)mn;
             for (int l = 0; l < 32; l++) *y++ = d1 * (float)((ql[l] & 0x0f) + ((qh[l] & u1) ? 16 : 0)) - m1;
             for (int l = 0; l < 32; l++) *y++ = d2 * (float)((ql[l] >> 4) + ((qh[l] & u2) ? 16 : 0)) - m2;

@@ -1,0 +1,241 @@
+/* qdot8k.c: the 8-bit-activation products (qdot8.c) of the K-quant weights Q4_K and Q6_K, with
+ * the activations in super-blocks of 256 (gt_act8k: llama.cpp's Q8_K). Integer products exact;
+ * the float order, per row, as llama.cpp's AVX2 build computes it:
+ *   Q4_K (llama.cpp repacks it when W's rows are a multiple of 8; its GEMV): per super-block,
+ *     I = sum over the 8 sub-blocks s of scale_s * (sum of its 32 q4 * q8),
+ *     Im = sum over s of min_s * (bsums[2s] + bsums[2s+1]),
+ *     acc = fma((float)I, f16(w.d) * x.d, acc), accm = fma((float)Im, f16(w.dmin) * x.d, accm);
+ *   then y = acc - accm. (Rows not a multiple of 8 take llama.cpp's vec_dot there, whose float
+ *   order is not this one: the same integers, other roundings.)
+ *   Q6_K (ggml_vec_dot_q6_K_q8_K): per super-block, eight int32 lanes,
+ *     lane l = sum over j < 2, v < 4, k < 4 of scale[e / 16] * q6[e] * q8[e] at
+ *       e = 128 j + 32 v + 4 l + k (q6 unsigned, 0..63)
+ *       - 32 * (bsums[2l] * scale[2l] + bsums[2l+1] * scale[2l+1]),
+ *     acc[l] = fma(x.d * f16(w.d), (float)lane l, acc[l]);
+ *   then y = ((acc0 + acc4) + (acc2 + acc6)) + ((acc1 + acc5) + (acc3 + acc7)).
+ * The plain C path and the AVX2 one give the same bits.
+ */
+#include <math.h>
+#include <string.h>
+
+#include "internal.h"
+#include "simd.h"
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+/* ---- activations ------------------------------------------------------------------------ */
+
+static void quantize_superblock(gt_act8k *y, const float *x) {
+    float amax = 0.0f, max = 0.0f;
+    for (int j = 0; j < 256; j++) {
+        const float a = fabsf(x[j]);
+        if (a > amax) {
+            amax = a;
+            max = x[j];
+        }
+    }
+    if (amax == 0.0f) {
+        memset(y, 0, sizeof *y);
+        return;
+    }
+    const float iscale = -127.0f / max;
+    for (int j = 0; j < 256; j++) {
+        const int v = (int)nearbyintf(iscale * x[j]);    /* nearest even, as ggml's nearest_int */
+        y->q[j] = (int8_t)(v < 127 ? v : 127);
+    }
+    for (int g = 0; g < 16; g++) {
+        int s = 0;
+        for (int j = 0; j < 16; j++) s += y->q[16 * g + j];
+        y->bsums[g] = (int16_t)s;
+    }
+    y->d = 1.0f / iscale;
+}
+
+void gt_act8k_quantize_(gt_act8k *y, const float *x, int64_t K) {
+    for (int64_t b = 0; b < K / 256; b++) quantize_superblock(y + b, x + 256 * b);
+}
+
+static inline float f16_at(const uint8_t *p) { return gt_f16_to_f32_1((uint16_t)(p[0] | p[1] << 8)); }
+
+static inline float hsum8(const float a[8]) {
+    const float r0 = a[0] + a[4], r1 = a[1] + a[5], r2 = a[2] + a[6], r3 = a[3] + a[7];
+    return (r0 + r2) + (r1 + r3);
+}
+
+/* ---- plain C ------------------------------------------------------------------------------ */
+
+/* Q4_K super-block (144 B: d, dmin, scales[12], qs[128]): I and Im above */
+static void q4k_ints(const uint8_t *b, const gt_act8k *x, int32_t *I, int32_t *Im) {
+    int32_t i_sum = 0, m_sum = 0;
+    for (int s = 0; s < 8; s++) {
+        int sc, mn;
+        gt_k4_scale_min_(b + 4, s, &sc, &mn);
+        const uint8_t *q = b + 16 + 32 * (s / 2);
+        int32_t dot = 0;
+        for (int l = 0; l < 32; l++) dot += (s % 2 ? q[l] >> 4 : q[l] & 15) * x->q[32 * s + l];
+        i_sum += sc * dot;
+        m_sum += mn * (x->bsums[2 * s] + x->bsums[2 * s + 1]);
+    }
+    *I = i_sum;
+    *Im = m_sum;
+}
+
+/* Q6_K super-block (210 B: ql[128], qh[64], scales[16], d): element e's unsigned 6-bit value */
+static inline int q6k_at(const uint8_t *b, int e) {
+    const int h = e / 128, r = e % 128, l = r % 32, part = r / 32;
+    const uint8_t *ql = b + 64 * h, *qh = b + 128 + 32 * h;
+    const int lo = part == 0 ? ql[l] & 15 : part == 1 ? ql[l + 32] & 15 : part == 2 ? ql[l] >> 4 : ql[l + 32] >> 4;
+    return lo | ((qh[l] >> (2 * part)) & 3) << 4;
+}
+
+static void q6k_lanes(const uint8_t *b, const gt_act8k *x, int32_t lane[8]) {
+    const int8_t *sc = (const int8_t *)(b + 192);
+    for (int l = 0; l < 8; l++) {
+        int32_t s = 0;
+        for (int j = 0; j < 2; j++)
+            for (int v = 0; v < 4; v++)
+                for (int k = 0; k < 4; k++) {
+                    const int e = 128 * j + 32 * v + 4 * l + k;
+                    s += sc[e / 16] * q6k_at(b, e) * x->q[e];
+                }
+        lane[l] = s - 32 * (x->bsums[2 * l] * sc[2 * l] + x->bsums[2 * l + 1] * sc[2 * l + 1]);
+    }
+}
+
+static void rows_plain(float *y, int64_t ldy, const gt_act8k *x, int64_t ldx, int m, const uint8_t *w,
+                       int64_t row_bytes, int32_t dtype, int64_t nb, int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; n++)
+        for (int r = 0; r < m; r++) {
+            const gt_act8k *xr = x + r * ldx;
+            float acc[8] = {0}, a = 0.0f, am = 0.0f;
+            for (int64_t b = 0; b < nb; b++) {
+                const uint8_t *wb = w + n * row_bytes + b * (dtype == GT_Q4_K ? 144 : 210);
+                if (dtype == GT_Q4_K) {
+                    int32_t I, Im;
+                    q4k_ints(wb, xr + b, &I, &Im);
+                    a = fmaf((float)I, f16_at(wb) * xr[b].d, a);
+                    am = fmaf((float)Im, f16_at(wb + 2) * xr[b].d, am);
+                } else {
+                    int32_t lane[8];
+                    q6k_lanes(wb, xr + b, lane);
+                    const float d = xr[b].d * f16_at(wb + 208);
+                    for (int l = 0; l < 8; l++) acc[l] = fmaf(d, (float)lane[l], acc[l]);
+                }
+            }
+            y[r * ldy + n] = dtype == GT_Q4_K ? a - am : hsum8(acc);
+        }
+}
+
+/* ---- AVX2 --------------------------------------------------------------------------------- */
+
+#if defined(__x86_64__)
+#define TK "avx2,fma,f16c"
+
+static inline __attribute__((always_inline, target(TK))) int32_t hsum_i32(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_extracti128_si256(v, 1), _mm256_castsi256_si128(v));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+    return _mm_cvtsi128_si32(s);
+}
+
+/* Q4_K: the integer sums by maddubs (pairs of q4 * q8, at most 2 * 15 * 127) and madd with the
+ * sub-block's scale, one int32 vector a super-block, summed at its end */
+__attribute__((target(TK))) static void rows_q4k(float *y, int64_t ldy, const gt_act8k *x, int64_t ldx, int m,
+                                                 const uint8_t *w, int64_t row_bytes, int64_t nb, int64_t n0,
+                                                 int64_t n1) {
+    const __m256i m4 = _mm256_set1_epi8(15);
+    for (int64_t n = n0; n < n1; n++)
+        for (int r = 0; r < m; r++) {
+            const gt_act8k *xr = x + r * ldx;
+            float a = 0.0f, am = 0.0f;
+            for (int64_t b = 0; b < nb; b++) {
+                const uint8_t *wb = w + n * row_bytes + b * 144;
+                _mm_prefetch((const char *)(wb + GT_QDOT_PREFETCH_ROWS * row_bytes), _MM_HINT_T0);
+                _mm_prefetch((const char *)(wb + GT_QDOT_PREFETCH_ROWS * row_bytes + 64), _MM_HINT_T0);
+                _mm_prefetch((const char *)(wb + GT_QDOT_PREFETCH_ROWS * row_bytes + 128), _MM_HINT_T0);
+                __m256i iacc = _mm256_setzero_si256();
+                int32_t Im = 0;
+                for (int c = 0; c < 4; c++) {
+                    int sc0, mn0, sc1, mn1;
+                    gt_k4_scale_min_(wb + 4, 2 * c, &sc0, &mn0);
+                    gt_k4_scale_min_(wb + 4, 2 * c + 1, &sc1, &mn1);
+                    const __m256i q = _mm256_loadu_si256((const __m256i *)(wb + 16 + 32 * c));
+                    const __m256i lo = _mm256_and_si256(q, m4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+                    const __m256i x0 = _mm256_loadu_si256((const __m256i *)(xr[b].q + 64 * c));
+                    const __m256i x1 = _mm256_loadu_si256((const __m256i *)(xr[b].q + 64 * c + 32));
+                    iacc = _mm256_add_epi32(iacc, _mm256_madd_epi16(_mm256_maddubs_epi16(lo, x0),
+                                                                    _mm256_set1_epi16((short)sc0)));
+                    iacc = _mm256_add_epi32(iacc, _mm256_madd_epi16(_mm256_maddubs_epi16(hi, x1),
+                                                                    _mm256_set1_epi16((short)sc1)));
+                    Im += mn0 * (xr[b].bsums[4 * c] + xr[b].bsums[4 * c + 1]) +
+                          mn1 * (xr[b].bsums[4 * c + 2] + xr[b].bsums[4 * c + 3]);
+                }
+                a = fmaf((float)hsum_i32(iacc), _cvtsh_ss((uint16_t)(wb[0] | wb[1] << 8)) * xr[b].d, a);
+                am = fmaf((float)Im, _cvtsh_ss((uint16_t)(wb[2] | wb[3] << 8)) * xr[b].d, am);
+            }
+            y[r * ldy + n] = a - am;
+        }
+}
+
+/* Q6_K: each 32-byte vector of q6 values (two sub-blocks of 16) by maddubs (at most 2 * 63 * 127)
+ * and madd with its two scales; the 32-times-bsums term by madd of the bsums and the scales */
+__attribute__((target(TK))) static void rows_q6k(float *y, int64_t ldy, const gt_act8k *x, int64_t ldx, int m,
+                                                 const uint8_t *w, int64_t row_bytes, int64_t nb, int64_t n0,
+                                                 int64_t n1) {
+    const __m256i m15 = _mm256_set1_epi8(15), m3 = _mm256_set1_epi8(3);
+    for (int64_t n = n0; n < n1; n++)
+        for (int r = 0; r < m; r++) {
+            const gt_act8k *xr = x + r * ldx;
+            __m256 acc = _mm256_setzero_ps();
+            for (int64_t b = 0; b < nb; b++) {
+                const uint8_t *wb = w + n * row_bytes + b * 210;
+                for (int o = 0; o < 256; o += 64)
+                    _mm_prefetch((const char *)(wb + GT_QDOT_PREFETCH_ROWS * row_bytes + o), _MM_HINT_T0);
+                const int8_t *sc = (const int8_t *)(wb + 192);
+                __m256i sumi = _mm256_setzero_si256();
+                for (int j = 0; j < 2; j++) {
+                    const __m256i l0 = _mm256_loadu_si256((const __m256i *)(wb + 64 * j));
+                    const __m256i l1 = _mm256_loadu_si256((const __m256i *)(wb + 64 * j + 32));
+                    const __m256i h = _mm256_loadu_si256((const __m256i *)(wb + 128 + 32 * j));
+                    __m256i q[4];
+                    q[0] = _mm256_or_si256(_mm256_and_si256(l0, m15), _mm256_slli_epi16(_mm256_and_si256(h, m3), 4));
+                    q[1] = _mm256_or_si256(_mm256_and_si256(l1, m15),
+                                           _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2), m3), 4));
+                    q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m15),
+                                           _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 4), m3), 4));
+                    q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m15),
+                                           _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 6), m3), 4));
+                    for (int v = 0; v < 4; v++) {
+                        const int s = 8 * j + 2 * v;      /* the sub-blocks of bytes 0..15 and 16..31 */
+                        const __m256i scales = _mm256_set_m128i(_mm_set1_epi16(sc[s + 1]), _mm_set1_epi16(sc[s]));
+                        const __m256i xv = _mm256_loadu_si256((const __m256i *)(xr[b].q + 128 * j + 32 * v));
+                        sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(_mm256_maddubs_epi16(q[v], xv), scales));
+                    }
+                }
+                const __m256i bs = _mm256_loadu_si256((const __m256i *)xr[b].bsums);
+                const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc));
+                sumi = _mm256_sub_epi32(sumi, _mm256_slli_epi32(_mm256_madd_epi16(bs, sc16), 5));
+                const float d = xr[b].d * _cvtsh_ss((uint16_t)(wb[208] | wb[209] << 8));
+                acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc);
+            }
+            float t[8];
+            _mm256_storeu_ps(t, acc);
+            y[r * ldy + n] = hsum8(t);
+        }
+}
+#endif /* __x86_64__ */
+
+void gt_qdot8k_rows_(float *y, int64_t ldy, const gt_act8k *x, int64_t ldx, int m, const uint8_t *w,
+                     int64_t row_bytes, int32_t dtype, int64_t K, int64_t N, int64_t n0, int64_t n1) {
+    (void)N;
+    const int64_t nb = K / 256;
+#if defined(__x86_64__)
+    if (gt_simd_level_() >= 1 && __builtin_cpu_supports("f16c")) {
+        (dtype == GT_Q4_K ? rows_q4k : rows_q6k)(y, ldy, x, ldx, m, w, row_bytes, nb, n0, n1);
+        return;
+    }
+#endif
+    rows_plain(y, ldy, x, ldx, m, w, row_bytes, dtype, nb, n0, n1);
+}
