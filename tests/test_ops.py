@@ -130,8 +130,14 @@ def test_backward_matches_own_forward(case, backend):
         np.testing.assert_allclose(analytic, numeric, rtol=2e-2, atol=2e-2)
 
 
+# registry ops whose inputs the f32 cases cannot make, with the test that covers them
+TESTED_ELSEWHERE = {
+    "matmul_q8": "tests/test_qdot8.py: a stored Q4_0 ... Q6_K weight, forward only, against float64",
+}
+
+
 def test_every_registry_op_has_a_case():
-    covered = {c.op for c in CASES}
+    covered = {c.op for c in CASES} | set(TESTED_ELSEWHERE)
     for c in CASES:
         covered.update(c.ops_covered)
     missing = sorted(set(ops.OPS) - covered)
