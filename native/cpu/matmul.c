@@ -1033,13 +1033,14 @@ static int matmul(const gt_node *node, const gt_ctx *ctx, int32_t wtype, int act
         }
     }
 
-    /* activations in 8 bits: row dots with W^T, threads splitting N */
-    if (act8) {
-        if (!W || !W->trans || !gt_act8_supports_(wtype))
+    /* row dots with W^T, threads splitting N: any rows with the activations in 8 bits, or a few
+     * rows times a transposed stored weight */
+    if (act8 && (!W || !W->trans || !gt_act8_supports_(wtype)))
 #define ACT8_NAME_(w, ID) " " #w
-            return GT_FAIL(GT_ERR_INVALID, "matmul_q8: expected x @ W^T with W stored in one of"
-                           GT_ACT8_TYPES(ACT8_NAME_));
+        return GT_FAIL(GT_ERR_INVALID, "matmul_q8: expected x @ W^T with W stored in one of"
+                       GT_ACT8_TYPES(ACT8_NAME_));
 #undef ACT8_NAME_
+    if (act8 || (W && W->trans && Mx <= SMALL_M)) {
         int64_t lo, hi;
         gt_split((N + SMALL_N_UNIT - 1) / SMALL_N_UNIT, ctx, &lo, &hi);
         lo *= SMALL_N_UNIT;
@@ -1052,26 +1053,8 @@ static int matmul(const gt_node *node, const gt_ctx *ctx, int32_t wtype, int act
                 x += rem % d->shape[i] * sa[i];
                 rem /= d->shape[i];
             }
-            act8_rows(C + t * Mx * N, N, x, A, Mx, K, N, wtype, W, lo, hi, ctx->wdata);
-        }
-        return GT_OK;
-    }
-
-    /* a few rows times a transposed stored weight: the row-dot path */
-    if (W && W->trans && Mx <= SMALL_M) {
-        int64_t lo, hi;
-        gt_split((N + SMALL_N_UNIT - 1) / SMALL_N_UNIT, ctx, &lo, &hi);
-        lo *= SMALL_N_UNIT;
-        hi = hi * SMALL_N_UNIT < N ? hi * SMALL_N_UNIT : N;
-        if (lo >= hi) return GT_OK;
-        for (int64_t t = 0; t < nbatch; t++) {
-            const float *x = A.p;
-            int64_t rem = t;
-            for (int i = nb - 1; i >= 0; i--) {
-                x += rem % d->shape[i] * sa[i];
-                rem /= d->shape[i];
-            }
-            small_m(C + t * Mx * N, N, x, A, Mx, K, b->dtype, W, lo, hi, ap);
+            if (act8) act8_rows(C + t * Mx * N, N, x, A, Mx, K, N, wtype, W, lo, hi, ctx->wdata);
+            else small_m(C + t * Mx * N, N, x, A, Mx, K, b->dtype, W, lo, hi, ap);
         }
         return GT_OK;
     }
