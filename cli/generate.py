@@ -35,7 +35,7 @@ from ggtrain.formats.tasks import read_task
 UNTIL_EOG_CTX = 4096
 EXACT = typer.Option(False, "--exact",
                      help="Multiply quantized weights by the activations in f32. By default the CPU does as "
-                          "llama.cpp: activations rounded to 8 bits in blocks of 32, integer block products "
+                          "llama.cpp: activations rounded to 8 bits in blocks of 32 (256 for K-quants), integer products "
                           f"(weights stored as {', '.join(ops.ACT8_TYPES)}; other types, and CUDA, are f32): "
                           "llama.cpp's greedy text, and faster.")
 INT8 = typer.Option(False, "--int8",
