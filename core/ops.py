@@ -357,6 +357,16 @@ register(OpDef("swiglu", _infer_same("swiglu"), "swiglu_fwd", backward=_glu_bwd(
 register(OpDef("swiglu_bwd", _infer_glu_bwd("swiglu_bwd"), "swiglu_bwd", contiguous=(0, 1, 2)))
 register(OpDef("geglu", _infer_same("geglu"), "geglu_fwd", backward=_glu_bwd("geglu_bwd"), contiguous=(0, 1)))
 register(OpDef("geglu_bwd", _infer_glu_bwd("geglu_bwd"), "geglu_bwd", contiguous=(0, 1, 2)))
+
+
+def geglu_f16(g: Tensor, u: Tensor) -> Tensor:
+    """llama.cpp's CPU geglu: gelu_tanh of g rounded to f16, the result rounded to f16 (its
+    table), times u; 0 for g <= -10, g * u for g >= 10. Inference only (llama.cpp's numbers
+    for Gemma: the decoder's act8 mode); no gradient."""
+    return apply("geglu_f16", [g, u])
+
+
+register(OpDef("geglu_f16", _infer_same("geglu_f16"), "geglu_f16_fwd", contiguous=(0, 1), differentiable=()))
 register(OpDef("with_grad", _infer_with_grad, "scale_fwd", lower=lambda y: ((), (1.0,)),   # a copy of y
                backward=_with_grad_bwd, differentiable=(1,)))
 register(OpDef("tanh", _infer_same("tanh"), "tanh_fwd",

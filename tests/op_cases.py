@@ -14,7 +14,7 @@ from typing import Callable
 import numpy as np
 
 from ggtrain.core import ops
-from tests import refs
+from tests import np_decoder, refs
 
 
 @dataclass
@@ -94,6 +94,10 @@ case("swiglu", [In((3, 33), -4, 4), In((3, 33))], ops.swiglu, lambda g, u: g * _
 case("geglu", [In((3, 33), -4, 4), In((3, 33))], ops.geglu, lambda g, u: refs.gelu_tanh(g) * u)
 case("geglu", [In((2, 20), -12, 12), In((2, 20))], ops.geglu, lambda g, u: refs.gelu_tanh(g) * u, name="tails",
      grad_atol=2e-4)
+# llama.cpp's table gelu (inference only): within an f16 rounding of the f16 table's value
+case("geglu_f16", [In((3, 40), -12, 12), In((3, 40))], ops.geglu_f16,
+     lambda g, u: np_decoder.ggml_gelu_f16(g) * u, rtol=2e-3, atol=1e-3,
+     backward=False)
 case("tanh", [In((4, 9), -3, 3)], ops.tanh, np.tanh)
 # its backward is injected, not y's derivative (test_decoder's chunked loss checks it)
 case("with_grad", [In(()), In((3, 4)), In((3, 4))], ops.with_grad, lambda y, x, gx: y, backward=False)

@@ -101,3 +101,27 @@ def test_gemma3_270m_greedy_equals_llama_cpp_up_to_near_ties(llama, gemma):
         top2 = np.sort(np.array(llm.scores[len(ids) + k - 2], np.float64))[-2:]
         assert top2[1] - top2[0] < NEAR_TIE, (ours_text, theirs_text)
     assert common >= 20, (ours_text, theirs_text)
+
+
+def test_gemma3_270m_logits_with_llama_cpp_numerics_equal_llama_cpp(llama, gemma):
+    """The decoder in llama.cpp's CPU numerics (act8: 8-bit activations for the Q5_0, Q8_0,
+    Q4_K and Q6_K products, and geglu's f16-table gelu), fed a token at a time, gives
+    llama.cpp's logits bit for bit at the first positions, where the f32 path is ~0.5 away;
+    later a rounding flip (an activation within an ulp of a boundary) moves them, and through
+    attention every position after it (here from the fifth token)."""
+    from ggtrain.core.backend_cpu import CpuBackend
+    from ggtrain.core.models.decoder import Decoder, ModelConfig
+    from ggtrain.formats.model_file import open_model
+    be = CpuBackend(2)
+    cfg, weights, _ = open_model(gemma, be)
+    llm = open_llm(llama, gemma, n_ctx=256)
+    ids = llm.tokenize(b"The capital of France is Paris, and the capital of Italy is", add_bos=True)
+    llm.reset()
+    for t in ids:
+        llm.eval([t])
+    theirs = np.asarray(llm.scores[:len(ids)], np.float32)
+    diff = {}
+    for act8 in (True, False):
+        dec = Decoder(ModelConfig(**cfg), weights, be, n_ctx=64, act8=act8)
+        diff[act8] = np.abs(dec.feed(ids, every=True) - theirs).max(-1)
+    assert (diff[True][:2] == 0).all() and (diff[False][:2] > 0.1).all(), (diff[True], diff[False])

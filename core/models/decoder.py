@@ -328,8 +328,11 @@ def forward(cfg: ModelConfig, params: dict, tokens, pos, graph=None, checkpoint:
         else:
             gate = linear(h, params, p + "ffn_gate.weight", lora)
             up = linear(h, params, p + "ffn_up.weight", lora)
-        f = linear(ops.geglu(gate, up) if fam.act == "gelu" else ops.swiglu(gate, up), params,
-                   p + "ffn_down.weight", lora)
+        if fam.act != "gelu":
+            act = ops.swiglu(gate, up)
+        else:       # (llama.cpp's f16-table gelu with its 8-bit products: its numbers, FrozenParams)
+            act = ops.geglu_f16(gate, up) if getattr(params, "act8", False) else ops.geglu(gate, up)
+        f = linear(act, params, p + "ffn_down.weight", lora)
         if fam.post_norms:
             f = ops.mul(ops.rms_norm(f, eps), params[p + "post_ffw_norm.weight"])
         if cfg.residual_scale:
@@ -463,8 +466,8 @@ def sequence_nll(cfg: ModelConfig, params: dict, x, targets, select, n_chunks: i
 
 
 class FrozenParams(dict):
-    """{name: Tensor} of fixed weights; act8: their products with quantized weights take
-    8-bit activations (`linear`)."""
+    """{name: Tensor} of fixed weights; act8: llama.cpp's CPU numerics for inference: products
+    with quantized weights take 8-bit activations (`linear`), and geglu its f16-table gelu."""
 
     act8 = False
 

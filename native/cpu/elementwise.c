@@ -295,6 +295,22 @@ GT_CLONES static void geglu_row(float *restrict d, const float *restrict g, cons
     }
 }
 
+/* llama.cpp's CPU geglu (GGML_GELU_FP16): gelu of x rounded to f16, itself rounded to f16 (its
+ * table holds those values), for -10 < x < 10; 0 below, x above. The gelu here is ggml's own
+ * expression with libm's tanhf; the f16 rounding after it hides the last bits of either.
+ * Inference with llama.cpp's numbers only (no gradient). */
+static inline float gelu_f16_table(float x) {
+    const float f = gt_f16_to_f32_1(gt_f32_to_f16_1(x));
+    return gt_f16_to_f32_1(gt_f32_to_f16_1(0.5f * f * (1.0f + tanhf(GELU_K * f * (1.0f + GELU_A * f * f)))));
+}
+
+static void geglu_f16_row(float *restrict d, const float *restrict g, const float *restrict u, int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        const float x = g[i];
+        d[i] = x <= -10.0f ? 0.0f : x >= 10.0f ? x * u[i] : gelu_f16_table(x) * u[i];
+    }
+}
+
 GT_CLONES static void geglu_bwd_row(float *restrict dg, float *restrict du, const float *restrict g,
                                     const float *restrict u, const float *restrict dy, int64_t n) {
     for (int64_t i = 0; i < n; i++) {
@@ -338,6 +354,7 @@ int gt_swiglu_fwd_f32(const gt_node *n, const gt_ctx *c) { return glu_fwd(n, c, 
 int gt_swiglu_bwd_f32(const gt_node *n, const gt_ctx *c) { return glu_bwd(n, c, swiglu_bwd_row, "swiglu_bwd"); }
 int gt_geglu_fwd_f32(const gt_node *n, const gt_ctx *c) { return glu_fwd(n, c, geglu_row, "geglu"); }
 int gt_geglu_bwd_f32(const gt_node *n, const gt_ctx *c) { return glu_bwd(n, c, geglu_bwd_row, "geglu_bwd"); }
+int gt_geglu_f16_fwd_f32(const gt_node *n, const gt_ctx *c) { return glu_fwd(n, c, geglu_f16_row, "geglu_f16"); }
 
 /* ---- dropout ----------------------------------------------------------------- */
 
