@@ -1,6 +1,7 @@
 /* elementwise.c: binary ops with broadcasting, unary ops, fill, and the fused
  * backward kernels of relu and silu. Rows of dst are split across threads. */
 #include <math.h>
+#include <pthread.h>
 
 #include "internal.h"
 #include "simd.h"
@@ -295,19 +296,26 @@ GT_CLONES static void geglu_row(float *restrict d, const float *restrict g, cons
     }
 }
 
-/* llama.cpp's CPU geglu (GGML_GELU_FP16): gelu of x rounded to f16, itself rounded to f16 (its
- * table holds those values), for -10 < x < 10; 0 below, x above. The gelu here is ggml's own
- * expression with libm's tanhf; the f16 rounding after it hides the last bits of either.
- * Inference with llama.cpp's numbers only (no gradient). */
-static inline float gelu_f16_table(float x) {
-    const float f = gt_f16_to_f32_1(gt_f32_to_f16_1(x));
-    return gt_f16_to_f32_1(gt_f32_to_f16_1(0.5f * f * (1.0f + tanhf(GELU_K * f * (1.0f + GELU_A * f * f)))));
+/* llama.cpp's CPU geglu (GGML_GELU_FP16): a table of the f16 rounding of gelu at every f16
+ * value, indexed by x rounded to f16, for -10 < x < 10; 0 below, x above. The gelu here is
+ * ggml's own expression with libm's tanhf; the f16 rounding after it hides the last bits of
+ * either. Filled once (256 KiB), on first use. Inference with llama.cpp's numbers only. */
+static float gelu_f16_table[65536];
+static pthread_once_t gelu_f16_once = PTHREAD_ONCE_INIT;
+
+static void gelu_f16_fill(void) {
+    for (uint32_t h = 0; h < 65536; h++) {
+        const float f = gt_f16_to_f32_1((uint16_t)h);
+        const float gelu = 0.5f * f * (1.0f + tanhf(GELU_K * f * (1.0f + GELU_A * f * f)));
+        gelu_f16_table[h] = gt_f16_to_f32_1(gt_f32_to_f16_1(gelu));
+    }
 }
 
 static void geglu_f16_row(float *restrict d, const float *restrict g, const float *restrict u, int64_t n) {
+    pthread_once(&gelu_f16_once, gelu_f16_fill);
     for (int64_t i = 0; i < n; i++) {
         const float x = g[i];
-        d[i] = x <= -10.0f ? 0.0f : x >= 10.0f ? x * u[i] : gelu_f16_table(x) * u[i];
+        d[i] = x <= -10.0f ? 0.0f : x >= 10.0f ? x * u[i] : gelu_f16_table[gt_f32_to_f16_1(x)] * u[i];
     }
 }
 
