@@ -41,6 +41,8 @@ class Sampler:
         self._rng = np.random.default_rng(self.seed)
 
     def __call__(self, logits: np.ndarray, history=()) -> int:
+        if self.temp == 0 and (self.repeat_penalty == 1.0 or not self.repeat_last_n or not len(history)):
+            return int(np.argmax(logits))       # (f64 would change no order: skip the copy)
         z = np.asarray(logits, dtype=np.float64).reshape(-1).copy()
         if self.repeat_penalty != 1.0 and self.repeat_last_n and len(history):
             seen = np.unique(np.asarray(history[-self.repeat_last_n:], dtype=np.int64))
