@@ -161,6 +161,8 @@ void gt_gemm_small_(float *c, int64_t ldc, const float *a, int64_t ars, int64_t 
 
 
 float gt_f16_to_f32_1(uint16_t h);
+/* the f16 at p (little-endian) as f32: a block's scale */
+static inline float gt_half_at_(const uint8_t *p) { return gt_f16_to_f32_1((uint16_t)(p[0] | (p[1] << 8))); }
 uint16_t gt_f32_to_f16_1(float f);
 float gt_bf16_to_f32_1(uint16_t h);
 uint16_t gt_f32_to_bf16_1(float f);

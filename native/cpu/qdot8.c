@@ -25,12 +25,7 @@
 #include <math.h>
 #include <string.h>
 
-#include "internal.h"
-#include "simd.h"
-
-#if defined(__x86_64__)
-#include <immintrin.h>
-#endif
+#include "act8.h"
 
 /* ---- activations -------------------------------------------------------------------- */
 
@@ -130,11 +125,6 @@ static inline int32_t wq(int kind, const uint8_t *b, int i) {
     }
 }
 
-static inline float hsum8(const float a[8]) {
-    const float r0 = a[0] + a[4], r1 = a[1] + a[5], r2 = a[2] + a[6], r3 = a[3] + a[7];
-    return (r0 + r2) + (r1 + r3);
-}
-
 /* ---- plain C ---------------------------------------------------------------------------- */
 
 static void rows_plain(float *y, int64_t ldy, const gt_act8 *x, int64_t ldx, int m, const uint8_t *w,
@@ -145,7 +135,7 @@ static void rows_plain(float *y, int64_t ldy, const gt_act8 *x, int64_t ldx, int
             float acc[8] = {0}, summs = 0.0f, one = 0.0f;
             for (int64_t b = 0; b < nb; b++) {
                 const uint8_t *wb = w + n * row_bytes + b * block_bytes;
-                const float dd = gt_f16_to_f32_1((uint16_t)(wb[0] | wb[1] << 8)) * xr[b].d;
+                const float dd = gt_half_at_(wb) * xr[b].d;
                 int32_t lane[8], all = 0;
                 for (int l = 0; l < 8; l++) {
                     int32_t s = 0;
@@ -158,9 +148,9 @@ static void rows_plain(float *y, int64_t ldy, const gt_act8 *x, int64_t ldx, int
                     continue;
                 }
                 for (int l = 0; l < 8; l++) acc[l] = fmaf(dd, (float)lane[l], acc[l]);
-                if (HAS_MIN(kind)) summs = fmaf(gt_f16_to_f32_1((uint16_t)(wb[2] | wb[3] << 8)), xr[b].s, summs);
+                if (HAS_MIN(kind)) summs = fmaf(gt_half_at_(wb + 2), xr[b].s, summs);
             }
-            y[r * ldy + n] = chain ? one : hsum8(acc) + summs;
+            y[r * ldy + n] = chain ? one : gt_hsum8_(acc) + summs;
         }
 }
 
@@ -194,19 +184,6 @@ static inline __attribute__((always_inline, target(T8))) __m256i wbytes(int kind
 }
 #define WBYTES(kind, b) wbytes((kind), (b))
 
-static inline __attribute__((always_inline, target(T8))) int32_t hsum_i32(__m256i v) {
-    __m128i s = _mm_add_epi32(_mm256_extracti128_si256(v, 1), _mm256_castsi256_si128(v));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
-    return _mm_cvtsi128_si32(s);
-}
-
-static inline __attribute__((always_inline, target(T8))) float hsum8_256(__m256 a) {
-    float t[8];
-    _mm256_storeu_ps(t, a);
-    return hsum8(t);
-}
-
 /* NW rows of W (from w), MM rows of x. u: the unsigned operand of the byte products (|w|, or
  * Q4_1's nibbles), v: x with w's sign (or x); lanes l = the sum of bytes 4l .. 4l+3's products,
  * by maddubs + madd (the pair sums never saturate: |w| <= 127, |x| <= 127) or by VNNI's dpbusd,
@@ -228,14 +205,14 @@ static inline __attribute__((always_inline, target(T8))) float hsum8_256(__m256 
                 _mm_prefetch((const char *)(wb + GT_QDOT_PREFETCH_ROWS * row_bytes), _MM_HINT_T0);               \
                 const __m256i wv = WBYTES(kind, wb);                                                             \
                 const __m256i u = HAS_MIN(kind) ? wv : _mm256_sign_epi8(wv, wv);                                 \
-                const float dw = _cvtsh_ss((uint16_t)(wb[0] | wb[1] << 8));                                      \
-                const float mw = HAS_MIN(kind) ? _cvtsh_ss((uint16_t)(wb[2] | wb[3] << 8)) : 0.0f;               \
+                const float dw = gt_half_at_f16c_(wb);                                      \
+                const float mw = HAS_MIN(kind) ? gt_half_at_f16c_(wb + 2) : 0.0f;               \
                 _Pragma("GCC unroll 4") for (int r = 0; r < MM; r++) {                                           \
                     const gt_act8 *xb = x + r * ldx + b;                                                         \
                     const __m256i xv = _mm256_loadu_si256((const __m256i *)xb->q);                               \
                     const __m256i lanes = DPB(u, HAS_MIN(kind) ? xv : _mm256_sign_epi8(xv, wv));                 \
                     if (chain) {                                                                                 \
-                        summs[j][r] = fmaf((float)hsum_i32(lanes), dw * xb->d, summs[j][r]);                     \
+                        summs[j][r] = fmaf((float)gt_hsum_i32_(lanes), dw * xb->d, summs[j][r]);                     \
                         continue;                                                                                \
                     }                                                                                            \
                     acc[j][r] = _mm256_fmadd_ps(_mm256_set1_ps(dw * xb->d), _mm256_cvtepi32_ps(lanes), acc[j][r]); \
@@ -245,7 +222,7 @@ static inline __attribute__((always_inline, target(T8))) float hsum8_256(__m256 
         }                                                                                                        \
         for (int j = 0; j < NW; j++)                                                                             \
             for (int r = 0; r < MM; r++)                                                                         \
-                y[r * ldy + j] = chain ? summs[j][r] : hsum8_256(acc[j][r]) + summs[j][r];                       \
+                y[r * ldy + j] = chain ? summs[j][r] : gt_hsum8_256_(acc[j][r]) + summs[j][r];                       \
     }
 
 #define DPB_MADD(u, v) _mm256_madd_epi16(_mm256_maddubs_epi16((u), (v)), _mm256_set1_epi16(1))

@@ -18,12 +18,7 @@
 #include <math.h>
 #include <string.h>
 
-#include "internal.h"
-#include "simd.h"
-
-#if defined(__x86_64__)
-#include <immintrin.h>
-#endif
+#include "act8.h"
 
 /* ---- activations ------------------------------------------------------------------------ */
 
@@ -55,13 +50,6 @@ static void quantize_superblock(gt_act8k *y, const float *x) {
 
 void gt_act8k_quantize_(gt_act8k *y, const float *x, int64_t K) {
     for (int64_t b = 0; b < K / 256; b++) quantize_superblock(y + b, x + 256 * b);
-}
-
-static inline float f16_at(const uint8_t *p) { return gt_f16_to_f32_1((uint16_t)(p[0] | p[1] << 8)); }
-
-static inline float hsum8(const float a[8]) {
-    const float r0 = a[0] + a[4], r1 = a[1] + a[5], r2 = a[2] + a[6], r3 = a[3] + a[7];
-    return (r0 + r2) + (r1 + r3);
 }
 
 /* ---- plain C ------------------------------------------------------------------------------ */
@@ -115,16 +103,16 @@ static void rows_plain(float *y, int64_t ldy, const gt_act8k *x, int64_t ldx, in
                 if (dtype == GT_Q4_K) {
                     int32_t I, Im;
                     q4k_ints(wb, xr + b, &I, &Im);
-                    a = fmaf((float)I, f16_at(wb) * xr[b].d, a);
-                    am = fmaf((float)Im, f16_at(wb + 2) * xr[b].d, am);
+                    a = fmaf((float)I, gt_half_at_(wb) * xr[b].d, a);
+                    am = fmaf((float)Im, gt_half_at_(wb + 2) * xr[b].d, am);
                 } else {
                     int32_t lane[8];
                     q6k_lanes(wb, xr + b, lane);
-                    const float d = xr[b].d * f16_at(wb + 208);
+                    const float d = xr[b].d * gt_half_at_(wb + 208);
                     for (int l = 0; l < 8; l++) acc[l] = fmaf(d, (float)lane[l], acc[l]);
                 }
             }
-            y[r * ldy + n] = dtype == GT_Q4_K ? a - am : hsum8(acc);
+            y[r * ldy + n] = dtype == GT_Q4_K ? a - am : gt_hsum8_(acc);
         }
 }
 
@@ -132,13 +120,6 @@ static void rows_plain(float *y, int64_t ldy, const gt_act8k *x, int64_t ldx, in
 
 #if defined(__x86_64__)
 #define TK "avx2,fma,f16c"
-
-static inline __attribute__((always_inline, target(TK))) int32_t hsum_i32(__m256i v) {
-    __m128i s = _mm_add_epi32(_mm256_extracti128_si256(v, 1), _mm256_castsi256_si128(v));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
-    return _mm_cvtsi128_si32(s);
-}
 
 /* Q4_K: the integer sums by maddubs (pairs of q4 * q8, at most 2 * 15 * 127) and madd with the
  * sub-block's scale, one int32 vector a super-block, summed at its end */
@@ -172,8 +153,8 @@ __attribute__((target(TK))) static void rows_q4k(float *y, int64_t ldy, const gt
                     Im += mn0 * (xr[b].bsums[4 * c] + xr[b].bsums[4 * c + 1]) +
                           mn1 * (xr[b].bsums[4 * c + 2] + xr[b].bsums[4 * c + 3]);
                 }
-                a = fmaf((float)hsum_i32(iacc), _cvtsh_ss((uint16_t)(wb[0] | wb[1] << 8)) * xr[b].d, a);
-                am = fmaf((float)Im, _cvtsh_ss((uint16_t)(wb[2] | wb[3] << 8)) * xr[b].d, am);
+                a = fmaf((float)gt_hsum_i32_(iacc), gt_half_at_f16c_(wb) * xr[b].d, a);
+                am = fmaf((float)Im, gt_half_at_f16c_(wb + 2) * xr[b].d, am);
             }
             y[r * ldy + n] = a - am;
         }
@@ -217,12 +198,10 @@ __attribute__((target(TK))) static void rows_q6k(float *y, int64_t ldy, const gt
                 const __m256i bs = _mm256_loadu_si256((const __m256i *)xr[b].bsums);
                 const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc));
                 sumi = _mm256_sub_epi32(sumi, _mm256_slli_epi32(_mm256_madd_epi16(bs, sc16), 5));
-                const float d = xr[b].d * _cvtsh_ss((uint16_t)(wb[208] | wb[209] << 8));
+                const float d = xr[b].d * gt_half_at_f16c_(wb + 208);
                 acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc);
             }
-            float t[8];
-            _mm256_storeu_ps(t, acc);
-            y[r * ldy + n] = hsum8(t);
+            y[r * ldy + n] = gt_hsum8_256_(acc);
         }
 }
 #endif /* __x86_64__ */

@@ -35,17 +35,13 @@
 #define QK 32
 #define QK_K 256
 
-static inline float half_at(const uint8_t *p) {
-    return gt_f16_to_f32_1((uint16_t)(p[0] | (p[1] << 8)));
-}
-
 static inline uint32_t u32_at(const uint8_t *p) {
     return (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16) | ((uint32_t)p[3] << 24);
 }
 
 GT_CLONES static void dequant_q4_0(float *y, const uint8_t *b, int64_t nb) {
     for (int64_t i = 0; i < nb; i++, b += 18, y += QK) {
-        const float d = half_at(b);
+        const float d = gt_half_at_(b);
         const uint8_t *qs = b + 2;
         for (int j = 0; j < QK / 2; j++) {
             y[j] = (float)((qs[j] & 0x0f) - 8) * d;
@@ -56,7 +52,7 @@ GT_CLONES static void dequant_q4_0(float *y, const uint8_t *b, int64_t nb) {
 
 GT_CLONES static void dequant_q4_1(float *y, const uint8_t *b, int64_t nb) {
     for (int64_t i = 0; i < nb; i++, b += 20, y += QK) {
-        const float d = half_at(b), m = half_at(b + 2);
+        const float d = gt_half_at_(b), m = gt_half_at_(b + 2);
         const uint8_t *qs = b + 4;
         for (int j = 0; j < QK / 2; j++) {
             y[j] = (float)(qs[j] & 0x0f) * d + m;
@@ -67,7 +63,7 @@ GT_CLONES static void dequant_q4_1(float *y, const uint8_t *b, int64_t nb) {
 
 GT_CLONES static void dequant_q5_0(float *y, const uint8_t *b, int64_t nb) {
     for (int64_t i = 0; i < nb; i++, b += 22, y += QK) {
-        const float d = half_at(b);
+        const float d = gt_half_at_(b);
         const uint32_t qh = u32_at(b + 2);
         const uint8_t *qs = b + 6;
         for (int j = 0; j < QK / 2; j++) {
@@ -80,7 +76,7 @@ GT_CLONES static void dequant_q5_0(float *y, const uint8_t *b, int64_t nb) {
 
 GT_CLONES static void dequant_q5_1(float *y, const uint8_t *b, int64_t nb) {
     for (int64_t i = 0; i < nb; i++, b += 24, y += QK) {
-        const float d = half_at(b), m = half_at(b + 2);
+        const float d = gt_half_at_(b), m = gt_half_at_(b + 2);
         const uint32_t qh = u32_at(b + 4);
         const uint8_t *qs = b + 8;
         for (int j = 0; j < QK / 2; j++) {
@@ -93,7 +89,7 @@ GT_CLONES static void dequant_q5_1(float *y, const uint8_t *b, int64_t nb) {
 
 GT_CLONES static void dequant_q8_0(float *y, const uint8_t *b, int64_t nb) {
     for (int64_t i = 0; i < nb; i++, b += 34, y += QK) {
-        const float d = half_at(b);
+        const float d = gt_half_at_(b);
         const int8_t *qs = (const int8_t *)(b + 2);
         for (int j = 0; j < QK; j++) y[j] = (float)qs[j] * d;
     }
@@ -102,7 +98,7 @@ GT_CLONES static void dequant_q8_0(float *y, const uint8_t *b, int64_t nb) {
 GT_CLONES static void dequant_q2_k(float *y, const uint8_t *b, int64_t nb) {
     for (int64_t i = 0; i < nb; i++, b += 84) {
         const uint8_t *scales = b, *q = b + 16;
-        const float d = half_at(b + 80), dmin = half_at(b + 82);
+        const float d = gt_half_at_(b + 80), dmin = gt_half_at_(b + 82);
         int is = 0;
         for (int n = 0; n < QK_K; n += 128, q += 32) {
             for (int shift = 0; shift < 8; shift += 2) {
@@ -127,7 +123,7 @@ static inline int q3_k_scale(const uint8_t *s, int i) {
 GT_CLONES static void dequant_q3_k(float *y, const uint8_t *b, int64_t nb) {
     for (int64_t i = 0; i < nb; i++, b += 110) {
         const uint8_t *hm = b, *q = b + 32, *scales = b + 96;
-        const float d = half_at(b + 108);
+        const float d = gt_half_at_(b + 108);
         int is = 0;
         uint8_t m = 1;
         for (int n = 0; n < QK_K; n += 128, q += 32) {
@@ -147,7 +143,7 @@ GT_CLONES static void dequant_q3_k(float *y, const uint8_t *b, int64_t nb) {
 
 GT_CLONES static void dequant_q4_k(float *y, const uint8_t *b, int64_t nb) {
     for (int64_t i = 0; i < nb; i++, b += 144) {
-        const float d = half_at(b), dmin = half_at(b + 2);
+        const float d = gt_half_at_(b), dmin = gt_half_at_(b + 2);
         const uint8_t *scales = b + 4, *q = b + 16;
         for (int j = 0, is = 0; j < QK_K; j += 64, q += 32, is += 2) {
             int sc, mn;
@@ -163,7 +159,7 @@ GT_CLONES static void dequant_q4_k(float *y, const uint8_t *b, int64_t nb) {
 
 GT_CLONES static void dequant_q5_k(float *y, const uint8_t *b, int64_t nb) {
     for (int64_t i = 0; i < nb; i++, b += 176) {
-        const float d = half_at(b), dmin = half_at(b + 2);
+        const float d = gt_half_at_(b), dmin = gt_half_at_(b + 2);
         const uint8_t *scales = b + 4, *qh = b + 16, *ql = b + 48;
         uint8_t u1 = 1, u2 = 2;
         for (int j = 0, is = 0; j < QK_K; j += 64, ql += 32, is += 2, u1 <<= 2, u2 <<= 2) {
@@ -182,7 +178,7 @@ GT_CLONES static void dequant_q6_k(float *y, const uint8_t *b, int64_t nb) {
     for (int64_t i = 0; i < nb; i++, b += 210) {
         const uint8_t *ql = b, *qh = b + 128;
         const int8_t *sc = (const int8_t *)(b + 192);
-        const float d = half_at(b + 208);
+        const float d = gt_half_at_(b + 208);
         for (int n = 0; n < QK_K; n += 128, y += 128, ql += 64, qh += 32, sc += 8) {
             for (int l = 0; l < 32; l++) {
                 const int is = l / 16;
