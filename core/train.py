@@ -365,9 +365,12 @@ class TextConfig:
 
 def _frozen_product(t: Tensor) -> bool:
     """Selective checkpointing for LoRA: the products with frozen weights are most of a
-    block's forward work, so their outputs are kept instead of recomputed (the adapters,
-    norms, activations and attention are recomputed)."""
-    return t.op == "matmul" and t.srcs[1].root.kind == "param" and not t.srcs[1].requires_grad
+    block's forward work, so their outputs are kept instead of recomputed; so is attention's
+    output (with its row statistics, which its backward reads): on SmolLM2 (ctx 256, b4) that
+    is 68 MiB more planned memory for 4% less time a step. The adapters, norms and
+    activations are recomputed."""
+    return (t.op == "matmul" and t.srcs[1].root.kind == "param" and not t.srcs[1].requires_grad) \
+        or t.op == "attention"
 
 
 class TextRun:
