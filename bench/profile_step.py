@@ -1,9 +1,11 @@
 """Per-node time of one training update (in-plan profiling), grouped by kernel and shapes.
 
-    python bench/profile_step.py [fc|cnn|llama-a|llama-b|llama-c] [threads] [--ckpt]
+    python bench/profile_step.py [fc|cnn|llama-a|llama-b|llama-c|smollm2|gemma] [threads] [--ckpt]
 
 MNIST: a 1000-image update of two 500-image micro-batches. llama-X: bench_llama.py's
-config X, one update (checkpointing with --ckpt)."""
+config X, one update (checkpointing with --ckpt). smollm2, gemma: one LoRA update as
+bench_finetune.py runs it (r 16, all targets, AdamW, checkpointing; SmolLM2 Q4_1 ctx 256
+batch 4, Gemma 3 270M Q4_K_M ctx 512 batch 2) on random token windows."""
 import collections
 import pathlib
 import sys
@@ -28,6 +30,28 @@ if arch.startswith("llama-"):
     run = TextRun(model, init_params(model, 0), TextConfig(steps=10**6, batch=cfg["batch"], lr=1e-3, warmup=0,
                                                            checkpointing=ckpt), be)
     w = np.random.default_rng(0).integers(0, cfg["vocab"], (cfg["batch"], cfg["ctx"] + 1)).astype(np.int32)
+    feed = [{run.tokens: w[:, :-1], run.targets: w[:, 1:]}]
+    per_epoch, unit = None, "update"
+elif arch in ("smollm2", "gemma"):
+    from bench_finetune import SMOLLM2
+    from ggtrain.core.models.decoder import ModelConfig
+    from ggtrain.core.models.lora import LoraConfig, init_lora
+    from ggtrain.core.train import TextConfig, TextRun
+    from ggtrain.formats.model_file import open_model
+    if arch == "gemma":
+        sys.path.insert(1, str(pathlib.Path(__file__).resolve().parents[1]))
+        from tests.real_models import gemma3_270m_path
+        path, ctx, batch = gemma3_270m_path(), 512, 2
+    else:
+        path, ctx, batch = SMOLLM2, 256, 4
+    hp, weights, _ = open_model(path, be)
+    model = ModelConfig(**hp)
+    lora = LoraConfig(rank=16, alpha=32)
+    names = lora.weights(model)
+    run = TextRun(model, init_lora(lora, {w: weights[w].shape for w in names}, 0),
+                  TextConfig(steps=10**6, batch=batch, lr=2e-4, warmup=0, weight_decay=0.01, grad_clip=1.0),
+                  be, frozen=weights, lora=lora, ctx=ctx)
+    w = np.random.default_rng(0).integers(0, model.vocab, (batch, ctx + 1)).astype(np.int32)
     feed = [{run.tokens: w[:, :-1], run.targets: w[:, 1:]}]
     per_epoch, unit = None, "update"
 else:
