@@ -120,6 +120,32 @@ def test_threads_bit_identical(shape):
             assert np.array_equal(a, c)
 
 
+def test_backward_split_for_few_kv_heads():
+    """One sequence of one KV head (Gemma 3 270M's attention) is one unit of backward work:
+    its query heads are split into groups, one unit each, whose shares of dK and dV are
+    summed. dQ keeps the bits of the unsplit kernel (which 8 copies of the sequence get,
+    enough units); dK and dV are the same sums rounded another way; and the split depends
+    on the shapes, not on the thread count."""
+    rng = np.random.default_rng(11)
+    tq, h, d = 300, 4, 16
+    q, k, v = _f32(rng, 1, tq, h, d), _f32(rng, 1, tq, 1, d), _f32(rng, 1, tq, 1, d)
+    g = _f32(rng, *q.shape)
+    y = fwd(q, k, v, "causal", 0.25)[2]
+    split = bwd(q, k, v, y, g, "causal", 0.25)
+    rep = lambda x: np.ascontiguousarray(np.repeat(x, 8, axis=0))   # noqa: E731
+    y8 = fwd(rep(q), rep(k), rep(v), "causal", 0.25)[2]
+    whole = bwd(rep(q), rep(k), rep(v), y8, rep(g), "causal", 0.25)
+    assert np.array_equal(split[0], whole[0][:1])
+    for x, w in zip(split[1:], whole[1:]):
+        np.testing.assert_allclose(x, w[:1], rtol=1e-4, atol=1e-5)
+    assert not np.array_equal(split[1], whole[1][:1])         # the shares were summed: it did split
+    for x, want in zip(split, refs.attention_bwd(q, k, v, g, 0.25, causal=True)):
+        np.testing.assert_allclose(x, want, rtol=1e-4, atol=1e-5)
+    for n in (2, 3, 5):
+        for a, c in zip(split, bwd(q, k, v, y, g, "causal", 0.25, n_threads=n)):
+            assert np.array_equal(a, c)
+
+
 @pytest.mark.parametrize("level", [0, 1, 2])
 def test_every_simd_level(level):
     """The block products run on matmul's tiles: each dispatch level (capped) is checked."""

@@ -25,13 +25,21 @@
  * block of keys is skipped when no row sees any of it, taken whole when every row sees
  * all of it, and masked key by key otherwise.
  *
- * Determinism: work units are whole (batch, head, query block)s in the forward and whole
- * (batch, KV head)s in the backward; each output element is computed by the unit that
- * owns it, in a fixed order (O: key blocks ascending; dQ: key blocks ascending; dK, dV:
- * query heads, then query blocks, ascending), so which thread takes which unit (threads
- * take the next unit from a shared counter, which balances causal masks' unequal blocks)
- * changes nothing in the results. Backward units are few (B * H_kv): with fewer of them
- * than threads some threads idle.
+ * Determinism: work units are whole (batch, head, query block)s in the forward and
+ * (batch, KV head, group of its query heads)s in the backward; each output element is
+ * computed by the unit that owns it, in a fixed order (O: key blocks ascending; dQ: key
+ * blocks ascending; dK, dV: query heads, then query blocks, ascending), so which thread
+ * takes which unit (threads take the next unit from a shared counter, which balances
+ * causal masks' unequal blocks) changes nothing in the results.
+ * Backward groups: with fewer than BWD_UNITS (batch, KV head)s (one sequence of a model
+ * with few KV heads: Gemma 3 270M has one KV head for its four query heads), the G query
+ * heads of each are split into P groups of consecutive heads, one unit each. A group owns
+ * its heads' dQ; its share of dK and dV goes to dst (group 0) or to node scratch, and the
+ * shares are summed after a barrier in group order. P depends on the shapes alone, never
+ * on the thread count, so the bits do not either: dQ's are those of P = 1, dK's and dV's
+ * the same sums rounded in another order. (Splitting by key blocks instead cost more than
+ * it saved: every part transposed every head's queries again, and dQ, the larger, was
+ * the one to sum.)
  */
 #include <math.h>
 #include <stdatomic.h>
@@ -42,6 +50,7 @@
 
 #define BR 64       /* query rows per block */
 #define BC 64       /* keys per block */
+#define BWD_UNITS 8 /* backward: fewer (batch, KV head)s than this split their query heads */
 #define LANES GT_LANES
 #define ALIGN 64
 
@@ -350,13 +359,27 @@ static int64_t fwd_work_layout(int64_t D, char *base, fwd_work *w) {
     return off + ALIGN;   /* room to align the base */
 }
 
+/* Groups of query heads of each (batch, KV head) in the backward (see the top of the
+ * file): enough for BWD_UNITS units, at most one per query head. */
+static int64_t bwd_groups(const att *A) {
+    const int64_t units = A->B * A->Hkv;
+    if (units >= BWD_UNITS) return 1;
+    const int64_t p = div_up(BWD_UNITS, units);
+    return p < A->G ? p : A->G;
+}
+
 /* Node scratch of either direction: a unit counter, the mask rows (3 x B x Tq int32),
- * then (backward) Delta (B x H x Tq floats). */
+ * then (backward) Delta (B x H x Tq floats) and the dK, dV shares of groups 1 .. P - 1
+ * (2 x B x Tk x Hkv x D floats each, laid out as dst's dK and dV). */
 typedef struct scratch {
     _Atomic int64_t *next;
     rows R;
-    float *delta;
+    float *delta, *dkv_shares;
 } scratch;
+
+static int64_t kv_share_floats(const att *A) {
+    return align_up(2 * A->B * A->Tk * A->Hkv * A->D * (int64_t)sizeof(float)) / (int64_t)sizeof(float);
+}
 
 static int64_t scratch_layout(const att *A, int with_delta, char *base, scratch *s) {
     int64_t off = ALIGN;
@@ -371,6 +394,8 @@ static int64_t scratch_layout(const att *A, int with_delta, char *base, scratch 
     if (with_delta) {
         if (s) s->delta = (float *)(base + off);
         off += align_up(A->B * A->H * A->Tq * (int64_t)sizeof(float));
+        if (s) s->dkv_shares = (float *)(base + off);
+        off += (bwd_groups(A) - 1) * kv_share_floats(A) * (int64_t)sizeof(float);
     }
     return off;
 }
@@ -539,9 +564,11 @@ static int64_t bwd_work_layout(int64_t D, int64_t Tq, char *base, bwd_work *w) {
     return off + ALIGN;
 }
 
-/* One backward unit: KV head kvh of batch b and its G query heads. dq, dk, dv: dst's parts. */
+/* One backward unit: KV head kvh of batch b and its query heads g0 <= g < g1. dq: dst's
+ * dQ; dk, dv: where this unit's share of dK and dV goes (dst's, or scratch's). */
 static void bwd_unit(const att *A, rows R, const float *delta, const float *lse_all, const float *go,
-                     const int64_t *gs, bwd_work *w, int64_t b, int64_t kvh, float *dq, float *dk, float *dv) {
+                     const int64_t *gs, bwd_work *w, int64_t b, int64_t kvh, int64_t g0, int64_t g1, float *dq,
+                     float *dk, float *dv) {
     const int64_t D = A->D, Tq = A->Tq, Tk = A->Tk, H = A->H, Hkv = A->Hkv;
     const int64_t ldq = H * D, ldk = Hkv * D;   /* dst row strides */
     float *dkb = dk + (b * Tk * Hkv + kvh) * D, *dvb = dv + (b * Tk * Hkv + kvh) * D;
@@ -551,7 +578,7 @@ static void bwd_unit(const att *A, rows R, const float *delta, const float *lse_
         memset(dkb + t * ldk, 0, (size_t)D * sizeof(float));
         memset(dvb + t * ldk, 0, (size_t)D * sizeof(float));
     }
-    for (int64_t g = 0; g < A->G; g++) {
+    for (int64_t g = g0; g < g1; g++) {
         const int64_t h = kvh * A->G + g;
         const float *q = A->q + b * A->qs[0] + h * A->qs[2];
         const float *gq = go + b * gs[0] + h * gs[2];
@@ -663,13 +690,24 @@ int gt_attention_bwd_f32(const gt_node *node, const gt_ctx *ctx) {
     if (ctx->ith == 0) atomic_store_explicit(S.next, 0, memory_order_relaxed);
     gt_barrier(ctx);
 
-    /* phase 2: one (batch, KV head) per unit */
-    float *dq = d->data, *dk = dq + no, *dv = dk + nk;
-    const int64_t units = A.B * A.Hkv;
+    /* phase 2: one group of query heads of one (batch, KV head) per unit */
+    float *dq = d->data, *dk = dq + no;   /* dV follows dK */
+    const int64_t P = bwd_groups(&A), units = A.B * A.Hkv * P, share = kv_share_floats(&A);
     for (;;) {
         const int64_t u = atomic_fetch_add_explicit(S.next, 1, memory_order_relaxed);
         if (u >= units) break;
-        bwd_unit(&A, S.R, S.delta, lse, go, gs, &w, u / A.Hkv, u % A.Hkv, dq, dk, dv);
+        const int64_t bk = u / P, p = u % P;
+        float *to = p ? S.dkv_shares + (p - 1) * share : dk;   /* [dK | dV] of this group */
+        bwd_unit(&A, S.R, S.delta, lse, go, gs, &w, bk / A.Hkv, bk % A.Hkv, p * A.G / P, (p + 1) * A.G / P,
+                 dq, to, to + nk);
+    }
+    if (P == 1) return GT_OK;
+    /* phase 3: dK, dV (contiguous in dst) = group 0's + group 1's + ... in group order */
+    gt_barrier(ctx);
+    gt_split(2 * nk, ctx, &lo, &hi);
+    for (int64_t p = 1; p < P; p++) {
+        const float *src = S.dkv_shares + (p - 1) * share;
+        for (int64_t i = lo; i < hi; i++) dk[i] = dk[i] + src[i];
     }
     return GT_OK;
 }
