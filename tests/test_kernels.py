@@ -122,6 +122,23 @@ def test_softmax_large_inputs():
     close(run("softmax_fwd_f32", x.shape, [x], ip=(0,), fp=(1.0,)), refs.softmax(x))
 
 
+def test_shared_exp_error_bound():
+    """Softmax, silu, GELU's tanh and attention share one exp (internal.h gt_expf_, Cephes'
+    reduction and polynomial): its stated bound is 1.4 ulp. Softmax of a row (0, x) with
+    x < -16.7 returns that exp exactly (1 + exp(x) rounds to 1), so its second column is
+    gt_expf_(x); the arguments from -87.3 (the smallest normal result) to -16.7 take every
+    reduced argument r in [-ln2/2, ln2/2] many times, and 2^n scales exactly."""
+    xs = np.linspace(-87.3, -16.7, 200_003).astype(np.float32)
+    rows = np.stack([np.zeros_like(xs), xs], axis=1)
+    got = run("softmax_fwd_f32", rows.shape, [rows], ip=(0,), fp=(1.0,))
+    assert np.all(got[:, 0] == 1.0)
+    want = np.exp(xs.astype(np.float64))
+    ulp = np.spacing(want.astype(np.float32)).astype(np.float64)
+    err = np.abs(got[:, 1] - want) / ulp
+    assert err.max() <= 1.4, f"gt_expf_ is {err.max():.2f} ulp off at x = {xs[err.argmax()]}"
+    assert np.mean(got[:, 1] == want.astype(np.float32)) > 0.8    # most results correctly rounded
+
+
 # ---- cross_entropy ------------------------------------------------------------------
 
 def ce_run(logits, targets, count=0, n_threads=1, g=None):
