@@ -715,7 +715,8 @@ static void split_even(int64_t total, int64_t unit, const gt_ctx *ctx, int64_t *
  * fall in at most 8 of the 128 KiB-periodic set groups of a 16-way 2 MiB L2, so an A block
  * read in place (MC rows) evicts itself; it is packed instead. Measured on x @ W with a
  * long K (the output projection's input gradient, K = the vocabulary): dy rows 128 KiB
- * apart ran at 200-220 GFLOP/s in place, as fast as K = 2048 packed. */
+ * apart ran at 140-150 GFLOP/s in place, 200-210 packed. Likewise a transposed A whose k
+ * steps are that far apart (dlogits^T @ x: 148 against 215 GFLOP/s). */
 static int set_aliased(int64_t rs) { return rs * (int64_t)sizeof(float) % 16384 == 0; }
 
 /* C[m0:m1, n0:n1] (row stride ldc) = A[m0:m1, :K] @ B[:K, n0:n1]. m0 is a
@@ -732,7 +733,7 @@ static void gemm(const impl *im, int64_t m0, int64_t m1, int64_t n0, int64_t n1,
     /* Likewise A's full MR-row tiles, when transposed (the MR values of one k together:
      * x^T of a weight gradient) or, with the AVX-512 kernels, plain (MR row streams):
      * only an edge tile is packed. (The pack was 2-3% of a llama step.) */
-    const int ainplace = A.rs == 1 || (A.cs == 1 && im->plain_a && !set_aliased(A.rs));
+    const int ainplace = (A.rs == 1 && !set_aliased(A.cs)) || (A.cs == 1 && im->plain_a && !set_aliased(A.rs));
     _Alignas(ALIGN) float tile[MR_MAX * NR_MAX];
     for (int64_t jc = n0; jc < n1; jc += NC) {
         const int64_t nc = n1 - jc < NC ? n1 - jc : NC;
