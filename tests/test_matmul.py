@@ -56,23 +56,32 @@ def test_shapes_and_layouts(mkn, layout):
     check(mm(a, b), a, b)
 
 
-@pytest.mark.parametrize("transposed", [False, True], ids=["A", "At"])
-def test_a_rows_16k_apart_are_packed_with_the_same_bits(transposed):
-    """An A whose rows (plain) or k steps (transposed) are a multiple of 16 KiB apart is
-    packed rather than read in place (its lines would crowd a few cache sets): the
-    products are those of the same A 4 floats further apart, read in place, bit for bit."""
+@pytest.mark.parametrize("which", ["A", "At", "B"])
+def test_operand_rows_16k_apart_are_packed_with_the_same_bits(which):
+    """An A whose rows (plain) or k steps (transposed), or a plain B whose rows, are a
+    multiple of 16 KiB apart is packed rather than read in place (its lines would crowd a
+    few cache sets): the products are those of the same operand 4 floats further apart,
+    read in place, bit for bit."""
     rng = np.random.default_rng(21)
     m, k, n = 37, 300, 70
-    wide = rng.standard_normal((k if transposed else m, 4096 + 4), dtype=np.float32)
+    rows = {"A": m, "At": k, "B": k}[which]
+    wide = rng.standard_normal((rows, 4096 + 4), dtype=np.float32)
     apart = wide[:, :4096]                 # rows 4100 floats apart: read in place ...
-    aliased = np.empty((wide.shape[0], 4096), np.float32)
+    aliased = np.empty((rows, 4096), np.float32)
     aliased[...] = apart                   # ... and the same values 4096 floats (16 KiB) apart
-    a, a_ = (aliased[:, :m].T, apart[:, :m].T) if transposed else (aliased[:, :k], apart[:, :k])
-    b = rng.standard_normal((k, n), dtype=np.float32)
+    cols = {"A": k, "At": m, "B": n}[which]
+    x, x_ = aliased[:, :cols], apart[:, :cols]
+    if which == "At":
+        x, x_ = x.T, x_.T
+    other = rng.standard_normal((m, k) if which == "B" else (k, n), dtype=np.float32)
     for nt in (1, 2):
-        got = mm(a, b, n_threads=nt)
-        assert np.array_equal(got, mm(a_, b, n_threads=nt))
-        check(got, a, b)
+        if which == "B":
+            got, same = mm(other, x, n_threads=nt), mm(other, x_, n_threads=nt)
+            check(got, other, x)
+        else:
+            got, same = mm(x, other, n_threads=nt), mm(x_, other, n_threads=nt)
+            check(got, x, other)
+        assert np.array_equal(got, same)
 
 
 def test_large_square_two_threads():

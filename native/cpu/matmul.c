@@ -716,7 +716,8 @@ static void split_even(int64_t total, int64_t unit, const gt_ctx *ctx, int64_t *
  * read in place (MC rows) evicts itself; it is packed instead. Measured on x @ W with a
  * long K (the output projection's input gradient, K = the vocabulary): dy rows 128 KiB
  * apart ran at 140-150 GFLOP/s in place, 200-210 packed. Likewise a transposed A whose k
- * steps are that far apart (dlogits^T @ x: 148 against 215 GFLOP/s). */
+ * steps are that far apart (dlogits^T @ x: 148 against 201 GFLOP/s), and a plain B read
+ * in place (x^T @ dlogits, rows of the vocabulary's width: 153 against 183). */
 static int set_aliased(int64_t rs) { return rs * (int64_t)sizeof(float) % 16384 == 0; }
 
 /* C[m0:m1, n0:n1] (row stride ldc) = A[m0:m1, :K] @ B[:K, n0:n1]. m0 is a
@@ -729,7 +730,7 @@ static void gemm(const impl *im, int64_t m0, int64_t m1, int64_t n0, int64_t n1,
      * nr-wide panels where they lie, row k at B.rs floats from row k - 1 (packing cost
      * as much as 30% of the kernel's time when threads split M, each packing all of
      * B); only a last, narrower panel is packed, zero-padded. */
-    const int inplace = !W && B.cs == 1;
+    const int inplace = !W && B.cs == 1 && !set_aliased(B.rs);
     /* Likewise A's full MR-row tiles, when transposed (the MR values of one k together:
      * x^T of a weight gradient) or, with the AVX-512 kernels, plain (MR row streams):
      * only an edge tile is packed. (The pack was 2-3% of a llama step.) */
