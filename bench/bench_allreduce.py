@@ -81,7 +81,7 @@ def step_time(cfg: dict, threads: int, steps: int) -> tuple:
     for _ in range(steps + 1):     # the first is a warm-up
         w = rng.integers(0, cfg["vocab"], (cfg["batch"], cfg["ctx"] + 1)).astype(np.int32)
         t0 = time.perf_counter()
-        run.step.step([{run.tokens: w[:, :-1], run.targets: w[:, 1:]}], 1e-3)
+        run.step.step([run.feed(w)], 1e-3)
         times.append(time.perf_counter() - t0)
     return float(np.median(times[1:])), n_params
 

@@ -121,7 +121,7 @@ class OursSide:
     def step(self, s: int) -> tuple:
         w, run = self.windows[s], self.run
         t0 = time.perf_counter()
-        loss = run.step.step([{run.tokens: w[:, :-1], run.targets: w[:, 1:]}], 1e-3)
+        loss = run.step.step([run.feed(w)], 1e-3)
         return time.perf_counter() - t0, loss
 
     def close(self):

@@ -46,7 +46,7 @@ def child(config: str, checkpointing: bool, steps: int) -> None:
     for _ in range(steps):
         w = rng.integers(0, cfg["vocab"], (batch, cfg["ctx"] + 1)).astype(np.int32)
         t0 = time.perf_counter()
-        losses.append(run.step.step([{run.tokens: w[:, :-1], run.targets: w[:, 1:]}], 1e-3))
+        losses.append(run.step.step([run.feed(w)], 1e-3))
         times.append(time.perf_counter() - t0)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     print(json.dumps({"peak_kib": peak, "import_kib": base, "planned": run.step.memory.peak, "losses": losses,

@@ -320,7 +320,7 @@ def torch_llama(cfg: dict, init: dict, device: str, math: str = "f32", autocast:
 
 def profile_step(run, w: np.ndarray) -> None:
     """Each kernel's share of one update of a TextRun on windows w."""
-    profile_plans(run.step, [{run.tokens: w[:, :-1], run.targets: w[:, 1:]}])
+    profile_plans(run.step, [run.feed(w)])
 
 
 def profile_plans(step, batches: list) -> None:
@@ -390,7 +390,7 @@ def bench(device: str, steps: int, profile: str | None = None) -> None:
         for s in range(steps + 2):
             w = windows[s]
             t0 = time.perf_counter()
-            run.step.step([{run.tokens: w[:, :-1], run.targets: w[:, 1:]}], 1e-3)
+            run.step.step([run.feed(w)], 1e-3)
             ours.append(time.perf_counter() - t0)
         tokens = cfg["batch"] * cfg["ctx"]
         best = min(ours[2:])

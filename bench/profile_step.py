@@ -30,7 +30,7 @@ if arch.startswith("llama-"):
     run = TextRun(model, init_params(model, 0), TextConfig(steps=10**6, batch=cfg["batch"], lr=1e-3, warmup=0,
                                                            checkpointing=ckpt), be)
     w = np.random.default_rng(0).integers(0, cfg["vocab"], (cfg["batch"], cfg["ctx"] + 1)).astype(np.int32)
-    feed = [{run.tokens: w[:, :-1], run.targets: w[:, 1:]}]
+    feed = [run.feed(w)]
     per_epoch, unit = None, "update"
 elif arch in ("smollm2", "gemma"):
     from bench_finetune import SMOLLM2
@@ -52,7 +52,7 @@ elif arch in ("smollm2", "gemma"):
                   TextConfig(steps=10**6, batch=batch, lr=2e-4, warmup=0, weight_decay=0.01, grad_clip=1.0),
                   be, frozen=weights, lora=lora, ctx=ctx)
     w = np.random.default_rng(0).integers(0, model.vocab, (batch, ctx + 1)).astype(np.int32)
-    feed = [{run.tokens: w[:, :-1], run.targets: w[:, 1:]}]
+    feed = [run.feed(w)]
     per_epoch, unit = None, "update"
 else:
     from ggtrain.core.models import mnist as model

@@ -173,6 +173,7 @@ class CompiledPlan:
         self.flops = 0                 # FLOPs of its products and convolutions (ops.product_flops)
         self.plan = None
         self.refs: dict = {}
+        self.inputs: list = []         # the graph inputs it reads (each must be set before a run)
 
     def _lower(self, arena) -> None:
         calls, self.refs = self._emit(arena)
@@ -236,6 +237,7 @@ class Runtime:
         self._arena = None         # intermediates of every plan (the largest plan's size)
         self._plans: list = []     # weak references to the compiled plans
         self._last_run = None      # the plan whose intermediates the arena holds
+        self._given: set = set()   # ids of the inputs a value was set for (set, gather_rows)
 
     # ---- persistent storage ----------------------------------------------------
 
@@ -284,6 +286,7 @@ class Runtime:
             raise ValueError(f"set: {t!r} is not a persistent tensor")
         arr = as_array(value, t.shape, t.dtype)
         self._copy_in(self.buffer(t), t, arr)
+        self._given.add(t.id)
 
     def gather_rows(self, t: Tensor, source: np.ndarray, index) -> None:
         """Set persistent tensor t to the rows source[index] (a batch drawn from a dataset
@@ -302,6 +305,7 @@ class Runtime:
         if (len(index),) + source.shape[1:] != t.shape:
             raise ShapeError(f"gather_rows: {len(index)} rows of {source.shape[1:]} do not make shape {t.shape}")
         self.backend.gather_in(self.buffer(t), 0, source, index)
+        self._given.add(t.id)
 
     def get(self, t: Tensor) -> np.ndarray:
         """A copy of persistent tensor t's value."""
@@ -388,6 +392,7 @@ class Runtime:
 
         work_max = max([w for _, _, _, w in nodes] + [0])
         plan = CompiledPlan(self, emit, n_threads, arena_size, work_max, None, len(nodes))
+        plan.inputs = [t for t in tensors if t.kind == "input"]
         plan.flops = sum(_ops.product_flops(t) for t, *_ in nodes)
         self._plans = [p for p in self._plans if p() is not None] + [weakref.ref(plan)]
         if self._arena is None or self._arena.nbytes < arena_size:
@@ -427,7 +432,12 @@ class Runtime:
         return alias
 
     def run(self, plan: CompiledPlan, n_threads: int | None = None) -> None:
-        """Execute a compiled plan (one native call)."""
+        """Execute a compiled plan (one native call). ValueError when an input it reads
+        was never set (it would read zeros: a batch fed without one of its inputs)."""
+        missing = [t for t in plan.inputs if t.id not in self._given]
+        if missing:
+            raise ValueError(f"run: the plan reads {', '.join(repr(t.name or t) for t in missing)}, "
+                             f"never set (Runtime.set)")
         self._last_run = None
         self.backend.run(plan.plan, n_threads)
         self._last_run = plan

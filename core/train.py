@@ -551,10 +551,11 @@ class TextRun:
         """What the batch source has drawn after self.updates: windows (or rows)."""
         return self.updates * self.config.global_batch * self.config.grad_acc
 
-    def _feed(self, batch, number: int = 0) -> dict:
-        """{input tensor: array} of a batch (a dict, or a (batch, ctx + 1) window array);
-        number: the physical batch's index in the run (seeds its dropout masks, a different
-        one in each process)."""
+    def feed(self, batch, number: int = 0) -> dict:
+        """{input tensor: array} of a batch (a dict, or a (batch, ctx + 1) window array), what
+        `step.step` takes: tokens and targets, and what the run derives from them (the loss
+        chunks' weights, loss rows, pair codes, dropout seed); number: the physical batch's
+        index in the run (seeds its dropout masks, a different one in each process)."""
         if isinstance(batch, np.ndarray):
             batch = {"tokens": batch[:, :-1], "targets": batch[:, 1:]}
         feed = {self.tokens: batch["tokens"], self.targets: batch["targets"]}
@@ -600,7 +601,7 @@ class TextRun:
     def _run_eval(self, batch) -> tuple:
         """(loss, [values of eval_outputs], feed) of one batch through the evaluation plan."""
         rt = self.step.runtime
-        feed = self._feed(batch)
+        feed = self.feed(batch)
         for t, v in feed.items():
             if t is not self.dropout_seed:
                 rt.set(t, v)
@@ -646,7 +647,7 @@ class TextRun:
 
         def draw(u: int) -> tuple:
             first = u * cfg.grad_acc
-            return [self._feed(batches.next(), first + j) for j in range(cfg.grad_acc)], self.schedule(u), False
+            return [self.feed(batches.next(), first + j) for j in range(cfg.grad_acc)], self.schedule(u), False
 
         def describe(feeds: list, loss: float, seconds: float) -> dict:
             self.tokens_seen += per_update

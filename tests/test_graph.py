@@ -72,6 +72,21 @@ def test_arena_reuses_memory_along_a_chain(backend):
     assert plan.report.arena_unpacked >= 20 * 256 * 256 * 4
 
 
+def test_running_a_plan_with_an_input_never_set_is_an_error(backend):
+    """A batch fed without one of the inputs a plan reads would compute on zeros (the loss
+    chunks' weights left out: a zero loss, no gradient) without a word: refused, by name."""
+    g = Graph()
+    x, w = g.input((4,), name="x"), g.input((4,), name="weights")
+    rt = Runtime(g, backend)
+    plan = rt.compile([ops.sum(ops.mul(x, w))])
+    rt.set(x, np.ones(4, np.float32))
+    with pytest.raises(ValueError, match="'weights', never set"):
+        rt.run(plan)
+    rt.set(w, np.full(4, 2.0, np.float32))
+    rt.run(plan)
+    assert float(plan.read(g.nodes[-1])) == 8.0
+
+
 def test_plans_of_a_runtime_share_one_arena(backend):
     """Two plans: one arena sized for the larger (the earlier plan moves into it), the report
     counts it once, both still compute right, and reading the first plan's output after the

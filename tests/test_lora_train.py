@@ -177,7 +177,7 @@ def test_selective_checkpointing_gives_the_plain_gradients():
     for ck in (False, True):
         tc = TextConfig(steps=1, batch=2, lr=1e-2, lr_min=1e-2, warmup=0, checkpointing=ck)
         run = TextRun(CFG, factors, tc, CpuBackend(2), frozen=weights, lora=LORA)
-        run.step.step([run._feed(batch)], lr=0.0)
+        run.step.step([run.feed(batch)], lr=0.0)
         grads.append(run.step.get(run.step.grad_flat))
         rt = run.step.runtime
         frozen = {id(rt.buffer(t)) for t in run.graph.nodes if t.kind == "param" and not t.requires_grad}

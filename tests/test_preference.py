@@ -90,7 +90,7 @@ def test_loss_and_gradient_match_the_float64_formula(pref):
     run.reference = (own + rng.normal(0, 1.0, own.shape)).astype(np.float32)
     reference_logp = -run.reference.astype(np.float64)
     batch = data.fields()
-    loss = run.step.step([run._feed(batch)], lr=0.0)   # lr 0: the gradient, parameters unchanged
+    loss = run.step.step([run.feed(batch)], lr=0.0)   # lr 0: the gradient, parameters unchanged
     want = _reference_loss(cfg, ref64, pairs, pref, reference_logp)
     assert loss == pytest.approx(want, rel=2e-5)
     assert run._run_eval(batch)[0] == pytest.approx(want, rel=2e-5)
