@@ -175,3 +175,53 @@ def test_k_quant_products_equal_the_float64_reference(w, M, K, N):
         np.testing.assert_array_equal(q8(x, raw, w, N, K), got)
     finally:
         lib.gt_set_simd_level(2)
+
+
+def _q4k_chain(x, raw, N, K, per):
+    """Q4_K x @ W^T in f32 with llama.cpp's fma chains, the integers summed over `per` elements
+    (64: its 4-row GEMM; 256: its one-row GEMV) before each fma (f32 fma emulated in float64:
+    the product of two f32 is exact there)."""
+    qx, dx, _ = refs.act8k_quantize(x)
+    q, sc, d, mn, dmin = refs.kquant_blocks(raw.tobytes(), "q4_k", N, K)
+    M, nb = x.shape[0], K // 256
+    qx = qx.astype(np.int64).reshape(M, nb, 256 // per, per)
+    isum = np.einsum("mbpk,nbpk->mnbp", qx, (sc * q).reshape(N, nb, 256 // per, per))
+    msum = np.einsum("mbpk,nbpk->mnbp", qx, mn.reshape(N, nb, 256 // per, per))
+    f32 = np.float32
+    out = np.empty((M, N), np.float32)
+    for m in range(M):
+        for n in range(N):
+            a = am = f32(0)
+            for b in range(nb):
+                dd, md = f32(d[n, b] * dx[m, b]), f32(dmin[n, b] * dx[m, b])
+                for p in range(256 // per):
+                    a = f32(float(f32(isum[m, n, b, p])) * float(dd) + float(a))
+                    am = f32(float(f32(msum[m, n, b, p])) * float(md) + float(am))
+            out[m, n] = a - am
+    return out
+
+
+@pytest.mark.parametrize("simd", [2, 0])
+def test_q4_k_rows_take_llama_cpp_batched_then_single_row_order(simd):
+    """llama.cpp repacks a Q4_K matrix whose rows are a multiple of 8 and multiplies the first
+    M - M % 4 rows of x four at a time (an fma each 64 elements), the rest one at a time (an
+    fma each super-block): rows 0-3 of a 6-row product have the first order's bits, rows 4-5
+    the second's, and the two orders differ somewhere; with rows not a multiple of 8 (llama.cpp's
+    vec_dot) every row keeps the one-row order."""
+    rng = np.random.default_rng(5)
+    K = 512
+    x = (rng.standard_normal((6, K)) * np.exp(rng.standard_normal((6, K)))).astype(np.float32)
+    try:
+        lib.gt_set_simd_level(simd)
+        for N in (16, 12):
+            raw = _kquant_raw(rng, "q4_k", N, K)
+            got = q8(x, raw, "q4_k", N, K)
+            batched, single = _q4k_chain(x, raw, N, K, 64), _q4k_chain(x, raw, N, K, 256)
+            if N % 8 == 0:
+                np.testing.assert_array_equal(got[:4], batched[:4])
+                assert (batched[:4] != single[:4]).any()
+            else:
+                np.testing.assert_array_equal(got[:4], single[:4])
+            np.testing.assert_array_equal(got[4:], single[4:])
+    finally:
+        lib.gt_set_simd_level(2)

@@ -138,8 +138,10 @@ typedef struct gt_act8k {
 } gt_act8k;
 
 void gt_act8k_quantize_(gt_act8k *y, const float *x, int64_t K);
-/* gt_qdot8_rows_ for the K-quant types of GT_ACT8_TYPES, x in gt_act8k super-blocks. */
-void gt_qdot8k_rows_(float *y, int64_t ldy, const gt_act8k *x, int64_t ldx, int m, const uint8_t *w,
+/* gt_qdot8_rows_ for the K-quant types of GT_ACT8_TYPES, x in gt_act8k super-blocks; the first
+ * `gemm` of the m rows take the float order of llama.cpp's batched (4-row) product, the others
+ * its one-row order (qdot8k.c's top comment; they differ for Q4_K). */
+void gt_qdot8k_rows_(float *y, int64_t ldy, const gt_act8k *x, int64_t ldx, int m, int gemm, const uint8_t *w,
                      int64_t row_bytes, int32_t dtype, int64_t K, int64_t N, int64_t n0, int64_t n1);
 
 /* 1 for the weight types the 8-bit path multiplies (GT_ACT8_TYPES), else 0. */

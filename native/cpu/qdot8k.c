@@ -5,8 +5,12 @@
  *     I = sum over the 8 sub-blocks s of scale_s * (sum of its 32 q4 * q8),
  *     Im = sum over s of min_s * (bsums[2s] + bsums[2s+1]),
  *     acc = fma((float)I, f16(w.d) * x.d, acc), accm = fma((float)Im, f16(w.dmin) * x.d, accm);
- *   then y = acc - accm. (Rows not a multiple of 8 take llama.cpp's vec_dot there, whose float
- *   order is not this one: the same integers, other roundings.)
+ *   then y = acc - accm: llama.cpp's GEMV, for the last M % 4 rows of an M-row product. The
+ *   first M - M % 4 rows take its GEMM (ggml_gemm_q4_K_8x8_q8_K), whose float order is finer:
+ *   per pair of sub-blocks c (64 elements), I_c = scale_2c * dot_2c + scale_2c+1 * dot_2c+1 and
+ *   Im_c = min_2c * bsum_2c + min_2c+1 * bsum_2c+1, each fma'd into acc and accm as above.
+ *   (Rows of W not a multiple of 8 take llama.cpp's vec_dot there, whose float order is neither:
+ *   the same integers, other roundings.)
  *   Q6_K (ggml_vec_dot_q6_K_q8_K): per super-block, eight int32 lanes,
  *     lane l = sum over j < 2, v < 4, k < 4 of scale[e / 16] * q6[e] * q8[e] at
  *       e = 128 j + 32 v + 4 l + k (q6 unsigned, 0..63)
@@ -54,10 +58,10 @@ void gt_act8k_quantize_(gt_act8k *y, const float *x, int64_t K) {
 
 /* ---- plain C ------------------------------------------------------------------------------ */
 
-/* Q4_K super-block (144 B: d, dmin, scales[12], qs[128]): I and Im above */
-static void q4k_ints(const uint8_t *b, const gt_act8k *x, int32_t *I, int32_t *Im) {
+/* Q4_K super-block (144 B: d, dmin, scales[12], qs[128]): I and Im above over sub-blocks s0..s1-1 */
+static void q4k_ints(const uint8_t *b, const gt_act8k *x, int s0, int s1, int32_t *I, int32_t *Im) {
     int32_t i_sum = 0, m_sum = 0;
-    for (int s = 0; s < 8; s++) {
+    for (int s = s0; s < s1; s++) {
         int sc, mn;
         gt_k4_scale_min_(b + 4, s, &sc, &mn);
         const uint8_t *q = b + 16 + 32 * (s / 2);
@@ -92,7 +96,7 @@ static void q6k_lanes(const uint8_t *b, const gt_act8k *x, int32_t lane[8]) {
     }
 }
 
-static void rows_plain(float *y, int64_t ldy, const gt_act8k *x, int64_t ldx, int m, const uint8_t *w,
+static void rows_plain(float *y, int64_t ldy, const gt_act8k *x, int64_t ldx, int m, int gemm, const uint8_t *w,
                        int64_t row_bytes, int32_t dtype, int64_t nb, int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; n++)
         for (int r = 0; r < m; r++) {
@@ -101,10 +105,13 @@ static void rows_plain(float *y, int64_t ldy, const gt_act8k *x, int64_t ldx, in
             for (int64_t b = 0; b < nb; b++) {
                 const uint8_t *wb = w + n * row_bytes + b * (dtype == GT_Q4_K ? 144 : 210);
                 if (dtype == GT_Q4_K) {
-                    int32_t I, Im;
-                    q4k_ints(wb, xr + b, &I, &Im);
-                    a = fmaf((float)I, gt_half_at_(wb) * xr[b].d, a);
-                    am = fmaf((float)Im, gt_half_at_(wb + 2) * xr[b].d, am);
+                    const int step = r < gemm ? 2 : 8;       /* GEMM: a pair of sub-blocks; GEMV: all 8 */
+                    for (int s0 = 0; s0 < 8; s0 += step) {
+                        int32_t I, Im;
+                        q4k_ints(wb, xr + b, s0, s0 + step, &I, &Im);
+                        a = fmaf((float)I, gt_half_at_(wb) * xr[b].d, a);
+                        am = fmaf((float)Im, gt_half_at_(wb + 2) * xr[b].d, am);
+                    }
                 } else {
                     int32_t lane[8];
                     q6k_lanes(wb, xr + b, lane);
@@ -124,18 +131,20 @@ static void rows_plain(float *y, int64_t ldy, const gt_act8k *x, int64_t ldx, in
 /* Q4_K: the integer sums by maddubs (pairs of q4 * q8, at most 2 * 15 * 127) and madd with the
  * sub-block's scale, one int32 vector a super-block, summed at its end */
 __attribute__((target(TK))) static void rows_q4k(float *y, int64_t ldy, const gt_act8k *x, int64_t ldx, int m,
-                                                 const uint8_t *w, int64_t row_bytes, int64_t nb, int64_t n0,
-                                                 int64_t n1) {
+                                                 int gemm, const uint8_t *w, int64_t row_bytes, int64_t nb,
+                                                 int64_t n0, int64_t n1) {
     const __m256i m4 = _mm256_set1_epi8(15);
     for (int64_t n = n0; n < n1; n++)
         for (int r = 0; r < m; r++) {
             const gt_act8k *xr = x + r * ldx;
             float a = 0.0f, am = 0.0f;
+            const int per_pair = r < gemm;              /* GEMM order: fma each pair of sub-blocks */
             for (int64_t b = 0; b < nb; b++) {
                 const uint8_t *wb = w + n * row_bytes + b * 144;
                 _mm_prefetch((const char *)(wb + GT_QDOT_PREFETCH_ROWS * row_bytes), _MM_HINT_T0);
                 _mm_prefetch((const char *)(wb + GT_QDOT_PREFETCH_ROWS * row_bytes + 64), _MM_HINT_T0);
                 _mm_prefetch((const char *)(wb + GT_QDOT_PREFETCH_ROWS * row_bytes + 128), _MM_HINT_T0);
+                const float dx = gt_half_at_f16c_(wb) * xr[b].d, mx = gt_half_at_f16c_(wb + 2) * xr[b].d;
                 __m256i iacc = _mm256_setzero_si256();
                 int32_t Im = 0;
                 for (int c = 0; c < 4; c++) {
@@ -152,9 +161,17 @@ __attribute__((target(TK))) static void rows_q4k(float *y, int64_t ldy, const gt
                                                                     _mm256_set1_epi16((short)sc1)));
                     Im += mn0 * (xr[b].bsums[4 * c] + xr[b].bsums[4 * c + 1]) +
                           mn1 * (xr[b].bsums[4 * c + 2] + xr[b].bsums[4 * c + 3]);
+                    if (per_pair) {
+                        a = fmaf((float)gt_hsum_i32_(iacc), dx, a);
+                        am = fmaf((float)Im, mx, am);
+                        iacc = _mm256_setzero_si256();
+                        Im = 0;
+                    }
                 }
-                a = fmaf((float)gt_hsum_i32_(iacc), gt_half_at_f16c_(wb) * xr[b].d, a);
-                am = fmaf((float)Im, gt_half_at_f16c_(wb + 2) * xr[b].d, am);
+                if (!per_pair) {
+                    a = fmaf((float)gt_hsum_i32_(iacc), dx, a);
+                    am = fmaf((float)Im, mx, am);
+                }
             }
             y[r * ldy + n] = a - am;
         }
@@ -206,15 +223,16 @@ __attribute__((target(TK))) static void rows_q6k(float *y, int64_t ldy, const gt
 }
 #endif /* __x86_64__ */
 
-void gt_qdot8k_rows_(float *y, int64_t ldy, const gt_act8k *x, int64_t ldx, int m, const uint8_t *w,
+void gt_qdot8k_rows_(float *y, int64_t ldy, const gt_act8k *x, int64_t ldx, int m, int gemm, const uint8_t *w,
                      int64_t row_bytes, int32_t dtype, int64_t K, int64_t N, int64_t n0, int64_t n1) {
-    (void)N;
     const int64_t nb = K / 256;
+    if (N % 8 != 0) gemm = 0;       /* llama.cpp repacks (and takes its GEMM for) rows a multiple of 8 */
 #if defined(__x86_64__)
     if (gt_simd_level_() >= 1 && __builtin_cpu_supports("f16c")) {
-        (dtype == GT_Q4_K ? rows_q4k : rows_q6k)(y, ldy, x, ldx, m, w, row_bytes, nb, n0, n1);
+        if (dtype == GT_Q4_K) rows_q4k(y, ldy, x, ldx, m, gemm, w, row_bytes, nb, n0, n1);
+        else rows_q6k(y, ldy, x, ldx, m, w, row_bytes, nb, n0, n1);
         return;
     }
 #endif
-    rows_plain(y, ldy, x, ldx, m, w, row_bytes, dtype, nb, n0, n1);
+    rows_plain(y, ldy, x, ldx, m, gemm, w, row_bytes, dtype, nb, n0, n1);
 }
