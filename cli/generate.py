@@ -34,16 +34,17 @@ from ggtrain.formats.tasks import read_task
 # the context generate reserves when it runs until end of generation (-n -1) and no --ctx is given
 UNTIL_EOG_CTX = 4096
 EXACT = typer.Option(False, "--exact",
-                     help="Compute in exact f32. By default the CPU computes as llama.cpp does: quantized "
-                          "weights multiply activations rounded to 8 bits in blocks of 32 (256 for K-quants) "
-                          f"with integer products (weights stored as {', '.join(ops.ACT8_TYPES)}; other types, "
-                          "and CUDA, are f32), and Gemma's gelu is its f16 table: llama.cpp's greedy text, "
-                          "and faster.")
+                     help="Compute in exact f32. By default the CPU computes as llama.cpp's CPU build does, "
+                          "bit for bit: quantized weights multiply activations rounded to 8 bits in blocks of "
+                          f"32 (256 for K-quants) with integer products (weights stored as "
+                          f"{', '.join(ops.ACT8_TYPES)}; other types, and CUDA, are f32), and its norms, rope, "
+                          "attention, swiglu and Gemma's f16-table gelu are its own: llama.cpp's logits (with "
+                          "an F32 KV cache), so its greedy text, and faster.")
 INT8 = typer.Option(False, "--int8",
-                    help="Compute as llama.cpp does: quantized weights times activations rounded to 8 bits "
-                         f"({', '.join(ops.ACT8_TYPES)} weights, on the CPU), Gemma's gelu as its f16 table: "
-                         "llama-perplexity's numbers (the "
-                         "mean NLL moves by ~1e-3 or less); by row dots, ~2-3x slower than the default f32 "
+                    help="Compute as llama.cpp's CPU build does, bit for bit: quantized weights times "
+                         f"activations rounded to 8 bits ({', '.join(ops.ACT8_TYPES)} weights, on the CPU), "
+                         "its norms, rope, attention, swiglu and Gemma's f16-table gelu: llama-perplexity's "
+                         "logits (F32 KV cache), so its NLL; by row dots, ~2-4x slower than the default f32 "
                          "GEMM over whole windows.")
 
 

@@ -367,6 +367,16 @@ def geglu_f16(g: Tensor, u: Tensor) -> Tensor:
 
 
 register(OpDef("geglu_f16", _infer_same("geglu_f16"), "geglu_f16_fwd", contiguous=(0, 1), differentiable=()))
+
+
+def swiglu_ggml(g: Tensor, u: Tensor) -> Tensor:
+    """llama.cpp's CPU swiglu bit for bit: silu(g) * u with its vector exp (16 columns of a
+    row at a time; libm's expf for the last C % 16). Inference only (the decoder's act8 mode:
+    llama.cpp's numbers); no gradient."""
+    return apply("swiglu_ggml", [g, u])
+
+
+register(OpDef("swiglu_ggml", _infer_same("swiglu_ggml"), "swiglu_ggml_fwd", contiguous=(0, 1), differentiable=()))
 register(OpDef("with_grad", _infer_with_grad, "scale_fwd", lower=lambda y: ((), (1.0,)),   # a copy of y
                backward=_with_grad_bwd, differentiable=(1,)))
 register(OpDef("tanh", _infer_same("tanh"), "tanh_fwd",
@@ -613,9 +623,17 @@ def linear(x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
 # ---- normalisation, softmax, loss ---------------------------------------------------
 
 
-def rms_norm(x: Tensor, eps: float = 1e-5) -> Tensor:
-    """x / sqrt(mean(x^2, last dim) + eps); no weight (multiply it after). (f32)"""
-    return apply("rms_norm", [x], eps=float(eps))
+def rms_norm(x: Tensor, eps: float = 1e-5, ggml: bool = False) -> Tensor:
+    """x / sqrt(mean(x^2, last dim) + eps); no weight (multiply it after). (f32) ggml:
+    llama.cpp's CPU bits (the squares summed in double; inference in its numerics, the
+    decoder's act8 mode; no gradient)."""
+    return apply("rms_norm", [x], eps=float(eps), ggml=bool(ggml))
+
+
+def _rms_norm_backward(y, g):
+    if y.params.get("ggml"):
+        raise ValueError("rms_norm: llama.cpp's numbers (ggml=True) are for inference: no gradient")
+    return [rms_norm_bwd(y.srcs[0], g, y.params["eps"])]
 
 
 def rms_norm_bwd(x: Tensor, g: Tensor, eps: float) -> Tensor:
@@ -729,9 +747,8 @@ def _infer_rms_norm(srcs, params):
     return srcs[0].shape, "f32"
 
 
-register(OpDef("rms_norm", _infer_rms_norm, "rms_norm_fwd", contiguous=(0,),
-               backward=lambda y, g: [rms_norm_bwd(y.srcs[0], g, y.params["eps"])],
-               lower=lambda y: ((), (y.params["eps"],))))
+register(OpDef("rms_norm", _infer_rms_norm, "rms_norm_fwd", contiguous=(0,), backward=_rms_norm_backward,
+               lower=lambda y: ((int(y.params.get("ggml", False)),), (y.params["eps"],))))
 register(OpDef("rms_norm_bwd", _infer_rms_norm, "rms_norm_bwd", contiguous=(0, 1),
                lower=lambda y: ((), (y.params["eps"],))))
 register(OpDef("softmax", _infer_softmax, "softmax_fwd", contiguous=(0, 1),
@@ -755,7 +772,8 @@ register(OpDef("cross_entropy_rows", lambda srcs, params: _infer_ce(srcs, {"rows
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool = False, pos: Tensor | None = None,
-              seg: Tensor | None = None, with_lse: bool = False, window: int = 0):
+              seg: Tensor | None = None, with_lse: bool = False, window: int = 0, ggml: bool = False,
+              scale_q: bool = False):
     """softmax(scale * q k^T + mask) v for each query head, fused (gt_attention_fwd_f32):
     no (Tq, Tk) tensor is made, here or in the backward.
 
@@ -767,6 +785,11 @@ def attention(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool = Fals
     Returns O (B, Tq, H, D), or (O, LSE (B, H, Tq)) with with_lse: each row's log-sum-exp
     over the keys it sees (-inf, and O = 0, for a row that sees none). Both are views of
     one node, which is all the backward keeps (besides q, k, v).
+    ggml: llama.cpp's CPU numbers bit for bit instead (its dot products' order, its vector
+    exp, its double sums; key j being cache row j; native/cpu/attention.c says how), and with
+    scale_q the scale multiplies q before the dots as some families' graphs do (gemma3, phi3),
+    else the dots: inference in llama.cpp's numerics (the decoder's act8 mode), CPU only, no
+    gradient, no segment mask.
     Raises ValueError for two masks, ShapeError / DTypeError for bad shapes or types.
     """
     if int(bool(causal)) + (pos is not None) + (seg is not None) > 1:
@@ -776,7 +799,10 @@ def attention(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool = Fals
     extra = [pos] if pos is not None else [seg] if seg is not None else []
     if window and mask == "none":
         raise ValueError("attention: a window needs a mask (causal, pos or seg)")
-    y = apply("attention", qkv + extra, scale=float(scale), mask=mask, window=int(window))
+    if (ggml and mask == "seg") or (scale_q and not ggml):
+        raise ValueError("attention: ggml (llama.cpp's numbers) takes no segment mask; scale_q needs ggml")
+    y = apply("attention", qkv + extra, scale=float(scale), mask=mask, window=int(window), ggml=bool(ggml),
+              scale_q=bool(scale_q))
     b, tq, h, _ = q.shape
     o = view(y, q.shape)
     return (o, view(y, (b, h, tq), offset=q.size)) if with_lse else o
@@ -818,6 +844,8 @@ def _infer_attention(name):
 
 
 def _attention_bwd(y, g):
+    if y.params.get("ggml"):
+        raise ValueError("attention: llama.cpp's numbers (ggml=True) are for inference: no gradient")
     q, k, v = y.srcs[:3]
     extra = list(y.srcs[3:])
     if (g.op == "view_bwd" and g.params["voffset"] == 0 and g.srcs[0].shape == q.shape
@@ -831,7 +859,8 @@ def _attention_bwd(y, g):
             view(grads, v.shape, offset=q.size + k.size)] + [None] * len(extra)
 
 
-_attention_lower = lambda y: ((_SOFTMAX_MASKS[y.params["mask"]], y.params["window"]),  # noqa: E731
+_attention_lower = lambda y: ((_SOFTMAX_MASKS[y.params["mask"]], y.params["window"],  # noqa: E731
+                               int(y.params.get("ggml", False)), int(y.params.get("scale_q", False))),
                               (y.params["scale"],))
 register(OpDef("attention", _infer_attention("attention"), "attention_fwd", backward=_attention_bwd,
                lower=_attention_lower, contiguous=(3,), differentiable=(0, 1, 2)))
@@ -869,19 +898,23 @@ ROPE_MODES = {"norm": 0, "neox": 2}   # ggml's numbers: 0 adjacent pairs, 2 pair
 
 
 def rope(x: Tensor, pos: Tensor, n_dims: int | None = None, freq_base: float = 10000.0, mode: str = "norm",
-         freq_scale: float = 1.0, factors: Tensor | None = None, attn_factor: float = 1.0) -> Tensor:
+         freq_scale: float = 1.0, factors: Tensor | None = None, attn_factor: float = 1.0,
+         ggml: bool = False) -> Tensor:
     """Rotary embedding as llama.cpp's ggml_rope_ext without YaRN: x (..., T, H, D), pos i32 (T,)
     shared by every row, or x's leading dims (..., T), e.g. (B, T): each row its own positions
     (packed samples restart at 0). mode "norm" rotates adjacent pairs (x[2i], x[2i+1]) (llama),
     "neox" the pairs (x[i], x[i + n_dims/2]) (qwen2, qwen3, gemma3, phi3); pair i turns by
     freq_scale * pos * freq_base^(-2i/n_dims) / factors[i] (factors (n_dims/2,) f32: llama 3's
     rope_freqs; freq_scale: linear rope scaling); the rotated pairs are scaled by attn_factor
-    (phi3's longrope attention factor; the dims past n_dims are not). Raises ShapeError /
-    DTypeError."""
+    (phi3's longrope attention factor; the dims past n_dims are not). ggml: llama.cpp's CPU
+    numbers bit for bit (f32 angles theta *= powf(base, -2/n_dims) pair after pair, libm's
+    cosf / sinf, an fma'd rotation) instead of exact angles rounded once: inference in
+    llama.cpp's numerics (the decoder's act8 mode), CPU only, no gradient. Raises
+    ShapeError / DTypeError."""
     n_dims = x.shape[-1] if n_dims is None else int(n_dims)
     srcs = [x, pos] if factors is None else [x, pos, factors]
     return apply("rope", srcs, n_dims=n_dims, freq_base=float(freq_base), mode=mode, freq_scale=float(freq_scale),
-                 attn_factor=float(attn_factor))
+                 attn_factor=float(attn_factor), ggml=bool(ggml))
 
 
 def rope_bwd(g: Tensor, pos: Tensor, n_dims: int, freq_base: float, mode: str = "norm", freq_scale: float = 1.0,
@@ -913,11 +946,13 @@ def _infer_rope(srcs, params):
 def _rope_backward(y, g):
     factors = y.srcs[2] if len(y.srcs) == 3 else None
     p = y.params
+    if p.get("ggml"):
+        raise ValueError("rope: llama.cpp's numbers (ggml=True) are for inference: no gradient")
     return [rope_bwd(g, y.srcs[1], p["n_dims"], p["freq_base"], p["mode"], p["freq_scale"], factors,
                      p["attn_factor"]), None, None]
 
 
-_rope_lower = lambda y: ((y.params["n_dims"], ROPE_MODES[y.params["mode"]]),  # noqa: E731
+_rope_lower = lambda y: ((y.params["n_dims"], ROPE_MODES[y.params["mode"]], int(y.params.get("ggml", False))),  # noqa: E731
                          (y.params["freq_base"], y.params["freq_scale"], y.params["attn_factor"]))
 register(OpDef("rope", _infer_rope, "rope_fwd", contiguous=(0, 1), lower=_rope_lower, backward=_rope_backward,
                differentiable=(0,)))

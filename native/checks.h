@@ -307,13 +307,17 @@ static inline int gt_rms_norm_check(const gt_node *node, const char *op, int n_s
     }
     if (!(node->fp[0] >= 0.0f))
         return GT_FAIL(GT_ERR_INVALID, "%s: expected eps (fp[0]) >= 0, got %g", op, (double)node->fp[0]);
+    if (node->ip[0] != 0 && (node->ip[0] != 1 || n_src != 1))
+        return GT_FAIL(GT_ERR_INVALID, "%s: expected ip[0] 0 or, forward only, 1 (llama.cpp's sum), got %lld", op,
+                       (long long)node->ip[0]);
     return GT_OK;
 }
 
 /* rope (bwd 0: src x) and its backward (bwd 1: src g): (..., T, H, D) f32 contiguous, dst
  * its shape; src1 positions i32, (T,) shared by every row or x's leading dims (..., T)
  * contiguous (*per_row_out 1); optional src2 factors (n_dims / 2,) f32; ip n_dims (even,
- * 2..D), mode 0 or 2; fp freq_base, freq_scale, attn_factor > 0 and finite. */
+ * 2..D), mode 0 or 2, llama.cpp's numbers 0 or (forward) 1; fp freq_base, freq_scale,
+ * attn_factor > 0 and finite. */
 static inline int gt_rope_check(const gt_node *node, const char *op, int bwd, int *per_row_out) {
     const gt_tensor *d = &node->dst, *x = &node->src[0], *p = &node->src[1];
     const char *xname = bwd ? "g" : "x";
@@ -352,6 +356,9 @@ static inline int gt_rope_check(const gt_node *node, const char *op, int bwd, in
     if (mode != 0 && mode != 2)
         return GT_FAIL(GT_ERR_INVALID, "%s: expected mode (ip[1]) 0 (normal) or 2 (neox), got %lld", op,
                        (long long)mode);
+    if (node->ip[2] != 0 && (node->ip[2] != 1 || bwd))
+        return GT_FAIL(GT_ERR_INVALID, "%s: expected ip[2] 0 (exact angles) or, forward only, 1 (llama.cpp's), got %lld",
+                       op, (long long)node->ip[2]);
     const float base = node->fp[0], fscale = node->fp[1], mscale = node->fp[2];
     if (!(base > 0.0f) || isinf(base))
         return GT_FAIL(GT_ERR_INVALID, "%s: expected freq_base (fp[0]) > 0 and finite, got %g", op, (double)base);
@@ -427,6 +434,17 @@ static inline int gt_attention_qkv_check(const gt_node *node, const char *op, in
     if (!gt_same_shape(v, k))
         return GT_FAIL(GT_ERR_SHAPE, "%s: expected v of k's shape %s, got %s", op, gt_shape_str(k, a, sizeof a),
                        gt_shape_str(v, b, sizeof b));
+    return GT_OK;
+}
+
+/* attention's llama.cpp order: ip[2] 1 (with allowed: the CPU forward) computes as llama.cpp's
+ * CPU build does, ip[3] 1 then scales q before the dots (else their results); both 0 otherwise. */
+static inline int gt_attention_ggml_check(const gt_node *node, const char *op, int allowed) {
+    const int64_t g = node->ip[2], sq = node->ip[3];
+    if ((g != 0 && (g != 1 || !allowed)) || (sq != 0 && (sq != 1 || g != 1)))
+        return GT_FAIL(GT_ERR_INVALID, "%s: expected ip[2] (llama.cpp's order%s) and ip[3] (scale q, with it) 0%s, "
+                       "got %lld and %lld", op, allowed ? "" : ": the CPU forward's", allowed ? " or 1" : "",
+                       (long long)g, (long long)sq);
     return GT_OK;
 }
 

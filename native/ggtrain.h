@@ -110,6 +110,9 @@ int gt_geglu_bwd_f32(const struct gt_node *node, const gt_ctx *ctx);
 /* geglu_f16: llama.cpp's CPU geglu, its gelu a table of f16 values indexed by x rounded to f16
  * (0 for x <= -10, x for x >= 10) times src1; for inference with llama.cpp's numbers. */
 int gt_geglu_f16_fwd_f32(const struct gt_node *node, const gt_ctx *ctx);
+/* swiglu_ggml: llama.cpp's CPU swiglu bit for bit (its vector exp, 16 columns of a row at a
+ * time, libm's expf for the last C % 16); for inference with llama.cpp's numbers. */
+int gt_swiglu_ggml_fwd_f32(const struct gt_node *node, const gt_ctx *ctx);
 
 /* dropout: dst = src0 * keep / (1 - p), keep[i] = hash(seed, salt, i) >= p * 2^32
  * over the flat index i: src0 x f32 contiguous, src1 seed i32 of one element (the

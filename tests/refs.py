@@ -529,3 +529,142 @@ def conv2d_bwd(x, k, b, stride, pad, relu, pool, g):
     dk = (gv.reshape(-1, cout).T @ cols.reshape(-1, cols.shape[-1])).reshape(k.shape)
     dx = im2col_bwd(gv @ _f64(k).reshape(cout, -1), np.shape(x), kh, kw, stride, pad)
     return dx, dk, gv.sum(axis=(0, 1, 2))
+
+
+# ---- llama.cpp's CPU numbers (its AVX-512 build), emulated in float32 ------------------------
+# What the decoder's act8 mode must reproduce bit for bit (native/cpu/attention.c, rope.c,
+# norm.c, elementwise.c say where each order comes from). An f32 fma is emulated in float64:
+# the product of two f32 is exact there; the sum rounds twice (float64, then f32), which
+# differs from one rounding once in ~2^29 sums.
+
+_F32 = np.float32
+
+
+def _libm():
+    import ctypes
+    import ctypes.util
+    m = ctypes.CDLL(ctypes.util.find_library("m"))
+    for name, n in (("powf", 2), ("cosf", 1), ("sinf", 1), ("expf", 1)):
+        f = getattr(m, name)
+        f.restype = ctypes.c_float
+        f.argtypes = [ctypes.c_float] * n
+    return m
+
+
+def fma32(a, b, c):
+    return (np.asarray(a, np.float64) * np.asarray(b, np.float64) + np.asarray(c, np.float64)).astype(_F32)
+
+
+def ggml_expf(x):
+    """ggml_v_expf (AVX-512), lane by lane."""
+    x = np.asarray(x, _F32)
+    h = lambda s: _F32(float.fromhex(s))    # noqa: E731
+    r = h("0x1.8p23")
+    with np.errstate(invalid="ignore", over="ignore"):
+        n = (fma32(x, h("0x1.715476p+0"), r) - r).astype(_F32)
+        b = fma32(-n, h("0x1.7f7d1cp-20"), fma32(-n, h("0x1.62e4p-1"), x))
+        u = (b * b).astype(_F32)
+        j = fma32(fma32(fma32(h("0x1.0e4020p-7"), b, h("0x1.573e2ep-5")), u, fma32(h("0x1.555e66p-3"), b,
+                                                                                  h("0x1.fffdb6p-2"))),
+                  u, fma32(h("0x1.ffffecp-1"), b, _F32(1)))
+        res = np.ldexp(j.astype(np.float64), np.where(np.isfinite(n), n, 0).astype(np.int64)).astype(_F32)
+        return np.where(np.abs(n) > 192, np.where(n <= 0, _F32(0), _F32(np.inf)), res).astype(_F32)
+
+
+def ggml_reduce16(v):
+    """_mm512_reduce_add_ps over the last axis (16): halves, then quarters, then pairs."""
+    v = np.asarray(v, _F32)
+    t = v[..., 8:] + v[..., :8]
+    t = t[..., 4:] + t[..., :4]
+    return ((t[..., 0] + t[..., 2]) + (t[..., 1] + t[..., 3])).astype(_F32)
+
+
+def ggml_dot(x, y):
+    """ggml_vec_dot_f32 (AVX-512) of the last axes: 64 fma lanes, (l0 + l2) + (l1 + l3), reduce16,
+    the leftover elements fma'd after."""
+    x, y = np.asarray(x, _F32), np.asarray(y, _F32)
+    n = x.shape[-1]
+    np_ = n - n % 64
+    acc = np.zeros(np.broadcast_shapes(x.shape[:-1], y.shape[:-1]) + (64,), _F32)
+    for i in range(0, np_, 64):
+        acc = fma32(x[..., i:i + 64], y[..., i:i + 64], acc)
+    s = ggml_reduce16((acc[..., 0:16] + acc[..., 32:48]) + (acc[..., 16:32] + acc[..., 48:64]))
+    for i in range(np_, n):
+        s = fma32(x[..., i], y[..., i], s)
+    return s
+
+
+def ggml_rms_norm(x, eps):
+    """x * (1 / sqrtf(mean + eps)), mean = (float)(the double sum of the f32 squares / C)."""
+    x = np.asarray(x, _F32)
+    mean = ((x * x).astype(np.float64).sum(-1, keepdims=True) / x.shape[-1]).astype(_F32)
+    return (x * (_F32(1) / np.sqrt(mean + _F32(eps)))).astype(_F32)
+
+
+def ggml_swiglu(g, u):
+    """x / (1 + ggml_expf(0 - x)) * u, the last C % 16 columns with libm's expf."""
+    g, u = np.asarray(g, _F32), np.asarray(u, _F32)
+    c = g.shape[-1]
+    e = ggml_expf(_F32(0) - g)
+    if c % 16:
+        m = _libm()
+        tail = np.vectorize(lambda v: m.expf(-float(v)), otypes=[_F32])(g[..., c - c % 16:])
+        e = np.concatenate([e[..., :c - c % 16], tail], -1)
+    return (g / (_F32(1) + e) * u).astype(_F32)
+
+
+def ggml_rope(x, pos, n_dims, base, mode="norm", freq_scale=1.0, factors=None, attn_factor=1.0):
+    """ggml_rope_ext (no YaRN) of x (T, H, D) at pos (T,): theta *= powf(base, -2 / n_dims) pair
+    after pair from (float)pos, cosf / sinf of freq_scale * theta / factor, times attn_factor;
+    pairs (fma(x0, c, -(x1 s)), fma(x0, s, x1 c))."""
+    m = _libm()
+    x = np.asarray(x, _F32)
+    out = x.copy()
+    half = n_dims // 2
+    ts = _F32(m.powf(_F32(base), _F32(-2.0) / _F32(n_dims)))
+    for t, p in enumerate(pos):
+        th, c, s = _F32(p), np.empty(half, _F32), np.empty(half, _F32)
+        for i in range(half):
+            ti = _F32(_F32(freq_scale) * (th / _F32(factors[i]) if factors is not None else th))
+            c[i] = _F32(m.cosf(ti)) * _F32(attn_factor)
+            s[i] = _F32(m.sinf(ti)) * _F32(attn_factor)
+            th = _F32(th * ts)
+        i0, i1 = (np.arange(half), np.arange(half) + half) if mode == "neox" else \
+            (2 * np.arange(half), 2 * np.arange(half) + 1)
+        x0, x1 = x[t][:, i0], x[t][:, i1]
+        out[t][:, i0] = fma32(x0, c, -(x1 * s))
+        out[t][:, i1] = fma32(x0, s, (x1 * c).astype(_F32))
+    return out
+
+
+def ggml_attention(q, k, v, scale, pos, window=0, scale_q=False):
+    """llama.cpp's attention (no flash attention, F32 cache) of q (Tq, H, D) over cache rows
+    k, v (Tk, Hkv, D), query i seeing rows j <= pos[i] (and pos[i] - j < window): S by ggml_dot,
+    scaled (or q first); softmax by ggml_expf summed in double 16 slots at a time; P V by
+    ggml_dot over the slots for one query, by tinyBLAS's 16 lanes and reduce16 for more."""
+    q, k, v = (np.asarray(a, _F32) for a in (q, k, v))
+    tq, h, d = q.shape
+    tk, hkv = k.shape[:2]
+    pad = -(-tk // 64) * 64
+    out = np.zeros((tq, h, d), _F32)
+    for i in range(tq):
+        for hh in range(h):
+            g = hh // (h // hkv)
+            qs = (q[i, hh] * _F32(scale)).astype(_F32) if scale_q else q[i, hh]
+            w = np.full(pad, -np.inf, _F32)
+            for j in range(tk):
+                if j <= pos[i] and (window <= 0 or pos[i] - j < window):
+                    w[j] = ggml_dot(k[j, g], qs) if scale_q else (ggml_dot(k[j, g], qs) * _F32(scale)).astype(_F32)
+            e = ggml_expf((w - w.max()).astype(_F32))
+            total = sum(float(ggml_reduce16(e[c:c + 16])) for c in range(0, pad, 16))
+            p = (e * _F32(1.0 / total)).astype(_F32)
+            vt = np.zeros((d, pad), _F32)
+            vt[:, :tk] = v[:, g].T
+            if tq == 1:
+                out[i, hh] = ggml_dot(vt, p)
+            else:
+                acc = np.zeros((d, 16), _F32)
+                for c in range(0, pad, 16):
+                    acc = fma32(vt[:, c:c + 16], p[c:c + 16], acc)
+                out[i, hh] = ggml_reduce16(acc)
+    return out

@@ -202,6 +202,40 @@ def _q4k_chain(x, raw, N, K, per):
 
 
 @pytest.mark.parametrize("simd", [2, 0])
+@pytest.mark.parametrize("w", ["q6_k", "q4_k"])
+def test_products_of_8_rows_or_more_take_llama_cpp_tiled_order(simd, w):
+    """Weights llama.cpp does not repack (Q6_K; Q4_K with rows not a multiple of 8) times 8 or
+    more rows go through its tiled K-quant GEMM: per super-block the exact integers, r =
+    (float)I * d (Q4_K: fma(-dmin, (float)Im, r)), acc = fma(r, x.d, acc); 7 rows keep its
+    one-row (vec_dot) order, whose bits differ."""
+    rng = np.random.default_rng(6)
+    K, N = 768, 12
+    raw = _kquant_raw(rng, w, N, K)
+    x = (rng.standard_normal((9, K)) * np.exp(rng.standard_normal((9, K)))).astype(np.float32)
+    qx, dx, _ = refs.act8k_quantize(x)
+    q, sc, d, mn, dmin = refs.kquant_blocks(raw.tobytes(), w, N, K)
+    isum = np.einsum("mbk,nbk->mnb", qx.astype(np.int64), sc * q)
+    msum = np.einsum("mbk,nbk->mnb", qx.astype(np.int64), mn) if w == "q4_k" else 0 * isum
+    f32 = np.float32
+    want = np.zeros((9, N), f32)
+    for b in range(K // 256):
+        r = isum[:, :, b].astype(f32) * d[None, :, b]
+        if w == "q4_k":
+            r = refs.fma32(-dmin[None, :, b], msum[:, :, b].astype(f32), r)
+        want = refs.fma32(r, dx[:, b:b + 1], want)
+    try:
+        lib.gt_set_simd_level(simd)
+        got = q8(x, raw, w, N, K)
+        np.testing.assert_array_equal(got, want)
+        np.testing.assert_array_equal(q8(x[:8], raw, w, N, K), want[:8])
+        seven = q8(x[:7], raw, w, N, K)
+        assert (seven != want[:7]).any()
+        np.testing.assert_allclose(seven, want[:7], rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    finally:
+        lib.gt_set_simd_level(2)
+
+
+@pytest.mark.parametrize("simd", [2, 0])
 def test_q4_k_rows_take_llama_cpp_batched_then_single_row_order(simd):
     """llama.cpp repacks a Q4_K matrix whose rows are a multiple of 8 and multiplies the first
     M - M % 4 rows of x four at a time (an fma each 64 elements), the rest one at a time (an

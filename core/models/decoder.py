@@ -220,6 +220,16 @@ def _rope_factors(cfg: ModelConfig, params: dict, n_ctx: int):
     return params.get(ROPE_FREQS)
 
 
+def _ggml_attention(fam, ggml: bool) -> dict:
+    """ops.attention's arguments for llama.cpp's numbers (none otherwise)."""
+    return {"ggml": True, "scale_q": fam.scale_q} if ggml else {}
+
+
+def _norm(x, eps: float, ggml: bool):
+    """rms_norm, in llama.cpp's numbers where ggml."""
+    return ops.rms_norm(x, eps, ggml=True) if ggml else ops.rms_norm(x, eps)
+
+
 def _attention(cfg: ModelConfig, x, p: str, params: dict, pos, lora=None, kv=None, n_kv: int = 0, seg=None,
                keep=None, layer: int = 0, n_ctx: int = 0):
     """Self-attention of x (B, T, C), causal; with seg (B, T) i32 (packed samples), query i
@@ -244,20 +254,22 @@ def _attention(cfg: ModelConfig, x, p: str, params: dict, pos, lora=None, kv=Non
         q = ops.reshape(linear(x, params, p + "attn_q.weight", lora), (b, t, h, d))
         k = ops.reshape(linear(x, params, p + "attn_k.weight", lora), (b, t, hkv, d))
         v = ops.reshape(linear(x, params, p + "attn_v.weight", lora), (b, t, hkv, d))
+    ggml = getattr(params, "act8", False)       # llama.cpp's numbers: its norms, rope angles, attention order
     if fam.qk_norm:   # RMSNorm over each head's D values
-        q = ops.mul(ops.rms_norm(q, cfg.norm_eps), params[p + "attn_q_norm.weight"])
-        k = ops.mul(ops.rms_norm(k, cfg.norm_eps), params[p + "attn_k_norm.weight"])
+        q = ops.mul(_norm(q, cfg.norm_eps, ggml), params[p + "attn_q_norm.weight"])
+        k = ops.mul(_norm(k, cfg.norm_eps, ggml), params[p + "attn_k_norm.weight"])
     nope = fam.no_rope_every and (layer + 1) % fam.no_rope_every == 0      # smollm3's NoPE layers
     if not nope:
         rope = dict(n_dims=cfg.n_rot, freq_base=cfg.rope_base_swa if local else cfg.rope_base, mode=fam.rope_mode,
                     freq_scale=1.0 if local else 1.0 / cfg.rope_scale, factors=_rope_factors(cfg, params, n_ctx),
-                    attn_factor=cfg.rope_attn_factor)
+                    attn_factor=cfg.rope_attn_factor, **({"ggml": True} if ggml else {}))
         q = ops.rope(q, pos, **rope)
         k = ops.rope(k, pos, **rope)
     scale = fam.attention_scale(cfg)
     window = cfg.window if local else 0
     if kv is None:
-        out = ops.attention(q, k, v, scale, causal=seg is None, seg=seg, window=window)   # (B, T, H, D)
+        out = ops.attention(q, k, v, scale, causal=seg is None, seg=seg, window=window,   # (B, T, H, D)
+                            **_ggml_attention(fam, ggml and seg is None))
         if keep is not None:
             keep(out.root)
     else:
@@ -267,7 +279,7 @@ def _attention(cfg: ModelConfig, x, p: str, params: dict, pos, lora=None, kv=Non
         cache_v = ops.set_rows(kv[1], ops.reshape(v, (t, hkv * d)), pos)
         k = ops.view(cache_k, (1, n_kv, hkv, d))                                        # rows 0..n_kv-1
         v = ops.view(cache_v, (1, n_kv, hkv, d))
-        out = ops.attention(q, k, v, scale, pos=pos, window=window)
+        out = ops.attention(q, k, v, scale, pos=pos, window=window, **_ggml_attention(fam, ggml))
     return linear(ops.reshape(out, (b, t, h * d)), params, p + "attn_output.weight", lora)
 
 
@@ -301,6 +313,7 @@ def forward(cfg: ModelConfig, params: dict, tokens, pos, graph=None, checkpoint:
         raise ConfigError(f"{cfg.arch}: sequence of {t} tokens exceeds the context {cfg.ctx}")
     eps = cfg.norm_eps
     fam = cfg.family
+    ggml = getattr(params, "act8", False)       # llama.cpp's numbers (FrozenParams.act8): its norms' sums
     x = ops.get_rows(params["token_embd.weight"], tokens)                            # (B, T, C)
     if fam.embed_scale:
         x = ops.scale(x, math.sqrt(cfg.dim))
@@ -308,18 +321,18 @@ def forward(cfg: ModelConfig, params: dict, tokens, pos, graph=None, checkpoint:
         x = ops.scale(x, cfg.embedding_scale)
     for i in range(cfg.layers):
         p = f"blk.{i}."
-        h = ops.mul(ops.rms_norm(x, eps), params[p + "attn_norm.weight"])
+        h = ops.mul(_norm(x, eps, ggml), params[p + "attn_norm.weight"])
         kv = cache[i] if cache is not None else None
         keep = graph.keep if checkpoint and graph is not None and not lora else None
         a = _attention(cfg, h, p, params, pos, lora, kv, n_kv, seg, keep=keep, layer=i, n_ctx=n_ctx or t)
         if fam.post_norms:
-            a = ops.mul(ops.rms_norm(a, eps), params[p + "post_attention_norm.weight"])
+            a = ops.mul(_norm(a, eps, ggml), params[p + "post_attention_norm.weight"])
         if cfg.residual_scale:
             a = ops.scale(a, cfg.residual_scale)
         x = ops.add(x, a)
         if keep is not None:
             keep(x)
-        h = ops.mul(ops.rms_norm(x, eps), params[p + "ffn_norm.weight"])
+        h = ops.mul(_norm(x, eps, ggml), params[p + "ffn_norm.weight"])
         if fam.fused_gate_up:   # one product, gate | up columns
             gu = linear(h, params, p + "ffn_up.weight", lora)                             # (B, T, 2F)
             b_, t_, f2 = gu.shape
@@ -329,12 +342,12 @@ def forward(cfg: ModelConfig, params: dict, tokens, pos, graph=None, checkpoint:
             gate = linear(h, params, p + "ffn_gate.weight", lora)
             up = linear(h, params, p + "ffn_up.weight", lora)
         if fam.act != "gelu":
-            act = ops.swiglu(gate, up)
+            act = ops.swiglu_ggml(gate, up) if ggml else ops.swiglu(gate, up)
         else:       # (llama.cpp's f16-table gelu with its 8-bit products: its numbers, FrozenParams)
             act = ops.geglu_f16(gate, up) if getattr(params, "act8", False) else ops.geglu(gate, up)
         f = linear(act, params, p + "ffn_down.weight", lora)
         if fam.post_norms:
-            f = ops.mul(ops.rms_norm(f, eps), params[p + "post_ffw_norm.weight"])
+            f = ops.mul(_norm(f, eps, ggml), params[p + "post_ffw_norm.weight"])
         if cfg.residual_scale:
             f = ops.scale(f, cfg.residual_scale)
         x = ops.add(x, f)
@@ -345,7 +358,7 @@ def forward(cfg: ModelConfig, params: dict, tokens, pos, graph=None, checkpoint:
         x = ops.view(x, (b, 1, c), (t * c, c, 1), (t - 1) * c)                      # (B, 1, C)
     if rows is not None:
         x = ops.get_rows(ops.reshape(x, (b * t, x.shape[-1])), rows)                # (M, C)
-    x = ops.mul(ops.rms_norm(x, eps), params["output_norm.weight"])
+    x = ops.mul(_norm(x, eps, ggml), params["output_norm.weight"])
     return output(cfg, params, x, lora) if head else x
 
 

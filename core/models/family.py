@@ -92,7 +92,9 @@ class Family:
     family's module); any other "{arch}." key is refused, not silently dropped.
     no_rope_every: n > 0, layers n-1, 2n-1, ... attend without rope (smollm3's NoPE layers).
     act: the FFN gate's activation (ACTIVATIONS). embed_scale: the embedding is multiplied
-    by sqrt(n_embd). attention_scale: cfg -> the scale of q.k. window_pattern: with a
+    by sqrt(n_embd). attention_scale: cfg -> the scale of q.k; scale_q: llama.cpp's graph
+    multiplies q by it (after rope) rather than q.k (the same value, rounded elsewhere: the
+    decoder's act8 mode follows it). window_pattern: with a
     sliding window, every n-th layer is global (llama.cpp's default for the family).
     Post-attention / post-FFN norms and q/k norms are there when the block has their tensors.
     required_keys: config fields of `keys` a file must state. rope_switch: the family reads
@@ -110,6 +112,7 @@ class Family:
     act: str = "silu"
     embed_scale: bool = False
     attention_scale: Callable = head_scale
+    scale_q: bool = False
     window_pattern: int = 0
     no_rope_every: int = 0
     required_keys: tuple = ()

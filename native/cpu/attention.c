@@ -488,12 +488,109 @@ static void fwd_unit(const att *A, rows R, fwd_work *w, int64_t b, int64_t h, in
     }
 }
 
+/* ---- llama.cpp's CPU attention, bit for bit (inference; ip[2] = 1) ------------------ */
+
+/* llama.cpp (without flash attention, F32 KV cache) computes S = K Q^T (ggml_vec_dot_f32 per
+ * key), scales S (or q before it: ip[3]), softmaxes each row over every cache slot (masked
+ * ones -inf) and multiplies by V^T (per dimension, over the slots: ggml_vec_dot_f32 for one
+ * query, its tinyBLAS GEMM for more, 16 lanes then reduce16). Its float order, as an
+ * AVX-512 build runs it:
+ *   dot(x, y, n): 64 lanes, element i in lane i % 64, each lane an fma chain over i / 64;
+ *     lanes l, l + 16, l + 32, l + 48 summed as (a_l + a_l+32) + (a_l+16 + a_l+48); those
+ *     16 by _mm512_reduce_add_ps's tree (reduce16); the n % 64 left over fma'd after;
+ *   softmax: e = its vector exp (gt_ggml_expf_, internal.h) of s - max, summed in double 16 slots at a
+ *     time (each 16 by reduce16), then e * (float)(1 / sum).
+ * Slots are cache rows (position = row), so a masked slot is a zero lane: the padding
+ * llama.cpp adds to its cache (to 256 rows) changes nothing. Other builds (AVX2) order their
+ * sums otherwise; this is the AVX-512 one on every CPU. */
+static float reduce16(const float v[16]) {
+    float t3[8], t6[4];
+    for (int i = 0; i < 8; i++) t3[i] = v[8 + i] + v[i];
+    for (int i = 0; i < 4; i++) t6[i] = t3[4 + i] + t3[i];
+    return (t6[0] + t6[2]) + (t6[1] + t6[3]);
+}
+
+static float lanes64(const float a[64]) {
+    float v[16];
+    for (int l = 0; l < 16; l++) v[l] = (a[l] + a[l + 32]) + (a[l + 16] + a[l + 48]);
+    return reduce16(v);
+}
+
+static float ggml_dot(const float *x, const float *y, int64_t n) {
+    float a[64] = {0};
+    const int64_t np = n & ~(int64_t)63;
+    for (int64_t i = 0; i < np; i += 64)
+        for (int l = 0; l < 64; l++) a[l] = fmaf(x[i + l], y[i + l], a[l]);
+    float s = lanes64(a);
+    for (int64_t i = np; i < n; i++) s = fmaf(x[i], y[i], s);
+    return s;
+}
+
+/* per thread: the scaled query (D), a row's scores (Tk, padded to 16) and the lanes of P V (64 D) */
+static int64_t ggml_work_layout(int64_t D, int64_t Tk) {
+    return align_up(D * (int64_t)sizeof(float)) + align_up((Tk + 16) * (int64_t)sizeof(float)) +
+           align_up(64 * D * (int64_t)sizeof(float)) + ALIGN;
+}
+
+static void ggml_row(const att *A, rows R, int scale_q, char *work, int64_t b, int64_t h, int64_t r, float *o,
+                     float *lse) {
+    const int64_t D = A->D, Tk = A->Tk;
+    float *qs = (float *)work, *s = (float *)(work + align_up(D * (int64_t)sizeof(float)));
+    float *acc = (float *)((char *)s + align_up((Tk + 16) * (int64_t)sizeof(float)));
+    float *orow = o + ((b * A->Tq + r) * A->H + h) * D;
+    const int64_t lo = R.lo[b * A->Tq + r], hi = R.hi[b * A->Tq + r];
+    if (hi < lo) {
+        memset(orow, 0, (size_t)D * sizeof(float));
+        lse[(b * A->H + h) * A->Tq + r] = -INFINITY;
+        return;
+    }
+    const float *q = A->q + b * A->qs[0] + r * A->qs[1] + h * A->qs[2];
+    const float *k = A->k + b * A->ks[0] + (h / A->G) * A->ks[2];
+    const float *v = A->v + b * A->vs[0] + (h / A->G) * A->vs[2];
+    for (int64_t d = 0; d < D; d++) qs[d] = scale_q ? q[d] * A->scale : q[d];
+    float mx = -INFINITY;
+    for (int64_t j = lo; j <= hi; j++) {
+        s[j] = ggml_dot(k + j * A->ks[1], qs, D);
+        if (!scale_q) s[j] *= A->scale;
+        mx = s[j] > mx ? s[j] : mx;
+    }
+    double sum = 0.0;
+    for (int64_t c = lo / 16 * 16; c <= hi; c += 16) {
+        float e[16];
+        for (int l = 0; l < 16; l++) {
+            const int64_t j = c + l;
+            e[l] = j >= lo && j <= hi ? gt_ggml_expf_(s[j] - mx) : 0.0f;
+            if (j >= lo && j <= hi) s[j] = e[l];
+        }
+        sum += (double)reduce16(e);
+    }
+    const float inv = (float)(1.0 / sum);
+    /* P V: one query (llama.cpp's ggml_vec_dot_f32) in 64 lanes, more (its tinyBLAS, which
+     * serves a contiguous right operand of 2 or more rows) in 16, each lane an fma chain
+     * over the slots j with j % lanes its own, then lanes64 or reduce16 */
+    const int64_t nl = A->Tq >= 2 ? 16 : 64;
+    const int all = hi - lo >= nl - 1;      /* every lane holds a slot; else lanes lo % nl on, cyclically */
+    for (int64_t j = lo; j <= hi && j < lo + nl; j++) memset(acc + j % nl * D, 0, (size_t)D * sizeof(float));
+    for (int64_t j = lo; j <= hi; j++) {
+        const float p = s[j] * inv;
+        float *a = acc + j % nl * D;
+        const float *vj = v + j * A->vs[1];
+        for (int64_t d = 0; d < D; d++) a[d] = fmaf(vj[d], p, a[d]);
+    }
+    for (int64_t d = 0; d < D; d++) {
+        float t[64];
+        for (int64_t l = 0; l < nl; l++) t[l] = all || (l - lo % nl + nl) % nl <= hi - lo ? acc[l * D + d] : 0.0f;
+        orow[d] = nl == 64 ? lanes64(t) : reduce16(t);
+    }
+    lse[(b * A->H + h) * A->Tq + r] = mx + (float)log(sum);
+}
+
 /* attention (see ggtrain.h): dst = [O (B, Tq, H, D) | LSE (B, H, Tq)]. */
 int gt_attention_fwd_f32_sizes(const gt_node *node, int64_t *scratch, int64_t *work) {
     att A;
     GT_TRY(check_qkv(node, "attention", 0, &A));
     *scratch = scratch_layout(&A, 0, NULL, NULL);
-    *work = fwd_work_layout(A.D, NULL, NULL);
+    *work = node->ip[2] ? ggml_work_layout(A.D, A.Tk) : fwd_work_layout(A.D, NULL, NULL);
     return GT_OK;
 }
 
@@ -511,12 +608,13 @@ int gt_attention_fwd_f32(const gt_node *node, const gt_ctx *ctx) {
         return GT_FAIL(GT_ERR_SHAPE, "%s: expected dst of %lld elements (O and LSE), got %s", op,
                        (long long)(no + nl), gt_shape_str(d, a, sizeof a));
     }
+    GT_TRY(gt_attention_ggml_check(node, op, 1));
+    if (node->ip[2] && A.mode == MASK_SEG)
+        return GT_FAIL(GT_ERR_INVALID, "%s: llama.cpp's order (ip[2]) takes no segment mask", op);
     GT_TRY(check_scratch(node, op, scratch_layout(&A, 0, NULL, NULL)));
-    GT_TRY(check_work(ctx, op, fwd_work_layout(A.D, NULL, NULL)));
+    GT_TRY(check_work(ctx, op, node->ip[2] ? ggml_work_layout(A.D, A.Tk) : fwd_work_layout(A.D, NULL, NULL)));
     scratch S;
     scratch_layout(&A, 0, node->scratch, &S);
-    fwd_work w;
-    fwd_work_layout(A.D, aligned_work(ctx), &w);
 
     int64_t lo, hi;
     gt_split(A.B, ctx, &lo, &hi);
@@ -525,6 +623,18 @@ int gt_attention_fwd_f32(const gt_node *node, const gt_ctx *ctx) {
     gt_barrier(ctx);
 
     float *o = d->data, *lse = o + no;
+    if (node->ip[2]) {      /* a (b, h, query) row a unit */
+        char *work = aligned_work(ctx);
+        const int64_t units = A.B * A.H * A.Tq;
+        for (;;) {
+            const int64_t u = atomic_fetch_add_explicit(S.next, 1, memory_order_relaxed);
+            if (u >= units) break;
+            ggml_row(&A, S.R, (int)node->ip[3], work, u / (A.H * A.Tq), u / A.Tq % A.H, u % A.Tq, o, lse);
+        }
+        return GT_OK;
+    }
+    fwd_work w;
+    fwd_work_layout(A.D, aligned_work(ctx), &w);
     const int64_t nqb = div_up(A.Tq, BR), bh = A.B * A.H, units = nqb * bh;
     for (;;) {
         const int64_t u = atomic_fetch_add_explicit(S.next, 1, memory_order_relaxed);
@@ -633,6 +743,7 @@ int gt_attention_bwd_f32(const gt_node *node, const gt_ctx *ctx) {
     GT_TRY(gt_check_n_src(node, 5, op));
     GT_TRY(check_qkv(node, op, 1, &A));
     GT_TRY(check_mask(node, op, 5, &A));
+    GT_TRY(gt_attention_ggml_check(node, op, 0));
     const gt_tensor *d = &node->dst, *y = &node->src[3], *g = &node->src[4];
     const int64_t no = A.B * A.Tq * A.H * A.D, nl = A.B * A.H * A.Tq, nk = A.B * A.Tk * A.Hkv * A.D;
     GT_CHECK_F32(d, op, "dst");

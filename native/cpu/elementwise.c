@@ -298,15 +298,17 @@ GT_CLONES static void geglu_row(float *restrict d, const float *restrict g, cons
 
 /* llama.cpp's CPU geglu (GGML_GELU_FP16): a table of the f16 rounding of gelu at every f16
  * value, indexed by x rounded to f16, for -10 < x < 10; 0 below, x above. The gelu here is
- * ggml's own expression with libm's tanhf; the f16 rounding after it hides the last bits of
- * either. Filled once (256 KiB), on first use. Inference with llama.cpp's numbers only. */
+ * ggml's own expression with libm's tanhf, 1 + 0.044715 x x fused as its build compiles it
+ * (fma(0.044715 x, x, 1)): the f16 rounding after it hides the last bits but not always
+ * (x = -1.9988 rounds apart). Filled once (256 KiB), on first use. Inference with
+ * llama.cpp's numbers only. */
 static float gelu_f16_table[65536];
 static pthread_once_t gelu_f16_once = PTHREAD_ONCE_INIT;
 
 static void gelu_f16_fill(void) {
     for (uint32_t h = 0; h < 65536; h++) {
         const float f = gt_f16_to_f32_1((uint16_t)h);
-        const float gelu = 0.5f * f * (1.0f + tanhf(GELU_K * f * (1.0f + GELU_A * f * f)));
+        const float gelu = 0.5f * f * (1.0f + tanhf(GELU_K * f * fmaf(GELU_A * f, f, 1.0f)));
         gelu_f16_table[h] = gt_f16_to_f32_1(gt_f32_to_f16_1(gelu));
     }
 }
@@ -363,6 +365,24 @@ int gt_swiglu_bwd_f32(const gt_node *n, const gt_ctx *c) { return glu_bwd(n, c, 
 int gt_geglu_fwd_f32(const gt_node *n, const gt_ctx *c) { return glu_fwd(n, c, geglu_row, "geglu"); }
 int gt_geglu_bwd_f32(const gt_node *n, const gt_ctx *c) { return glu_bwd(n, c, geglu_bwd_row, "geglu_bwd"); }
 int gt_geglu_f16_fwd_f32(const gt_node *n, const gt_ctx *c) { return glu_fwd(n, c, geglu_f16_row, "geglu_f16"); }
+
+/* llama.cpp's CPU swiglu (ggml_vec_swiglu_f32, AVX-512 build), row by row: x / (1 + e) * u
+ * with e its vector exp of -x, 16 columns at a time; the last C % 16 columns of a row by
+ * libm's expf. Inference with llama.cpp's numbers. */
+int gt_swiglu_ggml_fwd_f32(const gt_node *node, const gt_ctx *ctx) {
+    GT_TRY(glu_check(node, 2, "swiglu_ggml"));
+    const int64_t nc = gt_ncols(&node->dst), vec = nc - nc % 16;
+    const float *g = node->src[0].data, *u = node->src[1].data;
+    float *d = node->dst.data;
+    int64_t lo, hi;
+    gt_split(gt_numel(&node->dst), ctx, &lo, &hi);
+    for (int64_t i = lo; i < hi; i++) {
+        const float x = g[i];
+        const float e = i % nc < vec ? gt_ggml_expf_(0.0f - x) : expf(-x);
+        d[i] = x / (1.0f + e) * u[i];
+    }
+    return GT_OK;
+}
 
 /* ---- dropout ----------------------------------------------------------------- */
 

@@ -82,6 +82,19 @@ static inline float gt_expf_(float x) {
     return y;
 }
 
+/* llama.cpp's CPU exp (ggml_v_expf of an AVX-512 build, lane by lane), for its numbers
+ * (softmax in attention, silu): 2^n p(b), n = x / ln 2 rounded by the 1.5 * 2^23 trick,
+ * b = x - n ln 2 in two parts, p of degree 5; |n| > 192 gives 0 or inf. fmaf as its fused
+ * multiply-adds. */
+static inline float gt_ggml_expf_(float x) {
+    const float r = 0x1.8p23f, z = fmaf(x, 0x1.715476p+0f, r), n = z - r;
+    const float b = fmaf(-n, 0x1.7f7d1cp-20f, fmaf(-n, 0x1.62e4p-1f, x)), u = b * b;
+    const float j = fmaf(fmaf(fmaf(0x1.0e4020p-7f, b, 0x1.573e2ep-5f), u, fmaf(0x1.555e66p-3f, b, 0x1.fffdb6p-2f)), u,
+                         fmaf(0x1.ffffecp-1f, b, 1.0f));
+    if (!(fabsf(n) <= 192.0f)) return n > 0.0f ? INFINITY : 0.0f;
+    return ldexpf(j, (int)n);
+}
+
 
 /* The dtype table's entry for a type id, or NULL (dtype.c). */
 const gt_dtype_traits *gt_dtype_find_(int32_t id);
@@ -138,10 +151,10 @@ typedef struct gt_act8k {
 } gt_act8k;
 
 void gt_act8k_quantize_(gt_act8k *y, const float *x, int64_t K);
-/* gt_qdot8_rows_ for the K-quant types of GT_ACT8_TYPES, x in gt_act8k super-blocks; the first
- * `gemm` of the m rows take the float order of llama.cpp's batched (4-row) product, the others
- * its one-row order (qdot8k.c's top comment; they differ for Q4_K). */
-void gt_qdot8k_rows_(float *y, int64_t ldy, const gt_act8k *x, int64_t ldx, int m, int gemm, const uint8_t *w,
+/* gt_qdot8_rows_ for the K-quant types of GT_ACT8_TYPES, x in gt_act8k super-blocks: the m
+ * rows are rows m0.. of an M-row product, whose place in it picks llama.cpp's float order
+ * (its one-row, repacked 4-row or tiled kernels: qdot8k.c's top comment). */
+void gt_qdot8k_rows_(float *y, int64_t ldy, const gt_act8k *x, int64_t ldx, int m, int64_t M, int64_t m0, const uint8_t *w,
                      int64_t row_bytes, int32_t dtype, int64_t K, int64_t N, int64_t n0, int64_t n1);
 
 /* 1 for the weight types the 8-bit path multiplies (GT_ACT8_TYPES), else 0. */

@@ -950,11 +950,8 @@ static void act8_rows(float *C, int64_t ldc, const float *x, operand A, int64_t 
             if (super) gt_act8k_quantize_(qk + r * nb, xr, K);
             else gt_act8_quantize_(q + r * nb, xr, K);
         }
-        /* llama.cpp multiplies the first Mx - Mx % 4 rows 4 at a time (the GEMM), the rest one by one */
-        const int64_t gemm = Mx - Mx % 4 - m0;
-        if (super)
-            gt_qdot8k_rows_(C + m0 * ldc, ldc, qk, nb, (int)g, (int)(gemm < g ? gemm : g), W->p, W->row_bytes, dtype,
-                            K, N, n0, n1);
+        if (super)      /* (the row's place in the product picks llama.cpp's kernel, hence its order) */
+            gt_qdot8k_rows_(C + m0 * ldc, ldc, qk, nb, (int)g, Mx, m0, W->p, W->row_bytes, dtype, K, N, n0, n1);
         else gt_qdot8_rows_(C + m0 * ldc, ldc, q, nb, (int)g, W->p, W->row_bytes, dtype, K, N, n0, n1);
     }
 }

@@ -50,9 +50,18 @@ GT_CLONES static void rms_bwd_row(float *restrict d, const float *restrict x, co
     for (; i < n; i++) d[i] = r * (g[i] - c * x[i]);
 }
 
+/* llama.cpp's CPU order: each x^2 rounded to float, summed in double in order; the mean
+ * (sum / C) rounded to float */
+static float ggml_mean_sq(const float *x, int64_t n) {
+    double s = 0.0;
+    for (int64_t i = 0; i < n; i++) s += (double)(x[i] * x[i]);
+    return (float)(s / (double)n);
+}
+
 /* rms_norm: dst = x / sqrt(mean(x^2) + eps), mean over the last dim.
  * x (..., C) f32 contiguous, dst same shape contiguous, eps = fp[0].
- * The row's sum of squares is accumulated in float (16 lanes, fixed order).
+ * The row's sum of squares is accumulated in float (16 lanes, fixed order); with ip[0] = 1
+ * as llama.cpp's CPU build does (ggml_mean_sq: its bits, for inference in its numerics).
  * A scalar x (ndim 0) is one row of one element. */
 int gt_rms_norm_fwd_f32(const gt_node *node, const gt_ctx *ctx) {
     GT_TRY(gt_rms_norm_check(node, "rms_norm", 1));
@@ -65,7 +74,7 @@ int gt_rms_norm_fwd_f32(const gt_node *node, const gt_ctx *ctx) {
     gt_split(nrows, ctx, &lo, &hi);
     for (int64_t r = lo; r < hi; r++) {
         const float *x = xd + r * ncols;
-        const float ms = sumsq_row(x, ncols) / (float)ncols;
+        const float ms = node->ip[0] ? ggml_mean_sq(x, ncols) : sumsq_row(x, ncols) / (float)ncols;
         scale_row(dd + r * ncols, x, 1.0f / sqrtf(ms + eps), ncols);
     }
     return GT_OK;

@@ -11,6 +11,11 @@
  *   Im_c = min_2c * bsum_2c + min_2c+1 * bsum_2c+1, each fma'd into acc and accm as above.
  *   (Rows of W not a multiple of 8 take llama.cpp's vec_dot there, whose float order is neither:
  *   the same integers, other roundings.)
+ *   Products of 8 or more rows whose weights llama.cpp does not repack (Q6_K; Q4_K with rows
+ *   not a multiple of 8) take its tiled K-quant GEMM (ggml-cpu/tiled): per super-block the
+ *   exact integers I (and Im), r = (float)I * f16(w.d) (Q4_K: r = fma(-f16(w.dmin), (float)Im,
+ *   r)), then acc = fma(r, x.d, acc) (its AVX2 kernel, which llama-cpp-python's build runs
+ *   here; its AVX512-VNNI one, where built, rounds r * x.d before the sum); y = acc.
  *   Q6_K (ggml_vec_dot_q6_K_q8_K): per super-block, eight int32 lanes,
  *     lane l = sum over j < 2, v < 4, k < 4 of scale[e / 16] * q6[e] * q8[e] at
  *       e = 128 j + 32 v + 4 l + k (q6 unsigned, 0..63)
@@ -96,16 +101,39 @@ static void q6k_lanes(const uint8_t *b, const gt_act8k *x, int32_t lane[8]) {
     }
 }
 
-static void rows_plain(float *y, int64_t ldy, const gt_act8k *x, int64_t ldx, int m, int gemm, const uint8_t *w,
-                       int64_t row_bytes, int32_t dtype, int64_t nb, int64_t n0, int64_t n1) {
+/* Which of llama.cpp's float orders (above) row `row` of an M-row product with W of N rows takes */
+enum { ORDER_ONE, ORDER_PAIRS, ORDER_TILED };
+
+static int row_order(int32_t dtype, int64_t N, int64_t M, int64_t row) {
+    if (dtype == GT_Q4_K && N % 8 == 0) return row < M - M % 4 ? ORDER_PAIRS : ORDER_ONE;
+    return M >= 8 ? ORDER_TILED : ORDER_ONE;
+}
+
+static void rows_plain(float *y, int64_t ldy, const gt_act8k *x, int64_t ldx, int m, int64_t M, int64_t m0,
+                       const uint8_t *w, int64_t row_bytes, int32_t dtype, int64_t N, int64_t nb, int64_t n0,
+                       int64_t n1) {
     for (int64_t n = n0; n < n1; n++)
         for (int r = 0; r < m; r++) {
             const gt_act8k *xr = x + r * ldx;
+            const int order = row_order(dtype, N, M, m0 + r);
             float acc[8] = {0}, a = 0.0f, am = 0.0f;
             for (int64_t b = 0; b < nb; b++) {
                 const uint8_t *wb = w + n * row_bytes + b * (dtype == GT_Q4_K ? 144 : 210);
-                if (dtype == GT_Q4_K) {
-                    const int step = r < gemm ? 2 : 8;       /* GEMM: a pair of sub-blocks; GEMV: all 8 */
+                if (order == ORDER_TILED) {
+                    int32_t I = 0, Im = 0;
+                    float rr;
+                    if (dtype == GT_Q4_K) {
+                        q4k_ints(wb, xr + b, 0, 8, &I, &Im);
+                        rr = fmaf(-gt_half_at_(wb + 2), (float)Im, (float)I * gt_half_at_(wb));
+                    } else {
+                        int32_t lane[8];
+                        q6k_lanes(wb, xr + b, lane);
+                        for (int l = 0; l < 8; l++) I += lane[l];
+                        rr = (float)I * gt_half_at_(wb + 208);
+                    }
+                    a = fmaf(rr, xr[b].d, a);
+                } else if (dtype == GT_Q4_K) {
+                    const int step = order == ORDER_PAIRS ? 2 : 8;   /* GEMM: a pair of sub-blocks; GEMV: all 8 */
                     for (int s0 = 0; s0 < 8; s0 += step) {
                         int32_t I, Im;
                         q4k_ints(wb, xr + b, s0, s0 + step, &I, &Im);
@@ -119,7 +147,7 @@ static void rows_plain(float *y, int64_t ldy, const gt_act8k *x, int64_t ldx, in
                     for (int l = 0; l < 8; l++) acc[l] = fmaf(d, (float)lane[l], acc[l]);
                 }
             }
-            y[r * ldy + n] = dtype == GT_Q4_K ? a - am : gt_hsum8_(acc);
+            y[r * ldy + n] = order == ORDER_TILED ? a : dtype == GT_Q4_K ? a - am : gt_hsum8_(acc);
         }
 }
 
@@ -131,14 +159,15 @@ static void rows_plain(float *y, int64_t ldy, const gt_act8k *x, int64_t ldx, in
 /* Q4_K: the integer sums by maddubs (pairs of q4 * q8, at most 2 * 15 * 127) and madd with the
  * sub-block's scale, one int32 vector a super-block, summed at its end */
 __attribute__((target(TK))) static void rows_q4k(float *y, int64_t ldy, const gt_act8k *x, int64_t ldx, int m,
-                                                 int gemm, const uint8_t *w, int64_t row_bytes, int64_t nb,
-                                                 int64_t n0, int64_t n1) {
+                                                 int64_t M, int64_t m0, const uint8_t *w, int64_t row_bytes,
+                                                 int64_t N, int64_t nb, int64_t n0, int64_t n1) {
     const __m256i m4 = _mm256_set1_epi8(15);
     for (int64_t n = n0; n < n1; n++)
         for (int r = 0; r < m; r++) {
             const gt_act8k *xr = x + r * ldx;
             float a = 0.0f, am = 0.0f;
-            const int per_pair = r < gemm;              /* GEMM order: fma each pair of sub-blocks */
+            const int order = row_order(GT_Q4_K, N, M, m0 + r);
+            const int per_pair = order == ORDER_PAIRS;  /* GEMM order: fma each pair of sub-blocks */
             for (int64_t b = 0; b < nb; b++) {
                 const uint8_t *wb = w + n * row_bytes + b * 144;
                 _mm_prefetch((const char *)(wb + GT_QDOT_PREFETCH_ROWS * row_bytes), _MM_HINT_T0);
@@ -168,25 +197,30 @@ __attribute__((target(TK))) static void rows_q4k(float *y, int64_t ldy, const gt
                         Im = 0;
                     }
                 }
-                if (!per_pair) {
+                if (order == ORDER_TILED) {
+                    const float rr = fmaf(-gt_half_at_f16c_(wb + 2), (float)Im, (float)gt_hsum_i32_(iacc) * gt_half_at_f16c_(wb));
+                    a = fmaf(rr, xr[b].d, a);
+                } else if (!per_pair) {
                     a = fmaf((float)gt_hsum_i32_(iacc), dx, a);
                     am = fmaf((float)Im, mx, am);
                 }
             }
-            y[r * ldy + n] = a - am;
+            y[r * ldy + n] = order == ORDER_TILED ? a : a - am;
         }
 }
 
 /* Q6_K: each 32-byte vector of q6 values (two sub-blocks of 16) by maddubs (at most 2 * 63 * 127)
  * and madd with its two scales; the 32-times-bsums term by madd of the bsums and the scales */
 __attribute__((target(TK))) static void rows_q6k(float *y, int64_t ldy, const gt_act8k *x, int64_t ldx, int m,
-                                                 const uint8_t *w, int64_t row_bytes, int64_t nb, int64_t n0,
-                                                 int64_t n1) {
+                                                 int64_t M, const uint8_t *w, int64_t row_bytes, int64_t nb,
+                                                 int64_t n0, int64_t n1) {
     const __m256i m15 = _mm256_set1_epi8(15), m3 = _mm256_set1_epi8(3);
+    const int tiled = M >= 8;
     for (int64_t n = n0; n < n1; n++)
         for (int r = 0; r < m; r++) {
             const gt_act8k *xr = x + r * ldx;
             __m256 acc = _mm256_setzero_ps();
+            float a = 0.0f;
             for (int64_t b = 0; b < nb; b++) {
                 const uint8_t *wb = w + n * row_bytes + b * 210;
                 for (int o = 0; o < 256; o += 64)
@@ -215,24 +249,27 @@ __attribute__((target(TK))) static void rows_q6k(float *y, int64_t ldy, const gt
                 const __m256i bs = _mm256_loadu_si256((const __m256i *)xr[b].bsums);
                 const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc));
                 sumi = _mm256_sub_epi32(sumi, _mm256_slli_epi32(_mm256_madd_epi16(bs, sc16), 5));
+                if (tiled) {
+                    a = fmaf((float)gt_hsum_i32_(sumi) * gt_half_at_f16c_(wb + 208), xr[b].d, a);
+                    continue;
+                }
                 const float d = xr[b].d * gt_half_at_f16c_(wb + 208);
                 acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc);
             }
-            y[r * ldy + n] = gt_hsum8_256_(acc);
+            y[r * ldy + n] = tiled ? a : gt_hsum8_256_(acc);
         }
 }
 #endif /* __x86_64__ */
 
-void gt_qdot8k_rows_(float *y, int64_t ldy, const gt_act8k *x, int64_t ldx, int m, int gemm, const uint8_t *w,
-                     int64_t row_bytes, int32_t dtype, int64_t K, int64_t N, int64_t n0, int64_t n1) {
+void gt_qdot8k_rows_(float *y, int64_t ldy, const gt_act8k *x, int64_t ldx, int m, int64_t M, int64_t m0,
+                     const uint8_t *w, int64_t row_bytes, int32_t dtype, int64_t K, int64_t N, int64_t n0, int64_t n1) {
     const int64_t nb = K / 256;
-    if (N % 8 != 0) gemm = 0;       /* llama.cpp repacks (and takes its GEMM for) rows a multiple of 8 */
 #if defined(__x86_64__)
     if (gt_simd_level_() >= 1 && __builtin_cpu_supports("f16c")) {
-        if (dtype == GT_Q4_K) rows_q4k(y, ldy, x, ldx, m, gemm, w, row_bytes, nb, n0, n1);
-        else rows_q6k(y, ldy, x, ldx, m, w, row_bytes, nb, n0, n1);
+        if (dtype == GT_Q4_K) rows_q4k(y, ldy, x, ldx, m, M, m0, w, row_bytes, N, nb, n0, n1);
+        else rows_q6k(y, ldy, x, ldx, m, M, w, row_bytes, nb, n0, n1);
         return;
     }
 #endif
-    rows_plain(y, ldy, x, ldx, m, gemm, w, row_bytes, dtype, nb, n0, n1);
+    rows_plain(y, ldy, x, ldx, m, M, m0, w, row_bytes, dtype, N, nb, n0, n1);
 }

@@ -30,6 +30,18 @@ GT_CLONES static void rotate_pairs(float *restrict d, const float *restrict x, c
     }
 }
 
+/* llama.cpp's CPU rotation (its build contracts both into one fma each):
+ * (fma(x0, c, -(x1 s)), fma(x0, s, x1 c)); pairs `step` apart (1: adjacent, else half) */
+static void rotate_ggml(float *restrict d, const float *restrict x, const float *restrict c, const float *restrict s,
+                        int64_t n, int64_t step) {
+    const int64_t stride = step == 1 ? 2 : 1;
+    for (int64_t i = 0; i < n; i++) {
+        const float x0 = x[stride * i], x1 = x[stride * i + step];
+        d[stride * i] = fmaf(x0, c[i], -(x1 * s[i]));
+        d[stride * i + step] = fmaf(x0, s[i], x1 * c[i]);
+    }
+}
+
 /* the NEOX pairing: d[i], d[i + half] from x[i], x[i + half], for i < n (x, d offset to the chunk) */
 GT_CLONES static void rotate_halves(float *restrict d, const float *restrict x, const float *restrict c,
                                     const float *restrict s, int64_t n, int64_t half) {
@@ -46,7 +58,7 @@ static int rope(const gt_node *node, const gt_ctx *ctx, const char *op, double s
     GT_TRY(gt_rope_check(node, op, sign < 0, &per_row));
     const int64_t D = x->shape[x->ndim - 1], H = x->shape[x->ndim - 2], T = x->shape[x->ndim - 3];
     const int64_t B = gt_numel(x) / (T * H * D > 0 ? T * H * D : 1);
-    const int64_t n_dims = node->ip[0], mode = node->ip[1];
+    const int64_t n_dims = node->ip[0], mode = node->ip[1], ggml = node->ip[2];
     const float base = node->fp[0], fscale = node->fp[1], mscale = node->fp[2];
     const gt_tensor *ff = node->n_src == 3 ? &node->src[2] : NULL;
     if (gt_numel(x) == 0) return GT_OK;
@@ -62,6 +74,33 @@ static int rope(const gt_node *node, const gt_ctx *ctx, const char *op, double s
     /* unit u: shared positions t-major (t = u / B, b = u % B), so consecutive units
      * share a position; per-row positions b-major (b = u / T, t = u % T) */
     gt_split(T * B, ctx, &lo, &hi);
+    if (ggml) {    /* llama.cpp's angles: theta *= powf(base, -2 / n_dims) pair after pair, in f32 */
+        const float ts = powf(base, -2.0f / (float)n_dims);
+        const float *fac = ff ? (const float *)ff->data : NULL;
+        const int64_t fs = ff ? ff->strides[0] : 0;
+        for (int64_t u = lo; u < hi; u++) {
+            const int64_t t = per_row ? u % T : u / B, b = per_row ? u / T : u % B;
+            const int64_t row = (b * T + t) * H * D;
+            float th = (float)(per_row ? pos[b * T + t] : pos[t * ps]);
+            for (int64_t i0 = 0; i0 < half; i0 += CHUNK) {
+                const int64_t ni = half - i0 < CHUNK ? half - i0 : CHUNK;
+                for (int64_t i = 0; i < ni; i++) {
+                    const float ti = fscale * (fac ? th / fac[(i0 + i) * fs] : th);
+                    cs[i] = cosf(ti) * mscale;
+                    sn[i] = sinf(ti) * mscale;
+                    th *= ts;
+                }
+                for (int64_t h = 0; h < H; h++) {
+                    const int64_t off = row + h * D + (mode == 2 ? i0 : 2 * i0);
+                    rotate_ggml(dd + off, xd + off, cs, sn, ni, mode == 2 ? half : 1);
+                }
+            }
+            if (n_dims < D)
+                for (int64_t h = 0; h < H; h++)
+                    memcpy(dd + row + h * D + n_dims, xd + row + h * D + n_dims, (size_t)(D - n_dims) * sizeof(float));
+        }
+        return GT_OK;
+    }
     for (int64_t i0 = 0; i0 < half; i0 += CHUNK) {
         const int64_t ni = half - i0 < CHUNK ? half - i0 : CHUNK;
         for (int64_t i = 0; i < ni; i++) {
@@ -114,7 +153,9 @@ static int rope(const gt_node *node, const gt_ctx *ctx, const char *op, double s
  * rounded to float. ggml computes theta in float (theta *= powf(base, -2/n_dims)
  * per pair), whose angle error grows with the position (about 1e-4 rad at
  * position 2048); this kernel matches a float64 reference to float rounding
- * at any position. */
+ * at any position. ip[2] = 1 (forward only): llama.cpp's CPU numbers instead, bit for
+ * bit: its f32 angles (with libm's powf, cosf, sinf) and its fma'd rotation (inference in
+ * llama.cpp's numerics: the decoder's act8 mode). */
 int gt_rope_fwd_f32(const gt_node *node, const gt_ctx *ctx) { return rope(node, ctx, "rope", 1.0); }
 
 /* rope_bwd: dx = rotation of g by -theta (the transpose of the forward);

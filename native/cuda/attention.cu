@@ -625,6 +625,7 @@ __global__ void att_dkv_naive(att a, grads G, float *dk, float *dv) {
 static int setup(const gt_node *node, att *a, int mask_src, const char *op) {
     GTC_TRY(gt_attention_qkv_check(node, op, 1));
     GTC_TRY(gt_attention_mask_check(node, op, mask_src));
+    GTC_TRY(gt_attention_ggml_check(node, op, 0));
     const gt_tensor *q = &node->src[0], *k = &node->src[1], *v = &node->src[2];
     a->q = *q;
     a->k = *k;

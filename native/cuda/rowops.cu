@@ -468,6 +468,8 @@ static int launch_rope(const gt_node *node, double sign, const char *op) {
     const gt_tensor *d = &node->dst, *x = &node->src[0], *p = &node->src[1];
     int per_row = 0;
     GTC_TRY(gt_rope_check(node, op, sign < 0, &per_row));
+    if (node->ip[2])
+        return GTC_FAIL(GT_ERR_INVALID, "%s: llama.cpp's CPU angles (ip[2] = 1) are the CPU kernel's", op);
     const int64_t D = x->shape[x->ndim - 1], H = x->shape[x->ndim - 2], T = x->shape[x->ndim - 3];
     const int64_t rows = T * H * D > 0 ? gtc_numel(*x) / (T * H * D) : 0;
     const int64_t n_dims = node->ip[0];

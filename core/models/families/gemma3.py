@@ -24,6 +24,6 @@ def _attention_scale(cfg) -> float:
 
 
 FAMILY = Family(arch="gemma3", block=_BLOCK, rope_mode="neox", act="gelu", embed_scale=True,
-                attention_scale=_attention_scale, window_pattern=6,
+                attention_scale=_attention_scale, scale_q=True, window_pattern=6,
                 keys={"window": "attention.sliding_window", "window_pattern": "attention.sliding_window_pattern",
                       "rope_base_swa": "rope.freq_base_swa", "logit_softcap": "final_logit_softcapping"})

@@ -13,7 +13,7 @@ so both compute full causal attention.
 """
 from ggtrain.core.models.family import Family
 
-FAMILY = Family(arch="phi3", rope_mode="neox", long_rope=True,
+FAMILY = Family(arch="phi3", rope_mode="neox", long_rope=True, scale_q=True,
                 keys={"rope_orig_ctx": "rope.scaling.original_context_length",
                       "rope_attn_factor": "rope.scaling.attn_factor"},
                 ignored_keys=("attention.sliding_window",),

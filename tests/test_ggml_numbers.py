@@ -1,0 +1,145 @@
+"""The kernels' llama.cpp modes (the decoder's act8 mode: generate's default, eval --int8):
+rope, rms_norm, attention and swiglu computing llama.cpp's CPU numbers bit for bit, against
+float32 emulations of its code (tests/refs.py ggml_*); with the 8-bit products (test_qdot8.py)
+they make our logits llama.cpp's own (test_gemma3.py, test_interop.py check that against it)."""
+import numpy as np
+import pytest
+
+from ggtrain.core import ops
+from ggtrain.core.autograd import backward
+from ggtrain.core.backend_cpu import CpuBackend, run_kernel
+from ggtrain.core.graph import Graph
+from ggtrain.errors import NativeError
+from tests import refs
+
+ROPE_MODES = {"norm": 0, "neox": 2}
+
+
+def _rope(x, pos, n_dims, base, mode, freq_scale=1.0, factors=None, attn_factor=1.0, ggml=1, n_threads=1):
+    dst = np.full_like(x, np.nan)
+    srcs = [x, np.asarray(pos, np.int32)] + ([factors] if factors is not None else [])
+    run_kernel("rope_fwd_f32", dst, srcs, ip=(n_dims, ROPE_MODES[mode], ggml), fp=(base, freq_scale, attn_factor),
+               n_threads=n_threads)
+    return dst
+
+
+@pytest.mark.parametrize("mode", ["norm", "neox"])
+@pytest.mark.parametrize("n_dims,base,with_factors", [(64, 10000.0, False), (48, 1e6, True)])
+def test_rope_takes_llama_cpp_angles(mode, n_dims, base, with_factors):
+    """f32 angles theta *= powf(base, -2 / n_dims) from (float)pos, libm's cosf / sinf, an
+    fma'd rotation; dims past n_dims copied. Not the exact-angle kernel's bits at far
+    positions (its angles are rounded once)."""
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((1, 6, 3, 64)).astype(np.float32)
+    pos = np.array([0, 1, 7, 100, 2047, 4095], np.int32)
+    factors = rng.uniform(1.0, 8.0, n_dims // 2).astype(np.float32) if with_factors else None
+    got = _rope(x, pos, n_dims, base, mode, 0.5, factors, 1.25)
+    want = refs.ggml_rope(x[0], pos, n_dims, base, mode, 0.5, factors, 1.25)
+    np.testing.assert_array_equal(got[0], want)
+    np.testing.assert_array_equal(_rope(x, pos, n_dims, base, mode, 0.5, factors, 1.25, n_threads=3), got)
+    exact = _rope(x, pos, n_dims, base, mode, 0.5, factors, 1.25, ggml=0)
+    assert (exact[0, -1] != got[0, -1]).any()
+    np.testing.assert_allclose(exact, got, atol=5e-3)
+
+
+def test_rms_norm_sums_squares_in_double():
+    rng = np.random.default_rng(4)
+    x = (rng.standard_normal((7, 640)) * np.exp(rng.standard_normal((7, 1)) * 3)).astype(np.float32)
+    got = np.full_like(x, np.nan)
+    run_kernel("rms_norm_fwd_f32", got, [x], ip=(1,), fp=(1e-6,), n_threads=2)
+    np.testing.assert_array_equal(got, refs.ggml_rms_norm(x, 1e-6))
+
+
+def test_swiglu_ggml_is_llama_cpp_swiglu_with_its_tail():
+    """16 columns at a time through its vector exp, the last C % 16 through libm's expf."""
+    rng = np.random.default_rng(5)
+    g = (rng.standard_normal((3, 40)) * 6).astype(np.float32)
+    g[0, :4] = [-100.0, 100.0, 0.0, -0.0]
+    u = rng.standard_normal((3, 40)).astype(np.float32)
+    got = np.full_like(g, np.nan)
+    run_kernel("swiglu_ggml_fwd_f32", got, [g, u], n_threads=2)
+    np.testing.assert_array_equal(got, refs.ggml_swiglu(g, u))
+
+
+def _attention(q, k, v, scale, pos, window=0, scale_q=False, n_threads=2):
+    dst = np.full(q.size + q.shape[0] * q.shape[1], np.nan, np.float32)
+    run_kernel("attention_fwd_f32", dst, [q[None], k[None], v[None], np.asarray(pos, np.int32)],
+               ip=(2, window, 1, int(scale_q)), fp=(scale,), n_threads=n_threads)
+    return dst[:q.size].reshape(q.shape)
+
+
+@pytest.mark.parametrize("tq,tk,d,window,scale_q", [(1, 70, 64, 0, False), (1, 40, 96, 0, True),
+                                                    (5, 70, 64, 0, False), (6, 40, 96, 16, True)])
+def test_attention_takes_llama_cpp_order(tq, tk, d, window, scale_q):
+    """S by ggml_vec_dot_f32's 64 lanes (96: 32 left over), softmax by its vector exp summed in
+    double 16 slots at a time, P V by 64 lanes for one query and tinyBLAS's 16 for more; keys
+    past 64 so every lane chains; GQA (4 heads on 2); a window; q scaled first or S."""
+    rng = np.random.default_rng(tq * 100 + d)
+    q = (rng.standard_normal((tq, 4, d)) * 2).astype(np.float32)
+    k = (rng.standard_normal((tk, 2, d)) * 2).astype(np.float32)
+    v = rng.standard_normal((tk, 2, d)).astype(np.float32)
+    pos = np.arange(tk - tq, tk, dtype=np.int32) - (3 if tq > 1 else 0)
+    scale = 1.0 / np.sqrt(d)
+    got = _attention(q, k, v, scale, pos, window, scale_q)
+    np.testing.assert_array_equal(got, refs.ggml_attention(q, k, v, scale, pos, window, scale_q))
+    np.testing.assert_array_equal(_attention(q, k, v, scale, pos, window, scale_q, n_threads=3), got)
+    want = np.einsum("ihj,jhd->ihd", refs.softmax(
+        np.where(_seen(pos, tk, window)[:, None, :], np.einsum("ihd,jhd->ihj", q, np.repeat(k, 2, 1)) * scale,
+                 -np.inf)), np.repeat(v, 2, 1))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def _seen(pos, tk, window):
+    j = np.arange(tk)[None, :]
+    p = np.asarray(pos)[:, None]
+    return (j <= p) & ((p - j < window) if window else True)
+
+
+def test_llama_cpp_modes_refuse_what_they_do_not_do():
+    """No gradient through them (inference only), no segment mask, and only the CPU forward
+    kernels take the flags."""
+    g = Graph()
+    x = g.param((1, 2, 2, 8), name="x")
+    pos = g.input((2,), "i32", name="pos")
+    for y in (ops.rope(x, pos, ggml=True), ops.rms_norm(x, ggml=True)):
+        with pytest.raises(ValueError, match="inference: no gradient"):
+            backward(ops.sum(y), [x])
+    y = ops.attention(x, x, x, 0.5, pos=pos, ggml=True)
+    with pytest.raises(ValueError, match="inference: no gradient"):
+        backward(ops.sum(y), [x])
+    with pytest.raises(ValueError, match="no segment mask"):
+        ops.attention(x, x, x, 0.5, seg=g.input((1, 2), "i32"), ggml=True)
+    with pytest.raises(ValueError, match="scale_q needs ggml"):
+        ops.attention(x, x, x, 0.5, causal=True, scale_q=True)
+    q = np.zeros((1, 2, 2, 8), np.float32)
+    with pytest.raises(NativeError, match="ip\\[2\\]"):
+        run_kernel("rope_bwd_f32", q.copy(), [q, np.zeros(2, np.int32)], ip=(8, 0, 1), fp=(1e4, 1.0, 1.0))
+    with pytest.raises(NativeError, match="ip\\[0\\]"):
+        run_kernel("rms_norm_bwd_f32", q.copy(), [q, q], ip=(1,), fp=(1e-5,))
+    with pytest.raises(NativeError, match="the CPU forward's"):
+        run_kernel("attention_bwd_f32", np.zeros(3 * q.size, np.float32),
+                   [q, q, q, np.zeros(q.size + 4, np.float32), q], ip=(1, 0, 1, 0), fp=(0.5,))
+
+
+def test_decoder_act8_uses_the_llama_cpp_modes():
+    """The act8 graph's rope, rms_norm and attention nodes carry ggml, its FFN swiglu_ggml; the
+    f32 graph's none."""
+    from ggtrain.core.models.decoder import Decoder, ModelConfig, init_params
+    cfg = ModelConfig(vocab=64, dim=32, layers=1, heads=2, kv_heads=1, ff=48, ctx=16)
+    weights = init_params(cfg, seed=1)
+    for act8 in (True, False):
+        dec = Decoder(cfg, weights, CpuBackend(1), n_ctx=16, act8=act8)
+        plan, *_, logits = dec._plan(3, 16)
+        nodes = _nodes(logits)
+        flagged = {t.op for t in nodes if t.params.get("ggml")}
+        assert flagged == ({"rope", "rms_norm", "attention"} if act8 else set())
+        assert any(t.op == ("swiglu_ggml" if act8 else "swiglu") for t in nodes)
+
+
+def _nodes(t, seen=None):
+    seen = {} if seen is None else seen
+    if id(t) not in seen:
+        seen[id(t)] = t
+        for s in t.srcs:
+            _nodes(s, seen)
+    return list(seen.values())
