@@ -1,6 +1,7 @@
 """Benchmark: `ggtrain generate` against llama.cpp (llama-cpp-python) on the same model, prompt
 and length: generation speed (tokens/s after the prompt), peak RSS, and whether the greedy
-continuations agree.
+continuations agree: with llama.cpp as timed (its default F16 KV cache, which rounds attention
+to f16) and with llama.cpp on an F32 KV cache (untimed), whose logits ours equal bit for bit.
 
 Each side runs in its own fresh process, measured in alternating rounds (ours, theirs,
 ours, theirs, ...) so that noise on a shared machine hits both alike; speed is the best
@@ -39,9 +40,10 @@ _THEIRS = r"""
 import json, sys, time
 import llama_cpp
 path, prompt, n, threads, ctx = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+f32 = dict(type_k=0, type_v=0, flash_attn=False) if sys.argv[6:] == ["f32"] else {}
 t0 = time.perf_counter()
 llm = llama_cpp.Llama(model_path=path, n_ctx=ctx, n_threads=threads, n_threads_batch=threads,
-                      verbose=False, seed=0)
+                      verbose=False, seed=0, **f32)
 ids = llm.tokenize(prompt.encode(), add_bos=True, special=False)
 llm.n_ctx() >= len(ids) + n or sys.exit("context too small")
 t1 = time.perf_counter()
@@ -101,9 +103,9 @@ def ours(model, prompt, n, threads, ctx, exact=False) -> dict:
     return res
 
 
-def theirs(model, prompt, n, threads, ctx) -> dict:
+def theirs(model, prompt, n, threads, ctx, f32_cache=False) -> dict:
     out, err, rc, rss = _measured([sys.executable, "-c", _THEIRS, str(model), prompt, str(n), str(threads),
-                                   str(ctx)])
+                                   str(ctx)] + (["f32"] if f32_cache else []))
     if rc != 0:
         sys.exit(f"llama.cpp run failed: {err}")
     res = json.loads(out)
@@ -129,7 +131,7 @@ def main() -> None:
         from tinyllama import tinyllama_q4_0
         models.append(tinyllama_q4_0())
     peak = Peak(args.threads)
-    rows = []
+    rows, same_f32 = [], {}
     for model in models:
         if not model.is_file():
             sys.exit(f"{model}: no such file")
@@ -146,6 +148,8 @@ def main() -> None:
         rss_b = max(r["rss_mib"] for r in b)
         same = a[0]["text"] == b[0]["text"]
         common = os.path.commonprefix([a[0]["text"], b[0]["text"]])
+        f32_text = theirs(model, args.prompt, args.n, args.threads, args.ctx, f32_cache=True)["text"]
+        same_f32[model.name] = a[0]["text"] == f32_text
         gf = flop_per_token(model) * best_a / 1e9
         rows.append((model.name, best_a, best_b, rss_a, rss_b, same, gf, a[0], b[0], len(common)))
         if c:
@@ -157,10 +161,11 @@ def main() -> None:
     print(f"generate: {args.n} tokens after {args.prompt!r}, greedy, {args.threads} threads, context "
           f"{args.ctx}, best of {args.rounds} alternating rounds; {peak.describe()}")
     print(f"{'model':38s} {'ours t/s':>9s} {'llama.cpp':>9s} {'ratio':>6s} | {'ours MiB':>8s} "
-          f"{'llama.cpp':>9s} {'ratio':>6s} | {'GFLOP/s':>7s} {'%peak':>6s} | same text")
+          f"{'llama.cpp':>9s} {'ratio':>6s} | {'GFLOP/s':>7s} {'%peak':>6s} | same text (F16 KV; F32 KV)")
     for name, ta, tb, ra, rb, same, gf, ra0, rb0, common in rows:
+        f32 = "" if name.endswith("--exact") else "; " + ("yes" if same_f32[name] else "no")
         print(f"{name:38s} {ta:9.1f} {tb:9.1f} {ta / tb:6.2f} | {ra:8.0f} {rb:9.0f} {ra / rb:6.2f} | "
-              f"{gf:7.1f} {peak.percent(gf):5.1f}% | {'yes' if same else f'first {common} chars'}")
+              f"{gf:7.1f} {peak.percent(gf):5.1f}% | {'yes' if same else f'first {common} chars'}{f32}")
     for name, *_, ra0, rb0, _ in rows:
         print(f"\n{name}: load {ra0['load_s']:.2f} s (llama.cpp {rb0['load_s']:.2f} s), prompt of "
               f"{ra0['prompt_tokens']} tokens {ra0['prompt_s']:.3f} s (llama.cpp {rb0['prompt_s']:.3f} s)")

@@ -68,14 +68,16 @@ def _attention(q, k, v, scale, pos, window=0, scale_q=False, n_threads=2):
     return dst[:q.size].reshape(q.shape)
 
 
-@pytest.mark.parametrize("tq,tk,d,window,scale_q", [(1, 70, 64, 0, False), (1, 40, 96, 0, True),
-                                                    (5, 70, 64, 0, False), (6, 40, 96, 16, True)])
-def test_attention_takes_llama_cpp_order(tq, tk, d, window, scale_q):
+@pytest.mark.parametrize("tq,tk,d,window,scale_q,big", [(1, 70, 64, 0, False, 1), (1, 40, 96, 0, True, 1),
+                                                        (5, 70, 64, 0, False, 1), (6, 40, 96, 16, True, 1),
+                                                        (3, 50, 64, 0, False, 12)])
+def test_attention_takes_llama_cpp_order(tq, tk, d, window, scale_q, big):
     """S by ggml_vec_dot_f32's 64 lanes (96: 32 left over), softmax by its vector exp summed in
     double 16 slots at a time, P V by 64 lanes for one query and tinyBLAS's 16 for more; keys
-    past 64 so every lane chains; GQA (4 heads on 2); a window; q scaled first or S."""
+    past 64 so every lane chains; GQA (4 heads on 2); a window; q scaled first or S; scores far
+    enough apart (big) that exps fall below 2^-126 (the exp's exact far end)."""
     rng = np.random.default_rng(tq * 100 + d)
-    q = (rng.standard_normal((tq, 4, d)) * 2).astype(np.float32)
+    q = (rng.standard_normal((tq, 4, d)) * 2 * big).astype(np.float32)
     k = (rng.standard_normal((tk, 2, d)) * 2).astype(np.float32)
     v = rng.standard_normal((tk, 2, d)).astype(np.float32)
     pos = np.arange(tk - tq, tk, dtype=np.int32) - (3 if tq > 1 else 0)
@@ -87,6 +89,10 @@ def test_attention_takes_llama_cpp_order(tq, tk, d, window, scale_q):
         np.where(_seen(pos, tk, window)[:, None, :], np.einsum("ihd,jhd->ihj", q, np.repeat(k, 2, 1)) * scale,
                  -np.inf)), np.repeat(v, 2, 1))
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    if big > 1:
+        w = np.einsum("ihd,jhd->ihj", q, np.repeat(k, 2, 1)) * scale
+        w = np.where(_seen(pos, tk, 0)[:, None, :], w, -np.inf)
+        assert ((w - w.max(-1, keepdims=True)) < -87).any()
 
 
 def _seen(pos, tk, window):

@@ -503,40 +503,53 @@ static void fwd_unit(const att *A, rows R, fwd_work *w, int64_t b, int64_t h, in
  * Slots are cache rows (position = row), so a masked slot is a zero lane: the padding
  * llama.cpp adds to its cache (to 256 rows) changes nothing. Other builds (AVX2) order their
  * sums otherwise; this is the AVX-512 one on every CPU. */
-static float reduce16(const float v[16]) {
+static inline float reduce16(const float v[16]) {
     float t3[8], t6[4];
     for (int i = 0; i < 8; i++) t3[i] = v[8 + i] + v[i];
     for (int i = 0; i < 4; i++) t6[i] = t3[4 + i] + t3[i];
     return (t6[0] + t6[2]) + (t6[1] + t6[3]);
 }
 
-static float lanes64(const float a[64]) {
-    float v[16];
-    for (int l = 0; l < 16; l++) v[l] = (a[l] + a[l + 32]) + (a[l + 16] + a[l + 48]);
-    return reduce16(v);
-}
-
-static float ggml_dot(const float *x, const float *y, int64_t n) {
+static inline __attribute__((always_inline)) float ggml_dot(const float *x, const float *y, int64_t n) {
     float a[64] = {0};
     const int64_t np = n & ~(int64_t)63;
     for (int64_t i = 0; i < np; i += 64)
         for (int l = 0; l < 64; l++) a[l] = fmaf(x[i + l], y[i + l], a[l]);
-    float s = lanes64(a);
+    float v[16];
+    for (int l = 0; l < 16; l++) v[l] = (a[l] + a[l + 32]) + (a[l + 16] + a[l + 48]);
+    float s = reduce16(v);
     for (int64_t i = np; i < n; i++) s = fmaf(x[i], y[i], s);
     return s;
 }
 
-/* per thread: the scaled query (D), a row's scores (Tk, padded to 16) and the lanes of P V (64 D) */
+/* lanes (nl x D, lane-major) to out (D): 64 lanes as ggml_dot folds them, then reduce16, every
+ * d at once (the lanes are rewritten) */
+static inline __attribute__((always_inline)) void fold_lanes(float *restrict out, float *restrict a, int64_t nl,
+                                                             int64_t D) {
+    if (nl == 64)
+        for (int l = 0; l < 16; l++)
+            for (int64_t d = 0; d < D; d++)
+                a[l * D + d] = (a[l * D + d] + a[(l + 32) * D + d]) + (a[(l + 16) * D + d] + a[(l + 48) * D + d]);
+    for (int i = 0; i < 8; i++)
+        for (int64_t d = 0; d < D; d++) a[i * D + d] = a[(8 + i) * D + d] + a[i * D + d];
+    for (int i = 0; i < 4; i++)
+        for (int64_t d = 0; d < D; d++) a[i * D + d] = a[(4 + i) * D + d] + a[i * D + d];
+    for (int64_t d = 0; d < D; d++) out[d] = (a[d] + a[2 * D + d]) + (a[D + d] + a[3 * D + d]);
+}
+
+/* per thread: the scaled query (D), a row's scores and their exps (Tk each, padded to 16) and
+ * the lanes of P V (64 D) */
 static int64_t ggml_work_layout(int64_t D, int64_t Tk) {
-    return align_up(D * (int64_t)sizeof(float)) + align_up((Tk + 16) * (int64_t)sizeof(float)) +
+    return align_up(D * (int64_t)sizeof(float)) + 2 * align_up((Tk + 16) * (int64_t)sizeof(float)) +
            align_up(64 * D * (int64_t)sizeof(float)) + ALIGN;
 }
 
-static void ggml_row(const att *A, rows R, int scale_q, char *work, int64_t b, int64_t h, int64_t r, float *o,
-                     float *lse) {
+GT_CLONES static void ggml_row(const att *A, rows R, int scale_q, char *work, int64_t b, int64_t h, int64_t r,
+                               float *o, float *lse) {
     const int64_t D = A->D, Tk = A->Tk;
     float *qs = (float *)work, *s = (float *)(work + align_up(D * (int64_t)sizeof(float)));
-    float *acc = (float *)((char *)s + align_up((Tk + 16) * (int64_t)sizeof(float)));
+    float *e = (float *)((char *)s + align_up((Tk + 16) * (int64_t)sizeof(float)));
+    float *acc = (float *)((char *)e + align_up((Tk + 16) * (int64_t)sizeof(float)));
     float *orow = o + ((b * A->Tq + r) * A->H + h) * D;
     const int64_t lo = R.lo[b * A->Tq + r], hi = R.hi[b * A->Tq + r];
     if (hi < lo) {
@@ -554,34 +567,29 @@ static void ggml_row(const att *A, rows R, int scale_q, char *work, int64_t b, i
         if (!scale_q) s[j] *= A->scale;
         mx = s[j] > mx ? s[j] : mx;
     }
+    /* e = exp(s - max) over the row's slots, 0 in the 16-slot chunks' other slots */
+    const int64_t c0 = lo / 16 * 16, c1 = (hi / 16 + 1) * 16;
+    for (int64_t j = lo; j <= hi; j++) s[j] -= mx;
+    for (int64_t j = c0; j < lo; j++) e[j] = 0.0f;
+    for (int64_t j = lo; j <= hi; j++) e[j] = gt_ggml_expf_fast_(s[j]);
+    for (int64_t j = lo; j <= hi; j++)
+        if (!(s[j] > -87.0f)) e[j] = gt_ggml_expf_(s[j]);     /* the far end, exactly */
+    for (int64_t j = hi + 1; j < c1; j++) e[j] = 0.0f;
     double sum = 0.0;
-    for (int64_t c = lo / 16 * 16; c <= hi; c += 16) {
-        float e[16];
-        for (int l = 0; l < 16; l++) {
-            const int64_t j = c + l;
-            e[l] = j >= lo && j <= hi ? gt_ggml_expf_(s[j] - mx) : 0.0f;
-            if (j >= lo && j <= hi) s[j] = e[l];
-        }
-        sum += (double)reduce16(e);
-    }
+    for (int64_t c = c0; c < c1; c += 16) sum += (double)reduce16(e + c);
     const float inv = (float)(1.0 / sum);
     /* P V: one query (llama.cpp's ggml_vec_dot_f32) in 64 lanes, more (its tinyBLAS, which
      * serves a contiguous right operand of 2 or more rows) in 16, each lane an fma chain
-     * over the slots j with j % lanes its own, then lanes64 or reduce16 */
+     * over the slots j with j % lanes its own, then folded as each does */
     const int64_t nl = A->Tq >= 2 ? 16 : 64;
-    const int all = hi - lo >= nl - 1;      /* every lane holds a slot; else lanes lo % nl on, cyclically */
-    for (int64_t j = lo; j <= hi && j < lo + nl; j++) memset(acc + j % nl * D, 0, (size_t)D * sizeof(float));
+    memset(acc, 0, (size_t)(nl * D) * sizeof(float));
     for (int64_t j = lo; j <= hi; j++) {
-        const float p = s[j] * inv;
-        float *a = acc + j % nl * D;
-        const float *vj = v + j * A->vs[1];
+        const float p = e[j] * inv;
+        float *restrict a = acc + j % nl * D;
+        const float *restrict vj = v + j * A->vs[1];
         for (int64_t d = 0; d < D; d++) a[d] = fmaf(vj[d], p, a[d]);
     }
-    for (int64_t d = 0; d < D; d++) {
-        float t[64];
-        for (int64_t l = 0; l < nl; l++) t[l] = all || (l - lo % nl + nl) % nl <= hi - lo ? acc[l * D + d] : 0.0f;
-        orow[d] = nl == 64 ? lanes64(t) : reduce16(t);
-    }
+    fold_lanes(orow, acc, nl, D);
     lse[(b * A->H + h) * A->Tq + r] = mx + (float)log(sum);
 }
 

@@ -369,6 +369,14 @@ int gt_geglu_f16_fwd_f32(const gt_node *n, const gt_ctx *c) { return glu_fwd(n, 
 /* llama.cpp's CPU swiglu (ggml_vec_swiglu_f32, AVX-512 build), row by row: x / (1 + e) * u
  * with e its vector exp of -x, 16 columns at a time; the last C % 16 columns of a row by
  * libm's expf. Inference with llama.cpp's numbers. */
+GT_CLONES static void swiglu_ggml_run(float *restrict d, const float *restrict g, const float *restrict u,
+                                      int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        const float x = g[i];
+        d[i] = x / (1.0f + gt_ggml_expf_fast_(0.0f - x)) * u[i];
+    }
+}
+
 int gt_swiglu_ggml_fwd_f32(const gt_node *node, const gt_ctx *ctx) {
     GT_TRY(glu_check(node, 2, "swiglu_ggml"));
     const int64_t nc = gt_ncols(&node->dst), vec = nc - nc % 16;
@@ -376,10 +384,11 @@ int gt_swiglu_ggml_fwd_f32(const gt_node *node, const gt_ctx *ctx) {
     float *d = node->dst.data;
     int64_t lo, hi;
     gt_split(gt_numel(&node->dst), ctx, &lo, &hi);
-    for (int64_t i = lo; i < hi; i++) {
+    if (hi > lo) swiglu_ggml_run(d + lo, g + lo, u + lo, hi - lo);
+    for (int64_t i = lo; i < hi; i++) {     /* the exp's far ends, and each row's tail (libm's expf) */
         const float x = g[i];
-        const float e = i % nc < vec ? gt_ggml_expf_(0.0f - x) : expf(-x);
-        d[i] = x / (1.0f + e) * u[i];
+        if (i % nc >= vec) d[i] = x / (1.0f + expf(-x)) * u[i];
+        else if (!(fabsf(x) < 87.0f)) d[i] = x / (1.0f + gt_ggml_expf_(0.0f - x)) * u[i];
     }
     return GT_OK;
 }

@@ -84,15 +84,33 @@ static inline float gt_expf_(float x) {
 
 /* llama.cpp's CPU exp (ggml_v_expf of an AVX-512 build, lane by lane), for its numbers
  * (softmax in attention, silu): 2^n p(b), n = x / ln 2 rounded by the 1.5 * 2^23 trick,
- * b = x - n ln 2 in two parts, p of degree 5; |n| > 192 gives 0 or inf. fmaf as its fused
- * multiply-adds. */
-static inline float gt_ggml_expf_(float x) {
+ * b = x - n ln 2 in two parts, p of degree 5 (fmaf as its fused multiply-adds), 2^n applied by
+ * scalef; |n| > 192 gives 0 or inf. gt_ggml_expf_fast_ is the same for |x| < 87 (|n| <= 126:
+ * 2^n a normal float built in the exponent bits, so p * 2^n rounds once, as scalef does),
+ * branch-free so that loops over it vectorize; callers redo |x| >= 87 by gt_ggml_expf_. */
+static inline float gt_ggml_expf_poly_(float x, float *n_out) {
     const float r = 0x1.8p23f, z = fmaf(x, 0x1.715476p+0f, r), n = z - r;
     const float b = fmaf(-n, 0x1.7f7d1cp-20f, fmaf(-n, 0x1.62e4p-1f, x)), u = b * b;
-    const float j = fmaf(fmaf(fmaf(0x1.0e4020p-7f, b, 0x1.573e2ep-5f), u, fmaf(0x1.555e66p-3f, b, 0x1.fffdb6p-2f)), u,
-                         fmaf(0x1.ffffecp-1f, b, 1.0f));
+    *n_out = n;
+    return fmaf(fmaf(fmaf(0x1.0e4020p-7f, b, 0x1.573e2ep-5f), u, fmaf(0x1.555e66p-3f, b, 0x1.fffdb6p-2f)), u,
+                fmaf(0x1.ffffecp-1f, b, 1.0f));
+}
+
+static inline float gt_ggml_expf_(float x) {
+    float n;
+    const float j = gt_ggml_expf_poly_(x, &n);
     if (!(fabsf(n) <= 192.0f)) return n > 0.0f ? INFINITY : 0.0f;
     return ldexpf(j, (int)n);
+}
+
+static inline float gt_ggml_expf_fast_(float x) {
+    const float xc = x < -87.0f ? -87.0f : x > 87.0f ? 87.0f : x;
+    float n;
+    const float j = gt_ggml_expf_poly_(xc, &n);
+    const uint32_t bits = (uint32_t)((int32_t)n + 127) << 23;
+    float p2;
+    memcpy(&p2, &bits, sizeof p2);
+    return j * p2;
 }
 
 
