@@ -952,7 +952,8 @@ def _rope_backward(y, g):
                      p["attn_factor"]), None, None]
 
 
-_rope_lower = lambda y: ((y.params["n_dims"], ROPE_MODES[y.params["mode"]], int(y.params.get("ggml", False))),  # noqa: E731
+_rope_lower = lambda y: ((y.params["n_dims"], ROPE_MODES[y.params["mode"]],  # noqa: E731
+                          int(y.params.get("ggml", False))),
                          (y.params["freq_base"], y.params["freq_scale"], y.params["attn_factor"]))
 register(OpDef("rope", _infer_rope, "rope_fwd", contiguous=(0, 1), lower=_rope_lower, backward=_rope_backward,
                differentiable=(0,)))

@@ -357,8 +357,9 @@ static inline int gt_rope_check(const gt_node *node, const char *op, int bwd, in
         return GT_FAIL(GT_ERR_INVALID, "%s: expected mode (ip[1]) 0 (normal) or 2 (neox), got %lld", op,
                        (long long)mode);
     if (node->ip[2] != 0 && (node->ip[2] != 1 || bwd))
-        return GT_FAIL(GT_ERR_INVALID, "%s: expected ip[2] 0 (exact angles) or, forward only, 1 (llama.cpp's), got %lld",
-                       op, (long long)node->ip[2]);
+        return GT_FAIL(GT_ERR_INVALID,
+                       "%s: expected ip[2] 0 (exact angles) or, forward only, 1 (llama.cpp's), got %lld", op,
+                       (long long)node->ip[2]);
     const float base = node->fp[0], fscale = node->fp[1], mscale = node->fp[2];
     if (!(base > 0.0f) || isinf(base))
         return GT_FAIL(GT_ERR_INVALID, "%s: expected freq_base (fp[0]) > 0 and finite, got %g", op, (double)base);

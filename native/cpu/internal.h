@@ -172,8 +172,8 @@ void gt_act8k_quantize_(gt_act8k *y, const float *x, int64_t K);
 /* gt_qdot8_rows_ for the K-quant types of GT_ACT8_TYPES, x in gt_act8k super-blocks: the m
  * rows are rows m0.. of an M-row product, whose place in it picks llama.cpp's float order
  * (its one-row, repacked 4-row or tiled kernels: qdot8k.c's top comment). */
-void gt_qdot8k_rows_(float *y, int64_t ldy, const gt_act8k *x, int64_t ldx, int m, int64_t M, int64_t m0, const uint8_t *w,
-                     int64_t row_bytes, int32_t dtype, int64_t K, int64_t N, int64_t n0, int64_t n1);
+void gt_qdot8k_rows_(float *y, int64_t ldy, const gt_act8k *x, int64_t ldx, int m, int64_t M, int64_t m0,
+                     const uint8_t *w, int64_t row_bytes, int32_t dtype, int64_t K, int64_t N, int64_t n0, int64_t n1);
 
 /* 1 for the weight types the 8-bit path multiplies (GT_ACT8_TYPES), else 0. */
 int gt_act8_supports_(int32_t dtype);

@@ -198,7 +198,8 @@ __attribute__((target(TK))) static void rows_q4k(float *y, int64_t ldy, const gt
                     }
                 }
                 if (order == ORDER_TILED) {
-                    const float rr = fmaf(-gt_half_at_f16c_(wb + 2), (float)Im, (float)gt_hsum_i32_(iacc) * gt_half_at_f16c_(wb));
+                    const float rr = fmaf(-gt_half_at_f16c_(wb + 2), (float)Im,
+                                          (float)gt_hsum_i32_(iacc) * gt_half_at_f16c_(wb));
                     a = fmaf(rr, xr[b].d, a);
                 } else if (!per_pair) {
                     a = fmaf((float)gt_hsum_i32_(iacc), dx, a);
