@@ -201,13 +201,18 @@ def eval_cmd(
     ids = tok.encode(text, add_bos=tok.add_bos)
     if len(ids) < 2:
         raise ConfigError(f"--data {data}: fewer than 2 tokens to score")
-    runner = Runner(cfg, weights, be, length=min(length, len(ids) - 1), adapters=adapters, n_ctx=length,
-                    act8=int8 and act8_ok(be))
+    act8 = int8 and act8_ok(be)
+    runner = Runner(cfg, weights, be, length=min(length, len(ids) - 1), adapters=adapters, n_ctx=length, act8=act8)
+    # llama.cpp's kernels (so its float order) depend on a product's row count: in its numbers
+    # a shorter last window runs at its own length, not padded to the others'
+    last = (len(ids) - 1) % runner.length
+    tail = Runner(cfg, weights, be, length=last, adapters=adapters, n_ctx=length, act8=True) if act8 and last \
+        else runner
     total, count = 0.0, 0
     for start in range(0, len(ids) - 1, runner.length):
         window = ids[start:start + runner.length + 1]
         x, y = window[:-1][None, :], window[1:][None, :]
-        total += runner.nll(x, y)
+        total += (tail if y.size < runner.length else runner).nll(x, y)
         count += y.size
     result = {"perplexity": math.exp(total / count), "nll": total / count, "tokens": count}
     if as_json:

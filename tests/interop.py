@@ -4,6 +4,8 @@ import itertools
 import subprocess
 import sys
 
+import numpy as np
+
 
 def run_cli(*args):
     """`python -m ggtrain ARGS` in a subprocess (stdout and stderr captured as text)."""
@@ -23,3 +25,20 @@ def greedy(llm, ids, n):
     llm.reset()
     return [int(t) for t in itertools.islice(llm.generate(list(ids), top_k=1, top_p=1.0, min_p=0.0, temp=0.0,
                                                            repeat_penalty=1.0), n)]
+
+
+def their_nll(llama, model, text: str, window: int) -> float:
+    """llama.cpp's mean NLL of text (with BOS) in non-overlapping windows of `window` tokens
+    (each from an empty cache, as `ggtrain eval` scores them), F32 KV cache."""
+    llm = open_llm(llama, model, n_ctx=window)
+    ids = llm.tokenize(text.encode(), add_bos=True)
+    total = 0.0
+    for s in range(0, len(ids) - 1, window):
+        w = ids[s:s + window + 1]
+        llm.reset()
+        llm.eval(w[:-1])
+        logits = np.array(llm.scores[:len(w) - 1], np.float64)
+        z = logits - logits.max(-1, keepdims=True)
+        logp = z - np.log(np.exp(z).sum(-1, keepdims=True))
+        total -= logp[np.arange(len(w) - 1), w[1:]].sum()
+    return total / (len(ids) - 1)

@@ -20,7 +20,7 @@ import pytest
 from ggtrain.formats.gguf import read_gguf
 from ggtrain.formats.model import validate_model
 from tests.conftest import SHARED_DATA
-from tests.interop import greedy, open_llm, run_cli
+from tests.interop import greedy, open_llm, run_cli, their_nll
 from tests.real_models import gemma3_270m
 
 NLL_TOL_F32 = 1e-3      # both in f32 on the same weights; llama.cpp's f16 gelu table is ~3e-5
@@ -43,19 +43,7 @@ def test_gemma3_270m_layout(gemma):
 
 
 def _their_nll(llama, model, text) -> float:
-    """llama.cpp's mean NLL of text (with BOS) in windows of 512, F32 KV cache."""
-    llm = open_llm(llama, model, n_ctx=512)
-    ids = llm.tokenize(text.encode(), add_bos=True)
-    total = 0.0
-    for s in range(0, len(ids) - 1, 512):
-        w = ids[s:s + 513]
-        llm.reset()
-        llm.eval(w[:-1])
-        logits = np.array(llm.scores[:len(w) - 1], np.float64)
-        z = logits - logits.max(-1, keepdims=True)
-        logp = z - np.log(np.exp(z).sum(-1, keepdims=True))
-        total -= logp[np.arange(len(w) - 1), w[1:]].sum()
-    return total / (len(ids) - 1)
+    return their_nll(llama, model, text, 512)
 
 
 def _our_eval(model, data, *flags) -> dict:

@@ -354,6 +354,27 @@ def test_greedy_generation_with_8_bit_activations_follows_llama_cpp(llama, share
     assert i is not None and margin >= TIE_8BIT, (i, margin)
 
 
+def test_eval_int8_nll_equals_llama_cpp_in_windows(llama, shared_data, tmp_path):
+    """`eval --int8` on SmolLM2 Q4_1 in windows of 128 tokens, the last one shorter and run at
+    its own length (llama.cpp's kernels depend on the row count): llama.cpp's NLL (F32 KV
+    cache) to our f32 cross-entropy's rounding; the f32 default is 1e-3 or more away."""
+    import json
+    from tests.interop import run_cli, their_nll
+    path = shared_data / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    text = (shared_data / "text" / "tinyshakespeare.txt").read_text()[:1400]
+    data = tmp_path / "t.txt"
+    data.write_text(text)
+    got = {}
+    for flags in ((), ("--int8",)):
+        r = run_cli("eval", "--model", path, "--data", data, "--ctx", 128, "--json", "--threads", 2, *flags)
+        assert r.returncode == 0, r.stderr
+        got[flags] = json.loads(r.stdout)
+    assert got[()]["tokens"] % 128 != 0
+    theirs = their_nll(llama, path, text, 128)
+    assert got[("--int8",)]["nll"] == pytest.approx(theirs, abs=2e-5)
+    assert abs(got[()]["nll"] - theirs) > 1e-3
+
+
 @pytest.mark.parametrize("out_type", ["q8_0", "q4_1", "q4_0", "q5_0", "q5_1", "q4_k_m", "q6_k"])
 def test_logits_with_8_bit_activations_equal_llama_cpp(llama, tmp_path, out_type):
     """A small random llama written with quantized matrices (q8_0: all; q4_1, q4_0: the blocks'
