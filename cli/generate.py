@@ -195,7 +195,8 @@ def eval_cmd(
     if not 1 <= length <= cfg.ctx:
         raise ConfigError(f"--ctx {ctx}: must be in 1..{cfg.ctx} (the model's context)")
     try:
-        text = data.read_text(encoding="utf-8")
+        with file_errors(f"--data {data}", "text file"):
+            text = data.read_text(encoding="utf-8")
     except UnicodeDecodeError as exc:
         raise ConfigError(f"--data {data}: not UTF-8 text ({exc})") from None
     ids = tok.encode(text, add_bos=tok.add_bos)

@@ -91,6 +91,9 @@ def test_lora_bad_input(shared_data, tmp_path):
                          (["--model", str(model), "--lora", str(tmp_path / "none.gguf")], "--lora")):
         r = _cli("generate", *args, "--prompt", "hi", "-n", "2")
         assert r.returncode == 1 and r.stderr.strip() == f"error: {option} {tmp_path / 'none.gguf'}: no such file"
+    for data, words in ((tmp_path / "none.txt", "no such file"), (tmp_path, "is a directory, not a text file")):
+        r = _cli("eval", "--model", str(model), "--data", str(data))
+        assert r.returncode == 1 and r.stderr.strip() == f"error: --data {data}: {words}"
 
 
 def test_open_llama_keeps_stored_types_without_copies(shared_data, backend):
