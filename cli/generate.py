@@ -40,6 +40,10 @@ EXACT = typer.Option(False, "--exact",
                           f"{', '.join(ops.ACT8_TYPES)}; other types, and CUDA, are f32), and its norms, rope, "
                           "attention, swiglu and Gemma's f16-table gelu are its own: llama.cpp's logits (with "
                           "an F32 KV cache), so its greedy text, and faster.")
+CACHE_TYPE = typer.Option("f16", "--cache-type",
+                          help="The KV cache llama.cpp's numbers assume: f16 (llama.cpp's default: keys, values, "
+                               "queries and attention weights meet it rounded to f16) or f32 (its --cache-type-k/v "
+                               "f32). Our cache holds f32 either way; no effect with --exact.")
 INT8 = typer.Option(False, "--int8",
                     help="Compute as llama.cpp's CPU build does, bit for bit: quantized weights times "
                          f"activations rounded to 8 bits ({', '.join(ops.ACT8_TYPES)} weights, on the CPU), "
@@ -86,6 +90,7 @@ def generate_cmd(
     threads: int = THREADS,
     backend: str = BACKEND,
     exact: bool = EXACT,
+    cache_type: str = CACHE_TYPE,
     timings: bool = typer.Option(False, "--timings", help='Print {"load_s", "prompt_tokens", "prompt_s", '
                                  '"tokens", "tokens_per_s"} as JSON on stderr at the end.'),
 ):
@@ -120,7 +125,8 @@ def generate_cmd(
     if n == 0:
         sys.stdout.write("\n")
         return
-    decoder = Decoder(cfg, weights, be, n_ctx=n_ctx, adapters=adapters, act8=not exact and act8_available(be))
+    decoder = Decoder(cfg, weights, be, n_ctx=n_ctx, adapters=adapters, act8=not exact and act8_available(be),
+                      kv_f16=kv_f16(cache_type))
     text = codecs.getincrementaldecoder("utf-8")(errors="replace")
     stop = frozenset(tok.eog_ids)
     t_loaded = time.perf_counter()
@@ -137,6 +143,13 @@ def generate_cmd(
         sys.stderr.write(json.dumps({"load_s": round(t_loaded - t_start, 4), "prompt_tokens": len(ids),
                                      "prompt_s": round(stamps[0] - t_loaded, 4), "tokens": len(stamps),
                                      "tokens_per_s": round(rate, 3)}) + "\n")
+
+
+def kv_f16(cache_type: str) -> bool:
+    """--cache-type as Decoder's kv_f16; a ConfigError for another value."""
+    if cache_type not in ("f16", "f32"):
+        raise ConfigError(f"--cache-type {cache_type}: must be f16 or f32")
+    return cache_type == "f16"
 
 
 def act8_ok(be) -> bool:
@@ -166,6 +179,7 @@ def eval_cmd(
     threads: int = THREADS,
     backend: str = BACKEND,
     int8: bool = INT8,
+    cache_type: str = CACHE_TYPE,
 ):
     """Perplexity of a model on a text (non-overlapping windows, every token scored once), or
     its accuracy on a multiple-choice task."""
@@ -184,7 +198,8 @@ def eval_cmd(
         items = items[:limit] if limit else items
         if not 0 <= ctx <= cfg.ctx:
             raise ConfigError(f"--ctx {ctx}: must be in 1..{cfg.ctx} (the model's context)")
-        decoder = Decoder(cfg, weights, be, n_ctx=ctx or cfg.ctx, adapters=adapters, act8=int8 and act8_ok(be))
+        decoder = Decoder(cfg, weights, be, n_ctx=ctx or cfg.ctx, adapters=adapters, act8=int8 and act8_ok(be),
+                          kv_f16=kv_f16(cache_type))
         result = run_task(decoder, tok, items, quiet=quiet)
         if as_json:
             typer.echo(json.dumps(result))
@@ -203,11 +218,14 @@ def eval_cmd(
     if len(ids) < 2:
         raise ConfigError(f"--data {data}: fewer than 2 tokens to score")
     act8 = int8 and act8_ok(be)
-    runner = Runner(cfg, weights, be, length=min(length, len(ids) - 1), adapters=adapters, n_ctx=length, act8=act8)
+    f16 = kv_f16(cache_type)
+    runner = Runner(cfg, weights, be, length=min(length, len(ids) - 1), adapters=adapters, n_ctx=length, act8=act8,
+                    kv_f16=f16)
     # llama.cpp's kernels (so its float order) depend on a product's row count: in its numbers
     # a shorter last window runs at its own length, not padded to the others'
     last = (len(ids) - 1) % runner.length
-    tail = Runner(cfg, weights, be, length=last, adapters=adapters, n_ctx=length, act8=True) if act8 and last \
+    tail = Runner(cfg, weights, be, length=last, adapters=adapters, n_ctx=length, act8=True, kv_f16=f16) \
+        if act8 and last \
         else runner
     total, count = 0.0, 0
     for start in range(0, len(ids) - 1, runner.length):

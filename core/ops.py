@@ -773,7 +773,7 @@ register(OpDef("cross_entropy_rows", lambda srcs, params: _infer_ce(srcs, {"rows
 
 def attention(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool = False, pos: Tensor | None = None,
               seg: Tensor | None = None, with_lse: bool = False, window: int = 0, ggml: bool = False,
-              scale_q: bool = False):
+              scale_q: bool = False, kv_f16: bool = False):
     """softmax(scale * q k^T + mask) v for each query head, fused (gt_attention_fwd_f32):
     no (Tq, Tk) tensor is made, here or in the backward.
 
@@ -788,8 +788,9 @@ def attention(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool = Fals
     ggml: llama.cpp's CPU numbers bit for bit instead (its dot products' order, its vector
     exp, its double sums; key j being cache row j; native/cpu/attention.c says how), and with
     scale_q the scale multiplies q before the dots as some families' graphs do (gemma3, phi3),
-    else the dots: inference in llama.cpp's numerics (the decoder's act8 mode), CPU only, no
-    gradient, no segment mask.
+    else the dots; with kv_f16 as its F16 KV cache (its default) rounds q, k, v and the weights:
+    inference in llama.cpp's numerics (the decoder's act8 mode), CPU only, no gradient, no
+    segment mask.
     Raises ValueError for two masks, ShapeError / DTypeError for bad shapes or types.
     """
     if int(bool(causal)) + (pos is not None) + (seg is not None) > 1:
@@ -799,10 +800,10 @@ def attention(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool = Fals
     extra = [pos] if pos is not None else [seg] if seg is not None else []
     if window and mask == "none":
         raise ValueError("attention: a window needs a mask (causal, pos or seg)")
-    if (ggml and mask == "seg") or (scale_q and not ggml):
-        raise ValueError("attention: ggml (llama.cpp's numbers) takes no segment mask; scale_q needs ggml")
+    if (ggml and mask == "seg") or ((scale_q or kv_f16) and not ggml):
+        raise ValueError("attention: ggml (llama.cpp's numbers) takes no segment mask; scale_q and kv_f16 need ggml")
     y = apply("attention", qkv + extra, scale=float(scale), mask=mask, window=int(window), ggml=bool(ggml),
-              scale_q=bool(scale_q))
+              scale_q=bool(scale_q), kv_f16=bool(kv_f16))
     b, tq, h, _ = q.shape
     o = view(y, q.shape)
     return (o, view(y, (b, h, tq), offset=q.size)) if with_lse else o
@@ -860,7 +861,8 @@ def _attention_bwd(y, g):
 
 
 _attention_lower = lambda y: ((_SOFTMAX_MASKS[y.params["mask"]], y.params["window"],  # noqa: E731
-                               int(y.params.get("ggml", False)), int(y.params.get("scale_q", False))),
+                               int(y.params.get("ggml", False)), int(y.params.get("scale_q", False)),
+                               int(y.params.get("kv_f16", False))),
                               (y.params["scale"],))
 register(OpDef("attention", _infer_attention("attention"), "attention_fwd", backward=_attention_bwd,
                lower=_attention_lower, contiguous=(3,), differentiable=(0, 1, 2)))

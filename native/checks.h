@@ -439,13 +439,16 @@ static inline int gt_attention_qkv_check(const gt_node *node, const char *op, in
 }
 
 /* attention's llama.cpp order: ip[2] 1 (with allowed: the CPU forward) computes as llama.cpp's
- * CPU build does, ip[3] 1 then scales q before the dots (else their results); both 0 otherwise. */
+ * CPU build does, ip[3] 1 then scales q before the dots (else their results), ip[4] 1 rounds
+ * as its F16 KV cache does; all 0 otherwise. */
 static inline int gt_attention_ggml_check(const gt_node *node, const char *op, int allowed) {
-    const int64_t g = node->ip[2], sq = node->ip[3];
-    if ((g != 0 && (g != 1 || !allowed)) || (sq != 0 && (sq != 1 || g != 1)))
-        return GT_FAIL(GT_ERR_INVALID, "%s: expected ip[2] (llama.cpp's order%s) and ip[3] (scale q, with it) 0%s, "
-                       "got %lld and %lld", op, allowed ? "" : ": the CPU forward's", allowed ? " or 1" : "",
-                       (long long)g, (long long)sq);
+    const int64_t g = node->ip[2], sq = node->ip[3], f16 = node->ip[4];
+    if ((g != 0 && (g != 1 || !allowed)) || (sq != 0 && (sq != 1 || g != 1)) ||
+        (f16 != 0 && (f16 != 1 || g != 1)))
+        return GT_FAIL(GT_ERR_INVALID, "%s: expected ip[2] (llama.cpp's order%s), ip[3] (scale q) and ip[4] (an F16 "
+                       "cache), the last two with the first, 0%s, got %lld, %lld and %lld", op,
+                       allowed ? "" : ": the CPU forward's", allowed ? " or 1" : "", (long long)g, (long long)sq,
+                       (long long)f16);
     return GT_OK;
 }
 

@@ -637,12 +637,37 @@ def ggml_rope(x, pos, n_dims, base, mode="norm", freq_scale=1.0, factors=None, a
     return out
 
 
-def ggml_attention(q, k, v, scale, pos, window=0, scale_q=False):
+def _f16(a):
+    return np.asarray(a, _F32).astype(np.float16).astype(_F32)
+
+
+def _dot_f16(x, y):
+    """ggml_vec_dot_f16: ggml_dot's 64 lanes, the leftover products added in double."""
+    n = x.shape[-1]
+    np_ = n - n % 64
+    s = float(ggml_dot(x[:np_], y[:np_])) if np_ else 0.0
+    for i in range(np_, n):
+        s += float(_F32(x[i] * y[i]))
+    return _F32(s)
+
+
+def _dot16(x, y):
+    """tinyBLAS's dot: 16 fma lanes, reduce16."""
+    acc = np.zeros(16, _F32)
+    for i in range(0, x.shape[-1], 16):
+        acc = fma32(x[i:i + 16], y[i:i + 16], acc)
+    return ggml_reduce16(acc)
+
+
+def ggml_attention(q, k, v, scale, pos, window=0, scale_q=False, kv_f16=False):
     """llama.cpp's attention (no flash attention, F32 cache) of q (Tq, H, D) over cache rows
     k, v (Tk, Hkv, D), query i seeing rows j <= pos[i] (and pos[i] - j < window): S by ggml_dot,
     scaled (or q first); softmax by ggml_expf summed in double 16 slots at a time; P V by
-    ggml_dot over the slots for one query, by tinyBLAS's 16 lanes and reduce16 for more."""
+    ggml_dot over the slots for one query, by tinyBLAS's 16 lanes and reduce16 for more. kv_f16
+    (its F16 KV cache): q, k, v and P rounded to f16, and S of several queries by tinyBLAS too."""
     q, k, v = (np.asarray(a, _F32) for a in (q, k, v))
+    if kv_f16:
+        k, v = _f16(k), _f16(v)
     tq, h, d = q.shape
     tk, hkv = k.shape[:2]
     pad = -(-tk // 64) * 64
@@ -651,13 +676,16 @@ def ggml_attention(q, k, v, scale, pos, window=0, scale_q=False):
         for hh in range(h):
             g = hh // (h // hkv)
             qs = (q[i, hh] * _F32(scale)).astype(_F32) if scale_q else q[i, hh]
+            qs = _f16(qs) if kv_f16 else qs
+            dot = ggml_dot if not kv_f16 else _dot16 if tq > 1 and d % 16 == 0 else _dot_f16
             w = np.full(pad, -np.inf, _F32)
             for j in range(tk):
                 if j <= pos[i] and (window <= 0 or pos[i] - j < window):
-                    w[j] = ggml_dot(k[j, g], qs) if scale_q else (ggml_dot(k[j, g], qs) * _F32(scale)).astype(_F32)
+                    w[j] = dot(k[j, g], qs) if scale_q else (dot(k[j, g], qs) * _F32(scale)).astype(_F32)
             e = ggml_expf((w - w.max()).astype(_F32))
             total = sum(float(ggml_reduce16(e[c:c + 16])) for c in range(0, pad, 16))
             p = (e * _F32(1.0 / total)).astype(_F32)
+            p = _f16(p) if kv_f16 else p
             vt = np.zeros((d, pad), _F32)
             vt[:, :tk] = v[:, g].T
             if tq == 1:

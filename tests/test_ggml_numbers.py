@@ -61,10 +61,10 @@ def test_swiglu_ggml_is_llama_cpp_swiglu_with_its_tail():
     np.testing.assert_array_equal(got, refs.ggml_swiglu(g, u))
 
 
-def _attention(q, k, v, scale, pos, window=0, scale_q=False, n_threads=2):
+def _attention(q, k, v, scale, pos, window=0, scale_q=False, n_threads=2, kv_f16=False):
     dst = np.full(q.size + q.shape[0] * q.shape[1], np.nan, np.float32)
     run_kernel("attention_fwd_f32", dst, [q[None], k[None], v[None], np.asarray(pos, np.int32)],
-               ip=(2, window, 1, int(scale_q)), fp=(scale,), n_threads=n_threads)
+               ip=(2, window, 1, int(scale_q), int(kv_f16)), fp=(scale,), n_threads=n_threads)
     return dst[:q.size].reshape(q.shape)
 
 
@@ -95,6 +95,21 @@ def test_attention_takes_llama_cpp_order(tq, tk, d, window, scale_q, big):
         assert ((w - w.max(-1, keepdims=True)) < -87).any()
 
 
+@pytest.mark.parametrize("tq,d", [(1, 64), (5, 64), (1, 72), (5, 8)])
+def test_attention_as_llama_cpp_f16_kv_cache(tq, d):
+    """llama.cpp's default F16 KV cache: q, k, v and the weights meet it rounded to f16, S of
+    several queries by tinyBLAS's 16 lanes (D a multiple of 16), else by its f16 dot, whose
+    leftovers past 64 it adds in double; not the F32 cache's bits."""
+    rng = np.random.default_rng(11 + tq + d)
+    q = (rng.standard_normal((tq, 4, d)) * 2).astype(np.float32)
+    k = (rng.standard_normal((70, 2, d)) * 2).astype(np.float32)
+    v = rng.standard_normal((70, 2, d)).astype(np.float32)
+    pos = np.arange(70 - tq, 70, dtype=np.int32)
+    got = _attention(q, k, v, 0.125, pos, kv_f16=True)
+    np.testing.assert_array_equal(got, refs.ggml_attention(q, k, v, 0.125, pos, kv_f16=True))
+    assert (got != _attention(q, k, v, 0.125, pos)).any()
+
+
 def _seen(pos, tk, window):
     j = np.arange(tk)[None, :]
     p = np.asarray(pos)[:, None]
@@ -115,7 +130,7 @@ def test_llama_cpp_modes_refuse_what_they_do_not_do():
         backward(ops.sum(y), [x])
     with pytest.raises(ValueError, match="no segment mask"):
         ops.attention(x, x, x, 0.5, seg=g.input((1, 2), "i32"), ggml=True)
-    with pytest.raises(ValueError, match="scale_q needs ggml"):
+    with pytest.raises(ValueError, match="scale_q and kv_f16 need ggml"):
         ops.attention(x, x, x, 0.5, causal=True, scale_q=True)
     q = np.zeros((1, 2, 2, 8), np.float32)
     with pytest.raises(NativeError, match="ip\\[2\\]"):

@@ -354,6 +354,36 @@ def test_greedy_generation_with_8_bit_activations_follows_llama_cpp(llama, share
     assert i is not None and margin >= TIE_8BIT, (i, margin)
 
 
+def test_llama_cpp_numbers_with_its_default_f16_kv_cache(llama, shared_data):
+    """llama.cpp as a user runs it keeps an F16 KV cache: with kv_f16 the decoder (a token at a
+    time) and the window runner (all at once) give its logits bit for bit at every position,
+    and `generate`'s default its greedy text."""
+    from tests.interop import run_cli
+    path = shared_data / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    be = CpuBackend(2)
+    config, weights, tok = open_model(path, be)
+    ids = tok.encode("The capital of France is Paris, and the capital of Italy is", add_bos=tok.add_bos).tolist()
+    llm = _open(llama, path, n_ctx=256, logits_all=True)
+    llm.reset()
+    for t in ids:
+        llm.eval([t])
+    one = np.array(llm.scores[:len(ids)], np.float32)
+    llm.reset()
+    llm.eval(ids)
+    batched = np.array(llm.scores[:len(ids)], np.float32)
+    dec = Decoder(ModelConfig(**config), weights, be, n_ctx=len(ids), act8=True, kv_f16=True)
+    np.testing.assert_array_equal(np.concatenate([dec.feed([t], every=True) for t in ids]), one)
+    runner = Runner(ModelConfig(**config), weights, be, length=len(ids), act8=True, kv_f16=True)
+    np.testing.assert_array_equal(runner.logits(np.asarray(ids, np.int32)[None])[0, :len(ids)], batched)
+    f32 = Runner(ModelConfig(**config), weights, be, length=len(ids), act8=True)
+    assert (f32.logits(np.asarray(ids, np.int32)[None])[0, :len(ids)] != batched).any()
+    prompt, n = "Once upon a time", 48
+    r = run_cli("generate", "--model", path, "--prompt", prompt, "-n", n, "--temp", 0, "--threads", 2)
+    assert r.returncode == 0, r.stderr
+    theirs = _their_greedy_ids(llm, tok.encode(prompt, add_bos=tok.add_bos).tolist(), n, -1)
+    assert r.stdout.rstrip("\n") == llm.detokenize(theirs).decode("utf-8", errors="replace").rstrip("\n")
+
+
 def test_eval_int8_nll_equals_llama_cpp_in_windows(llama, shared_data, tmp_path):
     """`eval --int8` on SmolLM2 Q4_1 in windows of 128 tokens, the last one shorter and run at
     its own length (llama.cpp's kernels depend on the row count): llama.cpp's NLL (F32 KV
@@ -366,7 +396,8 @@ def test_eval_int8_nll_equals_llama_cpp_in_windows(llama, shared_data, tmp_path)
     data.write_text(text)
     got = {}
     for flags in ((), ("--int8",)):
-        r = run_cli("eval", "--model", path, "--data", data, "--ctx", 128, "--json", "--threads", 2, *flags)
+        r = run_cli("eval", "--model", path, "--data", data, "--ctx", 128, "--json", "--threads", 2,
+                    "--cache-type", "f32", *flags)
         assert r.returncode == 0, r.stderr
         got[flags] = json.loads(r.stdout)
     assert got[()]["tokens"] % 128 != 0

@@ -220,9 +220,9 @@ def _rope_factors(cfg: ModelConfig, params: dict, n_ctx: int):
     return params.get(ROPE_FREQS)
 
 
-def _ggml_attention(fam, ggml: bool) -> dict:
+def _ggml_attention(fam, ggml: bool, params) -> dict:
     """ops.attention's arguments for llama.cpp's numbers (none otherwise)."""
-    return {"ggml": True, "scale_q": fam.scale_q} if ggml else {}
+    return {"ggml": True, "scale_q": fam.scale_q, "kv_f16": params.kv_f16} if ggml else {}
 
 
 def _norm(x, eps: float, ggml: bool):
@@ -269,7 +269,7 @@ def _attention(cfg: ModelConfig, x, p: str, params: dict, pos, lora=None, kv=Non
     window = cfg.window if local else 0
     if kv is None:
         out = ops.attention(q, k, v, scale, causal=seg is None, seg=seg, window=window,   # (B, T, H, D)
-                            **_ggml_attention(fam, ggml and seg is None))
+                            **_ggml_attention(fam, ggml and seg is None, params))
         if keep is not None:
             keep(out.root)
     else:
@@ -279,7 +279,7 @@ def _attention(cfg: ModelConfig, x, p: str, params: dict, pos, lora=None, kv=Non
         cache_v = ops.set_rows(kv[1], ops.reshape(v, (t, hkv * d)), pos)
         k = ops.view(cache_k, (1, n_kv, hkv, d))                                        # rows 0..n_kv-1
         v = ops.view(cache_v, (1, n_kv, hkv, d))
-        out = ops.attention(q, k, v, scale, pos=pos, window=window, **_ggml_attention(fam, ggml))
+        out = ops.attention(q, k, v, scale, pos=pos, window=window, **_ggml_attention(fam, ggml, params))
     return linear(ops.reshape(out, (b, t, h * d)), params, p + "attn_output.weight", lora)
 
 
@@ -484,9 +484,11 @@ def sequence_nll(cfg: ModelConfig, params: dict, x, targets, select, n_chunks: i
 
 class FrozenParams(dict):
     """{name: Tensor} of fixed weights; act8: llama.cpp's CPU numerics for inference: products
-    with quantized weights take 8-bit activations (`linear`), and geglu its f16-table gelu."""
+    with quantized weights take 8-bit activations (`linear`), and geglu its f16-table gelu;
+    kv_f16 (with act8): attention rounds as llama.cpp's F16 KV cache (its default) does."""
 
     act8 = False
+    kv_f16 = False
 
 
 def act8_available(backend) -> bool:
@@ -494,7 +496,7 @@ def act8_available(backend) -> bool:
     return bool(ops.ACT8_TYPES) and all(backend.supports(f"matmul_q8_fwd_f32_{w}") for w in ops.ACT8_TYPES)
 
 
-def _frozen(graph, weights: dict, adapters: dict | None, act8: bool = False) -> tuple:
+def _frozen(graph, weights: dict, adapters: dict | None, act8: bool = False, kv_f16: bool = False) -> tuple:
     """Graph parameters for fixed weights: {name: Tensor} (FrozenParams, act8 as given), the
     LoRA dict for forward, and {Tensor: buffer} of the weights that are already in backend
     memory (to bind).
@@ -504,6 +506,7 @@ def _frozen(graph, weights: dict, adapters: dict | None, act8: bool = False) -> 
     """
     params, stored = FrozenParams(), {}
     params.act8 = act8
+    params.kv_f16 = act8 and kv_f16
     for name, w in weights.items():
         if isinstance(w, StoredTensor):
             t = graph.param(w.shape, name=name, trainable=False, dtype=w.dtype)
@@ -527,16 +530,17 @@ class Runner:
 
     weights: {name: f32 array or StoredTensor}; adapters: {weight name: (A, B, scale)}.
     n_ctx: the run's context when it is not `length` (a user's --ctx, of which a short text
-    fills less): it picks phi3's long or short rope factors. act8: quantized weights multiply
-    8-bit activations, as llama.cpp does (see `linear`; act8_available says where).
+    fills less): it picks phi3's long or short rope factors. act8: llama.cpp's CPU numbers
+    (quantized weights times 8-bit activations, see `linear`; act8_available says where), and
+    kv_f16 with it those of its default F16 KV cache (FrozenParams).
     """
 
     def __init__(self, cfg: ModelConfig, weights: dict, backend, batch: int = 1, length: int | None = None,
-                 adapters: dict | None = None, n_ctx: int = 0, act8: bool = False):
+                 adapters: dict | None = None, n_ctx: int = 0, act8: bool = False, kv_f16: bool = False):
         self.cfg = cfg
         self.batch, self.length = batch, min(length or cfg.ctx, cfg.ctx)
         g = Graph()
-        params, lora, stored = _frozen(g, weights, adapters, act8)
+        params, lora, stored = _frozen(g, weights, adapters, act8, kv_f16)
         self.tokens = g.input((batch, self.length), "i32", name="tokens")
         self.targets = g.input((batch, self.length), "i32", name="targets")
         self.pos = g.input((self.length,), "i32", name="pos")
@@ -595,20 +599,20 @@ class Decoder:
     The cache holds n_ctx positions (f32 keys and values per layer). Plans are compiled
     on demand per (tokens fed at once, cache rows attended): the rows attended grow in
     powers of two as the sequence does, so attention never reads more than twice the
-    rows in use; prompts are fed in chunks of `chunk` tokens. act8: as Runner's.
+    rows in use; prompts are fed in chunks of `chunk` tokens. act8, kv_f16: as Runner's.
     """
 
     MIN_ROWS = 32
 
     def __init__(self, cfg: ModelConfig, weights: dict, backend, n_ctx: int | None = None,
-                 adapters: dict | None = None, chunk: int = 256, act8: bool = False):
+                 adapters: dict | None = None, chunk: int = 256, act8: bool = False, kv_f16: bool = False):
         self.cfg = cfg
         self.n_ctx = min(n_ctx or cfg.ctx, cfg.ctx)
         if self.n_ctx < 1 or chunk < 1:
             raise ConfigError(f"decoder: context {self.n_ctx} and chunk {chunk} must be >= 1")
         self.chunk = chunk
         self.graph = g = Graph()
-        self.params, self.lora, stored = _frozen(g, weights, adapters, act8)
+        self.params, self.lora, stored = _frozen(g, weights, adapters, act8, kv_f16)
         kv = cfg.kv_heads * cfg.head_dim
         self.cache = [(g.state((self.n_ctx, kv), name=f"cache_k.{i}"),
                        g.state((self.n_ctx, kv), name=f"cache_v.{i}")) for i in range(cfg.layers)]

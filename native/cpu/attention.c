@@ -43,6 +43,9 @@
  */
 #include <math.h>
 #include <stdatomic.h>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 #include "internal.h"
 #include "rowops.h"
@@ -502,7 +505,9 @@ static void fwd_unit(const att *A, rows R, fwd_work *w, int64_t b, int64_t h, in
  *     time (each 16 by reduce16), then e * (float)(1 / sum).
  * Slots are cache rows (position = row), so a masked slot is a zero lane: the padding
  * llama.cpp adds to its cache (to 256 rows) changes nothing. Other builds (AVX2) order their
- * sums otherwise; this is the AVX-512 one on every CPU. */
+ * sums otherwise; this is the AVX-512 one on every CPU. With ip[4] its F16 KV cache (its
+ * default): q, K, V and P rounded to f16 where they meet the cache, and S of 2 or more queries
+ * by tinyBLAS's 16 lanes (its f16 operands are contiguous). */
 static inline float reduce16(const float v[16]) {
     float t3[8], t6[4];
     for (int i = 0; i < 8; i++) t3[i] = v[8 + i] + v[i];
@@ -522,6 +527,42 @@ static inline __attribute__((always_inline)) float ggml_dot(const float *x, cons
     return s;
 }
 
+/* ggml_vec_dot_f16: ggml_dot's 64 lanes, but the leftovers' (exact) products added in double */
+static inline __attribute__((always_inline)) float ggml_dot_f16(const float *x, const float *y, int64_t n) {
+    const int64_t np = n & ~(int64_t)63;
+    double s = (double)ggml_dot(x, y, np);
+    for (int64_t i = np; i < n; i++) s += (double)(x[i] * y[i]);
+    return (float)s;
+}
+
+/* tinyBLAS's dot (a GEMM of 2 or more rows of f16 operands): 16 fma lanes, reduce16 */
+static inline __attribute__((always_inline)) float ggml_dot16(const float *x, const float *y, int64_t n) {
+    float a[16] = {0};
+    for (int64_t i = 0; i + 16 <= n; i += 16)
+        for (int l = 0; l < 16; l++) a[l] = fmaf(x[i + l], y[i + l], a[l]);
+    return reduce16(a);
+}
+
+/* dst = src rounded to f16 and back (round to nearest even, as F16C converts) */
+#if defined(__x86_64__)
+__attribute__((target("avx2,f16c"))) static void round_f16_f16c(float *dst, const float *src, int64_t n) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT)));
+    for (; i < n; i++) dst[i] = gt_f16_to_f32_1(gt_f32_to_f16_1(src[i]));
+}
+#endif
+
+static void round_f16(float *dst, const float *src, int64_t n) {
+#if defined(__x86_64__)
+    if (__builtin_cpu_supports("f16c")) {
+        round_f16_f16c(dst, src, n);
+        return;
+    }
+#endif
+    for (int64_t i = 0; i < n; i++) dst[i] = gt_f16_to_f32_1(gt_f32_to_f16_1(src[i]));
+}
+
 /* lanes (nl x D, lane-major) to out (D): 64 lanes as ggml_dot folds them, then reduce16, every
  * d at once (the lanes are rewritten) */
 static inline __attribute__((always_inline)) void fold_lanes(float *restrict out, float *restrict a, int64_t nl,
@@ -537,19 +578,21 @@ static inline __attribute__((always_inline)) void fold_lanes(float *restrict out
     for (int64_t d = 0; d < D; d++) out[d] = (a[d] + a[2 * D + d]) + (a[D + d] + a[3 * D + d]);
 }
 
-/* per thread: the scaled query (D), a row's scores and their exps (Tk each, padded to 16) and
- * the lanes of P V (64 D) */
+/* per thread: the scaled query (D), a row's scores and their exps (Tk each, padded to 16), the
+ * lanes of P V (64 D), and a key and a value row rounded to f16 (D each) */
 static int64_t ggml_work_layout(int64_t D, int64_t Tk) {
     return align_up(D * (int64_t)sizeof(float)) + 2 * align_up((Tk + 16) * (int64_t)sizeof(float)) +
-           align_up(64 * D * (int64_t)sizeof(float)) + ALIGN;
+           align_up(64 * D * (int64_t)sizeof(float)) + 2 * align_up(D * (int64_t)sizeof(float)) + ALIGN;
 }
 
-GT_CLONES static void ggml_row(const att *A, rows R, int scale_q, char *work, int64_t b, int64_t h, int64_t r,
-                               float *o, float *lse) {
+GT_CLONES static void ggml_row(const att *A, rows R, int scale_q, int kv16, char *work, int64_t b, int64_t h,
+                               int64_t r, float *o, float *lse) {
     const int64_t D = A->D, Tk = A->Tk;
     float *qs = (float *)work, *s = (float *)(work + align_up(D * (int64_t)sizeof(float)));
     float *e = (float *)((char *)s + align_up((Tk + 16) * (int64_t)sizeof(float)));
     float *acc = (float *)((char *)e + align_up((Tk + 16) * (int64_t)sizeof(float)));
+    float *kt = (float *)((char *)acc + align_up(64 * D * (int64_t)sizeof(float)));
+    float *vt = (float *)((char *)kt + align_up(D * (int64_t)sizeof(float)));
     float *orow = o + ((b * A->Tq + r) * A->H + h) * D;
     const int64_t lo = R.lo[b * A->Tq + r], hi = R.hi[b * A->Tq + r];
     if (hi < lo) {
@@ -561,9 +604,18 @@ GT_CLONES static void ggml_row(const att *A, rows R, int scale_q, char *work, in
     const float *k = A->k + b * A->ks[0] + (h / A->G) * A->ks[2];
     const float *v = A->v + b * A->vs[0] + (h / A->G) * A->vs[2];
     for (int64_t d = 0; d < D; d++) qs[d] = scale_q ? q[d] * A->scale : q[d];
+    if (kv16) round_f16(qs, qs, D);         /* an F16 cache: q meets it in f16 */
     float mx = -INFINITY;
     for (int64_t j = lo; j <= hi; j++) {
-        s[j] = ggml_dot(k + j * A->ks[1], qs, D);
+        const float *kj = k + j * A->ks[1];
+        if (kv16) {
+            round_f16(kt, kj, D);
+            kj = kt;
+        }
+        /* f16 operands of 2 or more rows go to tinyBLAS (16 lanes) when D is a multiple of 16,
+         * f32 ones never (q is strided) */
+        s[j] = !kv16 ? ggml_dot(kj, qs, D) : A->Tq >= 2 && D % 16 == 0 ? ggml_dot16(kj, qs, D)
+                                                                   : ggml_dot_f16(kj, qs, D);
         if (!scale_q) s[j] *= A->scale;
         mx = s[j] > mx ? s[j] : mx;
     }
@@ -583,10 +635,16 @@ GT_CLONES static void ggml_row(const att *A, rows R, int scale_q, char *work, in
      * over the slots j with j % lanes its own, then folded as each does */
     const int64_t nl = A->Tq >= 2 ? 16 : 64;
     memset(acc, 0, (size_t)(nl * D) * sizeof(float));
+    for (int64_t j = lo; j <= hi; j++) e[j] *= inv;
+    if (kv16) round_f16(e + lo, e + lo, hi - lo + 1);     /* P meets the F16 cache in f16 */
     for (int64_t j = lo; j <= hi; j++) {
-        const float p = e[j] * inv;
+        const float p = e[j];
         float *restrict a = acc + j % nl * D;
         const float *restrict vj = v + j * A->vs[1];
+        if (kv16) {
+            round_f16(vt, vj, D);
+            vj = vt;
+        }
         for (int64_t d = 0; d < D; d++) a[d] = fmaf(vj[d], p, a[d]);
     }
     fold_lanes(orow, acc, nl, D);
@@ -637,7 +695,8 @@ int gt_attention_fwd_f32(const gt_node *node, const gt_ctx *ctx) {
         for (;;) {
             const int64_t u = atomic_fetch_add_explicit(S.next, 1, memory_order_relaxed);
             if (u >= units) break;
-            ggml_row(&A, S.R, (int)node->ip[3], work, u / (A.H * A.Tq), u / A.Tq % A.H, u % A.Tq, o, lse);
+            ggml_row(&A, S.R, (int)node->ip[3], (int)node->ip[4], work, u / (A.H * A.Tq), u / A.Tq % A.H, u % A.Tq,
+                     o, lse);
         }
         return GT_OK;
     }
