@@ -548,7 +548,8 @@ static inline __attribute__((always_inline)) float ggml_dot16(const float *x, co
 __attribute__((target("avx2,f16c"))) static void round_f16_f16c(float *dst, const float *src, int64_t n) {
     int64_t i = 0;
     for (; i + 8 <= n; i += 8)
-        _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT)));
+        _mm256_storeu_ps(dst + i,
+                         _mm256_cvtph_ps(_mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT)));
     for (; i < n; i++) dst[i] = gt_f16_to_f32_1(gt_f32_to_f16_1(src[i]));
 }
 #endif
@@ -578,11 +579,16 @@ static inline __attribute__((always_inline)) void fold_lanes(float *restrict out
     for (int64_t d = 0; d < D; d++) out[d] = (a[d] + a[2 * D + d]) + (a[D + d] + a[3 * D + d]);
 }
 
-/* per thread: the scaled query (D), a row's scores and their exps (Tk each, padded to 16), the
- * lanes of P V (64 D), and a key and a value row rounded to f16 (D each) */
-static int64_t ggml_work_layout(int64_t D, int64_t Tk) {
+/* per thread: the scaled query (D), a row's scores and their exps (Tk each, padded to 16) and
+ * the lanes of P V (64 D); with an F16 cache then K and V rounded to f16 (B Tk Hkv D each) */
+static int64_t ggml_row_bytes(int64_t D, int64_t Tk) {
     return align_up(D * (int64_t)sizeof(float)) + 2 * align_up((Tk + 16) * (int64_t)sizeof(float)) +
-           align_up(64 * D * (int64_t)sizeof(float)) + 2 * align_up(D * (int64_t)sizeof(float)) + ALIGN;
+           align_up(64 * D * (int64_t)sizeof(float));
+}
+
+static int64_t ggml_work_layout(const att *A, int kv16) {
+    const int64_t kv = kv16 ? 2 * align_up(A->B * A->Tk * A->Hkv * A->D * (int64_t)sizeof(float)) : 0;
+    return ggml_row_bytes(A->D, A->Tk) + kv + ALIGN;
 }
 
 GT_CLONES static void ggml_row(const att *A, rows R, int scale_q, int kv16, char *work, int64_t b, int64_t h,
@@ -591,8 +597,6 @@ GT_CLONES static void ggml_row(const att *A, rows R, int scale_q, int kv16, char
     float *qs = (float *)work, *s = (float *)(work + align_up(D * (int64_t)sizeof(float)));
     float *e = (float *)((char *)s + align_up((Tk + 16) * (int64_t)sizeof(float)));
     float *acc = (float *)((char *)e + align_up((Tk + 16) * (int64_t)sizeof(float)));
-    float *kt = (float *)((char *)acc + align_up(64 * D * (int64_t)sizeof(float)));
-    float *vt = (float *)((char *)kt + align_up(D * (int64_t)sizeof(float)));
     float *orow = o + ((b * A->Tq + r) * A->H + h) * D;
     const int64_t lo = R.lo[b * A->Tq + r], hi = R.hi[b * A->Tq + r];
     if (hi < lo) {
@@ -604,14 +608,10 @@ GT_CLONES static void ggml_row(const att *A, rows R, int scale_q, int kv16, char
     const float *k = A->k + b * A->ks[0] + (h / A->G) * A->ks[2];
     const float *v = A->v + b * A->vs[0] + (h / A->G) * A->vs[2];
     for (int64_t d = 0; d < D; d++) qs[d] = scale_q ? q[d] * A->scale : q[d];
-    if (kv16) round_f16(qs, qs, D);         /* an F16 cache: q meets it in f16 */
+    if (kv16) round_f16(qs, qs, D);         /* an F16 cache (K and V came rounded): q meets it in f16 */
     float mx = -INFINITY;
     for (int64_t j = lo; j <= hi; j++) {
         const float *kj = k + j * A->ks[1];
-        if (kv16) {
-            round_f16(kt, kj, D);
-            kj = kt;
-        }
         /* f16 operands of 2 or more rows go to tinyBLAS (16 lanes) when D is a multiple of 16,
          * f32 ones never (q is strided) */
         s[j] = !kv16 ? ggml_dot(kj, qs, D) : A->Tq >= 2 && D % 16 == 0 ? ggml_dot16(kj, qs, D)
@@ -641,10 +641,6 @@ GT_CLONES static void ggml_row(const att *A, rows R, int scale_q, int kv16, char
         const float p = e[j];
         float *restrict a = acc + j % nl * D;
         const float *restrict vj = v + j * A->vs[1];
-        if (kv16) {
-            round_f16(vt, vj, D);
-            vj = vt;
-        }
         for (int64_t d = 0; d < D; d++) a[d] = fmaf(vj[d], p, a[d]);
     }
     fold_lanes(orow, acc, nl, D);
@@ -656,7 +652,7 @@ int gt_attention_fwd_f32_sizes(const gt_node *node, int64_t *scratch, int64_t *w
     att A;
     GT_TRY(check_qkv(node, "attention", 0, &A));
     *scratch = scratch_layout(&A, 0, NULL, NULL);
-    *work = node->ip[2] ? ggml_work_layout(A.D, A.Tk) : fwd_work_layout(A.D, NULL, NULL);
+    *work = node->ip[2] ? ggml_work_layout(&A, (int)node->ip[4]) : fwd_work_layout(A.D, NULL, NULL);
     return GT_OK;
 }
 
@@ -678,7 +674,8 @@ int gt_attention_fwd_f32(const gt_node *node, const gt_ctx *ctx) {
     if (node->ip[2] && A.mode == MASK_SEG)
         return GT_FAIL(GT_ERR_INVALID, "%s: llama.cpp's order (ip[2]) takes no segment mask", op);
     GT_TRY(check_scratch(node, op, scratch_layout(&A, 0, NULL, NULL)));
-    GT_TRY(check_work(ctx, op, node->ip[2] ? ggml_work_layout(A.D, A.Tk) : fwd_work_layout(A.D, NULL, NULL)));
+    GT_TRY(check_work(ctx, op,
+                      node->ip[2] ? ggml_work_layout(&A, (int)node->ip[4]) : fwd_work_layout(A.D, NULL, NULL)));
     scratch S;
     scratch_layout(&A, 0, node->scratch, &S);
 
@@ -691,12 +688,30 @@ int gt_attention_fwd_f32(const gt_node *node, const gt_ctx *ctx) {
     float *o = d->data, *lse = o + no;
     if (node->ip[2]) {      /* a (b, h, query) row a unit */
         char *work = aligned_work(ctx);
+        const int kv16 = (int)node->ip[4];
+        att R16 = A;        /* with an F16 cache: K and V rounded once, into this thread's work */
+        if (kv16) {
+            const int64_t rows = A.Tk * A.Hkv, D = A.D;
+            float *kc = (float *)(work + ggml_row_bytes(D, A.Tk));
+            float *vc = (float *)((char *)kc + align_up(A.B * rows * D * (int64_t)sizeof(float)));
+            for (int64_t b = 0; b < A.B; b++)
+                for (int64_t t = 0; t < A.Tk; t++)
+                    for (int64_t g = 0; g < A.Hkv; g++) {
+                        const int64_t at = ((b * A.Tk + t) * A.Hkv + g) * D;
+                        round_f16(kc + at, A.k + b * A.ks[0] + t * A.ks[1] + g * A.ks[2], D);
+                        round_f16(vc + at, A.v + b * A.vs[0] + t * A.vs[1] + g * A.vs[2], D);
+                    }
+            R16.k = kc;
+            R16.v = vc;
+            R16.ks[0] = R16.vs[0] = rows * D;
+            R16.ks[1] = R16.vs[1] = A.Hkv * D;
+            R16.ks[2] = R16.vs[2] = D;
+        }
         const int64_t units = A.B * A.H * A.Tq;
         for (;;) {
             const int64_t u = atomic_fetch_add_explicit(S.next, 1, memory_order_relaxed);
             if (u >= units) break;
-            ggml_row(&A, S.R, (int)node->ip[3], (int)node->ip[4], work, u / (A.H * A.Tq), u / A.Tq % A.H, u % A.Tq,
-                     o, lse);
+            ggml_row(&R16, S.R, (int)node->ip[3], kv16, work, u / (A.H * A.Tq), u / A.Tq % A.H, u % A.Tq, o, lse);
         }
         return GT_OK;
     }
