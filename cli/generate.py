@@ -37,9 +37,11 @@ EXACT = typer.Option(False, "--exact",
                      help="Compute in exact f32. By default the CPU computes as llama.cpp's CPU build does, "
                           "bit for bit: quantized weights multiply activations rounded to 8 bits in blocks of "
                           f"32 (256 for K-quants) with integer products (weights stored as "
-                          f"{', '.join(ops.ACT8_TYPES)}; other types, and CUDA, are f32), and its norms, rope, "
-                          "attention, swiglu and Gemma's f16-table gelu are its own: llama.cpp's logits (with "
-                          "an F32 KV cache), so its greedy text, and faster.")
+                          f"{', '.join(ops.ACT8_TYPES)}), F32 and F16 weights and LoRA adapters take its float "
+                          "order (activations rounded to f16 against F16), and its norms, rope, attention, "
+                          "swiglu and Gemma's f16-table gelu are its own: llama.cpp's logits, so its greedy "
+                          "text, and faster. (BF16, Q2_K, Q3_K and Q5_K weights, and CUDA, multiply in exact "
+                          "f32.)")
 CACHE_TYPE = typer.Option("f16", "--cache-type",
                           help="The KV cache llama.cpp's numbers assume: f16 (llama.cpp's default: keys, values, "
                                "queries and attention weights meet it rounded to f16) or f32 (its --cache-type-k/v "
@@ -47,7 +49,8 @@ CACHE_TYPE = typer.Option("f16", "--cache-type",
 INT8 = typer.Option(False, "--int8",
                     help="Compute as llama.cpp's CPU build does, bit for bit: quantized weights times "
                          f"activations rounded to 8 bits ({', '.join(ops.ACT8_TYPES)} weights, on the CPU), "
-                         "its norms, rope, attention, swiglu and Gemma's f16-table gelu: llama-perplexity's "
+                         "F32, F16 and LoRA products in its float order, its norms, rope, attention, swiglu "
+                         "and Gemma's f16-table gelu: llama-perplexity's "
                          "logits (F32 KV cache), so its NLL; by row dots, ~2-4x slower than the default f32 "
                          "GEMM over whole windows.")
 

@@ -614,6 +614,32 @@ register(OpDef("matmul_q8", _infer_matmul_q8, "matmul_q8_fwd", unit_stride_2d=(0
                dtypes=tuple(f"f32_{w}" for w in ACT8_TYPES), suffix=lambda y: _weight_suffix(y.srcs[1])))
 
 
+# the weight types matmul_ggml takes (native/cpu/matmul_ggml.c)
+GGML_FLOAT_TYPES = ("f32", "f16")
+
+
+def matmul_ggml(a: Tensor, b: Tensor) -> Tensor:
+    """a (..., M, K) @ b, b the view W.T of a weight W (N, K) in f32 or stored in f16, in
+    llama.cpp's CPU float order for such weights (its tinyBLAS GEMM's 16 lanes when M >= 2,
+    N % 4 == 0 and K % 16 == 0, else its vec_dot's 64; a rounded to f16 against an f16 W;
+    native/cpu/matmul_ggml.c): the decoder's act8 mode for weights that are not quantized and
+    for LoRA factors. a's rows, batch dims folded, are one llama.cpp ubatch. Forward only."""
+    return apply("matmul_ggml", [a, b])
+
+
+def _infer_matmul_ggml(srcs, params):
+    a, b = srcs
+    _need(b.dtype in GGML_FLOAT_TYPES, f"matmul_ggml: the weight must be f32 or stored in f16, got {b.dtype} "
+          f"({b!r})", DTypeError)
+    _need(b.ndim == 2 and (b.shape[0] <= 1 or b.strides[0] == 1),
+          f"matmul_ggml: the weight must be the 2-D view W.T (x @ W.T), got shape {b.shape} strides {b.strides}")
+    return _infer_matmul(srcs, params)
+
+
+register(OpDef("matmul_ggml", _infer_matmul_ggml, "matmul_ggml_fwd", contiguous=(0,), differentiable=(),
+               dtypes=("f32", "f32_f16"), suffix=lambda y: _weight_suffix(y.srcs[1])))
+
+
 def linear(x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
     """x (..., K) @ w.T + b for a weight w (N, K) stored like ggml/PyTorch (composite)."""
     y = matmul(x, transpose(w, -1, -2))

@@ -220,6 +220,16 @@ int gt_matmul_q8_fwd_f32_q8_0_sizes(const struct gt_node *node, int64_t *scratch
 int gt_matmul_q8_fwd_f32_q4_k_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
 int gt_matmul_q8_fwd_f32_q6_k_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
 
+/* matmul_ggml_fwd_f32[_f16]: dst (..., M, N) = src0 (..., M, K) @ src1, src1 the view W^T of
+ * a weight W (N, K) in f32 (rows contiguous) or stored in f16, in llama.cpp's CPU float order
+ * for such weights (matmul_ggml.c: its tinyBLAS GEMM's 16 lanes when M >= 2, N % 4 == 0 and
+ * K % 16 == 0, else its vec_dot's 64; src0 rounded to f16 against an f16 W). The rows of src0,
+ * batch dims folded, are one ubatch. Generation and evaluation in llama.cpp's numbers; no
+ * gradient. wdata (f16): gt_matmul_ggml_fwd_f32_f16_sizes. */
+int gt_matmul_ggml_fwd_f32(const struct gt_node *node, const gt_ctx *ctx);
+int gt_matmul_ggml_fwd_f32_f16(const struct gt_node *node, const gt_ctx *ctx);
+int gt_matmul_ggml_fwd_f32_f16_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
+
 /* rms_norm: dst = src / sqrt(mean(src^2, last dim) + fp[0]); src contiguous.
  * rms_norm_bwd: src0 = x, src1 = g, dst = dx (eps fp[0]); no weight (the weight
  * multiply is a separate broadcast mul). All contiguous, same shape. */

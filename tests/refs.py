@@ -581,7 +581,8 @@ def ggml_reduce16(v):
 
 def ggml_dot(x, y):
     """ggml_vec_dot_f32 (AVX-512) of the last axes: 64 fma lanes, (l0 + l2) + (l1 + l3), reduce16,
-    the leftover elements fma'd after."""
+    then the leftover elements: the first whole 8s' products rounded and added in order, the last
+    n % 8 fma'd (its compiled code)."""
     x, y = np.asarray(x, _F32), np.asarray(y, _F32)
     n = x.shape[-1]
     np_ = n - n % 64
@@ -589,7 +590,10 @@ def ggml_dot(x, y):
     for i in range(0, np_, 64):
         acc = fma32(x[..., i:i + 64], y[..., i:i + 64], acc)
     s = ggml_reduce16((acc[..., 0:16] + acc[..., 32:48]) + (acc[..., 16:32] + acc[..., 48:64]))
-    for i in range(np_, n):
+    n8 = np_ + (n - np_) // 8 * 8
+    for i in range(np_, n8):
+        s = (s + (x[..., i] * y[..., i]).astype(_F32)).astype(_F32)
+    for i in range(n8, n):
         s = fma32(x[..., i], y[..., i], s)
     return s
 
@@ -657,6 +661,18 @@ def _dot16(x, y):
     for i in range(0, x.shape[-1], 16):
         acc = fma32(x[i:i + 16], y[i:i + 16], acc)
     return ggml_reduce16(acc)
+
+
+def ggml_matmul(x, w, f16=False):
+    """llama.cpp's CPU mul_mat of a weight w (N, K) in f32 (or f16: x rounded to f16 first) by
+    the rows of x (M, K), (M, N): tinyBLAS's 16 lanes when M >= 2, N % 4 == 0 and K % 16 == 0,
+    else vec_dot per output (ggml_dot; f16: its double leftovers)."""
+    x, w = np.asarray(x, _F32), np.asarray(w, _F32)
+    if f16:
+        x, w = _f16(x), _f16(w)
+    (m, k), n = x.shape, w.shape[0]
+    dot = _dot16 if m >= 2 and n % 4 == 0 and k % 16 == 0 else _dot_f16 if f16 else ggml_dot
+    return np.array([[dot(x[i], w[j]) for j in range(n)] for i in range(m)], _F32).reshape(m, n)
 
 
 def ggml_attention(q, k, v, scale, pos, window=0, scale_q=False, kv_f16=False):

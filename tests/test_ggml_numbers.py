@@ -9,7 +9,8 @@ from ggtrain.core import ops
 from ggtrain.core.autograd import backward
 from ggtrain.core.backend_cpu import CpuBackend, run_kernel
 from ggtrain.core.graph import Graph
-from ggtrain.errors import NativeError
+from ggtrain.errors import DTypeError, NativeError, ShapeError
+from ggtrain.native import lib
 from tests import refs
 
 ROPE_MODES = {"norm": 0, "neox": 2}
@@ -164,3 +165,53 @@ def _nodes(t, seen=None):
         for s in t.srcs:
             _nodes(s, seen)
     return list(seen.values())
+
+
+def _matmul_ggml(x, w, f16, n_threads=1):
+    """x (..., K) @ w.T through matmul_ggml_fwd_f32[_f16], w (N, K) f32 or stored as f16."""
+    n, k = w.shape
+    dst = np.full(x.shape[:-1] + (n,), np.nan, np.float32)
+    src1 = (w.astype(np.float16).view(np.uint16).reshape(-1).view(np.uint8), "f16", (k, n), (1, k)) if f16 else w.T
+    run_kernel("matmul_ggml_fwd_f32" + ("_f16" if f16 else ""), dst, [x, src1], n_threads=n_threads)
+    return dst
+
+
+@pytest.mark.parametrize("f16", [False, True], ids=["f32", "f16"])
+@pytest.mark.parametrize("m,n,k", [(1, 8, 96), (1, 5, 40), (3, 12, 80), (3, 10, 80), (4, 8, 70), (6, 36, 200)])
+def test_matmul_ggml_is_llama_cpp_mul_mat(f16, m, n, k):
+    """f32 and f16 weights as llama.cpp's CPU multiplies them: tinyBLAS's 16 lanes for 2 or more
+    rows when N % 4 == 0 and K % 16 == 0, else its vec_dot (64 lanes, the leftovers fma'd, or added
+    in double for f16), x rounded to f16 against an f16 weight; same bits for any thread count and
+    with the rows in batch dims."""
+    rng = np.random.default_rng(m * 1000 + n + k)
+    x = (rng.standard_normal((m, k)) * 3).astype(np.float32)
+    w = rng.standard_normal((n, k)).astype(np.float32)
+    got = _matmul_ggml(x, w, f16)
+    np.testing.assert_array_equal(got, refs.ggml_matmul(x, w, f16))
+    np.testing.assert_array_equal(_matmul_ggml(x, w, f16, n_threads=3), got)
+    np.testing.assert_array_equal(_matmul_ggml(x.reshape(1, m, k), w, f16, n_threads=2)[0], got)
+    lib.gt_set_simd_level(0)        # (the AVX-512 rows and the plain C give the same bits)
+    try:
+        np.testing.assert_array_equal(_matmul_ggml(x, w, f16, n_threads=2), got)
+    finally:
+        lib.gt_set_simd_level(2)
+    wf = refs._f16(w) if f16 else w
+    xf = refs._f16(x) if f16 else x
+    np.testing.assert_allclose(got, xf.astype(np.float64) @ wf.T.astype(np.float64), rtol=1e-5, atol=1e-4)
+    if m >= 2 and not f16:     # llama.cpp's order is not the exact kernel's fma chain
+        exact = np.full_like(got, np.nan)
+        run_kernel("matmul_fwd_f32", exact, [x, w.T])
+        assert (exact != got).any()
+
+
+def test_matmul_ggml_refuses_what_it_does_not_compute():
+    g = Graph()
+    x = g.input((2, 32))
+    with pytest.raises(DTypeError, match="matmul_ggml: the weight must be f32 or stored in f16, got q8_0"):
+        ops.matmul_ggml(x, ops.transpose(g.param((4, 32), trainable=False, dtype="q8_0"), 0, 1))
+    with pytest.raises(ShapeError, match=r"matmul_ggml: the weight must be the 2-D view W.T"):
+        ops.matmul_ggml(x, g.param((32, 4)))
+    w = np.zeros((4, 32), np.float32)
+    with pytest.raises(ShapeError, match=r"matmul_ggml: expected src1 the view W\^T \(K=32, N\) of a weight W \(N, K\) "
+                       r"with contiguous rows, got shape \(4, 32\) strides \(32, 1\)"):
+        run_kernel("matmul_ggml_fwd_f32", np.zeros((2, 32), np.float32), [np.zeros((2, 32), np.float32), w])

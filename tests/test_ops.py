@@ -133,6 +133,8 @@ def test_backward_matches_own_forward(case, backend):
 # registry ops whose inputs the f32 cases cannot make, with the test that covers them
 TESTED_ELSEWHERE = {
     "matmul_q8": "tests/test_qdot8.py: a stored Q4_0 ... Q6_K weight, forward only, against float64",
+    "matmul_ggml": "tests/test_ggml_numbers.py: f32 and stored f16 weights, against llama.cpp's float order "
+                   "(and test_interop.py, against its compiled vec_dot)",
 }
 
 

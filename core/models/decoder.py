@@ -197,18 +197,32 @@ def linear(x, params: dict, name: str, lora: dict | None = None):
     scale * (x @ A.T) @ B.T with lora[name] = (A (r, n_in), B (n_out, r), scale), as
     llama.cpp applies an adapter (scale = user scale * alpha / r). A fourth item
     (p, seed, salt) drops the adapter's input out in training (ops.dropout; PEFT's
-    lora_dropout), never the base product's. With params.act8 (FrozenParams), a weight of an
-    ops.ACT8_TYPES type multiplies x quantized to 8 bits (ops.matmul_q8) instead."""
+    lora_dropout), never the base product's. With params.act8 (FrozenParams), llama.cpp's CPU
+    numbers: a weight of an ops.ACT8_TYPES type multiplies x quantized to 8 bits (ops.matmul_q8),
+    an f32 or f16 one (and the adapter's factors) takes its float order (ops.matmul_ggml), and
+    the adapter's scale goes on B (A x), as llama.cpp's graph applies it. (bf16 weights multiply
+    exactly: llama.cpp's bf16 products are not emulated.)"""
     w = params[name]
-    if getattr(params, "act8", False) and w.dtype in ops.ACT8_TYPES:     # llama.cpp's numerics
+    ggml = getattr(params, "act8", False)
+    if ggml and w.dtype in ops.ACT8_TYPES:     # llama.cpp's numerics
         y = ops.matmul_q8(x, ops.transpose(w, -1, -2))
+    elif ggml and w.dtype in ops.GGML_FLOAT_TYPES:
+        y = ops.matmul_ggml(x, ops.transpose(w, -1, -2))
     else:
         y = ops.linear(x, w)
     if lora and name in lora:
         a, b, scale, *drop = lora[name]
+        if ggml:
+            ab = ops.matmul_ggml(ops.matmul_ggml(x, ops.transpose(a, -1, -2)), ops.transpose(b, -1, -2))
+            return _bias(ops.add(y, ops.scale(ab, scale)), params, name)
         xa = ops.dropout(x, *drop[0]) if drop and drop[0] is not None else x
         # the scale goes on the rank-r product (r columns, not n_out)
         y = ops.add(y, ops.linear(ops.scale(ops.linear(xa, a), scale), b))
+    return _bias(y, params, name)
+
+
+def _bias(y, params: dict, name: str):
+    """y plus the bias of weight `name` where params has one."""
     bias = params.get(name[:-len("weight")] + "bias")
     return y if bias is None else ops.add(y, bias)
 
@@ -493,7 +507,9 @@ class FrozenParams(dict):
 
 def act8_available(backend) -> bool:
     """Whether `backend` has the 8-bit-activation products (the CPU does; CUDA computes f32)."""
-    return bool(ops.ACT8_TYPES) and all(backend.supports(f"matmul_q8_fwd_f32_{w}") for w in ops.ACT8_TYPES)
+    kernels = [f"matmul_q8_fwd_f32_{w}" for w in ops.ACT8_TYPES] + \
+        [f"matmul_ggml_fwd_{'f32' if w == 'f32' else 'f32_' + w}" for w in ops.GGML_FLOAT_TYPES]
+    return bool(ops.ACT8_TYPES) and all(backend.supports(k) for k in kernels)
 
 
 def _frozen(graph, weights: dict, adapters: dict | None, act8: bool = False, kv_f16: bool = False) -> tuple:
@@ -599,13 +615,15 @@ class Decoder:
     The cache holds n_ctx positions (f32 keys and values per layer). Plans are compiled
     on demand per (tokens fed at once, cache rows attended): the rows attended grow in
     powers of two as the sequence does, so attention never reads more than twice the
-    rows in use; prompts are fed in chunks of `chunk` tokens. act8, kv_f16: as Runner's.
+    rows in use; prompts are fed in chunks of `chunk` tokens (llama.cpp's default ubatch of
+    512: with act8 a product's row count picks llama.cpp's kernel, hence its float order, so
+    a prompt is cut where llama.cpp cuts it). act8, kv_f16: as Runner's.
     """
 
     MIN_ROWS = 32
 
     def __init__(self, cfg: ModelConfig, weights: dict, backend, n_ctx: int | None = None,
-                 adapters: dict | None = None, chunk: int = 256, act8: bool = False, kv_f16: bool = False):
+                 adapters: dict | None = None, chunk: int = 512, act8: bool = False, kv_f16: bool = False):
         self.cfg = cfg
         self.n_ctx = min(n_ctx or cfg.ctx, cfg.ctx)
         if self.n_ctx < 1 or chunk < 1:

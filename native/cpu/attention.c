@@ -47,6 +47,7 @@
 #include <immintrin.h>
 #endif
 
+#include "ggmlnum.h"
 #include "internal.h"
 #include "rowops.h"
 #include "simd.h"
@@ -498,73 +499,16 @@ static void fwd_unit(const att *A, rows R, fwd_work *w, int64_t b, int64_t h, in
  * ones -inf) and multiplies by V^T (per dimension, over the slots: ggml_vec_dot_f32 for one
  * query, its tinyBLAS GEMM for more, 16 lanes then reduce16). Its float order, as an
  * AVX-512 build runs it:
- *   dot(x, y, n): 64 lanes, element i in lane i % 64, each lane an fma chain over i / 64;
- *     lanes l, l + 16, l + 32, l + 48 summed as (a_l + a_l+32) + (a_l+16 + a_l+48); those
- *     16 by _mm512_reduce_add_ps's tree (reduce16); the n % 64 left over fma'd after;
+ *   dot(x, y, n): gt_ggml_dot (ggmlnum.h, which says the order of each of its dots);
  *   softmax: e = its vector exp (gt_ggml_expf_, internal.h) of s - max, summed in double 16 slots at a
- *     time (each 16 by reduce16), then e * (float)(1 / sum).
+ *     time (each 16 by gt_ggml_reduce16), then e * (float)(1 / sum).
  * Slots are cache rows (position = row), so a masked slot is a zero lane: the padding
  * llama.cpp adds to its cache (to 256 rows) changes nothing. Other builds (AVX2) order their
  * sums otherwise; this is the AVX-512 one on every CPU. With ip[4] its F16 KV cache (its
  * default): q, K, V and P rounded to f16 where they meet the cache, and S of 2 or more queries
  * by tinyBLAS's 16 lanes (its f16 operands are contiguous). */
-static inline float reduce16(const float v[16]) {
-    float t3[8], t6[4];
-    for (int i = 0; i < 8; i++) t3[i] = v[8 + i] + v[i];
-    for (int i = 0; i < 4; i++) t6[i] = t3[4 + i] + t3[i];
-    return (t6[0] + t6[2]) + (t6[1] + t6[3]);
-}
 
-static inline __attribute__((always_inline)) float ggml_dot(const float *x, const float *y, int64_t n) {
-    float a[64] = {0};
-    const int64_t np = n & ~(int64_t)63;
-    for (int64_t i = 0; i < np; i += 64)
-        for (int l = 0; l < 64; l++) a[l] = fmaf(x[i + l], y[i + l], a[l]);
-    float v[16];
-    for (int l = 0; l < 16; l++) v[l] = (a[l] + a[l + 32]) + (a[l + 16] + a[l + 48]);
-    float s = reduce16(v);
-    for (int64_t i = np; i < n; i++) s = fmaf(x[i], y[i], s);
-    return s;
-}
-
-/* ggml_vec_dot_f16: ggml_dot's 64 lanes, but the leftovers' (exact) products added in double */
-static inline __attribute__((always_inline)) float ggml_dot_f16(const float *x, const float *y, int64_t n) {
-    const int64_t np = n & ~(int64_t)63;
-    double s = (double)ggml_dot(x, y, np);
-    for (int64_t i = np; i < n; i++) s += (double)(x[i] * y[i]);
-    return (float)s;
-}
-
-/* tinyBLAS's dot (a GEMM of 2 or more rows of f16 operands): 16 fma lanes, reduce16 */
-static inline __attribute__((always_inline)) float ggml_dot16(const float *x, const float *y, int64_t n) {
-    float a[16] = {0};
-    for (int64_t i = 0; i + 16 <= n; i += 16)
-        for (int l = 0; l < 16; l++) a[l] = fmaf(x[i + l], y[i + l], a[l]);
-    return reduce16(a);
-}
-
-/* dst = src rounded to f16 and back (round to nearest even, as F16C converts) */
-#if defined(__x86_64__)
-__attribute__((target("avx2,f16c"))) static void round_f16_f16c(float *dst, const float *src, int64_t n) {
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8)
-        _mm256_storeu_ps(dst + i,
-                         _mm256_cvtph_ps(_mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT)));
-    for (; i < n; i++) dst[i] = gt_f16_to_f32_1(gt_f32_to_f16_1(src[i]));
-}
-#endif
-
-static void round_f16(float *dst, const float *src, int64_t n) {
-#if defined(__x86_64__)
-    if (__builtin_cpu_supports("f16c")) {
-        round_f16_f16c(dst, src, n);
-        return;
-    }
-#endif
-    for (int64_t i = 0; i < n; i++) dst[i] = gt_f16_to_f32_1(gt_f32_to_f16_1(src[i]));
-}
-
-/* lanes (nl x D, lane-major) to out (D): 64 lanes as ggml_dot folds them, then reduce16, every
+/* lanes (nl x D, lane-major) to out (D): 64 lanes as gt_ggml_dot folds them, then reduce16, every
  * d at once (the lanes are rewritten) */
 static inline __attribute__((always_inline)) void fold_lanes(float *restrict out, float *restrict a, int64_t nl,
                                                              int64_t D) {
@@ -608,14 +552,14 @@ GT_CLONES static void ggml_row(const att *A, rows R, int scale_q, int kv16, char
     const float *k = A->k + b * A->ks[0] + (h / A->G) * A->ks[2];
     const float *v = A->v + b * A->vs[0] + (h / A->G) * A->vs[2];
     for (int64_t d = 0; d < D; d++) qs[d] = scale_q ? q[d] * A->scale : q[d];
-    if (kv16) round_f16(qs, qs, D);         /* an F16 cache (K and V came rounded): q meets it in f16 */
+    if (kv16) gt_round_f16_(qs, qs, D);         /* an F16 cache (K and V came rounded): q meets it in f16 */
     float mx = -INFINITY;
     for (int64_t j = lo; j <= hi; j++) {
         const float *kj = k + j * A->ks[1];
         /* f16 operands of 2 or more rows go to tinyBLAS (16 lanes) when D is a multiple of 16,
          * f32 ones never (q is strided) */
-        s[j] = !kv16 ? ggml_dot(kj, qs, D) : A->Tq >= 2 && D % 16 == 0 ? ggml_dot16(kj, qs, D)
-                                                                   : ggml_dot_f16(kj, qs, D);
+        s[j] = !kv16 ? gt_ggml_dot(kj, qs, D) : A->Tq >= 2 && D % 16 == 0 ? gt_ggml_dot16(kj, qs, D)
+                                                                   : gt_ggml_dot_f16(kj, qs, D);
         if (!scale_q) s[j] *= A->scale;
         mx = s[j] > mx ? s[j] : mx;
     }
@@ -628,7 +572,7 @@ GT_CLONES static void ggml_row(const att *A, rows R, int scale_q, int kv16, char
         if (!(s[j] > -87.0f)) e[j] = gt_ggml_expf_(s[j]);     /* the far end, exactly */
     for (int64_t j = hi + 1; j < c1; j++) e[j] = 0.0f;
     double sum = 0.0;
-    for (int64_t c = c0; c < c1; c += 16) sum += (double)reduce16(e + c);
+    for (int64_t c = c0; c < c1; c += 16) sum += (double)gt_ggml_reduce16(e + c);
     const float inv = (float)(1.0 / sum);
     /* P V: one query (llama.cpp's ggml_vec_dot_f32) in 64 lanes, more (its tinyBLAS, which
      * serves a contiguous right operand of 2 or more rows) in 16, each lane an fma chain
@@ -636,7 +580,7 @@ GT_CLONES static void ggml_row(const att *A, rows R, int scale_q, int kv16, char
     const int64_t nl = A->Tq >= 2 ? 16 : 64;
     memset(acc, 0, (size_t)(nl * D) * sizeof(float));
     for (int64_t j = lo; j <= hi; j++) e[j] *= inv;
-    if (kv16) round_f16(e + lo, e + lo, hi - lo + 1);     /* P meets the F16 cache in f16 */
+    if (kv16) gt_round_f16_(e + lo, e + lo, hi - lo + 1);     /* P meets the F16 cache in f16 */
     for (int64_t j = lo; j <= hi; j++) {
         const float p = e[j];
         float *restrict a = acc + j % nl * D;
@@ -698,8 +642,8 @@ int gt_attention_fwd_f32(const gt_node *node, const gt_ctx *ctx) {
                 for (int64_t t = 0; t < A.Tk; t++)
                     for (int64_t g = 0; g < A.Hkv; g++) {
                         const int64_t at = ((b * A.Tk + t) * A.Hkv + g) * D;
-                        round_f16(kc + at, A.k + b * A.ks[0] + t * A.ks[1] + g * A.ks[2], D);
-                        round_f16(vc + at, A.v + b * A.vs[0] + t * A.vs[1] + g * A.vs[2], D);
+                        gt_round_f16_(kc + at, A.k + b * A.ks[0] + t * A.ks[1] + g * A.ks[2], D);
+                        gt_round_f16_(vc + at, A.v + b * A.vs[0] + t * A.vs[1] + g * A.vs[2], D);
                     }
             R16.k = kc;
             R16.v = vc;

@@ -1,0 +1,227 @@
+/* matmul_ggml.c: x @ W^T for a weight W in f32 or f16, in llama.cpp's CPU float order: the
+ * decoder's act8 mode (generation and evaluation in llama.cpp's numbers) for the weights that
+ * are not quantized (qdot8.c, qdot8k.c take those), and for LoRA adapters' factors.
+ *
+ * llama.cpp's mul_mat of a weight W (N rows of K) by n rows of x (its ubatch's tokens) picks
+ * per call, for f32 and f16 weights (ggml-cpu.c, llamafile/sgemm.cpp):
+ *   n >= 2, N % 4 == 0 and K % 16 == 0: its tinyBLAS GEMM, each output gt_ggml_dot16;
+ *   otherwise its vec_dot per output: gt_ggml_dot (f32 W) or gt_ggml_dot_f16 (f16 W).
+ * With an f16 W, x is first rounded to f16 (the f16 vec_dot type); W's values and the
+ * products of two f16 values are exact in f32. ggmlnum.h gives each dot's order. The rows
+ * of x, batch dims folded in, are the product's n: a call is one ubatch. Same bits at every
+ * SIMD level and thread count (threads split W's rows). */
+#include <string.h>
+
+#include "ggmlnum.h"
+#include "internal.h"
+#include "simd.h"
+
+#define JB 16       /* W rows a block: each is dotted with every row of x while in cache */
+#define ALIGN 64
+
+/* per thread: an f16 W's block dequantized (JB x K) and a row of x rounded to f16 (K) */
+static int64_t work_bytes(int32_t wtype, int64_t K) {
+    return wtype == GT_F16 ? (JB + 1) * (K > 0 ? K : 0) * (int64_t)sizeof(float) + ALIGN : 0;
+}
+
+/* c[i * ldc + j] (i < m, j < jn) = dot(x row i, W row j) */
+GT_CLONES static void block_dots(float *c, int64_t ldc, const float *x, int64_t rs, int64_t m,
+                                 const float *w, int64_t ldw, int64_t jn, int64_t K, int tiny, int f16,
+                                 float *xr) {
+    for (int64_t i = 0; i < m; i++) {
+        const float *xi = x + i * rs;
+        if (f16) {
+            gt_round_f16_(xr, xi, K);
+            xi = xr;
+        }
+        float *ci = c + i * ldc;
+        for (int64_t j = 0; j < jn; j++) {
+            const float *wj = w + j * ldw;
+            ci[j] = tiny ? gt_ggml_dot16(xi, wj, K) : f16 ? gt_ggml_dot_f16(xi, wj, K) : gt_ggml_dot(xi, wj, K);
+        }
+    }
+}
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+
+/* One row of x times W rows [0, jn) (f32 rows ldw apart, or f16 rows of K) by gt_ggml_dot or
+ * gt_ggml_dot_f16, the 64 lanes in 4 zmm (f16 W converted as it is read: no dequantized copy),
+ * then the same fold, tree and leftovers as ggmlnum.h's (the bits are the plain C's). */
+__attribute__((target("avx512f"))) static void row_dots64_avx512(float *c, const float *x, const float *wf,
+                                                                  const uint16_t *wh, int64_t ldw, int64_t jn,
+                                                                  int64_t K) {
+    const int64_t np = K & ~(int64_t)63;
+    _Alignas(64) float a[64];
+    for (int64_t j = 0; j < jn; j++) {
+        __m512 c0 = _mm512_setzero_ps(), c1 = c0, c2 = c0, c3 = c0;
+        if (wh) {
+            const uint16_t *w = wh + j * K;
+            for (int64_t i = 0; i < np; i += 64) {
+                c0 = _mm512_fmadd_ps(_mm512_loadu_ps(x + i), _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w + i))), c0);
+                c1 = _mm512_fmadd_ps(_mm512_loadu_ps(x + i + 16),
+                                     _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w + i + 16))), c1);
+                c2 = _mm512_fmadd_ps(_mm512_loadu_ps(x + i + 32),
+                                     _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w + i + 32))), c2);
+                c3 = _mm512_fmadd_ps(_mm512_loadu_ps(x + i + 48),
+                                     _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w + i + 48))), c3);
+            }
+        } else {
+            const float *w = wf + j * ldw;
+            for (int64_t i = 0; i < np; i += 64) {
+                c0 = _mm512_fmadd_ps(_mm512_loadu_ps(x + i), _mm512_loadu_ps(w + i), c0);
+                c1 = _mm512_fmadd_ps(_mm512_loadu_ps(x + i + 16), _mm512_loadu_ps(w + i + 16), c1);
+                c2 = _mm512_fmadd_ps(_mm512_loadu_ps(x + i + 32), _mm512_loadu_ps(w + i + 32), c2);
+                c3 = _mm512_fmadd_ps(_mm512_loadu_ps(x + i + 48), _mm512_loadu_ps(w + i + 48), c3);
+            }
+        }
+        _mm512_store_ps(a, _mm512_add_ps(_mm512_add_ps(c0, c2), _mm512_add_ps(c1, c3)));
+        float s = gt_ggml_reduce16(a);
+        if (wh) {
+            double t = (double)s;
+            for (int64_t i = np; i < K; i++) t += (double)(x[i] * gt_f16_to_f32_1(wh[j * K + i]));
+            c[j] = (float)t;
+        } else {
+            const float *w = wf + j * ldw;
+            const int64_t n8 = np + ((K - np) & ~(int64_t)7);
+            int64_t i = np;
+            for (; i < n8; i++) {
+                const float p = x[i] * w[i];
+                s = s + p;
+            }
+            for (; i < K; i++) s = fmaf(x[i], w[i], s);
+            c[j] = s;
+        }
+    }
+}
+#endif
+
+static int product(const gt_node *node, const gt_ctx *ctx, int32_t wtype) {
+    static const char *op = "matmul_ggml";
+    const gt_tensor *d = &node->dst, *a = &node->src[0], *b = &node->src[1];
+    GT_TRY(gt_check_n_src(node, 2, op));
+    GT_CHECK_F32(d, op, "dst");
+    GT_CHECK_F32(a, op, "src0");
+    if (a->ndim < 2 || d->ndim != a->ndim)
+        return GT_FAIL(GT_ERR_SHAPE, "%s: expected src0 (..., M, K) with at least 2 dims and dst with as many, got "
+                       "%d and %d", op, a->ndim, d->ndim);
+    const int64_t K = a->shape[a->ndim - 1];
+    int64_t N, ldw;
+    if (wtype == GT_F32) {
+        GT_CHECK_F32(b, op, "src1");
+        if (b->ndim != 2 || b->shape[0] != K || (K > 1 && b->strides[0] != 1) ||
+            (b->shape[1] > 1 && b->strides[1] < K))
+            return GT_FAIL(GT_ERR_SHAPE, "%s: expected src1 the view W^T (K=%lld, N) of a weight W (N, K) with "
+                           "contiguous rows, got shape (%lld, %lld) strides (%lld, %lld)", op, (long long)K,
+                           (long long)b->shape[0], (long long)(b->ndim > 1 ? b->shape[1] : 0),
+                           (long long)b->strides[0], (long long)(b->ndim > 1 ? b->strides[1] : 0));
+        N = b->shape[1];
+        ldw = b->shape[1] > 1 ? b->strides[1] : K;
+    } else {
+        int trans = 0;
+        GT_TRY(gt_weight_view_check(b, wtype, 1, op, 1, &trans));
+        if (!trans && b->shape[0] != 1 && b->shape[1] != 1)     /* (one row or column: the same bytes) */
+            return GT_FAIL(GT_ERR_INVALID, "%s: expected src1 the view W^T of a stored weight (x @ W^T)", op);
+        if (b->shape[0] != K)
+            return GT_FAIL(GT_ERR_SHAPE, "%s: src1 must have K = %lld rows to match src0, got %lld", op,
+                           (long long)K, (long long)b->shape[0]);
+        N = b->shape[1];
+        ldw = K;
+    }
+    for (int i = 0; i < a->ndim - 1; i++)
+        if (d->shape[i] != a->shape[i])
+            return GT_FAIL(GT_ERR_SHAPE, "%s: dst's dim %d must be src0's %lld, got %lld", op, i,
+                           (long long)a->shape[i], (long long)d->shape[i]);
+    if (d->shape[d->ndim - 1] != N)
+        return GT_FAIL(GT_ERR_SHAPE, "%s: dst must end in N = %lld, got %lld", op, (long long)N,
+                       (long long)d->shape[d->ndim - 1]);
+    if (!gt_is_contiguous(d)) return GT_FAIL(GT_ERR_INVALID, "%s: dst must be contiguous", op);
+    /* the rows of x, all dims but the last folded: one stride from row to row */
+    int64_t m = 1, rs = K;
+    for (int i = a->ndim - 2; i >= 0; i--) {
+        if (a->shape[i] == 1) continue;
+        if (m == 1) rs = a->strides[i];
+        else if (a->strides[i] != rs * m)
+            return GT_FAIL(GT_ERR_INVALID, "%s: src0's rows must be evenly strided (its dims but the last one "
+                           "row dim), got a stride of %lld at dim %d", op, (long long)a->strides[i], i);
+        m *= a->shape[i];
+    }
+    if (K > 1 && a->strides[a->ndim - 1] != 1)
+        return GT_FAIL(GT_ERR_INVALID, "%s: src0's rows must be contiguous along K", op);
+    if (m == 0 || N == 0) return GT_OK;
+    const int64_t need = work_bytes(wtype, K);
+    if (need && (!ctx->wdata || ctx->wsize < need))
+        return GT_FAIL(GT_ERR_INVALID, "%s: needs %lld bytes of per-thread scratch, got %lld", op, (long long)need,
+                       (long long)(ctx->wdata ? ctx->wsize : 0));
+
+    const int f16 = wtype == GT_F16, tiny = m >= 2 && N % 4 == 0 && K % 16 == 0;
+    float *wbuf = need ? (float *)(((uintptr_t)ctx->wdata + ALIGN - 1) & ~(uintptr_t)(ALIGN - 1)) : NULL;
+    float *xr = wbuf ? wbuf + JB * K : NULL;
+    const gt_dequant_fn deq = f16 ? gt_dequantizer_(GT_F16) : NULL;
+    int64_t lo, hi;
+    gt_split((N + JB - 1) / JB, ctx, &lo, &hi);
+#if defined(__x86_64__)
+    if (!tiny && gt_simd_level_() >= 2 && __builtin_cpu_supports("f16c")) {    /* vec_dot rows, vectorized */
+        const int64_t j0 = lo * JB, j1 = hi * JB < N ? hi * JB : N;
+        if (j0 >= j1) return GT_OK;
+        for (int64_t i = 0; i < m; i++) {
+            const float *xi = (const float *)a->data + i * rs;
+            if (f16) {
+                gt_round_f16_(xr, xi, K);
+                xi = xr;
+            }
+            row_dots64_avx512((float *)d->data + i * N + j0, xi, f16 ? NULL : (const float *)b->data + j0 * ldw,
+                              f16 ? (const uint16_t *)b->data + j0 * K : NULL, ldw, j1 - j0, K);
+        }
+        return GT_OK;
+    }
+#endif
+    for (int64_t blk = lo; blk < hi; blk++) {
+        const int64_t j0 = blk * JB, jn = N - j0 < JB ? N - j0 : JB;
+        const float *w;
+        if (f16) {
+            const uint8_t *wp = (const uint8_t *)b->data + j0 * K * 2;
+            for (int64_t j = 0; j < jn; j++) deq(wbuf + j * K, wp + j * K * 2, K);
+            w = wbuf;
+        } else {
+            w = (const float *)b->data + j0 * ldw;
+        }
+        block_dots((float *)d->data + j0, N, (const float *)a->data, rs, m, w, f16 ? K : ldw, jn, K, tiny, f16, xr);
+    }
+    return GT_OK;
+}
+
+int gt_matmul_ggml_fwd_f32(const gt_node *node, const gt_ctx *ctx) { return product(node, ctx, GT_F32); }
+
+int gt_matmul_ggml_fwd_f32_f16(const gt_node *node, const gt_ctx *ctx) { return product(node, ctx, GT_F16); }
+
+int gt_matmul_ggml_fwd_f32_f16_sizes(const gt_node *node, int64_t *scratch, int64_t *work) {
+    const gt_tensor *a = &node->src[0];
+    *scratch = 0;
+    *work = work_bytes(GT_F16, a->ndim >= 1 ? a->shape[a->ndim - 1] : 0);
+    return GT_OK;
+}
+
+/* ---- rounding to f16 ------------------------------------------------------------------- */
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+
+__attribute__((target("avx2,f16c"))) static void round_f16_f16c(float *dst, const float *src, int64_t n) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(dst + i,
+                         _mm256_cvtph_ps(_mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT)));
+    for (; i < n; i++) dst[i] = gt_f16_to_f32_1(gt_f32_to_f16_1(src[i]));
+}
+#endif
+
+void gt_round_f16_(float *dst, const float *src, int64_t n) {
+#if defined(__x86_64__)
+    if (__builtin_cpu_supports("f16c")) {
+        round_f16_f16c(dst, src, n);
+        return;
+    }
+#endif
+    for (int64_t i = 0; i < n; i++) dst[i] = gt_f16_to_f32_1(gt_f32_to_f16_1(src[i]));
+}
