@@ -290,23 +290,45 @@ def test_granite_scales_are_required_and_no_rope_is_refused(tmp_path, drop, add,
     assert message in r.stderr and str(path) in r.stderr, r.stderr
 
 
+def test_family_logits_in_llama_cpp_numbers_are_its_own(llama, family_model):
+    """In llama.cpp's numbers (act8: generate's default, eval --int8) each family's F32 model
+    gives llama.cpp's logits (F32 KV cache, its context of 256) bit for bit at every position,
+    fed a token at a time (the decoder) and all at once (the window runner): its f32 products'
+    order, norms, rope (llama 3's factors, phi3's long ones), attention (windows, q or S scaled
+    by 1.0f / sqrtf(D), head sizes 24 and 96 among them), swiglu and gemma3's f16-table gelu."""
+    path, cfg, weights, tok = family_model
+    ids = tok.encode(TEXT[:60], add_bos=tok.add_bos).tolist()
+    llm = open_llm(llama, path)
+    llm.reset()
+    for t in ids:
+        llm.eval([t])
+    one = np.array(llm.scores[:len(ids)], np.float32)
+    batched = np.array(_their_nll(llm, ids + [0])[0], np.float32)
+    be = CpuBackend(2)
+    dec = Decoder(cfg, weights, be, n_ctx=256, act8=True)
+    np.testing.assert_array_equal(np.concatenate([dec.feed([t], every=True) for t in ids]), one)
+    runner = Runner(cfg, weights, be, length=len(ids), act8=True, n_ctx=256)
+    np.testing.assert_array_equal(runner.logits(np.asarray(ids, np.int32)[None])[0, :len(ids)], batched)
+
+
 def test_family_greedy_generation_equals_llama_cpp(llama, family_model):
-    """KV-cached greedy decoding (sliding windows by position) gives llama.cpp's greedy tokens;
-    where they part, llama.cpp's own top-2 margin is within the tolerance (gelu's table).
-    `ggtrain generate` runs on the family too (its text is random bytes, so the ids are
-    compared through the decoder it drives)."""
+    """KV-cached greedy decoding (sliding windows by position) in llama.cpp's numbers (generate's
+    default) gives llama.cpp's greedy tokens, all of them; in exact f32 it may part only where
+    llama.cpp's own top-2 margin is within the tolerance. `ggtrain generate` runs on the family
+    too (its text is random bytes, so the ids are compared through the decoder it drives)."""
     path, cfg, weights, tok = family_model
     prompt, n = "First Citizen:\n", 40          # past gemma3's window of 8
     r = run_cli("generate", "--model", path, "--prompt", prompt, "-n", 8, "--temp", 0, "--threads", 2)
     assert r.returncode == 0, r.stderr
     ids = tok.encode(prompt, add_bos=tok.add_bos).tolist()
-    ours = list(generate(Decoder(cfg, weights, CpuBackend(2), n_ctx=256), ids, n, Sampler(temp=0)))
     llm = open_llm(llama, path)
     theirs = []
     for t in llm.generate(ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0):
         theirs.append(int(t))
         if len(theirs) == n:
             break
+    assert list(generate(Decoder(cfg, weights, CpuBackend(2), n_ctx=256, act8=True), ids, n, Sampler(temp=0))) == theirs
+    ours = list(generate(Decoder(cfg, weights, CpuBackend(2), n_ctx=256), ids, n, Sampler(temp=0)))
     common = 0
     while common < n and ours[common] == theirs[common]:
         common += 1

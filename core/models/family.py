@@ -10,9 +10,10 @@ adding a family is adding such a module (and its test rows).
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Callable
+
+import numpy as np
 
 # config field -> GGUF key after "{arch}.", read from every family's files and written to them
 COMMON_KEYS = {
@@ -73,9 +74,15 @@ ROPE_SCALING = ("none", "linear")
 ACTIVATIONS = ("silu", "gelu")    # the FFN gate: SwiGLU, or GeGLU with gelu's tanh approximation
 
 
+def recip_sqrt_f32(n: int) -> float:
+    """1 / sqrt(n) as llama.cpp's graphs compute attention scales, 1.0f / sqrtf((float)n): in
+    f32, where the once-rounded value differs by an ulp for some sizes (24, 96: Phi-3's)."""
+    return float(np.float32(1.0) / np.sqrt(np.float32(n)))
+
+
 def head_scale(cfg) -> float:
-    """1 / sqrt(head size): the attention scale of most families."""
-    return 1.0 / math.sqrt(cfg.head_dim)
+    """1 / sqrt(head size) (in f32, recip_sqrt_f32): the attention scale of most families."""
+    return recip_sqrt_f32(cfg.head_dim)
 
 
 @dataclass(frozen=True)

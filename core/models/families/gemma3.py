@@ -10,9 +10,7 @@ global, rotating with rope.freq_base and the rope scaling. q.k is scaled by 1/sq
 size), by 1/sqrt(n_embd / n_head) for the 62-layer 27B model, as llama.cpp does. Logits
 are soft-capped (c tanh(x / c)) where final_logit_softcapping is given.
 """
-import math
-
-from ggtrain.core.models.family import Family
+from ggtrain.core.models.family import Family, recip_sqrt_f32
 
 _BLOCK = ("attn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_q_norm.weight",
           "attn_k_norm.weight", "attn_output.weight", "post_attention_norm.weight", "ffn_norm.weight",
@@ -20,7 +18,7 @@ _BLOCK = ("attn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight",
 
 
 def _attention_scale(cfg) -> float:
-    return 1.0 / math.sqrt(cfg.dim // cfg.heads if cfg.layers == 62 else cfg.head_dim)
+    return recip_sqrt_f32(cfg.dim // cfg.heads if cfg.layers == 62 else cfg.head_dim)
 
 
 FAMILY = Family(arch="gemma3", block=_BLOCK, rope_mode="neox", act="gelu", embed_scale=True,
