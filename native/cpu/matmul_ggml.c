@@ -19,9 +19,9 @@
 #define JB 16       /* W rows a block: each is dotted with every row of x while in cache */
 #define ALIGN 64
 
-/* per thread: an f16 W's block dequantized (JB x K) and a row of x rounded to f16 (K) */
+/* per thread: an f16 W's block dequantized (JB x K) and 4 rows of x rounded to f16 (4 K) */
 static int64_t work_bytes(int32_t wtype, int64_t K) {
-    return wtype == GT_F16 ? (JB + 1) * (K > 0 ? K : 0) * (int64_t)sizeof(float) + ALIGN : 0;
+    return wtype == GT_F16 ? (JB + 4) * (K > 0 ? K : 0) * (int64_t)sizeof(float) + ALIGN : 0;
 }
 
 /* c[i * ldc + j] (i < m, j < jn) = dot(x row i, W row j) */
@@ -94,6 +94,87 @@ __attribute__((target("avx512f"))) static void row_dots64_avx512(float *c, const
         }
     }
 }
+
+/* The 16 sums of a 4 x 4 tile of 16-lane accumulators, each by _mm512_reduce_add_ps's tree
+ * (gt_ggml_reduce16: halves, quarters, then (t0 + t2) + (t1 + t3)), all 16 at once: the same
+ * pairwise adds, with the lanes shuffled so each add serves several accumulators. out[4 q + r]
+ * = the sum of acc[r][q]. */
+__attribute__((target("avx512f"))) static inline void reduce16x16_avx512(float *out, __m512 acc[4][4]) {
+    __m512 y[8], z[4], t[2];
+    for (int k = 0; k < 8; k++) {
+        const __m512 a = acc[(2 * k) / 4][(2 * k) % 4], b = acc[(2 * k + 1) / 4][(2 * k + 1) % 4];
+        y[k] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 2, 3, 2)));
+    }
+    for (int k = 0; k < 4; k++)
+        z[k] = _mm512_add_ps(_mm512_shuffle_f32x4(y[2 * k], y[2 * k + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_f32x4(y[2 * k], y[2 * k + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    for (int k = 0; k < 2; k++)
+        t[k] = _mm512_add_ps(_mm512_shuffle_ps(z[2 * k], z[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(z[2 * k], z[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    _mm512_storeu_ps(out, _mm512_add_ps(_mm512_shuffle_ps(t[0], t[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                        _mm512_shuffle_ps(t[0], t[1], _MM_SHUFFLE(3, 1, 3, 1))));
+}
+
+/* W rows a chunk of the tiled path: their bytes stay in L2 while every row of x passes */
+#define TILE_CHUNK 256
+
+/* Rows [0, m) of x (row stride rs) times W rows [0, jn) in tinyBLAS's order (gt_ggml_dot16),
+ * K % 16 == 0: tiles of 4 x rows by 4 W rows, 16 zmm lanes each (a tile's edge rows repeat its
+ * first row, their sums dropped). An f16 W is converted as it is read; xr: room for 4 rows of
+ * x rounded to f16 (f16 W) or NULL. */
+__attribute__((target("avx512f"))) static void tile_dots16_avx512(float *c, int64_t ldc, const float *x, int64_t rs,
+                                                                   int64_t m, const float *wf, const uint16_t *wh,
+                                                                   int64_t ldw, int64_t jn, int64_t K, float *xr) {
+    float sums[16];
+    for (int64_t c0 = 0; c0 < jn; c0 += TILE_CHUNK) {
+        const int64_t c1 = jn - c0 < TILE_CHUNK ? jn : c0 + TILE_CHUNK;
+        for (int64_t i0 = 0; i0 < m; i0 += 4) {
+            const int mi = m - i0 < 4 ? (int)(m - i0) : 4;
+            const float *xp[4];
+            for (int r = 0; r < 4; r++) {
+                const int rr = r < mi ? r : 0;
+                if (xr) {
+                    if (r < mi) gt_round_f16_(xr + r * K, x + (i0 + r) * rs, K);
+                    xp[r] = xr + rr * K;
+                } else {
+                    xp[r] = x + (i0 + rr) * rs;
+                }
+            }
+            for (int64_t j0 = c0; j0 < c1; j0 += 4) {
+                const int nj = c1 - j0 < 4 ? (int)(c1 - j0) : 4;
+                const float *wp[4];
+                const uint16_t *hp[4];
+                for (int q = 0; q < 4; q++) {
+                    const int64_t jj = j0 + (q < nj ? q : 0);
+                    wp[q] = wh ? NULL : wf + jj * ldw;
+                    hp[q] = wh ? wh + jj * K : NULL;
+                }
+                __m512 acc[4][4];
+#pragma GCC unroll 4
+                for (int r = 0; r < 4; r++)
+#pragma GCC unroll 4
+                    for (int q = 0; q < 4; q++) acc[r][q] = _mm512_setzero_ps();
+                for (int64_t k = 0; k < K; k += 16) {
+                    __m512 wv[4], xv[4];
+#pragma GCC unroll 4
+                    for (int q = 0; q < 4; q++)
+                        wv[q] = wh ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(hp[q] + k)))
+                                   : _mm512_loadu_ps(wp[q] + k);
+#pragma GCC unroll 4
+                    for (int r = 0; r < 4; r++) xv[r] = _mm512_loadu_ps(xp[r] + k);
+#pragma GCC unroll 4
+                    for (int r = 0; r < 4; r++)
+#pragma GCC unroll 4
+                        for (int q = 0; q < 4; q++) acc[r][q] = _mm512_fmadd_ps(xv[r], wv[q], acc[r][q]);
+                }
+                reduce16x16_avx512(sums, acc);
+                for (int r = 0; r < mi; r++)
+                    for (int q = 0; q < nj; q++) c[(i0 + r) * ldc + j0 + q] = sums[4 * q + r];
+            }
+        }
+    }
+}
 #endif
 
 static int product(const gt_node *node, const gt_ctx *ctx, int32_t wtype) {
@@ -161,6 +242,15 @@ static int product(const gt_node *node, const gt_ctx *ctx, int32_t wtype) {
     int64_t lo, hi;
     gt_split((N + JB - 1) / JB, ctx, &lo, &hi);
 #if defined(__x86_64__)
+    if (tiny && gt_simd_level_() >= 2 && __builtin_cpu_supports("f16c")) {     /* tinyBLAS tiles, vectorized */
+        for (int64_t blk = lo; blk < hi; blk++) {
+            const int64_t j0 = blk * JB, jn = N - j0 < JB ? N - j0 : JB;
+            tile_dots16_avx512((float *)d->data + j0, N, (const float *)a->data, rs, m,
+                               f16 ? NULL : (const float *)b->data + j0 * ldw, f16 ? (const uint16_t *)b->data + j0 * K : NULL,
+                               ldw, jn, K, f16 ? xr : NULL);
+        }
+        return GT_OK;
+    }
     if (!tiny && gt_simd_level_() >= 2 && __builtin_cpu_supports("f16c")) {    /* vec_dot rows, vectorized */
         const int64_t j0 = lo * JB, j1 = hi * JB < N ? hi * JB : N;
         if (j0 >= j1) return GT_OK;
