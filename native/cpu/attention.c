@@ -638,13 +638,20 @@ int gt_attention_fwd_f32(const gt_node *node, const gt_ctx *ctx) {
             const int64_t rows = A.Tk * A.Hkv, D = A.D;
             float *kc = (float *)(work + ggml_row_bytes(D, A.Tk));
             float *vc = (float *)((char *)kc + align_up(A.B * rows * D * (int64_t)sizeof(float)));
-            for (int64_t b = 0; b < A.B; b++)
+            const int packed = A.ks[2] == D && A.ks[1] == A.Hkv * D && A.vs[2] == D && A.vs[1] == A.Hkv * D;
+            for (int64_t b = 0; b < A.B; b++) {
+                if (packed) {   /* (a KV cache's rows: one run a batch row, not one call a (row, head)) */
+                    gt_round_f16_(kc + b * rows * D, A.k + b * A.ks[0], rows * D);
+                    gt_round_f16_(vc + b * rows * D, A.v + b * A.vs[0], rows * D);
+                    continue;
+                }
                 for (int64_t t = 0; t < A.Tk; t++)
                     for (int64_t g = 0; g < A.Hkv; g++) {
                         const int64_t at = ((b * A.Tk + t) * A.Hkv + g) * D;
                         gt_round_f16_(kc + at, A.k + b * A.ks[0] + t * A.ks[1] + g * A.ks[2], D);
                         gt_round_f16_(vc + at, A.v + b * A.vs[0] + t * A.vs[1] + g * A.vs[2], D);
                     }
+            }
             R16.k = kc;
             R16.v = vc;
             R16.ks[0] = R16.vs[0] = rows * D;

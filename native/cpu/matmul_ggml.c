@@ -45,56 +45,6 @@ GT_CLONES static void block_dots(float *c, int64_t ldc, const float *x, int64_t 
 #if defined(__x86_64__)
 #include <immintrin.h>
 
-/* One row of x times W rows [0, jn) (f32 rows ldw apart, or f16 rows of K) by gt_ggml_dot or
- * gt_ggml_dot_f16, the 64 lanes in 4 zmm (f16 W converted as it is read: no dequantized copy),
- * then the same fold, tree and leftovers as ggmlnum.h's (the bits are the plain C's). */
-__attribute__((target("avx512f"))) static void row_dots64_avx512(float *c, const float *x, const float *wf,
-                                                                  const uint16_t *wh, int64_t ldw, int64_t jn,
-                                                                  int64_t K) {
-    const int64_t np = K & ~(int64_t)63;
-    _Alignas(64) float a[64];
-    for (int64_t j = 0; j < jn; j++) {
-        __m512 c0 = _mm512_setzero_ps(), c1 = c0, c2 = c0, c3 = c0;
-        if (wh) {
-            const uint16_t *w = wh + j * K;
-            for (int64_t i = 0; i < np; i += 64) {
-                c0 = _mm512_fmadd_ps(_mm512_loadu_ps(x + i), _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w + i))), c0);
-                c1 = _mm512_fmadd_ps(_mm512_loadu_ps(x + i + 16),
-                                     _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w + i + 16))), c1);
-                c2 = _mm512_fmadd_ps(_mm512_loadu_ps(x + i + 32),
-                                     _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w + i + 32))), c2);
-                c3 = _mm512_fmadd_ps(_mm512_loadu_ps(x + i + 48),
-                                     _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w + i + 48))), c3);
-            }
-        } else {
-            const float *w = wf + j * ldw;
-            for (int64_t i = 0; i < np; i += 64) {
-                c0 = _mm512_fmadd_ps(_mm512_loadu_ps(x + i), _mm512_loadu_ps(w + i), c0);
-                c1 = _mm512_fmadd_ps(_mm512_loadu_ps(x + i + 16), _mm512_loadu_ps(w + i + 16), c1);
-                c2 = _mm512_fmadd_ps(_mm512_loadu_ps(x + i + 32), _mm512_loadu_ps(w + i + 32), c2);
-                c3 = _mm512_fmadd_ps(_mm512_loadu_ps(x + i + 48), _mm512_loadu_ps(w + i + 48), c3);
-            }
-        }
-        _mm512_store_ps(a, _mm512_add_ps(_mm512_add_ps(c0, c2), _mm512_add_ps(c1, c3)));
-        float s = gt_ggml_reduce16(a);
-        if (wh) {
-            double t = (double)s;
-            for (int64_t i = np; i < K; i++) t += (double)(x[i] * gt_f16_to_f32_1(wh[j * K + i]));
-            c[j] = (float)t;
-        } else {
-            const float *w = wf + j * ldw;
-            const int64_t n8 = np + ((K - np) & ~(int64_t)7);
-            int64_t i = np;
-            for (; i < n8; i++) {
-                const float p = x[i] * w[i];
-                s = s + p;
-            }
-            for (; i < K; i++) s = fmaf(x[i], w[i], s);
-            c[j] = s;
-        }
-    }
-}
-
 /* The 16 sums of a 4 x 4 tile of 16-lane accumulators, each by _mm512_reduce_add_ps's tree
  * (gt_ggml_reduce16: halves, quarters, then (t0 + t2) + (t1 + t3)), all 16 at once: the same
  * pairwise adds, with the lanes shuffled so each add serves several accumulators. out[4 q + r]
@@ -114,6 +64,79 @@ __attribute__((target("avx512f"))) static inline void reduce16x16_avx512(float *
                              _mm512_shuffle_ps(z[2 * k], z[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)));
     _mm512_storeu_ps(out, _mm512_add_ps(_mm512_shuffle_ps(t[0], t[1], _MM_SHUFFLE(2, 0, 2, 0)),
                                         _mm512_shuffle_ps(t[0], t[1], _MM_SHUFFLE(3, 1, 3, 1))));
+}
+
+/* One row of x times W rows [0, jn) (f32 rows ldw apart, or f16 rows of K) by gt_ggml_dot or
+ * gt_ggml_dot_f16: 4 W rows at a time in 4 x 4 zmm (their 64 lanes; an f16 W converted as it
+ * is read, no dequantized copy), each row's lanes folded as gt_ggml_dot folds them, 16 rows'
+ * trees taken together (reduce16x16_avx512), then each row's leftovers as ggmlnum.h's: the
+ * bits of the plain C. */
+__attribute__((target("avx512f"))) static void row_dots64_avx512(float *c, const float *x, const float *wf,
+                                                                  const uint16_t *wh, int64_t ldw, int64_t jn,
+                                                                  int64_t K) {
+    const int64_t np = K & ~(int64_t)63;
+    float sums[16];
+    for (int64_t j0 = 0; j0 < jn; j0 += 16) {
+        const int nr = jn - j0 < 16 ? (int)(jn - j0) : 16;
+        __m512 v[4][4];     /* row j0 + 4 g + q's folded lanes at v[g][q] */
+        for (int g = 0; g < 4; g++) {
+            const float *wp[4];
+            const uint16_t *hp[4];
+            for (int q = 0; q < 4; q++) {
+                const int64_t jj = j0 + (4 * g + q < nr ? 4 * g + q : 0);
+                wp[q] = wh ? NULL : wf + jj * ldw;
+                hp[q] = wh ? wh + jj * K : NULL;
+            }
+            __m512 acc[4][4];
+#pragma GCC unroll 4
+            for (int q = 0; q < 4; q++)
+#pragma GCC unroll 4
+                for (int l = 0; l < 4; l++) acc[q][l] = _mm512_setzero_ps();
+            const int64_t row_bytes = wh ? K * 2 : ldw * 4, ahead = GT_QDOT_PREFETCH_ROWS * row_bytes;
+            for (int64_t i = 0; i < np; i += 64) {
+                __m512 xv[4];
+#pragma GCC unroll 4
+                for (int q = 0; q < 4; q++) {   /* (rows further on, as qdot.c's row dots do) */
+                    const char *at = wh ? (const char *)(hp[q] + i) : (const char *)(wp[q] + i);
+                    for (int line = 0; line < (wh ? 2 : 4); line++) _mm_prefetch(at + ahead + 64 * line, _MM_HINT_T0);
+                }
+#pragma GCC unroll 4
+                for (int l = 0; l < 4; l++) xv[l] = _mm512_loadu_ps(x + i + 16 * l);
+#pragma GCC unroll 4
+                for (int q = 0; q < 4; q++)
+#pragma GCC unroll 4
+                    for (int l = 0; l < 4; l++)
+                        acc[q][l] = _mm512_fmadd_ps(
+                            xv[l],
+                            wh ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(hp[q] + i + 16 * l)))
+                               : _mm512_loadu_ps(wp[q] + i + 16 * l),
+                            acc[q][l]);
+            }
+#pragma GCC unroll 4
+            for (int q = 0; q < 4; q++)
+                v[g][q] = _mm512_add_ps(_mm512_add_ps(acc[q][0], acc[q][2]), _mm512_add_ps(acc[q][1], acc[q][3]));
+        }
+        reduce16x16_avx512(sums, v);
+        for (int r = 0; r < nr; r++) {
+            float s = sums[4 * (r % 4) + r / 4];
+            if (wh) {
+                const uint16_t *w = wh + (j0 + r) * K;
+                double t = (double)s;
+                for (int64_t i = np; i < K; i++) t += (double)(x[i] * gt_f16_to_f32_1(w[i]));
+                s = (float)t;
+            } else {
+                const float *w = wf + (j0 + r) * ldw;
+                const int64_t n8 = np + ((K - np) & ~(int64_t)7);
+                int64_t i = np;
+                for (; i < n8; i++) {
+                    const float p = x[i] * w[i];
+                    s = s + p;
+                }
+                for (; i < K; i++) s = fmaf(x[i], w[i], s);
+            }
+            c[j0 + r] = s;
+        }
+    }
 }
 
 /* W rows a chunk of the tiled path: their bytes stay in L2 while every row of x passes */
