@@ -10,7 +10,7 @@ W + scale * alpha / r * B @ A.
 from __future__ import annotations
 
 import numpy as np
-from gguf import GGUFValueType as VT
+from gguf import GGMLQuantizationType, GGUFValueType as VT
 
 from ggtrain.errors import FormatError
 from ggtrain.formats.gguf import GGUFFile, read_gguf, write_gguf
@@ -19,7 +19,10 @@ from ggtrain.formats.model_file import rewrite_model
 
 
 def read_lora(path) -> tuple:
-    """(alpha, architecture, {weight name: (A (r, n_in), B (n_out, r))}) of an adapter file."""
+    """(alpha, architecture, {weight name: (A (r, n_in), B (n_out, r))}) of an adapter file:
+    f32 arrays, or f16 ones where the file stores F16 (as llama.cpp's converter writes PEFT's
+    adapters by default): llama.cpp multiplies those in f16, and so do llama.cpp's numbers
+    here (the decoder's act8 mode); everything else takes their exact values as f32."""
     f = read_gguf(path)
     if f.value("general.type", None) != "adapter" or f.value("adapter.type", None) != "lora":
         raise FormatError(f"{path}: not a LoRA adapter (general.type {f.value('general.type', None)!r}, "
@@ -31,7 +34,7 @@ def read_lora(path) -> tuple:
             base = name[:-len(".lora_a")]
             if base + ".lora_b" not in f.tensors:
                 raise FormatError(f"{path}: {name} has no matching {base}.lora_b")
-            a, b = f.tensor_f32(name), f.tensor_f32(base + ".lora_b")
+            a, b = (_factor(f, n) for n in (name, base + ".lora_b"))
             if a.ndim != 2 or b.ndim != 2 or a.shape[0] != b.shape[1]:
                 raise FormatError(f"{path}: {base}: lora_a {a.shape} and lora_b {b.shape} do not share a rank")
             pairs[base] = (a, b)
@@ -42,14 +45,23 @@ def read_lora(path) -> tuple:
     return alpha, f.value("general.architecture", None), pairs
 
 
-def write_lora(path, arch: str, alpha: float, pairs: dict, progress=None) -> None:
-    """Write an adapter atomically: pairs {weight name: (A (r, n_in), B (n_out, r))}."""
+def _factor(f, name: str) -> np.ndarray:
+    """An adapter factor's values: f16 where stored F16 (exact), else f32."""
+    a = f.tensor_f32(name)
+    return a.astype(np.float16) if f.info(name).type == GGMLQuantizationType.F16 else a
+
+
+def write_lora(path, arch: str, alpha: float, pairs: dict, progress=None, tensor_type: str = "F32") -> None:
+    """Write an adapter atomically: pairs {weight name: (A (r, n_in), B (n_out, r))}, each
+    factor in tensor_type (F32, or F16 as llama.cpp's converter writes PEFT's by default)."""
+    if tensor_type not in ("F32", "F16"):
+        raise ValueError(f"write_lora: tensor_type {tensor_type!r} is not F32 or F16")
     kv = [("general.architecture", arch, VT.STRING), ("general.type", "adapter", VT.STRING),
           ("adapter.type", "lora", VT.STRING), ("adapter.lora.alpha", float(alpha), VT.FLOAT32)]
     tensors = []
     for name, (a, b) in pairs.items():
-        tensors.append((name + ".lora_a", np.ascontiguousarray(a, np.float32), "F32"))
-        tensors.append((name + ".lora_b", np.ascontiguousarray(b, np.float32), "F32"))
+        tensors.append((name + ".lora_a", np.ascontiguousarray(a, np.float32), tensor_type))
+        tensors.append((name + ".lora_b", np.ascontiguousarray(b, np.float32), tensor_type))
     write_gguf(path, kv, tensors, progress=progress)
 
 
@@ -77,9 +89,16 @@ def fit_pairs(src, pairs: dict, alpha: float, shapes: dict, scale: float = 1.0) 
         if (b.shape[0], a.shape[1]) != tuple(shape):
             raise FormatError(f"{src}: {name}: adapter gives {(b.shape[0], a.shape[1])}, the weight is "
                               f"{tuple(shape)}")
-        r = a.shape[0]
-        out[name] = (a, b, scale * (alpha / r if alpha else 1.0))
+        out[name] = (a, b, adapter_scale(scale, alpha, a.shape[0]))
     return out
+
+
+def adapter_scale(scale: float, alpha: float, r: int) -> float:
+    """The factor of B @ A: scale * alpha / r (scale alone when alpha is 0), in f32 as llama.cpp
+    computes it ((scale * alpha) / (float)r), so an adapter goes on with llama.cpp's bits."""
+    if not alpha:
+        return float(np.float32(scale))
+    return float(np.float32(np.float32(scale) * np.float32(alpha)) / np.float32(r))
 
 
 def merged_weight(w: np.ndarray, a: np.ndarray, b: np.ndarray, s: float) -> np.ndarray:

@@ -240,13 +240,14 @@ def test_lora_adapter_applies_as_in_llama_cpp(llama, shared_data, tmp_path):
     assert r.returncode == 0 and r.stdout.rstrip("\n") == tok.decode([t for t in ours if t != tok.eos_id])
 
 
-@pytest.mark.parametrize("name", ["stories260K", "stories260K-Q8_0"])
-def test_lora_adapter_in_llama_cpp_numbers_gives_its_logits(llama, shared_data, tmp_path, name):
+@pytest.mark.parametrize("name,factors", [("stories260K", "F32"), ("stories260K-Q8_0", "F32"), ("stories260K", "F16")])
+def test_lora_adapter_in_llama_cpp_numbers_gives_its_logits(llama, shared_data, tmp_path, name, factors):
     """With act8 (generate's default) an adapter goes on as llama.cpp's graph puts it, scale *
-    B (A x) added to W x, its factors multiplied in llama.cpp's f32 order (matmul_ggml): our
-    logits with the adapter are llama.cpp's (F32 KV cache) bit for bit at every position, fed a
-    token at a time and all at once, on the F32 model and on llama.cpp's Q8_0 quantization
-    (whose F16 ffn_down, 172 columns, takes its f16 vec_dot)."""
+    B (A x) added to W x, its factors multiplied in llama.cpp's order for their type (matmul_ggml;
+    F16 factors, as llama.cpp's converter writes PEFT's, in f16) and the scale computed in f32:
+    our logits with the adapter are llama.cpp's (F32 KV cache) bit for bit at every position,
+    fed a token at a time and all at once, on the F32 model and on llama.cpp's Q8_0
+    quantization (whose F16 ffn_down, 172 columns, takes its f16 vec_dot)."""
     from ggtrain.formats.lora import lora_adapters, write_lora
 
     path = shared_data / "gguf" / f"{name}.gguf"
@@ -260,10 +261,11 @@ def test_lora_adapter_in_llama_cpp_numbers_gives_its_logits(llama, shared_data, 
             n_out, n_in = weights[w].shape
             pairs[w] = (rng.normal(0, 0.3, (16, n_in)), rng.normal(0, 0.3, (n_out, 16)))
     adapter = tmp_path / "adapter.gguf"
-    write_lora(adapter, "llama", 24.0, pairs)
-    lora = lora_adapters(adapter, {w: weights[w].shape for w in weights}, 0.5)
+    write_lora(adapter, "llama", 7.0, pairs, tensor_type=factors)     # (0.3 * 7 / 16: an f32-rounded scale)
+    lora = lora_adapters(adapter, {w: weights[w].shape for w in weights}, 0.3)
+    assert all((a.dtype == np.float16) == (factors == "F16") for a, _, _ in lora.values())
     ids = tok.encode(PROMPT, add_bos=True).tolist()
-    llm = llama.Llama(model_path=str(path), lora_path=str(adapter), lora_scale=0.5, n_ctx=128, n_threads=2,
+    llm = llama.Llama(model_path=str(path), lora_path=str(adapter), lora_scale=0.3, n_ctx=128, n_threads=2,
                       n_threads_batch=2, seed=0, logits_all=True, verbose=False,
                       type_k=llama.GGML_TYPE_F32, type_v=llama.GGML_TYPE_F32, flash_attn=False)
     llm.reset()

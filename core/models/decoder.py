@@ -518,7 +518,8 @@ def _frozen(graph, weights: dict, adapters: dict | None, act8: bool = False, kv_
     memory (to bind).
 
     weights: {name: f32 array, or StoredTensor (bytes already in a backend buffer, any
-    stored type)}; adapters: {weight name: (A, B, scale)} with f32 arrays.
+    stored type)}; adapters: {weight name: (A, B, scale)} with f32 arrays (or f16 ones, kept
+    f16 with act8: formats.lora.read_lora).
     """
     params, stored = FrozenParams(), {}
     params.act8 = act8
@@ -534,8 +535,10 @@ def _frozen(graph, weights: dict, adapters: dict | None, act8: bool = False, kv_
     for name, (a, b, scale) in (adapters or {}).items():
         if name not in params:
             raise ConfigError(f"an adapter targets {name!r}, which the model does not have")
-        lora[name] = (graph.param(a.shape, a, name=name + ".lora_a", trainable=False),
-                      graph.param(b.shape, b, name=name + ".lora_b", trainable=False), float(scale))
+        # an adapter stored in f16 stays f16 in llama.cpp's numbers (which multiply it so); else f32
+        lora[name] = tuple(graph.param(f.shape, f, name=name + suffix, trainable=False,
+                                       dtype="f16" if act8 and f.dtype == np.float16 else "f32")
+                           for f, suffix in ((a, ".lora_a"), (b, ".lora_b"))) + (float(scale),)
     return params, lora, stored
 
 
