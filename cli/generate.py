@@ -40,7 +40,7 @@ EXACT = typer.Option(False, "--exact",
                           f"{', '.join(ops.ACT8_TYPES)}), F32 and F16 weights and LoRA adapters take its float "
                           "order (activations rounded to f16 against F16), and its norms, rope, attention, "
                           "swiglu and Gemma's f16-table gelu are its own: llama.cpp's logits, so its greedy "
-                          "text, and faster. (BF16, Q2_K, Q3_K and Q5_K weights, and CUDA, multiply in exact "
+                          "text, and faster. (BF16, Q2_K and Q3_K weights, and CUDA, multiply in exact "
                           "f32.)")
 CACHE_TYPE = typer.Option("f16", "--cache-type",
                           help="The KV cache llama.cpp's numbers assume: f16 (llama.cpp's default: keys, values, "

@@ -124,7 +124,7 @@ static inline int gt_check_n_src(const gt_node *node, int n, const char *op) {
  * numerics, generation and evaluation) have a CPU kernel, matmul_q8_fwd_f32_<name>. */
 #define GT_ACT8_TYPES(X)                                                                      \
     X(q4_0, GT_Q4_0) X(q4_1, GT_Q4_1) X(q5_0, GT_Q5_0) X(q5_1, GT_Q5_1) X(q8_0, GT_Q8_0) X(q4_k, GT_Q4_K) \
-    X(q6_k, GT_Q6_K)
+    X(q5_k, GT_Q5_K) X(q6_k, GT_Q6_K)
 
 /* A dtype's name in messages: f32, i32 or one of GT_WEIGHT_TYPES. */
 static inline const char *gt_type_name(int32_t dtype) {

@@ -198,7 +198,7 @@ int gt_get_rows_fwd_f32_q4_k(const struct gt_node *node, const gt_ctx *ctx);
 int gt_get_rows_fwd_f32_q5_k(const struct gt_node *node, const gt_ctx *ctx);
 int gt_get_rows_fwd_f32_q6_k(const struct gt_node *node, const gt_ctx *ctx);
 
-/* matmul_q8_fwd_f32_<w> for w in GT_ACT8_TYPES (q4_0, q4_1, q5_0, q5_1, q8_0, q4_k, q6_k): dst = src0 @ src1 as
+/* matmul_q8_fwd_f32_<w> for w in GT_ACT8_TYPES (q4_0, q4_1, q5_0, q5_1, q8_0, q4_k, q5_k, q6_k): dst = src0 @ src1 as
  * matmul_fwd_f32_<w> with src1 the view W^T only, each row of src0 first quantized to 8 bits
  * in blocks of 32 (256 for the K-quants) as llama.cpp quantizes activations, the blocks
  * multiplied in integers (qdot8.c and qdot8k.c give the order; the same bits at every SIMD
@@ -211,6 +211,7 @@ int gt_matmul_q8_fwd_f32_q5_0(const struct gt_node *node, const gt_ctx *ctx);
 int gt_matmul_q8_fwd_f32_q5_1(const struct gt_node *node, const gt_ctx *ctx);
 int gt_matmul_q8_fwd_f32_q8_0(const struct gt_node *node, const gt_ctx *ctx);
 int gt_matmul_q8_fwd_f32_q4_k(const struct gt_node *node, const gt_ctx *ctx);
+int gt_matmul_q8_fwd_f32_q5_k(const struct gt_node *node, const gt_ctx *ctx);
 int gt_matmul_q8_fwd_f32_q6_k(const struct gt_node *node, const gt_ctx *ctx);
 int gt_matmul_q8_fwd_f32_q4_0_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
 int gt_matmul_q8_fwd_f32_q4_1_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
@@ -218,6 +219,7 @@ int gt_matmul_q8_fwd_f32_q5_0_sizes(const struct gt_node *node, int64_t *scratch
 int gt_matmul_q8_fwd_f32_q5_1_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
 int gt_matmul_q8_fwd_f32_q8_0_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
 int gt_matmul_q8_fwd_f32_q4_k_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
+int gt_matmul_q8_fwd_f32_q5_k_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
 int gt_matmul_q8_fwd_f32_q6_k_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
 
 /* matmul_ggml_fwd_f32[_f16]: dst (..., M, N) = src0 (..., M, K) @ src1, src1 the view W^T of

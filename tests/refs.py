@@ -84,12 +84,14 @@ def act8k_quantize(x):
 
 
 def kquant_blocks(raw, wtype, R, C):
-    """The integer parts of a stored q4_k / q6_k matrix (R, C): q (R, C/256, 256) (q4_k: 0..15;
-    q6_k: -32..31), the scale of each element's sub-block sc (R, C/256, 256), and d, and for
-    q4_k the sub-blocks' mins mn (R, C/256, 256) and dmin, per super-block (R, C/256)."""
+    """The integer parts of a stored q4_k / q5_k / q6_k matrix (R, C): q (R, C/256, 256) (q4_k:
+    0..15; q5_k: 0..31; q6_k: -32..31), the scale of each element's sub-block sc (R, C/256, 256),
+    and d, and for q4_k and q5_k the sub-blocks' mins mn (R, C/256, 256) and dmin, per
+    super-block (R, C/256)."""
     nb = C // 256
-    if wtype == "q4_k":
-        b = np.frombuffer(raw, np.uint8).reshape(R, nb, 144).astype(np.int64)
+    if wtype in ("q4_k", "q5_k"):
+        five = wtype == "q5_k"
+        b = np.frombuffer(raw, np.uint8).reshape(R, nb, 176 if five else 144).astype(np.int64)
         d = b[..., :2].astype(np.uint8).copy().view(np.float16)[..., 0].astype(np.float32)
         dmin = b[..., 2:4].astype(np.uint8).copy().view(np.float16)[..., 0].astype(np.float32)
         s = b[..., 4:16]
@@ -101,8 +103,11 @@ def kquant_blocks(raw, wtype, R, C):
             else:
                 sc[..., j] = (s[..., j + 4] & 15) | ((s[..., j - 4] >> 6) << 4)
                 mn[..., j] = (s[..., j + 4] >> 4) | ((s[..., j] >> 6) << 4)
-        qs = b[..., 16:].reshape(R, nb, 4, 32)
+        qs = b[..., 48 if five else 16:].reshape(R, nb, 4, 32)
         q = np.stack([qs & 15, qs >> 4], 3).reshape(R, nb, 256)
+        if five:    # element 32 s + l (sub-block s) takes bit s of qh[l] as its 16
+            qh = b[..., 16:48]
+            q = q | (((qh[..., None, :] >> np.arange(8)[:, None]) & 1) << 4).reshape(R, nb, 256)
         return q, np.repeat(sc, 32, -1), d, np.repeat(mn, 32, -1), dmin
     b = np.frombuffer(raw, np.uint8).reshape(R, nb, 210).astype(np.int64)
     ql, qh = b[..., :128], b[..., 128:192]
@@ -119,10 +124,10 @@ def kquant_blocks(raw, wtype, R, C):
 
 
 def kquant_f64(raw, wtype, R, C):
-    """The stored q4_k / q6_k matrix (R, C) in float64."""
+    """The stored q4_k / q5_k / q6_k matrix (R, C) in float64."""
     q, sc, d, mn, dmin = kquant_blocks(raw, wtype, R, C)
     w = d[..., None].astype(np.float64) * sc * q
-    if wtype == "q4_k":
+    if mn is not None:
         w = w - dmin[..., None].astype(np.float64) * mn
     return w.reshape(R, C)
 
@@ -134,7 +139,7 @@ def act8k_matmul(x, raw, wtype, R, C):
     dx = dx.astype(np.float64)
     isum = np.einsum("...bk,rbk->...rb", qx.astype(np.int64), sc * q).astype(np.float64)
     out = (isum * d.astype(np.float64) * dx[..., None, :]).sum(-1)
-    if wtype == "q4_k":
+    if mn is not None:
         msum = np.einsum("...bk,rbk->...rb", qx.astype(np.int64), mn).astype(np.float64)
         out = out - (msum * dmin.astype(np.float64) * dx[..., None, :]).sum(-1)
     return out

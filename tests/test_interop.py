@@ -485,11 +485,14 @@ def test_one_row_products_are_llama_cpps_compiled_vec_dot(llama, f16):
         np.testing.assert_array_equal(refs.ggml_matmul(x[None], w, f16)[0], theirs, err_msg=f"n = {n}")
 
 
-@pytest.mark.parametrize("out_type", ["q8_0", "q4_1", "q4_0", "q5_0", "q5_1", "q4_k_m", "q6_k", "f32", "f16"])
+@pytest.mark.parametrize("out_type", ["q8_0", "q4_1", "q4_0", "q5_0", "q5_1", "q4_k_m", "q4_k_m+q4_k_out", "q5_k_m",
+                                      "q6_k", "f32", "f16"])
 def test_logits_with_8_bit_activations_equal_llama_cpp(llama, tmp_path, out_type):
     """A small random llama written with quantized matrices (q8_0: all; q4_1, q4_0: the blocks'
     matrices, q8_0 beside them; q5_0, q5_1, q4_k_m (q4_k, q6_k) and q6_k by llama.cpp's quantizer,
-    the embedding and output q8_0), or in f32 or f16: in llama.cpp's numbers (8-bit activations,
+    the embedding and output q8_0; q4_k_m+q4_k_out: the output Q4_K too, whose 259 rows llama.cpp
+    does not repack; q5_k_m: Q5_K, which it never repacks on x86), or in f32 or f16: in
+    llama.cpp's numbers (8-bit activations,
     Q8_K super-blocks for the K-quants, each product in the order of the kernel llama.cpp picks
     for its row count and type; its norms, rope, attention and swiglu) our logits are
     llama.cpp's (F32 KV cache) bit for bit at every position, fed a token at a time (the
@@ -504,8 +507,10 @@ def test_logits_with_8_bit_activations_equal_llama_cpp(llama, tmp_path, out_type
         f32 = tmp_path / "tiny-f32.gguf"
         save_model(f32, config, init_params(ModelConfig(**config), seed=1, std=0.02), tok)
         params = llama.llama_model_quantize_default_params()
-        params.ftype = getattr(llama, f"LLAMA_FTYPE_MOSTLY_{out_type.upper()}")
+        params.ftype = getattr(llama, f"LLAMA_FTYPE_MOSTLY_{out_type.split('+')[0].upper()}")
         params.output_tensor_type = params.token_embedding_type = llama.GGML_TYPE_Q8_0   # (not Q6_K)
+        if out_type.endswith("+q4_k_out"):
+            params.output_tensor_type = llama.GGML_TYPE_Q4_K
         assert llama.llama_model_quantize(str(f32).encode(), str(path).encode(), params) == 0
     else:
         save_model(path, config, init_params(ModelConfig(**config), seed=1, std=0.02), tok, out_type=out_type)

@@ -32,7 +32,7 @@ def q8(x, raw, w, R, C, n_threads=1):
 
 
 def test_the_library_has_the_types_the_op_names():
-    assert ops.ACT8_TYPES == ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q6_k")
+    assert ops.ACT8_TYPES == ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k")
 
 
 @pytest.mark.parametrize("w", ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0"])
@@ -131,20 +131,20 @@ def test_bad_operands_are_refused():
     g = Graph()
     x = g.input((2, 64))
     w16 = g.param((8, 64), name="w16", trainable=False, dtype="f16")
-    with pytest.raises(DTypeError, match="matmul_q8: the weight must be stored in one of q4_0, q4_1, q5_0, q5_1, q8_0, q4_k, q6_k"):
+    with pytest.raises(DTypeError, match="matmul_q8: the weight must be stored in one of q4_0, q4_1, q5_0, q5_1, q8_0, q4_k, q5_k, q6_k"):
         ops.matmul_q8(x, ops.transpose(w16, 0, 1))
     wq = g.param((8, 64), name="wq", trainable=False, dtype="q8_0")
     with pytest.raises(ShapeError, match=r"matmul_q8: the weight must be the view W.T"):
         ops.matmul_q8(g.input((2, 8)), wq)
     raw = _raw(np.ones((8, 64), np.float32), "q8_0")
-    with pytest.raises(NativeError, match=r"matmul_q8: expected x @ W\^T with W stored in one of q4_0 q4_1 q5_0 q5_1 q8_0 q4_k q6_k"):
+    with pytest.raises(NativeError, match=r"matmul_q8: expected x @ W\^T with W stored in one of q4_0 q4_1 q5_0 q5_1 q8_0 q4_k q5_k q6_k"):
         run_kernel("matmul_q8_fwd_f32_q8_0", np.zeros((2, 64), np.float32),
                    [np.ones((2, 8), np.float32), (raw, "q8_0", (8, 64), (64, 1))])
 
 
 def _kquant_raw(rng, w: str, N: int, K: int) -> np.ndarray:
-    """Random q4_k / q6_k super-blocks, their f16 scales small and finite."""
-    bb, at = {"q4_k": (144, (0, 2)), "q6_k": (210, (208,))}[w]
+    """Random q4_k / q5_k / q6_k super-blocks, their f16 scales small and finite."""
+    bb, at = {"q4_k": (144, (0, 2)), "q5_k": (176, (0, 2)), "q6_k": (210, (208,))}[w]
     raw = rng.integers(0, 256, (N, K // 256, bb), dtype=np.uint8)
     for a in at:
         raw[..., a:a + 2] = np.frombuffer(rng.uniform(-0.01, 0.01, (N, K // 256)).astype(np.float16).tobytes(),
@@ -152,12 +152,12 @@ def _kquant_raw(rng, w: str, N: int, K: int) -> np.ndarray:
     return raw.reshape(-1)
 
 
-@pytest.mark.parametrize("w", ["q4_k", "q6_k"])
+@pytest.mark.parametrize("w", ["q4_k", "q5_k", "q6_k"])
 @pytest.mark.parametrize("M,K,N", [(1, 256, 1), (1, 512, 24), (3, 768, 17), (33, 256, 9)])
 def test_k_quant_products_equal_the_float64_reference(w, M, K, N):
-    """Q4_K and Q6_K times activations in llama.cpp's Q8_K super-blocks (one scale a 256, -127 /
+    """Q4_K, Q5_K and Q6_K times activations in llama.cpp's Q8_K super-blocks (one scale a 256, -127 /
     the element of largest magnitude, sums of 16): the float64 sum of the integer products with
-    the sub-blocks' scales (and Q4_K's mins times the activations' sums), to float rounding; not
+    the sub-blocks' scales (and Q4_K's and Q5_K's mins times the activations' sums), to float rounding; not
     the f32 product; the same bits for 1, 2, 3 threads and the plain C and AVX2 paths."""
     rng = np.random.default_rng(M * 7 + K + N)
     raw = _kquant_raw(rng, w, N, K)
@@ -202,11 +202,11 @@ def _q4k_chain(x, raw, N, K, per):
 
 
 @pytest.mark.parametrize("simd", [2, 0])
-@pytest.mark.parametrize("w", ["q6_k", "q4_k"])
+@pytest.mark.parametrize("w", ["q6_k", "q4_k", "q5_k"])
 def test_products_of_8_rows_or_more_take_llama_cpp_tiled_order(simd, w):
-    """Weights llama.cpp does not repack (Q6_K; Q4_K with rows not a multiple of 8) times 8 or
-    more rows go through its tiled K-quant GEMM: per super-block the exact integers, r =
-    (float)I * d (Q4_K: fma(-dmin, (float)Im, r)), acc = fma(r, x.d, acc); 7 rows keep its
+    """Weights llama.cpp does not repack (Q6_K, Q5_K; Q4_K with rows not a multiple of 8) times 8
+    or more rows go through its tiled K-quant GEMM: per super-block the exact integers, r =
+    (float)I * d (Q4_K, Q5_K: fma(-dmin, (float)Im, r)), acc = fma(r, x.d, acc); 7 rows keep its
     one-row (vec_dot) order, whose bits differ."""
     rng = np.random.default_rng(6)
     K, N = 768, 12
@@ -215,12 +215,12 @@ def test_products_of_8_rows_or_more_take_llama_cpp_tiled_order(simd, w):
     qx, dx, _ = refs.act8k_quantize(x)
     q, sc, d, mn, dmin = refs.kquant_blocks(raw.tobytes(), w, N, K)
     isum = np.einsum("mbk,nbk->mnb", qx.astype(np.int64), sc * q)
-    msum = np.einsum("mbk,nbk->mnb", qx.astype(np.int64), mn) if w == "q4_k" else 0 * isum
+    msum = np.einsum("mbk,nbk->mnb", qx.astype(np.int64), mn) if mn is not None else 0 * isum
     f32 = np.float32
     want = np.zeros((9, N), f32)
     for b in range(K // 256):
         r = isum[:, :, b].astype(f32) * d[None, :, b]
-        if w == "q4_k":
+        if mn is not None:
             r = refs.fma32(-dmin[None, :, b], msum[:, :, b].astype(f32), r)
         want = refs.fma32(r, dx[:, b:b + 1], want)
     try:
@@ -240,8 +240,8 @@ def test_q4_k_rows_take_llama_cpp_batched_then_single_row_order(simd):
     """llama.cpp repacks a Q4_K matrix whose rows are a multiple of 8 and multiplies the first
     M - M % 4 rows of x four at a time (an fma each 64 elements), the rest one at a time (an
     fma each super-block): rows 0-3 of a 6-row product have the first order's bits, rows 4-5
-    the second's, and the two orders differ somewhere; with rows not a multiple of 8 (llama.cpp's
-    vec_dot) every row keeps the one-row order."""
+    the second's, and the two orders differ somewhere; with rows not a multiple of 8 every row
+    takes llama.cpp's vec_dot (its lanes, _vec_dot), which is neither."""
     rng = np.random.default_rng(5)
     K = 512
     x = (rng.standard_normal((6, K)) * np.exp(rng.standard_normal((6, K)))).astype(np.float32)
@@ -254,8 +254,59 @@ def test_q4_k_rows_take_llama_cpp_batched_then_single_row_order(simd):
             if N % 8 == 0:
                 np.testing.assert_array_equal(got[:4], batched[:4])
                 assert (batched[:4] != single[:4]).any()
+                np.testing.assert_array_equal(got[4:], single[4:])
             else:
-                np.testing.assert_array_equal(got[:4], single[:4])
-            np.testing.assert_array_equal(got[4:], single[4:])
+                np.testing.assert_array_equal(got, _vec_dot(x, raw, "q4_k", N, K))
+                assert (got != single).any()
+    finally:
+        lib.gt_set_simd_level(2)
+
+
+def _vec_dot(x, raw, w, N, K):
+    """llama.cpp's ggml_vec_dot_q4_K_q8_K / _q5_K_q8_K (AVX2) emulated in f32: eight int32 lanes
+    a super-block (lane l: the elements 32 s + 4 l .. + 3 of every sub-block s, times its scale),
+    acc[l] = fma(x.d * d, lane l, acc[l]), the mins with dmin' = -(x.d * dmin): Q5_K one chain
+    summs = fma(Im, dmin', summs), Q4_K four lanes accm[t] = fma(dmin', mins of sub-blocks 2t,
+    2t+1, accm[t]); y = hsum8(acc) + summs, or + ((accm0 + accm2) + (accm1 + accm3))."""
+    qx, dx, _ = refs.act8k_quantize(x)
+    q, sc, d, mn, dmin = refs.kquant_blocks(raw.tobytes(), w, N, K)
+    M, nb = x.shape[0], K // 256
+    prod = (sc * q).reshape(N, nb, 8, 8, 4)                 # (n, b, sub-block, lane, k)
+    lanes = np.einsum("mbslk,nbslk->mnbl", qx.astype(np.int64).reshape(M, nb, 8, 8, 4), prod)
+    mins = np.einsum("mbsk,nbsk->mnbs", qx.astype(np.int64).reshape(M, nb, 8, 32), mn.reshape(N, nb, 8, 32))
+    f32 = np.float32
+    out = np.empty((M, N), f32)
+    for m in range(M):
+        for n in range(N):
+            acc, accm, summs = np.zeros(8, f32), np.zeros(4, f32), f32(0)
+            for b in range(nb):
+                dd, dm = f32(dx[m, b] * d[n, b]), -f32(dx[m, b] * dmin[n, b])
+                acc = refs.fma32(dd, lanes[m, n, b].astype(f32), acc)
+                sub = mins[m, n, b]
+                if w == "q5_k":
+                    summs = refs.fma32(f32(sub.sum()), dm, summs)
+                else:
+                    accm = refs.fma32(dm, (sub[0::2] + sub[1::2]).astype(f32), accm)
+            r = [acc[0] + acc[4], acc[1] + acc[5], acc[2] + acc[6], acc[3] + acc[7]]
+            h = f32(f32(r[0] + r[2]) + f32(r[1] + r[3]))
+            out[m, n] = h + (summs if w == "q5_k" else f32(f32(accm[0] + accm[2]) + f32(accm[1] + accm[3])))
+    return out
+
+
+@pytest.mark.parametrize("simd", [2, 0])
+@pytest.mark.parametrize("w,N", [("q5_k", 16), ("q5_k", 12), ("q4_k", 12)])
+def test_fewer_than_8_rows_take_llama_cpp_vec_dot_order(simd, w, N):
+    """Q5_K (never repacked on x86), and Q4_K whose rows are not a multiple of 8 (not repacked),
+    times fewer than 8 rows of x: llama.cpp's vec_dot, whose lanes and mins chains (see
+    _vec_dot) give bits of their own."""
+    rng = np.random.default_rng(7)
+    K = 768
+    raw = _kquant_raw(rng, w, N, K)
+    x = (rng.standard_normal((5, K)) * np.exp(rng.standard_normal((5, K)))).astype(np.float32)
+    try:
+        lib.gt_set_simd_level(simd)
+        got = q8(x, raw, w, N, K)
+        np.testing.assert_array_equal(got, _vec_dot(x, raw, w, N, K))
+        np.testing.assert_array_equal(q8(x, raw, w, N, K, 3), got)
     finally:
         lib.gt_set_simd_level(2)

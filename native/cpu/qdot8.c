@@ -110,7 +110,12 @@ static int kind_of(int32_t dtype) {
  * weights are signed */
 #define HAS_MIN(kind) ((kind) == K_Q4_1 || (kind) == K_Q5_1)
 
-int gt_act8_supports_(int32_t dtype) { return kind_of(dtype) >= 0 || dtype == GT_Q4_K || dtype == GT_Q6_K; }
+int gt_act8_supports_(int32_t dtype) {
+#define ACT8_IS_(w, ID) if (dtype == ID) return 1;
+    GT_ACT8_TYPES(ACT8_IS_)
+#undef ACT8_IS_
+    return 0;
+}
 
 /* element i of a block as an integer (Q5: the low nibble, bit i of qh above it) */
 static inline int32_t wq(int kind, const uint8_t *b, int i) {
