@@ -9,14 +9,15 @@ round, peak RSS (ru_maxrss of the process, from wait4) the largest. llama.cpp ru
 user runs it: default F16 KV cache, mmap, greedy sampling; both get the same thread count
 and context (--ctx; ours keeps an f32 cache of that many positions).
 
-    python bench/bench_generate.py [--model PATH ...] [--tinyllama] [-n 48] [--threads 2]
-                                   [--rounds 3] [--prompt TEXT] [--exact]
+    python bench/bench_generate.py [--model PATH ...] [--tinyllama] [--requant TYPE ...] [-n 48]
+                                   [--threads 2] [--rounds 3] [--prompt TEXT] [--exact]
 
 Ours runs as `ggtrain generate` does by default: quantized weights times activations rounded
 to 8 bits, llama.cpp's numerics (--exact adds a row of ours with f32 activations).
 
 Default model: SmolLM2-135M-Instruct Q4_1 from ../shared/data. --tinyllama adds the
-TinyLlama-1.1B-shaped Q4_0 model of bench/tinyllama.py (built on first use).
+TinyLlama-1.1B-shaped Q4_0 model of bench/tinyllama.py (built on first use); --requant f16
+(or q5_k_m, ...) adds SmolLM2 requantized to that type by llama.cpp's quantizer.
 Targets (issue 8): tokens/s ratio ours/llama.cpp >= 0.5, peak RSS ratio <= 1.5.
 Also our GFLOP/s (2 per weight element per token: the products with the model's matrices)
 as a percentage of the FP32 peak measured in the same sitting (bench/peak.py); generation
@@ -114,10 +115,36 @@ def theirs(model, prompt, n, threads, ctx, f32_cache=False) -> dict:
     return res
 
 
+def _requantized(ftype: str) -> pathlib.Path:
+    """SmolLM2 (Q4_1) requantized to a llama.cpp ftype (f16, q5_k_m, ...) by its own quantizer,
+    cached: the weights are SmolLM2's as stored, in another type (576 columns are not whole
+    K-quant super-blocks, so a K-quant mix falls back to legacy types for most matrices)."""
+    import llama_cpp
+
+    out = HERE / ".cache" / f"SmolLM2-135M-Instruct.{ftype.upper()}.gguf"
+    if out.is_file():
+        return out
+    name = f"LLAMA_FTYPE_MOSTLY_{ftype.upper()}"
+    if not hasattr(llama_cpp, name):
+        sys.exit(f"--requant {ftype}: llama.cpp has no ftype {name}")
+    out.parent.mkdir(exist_ok=True)
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, name)
+    params.allow_requantize = True
+    tmp = out.with_suffix(".tmp")
+    if llama_cpp.llama_model_quantize(str(SMOLLM2).encode(), str(tmp).encode(), params) != 0:
+        sys.exit(f"--requant {ftype}: llama.cpp's quantizer failed")
+    os.replace(tmp, out)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", action="append", type=pathlib.Path, help="GGUF model (repeatable)")
     ap.add_argument("--tinyllama", action="store_true", help="also the TinyLlama-1.1B-shaped Q4_0 model")
+    ap.add_argument("--requant", action="append", default=[], metavar="TYPE",
+                    help="also SmolLM2 requantized to TYPE (f16, q5_k_m, ...: a llama.cpp ftype) by llama.cpp's "
+                         "quantizer, cached under bench/.cache (repeatable)")
     ap.add_argument("--prompt", default="The capital of France is")
     ap.add_argument("-n", type=int, default=48)
     ap.add_argument("--threads", type=int, default=2)
@@ -131,6 +158,7 @@ def main() -> None:
     if args.tinyllama:
         from tinyllama import tinyllama_q4_0
         models.append(tinyllama_q4_0())
+    models += [_requantized(t) for t in args.requant]
     peak = Peak(args.threads)
     rows, same_f32 = [], {}
     for model in models:

@@ -12,12 +12,22 @@ def run_cli(*args):
     return subprocess.run([sys.executable, "-m", "ggtrain", *map(str, args)], capture_output=True, text=True)
 
 
-def open_llm(llama, model, lora=None, scale=1.0, n_ctx=256):
-    """A quiet 2-thread llama.cpp context on `model` (with an adapter at `scale`): logits of every
-    position, F32 KV cache (so its logits can be compared with ours)."""
+def open_llm(llama, model, lora=None, scale=1.0, n_ctx=256, logits_all=True):
+    """A quiet 2-thread llama.cpp context on `model` (with an adapter at `scale`), F32 KV cache (so
+    its logits can be compared with ours): logits of every position, or with logits_all=False of
+    the last one only (last_logits), as generation runs: its graphs then give the last block's
+    FFN and the head that one row, which picks their kernels' orders."""
     kw = dict(lora_path=str(lora), lora_scale=scale) if lora else {}
-    return llama.Llama(model_path=str(model), n_ctx=n_ctx, n_threads=2, n_threads_batch=2, seed=0, logits_all=True,
-                       verbose=False, type_k=llama.GGML_TYPE_F32, type_v=llama.GGML_TYPE_F32, flash_attn=False, **kw)
+    return llama.Llama(model_path=str(model), n_ctx=n_ctx, n_threads=2, n_threads_batch=2, seed=0,
+                       logits_all=logits_all, verbose=False, type_k=llama.GGML_TYPE_F32, type_v=llama.GGML_TYPE_F32,
+                       flash_attn=False, **kw)
+
+
+def last_logits(llm, ids) -> np.ndarray:
+    """The logits after the last of ids (n_vocab,), from a context opened with logits_all=False."""
+    llm.reset()
+    llm.eval(list(ids))
+    return np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),)).copy()
 
 
 def greedy(llm, ids, n):

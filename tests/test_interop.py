@@ -440,6 +440,35 @@ def test_eval_int8_nll_equals_llama_cpp_in_windows(llama, shared_data, tmp_path)
     assert abs(got[()]["nll"] - theirs) > 1e-3
 
 
+@pytest.mark.parametrize("out_type", ["f32", "f16", "q8_0"])
+def test_prompt_logits_are_llama_cpps_as_generation_runs_it(llama, tmp_path, out_type):
+    """Generation in llama.cpp's numbers takes a prompt as llama.cpp does: in ubatches of 512
+    tokens (its default), and with only the last position through the last block's FFN and the
+    head (its inp_out_ids), so every product has llama.cpp's row count, which picks its kernel:
+    a 257-token prompt gives llama.cpp's logits after its last token bit for bit (F32, F16: its
+    vec_dot for one row, tinyBLAS for more; Q8_0: row dots in any case). With F32 weights,
+    computed for every position instead (llama.cpp's logits_all) the last row's bits are other,
+    and cut at 256 tokens, as the decoder used to, the last token is a product of one row and
+    they part too (F16 rounds most such ulps away)."""
+    from tests.interop import last_logits, open_llm
+    tok = load_tokenizer("byte", "First Citizen: Before we proceed any further, hear me speak.")
+    config = dict(vocab=tok.n_vocab, dim=256, layers=2, heads=4, kv_heads=2, ff=512, ctx=512)
+    path = tmp_path / f"tiny-{out_type}.gguf"
+    save_model(path, config, init_params(ModelConfig(**config), seed=2, std=0.02), tok, out_type=out_type)
+    text = (SHARED_DATA / "text" / "tinyshakespeare.txt").read_text()[:1000]
+    ids = tok.encode(text, add_bos=True).tolist()[:257]
+    theirs = last_logits(open_llm(llama, path, n_ctx=512, logits_all=False), ids)
+    be = CpuBackend(2)
+    cfg, weights, _ = open_model(path, be)
+    dec = Decoder(ModelConfig(**cfg), weights, be, n_ctx=512, act8=True)
+    np.testing.assert_array_equal(dec.feed(ids), theirs)
+    if out_type == "f32":
+        dec.reset()
+        assert (dec.feed(ids, every=True)[-1] != theirs).any()
+        cut = Decoder(ModelConfig(**cfg), weights, be, n_ctx=512, act8=True, chunk=256).feed(ids)
+        assert (cut != theirs).any()
+
+
 def _ggml_cpu(llama):
     """llama-cpp-python's own libggml-cpu, whose exported vec_dot functions are the oracle."""
     import ctypes

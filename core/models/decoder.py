@@ -343,6 +343,10 @@ def forward(cfg: ModelConfig, params: dict, tokens, pos, graph=None, checkpoint:
             a = ops.mul(_norm(a, eps, ggml), params[p + "post_attention_norm.weight"])
         if cfg.residual_scale:
             a = ops.scale(a, cfg.residual_scale)
+        if last_only and t > 1 and i == cfg.layers - 1:
+            # as llama.cpp's graphs (inp_out_ids): the last block's FFN, like the head, takes
+            # only the row whose logits are wanted, so its products have llama.cpp's row count
+            a, x = _last_row(a), _last_row(x)
         x = ops.add(x, a)
         if keep is not None:
             keep(x)
@@ -367,13 +371,18 @@ def forward(cfg: ModelConfig, params: dict, tokens, pos, graph=None, checkpoint:
         x = ops.add(x, f)
         if checkpoint and graph is not None:
             graph.checkpoint(x)
-    if last_only and t > 1:
-        c = x.shape[-1]
-        x = ops.view(x, (b, 1, c), (t * c, c, 1), (t - 1) * c)                      # (B, 1, C)
+    if last_only and t > 1 and not cfg.layers:
+        x = _last_row(x)
     if rows is not None:
         x = ops.get_rows(ops.reshape(x, (b * t, x.shape[-1])), rows)                # (M, C)
     x = ops.mul(_norm(x, eps, ggml), params["output_norm.weight"])
     return output(cfg, params, x, lora) if head else x
+
+
+def _last_row(x):
+    """The last position of x (B, T, C) contiguous, as (B, 1, C)."""
+    b, t, c = x.shape
+    return ops.view(x, (b, 1, c), (t * c, c, 1), (t - 1) * c)
 
 
 def output(cfg: ModelConfig, params: dict, x, lora: dict | None = None):
