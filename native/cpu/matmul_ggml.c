@@ -9,7 +9,13 @@
  * With an f16 W, x is first rounded to f16 (the f16 vec_dot type); W's values and the
  * products of two f16 values are exact in f32. ggmlnum.h gives each dot's order. The rows
  * of x, batch dims folded in, are the product's n: a call is one ubatch. Same bits at every
- * SIMD level and thread count (threads split W's rows). */
+ * SIMD level and thread count (threads split W's rows).
+ *
+ * Kernels: the plain C (block_dots, cloned per SIMD level) everywhere; with AVX-512 and F16C,
+ * one row of x against 4 W rows at a time in 16 zmm lanes (row_dots64_avx512, an f16 W
+ * converted as it is read, rows ahead prefetched as qdot.c's row dots do), and 4 x 4 tiles of
+ * x rows by W rows for tinyBLAS's order (tile_dots16_avx512); both take the reduction trees
+ * of 16 sums at once (reduce16x16_avx512), with the same pairwise adds. */
 #include <string.h>
 
 #include "ggmlnum.h"
