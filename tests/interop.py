@@ -52,3 +52,17 @@ def their_nll(llama, model, text: str, window: int) -> float:
         logp = z - np.log(np.exp(z).sum(-1, keepdims=True))
         total -= logp[np.arange(len(w) - 1), w[1:]].sum()
     return total / (len(ids) - 1)
+
+
+def random_lora_pairs(rng, weights: dict, layers: int, targets=("attn_q", "attn_v", "ffn_up", "ffn_down"),
+                      rank: int = 16, std: float = 0.3) -> dict:
+    """{weight name: (A (rank, n_in), B (n_out, rank))} f32, normal with `std`, for the targets of
+    every block: an adapter whose effect is large enough to see."""
+    pairs = {}
+    for i in range(layers):
+        for t in targets:
+            w = f"blk.{i}.{t}.weight"
+            n_out, n_in = weights[w].shape
+            pairs[w] = (rng.normal(0, std, (rank, n_in)).astype(np.float32),
+                        rng.normal(0, std, (n_out, rank)).astype(np.float32))
+    return pairs

@@ -9,7 +9,7 @@ import pytest
 from ggtrain.formats.gguf import read_gguf
 from ggtrain.formats.model_file import load_model
 from ggtrain.formats.lora import write_lora
-from tests.interop import greedy, open_llm, run_cli
+from tests.interop import greedy, open_llm, random_lora_pairs, run_cli
 
 PROMPT = "Once upon a time, there was a little"
 # where a quantized merged model's greedy run parts from llama.cpp's base + adapter, llama.cpp's
@@ -63,14 +63,7 @@ def test_checkpoint_model_generates_in_llama_cpp_as_ggtrain_generate(llama, shar
 def test_merged_model_runs_as_base_with_adapter(llama, shared_data, tmp_path, name):
     base = shared_data / "gguf" / f"{name}.gguf"
     config, weights, _ = load_model(base)
-    rng = np.random.default_rng(3)
-    pairs = {}
-    for i in range(config["layers"]):
-        for t in ("attn_q", "attn_v", "ffn_up", "ffn_down"):
-            w = f"blk.{i}.{t}.weight"
-            n_out, n_in = weights[w].shape
-            pairs[w] = (rng.standard_normal((4, n_in)).astype(np.float32) * 0.3,
-                        rng.standard_normal((n_out, 4)).astype(np.float32) * 0.3)
+    pairs = random_lora_pairs(np.random.default_rng(3), weights, config["layers"], rank=4)
     adapter, merged = tmp_path / "a.gguf", tmp_path / "m.gguf"
     write_lora(adapter, "llama", 8.0, pairs)
     r = run_cli("convert-checkpoint", base, merged, "--adapter", adapter, "--scale", 0.5)

@@ -253,13 +253,8 @@ def test_lora_adapter_in_llama_cpp_numbers_gives_its_logits(llama, shared_data, 
     path = shared_data / "gguf" / f"{name}.gguf"
     be = CpuBackend(2)
     cfg, weights, tok = open_model(path, be)
-    rng = np.random.default_rng(6)
-    pairs = {}
-    for i in range(cfg["layers"]):
-        for t in ("attn_q", "attn_v", "ffn_up", "ffn_down"):
-            w = f"blk.{i}.{t}.weight"
-            n_out, n_in = weights[w].shape
-            pairs[w] = (rng.normal(0, 0.3, (16, n_in)), rng.normal(0, 0.3, (n_out, 16)))
+    from tests.interop import random_lora_pairs
+    pairs = random_lora_pairs(np.random.default_rng(6), weights, cfg["layers"])
     adapter = tmp_path / "adapter.gguf"
     write_lora(adapter, "llama", 7.0, pairs, tensor_type=factors)     # (0.3 * 7 / 16: an f32-rounded scale)
     lora = lora_adapters(adapter, {w: weights[w].shape for w in weights}, 0.3)

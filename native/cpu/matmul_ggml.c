@@ -72,6 +72,17 @@ __attribute__((target("avx512f"))) static inline void reduce16x16_avx512(float *
                                         _mm512_shuffle_ps(t[0], t[1], _MM_SHUFFLE(3, 1, 3, 1))));
 }
 
+/* The 4 W rows from j0 the AVX-512 kernels read together: f32 rows ldw apart (wp) or f16 rows
+ * of K (hp); rows past the n that exist repeat row j0 (their sums are dropped). */
+static inline void w_rows4(const float *wp[4], const uint16_t *hp[4], const float *wf, const uint16_t *wh,
+                           int64_t ldw, int64_t K, int64_t j0, int n) {
+    for (int q = 0; q < 4; q++) {
+        const int64_t j = j0 + (q < n ? q : 0);
+        wp[q] = wh ? NULL : wf + j * ldw;
+        hp[q] = wh ? wh + j * K : NULL;
+    }
+}
+
 /* One row of x times W rows [0, jn) (f32 rows ldw apart, or f16 rows of K) by gt_ggml_dot or
  * gt_ggml_dot_f16: 4 W rows at a time in 4 x 4 zmm (their 64 lanes; an f16 W converted as it
  * is read, no dequantized copy), each row's lanes folded as gt_ggml_dot folds them, 16 rows'
@@ -88,11 +99,7 @@ __attribute__((target("avx512f"))) static void row_dots64_avx512(float *c, const
         for (int g = 0; g < 4; g++) {
             const float *wp[4];
             const uint16_t *hp[4];
-            for (int q = 0; q < 4; q++) {
-                const int64_t jj = j0 + (4 * g + q < nr ? 4 * g + q : 0);
-                wp[q] = wh ? NULL : wf + jj * ldw;
-                hp[q] = wh ? wh + jj * K : NULL;
-            }
+            w_rows4(wp, hp, wf, wh, ldw, K, j0 + 4 * g, nr - 4 * g);
             __m512 acc[4][4];
 #pragma GCC unroll 4
             for (int q = 0; q < 4; q++)
@@ -174,11 +181,7 @@ __attribute__((target("avx512f"))) static void tile_dots16_avx512(float *c, int6
                 const int nj = c1 - j0 < 4 ? (int)(c1 - j0) : 4;
                 const float *wp[4];
                 const uint16_t *hp[4];
-                for (int q = 0; q < 4; q++) {
-                    const int64_t jj = j0 + (q < nj ? q : 0);
-                    wp[q] = wh ? NULL : wf + jj * ldw;
-                    hp[q] = wh ? wh + jj * K : NULL;
-                }
+                w_rows4(wp, hp, wf, wh, ldw, K, j0, nj);
                 __m512 acc[4][4];
 #pragma GCC unroll 4
                 for (int r = 0; r < 4; r++)
