@@ -177,7 +177,8 @@ def _matmul_ggml(x, w, f16, n_threads=1):
 
 
 @pytest.mark.parametrize("f16", [False, True], ids=["f32", "f16"])
-@pytest.mark.parametrize("m,n,k", [(1, 8, 96), (1, 5, 40), (3, 12, 80), (3, 10, 80), (4, 8, 70), (6, 36, 200)])
+@pytest.mark.parametrize("m,n,k", [(1, 8, 96), (1, 5, 40), (3, 12, 80), (3, 10, 80), (4, 8, 70), (6, 36, 200),
+                                   (5, 300, 64)])
 def test_matmul_ggml_is_llama_cpp_mul_mat(f16, m, n, k):
     """f32 and f16 weights as llama.cpp's CPU multiplies them: tinyBLAS's 16 lanes for 2 or more
     rows when N % 4 == 0 and K % 16 == 0, else its vec_dot (64 lanes, the leftovers fma'd, or added

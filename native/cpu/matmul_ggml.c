@@ -25,9 +25,11 @@
 #define JB 16       /* W rows a block: each is dotted with every row of x while in cache */
 #define ALIGN 64
 
-/* per thread: an f16 W's block dequantized (JB x K) and 4 rows of x rounded to f16 (4 K) */
+/* per thread: an f16 W's block (JB x K, or the tiled path's chunk of TILE_CHUNK_F16 rows)
+ * dequantized, and 4 rows of x rounded to f16 (4 K) */
+#define WCONV_ROWS (JB > 64 ? JB : 64)
 static int64_t work_bytes(int32_t wtype, int64_t K) {
-    return wtype == GT_F16 ? (JB + 4) * (K > 0 ? K : 0) * (int64_t)sizeof(float) + ALIGN : 0;
+    return wtype == GT_F16 ? (WCONV_ROWS + 4) * (K > 0 ? K : 0) * (int64_t)sizeof(float) + ALIGN : 0;
 }
 
 /* c[i * ldc + j] (i < m, j < jn) = dot(x row i, W row j) */
@@ -152,8 +154,10 @@ __attribute__((target("avx512f"))) static void row_dots64_avx512(float *c, const
     }
 }
 
-/* W rows a chunk of the tiled path: their bytes stay in L2 while every row of x passes */
+/* W rows a chunk of the tiled path: their bytes stay in L2 while every row of x passes (an f16
+ * W's, converted to f32 into the thread's work, fewer) */
 #define TILE_CHUNK 256
+#define TILE_CHUNK_F16 64
 
 /* Rows [0, m) of x (row stride rs) times W rows [0, jn) in tinyBLAS's order (gt_ggml_dot16),
  * K % 16 == 0: tiles of 4 x rows by 4 W rows, 16 zmm lanes each (a tile's edge rows repeat its
@@ -161,10 +165,22 @@ __attribute__((target("avx512f"))) static void row_dots64_avx512(float *c, const
  * x rounded to f16 (f16 W) or NULL. */
 __attribute__((target("avx512f"))) static void tile_dots16_avx512(float *c, int64_t ldc, const float *x, int64_t rs,
                                                                    int64_t m, const float *wf, const uint16_t *wh,
-                                                                   int64_t ldw, int64_t jn, int64_t K, float *xr) {
+                                                                   int64_t ldw, int64_t jn, int64_t K, float *xr,
+                                                                   float *wconv) {
     float sums[16];
-    for (int64_t c0 = 0; c0 < jn; c0 += TILE_CHUNK) {
-        const int64_t c1 = jn - c0 < TILE_CHUNK ? jn : c0 + TILE_CHUNK;
+    const int64_t chunk = wh ? TILE_CHUNK_F16 : TILE_CHUNK;
+    for (int64_t c0 = 0; c0 < jn; c0 += chunk) {
+        const int64_t c1 = jn - c0 < chunk ? jn : c0 + chunk;
+        /* an f16 chunk converted to f32 once (not in the inner loop, where the conversions would
+         * share the FMA ports), then read as an f32 W of rows K apart */
+        const float *wc = wf;
+        int64_t lw = ldw, jb = 0;
+        if (wh) {
+            gt_dequantizer_(GT_F16)(wconv, (const uint8_t *)(wh + c0 * K), (c1 - c0) * K);
+            wc = wconv;
+            lw = K;
+            jb = c0;
+        }
         for (int64_t i0 = 0; i0 < m; i0 += 4) {
             const int mi = m - i0 < 4 ? (int)(m - i0) : 4;
             const float *xp[4];
@@ -181,7 +197,7 @@ __attribute__((target("avx512f"))) static void tile_dots16_avx512(float *c, int6
                 const int nj = c1 - j0 < 4 ? (int)(c1 - j0) : 4;
                 const float *wp[4];
                 const uint16_t *hp[4];
-                w_rows4(wp, hp, wf, wh, ldw, K, j0, nj);
+                w_rows4(wp, hp, wc, NULL, lw, K, j0 - jb, nj);
                 __m512 acc[4][4];
 #pragma GCC unroll 4
                 for (int r = 0; r < 4; r++)
@@ -190,9 +206,7 @@ __attribute__((target("avx512f"))) static void tile_dots16_avx512(float *c, int6
                 for (int64_t k = 0; k < K; k += 16) {
                     __m512 wv[4], xv[4];
 #pragma GCC unroll 4
-                    for (int q = 0; q < 4; q++)
-                        wv[q] = wh ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(hp[q] + k)))
-                                   : _mm512_loadu_ps(wp[q] + k);
+                    for (int q = 0; q < 4; q++) wv[q] = _mm512_loadu_ps(wp[q] + k);
 #pragma GCC unroll 4
                     for (int r = 0; r < 4; r++) xv[r] = _mm512_loadu_ps(xp[r] + k);
 #pragma GCC unroll 4
@@ -269,18 +283,17 @@ static int product(const gt_node *node, const gt_ctx *ctx, int32_t wtype) {
 
     const int f16 = wtype == GT_F16, tiny = m >= 2 && N % 4 == 0 && K % 16 == 0;
     float *wbuf = need ? (float *)(((uintptr_t)ctx->wdata + ALIGN - 1) & ~(uintptr_t)(ALIGN - 1)) : NULL;
-    float *xr = wbuf ? wbuf + JB * K : NULL;
+    float *xr = wbuf ? wbuf + WCONV_ROWS * K : NULL;
     const gt_dequant_fn deq = f16 ? gt_dequantizer_(GT_F16) : NULL;
     int64_t lo, hi;
     gt_split((N + JB - 1) / JB, ctx, &lo, &hi);
 #if defined(__x86_64__)
     if (tiny && gt_simd_level_() >= 2 && __builtin_cpu_supports("f16c")) {     /* tinyBLAS tiles, vectorized */
-        for (int64_t blk = lo; blk < hi; blk++) {
-            const int64_t j0 = blk * JB, jn = N - j0 < JB ? N - j0 : JB;
+        const int64_t j0 = lo * JB, j1 = hi * JB < N ? hi * JB : N;     /* this thread's W rows, all at once */
+        if (j0 < j1)
             tile_dots16_avx512((float *)d->data + j0, N, (const float *)a->data, rs, m,
                                f16 ? NULL : (const float *)b->data + j0 * ldw, f16 ? (const uint16_t *)b->data + j0 * K : NULL,
-                               ldw, jn, K, f16 ? xr : NULL);
-        }
+                               ldw, j1 - j0, K, f16 ? xr : NULL, f16 ? wbuf : NULL);
         return GT_OK;
     }
     if (!tiny && gt_simd_level_() >= 2 && __builtin_cpu_supports("f16c")) {    /* vec_dot rows, vectorized */
