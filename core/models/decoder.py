@@ -515,9 +515,9 @@ class FrozenParams(dict):
 
 
 def act8_available(backend) -> bool:
-    """Whether `backend` has the 8-bit-activation products (the CPU does; CUDA computes f32)."""
-    kernels = [f"matmul_q8_fwd_f32_{w}" for w in ops.ACT8_TYPES] + \
-        [f"matmul_ggml_fwd_{'f32' if w == 'f32' else 'f32_' + w}" for w in ops.GGML_FLOAT_TYPES]
+    """Whether `backend` has llama.cpp's products (matmul_q8's and matmul_ggml's kernels, every
+    variant: the CPU does; CUDA computes f32)."""
+    kernels = [f"{ops.OPS[op].kernel}_{d}" for op in ("matmul_q8", "matmul_ggml") for d in ops.OPS[op].dtypes]
     return bool(ops.ACT8_TYPES) and all(backend.supports(k) for k in kernels)
 
 
