@@ -51,6 +51,11 @@ class OpDef:
         """The kernel node `y` runs, e.g. "matmul_fwd_f32_q4_0" (without the gt_ prefix)."""
         return f"{self.kernel}_{self.suffix(y) if self.suffix else self.dtypes[0]}"
 
+    def kernel_name_for(self, w) -> str:
+        """The kernel a node of this op with stored weight w runs (ops whose variant is
+        their weight's type: matmul, get_rows, linear_cross_entropy)."""
+        return f"{self.kernel}_{_weight_suffix(w)}"
+
 
 OPS: dict = {}
 
@@ -794,6 +799,41 @@ register(OpDef("cross_entropy_rows", lambda srcs, params: _infer_ce(srcs, {"rows
                lower=lambda y: ((0, 1), ()), differentiable=(0,)))
 
 
+def linear_cross_entropy(x: Tensor, w: Tensor, targets: Tensor, scale: float = 1.0, softcap: float = 0.0,
+                         mean: bool = True, grad: bool = True) -> Tensor:
+    """Cross-entropy over the logits x @ w.T (times scale, then soft-capped to softcap *
+    tanh(l / softcap) when softcap > 0) against targets, with its gradient with respect to
+    x, never holding the (N, V) logits: (N C + N,) f32, first dx (N, C), row r = d nll[r] /
+    d x[r], then nll (N,), each row's -log softmax[target] (0, and a zero row, where the
+    target is negative); with mean, both divided by the number of rows counted; without
+    grad, dx is zeros (losses only, at half the work: evaluation). x (N, C)
+    f32, w (V, C) f32 or a frozen stored weight (whole, as stored), targets (N,) i32. The
+    loss of a fine-tune whose output matrix is frozen (LoRA): its gradient is handed to the
+    backward with with_grad (see decoder.chunked_loss), so the op itself has none."""
+    return apply("linear_cross_entropy", [x, w, targets], scale=float(scale), softcap=float(softcap),
+                 mean=bool(mean), grad=bool(grad))
+
+
+def _infer_linear_ce(srcs, params):
+    x, w, targets = srcs
+    _f32("linear_cross_entropy", x)
+    check_weight("linear_cross_entropy", w)
+    _need(x.ndim == 2 and w.ndim == 2 and w.shape[1] == x.shape[1] and w.strides[-1] == 1,
+          f"linear_cross_entropy: expected x (N, C) and w (V, C) as stored, got {x.shape} and {w!r}")
+    if targets.dtype != "i32":
+        raise DTypeError(f"linear_cross_entropy: targets must be i32, got {targets.dtype}")
+    _need(targets.shape == x.shape[:1],
+          f"linear_cross_entropy: targets {targets.shape} do not match x {x.shape}")
+    _need(params["softcap"] >= 0, f"linear_cross_entropy: softcap must be >= 0, got {params['softcap']}")
+    return (x.shape[0] * (x.shape[1] + 1),), "f32"
+
+
+register(OpDef("linear_cross_entropy", _infer_linear_ce, "linear_cross_entropy_fwd", contiguous=(0, 1, 2),
+               differentiable=(), dtypes=_WEIGHT_VARIANTS, suffix=lambda y: _weight_suffix(y.srcs[1]),
+               lower=lambda y: ((int(y.params["mean"]), int(y.params["grad"])),
+                                (y.params["scale"], y.params["softcap"]))))
+
+
 # ---- attention (fused) --------------------------------------------------------------
 
 
@@ -900,9 +940,14 @@ def product_flops(t: Tensor) -> int:
     """FLOPs (2 per multiply-add) of node t's matrix products: a matmul's, or those inside
     fused attention (forward: q k^T and p v; backward: q k^T again and four more) over the
     (query, key) pairs its mask lets through; a position or segment mask counts as causal,
-    a bound; or conv2d's (forward, and each gradient: the same count). 0 for other ops."""
+    a bound; or conv2d's (forward, and each gradient: the same count); or
+    linear_cross_entropy's (the logits, and with grad their product with the matrix again,
+    every row counted as the kernel multiplies it). 0 for other ops."""
     if t.op == "matmul":
         return 2 * t.size * t.srcs[0].shape[-1]
+    if t.op == "linear_cross_entropy":
+        (n, c), v = t.srcs[0].shape, t.srcs[1].shape[0]
+        return 2 * n * v * c * (2 if t.params["grad"] else 1)
     if t.op == "conv2d":
         return _conv2d_flops(t.srcs[0].shape, t.srcs[1].shape, t.params)
     if t.op == "conv2d_input_bwd":

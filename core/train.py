@@ -447,7 +447,10 @@ class TextRun:
         # the loss over the output projection in chunks of rows when the logits would be large
         # (decoder.chunked_loss): under LoRA (a frozen output matrix) each chunk's input
         # gradient is taken in the forward, so one chunk's logits at a time, none recomputed
-        n_chunks = decoder.loss_chunks(model, loss_rows or b * self.ctx, head_trained=lora is None)
+        # With the output matrix frozen and the kernel at hand, one linear_cross_entropy takes
+        # all rows (decoder.fused_loss_available): no logits at all, the matrix read once
+        fused = lora is not None and decoder.fused_loss_available(model, weights, adapters, backend)
+        n_chunks = 1 if fused else decoder.loss_chunks(model, loss_rows or b * self.ctx, head_trained=lora is None)
         self.chunks = g.input((n_chunks,), name="chunk_weights")
         self.pair_loss = None
         self.reference = None    # DPO: (pair ids, 2) reference NLL of each pair's sides
@@ -462,9 +465,9 @@ class TextRun:
                                      rows=rows, head=False, n_ctx=self.ctx)
             if self.pair_loss is None:
                 return decoder.chunked_loss(model, weights, hidden, targets, self.chunks, lora=adapters_,
-                                            grad=grad), []
+                                            grad=grad, fused=fused), []
             nll = decoder.sequence_nll(model, weights, hidden, targets, self.pair_loss.select, n_chunks,
-                                       lora=adapters_, grad=grad)
+                                       lora=adapters_, grad=grad, fused=fused)
             return self.pair_loss.loss(nll)
 
         self.loss, self.outputs = objective(adapters, lora is not None)

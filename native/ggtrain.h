@@ -232,6 +232,39 @@ int gt_matmul_ggml_fwd_f32(const struct gt_node *node, const gt_ctx *ctx);
 int gt_matmul_ggml_fwd_f32_f16(const struct gt_node *node, const gt_ctx *ctx);
 int gt_matmul_ggml_fwd_f32_f16_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
 
+/* linear_cross_entropy_fwd_f32[_<w>]: per-row cross-entropy of the logits s x @ W^T (soft-capped
+ * to fp[1] tanh(l / fp[1]) when fp[1] > 0; s = fp[0]) against targets, and its gradient with
+ * respect to x, the logits never held whole. src0 x (N, C) f32, src1 W (V, C) f32 or stored in
+ * <w> (whole, as stored), src2 targets (N,) i32 (negative: ignored; >= V: GT_ERR_INVALID).
+ * dst (N C + N,) f32: dx (N, C), then nll (N,); ip[0] = 1 divides both by the number of
+ * counted rows; ip[1] = 0 leaves dx zeros (losses only). wdata: gt_linear_cross_entropy_fwd_f32[_<w>]_sizes. */
+int gt_linear_cross_entropy_fwd_f32(const struct gt_node *node, const gt_ctx *ctx);
+int gt_linear_cross_entropy_fwd_f32_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
+int gt_linear_cross_entropy_fwd_f32_f16(const struct gt_node *node, const gt_ctx *ctx);
+int gt_linear_cross_entropy_fwd_f32_bf16(const struct gt_node *node, const gt_ctx *ctx);
+int gt_linear_cross_entropy_fwd_f32_q4_0(const struct gt_node *node, const gt_ctx *ctx);
+int gt_linear_cross_entropy_fwd_f32_q4_1(const struct gt_node *node, const gt_ctx *ctx);
+int gt_linear_cross_entropy_fwd_f32_q5_0(const struct gt_node *node, const gt_ctx *ctx);
+int gt_linear_cross_entropy_fwd_f32_q5_1(const struct gt_node *node, const gt_ctx *ctx);
+int gt_linear_cross_entropy_fwd_f32_q8_0(const struct gt_node *node, const gt_ctx *ctx);
+int gt_linear_cross_entropy_fwd_f32_q2_k(const struct gt_node *node, const gt_ctx *ctx);
+int gt_linear_cross_entropy_fwd_f32_q3_k(const struct gt_node *node, const gt_ctx *ctx);
+int gt_linear_cross_entropy_fwd_f32_q4_k(const struct gt_node *node, const gt_ctx *ctx);
+int gt_linear_cross_entropy_fwd_f32_q5_k(const struct gt_node *node, const gt_ctx *ctx);
+int gt_linear_cross_entropy_fwd_f32_q6_k(const struct gt_node *node, const gt_ctx *ctx);
+int gt_linear_cross_entropy_fwd_f32_f16_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
+int gt_linear_cross_entropy_fwd_f32_bf16_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
+int gt_linear_cross_entropy_fwd_f32_q4_0_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
+int gt_linear_cross_entropy_fwd_f32_q4_1_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
+int gt_linear_cross_entropy_fwd_f32_q5_0_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
+int gt_linear_cross_entropy_fwd_f32_q5_1_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
+int gt_linear_cross_entropy_fwd_f32_q8_0_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
+int gt_linear_cross_entropy_fwd_f32_q2_k_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
+int gt_linear_cross_entropy_fwd_f32_q3_k_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
+int gt_linear_cross_entropy_fwd_f32_q4_k_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
+int gt_linear_cross_entropy_fwd_f32_q5_k_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
+int gt_linear_cross_entropy_fwd_f32_q6_k_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
+
 /* rms_norm: dst = src / sqrt(mean(src^2, last dim) + fp[0]); src contiguous.
  * rms_norm_bwd: src0 = x, src1 = g, dst = dx (eps fp[0]); no weight (the weight
  * multiply is a separate broadcast mul). All contiguous, same shape. */

@@ -202,6 +202,17 @@ case("cross_entropy_bwd", [In((5, 7), -3, 3), In((5,), ints=(0, 7)), In((), 0.5,
      ops.cross_entropy_bwd, refs.cross_entropy_bwd, backward=False)
 case("cross_entropy_rows", [In((6, 33), -3, 3), In((6,), values=np.array([3, -1, 0, 32, -1, 5]))],
      ops.cross_entropy_rows, refs.cross_entropy_rows)
+# the loss over a frozen output matrix, logits never held: vocabularies of one and several
+# blocks of the kernel's 256 (the last one short), ignored rows inside and at the end
+case("linear_cross_entropy", [In((6, 33), -2, 2), In((40, 33)), In((6,), values=np.array([3, -1, 0, 39, 5, -1]))],
+     ops.linear_cross_entropy, refs.linear_cross_entropy, backward=False)
+case("linear_cross_entropy", [In((7, 20), -2, 2), In((600, 20)), In((7,), values=np.array([599, 0, -1, 256, 255, 3, -1]))],
+     lambda x, w, t: ops.linear_cross_entropy(x, w, t, scale=0.5, softcap=3.0, mean=False),
+     lambda x, w, t: refs.linear_cross_entropy(x, w, t, 0.5, 3.0, mean=False), name="blocks-softcap-rows",
+     backward=False)
+case("linear_cross_entropy", [In((5, 16), -2, 2), In((300, 16)), In((5,), values=np.array([1, 299, -1, 7, 8]))],
+     lambda x, w, t: ops.linear_cross_entropy(x, w, t, grad=False),
+     lambda x, w, t: refs.linear_cross_entropy(x, w, t, grad=False), name="loss-only", backward=False)
 case("cross_entropy_bwd", [In((6, 33), -3, 3), In((6,), values=np.array([3, -1, 0, 32, -1, 5])), In((6,), -2, 2)],
      lambda x, t, g: ops.cross_entropy_bwd(x, t, g, rows=True), refs.cross_entropy_rows_bwd, name="rows",
      backward=False)

@@ -307,6 +307,28 @@ def cross_entropy_rows_bwd(logits, targets, g):
     return np.where((t >= 0)[:, None], out * _f64(g)[:, None], 0.0)
 
 
+def linear_cross_entropy(x, w, targets, scale=1.0, softcap=0.0, mean=True, grad=True):
+    """ops.linear_cross_entropy in float64: (N C + N,) = each row's gradient of its loss with
+    respect to x (N, C), then the per-row losses, over the logits scale x @ w.T (soft-capped
+    to softcap tanh(l / softcap) when softcap > 0); both divided by the rows counted when mean;
+    without grad, zeros for the gradient."""
+    x, w, t = _f64(x), _f64(w), np.asarray(targets)
+    z = scale * (x @ w.T)
+    dz = np.full_like(z, scale)
+    if softcap:
+        u = np.tanh(z / softcap)
+        z, dz = softcap * u, scale * (1.0 - u * u)
+    nll = cross_entropy_rows(z, t)
+    dl = cross_entropy_rows_bwd(z, t, np.ones(len(t)))
+    dx = (dl * dz) @ w
+    if mean:
+        n = max(_ce_count(t), 1)
+        dx, nll = dx / n, nll / n
+    if not grad:
+        dx = np.zeros_like(dx)
+    return np.concatenate([dx.reshape(-1), nll])
+
+
 def softplus(x):
     return np.logaddexp(0.0, _f64(x))
 

@@ -8,7 +8,7 @@ import shutil
 import numpy as np
 import pytest
 
-from ggtrain.core import backend_cuda
+from ggtrain.core import backend_cuda, ops
 from ggtrain.errors import UnsupportedOpError
 from ggtrain.native import ffi as cpu_ffi
 from ggtrain.native import lib as cpu_lib
@@ -20,7 +20,8 @@ from tests import refs
 # generation and evaluation, and its f16-table gelu (on CUDA the decoder computes in f32:
 # decoder.act8_available).
 NOT_YET: set = {f"matmul_q8_fwd_f32_{w}" for w in ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k")} | {
-    "geglu_f16_fwd_f32", "swiglu_ggml_fwd_f32", "matmul_ggml_fwd_f32", "matmul_ggml_fwd_f32_f16"}
+    "geglu_f16_fwd_f32", "swiglu_ggml_fwd_f32", "matmul_ggml_fwd_f32", "matmul_ggml_fwd_f32_f16"} | {
+    f"linear_cross_entropy_fwd_{v}" for v in ops.OPS["linear_cross_entropy"].dtypes}
 
 
 @pytest.fixture(scope="module")

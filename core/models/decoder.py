@@ -385,10 +385,15 @@ def _last_row(x):
     return ops.view(x, (b, 1, c), (t * c, c, 1), (t - 1) * c)
 
 
+def head_name(cfg: ModelConfig) -> str:
+    """The output matrix's tensor: the embedding when tied."""
+    return "token_embd.weight" if cfg.tied else "output.weight"
+
+
 def output(cfg: ModelConfig, params: dict, x, lora: dict | None = None):
     """Logits (..., V) of normed hidden states x (..., C): the output projection (the
     embedding when tied), divided by logit_scale and soft-capped where the model says."""
-    logits = linear(x, params, "token_embd.weight" if cfg.tied else "output.weight", lora)
+    logits = linear(x, params, head_name(cfg), lora)
     if cfg.logit_scale != 1.0:
         logits = ops.scale(logits, 1.0 / cfg.logit_scale)
     if cfg.logit_softcap:
@@ -437,8 +442,28 @@ def chunk_weights(targets: np.ndarray, n_chunks: int) -> np.ndarray:
     return (counts / total if total else counts).astype(np.float32)
 
 
+def fused_loss_available(cfg: ModelConfig, params: dict, lora: dict | None, backend) -> bool:
+    """Whether the loss over the output matrix can be one ops.linear_cross_entropy, its input
+    gradient taken in the forward and no logits held (chunked_loss and sequence_nll with
+    fused): a frozen output matrix (LoRA) with no adapter and no bias, on a backend with the
+    kernel for its type (the CPU's; CUDA takes the chunked logits)."""
+    name = head_name(cfg)
+    w = params.get(name)
+    if w is None or w.requires_grad or (lora and name in lora) or name[:-len("weight")] + "bias" in params:
+        return False
+    return backend.supports(ops.OPS["linear_cross_entropy"].kernel_name_for(w))
+
+
+def _fused_rows(cfg: ModelConfig, params: dict, x2, t1, mean: bool, grad: bool) -> tuple:
+    """(nll (N,), dx (N, C)) of ops.linear_cross_entropy over rows x2 (N, C), targets t1."""
+    n, c = x2.shape
+    out = ops.linear_cross_entropy(x2, params[head_name(cfg)], t1, scale=1.0 / cfg.logit_scale,
+                                   softcap=cfg.logit_softcap or 0.0, mean=mean, grad=grad)
+    return ops.view(out, (n,), (1,), n * c), ops.view(out, (n, c), (c, 1), 0)
+
+
 def chunked_loss(cfg: ModelConfig, params: dict, x, targets, weights, lora: dict | None = None,
-                 grad: bool = False):
+                 grad: bool = False, fused: bool = False):
     """Mean cross-entropy of the logits of normed hidden states x (..., C) against targets
     (...) i32 (negative: ignored), len(weights) chunks of rows at a time: chunk k's mean
     times weights[k] (its share of the counted rows, chunk_weights), summed. One chunk is
@@ -447,9 +472,18 @@ def chunked_loss(cfg: ModelConfig, params: dict, x, targets, weights, lora: dict
     each chunk's gradient of its rows of x is computed right after its loss, in the
     forward, and handed to the backward (ops.with_grad): its logits die there and are never
     recomputed. (A trained output matrix would get a (V, C) gradient per chunk, more than
-    the logits saved: loss_chunks gives it one chunk.)"""
+    the logits saved: loss_chunks gives it one chunk.) fused (fused_loss_available; with
+    one chunk): one ops.linear_cross_entropy over all rows gives the mean (and with grad
+    its gradient), the logits never made (FlashAttention's running softmax over the
+    vocabulary)."""
     k_total = weights.shape[0]
     x2, t1 = _rows(x, targets)
+    if fused:
+        if k_total != 1:
+            raise ValueError("chunked_loss: the fused loss takes its rows in one chunk")
+        nll, dx = _fused_rows(cfg, params, x2, t1, mean=True, grad=grad)
+        ce = ops.sum(nll)
+        return ops.mul(ops.with_grad(ce, x2, dx) if grad else ce, ops.reshape(weights, ()))
     if k_total == 1:
         return ops.mul(ops.cross_entropy(output(cfg, params, x2, lora), t1), ops.reshape(weights, ()))
     total = None
@@ -483,16 +517,24 @@ def _chunks(x2, t1, n_chunks: int):
 
 
 def sequence_nll(cfg: ModelConfig, params: dict, x, targets, select, n_chunks: int = 1,
-                 lora: dict | None = None, grad: bool = False):
+                 lora: dict | None = None, grad: bool = False, fused: bool = False):
     """Weighted sums of per-position losses: select (K, N) @ nll (N,), (K,), where nll[r] is
     -log p(targets[r]) at normed hidden state x[r] (x (N, C), targets (N,) i32; 0 where the
     target is negative). The summed or mean log-probability of each sequence a preference
     loss compares (core/preference.py). Taken n_chunks row chunks at a time (loss_chunks),
     as chunked_loss; with grad (LoRA: a frozen output matrix) each chunk's per-row input
-    gradients are computed in the forward (ops.with_grad, row-wise) and its logits die there."""
+    gradients are computed in the forward (ops.with_grad, row-wise) and its logits die there.
+    fused (one chunk): ops.linear_cross_entropy's per-row losses (and with grad gradients)."""
     k_rows = select.shape[0]
     x2, t1 = _rows(x, targets)
     n = x2.shape[0]
+    if fused:
+        if n_chunks != 1:
+            raise ValueError("sequence_nll: the fused loss takes its rows in one chunk")
+        nll, dx = _fused_rows(cfg, params, x2, t1, mean=False, grad=grad)
+        if grad:
+            nll = ops.with_grad(nll, x2, dx)
+        return ops.reshape(ops.matmul(select, ops.reshape(nll, (n, 1))), (k_rows,))
     total = None
     for lo, m, xk, tk in _chunks(x2, t1, n_chunks):
         whole = m == n

@@ -41,7 +41,10 @@
  * single rows when there are fewer tiles than threads), every thread packing its
  * own panels.
  */
+#include <math.h>
+
 #include "internal.h"
+#include "rowops.h"
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -720,11 +723,11 @@ static void split_even(int64_t total, int64_t unit, const gt_ctx *ctx, int64_t *
  * in place (x^T @ dlogits, rows of the vocabulary's width: 153 against 183). */
 static int set_aliased(int64_t rs) { return rs * (int64_t)sizeof(float) % 16384 == 0; }
 
-/* C[m0:m1, n0:n1] (row stride ldc) = A[m0:m1, :K] @ B[:K, n0:n1]. m0 is a
- * multiple of mr and n0 of nr (thread splits), K > 0. B is the f32 operand B,
- * or, when W is not NULL, the stored weight W describes (B.p unused). */
+/* C[m0:m1, n0:n1] (row stride ldc) = (acc0 ? C : 0) + A[m0:m1, :K] @ B[:K, n0:n1]. m0 is
+ * a multiple of mr and n0 of nr (thread splits), K > 0. B is the f32 operand B, or, when W
+ * is not NULL, the stored weight W describes (B.p unused). */
 static void gemm(const impl *im, int64_t m0, int64_t m1, int64_t n0, int64_t n1, int64_t K,
-                 operand A, operand B, const wsource *W, float *C, int64_t ldc, float *ap, float *bp) {
+                 operand A, operand B, const wsource *W, float *C, int64_t ldc, float *ap, float *bp, int acc0) {
     const int mr = im->mr, nr = im->nr;
     /* A plain f32 B (rows contiguous) is not packed: the micro-kernel reads its full
      * nr-wide panels where they lie, row k at B.rs floats from row k - 1 (packing cost
@@ -740,7 +743,7 @@ static void gemm(const impl *im, int64_t m0, int64_t m1, int64_t n0, int64_t n1,
         const int64_t nc = n1 - jc < NC ? n1 - jc : NC;
         for (int64_t pc = 0; pc < K; pc += KC) {
             const int64_t kc = K - pc < KC ? K - pc : KC;
-            const int acc = pc > 0;
+            const int acc = acc0 || pc > 0;
             if (W) pack_b_weight(im, W, bp, pc, kc, jc, nc);
             else if (!inplace) im->pack_b(bp, B.p + pc * B.rs + jc * B.cs, B.cs, B.rs, nc, kc);
             else if (nc % nr) im->pack_b(bp, B.p + pc * B.rs + jc + nc / nr * nr, 1, B.rs, nc % nr, kc);
@@ -1098,7 +1101,7 @@ static int matmul(const gt_node *node, const gt_ctx *ctx, int32_t wtype, int act
             Bt.p += idx * sb[i];
         }
         if (sk) gemm_skinny(sk, m0, m1, N, K, At, Bt, C + t * mn, N, bp);
-        else gemm(im, m0, m1, n0, n1, K, At, Bt, W, C + t * mn, N, ap, bp);
+        else gemm(im, m0, m1, n0, n1, K, At, Bt, W, C + t * mn, N, ap, bp, 0);
     }
     return GT_OK;
 }
@@ -1128,3 +1131,217 @@ GT_WEIGHT_TYPES(MATMUL_WEIGHT)
         return GT_OK;                                                                          \
     }
 GT_ACT8_TYPES(MATMUL_ACT8)
+
+/* ---- linear_cross_entropy: the loss over a frozen output matrix, logits never held ---- */
+
+/* Rows of x a thread takes through W at once, and W rows (vocabulary entries) a block:
+ * a block's logits (XENT_ROWS x XENT_VB), its dequantized panel and the rows' gradient
+ * accumulators (XENT_ROWS x C) stay in L2 together for C up to ~1000. */
+#define XENT_ROWS 256
+#define XENT_VB 256
+
+static int64_t xent_work_floats(int64_t C) {
+    return A_FLOATS + B_FLOATS + WTMP_FLOATS + (int64_t)XENT_ROWS * XENT_VB + 7 * XENT_ROWS + C + QBLOCK_MAX +
+           3 * ALIGN / 4;
+}
+
+/* One row's block of logits l (n) taken into the running softmax of its row: l <- the
+ * transformed logits' exp(l - m_new) times their derivative, *m (running max) <- m_new,
+ * *sum <- *sum * alpha + sum of exp(l - m_new), *alpha = exp(m_old - m_new) (0 on the first
+ * block), and where the target is in the block (t >= 0: its index here) its logit and
+ * derivative into *ly, *dy. s multiplies the product (1 / logit_scale); cap > 0 soft-caps
+ * it: l = cap * tanh(s x / cap), whose derivative is s (1 - (l / cap)^2). */
+static void xent_block_row(float *l, int64_t n, float s, float cap, int64_t t, float *m, double *sum,
+                           float *alpha, float *ly, float *dy) {
+    if (s != 1.0f || cap > 0.0f) {
+        if (cap > 0.0f)
+            for (int64_t j = 0; j < n; j++) l[j] = cap * tanhf(s * l[j] / cap);
+        else mul_row(l, s, n);
+    }
+    const float mb = scaled_max_row(l, 1.0f, n), m0 = *m;
+    const float mn = mb > m0 ? mb : m0;
+    if (t >= 0) {
+        *ly = l[t];
+        *dy = cap > 0.0f ? s * (1.0f - (l[t] / cap) * (l[t] / cap)) : s;
+    }
+    float e;
+    if (cap > 0.0f) {
+        e = 0.0f;
+        for (int64_t j = 0; j < n; j++) {
+            const float q = gt_expf_(l[j] - mn), u = l[j] / cap;
+            e += q;
+            l[j] = q * s * (1.0f - u * u);
+        }
+    } else {
+        e = exp_row_inplace(l, mn, n);
+        if (s != 1.0f) mul_row(l, s, n);
+    }
+    *alpha = m0 == -INFINITY ? 0.0f : gt_expf_(m0 - mn);
+    *sum = *sum * (double)*alpha + (double)e;
+    *m = mn;
+}
+
+/* linear_cross_entropy: each row's cross-entropy over the logits of x against a frozen
+ * output matrix, and its gradient with respect to x, without the logits ever existing
+ * whole (the loss of a LoRA fine-tune, whose output matrix is not trained).
+ *   src0 x (N, C) f32 contiguous; src1 W (V, C) f32 or a stored weight (whole, not
+ *   transposed); src2 targets (N,) i32 contiguous, < V (negative: the row is ignored).
+ *   logits l[r] = s x[r] W^T (fp[0] = s, 1 / logit_scale), soft-capped to
+ *   cap tanh(l / cap) when fp[1] = cap > 0.
+ *   dst (N C + N,) f32: first dx (N, C), row r = d nll[r] / d x[r], then nll (N,), each
+ *   row's -log softmax(l[r])[target] (0 and a zero row where ignored); with ip[0] = 1 both
+ *   divided by the number of counted rows (the mean's gradient and terms; none counted: 0).
+ *   ip[1] = 0: the losses only (dx zeros, the second GEMM skipped: evaluation).
+ * Threads split the rows; each takes its rows XENT_ROWS at a time through W in blocks of
+ * XENT_VB rows, as in FlashAttention: the block's logits by the packed GEMM (W dequantized
+ * a panel at a time), the running max and sum of exps per row rescaled as the max grows,
+ * and sum_j p_j W[j] accumulated in dst's dx rows by a second GEMM of the block's exps with
+ * the same W rows (accumulator rows multiplied by exp(old max - new max) first). At the
+ * end dx[r] = acc[r] / sum[r] - dl[t] W[t], nll[r] = max + log(sum) - l[t]. Each row's
+ * numbers depend on the block size, not on the thread count (the GEMM's order per element
+ * does not depend on the rows a thread takes). */
+static int linear_xent(const gt_node *node, const gt_ctx *ctx, int32_t wtype) {
+    const char *op = "linear_cross_entropy";
+    const gt_tensor *d = &node->dst, *x = &node->src[0], *w = &node->src[1], *tg = &node->src[2];
+    GT_TRY(gt_check_n_src(node, 3, op));
+    GT_CHECK_F32(x, op, "x (src0)");
+    GT_CHECK_F32(d, op, "dst");
+    GT_TRY(gt_check_i32(tg, op, "targets (src2)"));
+    if (x->ndim != 2 || w->ndim != 2 || tg->ndim != 1 || tg->shape[0] != x->shape[0] ||
+        w->shape[1] != x->shape[1] || x->shape[1] < 1)
+        return GT_FAIL(GT_ERR_SHAPE, "%s: expected x (N, C), W (V, C) and targets (N,), got x of %d dims, "
+                       "W of %d, targets of %d", op, x->ndim, w->ndim, tg->ndim);
+    const int64_t N = x->shape[0], C = x->shape[1], V = w->shape[0];
+    if (d->ndim != 1 || d->shape[0] != N * C + N)
+        return GT_FAIL(GT_ERR_SHAPE, "%s: expected dst (N C + N,) = (%lld,)", op, (long long)(N * C + N));
+    GT_TRY(gt_check_contig(x, op, "x (src0)"));
+    GT_TRY(gt_check_contig(tg, op, "targets (src2)"));
+    GT_TRY(gt_check_contig(d, op, "dst"));
+    wsource ws;
+    const float *wf = NULL;
+    if (wtype == GT_F32) {
+        GT_CHECK_F32(w, op, "W (src1)");
+        GT_TRY(gt_check_contig(w, op, "W (src1)"));
+        wf = w->data;
+    } else {
+        int trans = 0;
+        GT_TRY(gt_weight_view_check(w, wtype, gt_dtype_find_(wtype)->block, op, 1, &trans));
+        if (trans) return GT_FAIL(GT_ERR_INVALID, "%s: expected W (V, C) as stored, got its transpose", op);
+        const gt_dtype_traits *t = gt_dtype_find_(wtype);
+        ws.p = w->data;
+        ws.block = t->block;
+        ws.block_bytes = t->block_bytes;
+        ws.row_bytes = C / t->block * t->block_bytes;
+        ws.deq = gt_dequantizer_(wtype);
+    }
+    const int32_t *td = tg->data;
+    int64_t count = 0;
+    for (int64_t r = 0; r < N; r++) {
+        if (td[r] >= V)
+            return GT_FAIL(GT_ERR_INVALID, "%s: target of row %lld is %d, expected < V = %lld (or < 0 to ignore "
+                           "the row)", op, (long long)r, (int)td[r], (long long)V);
+        count += td[r] >= 0;
+    }
+    const int64_t need = xent_work_floats(C) * (int64_t)sizeof(float);
+    if (!ctx->wdata || ctx->wsize < need)
+        return GT_FAIL(GT_ERR_INVALID, "%s: needs %lld bytes of per-thread scratch, got %lld", op, (long long)need,
+                       (long long)(ctx->wdata ? ctx->wsize : 0));
+    const float s = node->fp[0], cap = node->fp[1];
+    const int grad = node->ip[1] != 0;
+    const float scale = node->ip[0] ? (count ? 1.0f / (float)count : 0.0f) : 1.0f;
+    float *dx = d->data, *nll = dx + N * C;
+    float *ap = (float *)(((uintptr_t)ctx->wdata + ALIGN - 1) & ~(uintptr_t)(ALIGN - 1));
+    float *bp = ap + A_FLOATS, *tmp = bp + B_FLOATS, *L = tmp + WTMP_FLOATS;
+    float *m = L + (int64_t)XENT_ROWS * XENT_VB, *alpha = m + XENT_ROWS, *ly = alpha + XENT_ROWS,
+          *dy = ly + XENT_ROWS;
+    double *sum = (double *)(((uintptr_t)(dy + XENT_ROWS) + 7) & ~(uintptr_t)7);
+    float *erow = (float *)(sum + XENT_ROWS);
+    ws.tmp = tmp;
+    int64_t lo, hi;
+    split_even(N, 12, ctx, &lo, &hi);
+    const float *xd = x->data;
+    for (int64_t g0 = lo; g0 < hi; g0 += XENT_ROWS) {
+        int64_t g = hi - g0 < XENT_ROWS ? hi - g0 : XENT_ROWS;
+        for (int64_t r = g0; r < g0 + g; r++) {   /* ignored rows: zeros */
+            if (td[r] >= 0) continue;
+            memset(dx + r * C, 0, (size_t)C * sizeof(float));
+            nll[r] = 0.0f;
+        }
+        while (g > 0 && td[g0 + g - 1] < 0) g--;   /* padding at the end is not multiplied */
+        if (g == 0) continue;
+        for (int64_t i = 0; i < g; i++) {
+            m[i] = -INFINITY;
+            sum[i] = 0.0;
+            ly[i] = dy[i] = 0.0f;
+        }
+        const impl *im1 = pick_impl(g, XENT_VB), *im2 = pick_impl(g, C);
+        const operand A = {xd + g0 * C, C, 1}, P = {L, XENT_VB, 1};
+        float *acc = dx + g0 * C;
+        for (int64_t v0 = 0; v0 < V; v0 += XENT_VB) {
+            const int64_t nv = V - v0 < XENT_VB ? V - v0 : XENT_VB;
+            wsource w1 = ws, w2 = ws;
+            operand B1 = {NULL, 0, 0}, B2 = {NULL, 0, 0};
+            if (wf) {
+                B1 = (operand){wf + v0 * C, 1, C};
+                B2 = (operand){wf + v0 * C, C, 1};
+            } else {
+                w1.p = ws.p + v0 * ws.row_bytes;
+                w1.trans = 1;
+                w2.p = w1.p;
+                w2.trans = 0;
+            }
+            gemm(im1, 0, g, 0, nv, C, A, B1, wf ? NULL : &w1, L, XENT_VB, ap, bp, 0);
+            for (int64_t i = 0; i < g; i++) {
+                float *li = L + i * XENT_VB;
+                const int64_t t = td[g0 + i];
+                if (t < 0) {
+                    memset(li, 0, (size_t)nv * sizeof(float));
+                    alpha[i] = 1.0f;
+                    continue;
+                }
+                xent_block_row(li, nv, s, cap, t >= v0 && t < v0 + nv ? t - v0 : -1, m + i, sum + i, alpha + i,
+                               ly + i, dy + i);
+                if (grad && v0 > 0 && alpha[i] != 1.0f) mul_row(acc + i * C, alpha[i], C);
+            }
+            if (grad) gemm(im2, 0, g, 0, C, nv, P, B2, wf ? NULL : &w2, acc, C, ap, bp, v0 > 0);
+        }
+        for (int64_t i = 0; i < g; i++) {
+            const int64_t r = g0 + i, t = td[r];
+            float *dr = dx + r * C;
+            if (t < 0 || !grad) memset(dr, 0, (size_t)C * sizeof(float));
+            if (t < 0) {
+                nll[r] = 0.0f;
+                continue;
+            }
+            nll[r] = (float)(((double)m[i] + log(sum[i]) - (double)ly[i]) * (double)scale);
+            if (!grad) continue;
+            const float *et = wf ? wf + t * C : erow;
+            if (!wf) ws.deq(erow, ws.p + t * ws.row_bytes, C / ws.block);
+            const float inv = (float)(1.0 / sum[i]), c = dy[i];
+            for (int64_t k = 0; k < C; k++) dr[k] = (dr[k] * inv - c * et[k]) * scale;
+        }
+    }
+    return GT_OK;
+}
+
+static int linear_xent_sizes(const gt_node *node, int64_t *scratch, int64_t *work) {
+    const gt_tensor *x = &node->src[0];
+    *scratch = 0;
+    *work = xent_work_floats(x->ndim == 2 ? x->shape[1] : 0) * (int64_t)sizeof(float);
+    return GT_OK;
+}
+
+int gt_linear_cross_entropy_fwd_f32(const gt_node *node, const gt_ctx *ctx) { return linear_xent(node, ctx, GT_F32); }
+int gt_linear_cross_entropy_fwd_f32_sizes(const gt_node *node, int64_t *scratch, int64_t *work) {
+    return linear_xent_sizes(node, scratch, work);
+}
+
+/* gt_linear_cross_entropy_fwd_f32_<w>: the same with W stored in each weight type. */
+#define LINEAR_XENT_WEIGHT(w, ID)                                                                      \
+    int gt_linear_cross_entropy_fwd_f32_##w(const gt_node *node, const gt_ctx *ctx) {                  \
+        return linear_xent(node, ctx, ID);                                                             \
+    }                                                                                                  \
+    int gt_linear_cross_entropy_fwd_f32_##w##_sizes(const gt_node *node, int64_t *scratch, int64_t *work) { \
+        return linear_xent_sizes(node, scratch, work);                                                 \
+    }
+GT_WEIGHT_TYPES(LINEAR_XENT_WEIGHT)

@@ -1,5 +1,5 @@
 /* rowops.h: small vector loops over one row that several kernels share (attention,
- * softmax, rms_norm), written once. Each includer compiles its own copy (static; a
+ * softmax, cross-entropy, rms_norm), written once. Each includer compiles its own copy (static; a
  * call across files would go through an ifunc), per SIMD level (GT_CLONES).
  *
  * NOTE: plain `for i < n` loops are not vectorized at -O2 by GCC 12 (its "very cheap"
@@ -10,6 +10,7 @@
 #define GT_ROWOPS_H
 #include <stdint.h>
 
+#include "internal.h"
 #include "simd.h"
 
 #define GT_LANES 16
@@ -41,6 +42,45 @@ GT_CLONES __attribute__((unused)) static float dot_row(const float *a, const flo
     for (int k = 0; k < GT_LANES; k++) s += acc[k];
     for (; i < n; i++) s += a[i] * b[i];
     return s;
+}
+
+/* max over j of s * x[j]; n >= 1 */
+GT_CLONES __attribute__((unused)) static float scaled_max_row(const float *x, float s, int64_t n) {
+    float acc[GT_LANES];
+    for (int k = 0; k < GT_LANES; k++) acc[k] = s * x[0];
+    int64_t i = 0;
+    for (; i + GT_LANES <= n; i += GT_LANES)
+        for (int k = 0; k < GT_LANES; k++) {
+            const float v = s * x[i + k];
+            acc[k] = v > acc[k] ? v : acc[k];
+        }
+    float m = acc[0];
+    for (int k = 1; k < GT_LANES; k++) m = acc[k] > m ? acc[k] : m;
+    for (; i < n; i++) {
+        const float v = s * x[i];
+        m = v > m ? v : m;
+    }
+    return m;
+}
+
+/* d[j] = exp(d[j] - m) in place; returns sum of d in the order softmax.c's exp_row sums */
+GT_CLONES __attribute__((unused)) static float exp_row_inplace(float *d, float m, int64_t n) {
+    float acc[GT_LANES] = {0};
+    int64_t i = 0;
+    for (; i + GT_LANES <= n; i += GT_LANES)
+        for (int k = 0; k < GT_LANES; k++) {
+            const float e = gt_expf_(d[i + k] - m);
+            d[i + k] = e;
+            acc[k] += e;
+        }
+    float sum = 0.0f;
+    for (int k = 0; k < GT_LANES; k++) sum += acc[k];
+    for (; i < n; i++) {
+        const float e = gt_expf_(d[i] - m);
+        d[i] = e;
+        sum += e;
+    }
+    return sum;
 }
 
 #endif

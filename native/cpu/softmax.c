@@ -13,25 +13,6 @@
 
 /* ---- row helpers (contiguous rows) --------------------------------------- */
 
-/* max over j of s * x[j]; n >= 1 */
-GT_CLONES static float scaled_max_row(const float *x, float s, int64_t n) {
-    float acc[LANES];
-    for (int k = 0; k < LANES; k++) acc[k] = s * x[0];
-    int64_t i = 0;
-    for (; i + LANES <= n; i += LANES)
-        for (int k = 0; k < LANES; k++) {
-            const float v = s * x[i + k];
-            acc[k] = v > acc[k] ? v : acc[k];
-        }
-    float m = acc[0];
-    for (int k = 1; k < LANES; k++) m = acc[k] > m ? acc[k] : m;
-    for (; i < n; i++) {
-        const float v = s * x[i];
-        m = v > m ? v : m;
-    }
-    return m;
-}
-
 /* d[j] = exp(s * x[j] - m); returns sum of d in a fixed order */
 GT_CLONES static float exp_row(float *restrict d, const float *restrict x, float s, float m, int64_t n) {
     float acc[LANES] = {0};
@@ -46,26 +27,6 @@ GT_CLONES static float exp_row(float *restrict d, const float *restrict x, float
     for (int k = 0; k < LANES; k++) sum += acc[k];
     for (; i < n; i++) {
         const float e = gt_expf_(s * x[i] - m);
-        d[i] = e;
-        sum += e;
-    }
-    return sum;
-}
-
-/* d[j] = exp(d[j] - m) in place; returns sum of d in the order exp_row sums */
-GT_CLONES static float exp_row_inplace(float *d, float m, int64_t n) {
-    float acc[LANES] = {0};
-    int64_t i = 0;
-    for (; i + LANES <= n; i += LANES)
-        for (int k = 0; k < LANES; k++) {
-            const float e = gt_expf_(d[i + k] - m);
-            d[i + k] = e;
-            acc[k] += e;
-        }
-    float sum = 0.0f;
-    for (int k = 0; k < LANES; k++) sum += acc[k];
-    for (; i < n; i++) {
-        const float e = gt_expf_(d[i] - m);
         d[i] = e;
         sum += e;
     }

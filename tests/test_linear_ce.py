@@ -1,0 +1,154 @@
+"""linear_cross_entropy: the loss over a frozen output matrix with its input gradient, the
+logits never held. The kernel against float64 for the stored types a head comes in, its bits
+across thread counts and SIMD levels, bad input; and the fused loss in a LoRA step against
+the chunked logits it replaces (tests/test_decoder.py has the chunked against one chunk)."""
+import numpy as np
+import pytest
+
+from ggtrain.core import ops
+from ggtrain.core.backend_cpu import CpuBackend, run_kernel
+from ggtrain.core.graph import Graph
+from ggtrain.core.models import decoder
+from ggtrain.core.optim import AdamW
+from ggtrain.core.step import TrainStep
+from ggtrain.errors import NativeError, ShapeError
+from ggtrain.native import lib
+from ggtrain.native.dtypes import nbytes
+from tests import refs
+from tests.test_decoder import FAMILIES, TINY
+from tests.test_families import family_params
+from tests.test_qdot8 import _kquant_raw
+
+BACKENDS = {n: CpuBackend(n) for n in (1, 2, 3)}
+
+
+def _stored(W: np.ndarray, w: str) -> tuple:
+    """(raw bytes, the f32 matrix gguf-py dequantizes them to) of W in type w: quantized by
+    gguf-py, or random super-blocks of W's shape for the K-quants (which it cannot quantize)."""
+    from gguf import GGMLQuantizationType, quants
+    t = GGMLQuantizationType[w.upper()]
+    if w.endswith("_k"):
+        raw = _kquant_raw(np.random.default_rng(W.size), w, *W.shape)
+    else:
+        raw = np.frombuffer(quants.quantize(W, t).tobytes(), np.uint8)
+    return raw, quants.dequantize(raw.reshape(W.shape[0], -1), t).reshape(W.shape).astype(np.float32)
+
+
+def _kernel(x, w, t, wtype="f32", scale=1.0, softcap=0.0, mean=True, grad=True, n_threads=1):
+    """dst of linear_cross_entropy_fwd_f32[_<wtype>]; w: f32 (V, C), or a stored matrix's bytes."""
+    n, c = x.shape
+    dst = np.full(n * c + n, np.nan, np.float32)
+    src = w if wtype == "f32" else (w, wtype, (len(w) // nbytes((1, c), wtype), c), (c, 1))
+    suffix = "f32" if wtype == "f32" else f"f32_{wtype}"
+    return run_kernel(f"linear_cross_entropy_fwd_{suffix}", dst, [x, src, t], ip=(int(mean), int(grad)),
+                      fp=(scale, softcap), n_threads=n_threads, backend=BACKENDS[n_threads])
+
+
+@pytest.mark.parametrize("wtype", ["q8_0", "q4_0", "q4_k", "q6_k", "f16", "bf16"])
+def test_stored_heads_equal_float64_of_the_dequantized_matrix(wtype):
+    """A head in each type a GGUF stores it in, 3 vocabulary blocks (the last short), rows
+    crossing the kernel's group of 256 on one thread, ignored rows inside and at the end."""
+    rng = np.random.default_rng(1)
+    n, c, v = 300, 256, 700
+    x = rng.standard_normal((n, c)).astype(np.float32)
+    W = (rng.standard_normal((v, c)) * 0.3).astype(np.float32)
+    t = rng.integers(0, v, n).astype(np.int32)
+    t[[5, 100]] = -1
+    t[-20:] = -1
+    raw, Wd = _stored(W, wtype)
+    x *= 0.3 / np.abs(Wd).max()          # logits of a few units (the random K-quant blocks are large)
+    got = _kernel(x, raw, t, wtype)
+    want = refs.linear_cross_entropy(x, Wd, t)
+    _close(got, want, Wd, t)
+    assert np.all(got[n * c:][t < 0] == 0) and np.all(got[:n * c].reshape(n, c)[t < 0] == 0)
+
+
+def _close(got, want, w, t):
+    """Losses to f32 rounding; each gradient (a sum over the vocabulary of p_j w_j, minus
+    w_t, over the rows counted) to rounding of the largest |w| it adds up."""
+    n = len(t)
+    np.testing.assert_allclose(got[-n:], want[-n:], rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(got[:-n], want[:-n], rtol=0, atol=2e-6 * np.abs(w).max() / max((t >= 0).sum(), 1))
+
+
+def test_same_bits_for_any_thread_count_and_plain_c_within_rounding():
+    """Threads split the rows, each row's numbers its own: the same bits for 1, 2, 3 threads.
+    Plain C (SIMD level 0) multiplies then adds where the SIMD GEMMs fuse: float64's result
+    to rounding, as the SIMD one is."""
+    rng = np.random.default_rng(2)
+    n, c, v = 70, 96, 530
+    x = rng.standard_normal((n, c)).astype(np.float32)
+    raw, Wd = _stored(rng.standard_normal((v, c)).astype(np.float32), "q8_0")
+    t = rng.integers(-1, v, n).astype(np.int32)
+    one = _kernel(x, raw, t, "q8_0", softcap=4.0, scale=0.7)
+    for k in (2, 3):
+        np.testing.assert_array_equal(_kernel(x, raw, t, "q8_0", softcap=4.0, scale=0.7, n_threads=k), one)
+    want = refs.linear_cross_entropy(x, Wd, t, 0.7, 4.0)
+    try:
+        lib.gt_set_simd_level(0)
+        plain = _kernel(x, raw, t, "q8_0", softcap=4.0, scale=0.7, n_threads=2)
+    finally:
+        lib.gt_set_simd_level(2)
+    for got in (one, plain):
+        _close(got, want, Wd, t)
+
+
+def test_no_counted_rows_gives_zeros():
+    x = np.ones((3, 32), np.float32)
+    w = np.ones((5, 32), np.float32)
+    got = _kernel(x, w, np.full(3, -1, np.int32))
+    assert np.array_equal(got, np.zeros_like(got))
+
+
+def test_bad_input_is_refused_with_its_reason():
+    x = np.ones((3, 32), np.float32)
+    w = np.ones((5, 32), np.float32)
+    with pytest.raises(NativeError, match=r"target of row 1 is 5, expected < V = 5"):
+        _kernel(x, w, np.array([0, 5, 1], np.int32))
+    g = Graph()
+    xs, ts = g.input((3, 32)), g.input((3,), "i32")
+    with pytest.raises(ShapeError, match="w \\(V, C\\) as stored"):
+        ops.linear_cross_entropy(xs, g.input((32, 5)), ts)
+    with pytest.raises(ShapeError, match="targets"):
+        ops.linear_cross_entropy(xs, g.input((5, 32)), g.input((4,), "i32"))
+
+
+@pytest.mark.parametrize("kw", [{}, FAMILIES[3], dict(arch="granite", logit_scale=4.0)],
+                         ids=["llama", "gemma3-softcap", "granite-logit-scale"])
+def test_the_fused_loss_trains_as_the_chunked_logits_do(kw):
+    """A LoRA-like step (frozen output matrix): the fused loss (one linear_cross_entropy) and
+    the logits in chunks give the same losses and parameters over 3 AdamW steps, and the
+    same FLOPs; the fused plan makes no logits."""
+    cfg = decoder.ModelConfig(**{**TINY, **kw, "vocab": 600, "ctx": 16})
+    b, t = 4, 16
+    rng = np.random.default_rng(3)
+    tok = rng.integers(0, cfg.vocab, (b, t + 1)).astype(np.int32)
+    tok[1, 5:] = -1
+    head = {"output.weight", "token_embd.weight"}
+    runs = {}
+    for fused in (False, True):
+        g = Graph()
+        init = family_params(cfg, 0, std=0.1)
+        params = {k: g.param(v.shape, v, name=k, trainable=decoder.trainable(k) and k not in head)
+                  for k, v in init.items()}
+        assert decoder.fused_loss_available(cfg, params, None, CpuBackend(2))
+        tokens, targets = g.input((b, t), "i32"), g.input((b, t), "i32")
+        pos = g.input((t,), "i32")
+        n = 1 if fused else 4
+        weights = g.input((n,), name="chunk_weights")
+        hidden = decoder.forward(cfg, params, tokens, pos, g, checkpoint=True, head=False)
+        loss = decoder.chunked_loss(cfg, params, hidden, targets, weights, grad=True, fused=fused)
+        trained = [p for p in params.values() if p.requires_grad]
+        st = TrainStep(loss, trained, AdamW(lr=1e-3), CpuBackend(2), checkpointing=True)
+        feed = {tokens: np.maximum(tok[:, :-1], 0), targets: tok[:, 1:], pos: np.arange(t, dtype=np.int32),
+                weights: decoder.chunk_weights(tok[:, 1:], n)}
+        losses = [st.step([feed], 1e-3) for _ in range(3)]
+        kernels = {c.kernel for c in st._update.plan.calls}
+        runs[fused] = (losses, {k: st.get(v) for k, v in params.items()}, kernels, st.flops)
+    (l0, p0, k0, f0), (l1, p1, k1, f1) = runs[False], runs[True]
+    assert f1 == f0             # the same products counted (ops.product_flops)
+    np.testing.assert_allclose(l1, l0, rtol=1e-5)
+    for k in p0:
+        np.testing.assert_allclose(p1[k], p0[k], rtol=1e-4, atol=1e-6)
+    assert "cross_entropy_fwd_f32" in k0 and "cross_entropy_fwd_f32" not in k1
+    assert "linear_cross_entropy_fwd_f32" in k1
