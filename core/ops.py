@@ -941,8 +941,9 @@ def product_flops(t: Tensor) -> int:
     fused attention (forward: q k^T and p v; backward: q k^T again and four more) over the
     (query, key) pairs its mask lets through; a position or segment mask counts as causal,
     a bound; or conv2d's (forward, and each gradient: the same count); or
-    linear_cross_entropy's (the logits, and with grad their product with the matrix again,
-    every row counted as the kernel multiplies it). 0 for other ops."""
+    linear_cross_entropy's (the logits, and with grad their product with the matrix again;
+    every row counted, a bound: the kernel skips ignored rows after the last counted one).
+    0 for other ops."""
     if t.op == "matmul":
         return 2 * t.size * t.srcs[0].shape[-1]
     if t.op == "linear_cross_entropy":

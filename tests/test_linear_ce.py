@@ -83,6 +83,9 @@ def test_same_bits_for_any_thread_count_and_plain_c_within_rounding():
     one = _kernel(x, raw, t, "q8_0", softcap=4.0, scale=0.7)
     for k in (2, 3):
         np.testing.assert_array_equal(_kernel(x, raw, t, "q8_0", softcap=4.0, scale=0.7, n_threads=k), one)
+    padded = np.where(np.arange(n) < 25, t, -1).astype(np.int32)   # planned loss rows' padding
+    np.testing.assert_array_equal(_kernel(x, raw, padded, "q8_0", n_threads=3), _kernel(x, raw, padded, "q8_0"))
+    _close(_kernel(x, raw, padded, "q8_0", n_threads=2), refs.linear_cross_entropy(x, Wd, padded), Wd, padded)
     want = refs.linear_cross_entropy(x, Wd, t, 0.7, 4.0)
     try:
         lib.gt_set_simd_level(0)

@@ -1141,7 +1141,7 @@ GT_ACT8_TYPES(MATMUL_ACT8)
 #define XENT_VB 256
 
 static int64_t xent_work_floats(int64_t C) {
-    return A_FLOATS + B_FLOATS + WTMP_FLOATS + (int64_t)XENT_ROWS * XENT_VB + 7 * XENT_ROWS + C + QBLOCK_MAX +
+    return A_FLOATS + B_FLOATS + (int64_t)XENT_VB * C + (int64_t)XENT_ROWS * XENT_VB + 7 * XENT_ROWS + C +
            3 * ALIGN / 4;
 }
 
@@ -1193,8 +1193,8 @@ static void xent_block_row(float *l, int64_t n, float s, float cap, int64_t t, f
  *   divided by the number of counted rows (the mean's gradient and terms; none counted: 0).
  *   ip[1] = 0: the losses only (dx zeros, the second GEMM skipped: evaluation).
  * Threads split the rows; each takes its rows XENT_ROWS at a time through W in blocks of
- * XENT_VB rows, as in FlashAttention: the block's logits by the packed GEMM (W dequantized
- * a panel at a time), the running max and sum of exps per row rescaled as the max grows,
+ * XENT_VB rows, as in FlashAttention: the block's logits by the packed GEMM (a stored W's
+ * block dequantized into the thread's work first), the running max and sum of exps per row rescaled as the max grows,
  * and sum_j p_j W[j] accumulated in dst's dx rows by a second GEMM of the block's exps with
  * the same W rows (accumulator rows multiplied by exp(old max - new max) first). At the
  * end dx[r] = acc[r] / sum[r] - dl[t] W[t], nll[r] = max + log(sum) - l[t]. Each row's
@@ -1217,7 +1217,7 @@ static int linear_xent(const gt_node *node, const gt_ctx *ctx, int32_t wtype) {
     GT_TRY(gt_check_contig(x, op, "x (src0)"));
     GT_TRY(gt_check_contig(tg, op, "targets (src2)"));
     GT_TRY(gt_check_contig(d, op, "dst"));
-    wsource ws;
+    wsource ws = {0};
     const float *wf = NULL;
     if (wtype == GT_F32) {
         GT_CHECK_F32(w, op, "W (src1)");
@@ -1235,12 +1235,13 @@ static int linear_xent(const gt_node *node, const gt_ctx *ctx, int32_t wtype) {
         ws.deq = gt_dequantizer_(wtype);
     }
     const int32_t *td = tg->data;
-    int64_t count = 0;
+    int64_t count = 0, used = 0;   /* used: rows up to the last counted one */
     for (int64_t r = 0; r < N; r++) {
         if (td[r] >= V)
             return GT_FAIL(GT_ERR_INVALID, "%s: target of row %lld is %d, expected < V = %lld (or < 0 to ignore "
                            "the row)", op, (long long)r, (int)td[r], (long long)V);
         count += td[r] >= 0;
+        if (td[r] >= 0) used = r + 1;
     }
     const int64_t need = xent_work_floats(C) * (int64_t)sizeof(float);
     if (!ctx->wdata || ctx->wsize < need)
@@ -1251,14 +1252,20 @@ static int linear_xent(const gt_node *node, const gt_ctx *ctx, int32_t wtype) {
     const float scale = node->ip[0] ? (count ? 1.0f / (float)count : 0.0f) : 1.0f;
     float *dx = d->data, *nll = dx + N * C;
     float *ap = (float *)(((uintptr_t)ctx->wdata + ALIGN - 1) & ~(uintptr_t)(ALIGN - 1));
-    float *bp = ap + A_FLOATS, *tmp = bp + B_FLOATS, *L = tmp + WTMP_FLOATS;
+    float *bp = ap + A_FLOATS, *wb = bp + B_FLOATS, *L = wb + (int64_t)XENT_VB * C;
     float *m = L + (int64_t)XENT_ROWS * XENT_VB, *alpha = m + XENT_ROWS, *ly = alpha + XENT_ROWS,
           *dy = ly + XENT_ROWS;
     double *sum = (double *)(((uintptr_t)(dy + XENT_ROWS) + 7) & ~(uintptr_t)7);
     float *erow = (float *)(sum + XENT_ROWS);
-    ws.tmp = tmp;
     int64_t lo, hi;
-    split_even(N, 12, ctx, &lo, &hi);
+    /* the rows after the last counted one (a plan's padding of loss rows) are zeros; the
+     * threads split the others, so padding does not leave one thread the work */
+    gt_split(N - used, ctx, &lo, &hi);
+    for (int64_t r = used + lo; r < used + hi; r++) {
+        memset(dx + r * C, 0, (size_t)C * sizeof(float));
+        nll[r] = 0.0f;
+    }
+    split_even(used, 12, ctx, &lo, &hi);
     const float *xd = x->data;
     for (int64_t g0 = lo; g0 < hi; g0 += XENT_ROWS) {
         int64_t g = hi - g0 < XENT_ROWS ? hi - g0 : XENT_ROWS;
@@ -1279,18 +1286,13 @@ static int linear_xent(const gt_node *node, const gt_ctx *ctx, int32_t wtype) {
         float *acc = dx + g0 * C;
         for (int64_t v0 = 0; v0 < V; v0 += XENT_VB) {
             const int64_t nv = V - v0 < XENT_VB ? V - v0 : XENT_VB;
-            wsource w1 = ws, w2 = ws;
-            operand B1 = {NULL, 0, 0}, B2 = {NULL, 0, 0};
-            if (wf) {
-                B1 = (operand){wf + v0 * C, 1, C};
-                B2 = (operand){wf + v0 * C, C, 1};
-            } else {
-                w1.p = ws.p + v0 * ws.row_bytes;
-                w1.trans = 1;
-                w2.p = w1.p;
-                w2.trans = 0;
-            }
-            gemm(im1, 0, g, 0, nv, C, A, B1, wf ? NULL : &w1, L, XENT_VB, ap, bp, 0);
+            /* a stored block is dequantized once, for both products: the first packs it
+             * transposed, the second reads its rows in place */
+            const float *blk = wf ? wf + v0 * C : wb;
+            if (!wf)
+                for (int64_t j = 0; j < nv; j++) ws.deq(wb + j * C, ws.p + (v0 + j) * ws.row_bytes, C / ws.block);
+            const operand B1 = {blk, 1, C}, B2 = {blk, C, 1};
+            gemm(im1, 0, g, 0, nv, C, A, B1, NULL, L, XENT_VB, ap, bp, 0);
             for (int64_t i = 0; i < g; i++) {
                 float *li = L + i * XENT_VB;
                 const int64_t t = td[g0 + i];
@@ -1303,7 +1305,7 @@ static int linear_xent(const gt_node *node, const gt_ctx *ctx, int32_t wtype) {
                                ly + i, dy + i);
                 if (grad && v0 > 0 && alpha[i] != 1.0f) mul_row(acc + i * C, alpha[i], C);
             }
-            if (grad) gemm(im2, 0, g, 0, C, nv, P, B2, wf ? NULL : &w2, acc, C, ap, bp, v0 > 0);
+            if (grad) gemm(im2, 0, g, 0, C, nv, P, B2, NULL, acc, C, ap, bp, v0 > 0);
         }
         for (int64_t i = 0; i < g; i++) {
             const int64_t r = g0 + i, t = td[r];
