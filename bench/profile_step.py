@@ -86,6 +86,9 @@ for plan in plans:
         cnt[key] += 1
         if call.kernel.startswith("matmul"):
             fl[key] += 2 * int(np.prod(call.dst.shape)) * call.srcs[0].shape[-1]
+        elif call.kernel.startswith("linear_cross_entropy"):   # the logits, and with grad (ip[1]) dx
+            (n, c), v = call.srcs[0].shape, call.srcs[1].shape[0]
+            fl[key] += 2 * n * v * c * (1 + bool(call.ip[1]))
         kern[call.kernel] += sec / N
 print(f"full update: {step * 1e3:.1f} ms" + (f"  -> epoch {step * per_epoch:.2f} s" if per_epoch else "")
       + f"; sum of nodes {sum(tot.values()) * 1e3:.1f} ms; {st.flops / step / 1e9:.1f} GFLOP/s")
