@@ -155,3 +155,23 @@ def test_the_fused_loss_trains_as_the_chunked_logits_do(kw):
         np.testing.assert_allclose(p1[k], p0[k], rtol=1e-4, atol=1e-6)
     assert "cross_entropy_fwd_f32" in k0 and "cross_entropy_fwd_f32" not in k1
     assert "linear_cross_entropy_fwd_f32" in k1
+
+
+def test_evaluation_takes_the_loss_without_logits(monkeypatch):
+    """Runner.nll (ggtrain eval) with f32 numbers: one linear_cross_entropy without its
+    gradient, the same NLL as the logits in chunks, the plan holding no logits; llama.cpp's
+    numbers (act8) keep their chunks (the head's product in 8 bits)."""
+    cfg = decoder.ModelConfig(**{**TINY, "vocab": 600, "ctx": 16})
+    weights = family_params(cfg, 0, std=0.3)
+    tok = np.random.default_rng(4).integers(0, cfg.vocab, (2, 17)).astype(np.int32)
+    monkeypatch.setattr(decoder, "LOGITS_BUDGET", 1024)
+    monkeypatch.setattr(decoder, "CHUNK_BYTES", 9 * 600 * 4)
+    fused = decoder.Runner(cfg, weights, CpuBackend(2), batch=2, length=16)
+    got = fused.nll(tok[:, :-1], tok[:, 1:])
+    kernels = {c.kernel for c in fused._plan_loss.plan.calls}
+    assert "linear_cross_entropy_fwd_f32" in kernels and "cross_entropy_fwd_f32" not in kernels
+    monkeypatch.setattr(decoder, "fused_loss_available", lambda *a: False)
+    chunked = decoder.Runner(cfg, weights, CpuBackend(2), batch=2, length=16)
+    assert chunked.chunks.shape == (4,)
+    assert got == pytest.approx(chunked.nll(tok[:, :-1], tok[:, 1:]), rel=1e-6)
+    assert fused.runtime.memory.arena < chunked.runtime.memory.arena

@@ -616,9 +616,12 @@ class Runner:
         self.pos = g.input((self.length,), "i32", name="pos")
         hidden = forward(cfg, params, self.tokens, self.pos, lora=lora, head=False, n_ctx=n_ctx or self.length)
         self.logits_t = output(cfg, params, hidden, lora)
-        # the loss never holds the window's logits whole (chunked_loss)
-        self.chunks = g.input((loss_chunks(cfg, batch * self.length),), name="chunk_weights")
-        self.loss_t = chunked_loss(cfg, params, hidden, self.targets, self.chunks, lora=lora)
+        # the loss never holds the window's logits whole: none at all where one
+        # linear_cross_entropy can take it (f32 numbers, the output matrix without an
+        # adapter), else a chunk of rows at a time (chunked_loss)
+        fused = not act8 and fused_loss_available(cfg, params, lora, backend)
+        self.chunks = g.input((1 if fused else loss_chunks(cfg, batch * self.length),), name="chunk_weights")
+        self.loss_t = chunked_loss(cfg, params, hidden, self.targets, self.chunks, lora=lora, fused=fused)
         self.runtime = Runtime(g, backend)
         for t, buf in stored.items():
             self.runtime.bind(t, buf)
