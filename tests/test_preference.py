@@ -289,8 +289,8 @@ def test_bad_preference_input_is_one_line_and_writes_nothing(tmp_path, story, re
 
 def test_sequence_nll_in_chunks_with_gradients_in_the_forward_equals_one_chunk():
     """decoder.sequence_nll over row chunks, each chunk's per-row input gradients taken in the
-    forward (ops.with_grad, row-wise: a frozen output matrix, as under LoRA): the values and
-    gradients of one chunk."""
+    forward (ops.with_grad, row-wise: a frozen output matrix, as under LoRA), and fused (one
+    linear_cross_entropy, what TextRun takes on the CPU): the values and gradients of one chunk."""
     from ggtrain.core.autograd import backward
     from ggtrain.core.graph import Graph, Runtime
     from ggtrain.core import ops
@@ -302,7 +302,7 @@ def test_sequence_nll_in_chunks_with_gradients_in_the_forward_equals_one_chunk()
     select = rng.normal(0, 1, (5, n)).astype(np.float32)
     weights = rng.normal(0, 1, 5).astype(np.float32)
     got = {}
-    for chunks in (1, 3):
+    for chunks in (1, 3, "fused"):
         g = Graph()
         init = family_params(cfg, 0, std=0.1)
         params = {k: g.param(v.shape, v, name=k, trainable=decoder.trainable(k) and k != "output.weight")
@@ -310,7 +310,10 @@ def test_sequence_nll_in_chunks_with_gradients_in_the_forward_equals_one_chunk()
         tokens, targets, pos = g.input((b, CTX), "i32"), g.input((b, CTX), "i32"), g.input((CTX,), "i32")
         sel = g.input((5, n))
         hidden = decoder.forward(cfg, params, tokens, pos, g, head=False)
-        s = decoder.sequence_nll(cfg, params, hidden, targets, sel, chunks, grad=chunks > 1)
+        if chunks == "fused":
+            s = decoder.sequence_nll(cfg, params, hidden, targets, sel, 1, grad=True, fused=True)
+        else:
+            s = decoder.sequence_nll(cfg, params, hidden, targets, sel, chunks, grad=chunks > 1)
         loss = ops.sum(ops.mul(s, g.const(weights)))
         trained = [p for p in params.values() if p.requires_grad]
         grads = backward(loss, trained, checkpointing=False)
@@ -326,8 +329,9 @@ def test_sequence_nll_in_chunks_with_gradients_in_the_forward_equals_one_chunk()
     flat = tgt.reshape(-1)
     nll = np.where(flat >= 0, -lp[np.arange(n), np.maximum(flat, 0)], 0.0)
     np.testing.assert_allclose(got[1][0], select @ nll, rtol=1e-4, atol=1e-4)
-    for one, three in zip(got[1], got[3]):
+    for one, three, fused in zip(got[1], got[3], got["fused"]):
         np.testing.assert_allclose(three, one, rtol=1e-4, atol=1e-6)
+        np.testing.assert_allclose(fused, one, rtol=1e-4, atol=1e-6)
 
 
 def test_eval_task_during_finetune_scores_the_model_being_trained(tmp_path, story, pairs_file):
