@@ -1,11 +1,12 @@
 /* elementmath.h: per-element formulas the CPU kernels (native/cpu) and the CUDA kernels
  * (native/cuda) must compute alike, written once (not part of the C API; cffi never reads
- * it): dropout's hash (its bits decide the mask on both backends) and the AdamW update. */
+ * it): dropout's hash (its bits decide the mask on both backends), the AdamW update and exp. */
 #ifndef GT_ELEMENTMATH_H
 #define GT_ELEMENTMATH_H
 
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 #ifdef __CUDACC__
 #define GT_HD __host__ __device__
@@ -51,6 +52,52 @@ GT_HD static inline void gt_adamw_1(float *p, float g, float *m, float *v, float
     *v = vi;
     const float mhat = mi / bc1, vhat = vi / bc2;
     *p = *p - decay * *p - lr * mhat / (sqrtf(vhat) + eps);
+}
+
+/* NOTE: exp without libm, so that GCC vectorizes the loops that call it (libm's
+ * expf is a scalar call), and the same function on the GPU (nvcc -fmad=false: no
+ * contraction there either), so both backends' softmax, silu, GELU and attention take
+ * one exp's bits. Cephes' expf: x = n ln2 + r with |r| <= ln2/2 (ln2 in
+ * two parts so n ln2 is exact), exp(r) by a degree-7 polynomial, 2^n built in
+ * the exponent bits. n is rounded with the 1.5 * 2^23 trick and read back from
+ * the float's bits (no float -> int conversion, so no UB for NaN). Max error
+ * 1.4 ulp on [-87.3, 88.3]; x < -87.34 (results below FLT_MIN) gives 0, x >
+ * 88.376 gives inf (true overflow is at 88.72; here arguments are <= 0 after
+ * the max is subtracted; silu tolerates it), NaN stays NaN. Plain C without FMA contraction
+ * (-std=c11), so every SIMD clone gives the same bits. */
+GT_HD static inline float gt_expf_(float x) {
+    const float lo = -87.336544f, hi = 88.3762626f;   /* n stays in [-126, 127] */
+    float xc = x < lo ? lo : x;
+    xc = xc > hi ? hi : xc;
+    const float kf = xc * 1.44269504088896341f + 12582912.0f;   /* 1.5 * 2^23 + n */
+    uint32_t kb;
+    memcpy(&kb, &kf, sizeof kb);
+    const float n = kf - 12582912.0f;
+    float r = xc - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * (r * r) + r + 1.0f;
+    const uint32_t bits = (kb - 0x4B400000u + 127u) << 23;    /* 2^n */
+    float s;
+    memcpy(&s, &bits, sizeof s);
+    float y = p * s;
+    y = x < lo ? 0.0f : y;
+    y = x > hi ? INFINITY : y;
+    return y;
+}
+
+/* tanh(z) of gelu_tanh, z = sqrt(2/pi) x (1 + 0.044715 x^2), through the shared exp:
+ * 1 - 2 / (exp(2z) + 1), exact at both ends (exp overflowing to inf gives 1). */
+#define GT_GELU_K 0.7978845608028654f      /* sqrt(2 / pi) */
+#define GT_GELU_A 0.044715f
+GT_HD static inline float gt_gelu_tanh_t_(float x) {
+    const float z = GT_GELU_K * x * (1.0f + GT_GELU_A * x * x);
+    return 1.0f - 2.0f / (gt_expf_(2.0f * z) + 1.0f);
 }
 
 #endif

@@ -281,18 +281,11 @@ static int glu_check(const gt_node *node, int n_src, const char *op) {
  * Gemma was trained with; its derivative is (1 + t) / 2 + x / 2 (1 - t^2) dz/dx with
  * t = tanh(z), dz/dx = sqrt(2/pi) (1 + 3 * 0.044715 x^2). tanh through the shared exp:
  * 1 - 2 / (exp(2z) + 1), exact at both ends (exp overflowing to inf gives 1). */
-#define GELU_K 0.7978845608028654f      /* sqrt(2 / pi) */
-#define GELU_A 0.044715f
-
-static inline float gelu_tanh_t(float x) {
-    const float z = GELU_K * x * (1.0f + GELU_A * x * x);
-    return 1.0f - 2.0f / (gt_expf_(2.0f * z) + 1.0f);
-}
 
 GT_CLONES static void geglu_row(float *restrict d, const float *restrict g, const float *restrict u, int64_t n) {
     for (int64_t i = 0; i < n; i++) {
         const float x = g[i];
-        d[i] = 0.5f * x * (1.0f + gelu_tanh_t(x)) * u[i];
+        d[i] = 0.5f * x * (1.0f + gt_gelu_tanh_t_(x)) * u[i];
     }
 }
 
@@ -308,7 +301,7 @@ static pthread_once_t gelu_f16_once = PTHREAD_ONCE_INIT;
 static void gelu_f16_fill(void) {
     for (uint32_t h = 0; h < 65536; h++) {
         const float f = gt_f16_to_f32_1((uint16_t)h);
-        const float gelu = 0.5f * f * (1.0f + tanhf(GELU_K * f * fmaf(GELU_A * f, f, 1.0f)));
+        const float gelu = 0.5f * f * (1.0f + tanhf(GT_GELU_K * f * fmaf(GT_GELU_A * f, f, 1.0f)));
         gelu_f16_table[h] = gt_f16_to_f32_1(gt_f32_to_f16_1(gelu));
     }
 }
@@ -324,8 +317,8 @@ static void geglu_f16_row(float *restrict d, const float *restrict g, const floa
 GT_CLONES static void geglu_bwd_row(float *restrict dg, float *restrict du, const float *restrict g,
                                     const float *restrict u, const float *restrict dy, int64_t n) {
     for (int64_t i = 0; i < n; i++) {
-        const float x = g[i], t = gelu_tanh_t(x);
-        const float dz = GELU_K * (1.0f + 3.0f * GELU_A * x * x);
+        const float x = g[i], t = gt_gelu_tanh_t_(x);
+        const float dz = GT_GELU_K * (1.0f + 3.0f * GT_GELU_A * x * x);
         du[i] = dy[i] * (0.5f * x * (1.0f + t));
         dg[i] = dy[i] * u[i] * (0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * dz);
     }

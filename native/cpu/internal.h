@@ -47,40 +47,9 @@ static inline void gt_split(int64_t n, const gt_ctx *ctx, int64_t *lo, int64_t *
 
 #include <math.h>
 
-/* NOTE: exp without libm, so that GCC vectorizes the loops that call it (libm's
- * expf is a scalar call). Cephes' expf: x = n ln2 + r with |r| <= ln2/2 (ln2 in
- * two parts so n ln2 is exact), exp(r) by a degree-7 polynomial, 2^n built in
- * the exponent bits. n is rounded with the 1.5 * 2^23 trick and read back from
- * the float's bits (no float -> int conversion, so no UB for NaN). Max error
- * 1.4 ulp on [-87.3, 88.3]; x < -87.34 (results below FLT_MIN) gives 0, x >
- * 88.376 gives inf (true overflow is at 88.72; here arguments are <= 0 after
- * the max is subtracted; silu tolerates it), NaN stays NaN. Plain C without FMA contraction
- * (-std=c11), so every SIMD clone gives the same bits. */
-static inline float gt_expf_(float x) {
-    const float lo = -87.336544f, hi = 88.3762626f;   /* n stays in [-126, 127] */
-    float xc = x < lo ? lo : x;
-    xc = xc > hi ? hi : xc;
-    const float kf = xc * 1.44269504088896341f + 12582912.0f;   /* 1.5 * 2^23 + n */
-    uint32_t kb;
-    memcpy(&kb, &kf, sizeof kb);
-    const float n = kf - 12582912.0f;
-    float r = xc - n * 0.693359375f;
-    r = r - n * -2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * (r * r) + r + 1.0f;
-    const uint32_t bits = (kb - 0x4B400000u + 127u) << 23;    /* 2^n */
-    float s;
-    memcpy(&s, &bits, sizeof s);
-    float y = p * s;
-    y = x < lo ? 0.0f : y;
-    y = x > hi ? INFINITY : y;
-    return y;
-}
+/* gt_expf_, the exp of softmax, silu, GELU's tanh and attention: ../elementmath.h (the CUDA
+ * kernels compute it too). */
+
 
 /* llama.cpp's CPU exp (ggml_v_expf of an AVX-512 build, lane by lane), for its numbers
  * (softmax in attention, silu): 2^n p(b), n = x / ln 2 rounded by the 1.5 * 2^23 trick,

@@ -287,11 +287,11 @@ __global__ void __launch_bounds__(ATT_TILE_THREADS, DMAX <= 128 ? 2 : 1) att_fwd
                 mt = fmaxf(mt, s[r][c]);
             }
             const float mn = fmaxf(m[r], att_row_max(mt));
-            const float alpha = m[r] == -INFINITY ? 0.0f : expf(m[r] - mn), msafe = mn == -INFINITY ? 0.0f : mn;
+            const float alpha = m[r] == -INFINITY ? 0.0f : gt_expf_(m[r] - mn), msafe = mn == -INFINITY ? 0.0f : mn;
             float sum = 0.0f;
 #pragma unroll
             for (int c = 0; c < CN; c++) {
-                const float p = expf(s[r][c] - msafe);
+                const float p = gt_expf_(s[r][c] - msafe);
                 ps[(ty * RM + r) * LP + tx + c * ATT_TX] = p;
                 sum += p;
             }
@@ -385,7 +385,7 @@ __global__ void __launch_bounds__(ATT_TILE_THREADS, DMAX <= 128 ? 2 : 1) att_dq_
 #pragma unroll
             for (int c = 0; c < CN; c++)
                 ss[(ty * RM + r) * LP + tx + c * ATT_TX] =
-                    vis >> (r * CN + c) & 1 ? expf(a.scale * s[r][c] - lse[r]) : 0.0f;
+                    vis >> (r * CN + c) & 1 ? gt_expf_(a.scale * s[r][c] - lse[r]) : 0.0f;
         att_dots<RM, CN, LD, LD>(s, gs + ty * RM * LD, vs + tx * LD, Dp);
 #pragma unroll
         for (int r = 0; r < RM; r++)
@@ -470,7 +470,7 @@ __global__ void __launch_bounds__(ATT_TILE_THREADS, DMAX <= 128 ? 2 : 1) att_dkv
 #pragma unroll
                 for (int c = 0; c < CN; c++)
                     pt[(ty * RM + r) * LP + tx + c * ATT_TX] =
-                        vis >> (r * CN + c) & 1 ? expf(a.scale * s[r][c] - lse[c]) : 0.0f;
+                        vis >> (r * CN + c) & 1 ? gt_expf_(a.scale * s[r][c] - lse[c]) : 0.0f;
             att_dots<RM, CN, LD, LD>(s, vs + ty * RM * LD, gs + tx * LD, Dp);
             __syncthreads();
             att_update<RM, DN, BR, LP, LD>(dva, pt + ty * RM * LP, gs + tx);
@@ -533,7 +533,7 @@ __global__ void att_fwd_naive(att a, float *o, float *lse) {
     const float mx = scores(a, b, i, h, p, sh);
     float sum = 0.0f;
     for (int64_t j = threadIdx.x; j < a.Tk; j += blockDim.x) {
-        const float e = mx == -INFINITY ? 0.0f : expf(p[j] - mx);
+        const float e = mx == -INFINITY ? 0.0f : gt_expf_(p[j] - mx);
         p[j] = e;
         sum += e;
     }
@@ -562,7 +562,7 @@ __global__ void att_dq_naive(att a, grads G, float *dq) {
     for (int64_t j = threadIdx.x; j < a.Tk; j += blockDim.x) {
         float pj = 0.0f, dpj = 0.0f;
         if (lse != -INFINITY && seen(a, b, i, j)) {
-            pj = expf(a.scale * dot(qi, row(a.k, b, j, hk), a.D) - lse);
+            pj = gt_expf_(a.scale * dot(qi, row(a.k, b, j, hk), a.D) - lse);
             dpj = dot(gi, row(a.v, b, j, hk), a.D);
         }
         p[j] = pj;
@@ -606,7 +606,7 @@ __global__ void att_dkv_naive(att a, grads G, float *dk, float *dv) {
             s = gtc_block_sum(s, sh);
             dp = gtc_block_sum(dp, sh);
             if (threadIdx.x == 0) {
-                pij = expf(a.scale * s - G.lse[li]);
+                pij = gt_expf_(a.scale * s - G.lse[li]);
                 dsij = pij * (dp - G.delta[li] + (G.dlse ? G.dlse[li] : 0.0f));
             }
             __syncthreads();

@@ -51,7 +51,9 @@ GTC_LAUNCHER(div_fwd_f32) { (void)ctx; return launch_binary<3>(node, "div"); }
 
 enum { U_SCALE, U_FILL, U_RELU, U_SILU, U_TANH, U_SOFTPLUS, U_LOG1MEXP, U_EXP, U_LOG, U_SQRT, U_SQR };
 
-__device__ inline float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+/* silu, swiglu and geglu in the CPU kernels' expressions, with the shared exp (elementmath.h):
+ * the same bits on both backends. */
+__device__ inline float sigmoid(float x) { return 1.0f / (1.0f + gt_expf_(-x)); }
 
 template <int OP>
 __device__ inline float unary_op(float x, float p) {
@@ -59,7 +61,7 @@ __device__ inline float unary_op(float x, float p) {
     case U_SCALE: return p * x;
     case U_FILL: return p;
     case U_RELU: return x > 0.0f ? x : 0.0f;
-    case U_SILU: return x * sigmoid(x);
+    case U_SILU: return x / (1.0f + gt_expf_(-x));
     case U_TANH: return tanhf(x);
     case U_SOFTPLUS: return x > 0.0f ? x + log1pf(expf(-x)) : log1pf(expf(x));
     case U_LOG1MEXP: return x > -0.6931471805599453f ? logf(-expm1f(x)) : log1pf(-expf(x));
@@ -148,32 +150,29 @@ GTC_LAUNCHER(silu_bwd_f32) { (void)ctx; return launch_unary_bwd<U_SILU>(node, "s
 
 /* ---- the FFN gates: swiglu (silu(g) * u) and geglu (gelu_tanh(g) * u) ------------------------ */
 
-__device__ inline float gelu_tanh(float x, float *dgelu) {
-    const float c = 0.7978845608028654f, k = 0.044715f;
-    const float t = tanhf(c * (x + k * x * x * x));
-    if (dgelu) *dgelu = 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * c * (1.0f + 3.0f * k * x * x);
-    return 0.5f * x * (1.0f + t);
-}
-
 template <bool GELU>
 __global__ void gate_fwd(float *d, const float *g, const float *u, int64_t n) {
-    GTC_FOR(i, n) d[i] = (GELU ? gelu_tanh(g[i], NULL) : g[i] * sigmoid(g[i])) * u[i];
+    GTC_FOR(i, n) {
+        const float x = g[i];
+        d[i] = GELU ? 0.5f * x * (1.0f + gt_gelu_tanh_t_(x)) * u[i] : x / (1.0f + gt_expf_(-x)) * u[i];
+    }
 }
 
+/* dst = [dg | du] */
 template <bool GELU>
 __global__ void gate_bwd(float *d, const float *g, const float *u, const float *dy, int64_t n) {
     GTC_FOR(i, n) {
         const float x = g[i];
-        float act, dact;
         if (GELU) {
-            act = gelu_tanh(x, &dact);
+            const float t = gt_gelu_tanh_t_(x), dz = GT_GELU_K * (1.0f + 3.0f * GT_GELU_A * x * x);
+            d[n + i] = dy[i] * (0.5f * x * (1.0f + t));
+            d[i] = dy[i] * u[i] * (0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * dz);
         } else {
-            const float s = sigmoid(x);
-            act = x * s;
-            dact = s * (1.0f + x * (1.0f - s));
+            const float e = gt_expf_(-x);
+            const float s = 1.0f / (1.0f + e), gs = dy[i] * u[i];
+            d[n + i] = dy[i] * (x / (1.0f + e));
+            d[i] = gs * s * (1.0f + x * (1.0f - s));
         }
-        d[i] = dy[i] * u[i] * dact;
-        d[n + i] = dy[i] * act;
     }
 }
 

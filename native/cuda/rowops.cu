@@ -252,10 +252,10 @@ __global__ void softmax(float *d, const float *x, int64_t Tq, int64_t Tk, int ma
     mx = gtc_block_max(mx, sh);
     float sum = 0.0f;
     for (int64_t j = threadIdx.x; j < Tk; j += blockDim.x)
-        if (sees(mask, r, j, Tq, Tk, rows_per_b, m)) sum += expf(scale * xr[j] - mx);
+        if (sees(mask, r, j, Tq, Tk, rows_per_b, m)) sum += gt_expf_(scale * xr[j] - mx);
     sum = gtc_block_sum(sum, sh);
     for (int64_t j = threadIdx.x; j < Tk; j += blockDim.x)
-        dr[j] = mx != -INFINITY && sees(mask, r, j, Tq, Tk, rows_per_b, m) ? expf(scale * xr[j] - mx) / sum : 0.0f;
+        dr[j] = mx != -INFINITY && sees(mask, r, j, Tq, Tk, rows_per_b, m) ? gt_expf_(scale * xr[j] - mx) / sum : 0.0f;
 }
 
 GTC_LAUNCHER(softmax_fwd_f32) {
@@ -325,7 +325,7 @@ __global__ void ce_rows(float *loss, const float *x, const int32_t *t, int64_t V
     for (int64_t j = threadIdx.x; j < V; j += blockDim.x) mx = fmaxf(mx, xr[j]);
     mx = gtc_block_max(mx, sh);
     float sum = 0.0f;
-    for (int64_t j = threadIdx.x; j < V; j += blockDim.x) sum += expf(xr[j] - mx);
+    for (int64_t j = threadIdx.x; j < V; j += blockDim.x) sum += gt_expf_(xr[j] - mx);
     sum = gtc_block_sum(sum, sh);
     if (threadIdx.x == 0) loss[r] = logf(sum) + mx - xr[tr];
 }
@@ -400,11 +400,11 @@ __global__ void ce_bwd(float *d, const float *x, const int32_t *t, const float *
     for (int64_t j = threadIdx.x; j < V; j += blockDim.x) mx = fmaxf(mx, xr[j]);
     mx = gtc_block_max(mx, sh);
     float sum = 0.0f;
-    for (int64_t j = threadIdx.x; j < V; j += blockDim.x) sum += expf(xr[j] - mx);
+    for (int64_t j = threadIdx.x; j < V; j += blockDim.x) sum += gt_expf_(xr[j] - mx);
     sum = gtc_block_sum(sum, sh);
     const float k = (rows ? g[r] : g[0]) / c;
     for (int64_t j = threadIdx.x; j < V; j += blockDim.x) {
-        const float p = expf(xr[j] - mx) / sum;
+        const float p = gt_expf_(xr[j] - mx) / sum;
         dr[j] = k * (p - (j == tr ? 1.0f : 0.0f));
     }
 }
