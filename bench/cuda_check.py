@@ -73,7 +73,7 @@ def lines(path) -> list:
 # `backend` fixture and run_kernel go to the GPU with GGTRAIN_TEST_BACKEND=cuda); some compare
 # with a CPU path's exact bits, which a GPU need not give: their failures are read, not fixed blind
 OP_TESTS = ("tests/test_ops.py", "tests/test_attention.py", "tests/test_kernels.py", "tests/test_matmul.py",
-            "tests/test_quant_matmul.py", "tests/test_conv2d.py")
+            "tests/test_quant_matmul.py", "tests/test_conv2d.py", "tests/test_linear_ce.py")
 
 def ops(out: pathlib.Path, device: str) -> None:
     env = {**os.environ, "GGTRAIN_TEST_BACKEND": device, "PYTHONUNBUFFERED": "1"}

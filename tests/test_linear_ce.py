@@ -34,14 +34,15 @@ def _stored(W: np.ndarray, w: str) -> tuple:
     return raw, quants.dequantize(raw.reshape(W.shape[0], -1), t).reshape(W.shape).astype(np.float32)
 
 
-def _kernel(x, w, t, wtype="f32", scale=1.0, softcap=0.0, mean=True, grad=True, n_threads=1):
-    """dst of linear_cross_entropy_fwd_f32[_<wtype>]; w: f32 (V, C), or a stored matrix's bytes."""
+def _kernel(x, w, t, wtype="f32", scale=1.0, softcap=0.0, mean=True, grad=True, n_threads=1, backend=None):
+    """dst of linear_cross_entropy_fwd_f32[_<wtype>]; w: f32 (V, C), or a stored matrix's bytes;
+    on the CPU with n_threads, or on `backend` (the op tests' fixture: the GPU's on a GPU machine)."""
     n, c = x.shape
     dst = np.full(n * c + n, np.nan, np.float32)
     src = w if wtype == "f32" else (w, wtype, (len(w) // nbytes((1, c), wtype), c), (c, 1))
     suffix = "f32" if wtype == "f32" else f"f32_{wtype}"
     return run_kernel(f"linear_cross_entropy_fwd_{suffix}", dst, [x, src, t], ip=(int(mean), int(grad)),
-                      fp=(scale, softcap), n_threads=n_threads, backend=BACKENDS[n_threads])
+                      fp=(scale, softcap), n_threads=n_threads, backend=backend or BACKENDS[n_threads])
 
 
 @pytest.mark.parametrize("wtype", ["q8_0", "q4_0", "q4_k", "q6_k", "f16", "bf16"])
@@ -96,18 +97,38 @@ def test_same_bits_for_any_thread_count_and_plain_c_within_rounding():
         _close(got, want, Wd, t)
 
 
-def test_no_counted_rows_gives_zeros():
+@pytest.mark.parametrize("wtype", ["q8_0", "q4_k"])
+def test_many_vocabulary_blocks_on_the_test_backend(wtype, backend):
+    """Enough rows times vocabulary that every backend takes W in more than one block (the
+    GPU's blocks hold 2^24 logits: 1100 rows give blocks of 15104 rows, so two), with the
+    running max growing between blocks (the rescaled accumulators), soft-capping, a logit
+    scale, ignored rows: float64 of the dequantized matrix."""
+    rng = np.random.default_rng(3)
+    n, c, v = 1100, 256, 16000
+    x = rng.standard_normal((n, c)).astype(np.float32)
+    W = (rng.standard_normal((v, c)) * 0.3).astype(np.float32)
+    W[-500:] *= 3.0                      # the last block's logits larger: the max grows there
+    t = rng.integers(0, v, n).astype(np.int32)
+    t[[7, 500]] = -1
+    raw, Wd = _stored(W, wtype)
+    x *= 0.5 / np.abs(Wd).max()
+    got = _kernel(x, raw, t, wtype, scale=0.5, softcap=3.0, backend=backend)
+    want = refs.linear_cross_entropy(x, Wd, t, scale=0.5, softcap=3.0)
+    _close(got, want, Wd, t)
+
+
+def test_no_counted_rows_gives_zeros(backend):
     x = np.ones((3, 32), np.float32)
     w = np.ones((5, 32), np.float32)
-    got = _kernel(x, w, np.full(3, -1, np.int32))
+    got = _kernel(x, w, np.full(3, -1, np.int32), backend=backend)
     assert np.array_equal(got, np.zeros_like(got))
 
 
-def test_bad_input_is_refused_with_its_reason():
+def test_bad_input_is_refused_with_its_reason(backend):
     x = np.ones((3, 32), np.float32)
     w = np.ones((5, 32), np.float32)
     with pytest.raises(NativeError, match=r"target of row 1 is 5, expected < V = 5"):
-        _kernel(x, w, np.array([0, 5, 1], np.int32))
+        _kernel(x, w, np.array([0, 5, 1], np.int32), backend=backend)
     g = Graph()
     xs, ts = g.input((3, 32)), g.input((3,), "i32")
     with pytest.raises(ShapeError, match="w \\(V, C\\) as stored"):

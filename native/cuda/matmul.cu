@@ -341,3 +341,242 @@ extern "C" int gtc_dequantize_row_host(float *dst, const void *src, int32_t dtyp
     for (int64_t i = 0; i < n / be; i++) gtc_decode_block(dtype, b + i * bb, dst + i * be);
     return GT_OK;
 }
+
+/* ---- linear_cross_entropy: the loss over a frozen output matrix, logits never held ------------ */
+
+/* ggtrain.h's linear_cross_entropy, as the CPU kernel computes it (FlashAttention's running
+ * softmax over the vocabulary), with the GPU's sizes: W is taken in blocks of vb vocabulary
+ * rows (as many as keep a block's logits of all N rows within XENT_LOGITS floats); per block
+ * a stored W's rows are decoded into the work memory, cuBLAS makes the logits L = x W_b^T
+ * (N, vb), one thread block per row takes them into its running max and sum of exps (the
+ * row's gradient accumulator, dst's dx row, multiplied by exp(old max - new max) when the max
+ * grows) and leaves in L the exps times the logits' derivative, and cuBLAS adds L W_b into
+ * the accumulators. At the end dx = acc / sum - dl_t W_t, nll = max + log(sum) - l_t, both
+ * divided by the counted rows under ip[0]. Each row's bits depend on vb (so on N), not on
+ * the other rows' values. */
+#define XENT_LOGITS ((int64_t)1 << 24)
+#define XENT_THREADS 256
+
+struct xent_layout {
+    int64_t vb;                     /* vocabulary rows a block */
+    int64_t sum, m, ly, dy, count;  /* byte offsets in the work memory */
+    int64_t logits, wblock, total;
+};
+
+static xent_layout xent_plan(int64_t N, int64_t C, int64_t V, bool stored) {
+    xent_layout p;
+    int64_t vb = N > 0 ? XENT_LOGITS / N / 256 * 256 : V;
+    vb = vb < 256 ? 256 : vb;
+    p.vb = vb > V ? V : vb;
+    const int64_t nf = (N + 63) / 64 * 64 * (int64_t)sizeof(float);   /* one float a row, 256-byte aligned */
+    p.sum = 0;                                           /* doubles */
+    p.m = p.sum + 2 * nf;
+    p.ly = p.m + nf;
+    p.dy = p.ly + nf;
+    p.count = p.dy + nf;
+    p.logits = p.count + 256;
+    p.wblock = p.logits + (N * p.vb * (int64_t)sizeof(float) + 255) / 256 * 256;
+    p.total = p.wblock + (stored ? p.vb * C * (int64_t)sizeof(float) : 0);
+    return p;
+}
+
+/* Running state, and the counted rows (targets in [0, V); one at or past V is raised). */
+__global__ void xent_start(double *sum, float *m, float *ly, float *dy, float *count, const int32_t *t, int64_t N,
+                           int64_t V, GTC_ERR_ARGS) {
+    __shared__ double sh[32];
+    double c = 0.0;
+    for (int64_t r = threadIdx.x; r < N; r += blockDim.x) {
+        sum[r] = 0.0;
+        m[r] = -INFINITY;
+        ly[r] = dy[r] = 0.0f;
+        if (t[r] >= V) GTC_RAISE(GTC_DEV_TARGET, r, t[r], V);
+        c += t[r] >= 0 && t[r] < V ? 1.0 : 0.0;
+    }
+    c = gtc_block_sum(c, sh);
+    if (threadIdx.x == 0) *count = (float)c;
+}
+
+/* Row r's block of logits l (nv, from vocabulary row v0) into its running softmax (the CPU's
+ * xent_block_row): l <- s l, or cap tanh(s l / cap); then l <- exp(l - m_new) times the
+ * derivative of the transformed logit; the target's logit and derivative kept; the
+ * accumulator row (C) rescaled when the max grew and an earlier block added to it. */
+__global__ void xent_block(float *L, int64_t nv, int64_t v0, const int32_t *t, int64_t V, double *sum, float *m,
+                           float *ly, float *dy, float *acc, int64_t C, float s, float cap, int grad) {
+    __shared__ float shf[32];
+    __shared__ double shd[32];
+    const int64_t r = blockIdx.x;
+    const int32_t tr = t[r];
+    float *l = L + r * nv;
+    if (tr < 0 || tr >= V) {        /* ignored: nothing added to its accumulator */
+        for (int64_t j = threadIdx.x; j < nv; j += blockDim.x) l[j] = 0.0f;
+        return;
+    }
+    float mb = -INFINITY;
+    for (int64_t j = threadIdx.x; j < nv; j += blockDim.x) {
+        float z = l[j];
+        z = cap > 0.0f ? cap * tanhf(s * z / cap) : (s != 1.0f ? z * s : z);
+        l[j] = z;
+        mb = fmaxf(mb, z);
+    }
+    mb = gtc_block_max(mb, shf);     /* (its barriers make every l[j] visible) */
+    const float m0 = m[r], mn = mb > m0 ? mb : m0;
+    if (threadIdx.x == 0 && tr >= v0 && tr < v0 + nv) {
+        const float lt = l[tr - v0];
+        ly[r] = lt;
+        dy[r] = cap > 0.0f ? s * (1.0f - (lt / cap) * (lt / cap)) : s;
+    }
+    __syncthreads();
+    float e = 0.0f;
+    for (int64_t j = threadIdx.x; j < nv; j += blockDim.x) {
+        const float q = gt_expf_(l[j] - mn);
+        e += q;
+        if (cap > 0.0f) {
+            const float u = l[j] / cap;
+            l[j] = q * s * (1.0f - u * u);
+        } else {
+            l[j] = s != 1.0f ? q * s : q;
+        }
+    }
+    const double es = gtc_block_sum((double)e, shd);
+    const float alpha = m0 == -INFINITY ? 0.0f : gt_expf_(m0 - mn);
+    if (grad && v0 > 0 && alpha != 1.0f)
+        for (int64_t k = threadIdx.x; k < C; k += blockDim.x) acc[r * C + k] *= alpha;
+    if (threadIdx.x == 0) {
+        sum[r] = sum[r] * (double)alpha + es;
+        m[r] = mn;
+    }
+}
+
+/* dx[r] = (acc[r] / sum - dl_t W[t]) * k, nll[r] = (m + log(sum) - l_t) * k, k = 1 or 1 /
+ * count; zeros for an ignored row (and dx zeros without grad). W: f32 rows, or stored rows
+ * of `type` (row_bytes each) decoded a block at a time. */
+__global__ void xent_finish(float *dx, float *nll, const int32_t *t, int64_t V, const double *sum, const float *m,
+                            const float *ly, const float *dy, const float *count, const uint8_t *w, int32_t type,
+                            int64_t row_bytes, int64_t C, int mean, int grad) {
+    const int64_t r = blockIdx.x;
+    const int32_t tr = t[r];
+    float *dr = dx + r * C;
+    if (tr < 0 || tr >= V || !grad)
+        for (int64_t k = threadIdx.x; k < C; k += blockDim.x) dr[k] = 0.0f;
+    if (tr < 0 || tr >= V) {
+        if (threadIdx.x == 0) nll[r] = 0.0f;
+        return;
+    }
+    const float scale = mean ? (*count > 0.0f ? 1.0f / *count : 0.0f) : 1.0f;
+    if (threadIdx.x == 0) nll[r] = (float)(((double)m[r] + log(sum[r]) - (double)ly[r]) * (double)scale);
+    if (!grad) return;
+    const float inv = (float)(1.0 / sum[r]), c = dy[r];
+    const uint8_t *wt = w + tr * row_bytes;
+    const int be = gtc_block_elems(type), bb = gtc_block_bytes(type);
+    float y[256];
+    for (int64_t kb = threadIdx.x; kb < C / be; kb += blockDim.x) {
+        gtc_decode_block(type, wt + kb * bb, y);
+        for (int i = 0; i < be; i++) {
+            const int64_t k = kb * be + i;
+            dr[k] = (dr[k] * inv - c * y[i]) * scale;
+        }
+    }
+}
+
+static int xent_check(const gt_node *node, int32_t wtype, const char *op, int64_t *row_bytes) {
+    const gt_tensor *d = &node->dst, *x = &node->src[0], *w = &node->src[1], *tg = &node->src[2];
+    GTC_TRY(gtc_check_n_src_(node, 3, 3, op));
+    GTC_F32(x, op, "x (src0)");
+    GTC_F32(d, op, "dst");
+    GTC_I32(tg, op, "targets (src2)");
+    if (x->ndim != 2 || w->ndim != 2 || tg->ndim != 1 || tg->shape[0] != x->shape[0] ||
+        w->shape[1] != x->shape[1] || x->shape[1] < 1)
+        return GTC_FAIL(GT_ERR_SHAPE, "%s: expected x (N, C), W (V, C) and targets (N,), got x of %d dims, "
+                        "W of %d, targets of %d", op, x->ndim, w->ndim, tg->ndim);
+    const int64_t N = x->shape[0], C = x->shape[1];
+    if (d->ndim != 1 || d->shape[0] != N * C + N)
+        return GTC_FAIL(GT_ERR_SHAPE, "%s: expected dst (N C + N,) = (%lld,)", op, (long long)(N * C + N));
+    GTC_TRY(gtc_check_contig_(x, op, "x (src0)"));
+    GTC_TRY(gtc_check_contig_(tg, op, "targets (src2)"));
+    GTC_TRY(gtc_check_contig_(d, op, "dst"));
+    if (wtype == GT_F32) {
+        GTC_F32(w, op, "W (src1)");
+        GTC_TRY(gtc_check_contig_(w, op, "W (src1)"));
+        *row_bytes = C * (int64_t)sizeof(float);
+    } else {
+        int trans = 0;
+        GTC_TRY(gt_weight_view_check(w, wtype, gtc_block_elems(wtype), op, 1, &trans));
+        if (trans) return GTC_FAIL(GT_ERR_INVALID, "%s: expected W (V, C) as stored, got its transpose", op);
+        *row_bytes = C / gtc_block_elems(wtype) * gtc_block_bytes(wtype);
+    }
+    if (N > INT32_MAX || C > INT32_MAX || w->shape[0] > INT32_MAX)
+        return GTC_FAIL(GT_ERR_UNSUPPORTED, "%s: a dim beyond 2^31", op);
+    return GT_OK;
+}
+
+static int linear_xent(const gt_node *node, const gt_ctx *ctx, int32_t wtype) {
+    const char *op = "linear_cross_entropy";
+    int64_t row_bytes = 0;
+    GTC_TRY(xent_check(node, wtype, op, &row_bytes));
+    const gt_tensor *x = &node->src[0], *w = &node->src[1], *tg = &node->src[2];
+    const int64_t N = x->shape[0], C = x->shape[1], V = w->shape[0];
+    if (N == 0) return GT_OK;
+    if (!g_blas.handle || g_host_blas) return GTC_FAIL(GT_ERR_INVALID, "%s: cuBLAS is not loaded", op);
+    const bool stored = wtype != GT_F32;
+    const xent_layout p = xent_plan(N, C, V, stored);
+    if (!ctx->wdata || ctx->wsize < p.total)
+        return GTC_FAIL(GT_ERR_INVALID, "%s: needs %lld bytes of work memory, got %lld", op, (long long)p.total,
+                        (long long)(ctx->wdata ? ctx->wsize : 0));
+    char *work = (char *)ctx->wdata;
+    double *sum = (double *)(work + p.sum);
+    float *m = (float *)(work + p.m), *ly = (float *)(work + p.ly), *dy = (float *)(work + p.dy),
+          *count = (float *)(work + p.count), *L = (float *)(work + p.logits), *wb = (float *)(work + p.wblock);
+    float *dx = (float *)node->dst.data, *nll = dx + N * C;
+    const float *xd = (const float *)x->data;
+    const int32_t *td = (const int32_t *)tg->data;
+    const uint8_t *wd = (const uint8_t *)w->data;
+    const float s = node->fp[0], cap = node->fp[1];
+    const int grad = node->ip[1] != 0;
+    cudaStream_t st = gtc_stream_();
+    xent_start<<<1, 1024, 0, st>>>(sum, m, ly, dy, count, td, N, V, GTC_ERR_PASS);
+    GTC_TRY(GTC_LAUNCHED(op));
+    const float one = 1.0f, zero = 0.0f;
+    for (int64_t v0 = 0; v0 < V; v0 += p.vb) {
+        const int64_t nv = V - v0 < p.vb ? V - v0 : p.vb;
+        const float *blk = (const float *)(wd + v0 * row_bytes);
+        if (stored) {
+            const int be = gtc_block_elems(wtype), bb = gtc_block_bytes(wtype);
+            const int64_t nb = nv * C / be;
+            decode_blocks<<<gtc_blocks(nb), GTC_THREADS, 0, st>>>(wb, wd + v0 * row_bytes, wtype, nb, be, bb);
+            GTC_TRY(GTC_LAUNCHED(op));
+            blk = wb;
+        }
+        /* L (N, nv) row-major = (W_b x^T) column-major */
+        int rc = g_blas.gemm(g_blas.handle, GTC_OP_T, GTC_OP_N, (int)nv, (int)N, (int)C, &one, blk, GTC_R_32F, (int)C,
+                             xd, GTC_R_32F, (int)C, &zero, L, GTC_R_32F, (int)nv, g_blas.compute, GTC_GEMM_DEFAULT);
+        if (rc) return GTC_FAIL(GT_ERR_UNSUPPORTED, "%s: cublasGemmEx failed (status %d)", op, rc);
+        xent_block<<<(unsigned)N, XENT_THREADS, 0, st>>>(L, nv, v0, td, V, sum, m, ly, dy, dx, C, s, cap, grad);
+        GTC_TRY(GTC_LAUNCHED(op));
+        if (grad) {   /* acc (N, C) += L W_b: (W_b^T L^T) column-major */
+            const float beta = v0 > 0 ? 1.0f : 0.0f;
+            rc = g_blas.gemm(g_blas.handle, GTC_OP_N, GTC_OP_N, (int)C, (int)N, (int)nv, &one, blk, GTC_R_32F, (int)C,
+                             L, GTC_R_32F, (int)nv, &beta, dx, GTC_R_32F, (int)C, g_blas.compute, GTC_GEMM_DEFAULT);
+            if (rc) return GTC_FAIL(GT_ERR_UNSUPPORTED, "%s: cublasGemmEx failed (status %d)", op, rc);
+        }
+    }
+    xent_finish<<<(unsigned)N, XENT_THREADS, 0, st>>>(dx, nll, td, V, sum, m, ly, dy, count, wd, wtype, row_bytes, C,
+                                                       node->ip[0] != 0, grad);
+    return GTC_LAUNCHED(op);
+}
+
+static int linear_xent_sizes(const gt_node *node, int32_t wtype, int64_t *scratch, int64_t *work) {
+    const gt_tensor *x = &node->src[0], *w = &node->src[1];
+    *scratch = 0;
+    *work = 0;
+    if (node->n_src < 2 || x->ndim != 2 || w->ndim != 2) return GT_OK;   /* (the launcher says what is wrong) */
+    *work = xent_plan(x->shape[0], x->shape[1], w->shape[0], wtype != GT_F32).total;
+    return GT_OK;
+}
+
+GTC_SIZES(linear_cross_entropy_fwd_f32) { return linear_xent_sizes(node, GT_F32, scratch, work); }
+GTC_LAUNCHER(linear_cross_entropy_fwd_f32) { return linear_xent(node, ctx, GT_F32); }
+
+#define GTC_XENT_KERNELS(name, type)                                                                     \
+    GTC_SIZES(linear_cross_entropy_fwd_f32_##name) { return linear_xent_sizes(node, type, scratch, work); } \
+    GTC_LAUNCHER(linear_cross_entropy_fwd_f32_##name) { return linear_xent(node, ctx, type); }
+GT_WEIGHT_TYPES(GTC_XENT_KERNELS)
