@@ -46,6 +46,10 @@ class OpDef:
     dtypes: tuple = ("f32",)            # kernel variants: gt_<kernel>_<one of these>
     inplace: tuple = ()                 # srcs whose memory dst may take when they die here
     suffix: Callable | None = None      # (y) -> the variant a node runs (default dtypes[0])
+    # llama.cpp's CPU numbers (generate's and eval's act8 path: its rounding of activations,
+    # its float orders, its f16 tables): only the CPU backend has these kernels, and a GPU
+    # has no reason to copy a CPU's rounding (decoder.act8_available asks the backend)
+    llama_cpu: bool = False
 
     def kernel_name(self, y) -> str:
         """The kernel node `y` runs, e.g. "matmul_fwd_f32_q4_0" (without the gt_ prefix)."""
@@ -371,7 +375,8 @@ def geglu_f16(g: Tensor, u: Tensor) -> Tensor:
     return apply("geglu_f16", [g, u])
 
 
-register(OpDef("geglu_f16", _infer_same("geglu_f16"), "geglu_f16_fwd", contiguous=(0, 1), differentiable=()))
+register(OpDef("geglu_f16", _infer_same("geglu_f16"), "geglu_f16_fwd", contiguous=(0, 1), differentiable=(),
+               llama_cpu=True))
 
 
 def swiglu_ggml(g: Tensor, u: Tensor) -> Tensor:
@@ -381,7 +386,8 @@ def swiglu_ggml(g: Tensor, u: Tensor) -> Tensor:
     return apply("swiglu_ggml", [g, u])
 
 
-register(OpDef("swiglu_ggml", _infer_same("swiglu_ggml"), "swiglu_ggml_fwd", contiguous=(0, 1), differentiable=()))
+register(OpDef("swiglu_ggml", _infer_same("swiglu_ggml"), "swiglu_ggml_fwd", contiguous=(0, 1), differentiable=(),
+               llama_cpu=True))
 register(OpDef("with_grad", _infer_with_grad, "scale_fwd", lower=lambda y: ((), (1.0,)),   # a copy of y
                backward=_with_grad_bwd, differentiable=(1,)))
 register(OpDef("tanh", _infer_same("tanh"), "tanh_fwd",
@@ -616,7 +622,8 @@ def _infer_matmul_q8(srcs, params):
 
 
 register(OpDef("matmul_q8", _infer_matmul_q8, "matmul_q8_fwd", unit_stride_2d=(0,), differentiable=(),
-               dtypes=tuple(f"f32_{w}" for w in ACT8_TYPES), suffix=lambda y: _weight_suffix(y.srcs[1])))
+               dtypes=tuple(f"f32_{w}" for w in ACT8_TYPES), suffix=lambda y: _weight_suffix(y.srcs[1]),
+               llama_cpu=True))
 
 
 # the weight types matmul_ggml takes (native/cpu/matmul_ggml.c)
@@ -642,7 +649,7 @@ def _infer_matmul_ggml(srcs, params):
 
 
 register(OpDef("matmul_ggml", _infer_matmul_ggml, "matmul_ggml_fwd", contiguous=(0,), differentiable=(),
-               dtypes=("f32", "f32_f16"), suffix=lambda y: _weight_suffix(y.srcs[1])))
+               dtypes=("f32", "f32_f16"), suffix=lambda y: _weight_suffix(y.srcs[1]), llama_cpu=True))
 
 
 def linear(x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:

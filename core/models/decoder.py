@@ -557,9 +557,9 @@ class FrozenParams(dict):
 
 
 def act8_available(backend) -> bool:
-    """Whether `backend` has llama.cpp's products (matmul_q8's and matmul_ggml's kernels, every
-    variant: the CPU does; CUDA computes f32)."""
-    kernels = [f"{ops.OPS[op].kernel}_{d}" for op in ("matmul_q8", "matmul_ggml") for d in ops.OPS[op].dtypes]
+    """Whether `backend` has llama.cpp's CPU numbers (every variant of every ops.OpDef.llama_cpu
+    op: the CPU does; CUDA computes f32)."""
+    kernels = [f"{op.kernel}_{d}" for op in ops.OPS.values() if op.llama_cpu for d in op.dtypes]
     return bool(ops.ACT8_TYPES) and all(backend.supports(k) for k in kernels)
 
 
