@@ -45,20 +45,20 @@ def _mask_input(mode, b, tq, tk, rng):
     return None, {"causal": mode == "causal"}
 
 
-def fwd(q, k, v, mode, scale, extra=None, n_threads=1):
+def fwd(q, k, v, mode, scale, extra=None, n_threads=1, **kw):
     """(O, LSE, the whole dst) of gt_attention_fwd_f32, into a NaN-filled dst."""
     b, tq, h, d = q.shape
     dst = np.full(q.size + b * h * tq, np.nan, np.float32)
     srcs = [q, k, v] + ([extra] if extra is not None else [])
-    run_kernel("attention_fwd_f32", dst, srcs, ip=(MODES[mode],), fp=(scale,), n_threads=n_threads)
+    run_kernel("attention_fwd_f32", dst, srcs, ip=(MODES[mode],), fp=(scale,), n_threads=n_threads, **kw)
     return dst[:q.size].reshape(q.shape), dst[q.size:].reshape(b, h, tq), dst
 
 
-def bwd(q, k, v, y, g, mode, scale, extra=None, n_threads=1):
+def bwd(q, k, v, y, g, mode, scale, extra=None, n_threads=1, **kw):
     """(dq, dk, dv) of gt_attention_bwd_f32 for g = dO, or all of y's gradient (flat)."""
     dst = np.full(q.size + 2 * k.size, np.nan, np.float32)
     srcs = [q, k, v, y, g] + ([extra] if extra is not None else [])
-    run_kernel("attention_bwd_f32", dst, srcs, ip=(MODES[mode],), fp=(scale,), n_threads=n_threads)
+    run_kernel("attention_bwd_f32", dst, srcs, ip=(MODES[mode],), fp=(scale,), n_threads=n_threads, **kw)
     return (dst[:q.size].reshape(q.shape), dst[q.size:q.size + k.size].reshape(k.shape),
             dst[q.size + k.size:].reshape(k.shape))
 
@@ -125,16 +125,18 @@ def test_backward_split_for_few_kv_heads():
     its query heads are split into groups, one unit each, whose shares of dK and dV are
     summed. dQ keeps the bits of the unsplit kernel (which 8 copies of the sequence get,
     enough units); dK and dV are the same sums rounded another way; and the split depends
-    on the shapes, not on the thread count."""
+    on the shapes, not on the thread count. (The CPU kernel's split of the work: run on the
+    CPU backend, whichever backend the other op tests run on.)"""
+    cpu = {"backend": CpuBackend(1)}
     rng = np.random.default_rng(11)
     tq, h, d = 300, 4, 16
     q, k, v = _f32(rng, 1, tq, h, d), _f32(rng, 1, tq, 1, d), _f32(rng, 1, tq, 1, d)
     g = _f32(rng, *q.shape)
-    y = fwd(q, k, v, "causal", 0.25)[2]
-    split = bwd(q, k, v, y, g, "causal", 0.25)
+    y = fwd(q, k, v, "causal", 0.25, **cpu)[2]
+    split = bwd(q, k, v, y, g, "causal", 0.25, **cpu)
     rep = lambda x: np.ascontiguousarray(np.repeat(x, 8, axis=0))   # noqa: E731
-    y8 = fwd(rep(q), rep(k), rep(v), "causal", 0.25)[2]
-    whole = bwd(rep(q), rep(k), rep(v), y8, rep(g), "causal", 0.25)
+    y8 = fwd(rep(q), rep(k), rep(v), "causal", 0.25, **cpu)[2]
+    whole = bwd(rep(q), rep(k), rep(v), y8, rep(g), "causal", 0.25, **cpu)
     assert np.array_equal(split[0], whole[0][:1])
     for x, w in zip(split[1:], whole[1:]):
         np.testing.assert_allclose(x, w[:1], rtol=1e-4, atol=1e-5)
@@ -142,7 +144,7 @@ def test_backward_split_for_few_kv_heads():
     for x, want in zip(split, refs.attention_bwd(q, k, v, g, 0.25, causal=True)):
         np.testing.assert_allclose(x, want, rtol=1e-4, atol=1e-5)
     for n in (2, 3, 5):
-        for a, c in zip(split, bwd(q, k, v, y, g, "causal", 0.25, n_threads=n)):
+        for a, c in zip(split, bwd(q, k, v, y, g, "causal", 0.25, n_threads=n, **cpu)):
             assert np.array_equal(a, c)
 
 
