@@ -10,6 +10,31 @@ struct geom {
     int relu, bias;
 };
 
+/* The geometry as the kernels index with it: I = int32_t when every flat index of the
+ * launch fits (the usual case: a 64-bit division is dozens of instructions on the GPU and
+ * the index arithmetic was most of the backward's time), else int64_t. */
+template <typename I>
+struct geomT {
+    I N, H, W, C, CO, KH, KW, S, P, OH, OW, pool, PH, PW;
+    int relu, bias;
+};
+
+template <typename I>
+static geomT<I> narrow(const geom &g) {
+    return geomT<I>{(I)g.N, (I)g.H, (I)g.W, (I)g.C, (I)g.CO, (I)g.KH, (I)g.KW, (I)g.S, (I)g.P,
+                    (I)g.OH, (I)g.OW, (I)g.pool, (I)g.PH, (I)g.PW, g.relu, g.bias};
+}
+
+/* Whether every index of a launch over these geometries and `extra` items fits in int32. */
+static bool fits32(const geom &g, int64_t extra) {
+    const int64_t lim = (int64_t)1 << 30;
+    const int64_t sizes[] = {g.N * g.H * g.W * g.C, 2 * g.N * g.OH * g.OW * g.CO, g.CO * g.C * g.KH * g.KW + g.CO,
+                             g.H + 2 * g.P + g.KH, g.W + 2 * g.P + g.KW, extra};
+    for (int64_t s : sizes)
+        if (s >= lim) return false;
+    return true;
+}
+
 static int geometry(const gt_node *node, const gt_tensor *x, const gt_tensor *k, geom *g, const char *op) {
     g->KH = node->ip[0];
     g->KW = node->ip[1];
@@ -37,15 +62,20 @@ static int geometry(const gt_node *node, const gt_tensor *x, const gt_tensor *k,
     return GT_OK;
 }
 
+/* A grid-stride loop in the geometry's index type. */
+#define CONV_FOR(i, n) for (I i = (I)(blockIdx.x * blockDim.x + threadIdx.x); i < (I)(n); \
+                            i += (I)(gridDim.x * blockDim.x))
+
 /* relu?(conv + bias) at (n, oh, ow, co). */
-__device__ inline float conv_at(const geom &g, const float *x, const float *k, const float *b, int64_t n, int64_t oh,
-                                int64_t ow, int64_t co) {
+template <typename I>
+__device__ inline float conv_at(const geomT<I> &g, const float *x, const float *k, const float *b, I n, I oh, I ow,
+                                I co) {
     float acc = 0.0f;
-    for (int64_t c = 0; c < g.C; c++)
-        for (int64_t kh = 0; kh < g.KH; kh++) {
-            const int64_t h = oh * g.S - g.P + kh;
-            for (int64_t kw = 0; kw < g.KW; kw++) {
-                const int64_t w = ow * g.S - g.P + kw;
+    for (I c = 0; c < g.C; c++)
+        for (I kh = 0; kh < g.KH; kh++) {
+            const I h = oh * g.S - g.P + kh;
+            for (I kw = 0; kw < g.KW; kw++) {
+                const I w = ow * g.S - g.P + kw;
                 const float xv = h >= 0 && h < g.H && w >= 0 && w < g.W ? x[((n * g.H + h) * g.W + w) * g.C + c] : 0.0f;
                 acc = fmaf(xv, k[((co * g.C + c) * g.KH + kh) * g.KW + kw], acc);
             }
@@ -54,22 +84,23 @@ __device__ inline float conv_at(const geom &g, const float *x, const float *k, c
     return g.relu ? (acc > 0.0f ? acc : 0.0f) : acc;
 }
 
-__global__ void conv_fwd(geom g, float *d, const float *x, const float *k, const float *b) {
+template <typename I>
+__global__ void conv_fwd(geomT<I> g, float *d, const float *x, const float *k, const float *b) {
     if (g.pool == 1) {
-        GTC_FOR(i, g.N * g.OH * g.OW * g.CO) {
-            const int64_t co = i % g.CO, ow = (i / g.CO) % g.OW, oh = (i / (g.CO * g.OW)) % g.OH,
+        CONV_FOR(i, g.N * g.OH * g.OW * g.CO) {
+            const I co = i % g.CO, ow = (i / g.CO) % g.OW, oh = (i / (g.CO * g.OW)) % g.OH,
                           n = i / (g.CO * g.OW * g.OH);
             d[i] = conv_at(g, x, k, b, n, oh, ow, co);
         }
         return;
     }
-    const int64_t plane = g.N * g.PH * g.PW * g.CO;
-    GTC_FOR(i, plane) {
-        const int64_t co = i % g.CO, pc = (i / g.CO) % g.PW, pr = (i / (g.CO * g.PW)) % g.PH,
+    const I plane = g.N * g.PH * g.PW * g.CO;
+    CONV_FOR(i, plane) {
+        const I co = i % g.CO, pc = (i / g.CO) % g.PW, pr = (i / (g.CO * g.PW)) % g.PH,
                       n = i / (g.CO * g.PW * g.PH);
         float m = 0.0f, code = 0.0f;
-        for (int64_t a = 0; a < g.pool; a++)
-            for (int64_t c = 0; c < g.pool; c++) {
+        for (I a = 0; a < g.pool; a++)
+            for (I c = 0; c < g.pool; c++) {
                 const float v = conv_at(g, x, k, b, n, pr * g.pool + a, pc * g.pool + c, co);
                 if ((a == 0 && c == 0) || v > m) {
                     m = v;
@@ -83,15 +114,15 @@ __global__ void conv_fwd(geom g, float *d, const float *x, const float *k, const
 
 /* The gradient of the convolution's output (before relu and pool) at (n, oh, ow, co), from the
  * forward's dst y and the gradient g of its values. */
-__device__ inline float dv_at(const geom &g, const float *y, const float *gr, int64_t n, int64_t oh, int64_t ow,
-                              int64_t co) {
+template <typename I>
+__device__ inline float dv_at(const geomT<I> &g, const float *y, const float *gr, I n, I oh, I ow, I co) {
     if (g.pool == 1) {
-        const int64_t at = ((n * g.OH + oh) * g.OW + ow) * g.CO + co;
+        const I at = ((n * g.OH + oh) * g.OW + ow) * g.CO + co;
         return g.relu && !(y[at] > 0.0f) ? 0.0f : gr[at];
     }
-    const int64_t pr = oh / g.pool, pc = ow / g.pool;
+    const I pr = oh / g.pool, pc = ow / g.pool;
     if (pr >= g.PH || pc >= g.PW) return 0.0f;
-    const int64_t plane = g.N * g.PH * g.PW * g.CO, at = ((n * g.PH + pr) * g.PW + pc) * g.CO + co;
+    const I plane = g.N * g.PH * g.PW * g.CO, at = ((n * g.PH + pr) * g.PW + pc) * g.CO + co;
     const float code = (float)((oh - pr * g.pool) * g.pool + (ow - pc * g.pool));
     return y[plane + at] == code ? gr[at] : 0.0f;
 }
@@ -106,22 +137,23 @@ static int64_t weight_chunks(const geom &g) {
 
 /* part[chunk][r * CO + co]: the gradient of kernel row r (c, kh, kw; r = C*KH*KW: the bias) of
  * output channel co, summed over the chunk's positions in order. */
-__global__ void conv_weight_partial(geom g, float *part, const float *x, const float *y, const float *gr,
-                                    int64_t chunks) {
-    const int64_t rows = g.C * g.KH * g.KW, outs = (rows + 1) * g.CO, P = g.N * g.OH * g.OW;
-    GTC_FOR(i, chunks * outs) {
-        const int64_t o = i % outs, chunk = i / outs, co = o % g.CO, r = o / g.CO;
-        const int64_t c = r / (g.KH * g.KW), kh = (r / g.KW) % g.KH, kw = r % g.KW;
-        const int64_t p0 = chunk * CONV_CHUNK, p1 = p0 + CONV_CHUNK < P ? p0 + CONV_CHUNK : P;
-        int64_t ow = p0 % g.OW, oh = (p0 / g.OW) % g.OH, n = p0 / (g.OW * g.OH);
+template <typename I>
+__global__ void conv_weight_partial(geomT<I> g, float *part, const float *x, const float *y, const float *gr,
+                                    I chunks) {
+    const I rows = g.C * g.KH * g.KW, outs = (rows + 1) * g.CO, P = g.N * g.OH * g.OW;
+    CONV_FOR(i, chunks * outs) {
+        const I o = i % outs, chunk = i / outs, co = o % g.CO, r = o / g.CO;
+        const I c = r / (g.KH * g.KW), kh = (r / g.KW) % g.KH, kw = r % g.KW;
+        const I p0 = chunk * CONV_CHUNK, p1 = p0 + CONV_CHUNK < P ? p0 + CONV_CHUNK : P;
+        I ow = p0 % g.OW, oh = (p0 / g.OW) % g.OH, n = p0 / (g.OW * g.OH);
         float acc = 0.0f;
-        for (int64_t p = p0; p < p1; p++) {
+        for (I p = p0; p < p1; p++) {
             const float dv = dv_at(g, y, gr, n, oh, ow, co);
             if (dv != 0.0f) {
                 if (r == rows) {
                     acc += dv;
                 } else {
-                    const int64_t h = oh * g.S - g.P + kh, w = ow * g.S - g.P + kw;
+                    const I h = oh * g.S - g.P + kh, w = ow * g.S - g.P + kw;
                     if (h >= 0 && h < g.H && w >= 0 && w < g.W) acc += dv * x[((n * g.H + h) * g.W + w) * g.C + c];
                 }
             }
@@ -137,24 +169,26 @@ __global__ void conv_weight_partial(geom g, float *part, const float *x, const f
     }
 }
 
-__global__ void conv_weight_total(float *d, const float *part, int64_t outs, int64_t chunks) {
-    GTC_FOR(o, outs) {
+template <typename I>
+__global__ void conv_weight_total(float *d, const float *part, I outs, I chunks) {
+    CONV_FOR(o, outs) {
         float acc = 0.0f;
-        for (int64_t k = 0; k < chunks; k++) acc += part[k * outs + o];
+        for (I k = 0; k < chunks; k++) acc += part[k * outs + o];
         d[o] = acc;
     }
 }
 
-__global__ void conv_input_bwd(geom g, float *d, const float *k, const float *y, const float *gr) {
-    GTC_FOR(i, g.N * g.H * g.W * g.C) {
-        const int64_t c = i % g.C, w = (i / g.C) % g.W, h = (i / (g.C * g.W)) % g.H, n = i / (g.C * g.W * g.H);
+template <typename I>
+__global__ void conv_input_bwd(geomT<I> g, float *d, const float *k, const float *y, const float *gr) {
+    CONV_FOR(i, g.N * g.H * g.W * g.C) {
+        const I c = i % g.C, w = (i / g.C) % g.W, h = (i / (g.C * g.W)) % g.H, n = i / (g.C * g.W * g.H);
         float acc = 0.0f;
-        for (int64_t co = 0; co < g.CO; co++)
-            for (int64_t kh = 0; kh < g.KH; kh++) {
-                const int64_t hs = h + g.P - kh;
+        for (I co = 0; co < g.CO; co++)
+            for (I kh = 0; kh < g.KH; kh++) {
+                const I hs = h + g.P - kh;
                 if (hs < 0 || hs % g.S || hs / g.S >= g.OH) continue;
-                for (int64_t kw = 0; kw < g.KW; kw++) {
-                    const int64_t ws = w + g.P - kw;
+                for (I kw = 0; kw < g.KW; kw++) {
+                    const I ws = w + g.P - kw;
                     if (ws < 0 || ws % g.S || ws / g.S >= g.OW) continue;
                     const float dv = dv_at(g, y, gr, n, hs / g.S, ws / g.S, co);
                     acc += dv * k[((co * g.C + c) * g.KH + kh) * g.KW + kw];
@@ -190,10 +224,13 @@ GTC_LAUNCHER(conv2d_fwd_f32) {
     GTC_TRY(gt_conv2d_out_check(&node->dst, g.N, g.OH, g.OW, g.CO, g.pool, op, "dst"));
     const int64_t n = g.pool == 1 ? out_numel(g) : out_numel(g) / 2;
     if (n == 0) return GT_OK;
-    conv_fwd<<<gtc_blocks(n), GTC_THREADS, 0, gtc_stream_()>>>(g, (float *)node->dst.data,
-                                                                (const float *)node->src[0].data,
-                                                                (const float *)node->src[1].data,
-                                                                g.bias ? (const float *)node->src[2].data : NULL);
+    float *d = (float *)node->dst.data;
+    const float *x = (const float *)node->src[0].data, *k = (const float *)node->src[1].data,
+                *b = g.bias ? (const float *)node->src[2].data : NULL;
+    if (fits32(g, n))
+        conv_fwd<int32_t><<<gtc_blocks(n), GTC_THREADS, 0, gtc_stream_()>>>(narrow<int32_t>(g), d, x, k, b);
+    else
+        conv_fwd<int64_t><<<gtc_blocks(n), GTC_THREADS, 0, gtc_stream_()>>>(narrow<int64_t>(g), d, x, k, b);
     return GTC_LAUNCHED(op);
 }
 
@@ -234,9 +271,19 @@ GTC_LAUNCHER(conv2d_weight_bwd_f32) {
     if (node->scratch_size < chunks * outs * (int64_t)sizeof(float))
         return GTC_FAIL(GT_ERR_INVALID, "%s: scratch must hold %lld floats", op, (long long)(chunks * outs));
     float *part = (float *)node->scratch;
-    conv_weight_partial<<<gtc_blocks(chunks * outs), GTC_THREADS, 0, gtc_stream_()>>>(
-        g, part, (const float *)x->data, (const float *)node->src[1].data, (const float *)node->src[2].data, chunks);
-    conv_weight_total<<<gtc_blocks(outs), GTC_THREADS, 0, gtc_stream_()>>>((float *)d->data, part, outs, chunks);
+    const float *xd = (const float *)x->data, *y = (const float *)node->src[1].data,
+                *gr = (const float *)node->src[2].data;
+    const unsigned parts = gtc_blocks(chunks * outs), totals = gtc_blocks(outs);
+    if (fits32(g, chunks * outs)) {
+        conv_weight_partial<int32_t><<<parts, GTC_THREADS, 0, gtc_stream_()>>>(narrow<int32_t>(g), part, xd, y, gr,
+                                                                                (int32_t)chunks);
+        conv_weight_total<int32_t><<<totals, GTC_THREADS, 0, gtc_stream_()>>>((float *)d->data, part,
+                                                                               (int32_t)outs, (int32_t)chunks);
+    } else {
+        conv_weight_partial<int64_t><<<parts, GTC_THREADS, 0, gtc_stream_()>>>(narrow<int64_t>(g), part, xd, y, gr,
+                                                                                chunks);
+        conv_weight_total<int64_t><<<totals, GTC_THREADS, 0, gtc_stream_()>>>((float *)d->data, part, outs, chunks);
+    }
     return GTC_LAUNCHED(op);
 }
 
@@ -251,9 +298,12 @@ GTC_LAUNCHER(conv2d_input_bwd_f32) {
     GTC_TRY(gt_conv2d_grad_check(&node->src[2], g.N, g.OH, g.OW, g.CO, g.pool, op));
     const int64_t n = gtc_numel(*d);
     if (n == 0) return GT_OK;
-    conv_input_bwd<<<gtc_blocks(n), GTC_THREADS, 0, gtc_stream_()>>>(g, (float *)d->data,
-                                                                      (const float *)node->src[0].data,
-                                                                      (const float *)node->src[1].data,
-                                                                      (const float *)node->src[2].data);
+    float *dd = (float *)d->data;
+    const float *k = (const float *)node->src[0].data, *y = (const float *)node->src[1].data,
+                *gr = (const float *)node->src[2].data;
+    if (fits32(g, n))
+        conv_input_bwd<int32_t><<<gtc_blocks(n), GTC_THREADS, 0, gtc_stream_()>>>(narrow<int32_t>(g), dd, k, y, gr);
+    else
+        conv_input_bwd<int64_t><<<gtc_blocks(n), GTC_THREADS, 0, gtc_stream_()>>>(narrow<int64_t>(g), dd, k, y, gr);
     return GTC_LAUNCHED(op);
 }
