@@ -1,7 +1,8 @@
 """The CUDA backend on a GPU machine, in one run: every op, the commands end to end, the speed.
 
-Run on the device machine (bench/cuda_prepare.sh fetches the wheels it lacks, and prints the
-command that installs them and this project there, then runs this script):
+Run on the device machine (bench/cuda_prepare.sh builds both libraries here, fetches the wheels
+it lacks, and prints the commands that put them and this checkout on its PYTHONPATH, then run
+this script):
 
     python3 bench/cuda_check.py [--out DIR] [--skip-ops] [--skip-e2e] [--skip-bench] [--mnist DIR]
                                 [--smollm2 FILE --chat FILE]
@@ -474,7 +475,7 @@ def main() -> None:
     ap.add_argument("--skip-bench", action="store_true")
     ap.add_argument("--mnist", type=pathlib.Path, help="a folder of the MNIST IDX files: time an epoch against PyTorch")
     ap.add_argument("--smollm2", type=pathlib.Path, help="SmolLM2-135M-Instruct.Q4_1.gguf: LoRA against HF + PEFT")
-    ap.add_argument("--chat", type=pathlib.Path, default=ROOT / ".gpu-data" / "dummy_conversation.json",
+    ap.add_argument("--chat", type=pathlib.Path, default=ROOT / ".gpu-data3" / "dummy_conversation.json",
                     help="the chat data of --smollm2's fine-tune")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--profile", default="1024", help="the config whose update is profiled by kernel ('' for none)")

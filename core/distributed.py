@@ -78,8 +78,8 @@ class World:
 
         This is the gradient all-reduce, the one place a backend's memory meets the network:
         the backend decides how its memory gets there (Backend.allreduce: the CPU's buffers
-        are host memory that MPI reads and writes directly; others stage through the host
-        until their device collective, NCCL for CUDA, is written).
+        are host memory that MPI reads and writes directly; CUDA's go through NCCL, bootstrapped
+        over MPI; a backend without a device collective stages through the host).
         """
         if self.comm is None:
             return
