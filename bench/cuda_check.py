@@ -13,7 +13,8 @@ this script):
 2. End to end, CUDA against the CPU, the same seeds: `mnist train` (fc, 2 epochs; the
    validation losses within 1e-3 relative, the parameters within 1e-3 absolute; cnn, 1 epoch);
    a LoRA `finetune` of stories260K Q8_0 (carried in .gpu-data/: the stored-type matmul on the
-   device; 12 updates, every loss within 1e-3); `train` of a small llama (20 updates; every
+   device; 12 updates, every loss within 1e-3), then `generate` (greedy text equal) and `eval`
+   (perplexity within 1e-4) with its adapter in f32; `train` of a small llama (20 updates; every
    update's loss within 1e-3 relative); a checkpoint written on CUDA at update 10 resumed on
    the CPU and the reverse (the losses of updates 11-20 within 1e-3 of the uninterrupted run's).
    NCCL with one rank (the all-reduce of a device buffer leaves it as it was).
@@ -110,6 +111,33 @@ def close(a, b, rtol=1e-3, atol=0.0) -> bool:
     return bool(np.allclose(np.asarray(a, np.float64), np.asarray(b, np.float64), rtol=rtol, atol=atol))
 
 
+def inference(tmp: pathlib.Path, model: pathlib.Path, adapter: pathlib.Path, text: pathlib.Path, device: str) -> None:
+    """generate and eval on both backends, in f32 (--exact: the CPU's llama.cpp numbers have no
+    GPU kernels): the stored-type model with the CPU-trained adapter, greedy text equal (f32
+    sums in another order could part at a near-tie of the top two logits: the detail shows
+    both), and the perplexity of the text's first 6000 characters within 1e-4 relative."""
+    out = {}
+    part = tmp / "text-part.txt"     # a few windows of it
+    part.write_text(text.read_text(encoding="utf-8")[:6000], encoding="utf-8")
+    for be in ("cpu", device):
+        g = cli("generate", "--model", model, "--lora", adapter, "--prompt", "Once upon a time", "-n", 48, "--exact",
+                "--backend", be)
+        e = cli("eval", "--model", model, "--lora", adapter, "--data", part, "--ctx", 128, "--json", "--quiet",
+                "--backend", be)
+        for r, what in ((g, "generate"), (e, "eval")):
+            if r.returncode:
+                report(f"{what} --backend {be}", False, r.stderr.strip()[-300:])
+                return
+        out.setdefault("text", []).append(g.stdout.strip())
+        out.setdefault("ppl", []).append(json.loads(e.stdout.strip().splitlines()[-1])["perplexity"])
+    a, b = out["text"]
+    same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    report("generate (greedy, f32, LoRA) on cuda = cpu", a == b,
+           "the same text" if a == b else f"they part at character {same}: {a[same:same + 40]!r} vs {b[same:same + 40]!r}")
+    report("eval (f32, LoRA) on cuda = cpu", close(out["ppl"][0], out["ppl"][1], 1e-4),
+           f"perplexity {out['ppl'][0]:.6f} vs {out['ppl'][1]:.6f}")
+
+
 def end_to_end(tmp: pathlib.Path, device: str) -> None:
     from ggtrain.core.models.mnist import PARAM_SHAPES
     from ggtrain.formats.mnist import load_mnist_model
@@ -156,6 +184,7 @@ def end_to_end(tmp: pathlib.Path, device: str) -> None:
         if len(ft) == 2:
             report("LoRA finetune stories260K Q8_0, 12 updates, cuda = cpu", close(ft[0], ft[1]),
                    f"first/last loss {ft[0][0]:.5f}/{ft[0][-1]:.5f} vs {ft[1][0]:.5f}/{ft[1][-1]:.5f}")
+            inference(tmp, model, tmp / "ft-cpu.gguf", text, device)
     else:
         report("LoRA finetune (stories260K Q8_0 carried in .gpu-data)", False, f"{model} is missing")
 
