@@ -84,8 +84,8 @@ for plan in plans:
         key = f"{call.kernel} {'x'.join(map(str, call.dst.shape))} <- {shapes}"
         tot[key] += sec / N
         cnt[key] += 1
-        if call.kernel.startswith("matmul"):
-            fl[key] += 2 * int(np.prod(call.dst.shape)) * call.srcs[0].shape[-1]
+        if call.kernel.startswith("matmul"):     # (matmul_lora: the adapter's r columns too)
+            fl[key] += 2 * int(np.prod(call.dst.shape)) * sum(s.shape[-1] for s in call.srcs[0:3:2])
         elif call.kernel.startswith("linear_cross_entropy"):   # the logits, and with grad (ip[1]) dx
             (n, c), v = call.srcs[0].shape, call.srcs[1].shape[0]
             fl[key] += 2 * n * v * c * (1 + bool(call.ip[1]))

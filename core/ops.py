@@ -599,6 +599,44 @@ register(OpDef("matmul", _infer_matmul, "matmul_fwd", backward=_matmul_bwd,
                unit_stride_2d=(0, 1), dtypes=_WEIGHT_VARIANTS, suffix=lambda y: _weight_suffix(y.srcs[1])))
 
 
+def matmul_lora(x: Tensor, w: Tensor, h: Tensor, b: Tensor) -> Tensor:
+    """x @ w.T + h @ b.T in one pass over the output: a frozen linear layer w (N, K), f32 or a
+    stored weight, with its rank-r adapter's update, h (..., r) its scaled x A^T and b (N, r)
+    its B. The same values as add(linear(x, w), linear(h, b)) up to rounding (the adapter's
+    products are summed onto the frozen product's instead of apart), without the temporary
+    of the output's size or the add. K, r > 0. (f32)"""
+    return apply("matmul_lora", [x, transpose(w, -1, -2), h, transpose(b, -1, -2)])
+
+
+def _infer_matmul_lora(srcs, params):
+    x, wt, h, bt = srcs
+    shape, dtype = _infer_matmul([x, wt], params)
+    _f32("matmul_lora", h)
+    _f32("matmul_lora", bt)
+    _need(bt.ndim == 2 and bt.shape[1] == shape[-1] and h.shape == shape[:-1] + (bt.shape[0],),
+          f"matmul_lora: expected h {shape[:-1] + ('r',)} and b ({shape[-1]}, r), got {h.shape} and {bt.shape[::-1]}")
+    _need(x.shape[-1] > 0 and bt.shape[0] > 0, f"matmul_lora: both products need k > 0, got {x.shape[-1]} "
+          f"and r = {bt.shape[0]}")
+    return shape, dtype
+
+
+class _Product:
+    """A matmul's sources, as _matmul_bwd reads a node (matmul_lora's two products)."""
+
+    def __init__(self, a: Tensor, b: Tensor):
+        self.srcs = (a, b)
+
+
+def _matmul_lora_bwd(y, g):
+    x, wt, h, bt = y.srcs
+    return _matmul_bwd(_Product(x, wt), g) + _matmul_bwd(_Product(h, bt), g)
+
+
+register(OpDef("matmul_lora", _infer_matmul_lora, "matmul_lora_fwd", backward=_matmul_lora_bwd,
+               contiguous=(2,), unit_stride_2d=(0, 1, 3), dtypes=_WEIGHT_VARIANTS,
+               suffix=lambda y: _weight_suffix(y.srcs[1])))
+
+
 # the weight types whose product with 8-bit activations has a kernel (native/checks.h's
 # GT_ACT8_TYPES, read from the library)
 ACT8_TYPES = tuple(w for w in WEIGHT_TYPES if hasattr(lib, f"gt_matmul_q8_fwd_f32_{w}"))
@@ -944,7 +982,7 @@ register(OpDef("attention_bwd", _infer_attention("attention_bwd"), "attention_bw
 
 
 def product_flops(t: Tensor) -> int:
-    """FLOPs (2 per multiply-add) of node t's matrix products: a matmul's, or those inside
+    """FLOPs (2 per multiply-add) of node t's matrix products: a matmul's (matmul_lora's two), or those inside
     fused attention (forward: q k^T and p v; backward: q k^T again and four more) over the
     (query, key) pairs its mask lets through; a position or segment mask counts as causal,
     a bound; or conv2d's (forward, and each gradient: the same count); or
@@ -953,6 +991,8 @@ def product_flops(t: Tensor) -> int:
     0 for other ops."""
     if t.op == "matmul":
         return 2 * t.size * t.srcs[0].shape[-1]
+    if t.op == "matmul_lora":       # the frozen product and the adapter's
+        return 2 * t.size * (t.srcs[0].shape[-1] + t.srcs[2].shape[-1])
     if t.op == "linear_cross_entropy":
         (n, c), v = t.srcs[0].shape, t.srcs[1].shape[0]
         return 2 * n * v * c * (2 if t.params["grad"] else 1)

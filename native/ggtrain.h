@@ -198,6 +198,39 @@ int gt_get_rows_fwd_f32_q4_k(const struct gt_node *node, const gt_ctx *ctx);
 int gt_get_rows_fwd_f32_q5_k(const struct gt_node *node, const gt_ctx *ctx);
 int gt_get_rows_fwd_f32_q6_k(const struct gt_node *node, const gt_ctx *ctx);
 
+/* matmul_lora_fwd_f32[_<w>]: a frozen product plus a rank-r adapter's, in one pass over dst:
+ * dst (..., M, N) = src0 @ src1 (as gt_matmul_fwd_f32[_<w>]) + src2 @ src3, src2 H (..., M, R)
+ * f32 contiguous with dst's leading dims (the adapter's scaled x A^T), src3 (R, N) f32 2-D
+ * with a unit stride (its B^T); K, R > 0. Each NC-wide block of dst gets the second product
+ * right after the first's k panels (packed path; the row-dot and skinny paths add it after
+ * theirs), so neither a temporary of dst's size nor an add pass. wdata: the matmul's. */
+int gt_matmul_lora_fwd_f32(const struct gt_node *node, const gt_ctx *ctx);
+int gt_matmul_lora_fwd_f32_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
+int gt_matmul_lora_fwd_f32_f16(const struct gt_node *node, const gt_ctx *ctx);
+int gt_matmul_lora_fwd_f32_bf16(const struct gt_node *node, const gt_ctx *ctx);
+int gt_matmul_lora_fwd_f32_q4_0(const struct gt_node *node, const gt_ctx *ctx);
+int gt_matmul_lora_fwd_f32_q4_1(const struct gt_node *node, const gt_ctx *ctx);
+int gt_matmul_lora_fwd_f32_q5_0(const struct gt_node *node, const gt_ctx *ctx);
+int gt_matmul_lora_fwd_f32_q5_1(const struct gt_node *node, const gt_ctx *ctx);
+int gt_matmul_lora_fwd_f32_q8_0(const struct gt_node *node, const gt_ctx *ctx);
+int gt_matmul_lora_fwd_f32_q2_k(const struct gt_node *node, const gt_ctx *ctx);
+int gt_matmul_lora_fwd_f32_q3_k(const struct gt_node *node, const gt_ctx *ctx);
+int gt_matmul_lora_fwd_f32_q4_k(const struct gt_node *node, const gt_ctx *ctx);
+int gt_matmul_lora_fwd_f32_q5_k(const struct gt_node *node, const gt_ctx *ctx);
+int gt_matmul_lora_fwd_f32_q6_k(const struct gt_node *node, const gt_ctx *ctx);
+int gt_matmul_lora_fwd_f32_f16_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
+int gt_matmul_lora_fwd_f32_bf16_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
+int gt_matmul_lora_fwd_f32_q4_0_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
+int gt_matmul_lora_fwd_f32_q4_1_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
+int gt_matmul_lora_fwd_f32_q5_0_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
+int gt_matmul_lora_fwd_f32_q5_1_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
+int gt_matmul_lora_fwd_f32_q8_0_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
+int gt_matmul_lora_fwd_f32_q2_k_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
+int gt_matmul_lora_fwd_f32_q3_k_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
+int gt_matmul_lora_fwd_f32_q4_k_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
+int gt_matmul_lora_fwd_f32_q5_k_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
+int gt_matmul_lora_fwd_f32_q6_k_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
+
 /* matmul_q8_fwd_f32_<w> for w in GT_ACT8_TYPES (q4_0, q4_1, q5_0, q5_1, q8_0, q4_k, q5_k, q6_k): dst = src0 @ src1 as
  * matmul_fwd_f32_<w> with src1 the view W^T only, each row of src0 first quantized to 8 bits
  * in blocks of 32 (256 for the K-quants) as llama.cpp quantizes activations, the blocks

@@ -169,6 +169,12 @@ case("matmul", [In((2, 3, 7)), In((5, 7))], lambda x, w: ops.linear(x, w), lambd
      name="linear-3d", ops_covered=("permute", "reshape"))
 case("matmul", [In((1, 1)), In((1, 33))], ops.matmul, np.matmul, name="k1")
 case("matmul", [In((33, 65)), In((65, 17))], ops.matmul, np.matmul, name="odd", atol=1e-4)
+# a frozen product with a rank-r adapter's summed onto it (x @ w.T + h @ b.T), every input's
+# gradient: narrow (skinny kernels) and wide, batch dims
+case("matmul_lora", [In((2, 3, 7)), In((5, 7)), In((2, 3, 4)), In((5, 4))], ops.matmul_lora,
+     lambda x, w, h, b: x @ w.T + h @ b.T, name="narrow", ops_covered=("permute",))
+case("matmul_lora", [In((37, 65)), In((130, 65)), In((37, 16)), In((130, 16))], ops.matmul_lora,
+     lambda x, w, h, b: x @ w.T + h @ b.T, name="wide", atol=1e-4)
 
 # ---- normalisation, softmax, loss ------------------------------------------------------------
 case("rms_norm", [In((3, 33))], lambda x: ops.rms_norm(x, 1e-5), lambda x: refs.rms_norm(x, 1e-5))

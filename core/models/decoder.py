@@ -197,27 +197,34 @@ def linear(x, params: dict, name: str, lora: dict | None = None):
     scale * (x @ A.T) @ B.T with lora[name] = (A (r, n_in), B (n_out, r), scale), as
     llama.cpp applies an adapter (scale = user scale * alpha / r). A fourth item
     (p, seed, salt) drops the adapter's input out in training (ops.dropout; PEFT's
-    lora_dropout), never the base product's. With params.act8 (FrozenParams), llama.cpp's CPU
+    lora_dropout), never the base product's; a true fifth sums the adapter's product onto
+    the frozen one's in one op (ops.matmul_lora, where the backend has it: lora_fused). With params.act8 (FrozenParams), llama.cpp's CPU
     numbers: a weight of an ops.ACT8_TYPES type multiplies x quantized to 8 bits (ops.matmul_q8),
     an f32 or f16 one (and the adapter's factors) takes its float order (ops.matmul_ggml), and
     the adapter's scale goes on B (A x), as llama.cpp's graph applies it. (bf16 weights multiply
     exactly: llama.cpp's bf16 products are not emulated.)"""
     w = params[name]
     ggml = getattr(params, "act8", False)
+    if lora and name in lora and not ggml:
+        a, b, scale, *rest = lora[name]
+        drop, fused = rest[0] if rest else None, len(rest) > 1 and rest[1]
+        y = None if fused else ops.linear(x, w)
+        xa = ops.dropout(x, *drop) if drop is not None else x
+        # the scale goes on the rank-r product (r columns, not n_out)
+        h = ops.scale(ops.linear(xa, a), scale)
+        if fused:      # the adapter's product summed onto the frozen one's
+            return _bias(ops.matmul_lora(x, w, h, b), params, name)
+        return _bias(ops.add(y, ops.linear(h, b)), params, name)
     if ggml and w.dtype in ops.ACT8_TYPES:     # llama.cpp's numerics
         y = ops.matmul_q8(x, ops.transpose(w, -1, -2))
     elif ggml and w.dtype in ops.GGML_FLOAT_TYPES:
         y = ops.matmul_ggml(x, ops.transpose(w, -1, -2))
     else:
         y = ops.linear(x, w)
-    if lora and name in lora:
-        a, b, scale, *drop = lora[name]
-        if ggml:
-            ab = ops.matmul_ggml(ops.matmul_ggml(x, ops.transpose(a, -1, -2)), ops.transpose(b, -1, -2))
-            return _bias(ops.add(y, ops.scale(ab, scale)), params, name)
-        xa = ops.dropout(x, *drop[0]) if drop and drop[0] is not None else x
-        # the scale goes on the rank-r product (r columns, not n_out)
-        y = ops.add(y, ops.linear(ops.scale(ops.linear(xa, a), scale), b))
+    if lora and name in lora:      # (act8)
+        a, b, scale, *_ = lora[name]
+        ab = ops.matmul_ggml(ops.matmul_ggml(x, ops.transpose(a, -1, -2)), ops.transpose(b, -1, -2))
+        return _bias(ops.add(y, ops.scale(ab, scale)), params, name)
     return _bias(y, params, name)
 
 
@@ -554,6 +561,12 @@ class FrozenParams(dict):
 
     act8 = False
     kv_f16 = False
+
+
+def lora_fused(backend, w) -> bool:
+    """Whether `backend` sums an adapter's product onto the frozen weight w's in one op
+    (ops.matmul_lora's kernel for w's type: the CPU's; CUDA's is not written yet)."""
+    return backend.supports(ops.OPS["matmul_lora"].kernel_name_for(w))
 
 
 def act8_available(backend) -> bool:

@@ -723,11 +723,21 @@ static void split_even(int64_t total, int64_t unit, const gt_ctx *ctx, int64_t *
  * in place (x^T @ dlogits, rows of the vocabulary's width: 153 against 183). */
 static int set_aliased(int64_t rs) { return rs * (int64_t)sizeof(float) % 16384 == 0; }
 
-/* C[m0:m1, n0:n1] (row stride ldc) = (acc0 ? C : 0) + A[m0:m1, :K] @ B[:K, n0:n1]. m0 is
- * a multiple of mr and n0 of nr (thread splits), K > 0. B is the f32 operand B, or, when W
- * is not NULL, the stored weight W describes (B.p unused). */
+/* A second, f32 product a gemm adds to its own (matmul_lora: a rank-r adapter's H @ B^T on
+ * the frozen product): A2 (rows as A's) @ B2 (K2, the same columns), K2 > 0. */
+typedef struct extra_product {
+    operand A2, B2;
+    int64_t K2;
+} extra_product;
+
+/* C[m0:m1, n0:n1] (row stride ldc) = (acc0 ? C : 0) + A[m0:m1, :K] @ B[:K, n0:n1], plus
+ * X->A2 @ X->B2 over the same block when X is not NULL (each NC-wide block of C gets it
+ * right after its own k panels, while that block is still in cache). m0 is a multiple of
+ * mr and n0 of nr (thread splits), K > 0. B is the f32 operand B, or, when W is not NULL,
+ * the stored weight W describes (B.p unused). */
 static void gemm(const impl *im, int64_t m0, int64_t m1, int64_t n0, int64_t n1, int64_t K,
-                 operand A, operand B, const wsource *W, float *C, int64_t ldc, float *ap, float *bp, int acc0) {
+                 operand A, operand B, const wsource *W, float *C, int64_t ldc, float *ap, float *bp, int acc0,
+                 const extra_product *X) {
     const int mr = im->mr, nr = im->nr;
     /* A plain f32 B (rows contiguous) is not packed: the micro-kernel reads its full
      * nr-wide panels where they lie, row k at B.rs floats from row k - 1 (packing cost
@@ -778,6 +788,7 @@ static void gemm(const impl *im, int64_t m0, int64_t m1, int64_t n0, int64_t n1,
                 }
             }
         }
+        if (X) gemm(im, m0, m1, jc, jc + nc, X->K2, X->A2, X->B2, NULL, C, ldc, ap, bp, 1, NULL);
     }
 }
 
@@ -959,9 +970,11 @@ static void act8_rows(float *C, int64_t ldc, const float *x, operand A, int64_t 
     }
 }
 
-static int matmul(const gt_node *node, const gt_ctx *ctx, int32_t wtype, int act8) {
+static int matmul(const gt_node *node, const gt_ctx *ctx, int32_t wtype, int act8, int lora) {
     const gt_tensor *d = &node->dst, *a = &node->src[0], *b = &node->src[1];
-    if (node->n_src != 2) return GT_FAIL(GT_ERR_INVALID, "matmul: expected 2 inputs, got %d", node->n_src);
+    if (node->n_src != (lora ? 4 : 2))
+        return GT_FAIL(GT_ERR_INVALID, "%s: expected %d inputs, got %d", lora ? "matmul_lora" : "matmul", lora ? 4 : 2,
+                       node->n_src);
     GT_CHECK_F32(d, "matmul", "dst");
     GT_CHECK_F32(a, "matmul", "src0");
     wsource ws, *W = NULL;
@@ -1002,6 +1015,29 @@ static int matmul(const gt_node *node, const gt_ctx *ctx, int32_t wtype, int act
         sa[i] = na != 1 ? a->strides[ia] : 0;
         sb[i] = nbb != 1 ? b->strides[ib] : 0;
         nbatch *= n;
+    }
+    /* matmul_lora's second product: src2 H (..., M, R) contiguous, batch dims as dst's, and
+     * src3 B2 (R, N) 2-D (the adapter's B^T), one unit stride; added to every row block */
+    extra_product X = {{NULL, 0, 0}, {NULL, 0, 0}, 0};
+    if (lora) {
+        const gt_tensor *h = &node->src[2], *b2 = &node->src[3];
+        GT_CHECK_F32(h, "matmul_lora", "src2 (h)");
+        GT_CHECK_F32(b2, "matmul_lora", "src3 (B^T)");
+        int same = h->ndim == d->ndim && b2->ndim == 2 && b2->shape[1] == N && h->shape[h->ndim - 1] == b2->shape[0];
+        for (int i = 0; same && i < d->ndim - 1; i++) same = h->shape[i] == d->shape[i];
+        if (!same)
+            return GT_FAIL(GT_ERR_SHAPE, "matmul_lora: expected h (..., M, R) with dst's leading dims and B^T (R, N), "
+                           "got h of %d dims and B^T of %d", h->ndim, b2->ndim);
+        if (!gt_is_contiguous(h)) return GT_FAIL(GT_ERR_INVALID, "matmul_lora: h (src2) must be contiguous");
+        if (K == 0 || b2->shape[0] == 0)
+            return GT_FAIL(GT_ERR_SHAPE, "matmul_lora: both products need k > 0 (K = %lld, R = %lld)", (long long)K,
+                           (long long)b2->shape[0]);
+        X.K2 = b2->shape[0];
+        X.A2 = (operand){h->data, X.K2, 1};
+        X.B2 = last2(b2);
+        if (X.B2.rs != 1 && X.B2.cs != 1)
+            return GT_FAIL(GT_ERR_INVALID, "matmul_lora: src3 must have row or column stride 1, got strides "
+                           "(%lld, %lld)", (long long)X.B2.rs, (long long)X.B2.cs);
     }
     float *C = d->data;
     if (M == 0 || N == 0 || nbatch == 0) return GT_OK;  /* nothing to fill, strides moot */
@@ -1068,6 +1104,11 @@ static int matmul(const gt_node *node, const gt_ctx *ctx, int32_t wtype, int act
             }
             if (act8) act8_rows(C + t * Mx * N, N, x, A, Mx, K, N, wtype, W, lo, hi, ctx->wdata);
             else small_m(C + t * Mx * N, N, x, A, Mx, K, b->dtype, W, lo, hi, ap);
+            if (lora) {     /* (batch t's rows of H: H is laid out as dst) */
+                operand H = X.A2;
+                H.p += t * Mx * X.K2;
+                gemm(pick_impl(Mx, hi - lo), 0, Mx, lo, hi, X.K2, H, X.B2, NULL, C + t * Mx * N, N, ap, bp, 1, NULL);
+            }
         }
         return GT_OK;
     }
@@ -1100,21 +1141,40 @@ static int matmul(const gt_node *node, const gt_ctx *ctx, int32_t wtype, int act
             At.p += idx * sa[i];
             Bt.p += idx * sb[i];
         }
-        if (sk) gemm_skinny(sk, m0, m1, N, K, At, Bt, C + t * mn, N, bp);
-        else gemm(im, m0, m1, n0, n1, K, At, Bt, W, C + t * mn, N, ap, bp, 0);
+        extra_product Xt = X;
+        Xt.A2.p += t * mn / N * X.K2;
+        if (sk) {
+            gemm_skinny(sk, m0, m1, N, K, At, Bt, C + t * mn, N, bp);
+            if (lora) gemm(pick_impl(Mx, N), m0, m1, 0, N, X.K2, Xt.A2, X.B2, NULL, C + t * mn, N, ap, bp, 1, NULL);
+        } else {
+            gemm(im, m0, m1, n0, n1, K, At, Bt, W, C + t * mn, N, ap, bp, 0, lora ? &Xt : NULL);
+        }
     }
     return GT_OK;
 }
 
-int gt_matmul_fwd_f32(const gt_node *node, const gt_ctx *ctx) { return matmul(node, ctx, GT_F32, 0); }
+int gt_matmul_fwd_f32(const gt_node *node, const gt_ctx *ctx) { return matmul(node, ctx, GT_F32, 0, 0); }
+
+/* gt_matmul_lora_fwd_f32[_<w>]: the same product plus a rank-r adapter's (src2 @ src3), in
+ * one pass over dst (ggtrain.h). */
+int gt_matmul_lora_fwd_f32(const gt_node *node, const gt_ctx *ctx) { return matmul(node, ctx, GT_F32, 0, 1); }
+int gt_matmul_lora_fwd_f32_sizes(const gt_node *node, int64_t *scratch, int64_t *work) {
+    return gt_matmul_fwd_f32_sizes(node, scratch, work);
+}
 
 /* gt_matmul_fwd_f32_<w> for every stored weight type: the same kernel, with a
  * weight type to check src1 against and dequantize it from. */
 #define MATMUL_WEIGHT(w, ID)                                                                   \
     int gt_matmul_fwd_f32_##w(const gt_node *node, const gt_ctx *ctx) {                        \
-        return matmul(node, ctx, ID, 0);                                                       \
+        return matmul(node, ctx, ID, 0, 0);                                                    \
     }                                                                                          \
     int gt_matmul_fwd_f32_##w##_sizes(const gt_node *node, int64_t *scratch, int64_t *work) {  \
+        return matmul_weight_sizes(node, scratch, work, ID);                                   \
+    }                                                                                          \
+    int gt_matmul_lora_fwd_f32_##w(const gt_node *node, const gt_ctx *ctx) {                   \
+        return matmul(node, ctx, ID, 0, 1);                                                    \
+    }                                                                                          \
+    int gt_matmul_lora_fwd_f32_##w##_sizes(const gt_node *node, int64_t *scratch, int64_t *work) { \
         return matmul_weight_sizes(node, scratch, work, ID);                                   \
     }
 GT_WEIGHT_TYPES(MATMUL_WEIGHT)
@@ -1122,7 +1182,7 @@ GT_WEIGHT_TYPES(MATMUL_WEIGHT)
 /* gt_matmul_q8_fwd_f32_<w>: the product with x quantized to 8 bits (qdot8.c). */
 #define MATMUL_ACT8(w, ID)                                                                     \
     int gt_matmul_q8_fwd_f32_##w(const gt_node *node, const gt_ctx *ctx) {                     \
-        return matmul(node, ctx, ID, 1);                                                       \
+        return matmul(node, ctx, ID, 1, 0);                                                    \
     }                                                                                          \
     int gt_matmul_q8_fwd_f32_##w##_sizes(const gt_node *node, int64_t *scratch, int64_t *work) { \
         const gt_tensor *a = &node->src[0];                                                    \
@@ -1292,7 +1352,7 @@ static int linear_xent(const gt_node *node, const gt_ctx *ctx, int32_t wtype) {
             if (!wf)
                 for (int64_t j = 0; j < nv; j++) ws.deq(wb + j * C, ws.p + (v0 + j) * ws.row_bytes, C / ws.block);
             const operand B1 = {blk, 1, C}, B2 = {blk, C, 1};
-            gemm(im1, 0, g, 0, nv, C, A, B1, NULL, L, XENT_VB, ap, bp, 0);
+            gemm(im1, 0, g, 0, nv, C, A, B1, NULL, L, XENT_VB, ap, bp, 0, NULL);
             for (int64_t i = 0; i < g; i++) {
                 float *li = L + i * XENT_VB;
                 const int64_t t = td[g0 + i];
@@ -1305,7 +1365,7 @@ static int linear_xent(const gt_node *node, const gt_ctx *ctx, int32_t wtype) {
                                ly + i, dy + i);
                 if (grad && v0 > 0 && alpha[i] != 1.0f) mul_row(acc + i * C, alpha[i], C);
             }
-            if (grad) gemm(im2, 0, g, 0, C, nv, P, B2, NULL, acc, C, ap, bp, v0 > 0);
+            if (grad) gemm(im2, 0, g, 0, C, nv, P, B2, NULL, acc, C, ap, bp, v0 > 0, NULL);
         }
         for (int64_t i = 0; i < g; i++) {
             const int64_t r = g0 + i, t = td[r];

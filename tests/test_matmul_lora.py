@@ -1,0 +1,95 @@
+"""matmul_lora: a frozen product with its rank-r adapter's summed onto it in one pass (the
+LoRA forward without a temporary of the output's size or an add). The kernel against float64
+for the stored types and every path of the matmul (packed, skinny, row dots, batch dims not
+folded), its bits across thread counts, bad input; and a LoRA run with it against the same
+run with the two products apart (tests/op_cases.py has its gradients)."""
+import numpy as np
+import pytest
+
+from ggtrain.core import ops
+from ggtrain.core.backend_cpu import CpuBackend
+from ggtrain.core.graph import Graph, Runtime
+from ggtrain.core.models import decoder
+from ggtrain.core.train import TextConfig, TextRun
+from ggtrain.errors import ShapeError
+from tests.test_linear_ce import _stored
+from tests.test_lora_train import CFG, LORA, _factors
+
+
+def _product(x, w, h, b, wtype, n_threads, fused=True):
+    g = Graph()
+    if wtype == "f32":
+        ws, wd = g.param(w.shape, w, trainable=False, name="w"), w
+    elif wtype == "f16":
+        w16 = w.astype(np.float16)
+        ws, wd = g.param(w.shape, w16, trainable=False, dtype="f16", name="w"), w16.astype(np.float32)
+    else:
+        raw, wd = _stored(w, wtype)
+        ws = g.param(w.shape, raw, trainable=False, dtype=wtype, name="w")
+    xs, hs, bs = g.param(x.shape, x, name="x"), g.param(h.shape, h, name="h"), g.param(b.shape, b, name="b")
+    y = ops.matmul_lora(xs, ws, hs, bs) if fused else ops.add(ops.linear(xs, ws), ops.linear(hs, bs))
+    rt = Runtime(g, CpuBackend(n_threads))
+    plan = rt.compile([y])
+    rt.run(plan)
+    return plan.read(y), wd
+
+
+# (batch dims, K, N, r, weight type): the packed path (rows past one MC block, N past one
+# NC block), the skinny f32 kernels (narrow N), the row dots (a few rows times a transposed
+# stored weight), K-quant blocks
+SHAPES = [((4, 64), 576, 1536, 16, "q4_1"), ((300,), 256, 520, 16, "q4_k"), ((2, 20), 96, 2100, 16, "f32"),
+          ((3, 50), 256, 40, 4, "f32"), ((1, 5), 64, 200, 8, "q8_0"), ((3,), 256, 300, 4, "q6_k"),
+          ((2, 37), 64, 96, 16, "f16")]
+
+
+@pytest.mark.parametrize("lead, k, n, r, wtype", SHAPES, ids=[f"{s[4]}-{s[1]}x{s[2]}" for s in SHAPES])
+def test_equals_float64_of_the_two_products(lead, k, n, r, wtype):
+    rng = np.random.default_rng(k + n)
+    x = rng.standard_normal(lead + (k,)).astype(np.float32)
+    w = (rng.standard_normal((n, k)) * 0.1).astype(np.float32)
+    h = rng.standard_normal(lead + (r,)).astype(np.float32)
+    b = (rng.standard_normal((n, r)) * 0.1).astype(np.float32)
+    got, wd = _product(x, w, h, b, wtype, 2)
+    want = x.astype(np.float64) @ wd.T.astype(np.float64) + h.astype(np.float64) @ b.T.astype(np.float64)
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * np.abs(want).max())
+    for nt in (1, 3):                         # each element's sums in one order whatever the threads
+        assert np.array_equal(_product(x, w, h, b, wtype, nt)[0], got)
+
+
+def test_bad_input_is_refused():
+    g = Graph()
+    x, w = g.input((4, 8)), g.input((6, 8))
+    with pytest.raises(ShapeError, match=r"matmul_lora: expected h \(4, 'r'\) and b \(6, r\)"):
+        ops.matmul_lora(x, w, g.input((4, 3)), g.input((6, 2)))
+    with pytest.raises(ShapeError, match="k > 0"):
+        ops.matmul_lora(x, w, g.input((4, 0)), g.input((6, 0)))
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_a_lora_run_trains_as_with_the_products_apart(checkpointing, monkeypatch):
+    """The same LoRA run with the adapters' products summed onto the frozen ones' and apart:
+    the same losses and factors over 3 AdamW updates to rounding, the frozen products still
+    kept under selective checkpointing (never recomputed), no add of an adapter's product
+    left, and the same FLOPs counted (fewer under checkpointing: nothing of it recomputed)."""
+    weights = decoder.init_params(CFG, seed=1, std=0.3)
+    factors = _factors(weights, 7)
+    batches = [np.random.default_rng(s).integers(0, CFG.vocab, (2, CFG.ctx + 1)).astype(np.int32) for s in (1, 2, 3)]
+    runs = {}
+    for fused in (True, False):
+        monkeypatch.setattr(decoder, "lora_fused", lambda backend, w, f=fused: f)
+        tc = TextConfig(steps=3, batch=2, lr=1e-2, lr_min=1e-2, warmup=0, checkpointing=checkpointing)
+        run = TextRun(CFG, factors, tc, CpuBackend(2), frozen=weights, lora=LORA)
+        losses = [run.step.step([run.feed(b)], lr=1e-2) for b in batches]
+        calls = run.step._update.plan.calls
+        runs[fused] = (losses, run.param_values(), [c.kernel for c in calls], run.step.flops)
+    (lf, pf, kf, ff), (lu, pu, ku, fu) = runs[True], runs[False]
+    # the same products counted; under checkpointing the apart run also recomputes the adapters'
+    # B products, which the kept matmul_lora outputs hold
+    assert ff == fu if not checkpointing else ff < fu
+    np.testing.assert_allclose(lf, lu, rtol=1e-5)
+    for name in pf:
+        np.testing.assert_allclose(pf[name], pu[name], rtol=1e-4, atol=1e-6)
+    n_lora = len(LORA.weights(CFG))
+    assert sum(k.startswith("matmul_lora") for k in kf) == n_lora      # each once: kept, not recomputed
+    assert not any(k.startswith("matmul_lora") for k in ku)
+    assert kf.count("add_fwd_f32") <= ku.count("add_fwd_f32") - n_lora
