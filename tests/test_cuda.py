@@ -224,6 +224,37 @@ def test_the_cublas_mapping_of_every_view_gives_the_product(cuda_lib):
     assert fn(node, ffi.new("gt_ctx *")) != 0 and "overlap" in ffi.string(lib.gtc_last_error()).decode()
 
 
+def test_matmul_lora_adds_its_second_product_through_the_host_stand_in(cuda_lib):
+    """matmul_lora_fwd_f32's launcher (the product, then the adapter's with beta = 1), its
+    cuBLAS calls answered by the host reference: x @ w.T + h @ b.T over batch dims, and a
+    misshapen h refused in words."""
+    ffi, lib = cuda_lib
+    if backend_cuda.unavailable_reason() is None:
+        pytest.skip("a GPU is usable here: the host stand-in would replace cuBLAS in this process")
+    from ggtrain.core.backend import KernelCall, TensorRef, fill_node
+    from ggtrain.core.backend_cpu import _ArrayBuffer
+    assert lib.gtc_test_host_blas() == 0
+    fn = lib.gtc_kernel(b"matmul_lora_fwd_f32")
+    rng = np.random.default_rng(5)
+    x, w = rng.standard_normal((2, 3, 7)).astype(np.float32), rng.standard_normal((5, 7)).astype(np.float32)
+    h, b = rng.standard_normal((2, 3, 4)).astype(np.float32), rng.standard_normal((5, 4)).astype(np.float32)
+
+    def ref(a):
+        return TensorRef(_ArrayBuffer(a), 0, "f32", a.shape, tuple(s // 4 for s in a.strides))
+    for hh, ok in ((h, True), (h[:, :2], False)):
+        out = np.full((2, 3, 5), np.nan, np.float32)
+        node = ffi.new("gt_node *")
+        fill_node(ffi, node, KernelCall("matmul_lora_fwd_f32", ref(out), (ref(x), ref(w.T), ref(np.ascontiguousarray(hh)),
+                                                                          ref(b.T))), fn, [])
+        rc = fn(node, ffi.new("gt_ctx *"))
+        if ok:
+            assert rc == 0, ffi.string(lib.gtc_last_error()).decode()
+            want = x.astype(np.float64) @ w.T.astype(np.float64) + h.astype(np.float64) @ b.T.astype(np.float64)
+            np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
+        else:
+            assert rc != 0 and "expected h (..., M, R)" in ffi.string(lib.gtc_last_error()).decode()
+
+
 def test_every_backend_precision_is_the_librarys_and_picks_its_compute_type(cuda_lib):
     """--backend's CUDA precisions (cli/common.py BACKENDS) are the names the library knows,
     gtc_set_math picks each one's cuBLAS compute type (the host stand-in rounds the inputs as

@@ -33,7 +33,12 @@
     S(linear_cross_entropy_fwd_f32_q5_1) S(linear_cross_entropy_fwd_f32_q8_0)                  \
     S(linear_cross_entropy_fwd_f32_q2_k) S(linear_cross_entropy_fwd_f32_q3_k)                  \
     S(linear_cross_entropy_fwd_f32_q4_k) S(linear_cross_entropy_fwd_f32_q5_k)                  \
-    S(linear_cross_entropy_fwd_f32_q6_k)
+    S(linear_cross_entropy_fwd_f32_q6_k)                                                       \
+    S(matmul_lora_fwd_f32) S(matmul_lora_fwd_f32_f16) S(matmul_lora_fwd_f32_bf16) \
+    S(matmul_lora_fwd_f32_q4_0) S(matmul_lora_fwd_f32_q4_1) S(matmul_lora_fwd_f32_q5_0) \
+    S(matmul_lora_fwd_f32_q5_1) S(matmul_lora_fwd_f32_q8_0) S(matmul_lora_fwd_f32_q2_k) \
+    S(matmul_lora_fwd_f32_q3_k) S(matmul_lora_fwd_f32_q4_k) S(matmul_lora_fwd_f32_q5_k) \
+    S(matmul_lora_fwd_f32_q6_k)
 
 #define GTC_DECLARE_K(name) extern "C" int gtc_k_##name(const gt_node *node, const gt_ctx *ctx);
 #define GTC_DECLARE_S(name) GTC_DECLARE_K(name) \

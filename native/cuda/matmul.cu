@@ -158,9 +158,10 @@ static int layout(const gt_tensor *t, const char *what, operand *o) {
     return GT_OK;
 }
 
-/* dst (..., M, N) = a (..., M, K) @ b (..., K, N), batch dims broadcast; b's data may be
- * another pointer than b->data (a decoded weight). */
-static int gemm(const gt_tensor *d, const gt_tensor *a, const gt_tensor *b, const float *bdata, const char *op) {
+/* dst (..., M, N) = a (..., M, K) @ b (..., K, N) (+ dst with beta = 1), batch dims broadcast;
+ * b's data may be another pointer than b->data (a decoded weight). */
+static int gemm(const gt_tensor *d, const gt_tensor *a, const gt_tensor *b, const float *bdata, const char *op,
+                float beta = 0.0f) {
     if (d->ndim < 2 || a->ndim < 2 || b->ndim < 2)
         return GTC_FAIL(GT_ERR_SHAPE, "%s: operands need two dims", op);
     const int64_t M = a->shape[a->ndim - 2], K = a->shape[a->ndim - 1], N = b->shape[b->ndim - 1];
@@ -190,8 +191,9 @@ static int gemm(const gt_tensor *d, const gt_tensor *a, const gt_tensor *b, cons
     const int64_t nb = gtc_numel(batch);
     float *dd = (float *)d->data;
     const float *ad = (const float *)a->data;
-    const float alpha = 1.0f, beta = 0.0f;
+    const float alpha = 1.0f;
     if (M == 0 || N == 0 || nb == 0) return GT_OK;    /* nothing to fill: the strides are moot */
+    if (K == 0 && beta != 0.0f) return GT_OK;          /* nothing to add */
     if (K == 0) {                                      /* empty sums: zeros, whatever the strides */
         if (g_host_blas) return (memset(dd, 0, (size_t)(nb * M * N) * 4), GT_OK);
         return GTC_CUDA(cudaMemsetAsync(dd, 0, (size_t)(nb * M * N) * 4, gtc_stream_()), op);
@@ -228,14 +230,40 @@ GTC_SIZES(matmul_fwd_f32) {
     return GT_OK;
 }
 
-GTC_LAUNCHER(matmul_fwd_f32) {
-    (void)ctx;
-    const char *op = "matmul";
-    GTC_TRY(gtc_check_n_src_(node, 2, 2, op));
+/* matmul_lora's second product, dst += src2 (..., M, R) @ src3 (R, N) (ggtrain.h). */
+static int lora_product(const gt_node *node, const char *op) {
+    const gt_tensor *d = &node->dst, *h = &node->src[2], *bt = &node->src[3];
+    GTC_F32(h, op, "src2 (h)");
+    GTC_F32(bt, op, "src3 (B^T)");
+    bool same = h->ndim == d->ndim && bt->ndim == 2 && bt->shape[1] == d->shape[d->ndim - 1] &&
+                h->shape[h->ndim - 1] == bt->shape[0] && bt->shape[0] > 0;
+    for (int i = 0; same && i < d->ndim - 1; i++) same = h->shape[i] == d->shape[i];
+    if (!same)
+        return GTC_FAIL(GT_ERR_SHAPE, "%s: expected h (..., M, R) with dst's leading dims and B^T (R, N), got h of "
+                        "%d dims and B^T of %d", op, h->ndim, bt->ndim);
+    GTC_TRY(gtc_check_contig_(h, op, "src2 (h)"));
+    return gemm(d, h, bt, (const float *)bt->data, op, 1.0f);
+}
+
+static int f32_matmul(const gt_node *node, const char *op, bool lora) {
+    GTC_TRY(gtc_check_n_src_(node, lora ? 4 : 2, lora ? 4 : 2, op));
     GTC_F32(&node->dst, op, "dst");
     GTC_F32(&node->src[0], op, "src0");
     GTC_F32(&node->src[1], op, "src1");
-    return gemm(&node->dst, &node->src[0], &node->src[1], (const float *)node->src[1].data, op);
+    GTC_TRY(gemm(&node->dst, &node->src[0], &node->src[1], (const float *)node->src[1].data, op));
+    return lora ? lora_product(node, op) : GT_OK;
+}
+
+GTC_LAUNCHER(matmul_fwd_f32) {
+    (void)ctx;
+    return f32_matmul(node, "matmul", false);
+}
+
+/* matmul_lora: the product, then the adapter's added by a second cuBLAS product (beta = 1). */
+GTC_SIZES(matmul_lora_fwd_f32) { return gtc_s_matmul_fwd_f32(node, scratch, work); }
+GTC_LAUNCHER(matmul_lora_fwd_f32) {
+    (void)ctx;
+    return f32_matmul(node, "matmul_lora", true);
 }
 
 /* ---- stored weights -------------------------------------------------------------------------- */
@@ -271,8 +299,8 @@ static int weight_sizes(const gt_node *node, int32_t type, int64_t *scratch, int
     return GT_OK;
 }
 
-static int weight_matmul(const gt_node *node, const gt_ctx *ctx, int32_t type, const char *op) {
-    GTC_TRY(gtc_check_n_src_(node, 2, 2, op));
+static int weight_matmul(const gt_node *node, const gt_ctx *ctx, int32_t type, const char *op, bool lora = false) {
+    GTC_TRY(gtc_check_n_src_(node, lora ? 4 : 2, lora ? 4 : 2, op));
     GTC_F32(&node->dst, op, "dst");
     GTC_F32(&node->src[0], op, "src0");
     int64_t R = 0, C = 0;
@@ -282,7 +310,8 @@ static int weight_matmul(const gt_node *node, const gt_ctx *ctx, int32_t type, c
                         (long long)(R * C * 4), (long long)ctx->wsize);
     float *y = (float *)ctx->wdata;
     GTC_TRY(decode(y, &node->src[1], R, C));
-    return gemm(&node->dst, &node->src[0], &node->src[1], y, op);
+    GTC_TRY(gemm(&node->dst, &node->src[0], &node->src[1], y, op));
+    return lora ? lora_product(node, op) : GT_OK;
 }
 
 __global__ void get_rows_blocks(float *d, const uint8_t *w, const int32_t *idx, int64_t n, int64_t V, int64_t C,
@@ -325,6 +354,10 @@ static int weight_get_rows(const gt_node *node, int32_t type, const char *op) {
 #define GTC_WEIGHT_KERNELS(name, type)                                                                   \
     GTC_SIZES(matmul_fwd_f32_##name) { return weight_sizes(node, type, scratch, work); }                 \
     GTC_LAUNCHER(matmul_fwd_f32_##name) { return weight_matmul(node, ctx, type, "matmul_" #name); }     \
+    GTC_SIZES(matmul_lora_fwd_f32_##name) { return weight_sizes(node, type, scratch, work); }            \
+    GTC_LAUNCHER(matmul_lora_fwd_f32_##name) {                                                           \
+        return weight_matmul(node, ctx, type, "matmul_lora_" #name, true);                               \
+    }                                                                                                    \
     GTC_LAUNCHER(get_rows_fwd_f32_##name) {                                                              \
         (void)ctx;                                                                                       \
         return weight_get_rows(node, type, "get_rows_" #name);                                           \
