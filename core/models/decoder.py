@@ -198,11 +198,12 @@ def linear(x, params: dict, name: str, lora: dict | None = None):
     llama.cpp applies an adapter (scale = user scale * alpha / r). A fourth item
     (p, seed, salt) drops the adapter's input out in training (ops.dropout; PEFT's
     lora_dropout), never the base product's; a true fifth sums the adapter's product onto
-    the frozen one's in one op (ops.matmul_lora, where the backend has it: lora_fused). With params.act8 (FrozenParams), llama.cpp's CPU
-    numbers: a weight of an ops.ACT8_TYPES type multiplies x quantized to 8 bits (ops.matmul_q8),
-    an f32 or f16 one (and the adapter's factors) takes its float order (ops.matmul_ggml), and
-    the adapter's scale goes on B (A x), as llama.cpp's graph applies it. (bf16 weights multiply
-    exactly: llama.cpp's bf16 products are not emulated.)"""
+    the frozen one's in one op (ops.matmul_lora, where the backend has it: lora_fused). With
+    params.act8 (FrozenParams), llama.cpp's CPU numbers: a weight of an ops.ACT8_TYPES type
+    multiplies x quantized to 8 bits (ops.matmul_q8), an f32 or f16 one (and the adapter's
+    factors) takes its float order (ops.matmul_ggml), and the adapter's scale goes on B (A x),
+    as llama.cpp's graph applies it. (bf16 weights multiply exactly: llama.cpp's bf16 products
+    are not emulated.)"""
     w = params[name]
     ggml = getattr(params, "act8", False)
     if lora and name in lora and not ggml:
@@ -565,7 +566,7 @@ class FrozenParams(dict):
 
 def lora_fused(backend, w) -> bool:
     """Whether `backend` sums an adapter's product onto the frozen weight w's in one op
-    (ops.matmul_lora's kernel for w's type: the CPU's; CUDA's is not written yet)."""
+    (ops.matmul_lora's kernel for w's type)."""
     return backend.supports(ops.OPS["matmul_lora"].kernel_name_for(w))
 
 
