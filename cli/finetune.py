@@ -237,7 +237,8 @@ def finetune(
         model = resume
         arch, weights, tok = start.model_config, start.state["params"], start.tokenizer
     else:
-        arch, weights, tok = open_model(model, be)
+        with file_errors(f"--model {model}", "GGUF file"):
+            arch, weights, tok = open_model(model, be)
     base_file = read_gguf(model)
     carried = carried_kv(base_file)
     model_cfg = ModelConfig(**arch)

@@ -234,3 +234,11 @@ def test_a_missing_data_file_is_one_line_naming_the_option(tmp_path, story):
         r = _cli("finetune", "--model", story, "--data", tmp_path / name, "--out", tmp_path / "a.gguf", "--quiet")
         assert r.returncode == 1 and r.stderr == f"error: --data {tmp_path / name}: no such file\n", r.stderr
         assert not (tmp_path / "a.gguf").exists()
+
+
+def test_a_missing_model_is_one_line_naming_the_option(tmp_path):
+    data = tmp_path / "t.txt"
+    data.write_text("some text " * 50)
+    r = _cli("finetune", "--model", tmp_path / "nope.gguf", "--data", data, "--out", tmp_path / "a.gguf", "--quiet")
+    assert r.returncode == 1 and r.stderr == f"error: --model {tmp_path / 'nope.gguf'}: no such file\n", r.stderr
+    assert not (tmp_path / "a.gguf").exists()
