@@ -572,7 +572,11 @@ _WEIGHT_VARIANTS = ("f32",) + tuple(f"f32_{w}" for w in WEIGHT_TYPES if w != "f3
 
 
 def _matmul_bwd(y, g):
-    a, b = y.srcs
+    return _product_grads(*y.srcs, g)
+
+
+def _product_grads(a, b, g):
+    """The gradients of a @ b (with respect to a and b, None where not needed) from g."""
     ga = gb = None
     if a.requires_grad:
         ga = sum_to(matmul(g, transpose(b, -1, -2)), a.shape)
@@ -620,16 +624,9 @@ def _infer_matmul_lora(srcs, params):
     return shape, dtype
 
 
-class _Product:
-    """A matmul's sources, as _matmul_bwd reads a node (matmul_lora's two products)."""
-
-    def __init__(self, a: Tensor, b: Tensor):
-        self.srcs = (a, b)
-
-
 def _matmul_lora_bwd(y, g):
     x, wt, h, bt = y.srcs
-    return _matmul_bwd(_Product(x, wt), g) + _matmul_bwd(_Product(h, bt), g)
+    return _product_grads(x, wt, g) + _product_grads(h, bt, g)
 
 
 register(OpDef("matmul_lora", _infer_matmul_lora, "matmul_lora_fwd", backward=_matmul_lora_bwd,
@@ -982,9 +979,10 @@ register(OpDef("attention_bwd", _infer_attention("attention_bwd"), "attention_bw
 
 
 def product_flops(t: Tensor) -> int:
-    """FLOPs (2 per multiply-add) of node t's matrix products: a matmul's (matmul_lora's two), or those inside
-    fused attention (forward: q k^T and p v; backward: q k^T again and four more) over the
-    (query, key) pairs its mask lets through; a position or segment mask counts as causal,
+    """FLOPs (2 per multiply-add) of node t's matrix products: a matmul's (matmul_lora's
+    two), or those inside fused attention (forward: q k^T and p v; backward: q k^T again and
+    four more) over the (query, key) pairs its mask lets through; a position or segment mask
+    counts as causal,
     a bound; or conv2d's (forward, and each gradient: the same count); or
     linear_cross_entropy's (the logits, and with grad their product with the matrix again;
     every row counted, a bound: the kernel skips ignored rows after the last counted one).
