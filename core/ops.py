@@ -982,8 +982,7 @@ def product_flops(t: Tensor) -> int:
     """FLOPs (2 per multiply-add) of node t's matrix products: a matmul's (matmul_lora's
     two), or those inside fused attention (forward: q k^T and p v; backward: q k^T again and
     four more) over the (query, key) pairs its mask lets through; a position or segment mask
-    counts as causal,
-    a bound; or conv2d's (forward, and each gradient: the same count); or
+    counts as causal, a bound; or conv2d's (forward, and each gradient: the same count); or
     linear_cross_entropy's (the logits, and with grad their product with the matrix again;
     every row counted, a bound: the kernel skips ignored rows after the last counted one).
     0 for other ops."""
