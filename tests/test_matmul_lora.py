@@ -1,12 +1,14 @@
 """matmul_lora: a frozen product with its rank-r adapter's summed onto it in one pass (the
 LoRA forward without a temporary of the output's size or an add). The kernel against float64
 for the stored types and every path of the matmul (packed, skinny, row dots, batch dims not
-folded), its bits across thread counts, bad input; and a LoRA run with it against the same
-run with the two products apart (tests/op_cases.py has its gradients)."""
+folded), its bits across thread counts, bad input; the backward's fusion of a LoRA layer's input
+gradient (g @ W + g_h @ A, autograd._accumulate) against float64; and a LoRA run with it
+against the same run with the two products apart (tests/op_cases.py has its gradients)."""
 import numpy as np
 import pytest
 
 from ggtrain.core import ops
+from ggtrain.core.autograd import backward
 from ggtrain.core.backend_cpu import CpuBackend
 from ggtrain.core.graph import Graph, Runtime
 from ggtrain.core.models import decoder
@@ -90,6 +92,46 @@ def test_a_lora_run_trains_as_with_the_products_apart(checkpointing, monkeypatch
     for name in pf:
         np.testing.assert_allclose(pf[name], pu[name], rtol=1e-4, atol=1e-6)
     n_lora = len(LORA.weights(CFG))
-    assert sum(k.startswith("matmul_lora") for k in kf) == n_lora      # each once: kept, not recomputed
+    # each forward one once (kept, not recomputed), and the backward's input gradients of
+    # every adapted layer but layer 0's q, k, v (their input, the frozen embedding's rows
+    # normed, needs none); apart, none, and an add for each
+    n_bwd = n_lora - 3
+    assert sum(k.startswith("matmul_lora") for k in kf) == n_lora + n_bwd
     assert not any(k.startswith("matmul_lora") for k in ku)
-    assert kf.count("add_fwd_f32") <= ku.count("add_fwd_f32") - n_lora
+    assert kf.count("add_fwd_f32") <= ku.count("add_fwd_f32") - n_lora - n_bwd
+
+
+@pytest.mark.parametrize("wtype", ["f32", "q8_0"])
+def test_a_lora_layers_input_gradient_is_one_matmul_lora(wtype):
+    """Two adapted layers reading one x (as q and k do): x's gradient, g1 @ W1 + s (g1 B1) A1 +
+    g2 @ W2 + s (g2 B2) A2, is made of two matmul_lora nodes (the frozen product and the
+    adapter's in one pass each) and one add, not four products and three adds; against
+    float64, the frozen weights as stored."""
+    rng = np.random.default_rng(7)
+    g = Graph()
+    x0 = rng.standard_normal((2, 5, 64)).astype(np.float32)
+    x = g.param(x0.shape, x0, name="x")
+    s, terms, want = 0.5, [], np.zeros(x0.shape)
+    for i, n in enumerate((96, 32)):
+        w = (rng.standard_normal((n, 64)) * 0.1).astype(np.float32)
+        if wtype == "f32":
+            ws, wd = g.param(w.shape, w, trainable=False, name=f"w{i}"), w
+        else:
+            raw, wd = _stored(w, wtype)
+            ws = g.param(w.shape, raw, trainable=False, dtype=wtype, name=f"w{i}")
+        a0 = (rng.standard_normal((4, 64)) * 0.1).astype(np.float32)
+        b0 = (rng.standard_normal((n, 4)) * 0.1).astype(np.float32)
+        c0 = rng.standard_normal((2, 5, n)).astype(np.float32)
+        a, b = g.param(a0.shape, a0, name=f"a{i}"), g.param(b0.shape, b0, name=f"b{i}")
+        y = ops.matmul_lora(x, ws, ops.scale(ops.linear(x, a), s), b)
+        terms.append(ops.sum(ops.mul(y, g.param(c0.shape, c0, trainable=False, name=f"c{i}"))))
+        c = c0.astype(np.float64)
+        want += c @ wd.astype(np.float64) + s * (c @ b0.astype(np.float64)) @ a0.astype(np.float64)
+    grads = backward(ops.add(terms[0], terms[1]), [x], checkpointing=False)
+    gx = grads[x]
+    assert gx.op == "add" and [t.op for t in gx.srcs] == ["matmul_lora", "matmul_lora"]
+    assert all(t.srcs[3].shape == (4, 64) for t in gx.srcs)     # the adapter's A as the second product
+    rt = Runtime(g, CpuBackend(2))
+    plan = rt.compile([gx])
+    rt.run(plan)
+    np.testing.assert_allclose(plan.read(gx), want, rtol=0, atol=2e-6 * np.abs(want).max())
