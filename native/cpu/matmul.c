@@ -50,8 +50,11 @@
 #include <immintrin.h>
 #endif
 
-/* Blocking. MC is a multiple of every MR below, NC of every NR. KC is fixed
- * (never derived from the thread count or the shape). */
+/* Blocking. MC is a multiple of every MR below, NC of every NR. KC is the
+ * deepest K slice; a product cuts K into the fewest slices of at most KC, of
+ * equal depth to a weight block (k_slice): K = 576 takes 3 x 192, not 256 +
+ * 256 + 64, whose shallow last slice loads and stores every C tile for 64
+ * FMAs a lane (1024 x 576 @ 576 x 1536 Q4_1 ran 8% slower than K = 768). */
 #define KC 256
 #define MC 144
 #define NC 1024
@@ -669,8 +672,8 @@ typedef struct wsource {
  * layout im->pack_b gives an f32 B (so the micro-kernels see the same floats
  * in the same places as for gt_matmul_fwd_f32 on the dequantized matrix).
  * B = W^T: B's lines (columns) are rows of W, contiguous along k, and the
- *   slice [pc, pc + kc) of a row is whole blocks (KC is a multiple of every
- *   block size and K of the block): dequantize the panel's nr rows into tmp
+ *   slice [pc, pc + kc) of a row is whole blocks (k_slice cuts K at multiples
+ *   of the block, and K is one): dequantize the panel's nr rows into tmp
  *   (nr x kc, row-major), then pack them as an f32 W^T would be.
  * B = W: each k is a row of W and the panel its columns [jc, jc + nc), which
  *   need not start or end on a block (thread splits are in units of nr):
@@ -735,6 +738,11 @@ typedef struct extra_product {
  * right after its own k panels, while that block is still in cache). m0 is a multiple of
  * mr and n0 of nr (thread splits), K > 0. B is the f32 operand B, or, when W is not NULL,
  * the stored weight W describes (B.p unused). */
+static int64_t k_slice(int64_t K, int unit) {
+    const int64_t n = (K + KC - 1) / KC, even = (K + n - 1) / n;
+    return (even + unit - 1) / unit * unit;     /* <= KC: KC is a multiple of every unit */
+}
+
 static void gemm(const impl *im, int64_t m0, int64_t m1, int64_t n0, int64_t n1, int64_t K,
                  operand A, operand B, const wsource *W, float *C, int64_t ldc, float *ap, float *bp, int acc0,
                  const extra_product *X) {
@@ -749,10 +757,11 @@ static void gemm(const impl *im, int64_t m0, int64_t m1, int64_t n0, int64_t n1,
      * only an edge tile is packed. (The pack was 2-3% of a llama step.) */
     const int ainplace = (A.rs == 1 && !set_aliased(A.cs)) || (A.cs == 1 && im->plain_a && !set_aliased(A.rs));
     _Alignas(ALIGN) float tile[MR_MAX * NR_MAX];
+    const int64_t kstep = k_slice(K, W ? W->block : 16);
     for (int64_t jc = n0; jc < n1; jc += NC) {
         const int64_t nc = n1 - jc < NC ? n1 - jc : NC;
-        for (int64_t pc = 0; pc < K; pc += KC) {
-            const int64_t kc = K - pc < KC ? K - pc : KC;
+        for (int64_t pc = 0; pc < K; pc += kstep) {
+            const int64_t kc = K - pc < kstep ? K - pc : kstep;
             const int acc = acc0 || pc > 0;
             if (W) pack_b_weight(im, W, bp, pc, kc, jc, nc);
             else if (!inplace) im->pack_b(bp, B.p + pc * B.rs + jc * B.cs, B.cs, B.rs, nc, kc);
