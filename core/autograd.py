@@ -3,7 +3,8 @@
 backward(loss, wrt) appends the backward nodes to loss's graph and returns each
 wanted tensor's gradient. Gradients flow only through nodes that lead to a tensor
 in `wrt`; when a tensor receives several contributions they are summed as they
-come (_accumulate; _total where a list is summed at once). With checkpointing, each segment marked by Graph.checkpoint is
+come (_accumulate, which also fuses a LoRA layer's two input-gradient products into
+one matmul_lora). With checkpointing, each segment marked by Graph.checkpoint is
 recomputed from its kept input just before its backward nodes, so the forward
 intermediates of all segments but the last die right after the forward pass.
 """
