@@ -1,4 +1,5 @@
-"""`ggtrain finetune`: LoRA (or full) fine-tuning of a llama GGUF model on text or chat data (layer 6).
+"""`ggtrain finetune`: LoRA (or full) fine-tuning of a GGUF model of any family on text, chat or
+preference data (layer 6).
 
 The base model stays in the types its file stores them in (no f32 copy) and frozen; LoRA
 factors are trained in f32 and written as a llama.cpp adapter (`--out`), optionally also
@@ -33,7 +34,7 @@ from ggtrain.core.data import (PackedBatches, Picked, TokenWindows, eval_windows
                                split_tokens)
 from ggtrain.core.distributed import Shard
 from ggtrain.core.models.decoder import Decoder, ModelConfig
-from ggtrain.core.models.families import FAMILIES
+from ggtrain.core.models.families import NAMES
 from ggtrain.core.models.lora import TARGETS, LoraConfig, factor_names, init_lora
 from ggtrain.core.preference import METHODS, PreferenceConfig, pair_slots
 from ggtrain.core.train import TextConfig, TextRun
@@ -114,11 +115,12 @@ def _warmup_updates(warmup: float, steps: int) -> int:
     return int(round(warmup * steps)) if warmup < 1 else int(warmup)
 
 
-@app.command("finetune")
+@app.command("finetune", help=f"Fine-tune a GGUF model (families {NAMES}): LoRA adapters on the "
+             "frozen base (or every weight with --full), on text, chat or preference data (SFT, DPO, ORPO).")
 def finetune(
     context: typer.Context,
     model: pathlib.Path = typer.Option(None, "--model",
-                                       help=f"The base GGUF model (families {', '.join(sorted(FAMILIES))}; F32 ... Q4_0, K-quants); not needed with "
+                                       help=f"The base GGUF model (families {NAMES}; F32 ... Q4_0, K-quants); not needed with "
                                             "--full --resume of a model checkpoint (convert-checkpoint --to checkpoint)."),
     data: pathlib.Path = typer.Option(..., "--data", "--train-data",
                                       help="Training data: .txt, or JSON lines / a JSON array of {\"text\"}, "
@@ -191,7 +193,7 @@ def finetune(
     token_cache: str = TOKEN_CACHE,
     config: pathlib.Path = CONFIG,
 ):
-    """Fine-tune a llama GGUF model: LoRA adapters on the frozen base (or every weight with --full)."""
+    """Fine-tune a GGUF model: LoRA adapters on the frozen base (or every weight with --full)."""
     t_start = time.perf_counter()
     world = start_world()
     record = config_record(context)

@@ -1,4 +1,4 @@
-"""`ggtrain generate` and `ggtrain eval`: run a llama GGUF model (layer 6).
+"""`ggtrain generate` and `ggtrain eval`: run a GGUF model of any family (layer 6).
 
 The model's weights stay in the types the file stores them in (F32 ... Q4_0, K-quants),
 read straight into backend memory; a LoRA adapter is applied on the fly, as llama.cpp
@@ -21,7 +21,7 @@ from ggtrain.cli.tasks import run_task, task_words
 from ggtrain.cli.main import app
 from ggtrain.core.models.decoder import ModelConfig, Decoder, Runner, act8_available, generate
 from ggtrain.core import ops
-from ggtrain.core.models.families import FAMILIES
+from ggtrain.core.models.families import NAMES
 from ggtrain.core.sampling import Sampler
 from ggtrain.errors import ConfigError
 from ggtrain.formats.chat import chat_template as find_template
@@ -66,9 +66,10 @@ def _open(model, lora, lora_scale, backend):
     return ModelConfig(**config), weights, tok, adapters
 
 
-@app.command("generate")
+@app.command("generate", help=f"Continue a prompt with a GGUF model (families {NAMES}; KV-cached); "
+             "prints only the continuation, as it comes.")
 def generate_cmd(
-    model: pathlib.Path = typer.Option(..., "--model", help=f"A GGUF model (families {', '.join(sorted(FAMILIES))}; F32, F16, Q8_0, Q4_0, K-quants, ...)."),
+    model: pathlib.Path = typer.Option(..., "--model", help=f"A GGUF model (families {NAMES}; F32, F16, Q8_0, Q4_0, K-quants, ...)."),
     lora: pathlib.Path = typer.Option(None, "--lora", help="A LoRA adapter GGUF (llama.cpp's format) to apply."),
     lora_scale: float = typer.Option(1.0, "--lora-scale", help="Scale of the adapter (as llama.cpp's --lora-scaled)."),
     prompt: str = typer.Option(..., "--prompt", help="Text to continue (with --chat: the user's message)."),
@@ -97,7 +98,7 @@ def generate_cmd(
     timings: bool = typer.Option(False, "--timings", help='Print {"load_s", "prompt_tokens", "prompt_s", '
                                  '"tokens", "tokens_per_s"} as JSON on stderr at the end.'),
 ):
-    """Continue a prompt with a llama model (KV-cached); prints only the continuation, as it comes."""
+    """Continue a prompt with a GGUF model (KV-cached); prints only the continuation, as it comes."""
     t_start = time.perf_counter()
     if n < -1:
         raise ConfigError(f"-n must be >= 0, or -1 for 'until end of generation', got {n}")
@@ -162,9 +163,10 @@ def act8_ok(be) -> bool:
     return True
 
 
-@app.command("eval")
+@app.command("eval", help="Perplexity of a model on a text (non-overlapping windows, every token scored once), "
+             "or its accuracy on a multiple-choice task.")
 def eval_cmd(
-    model: pathlib.Path = typer.Option(..., "--model", help=f"A GGUF model (families {', '.join(sorted(FAMILIES))})."),
+    model: pathlib.Path = typer.Option(..., "--model", help=f"A GGUF model (families {NAMES})."),
     lora: pathlib.Path = typer.Option(None, "--lora", help="A LoRA adapter GGUF (llama.cpp's format) to apply."),
     lora_scale: float = typer.Option(1.0, "--lora-scale", help="Scale of the adapter."),
     data: pathlib.Path = typer.Option(None, "--data", help="A UTF-8 text file: its perplexity."),

@@ -22,7 +22,8 @@ from ggtrain.errors import GgtrainError
 
 app = typer.Typer(
     name="ggtrain",
-    help="Train and fine-tune GGUF models from the command line (llama from scratch, LoRA, MNIST).",
+    help="Train and fine-tune GGUF models from the command line (models of any family from scratch, "
+         "LoRA or full fine-tuning, MNIST).",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,

@@ -16,7 +16,7 @@ from ggtrain.cli.main import app
 from ggtrain.core.data import TokenWindows, eval_windows, split_tokens
 from ggtrain.core.distributed import Shard
 from ggtrain.core.models.decoder import ModelConfig, init_params
-from ggtrain.core.models.families import FAMILIES
+from ggtrain.core.models.families import NAMES
 from ggtrain.core.train import TextConfig, TextRun
 from ggtrain.errors import ConfigError
 from ggtrain.formats.checkpoint import Checkpoint, save_checkpoint
@@ -49,7 +49,7 @@ def train(
     out: pathlib.Path = typer.Option(..., "--out", help="Where to write the trained model (GGUF llama.cpp loads)."),
     tokenizer: str = typer.Option("byte", "--tokenizer", help="byte, bpe:N (trained on the first 64 MB of "
                                   "--data) or VOCAB.gguf."),
-    arch: str = typer.Option("llama", "--arch", help=f"Model family: {', '.join(sorted(FAMILIES))}."),
+    arch: str = typer.Option("llama", "--arch", help=f"Model family: {NAMES}."),
     dim: int = typer.Option(256, "--dim", help="Embedding width."),
     layers: int = typer.Option(4, "--layers", help="Transformer blocks."),
     heads: int = typer.Option(8, "--heads", help="Attention heads."),

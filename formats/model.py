@@ -22,7 +22,7 @@ import numpy as np
 from gguf.constants import GGMLQuantizationType, GGUFValueType, Keys, LlamaFileType
 
 from ggtrain.core.models.decoder import ModelConfig, param_shapes
-from ggtrain.core.models.families import FAMILIES
+from ggtrain.core.models.families import FAMILIES, NAMES
 from ggtrain.core.models.family import (COMMON_KEYS, OUTPUT, OUTPUT_NORM, REQUIRED_KEYS, ROPE_FACTORS_LONG,
                                         ROPE_FREQS, ROPE_SCALING, TOKEN_EMBD, Family)
 from ggtrain.errors import ConfigError, FormatError
@@ -115,7 +115,7 @@ def check_architecture(f: GGUFFile) -> Family:
     fam = FAMILIES.get(arch.value)
     if fam is None:
         raise FormatError(f"{f.path}: architecture {arch.value!r} is not supported (ggtrain computes "
-                          f"{', '.join(sorted(FAMILIES))})")
+                          f"{NAMES})")
     return fam
 
 
@@ -175,7 +175,7 @@ def config_from_kv(f: GGUFFile) -> dict:
         elif rest in _EXPERTS:
             if _number(f, key, False) > 0:
                 raise FormatError(f"{f.path}: {key} = {f.kv[key].value}: a mixture-of-experts model, which "
-                                  f"ggtrain does not compute (dense {', '.join(sorted(FAMILIES))} only)")
+                                  f"ggtrain does not compute (dense {NAMES} only)")
         elif rest == _VALUE_LENGTH:
             values["_value_length"] = _number(f, key, False)
         elif rest == _ROPE_FINETUNED and fam.rope_switch and not f.kv[key].value:
@@ -258,7 +258,7 @@ def validate_model(f: GGUFFile) -> ModelLayout:
     experts = [n for n in extra if "_exps." in n or ".ffn_gate_inp." in n]
     if experts:
         raise FormatError(f"{f.path}: tensor {experts[0]!r}: a mixture-of-experts model, which ggtrain does not "
-                          f"compute (dense {', '.join(sorted(FAMILIES))} only)")
+                          f"compute (dense {NAMES} only)")
     if extra:
         raise FormatError(f"{f.path}: tensor {extra[0]!r} is not part of a {cfg.arch} model with {cfg.layers} "
                           f"layers, and ggtrain would not apply it"

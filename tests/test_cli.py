@@ -26,6 +26,18 @@ def test_every_command_has_help():
         assert result.exit_code == 0, f"`ggtrain {name} --help` failed: {result.output}"
 
 
+def test_model_commands_name_every_family_they_run():
+    """finetune, generate, eval and train --arch say which families they take, from the family
+    registry (a family added is named without touching the help texts)."""
+    from ggtrain.core.models.families import FAMILIES
+    _register()
+    for args in (["finetune", "--help"], ["generate", "--help"], ["eval", "--help"], ["train", "--help"]):
+        out = " ".join(runner.invoke(app, args, terminal_width=400).output.split())
+        assert all(arch in out for arch in FAMILIES), (args, out[:300])
+    top = runner.invoke(app, ["--help"], terminal_width=400).output
+    assert "a llama" not in top and "llama model" not in top
+
+
 def test_python_dash_m_and_version():
     out = subprocess.run([sys.executable, "-m", "ggtrain", "--version"], capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.startswith("ggtrain ")

@@ -27,7 +27,7 @@ from ggtrain.core import ops
 from ggtrain.core.autograd import backward
 from ggtrain.core.backend import StoredTensor
 from ggtrain.core.graph import Graph, Runtime
-from ggtrain.core.models.families import FAMILIES
+from ggtrain.core.models.families import FAMILIES, NAMES
 from ggtrain.core.models.family import (BLOCK_SHAPES, OUTPUT, OUTPUT_NORM, ROPE_CONSTANTS, ROPE_FACTORS_LONG,
                                         ROPE_FACTORS_SHORT, ROPE_FREQS, STORED_AS, TOKEN_EMBD, Family)
 from ggtrain.errors import ConfigError
@@ -37,7 +37,7 @@ def family(arch: str) -> Family:
     """The Family of an architecture name; ConfigError naming the supported ones."""
     fam = FAMILIES.get(arch)
     if fam is None:
-        raise ConfigError(f"architecture {arch!r} is not supported (ggtrain computes {', '.join(sorted(FAMILIES))})")
+        raise ConfigError(f"architecture {arch!r} is not supported (ggtrain computes {NAMES})")
     return fam
 
 
