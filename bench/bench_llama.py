@@ -182,7 +182,7 @@ def main():
                 theirs.close()
                 t_ours = float(np.min(times["ours"][2:]))
                 t_torch = float(np.min(times["torch"][2:]))
-                gf = ours.run.flop_per_token * tokens / t_ours / 1e9
+                gf = ours.run.flop_per_token() * tokens / t_ours / 1e9
                 ours.close()
                 cost = f"{t_ours / t_off:>8.2f}x" if checkpointing else " " * 9
                 t_off = t_off or t_ours

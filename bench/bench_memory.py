@@ -50,7 +50,7 @@ def child(config: str, checkpointing: bool, steps: int) -> None:
         times.append(time.perf_counter() - t0)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     print(json.dumps({"peak_kib": peak, "import_kib": base, "planned": run.step.memory.peak, "losses": losses,
-                      "step_s": min(times[1:] or times), "flop_per_token": run.flop_per_token}))
+                      "step_s": min(times[1:] or times), "flop_per_token": run.flop_per_token()}))
 
 
 def torch_peak(config: str, checkpointing: bool, steps: int, tmp: str) -> int:

@@ -171,6 +171,7 @@ class CompiledPlan:
         self.report = report
         self.n_nodes = n_nodes
         self.flops = 0                 # FLOPs of its products and convolutions (ops.product_flops)
+        self.row_flops = 0             # the part of flops that only counted loss rows take (ops.row_flops)
         self.plan = None
         self.refs: dict = {}
         self.inputs: list = []         # the graph inputs it reads (each must be set before a run)
@@ -394,6 +395,7 @@ class Runtime:
         plan = CompiledPlan(self, emit, n_threads, arena_size, work_max, None, len(nodes))
         plan.inputs = [t for t in tensors if t.kind == "input"]
         plan.flops = sum(_ops.product_flops(t) for t, *_ in nodes)
+        plan.row_flops = sum(_ops.row_flops(t) for t, *_ in nodes)
         self._plans = [p for p in self._plans if p() is not None] + [weakref.ref(plan)]
         if self._arena is None or self._arena.nbytes < arena_size:
             self._arena = self.backend.alloc(max(arena_size, 1))

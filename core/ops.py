@@ -978,13 +978,20 @@ register(OpDef("attention_bwd", _infer_attention("attention_bwd"), "attention_bw
                contiguous=(3, 5)))
 
 
+def row_flops(t: Tensor) -> int:
+    """The part of product_flops(t) that is done only for the rows whose target counts
+    (linear_cross_entropy's: its kernel leaves ignored rows, a chat window's prompt turns,
+    out of both products); 0 for other ops."""
+    return product_flops(t) if t.op == "linear_cross_entropy" else 0
+
+
 def product_flops(t: Tensor) -> int:
     """FLOPs (2 per multiply-add) of node t's matrix products: a matmul's (matmul_lora's
     two), or those inside fused attention (forward: q k^T and p v; backward: q k^T again and
     four more) over the (query, key) pairs its mask lets through; a position or segment mask
     counts as causal, a bound; or conv2d's (forward, and each gradient: the same count); or
     linear_cross_entropy's (the logits, and with grad their product with the matrix again;
-    every row counted, a bound: the kernel skips ignored rows after the last counted one).
+    every row counted, a bound: the kernel multiplies counted rows only, see row_flops).
     0 for other ops."""
     if t.op == "matmul":
         return 2 * t.size * t.srcs[0].shape[-1]

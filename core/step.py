@@ -134,6 +134,13 @@ class TrainStep:
         flops = self._update.flops if self._update is not None else 0
         return flops + (self._micro.flops * self.grad_acc if self._micro is not None else 0)
 
+    @property
+    def row_flops(self) -> int:
+        """The part of flops done only for loss rows whose target counts (ops.row_flops), all
+        of them counted."""
+        flops = self._update.row_flops if self._update is not None else 0
+        return flops + (self._micro.row_flops * self.grad_acc if self._micro is not None else 0)
+
     def _set_inputs(self, batch: dict) -> None:
         for t, value in batch.items():
             if not isinstance(t, Tensor) or t.kind != "input":

@@ -515,11 +515,12 @@ class TextRun:
     def updates(self) -> int:
         return self.step.updates
 
-    @property
-    def flop_per_token(self) -> float:
+    def flop_per_token(self, counted: float = 1.0) -> float:
         """FLOPs of one update (products: forward, backward, recomputation) per token (the same
-        per process)."""
-        return self.step.flops / (self.config.batch * self.config.grad_acc * self.ctx)
+        per process) when a fraction `counted` of the positions have a target that counts: the
+        loss head multiplies those rows only (a chat window's prompt turns are left out)."""
+        flops = self.step.flops - (1.0 - counted) * self.step.row_flops
+        return flops / (self.config.batch * self.config.grad_acc * self.ctx)
 
     def param_values(self) -> dict:
         """{name: f32 array} of what is trained (model parameters, or adapter factors)."""

@@ -84,6 +84,11 @@ def test_a_lora_run_trains_as_with_the_products_apart(checkpointing, monkeypatch
         losses = [run.step.step([run.feed(b)], lr=1e-2) for b in batches]
         calls = run.step._update.plan.calls
         runs[fused] = (losses, run.param_values(), [c.kernel for c in calls], run.step.flops)
+        # per token, the loss head's products (only counted rows take them) scale with the
+        # fraction of positions whose target counts
+        tokens = tc.batch * CFG.ctx
+        assert run.step.row_flops > 0 and run.flop_per_token() == run.step.flops / tokens
+        assert run.flop_per_token(0.25) == (run.step.flops - 0.75 * run.step.row_flops) / tokens
     (lf, pf, kf, ff), (lu, pu, ku, fu) = runs[True], runs[False]
     # the same products counted; under checkpointing the apart run also recomputes the adapters'
     # B products, which the kept matmul_lora outputs hold
