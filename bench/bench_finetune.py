@@ -23,8 +23,8 @@ on tiny shakespeare as text windows for both sides (the file has no chat templat
 the file's stored types, theirs on its f32 dequantization. Targets (issue 19): tokens/s >=
 1.5x theirs at <= 0.3x their peak RSS. FLOPs per token are the graph's count of one update
 (forward, input gradients, the LoRA products and their gradients, attention, recomputation),
-the loss head's for the positions whose target counts only (its kernel multiplies those rows:
-on the chat data, the assistant turns).
+the loss head's for the trained positions only (on the chat data, the assistant turns: finetune
+plans the head's rows for its fullest batch, and its kernel multiplies each batch's trained ones).
 
     python bench/bench_finetune.py [--steps 12] [--threads 2] [--tinyllama] [--no-gemma]
 """
@@ -151,7 +151,7 @@ def _table(title: str, label: str, a: dict, b: dict, targets: tuple, peak) -> No
         gf = a["flop_per_token"] * a["tokens_per_s"] / 1e9
         print(f"ours: {gf:.0f} GFLOP/s = {peak.percent(gf):.0f}% of the {peak.gflops:.0f} GFLOP/s FP32 peak "
               f"({a['flop_per_token'] / 1e6:.0f} MFLOP per token, counted by the graph; the loss head's for the "
-              f"positions whose target counts)")
+              f"trained positions)")
 
 
 def main() -> None:

@@ -303,7 +303,6 @@ def finetune(
         pairs = pair_slots(packed_data.pair, global_batch // world.size)
         if val_data is not None:
             pairs = max(pairs, pair_slots(val_data.pair, global_batch // world.size))
-        counted = stats.trained / max(stats.rows * ctx, 1)
         summary = (f"{stats.packed} preference pairs ({stats.truncated} cut, {stats.dropped} dropped at --ctx {ctx}), "
                    f"{stats.trained} trained of {stats.tokens} tokens in {stats.rows} windows; {method}")
     elif plain:
@@ -316,7 +315,6 @@ def finetune(
         data_fp = corpus.fingerprint
         packed = False
         summary = f"{len(train_ids)} training / {len(val_ids)} validation tokens in windows of {ctx}"
-        counted = 1.0
     else:
         train_s, val_s = split_samples(records.samples, val_split, seed)
         packed_data, stats, data_fp, _ = packed_part("train", lambda allocate: pack(
@@ -329,7 +327,6 @@ def finetune(
             val_s, ctx, packing=packing, drop_long=drop_long, allocate=allocate))[0], global_batch) if len(val_s) else []
         per_epoch = batches.batches_per_epoch
         packed = True
-        counted = stats.trained / max(stats.rows * ctx, 1)
         summary = (f"{stats.samples} samples, {stats.trained} trained of {stats.tokens} tokens "
                    f"({stats.truncated} cut, {stats.dropped} dropped at --ctx {ctx}, {stats.empty} with "
                    f"nothing to train) in {stats.rows} windows{'' if packing else ' (no packing)'}")
@@ -362,10 +359,11 @@ def finetune(
         init = init_lora(lora_cfg, {w: weights[w].shape for w in names}, train_cfg.seed)
         frozen = weights
     # logits only where a target is: at most the trained positions of the `batch` fullest rows
-    loss_rows = 0
+    loss_rows, counted = 0, 1.0     # counted: the mean share of the loss rows a batch fills
     if packed:   # (of this process's share)
         per_row = np.sort(packed_data.trained_per_row())[::-1]
         loss_rows = int(per_row[:train_cfg.batch].sum())
+        counted = min(1.0, float(per_row.mean()) * train_cfg.batch / max(loss_rows, 1))
         if val_batches:
             loss_rows = max(loss_rows, max(int((v["targets"] >= 0).sum()) for v in val_batches))
     run = TextRun(model_cfg, ckpt.state["params"] if ckpt else init, train_cfg, be, frozen=frozen,
@@ -419,8 +417,8 @@ def finetune(
 
     logf = JsonLog(log if world.lead else None)
     logf.write(record)
-    # FLOPs per token as the kernels do them: the loss head's for the positions whose target
-    # counts (the data's share of them), the rest for every position
+    # FLOPs per token as the kernels do them: the loss head's for the rows a batch fills (its
+    # trained positions), the rest for every position
     logf.write({"event": "start", "load_s": time.perf_counter() - t_start, "flop_per_token": run.flop_per_token(counted),
                 "updates": train_cfg.steps, "kind": kind_name})
     result = drive(run, Shard(batches, world), val_batches, log=logf, quiet=quiet, save_every=save_every,

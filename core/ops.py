@@ -980,8 +980,8 @@ register(OpDef("attention_bwd", _infer_attention("attention_bwd"), "attention_bw
 
 def row_flops(t: Tensor) -> int:
     """The part of product_flops(t) that is done only for the rows whose target counts
-    (linear_cross_entropy's: its kernel leaves ignored rows, a chat window's prompt turns,
-    out of both products); 0 for other ops."""
+    (linear_cross_entropy's: its kernel leaves the rows after the last counted one out of
+    both products, the padding of a plan's loss rows); 0 for other ops."""
     return product_flops(t) if t.op == "linear_cross_entropy" else 0
 
 
@@ -991,7 +991,8 @@ def product_flops(t: Tensor) -> int:
     four more) over the (query, key) pairs its mask lets through; a position or segment mask
     counts as causal, a bound; or conv2d's (forward, and each gradient: the same count); or
     linear_cross_entropy's (the logits, and with grad their product with the matrix again;
-    every row counted, a bound: the kernel multiplies counted rows only, see row_flops).
+    every row counted, a bound: the kernel skips ignored rows after the last counted one,
+    see row_flops).
     0 for other ops."""
     if t.op == "matmul":
         return 2 * t.size * t.srcs[0].shape[-1]

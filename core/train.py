@@ -517,8 +517,9 @@ class TextRun:
 
     def flop_per_token(self, counted: float = 1.0) -> float:
         """FLOPs of one update (products: forward, backward, recomputation) per token (the same
-        per process) when a fraction `counted` of the positions have a target that counts: the
-        loss head multiplies those rows only (a chat window's prompt turns are left out)."""
+        per process) when a fraction `counted` of the loss head's rows (loss_rows, else every
+        position) have a target that counts on average: the head multiplies those only (a
+        batch's trained positions come first in its loss rows, the padding after them)."""
         flops = self.step.flops - (1.0 - counted) * self.step.row_flops
         return flops / (self.config.batch * self.config.grad_acc * self.ctx)
 

@@ -1211,7 +1211,7 @@ GT_ACT8_TYPES(MATMUL_ACT8)
 
 static int64_t xent_work_floats(int64_t C) {
     return A_FLOATS + B_FLOATS + (int64_t)XENT_VB * C + (int64_t)XENT_ROWS * XENT_VB + 7 * XENT_ROWS + C +
-           2 * (int64_t)XENT_ROWS * C + 2 * XENT_ROWS + 4 * ALIGN / 4;
+           3 * ALIGN / 4;
 }
 
 /* One row's block of logits l (n) taken into the running softmax of its row: l <- the
@@ -1261,16 +1261,14 @@ static void xent_block_row(float *l, int64_t n, float s, float cap, int64_t t, f
  *   row's -log softmax(l[r])[target] (0 and a zero row where ignored); with ip[0] = 1 both
  *   divided by the number of counted rows (the mean's gradient and terms; none counted: 0).
  *   ip[1] = 0: the losses only (dx zeros, the second GEMM skipped: evaluation).
- * Only the counted rows are multiplied (a chat sample's prompt turns, often most of a window,
- * and a plan's padding rows are not): threads split the counted rows evenly, and each takes
- * its rows XENT_ROWS at a time (gathered, with their accumulators, into its work when they
- * are not consecutive in x) through W in blocks of XENT_VB rows, as in FlashAttention: the block's logits by the packed GEMM (a stored W's
+ * Threads split the rows; each takes its rows XENT_ROWS at a time through W in blocks of
+ * XENT_VB rows, as in FlashAttention: the block's logits by the packed GEMM (a stored W's
  * block dequantized into the thread's work first), the running max and sum of exps per row rescaled as the max grows,
  * and sum_j p_j W[j] accumulated in dst's dx rows by a second GEMM of the block's exps with
  * the same W rows (accumulator rows multiplied by exp(old max - new max) first). At the
  * end dx[r] = acc[r] / sum[r] - dl[t] W[t], nll[r] = max + log(sum) - l[t]. Each row's
- * numbers depend on the block size, not on the thread count or the rows around it (the
- * GEMM's order per element does not depend on the rows a thread takes). */
+ * numbers depend on the block size, not on the thread count (the GEMM's order per element
+ * does not depend on the rows a thread takes). */
 static int linear_xent(const gt_node *node, const gt_ctx *ctx, int32_t wtype) {
     const char *op = "linear_cross_entropy";
     const gt_tensor *d = &node->dst, *x = &node->src[0], *w = &node->src[1], *tg = &node->src[2];
@@ -1306,12 +1304,13 @@ static int linear_xent(const gt_node *node, const gt_ctx *ctx, int32_t wtype) {
         ws.deq = gt_dequantizer_(wtype);
     }
     const int32_t *td = tg->data;
-    int64_t count = 0;
+    int64_t count = 0, used = 0;   /* used: rows up to the last counted one */
     for (int64_t r = 0; r < N; r++) {
         if (td[r] >= V)
             return GT_FAIL(GT_ERR_INVALID, "%s: target of row %lld is %d, expected < V = %lld (or < 0 to ignore "
                            "the row)", op, (long long)r, (int)td[r], (long long)V);
         count += td[r] >= 0;
+        if (td[r] >= 0) used = r + 1;
     }
     const int64_t need = xent_work_floats(C) * (int64_t)sizeof(float);
     if (!ctx->wdata || ctx->wsize < need)
@@ -1327,38 +1326,33 @@ static int linear_xent(const gt_node *node, const gt_ctx *ctx, int32_t wtype) {
           *dy = ly + XENT_ROWS;
     double *sum = (double *)(((uintptr_t)(dy + XENT_ROWS) + 7) & ~(uintptr_t)7);
     float *erow = (float *)(sum + XENT_ROWS);
-    /* a group's rows gathered (x) and their accumulators, when not consecutive in x */
-    float *xg = (float *)(((uintptr_t)(erow + C) + ALIGN - 1) & ~(uintptr_t)(ALIGN - 1)), *ag = xg + XENT_ROWS * C;
-    int64_t *rows = (int64_t *)(ag + XENT_ROWS * C);
     int64_t lo, hi;
-    /* ignored rows (and a plan's padding of loss rows) are zeros; threads split all rows */
-    gt_split(N, ctx, &lo, &hi);
-    for (int64_t r = lo; r < hi; r++) {
-        if (td[r] >= 0) continue;
+    /* the rows after the last counted one (a plan's padding of loss rows) are zeros; the
+     * threads split the others, so padding does not leave one thread the work */
+    gt_split(N - used, ctx, &lo, &hi);
+    for (int64_t r = used + lo; r < used + hi; r++) {
         memset(dx + r * C, 0, (size_t)C * sizeof(float));
         nll[r] = 0.0f;
     }
-    /* this thread's counted rows: the lo-th to the hi-th of them, cut near equal shares */
-    split_even(count, 12, ctx, &lo, &hi);
+    split_even(used, 12, ctx, &lo, &hi);
     const float *xd = x->data;
-    int64_t r = 0, seen = 0;    /* scan position in x, and counted rows before it */
-    for (int64_t c0 = lo; c0 < hi; c0 += XENT_ROWS) {
-        const int64_t g = hi - c0 < XENT_ROWS ? hi - c0 : XENT_ROWS;
-        for (int64_t i = 0; i < g; r++) {       /* the group's rows, in order */
-            if (td[r] < 0) continue;
-            if (seen++ >= c0) rows[i++] = r;
+    for (int64_t g0 = lo; g0 < hi; g0 += XENT_ROWS) {
+        int64_t g = hi - g0 < XENT_ROWS ? hi - g0 : XENT_ROWS;
+        for (int64_t r = g0; r < g0 + g; r++) {   /* ignored rows: zeros */
+            if (td[r] >= 0) continue;
+            memset(dx + r * C, 0, (size_t)C * sizeof(float));
+            nll[r] = 0.0f;
         }
-        const int together = rows[g - 1] - rows[0] == g - 1;   /* consecutive: x and dx in place */
-        if (!together)
-            for (int64_t i = 0; i < g; i++) memcpy(xg + i * C, xd + rows[i] * C, (size_t)C * sizeof(float));
+        while (g > 0 && td[g0 + g - 1] < 0) g--;   /* padding at the end is not multiplied */
+        if (g == 0) continue;
         for (int64_t i = 0; i < g; i++) {
             m[i] = -INFINITY;
             sum[i] = 0.0;
             ly[i] = dy[i] = 0.0f;
         }
         const impl *im1 = pick_impl(g, XENT_VB), *im2 = pick_impl(g, C);
-        const operand A = {together ? xd + rows[0] * C : xg, C, 1}, P = {L, XENT_VB, 1};
-        float *acc = together ? dx + rows[0] * C : ag;
+        const operand A = {xd + g0 * C, C, 1}, P = {L, XENT_VB, 1};
+        float *acc = dx + g0 * C;
         for (int64_t v0 = 0; v0 < V; v0 += XENT_VB) {
             const int64_t nv = V - v0 < XENT_VB ? V - v0 : XENT_VB;
             /* a stored block is dequantized once, for both products: the first packs it
@@ -1369,25 +1363,33 @@ static int linear_xent(const gt_node *node, const gt_ctx *ctx, int32_t wtype) {
             const operand B1 = {blk, 1, C}, B2 = {blk, C, 1};
             gemm(im1, 0, g, 0, nv, C, A, B1, NULL, L, XENT_VB, ap, bp, 0, NULL);
             for (int64_t i = 0; i < g; i++) {
-                const int64_t t = td[rows[i]];
-                xent_block_row(L + i * XENT_VB, nv, s, cap, t >= v0 && t < v0 + nv ? t - v0 : -1, m + i, sum + i,
-                               alpha + i, ly + i, dy + i);
+                float *li = L + i * XENT_VB;
+                const int64_t t = td[g0 + i];
+                if (t < 0) {
+                    memset(li, 0, (size_t)nv * sizeof(float));
+                    alpha[i] = 1.0f;
+                    continue;
+                }
+                xent_block_row(li, nv, s, cap, t >= v0 && t < v0 + nv ? t - v0 : -1, m + i, sum + i, alpha + i,
+                               ly + i, dy + i);
                 if (grad && v0 > 0 && alpha[i] != 1.0f) mul_row(acc + i * C, alpha[i], C);
             }
             if (grad) gemm(im2, 0, g, 0, C, nv, P, B2, NULL, acc, C, ap, bp, v0 > 0, NULL);
         }
         for (int64_t i = 0; i < g; i++) {
-            const int64_t row = rows[i], t = td[row];
-            float *dr = dx + row * C;
-            nll[row] = (float)(((double)m[i] + log(sum[i]) - (double)ly[i]) * (double)scale);
-            if (!grad) {
-                memset(dr, 0, (size_t)C * sizeof(float));
+            const int64_t r = g0 + i, t = td[r];
+            float *dr = dx + r * C;
+            if (t < 0 || !grad) memset(dr, 0, (size_t)C * sizeof(float));
+            if (t < 0) {
+                nll[r] = 0.0f;
                 continue;
             }
+            nll[r] = (float)(((double)m[i] + log(sum[i]) - (double)ly[i]) * (double)scale);
+            if (!grad) continue;
             const float *et = wf ? wf + t * C : erow;
             if (!wf) ws.deq(erow, ws.p + t * ws.row_bytes, C / ws.block);
-            const float inv = (float)(1.0 / sum[i]), c = dy[i], *ai = acc + i * C;
-            for (int64_t k = 0; k < C; k++) dr[k] = (ai[k] * inv - c * et[k]) * scale;
+            const float inv = (float)(1.0 / sum[i]), c = dy[i];
+            for (int64_t k = 0; k < C; k++) dr[k] = (dr[k] * inv - c * et[k]) * scale;
         }
     }
     return GT_OK;
