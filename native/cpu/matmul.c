@@ -45,6 +45,7 @@
 
 #include "internal.h"
 #include "rowops.h"
+#include "simd.h"
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -1220,8 +1221,8 @@ static int64_t xent_work_floats(int64_t C) {
  * block), and where the target is in the block (t >= 0: its index here) its logit and
  * derivative into *ly, *dy. s multiplies the product (1 / logit_scale); cap > 0 soft-caps
  * it: l = cap * tanh(s x / cap), whose derivative is s (1 - (l / cap)^2). */
-static void xent_block_row(float *l, int64_t n, float s, float cap, int64_t t, float *m, double *sum,
-                           float *alpha, float *ly, float *dy) {
+GT_CLONES static void xent_block_row(float *l, int64_t n, float s, float cap, int64_t t, float *m, double *sum,
+                                     float *alpha, float *ly, float *dy) {
     if (s != 1.0f || cap > 0.0f) {
         if (cap > 0.0f)
             for (int64_t j = 0; j < n; j++) l[j] = cap * tanhf(s * l[j] / cap);

@@ -59,7 +59,7 @@ GT_CLONES static void softmax_bwd_row(float *restrict d, const float *restrict y
 
 /* One row of the segment mask: y (tk) = softmax of s * x over the columns
  * j <= i with sg[j] == sg[i], 0 elsewhere (sg: this batch row's seg, tk). */
-static void softmax_seg_row(float *y, const float *x, float s, const int32_t *sg, int64_t i, int64_t tk) {
+GT_CLONES static void softmax_seg_row(float *y, const float *x, float s, const int32_t *sg, int64_t i, int64_t tk) {
     const int32_t me = sg[i];
     int64_t lo = i;
     while (lo > 0 && sg[lo - 1] == me) lo--;
