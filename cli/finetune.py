@@ -363,7 +363,8 @@ def finetune(
     if packed:   # (of this process's share)
         per_row = np.sort(packed_data.trained_per_row())[::-1]
         loss_rows = int(per_row[:train_cfg.batch].sum())
-        counted = min(1.0, float(per_row.mean()) * train_cfg.batch / max(loss_rows, 1))
+        if be.skips_uncounted_rows:
+            counted = min(1.0, float(per_row.mean()) * train_cfg.batch / max(loss_rows, 1))
         if val_batches:
             loss_rows = max(loss_rows, max(int((v["targets"] >= 0).sum()) for v in val_batches))
     run = TextRun(model_cfg, ckpt.state["params"] if ckpt else init, train_cfg, be, frozen=frozen,

@@ -81,6 +81,9 @@ class Backend(ABC):
     """Allocation, copies and plan execution on one device."""
 
     name: str
+    # whether its linear_cross_entropy leaves the rows after the last counted one (a plan's
+    # loss-row padding) out of its products; what ops.row_flops counts on
+    skips_uncounted_rows: bool = False
 
     @abstractmethod
     def alloc(self, nbytes: int) -> Buffer: ...

@@ -116,6 +116,7 @@ class CpuBackend(Backend):
     """Runs plans on the native CPU core with a persistent thread pool."""
 
     name = "cpu"
+    skips_uncounted_rows = True
 
     def __init__(self, n_threads: int | None = None):
         self.n_threads = n_threads or default_threads()
