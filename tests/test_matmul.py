@@ -57,31 +57,34 @@ def test_shapes_and_layouts(mkn, layout):
 
 
 @pytest.mark.parametrize("which", ["A", "At", "B"])
-def test_operand_rows_16k_apart_are_packed_with_the_same_bits(which):
-    """An A whose rows (plain) or k steps (transposed), or a plain B whose rows, are a
-    multiple of 16 KiB apart is packed rather than read in place (its lines would crowd a
-    few cache sets): the products are those of the same operand 4 floats further apart,
-    read in place, bit for bit."""
+def test_packed_and_in_place_operands_give_the_same_bits(which):
+    """The packed path reads a plain A (AVX-512) in place unless its rows are a multiple of
+    16 KiB apart (they would crowd a few cache sets), a plain B in place only when its
+    rows are less than a page (1024 floats) apart, and always packs a transposed A. The
+    same values 4096 floats (16 KiB) or 1100 floats apart give the products of a
+    contiguous copy, bit for bit, on one thread and two (N = 150: not the skinny path)."""
     rng = np.random.default_rng(21)
-    m, k, n = 37, 300, 70
+    m, k, n = 37, 300, 150
     rows = {"A": m, "At": k, "B": k}[which]
-    wide = rng.standard_normal((rows, 4096 + 4), dtype=np.float32)
-    apart = wide[:, :4096]                 # rows 4100 floats apart: read in place ...
-    aliased = np.empty((rows, 4096), np.float32)
-    aliased[...] = apart                   # ... and the same values 4096 floats (16 KiB) apart
     cols = {"A": k, "At": m, "B": n}[which]
-    x, x_ = aliased[:, :cols], apart[:, :cols]
-    if which == "At":
-        x, x_ = x.T, x_.T
     other = rng.standard_normal((m, k) if which == "B" else (k, n), dtype=np.float32)
+    dense = rng.standard_normal((rows, cols), dtype=np.float32)
+    variants = [dense]
+    for stride in (4096, 1100):
+        wide = np.zeros((rows, stride), np.float32)
+        wide[:, :cols] = dense
+        variants.append(wide[:, :cols])
+    if which == "At":
+        variants = [v.T for v in variants]
     for nt in (1, 2):
         if which == "B":
-            got, same = mm(other, x, n_threads=nt), mm(other, x_, n_threads=nt)
-            check(got, other, x)
+            got = [mm(other, v, n_threads=nt) for v in variants]
+            check(got[0], other, variants[0])
         else:
-            got, same = mm(x, other, n_threads=nt), mm(x_, other, n_threads=nt)
-            check(got, x, other)
-        assert np.array_equal(got, same)
+            got = [mm(v, other, n_threads=nt) for v in variants]
+            check(got[0], variants[0], other)
+        for g in got[1:]:
+            assert np.array_equal(g, got[0])
 
 
 def test_large_square_two_threads():

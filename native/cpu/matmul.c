@@ -5,12 +5,13 @@
  * of K and MC-tall row blocks of A; pack the B panel (KC x NC) and the A block
  * (MC x KC) into this thread's scratch as micro-panels (NR columns of B, MR rows
  * of A, k-major, zero-padded at the edges), then run an MR x NR register
- * micro-kernel over every tile. A plain B and a transposed A are packed only at
- * their edges: the micro-kernel reads their full panels in place, with the
- * source's stride from one k to the next; so is a plain A with the AVX-512
- * kernels (its MR rows read as MR streams). Edge tiles go through a small tile
- * on the stack. Micro-kernels: AVX-512F 12 x 32 (or 6 x 64 where that
- * pads less, e.g. M <= 6), AVX2+FMA 6 x 16, plain C 4 x 8 (gt_simd_level_).
+ * micro-kernel over every tile. A plain B with rows less than a page apart is
+ * packed only at its edges: the micro-kernel reads its full panels in place, with
+ * the source's stride from one k to the next; so is a plain A with the AVX-512
+ * kernels (its MR rows read as MR streams). A transposed A is always packed (see
+ * B_INPLACE_RS). Edge tiles go through a small tile on the stack. Micro-kernels:
+ * AVX-512F 12 x 32 (or 6 x 64 where that pads less, e.g. M <= 6), AVX2+FMA 6 x 16,
+ * plain C 4 x 8 (gt_simd_level_).
  *
  * Narrow products (N <= 80 with AVX-512, N <= 32 with AVX2; the im2col convolutions'
  * x @ W^T, g @ W and g^T @ x, with N = channels) take the skinny path instead:
@@ -310,9 +311,8 @@ PACKER_AVX2(64)
     const int64_t o[4] = {0, ars, 2 * ars, 3 * ars};
 #define A_STEP q[0] += acs, q[1] += acs, q[2] += acs
 
-/* Each AVX-512 kernel in two builds: A packed or transposed (ars = 1: the MR values of
- * one k adjacent, at constant offsets) or plain, read in place (acs = 1, rows ars
- * apart). */
+/* Each AVX-512 kernel in two builds: A packed (ars = 1: the MR values of one k
+ * adjacent, at constant offsets) or plain, read in place (acs = 1, rows ars apart). */
 #define Z_BUILDS(NAME, BODY)                                                               \
     __attribute__((target("avx512f"))) static void NAME(int64_t kc, const float *restrict a,  \
                                                         int64_t ars, int64_t acs,             \
@@ -722,10 +722,20 @@ static void split_even(int64_t total, int64_t unit, const gt_ctx *ctx, int64_t *
  * fall in at most 8 of the 128 KiB-periodic set groups of a 16-way 2 MiB L2, so an A block
  * read in place (MC rows) evicts itself; it is packed instead. Measured on x @ W with a
  * long K (the output projection's input gradient, K = the vocabulary): dy rows 128 KiB
- * apart ran at 140-150 GFLOP/s in place, 200-210 packed. Likewise a transposed A whose k
- * steps are that far apart (dlogits^T @ x: 148 against 201 GFLOP/s), and a plain B read
- * in place (x^T @ dlogits, rows of the vocabulary's width: 153 against 183). */
+ * apart ran at 140-150 GFLOP/s in place, 200-210 packed. (A transposed A and a plain B so
+ * far apart are packed anyway: see B_INPLACE_RS.) */
 static int set_aliased(int64_t rs) { return rs * (int64_t)sizeof(float) % 16384 == 0; }
+
+/* Row stride (floats) from which a plain B is packed rather than read in place: a page
+ * (4 KiB) or more apart, each k of an in-place panel is on a page of its own, and its
+ * rows stream from L2 slower than the packed panel's. Measured, one thread, alternating
+ * in one process (AVX-512, 12 x 32): g @ W with N = 1376, 1536 and 2048 (dx of a llama
+ * FFN, of SmolLM2's, a 2048-wide layer) ran 4-13% faster packed, N = 512 and 576 the
+ * same either way. Packing a transposed A always (rather than reading its tiles in
+ * place) made every weight gradient g^T @ x of llama config b's and SmolLM2's shapes
+ * 12-20% faster (1376 x 1024 x 512: 119 -> 144 GFLOP/s on one thread, 226 -> 257 on
+ * two), and llama config b's update 5-9% faster. */
+#define B_INPLACE_RS 1024
 
 /* A second, f32 product a gemm adds to its own (matmul_lora: a rank-r adapter's H @ B^T on
  * the frozen product): A2 (rows as A's) @ B2 (K2, the same columns), K2 > 0. */
@@ -748,15 +758,18 @@ static void gemm(const impl *im, int64_t m0, int64_t m1, int64_t n0, int64_t n1,
                  operand A, operand B, const wsource *W, float *C, int64_t ldc, float *ap, float *bp, int acc0,
                  const extra_product *X) {
     const int mr = im->mr, nr = im->nr;
-    /* A plain f32 B (rows contiguous) is not packed: the micro-kernel reads its full
-     * nr-wide panels where they lie, row k at B.rs floats from row k - 1 (packing cost
-     * as much as 30% of the kernel's time when threads split M, each packing all of
-     * B); only a last, narrower panel is packed, zero-padded. */
-    const int inplace = !W && B.cs == 1 && !set_aliased(B.rs);
-    /* Likewise A's full MR-row tiles, when transposed (the MR values of one k together:
-     * x^T of a weight gradient) or, with the AVX-512 kernels, plain (MR row streams):
-     * only an edge tile is packed. (The pack was 2-3% of a llama step.) */
-    const int ainplace = (A.rs == 1 && !set_aliased(A.cs)) || (A.cs == 1 && im->plain_a && !set_aliased(A.rs));
+    /* A plain f32 B whose rows are less than a page (B_INPLACE_RS floats) apart is not
+     * packed: the micro-kernel reads its full nr-wide panels where they lie, row k at B.rs
+     * floats from row k - 1; only a last, narrower panel is packed, zero-padded. (When
+     * threads split M each packs all of B, which cost up to 30% of small products.) */
+    const int inplace = !W && B.cs == 1 && B.rs < B_INPLACE_RS;
+    /* A plain A's full MR-row tiles are read in place too by the AVX-512 kernels (MR row
+     * streams), unless set-aliased; only an edge tile is packed (the pack was 2-3% of a
+     * llama step). A transposed A (x^T of a weight gradient: the MR values of one k
+     * together, k steps a row of x apart) is always packed: read in place, each k is a
+     * new line a row away, which the prefetcher does not follow from L2 as it streams
+     * the packed panel (see B_INPLACE_RS for the figures). */
+    const int ainplace = A.cs == 1 && im->plain_a && !set_aliased(A.rs);
     _Alignas(ALIGN) float tile[MR_MAX * NR_MAX];
     const int64_t kstep = k_slice(K, W ? W->block : 16);
     for (int64_t jc = n0; jc < n1; jc += NC) {
