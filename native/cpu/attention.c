@@ -13,10 +13,16 @@
  *     dV_j += P^T dO_i,  dP = dO_i V_j^T,  dS = scale * P * (dP - Delta),
  *     dK_j += dS^T Q_i,  dQ_i += dS K_j.
  * The block products run on gt_gemm_small_ (matmul.c's register tiles). Blocks are held
- * transposed, keys by queries (S^T = K_j Q_i^T), so K, V, dO and Q rows are read where
- * they lie (any row strides) and the softmax's per-query reductions run along vectors.
- * Only Q^T (and dO^T in the backward) is packed, and Q is multiplied by scale as it is,
- * so S comes out scaled (the same bits in both directions).
+ * transposed, keys by queries (S^T = K_j Q_i^T), so the softmax's per-query reductions
+ * run along vectors. Q^T (and dO^T in the backward) is packed, Q multiplied by scale as
+ * it is, so S comes out scaled (the same bits in both directions). A block's rows of K,
+ * V (and Q, dO in the backward) are copied into contiguous BC x D (BR x D) buffers before
+ * its products: in place their rows are a token's width apart (H D floats: 1 KiB for 8
+ * heads of 32), so a block's 64 rows fall into a few L1 sets and evict each other while
+ * the products read them once per register tile. Measured, one thread, alternated in
+ * one process: the backward 3-5% faster at head sizes 32, 64 and 256, the forward the
+ * same to 2% faster. The copies change no bits (each product's order per element does not depend on its
+ * operands' strides).
  *
  * Masks (one per call): a query row r sees the keys of an interval [lo_r, hi_r], all of
  * them, or (segment mask with a repeated segment value) only those of its segment. A
@@ -332,25 +338,30 @@ static void transpose_rows(float *restrict dst, int64_t ld, const float *restric
     }
 }
 
+/* dst (n x D, contiguous) = the n rows of src, rs apart */
+static void copy_rows(float *restrict dst, const float *restrict src, int64_t rs, int64_t n, int64_t D) {
+    for (int64_t r = 0; r < n; r++) memcpy(dst + r * D, src + r * rs, (size_t)D * sizeof(float));
+}
+
 /* ---- forward ------------------------------------------------------------------------ */
 
 /* Per-thread work of the forward, in floats from a 64-byte aligned base: QT (D x BR),
  * ST (BC x BR), O (BR x D), then per-row vectors m, l, cmax, msafe, alpha and int32
  * lo, hi, ex, sq (BR each), and the keys' segments sk (BC). */
 typedef struct fwd_work {
-    float *qt, *st, *o, *m, *l, *cmax, *msafe, *alpha;
+    float *qt, *st, *o, *m, *l, *cmax, *msafe, *alpha, *vb;
     int32_t *lo, *hi, *ex, *sq, *sk;
 } fwd_work;
 
 static int64_t fwd_work_layout(int64_t D, char *base, fwd_work *w) {
     int64_t off = 0;
-    float **f[8];
-    int64_t n[8] = {D * BR, (int64_t)BC * BR, BR * D, BR, BR, BR, BR, BR};
+    float **f[9];
+    int64_t n[9] = {D * BR, (int64_t)BC * BR, BR * D, BR, BR, BR, BR, BR, BC * D};
     if (w) {
         f[0] = &w->qt; f[1] = &w->st; f[2] = &w->o; f[3] = &w->m;
-        f[4] = &w->l; f[5] = &w->cmax; f[6] = &w->msafe; f[7] = &w->alpha;
+        f[4] = &w->l; f[5] = &w->cmax; f[6] = &w->msafe; f[7] = &w->alpha; f[8] = &w->vb;
     }
-    for (int i = 0; i < 8; i++) {
+    for (int i = 0; i < 9; i++) {
         if (w) *f[i] = (float *)(base + off);
         off += align_up(n[i] * (int64_t)sizeof(float));
     }
@@ -476,7 +487,8 @@ static void fwd_unit(const att *A, rows R, fwd_work *w, int64_t b, int64_t h, in
         if (!first)
             for (int64_t r = 0; r < nq; r++) mul_row(w->o + r * D, w->alpha[r], D);
         /* O (nq x D) (+)= P V_j, P[r, c] = ST[c, r] */
-        gt_gemm_small_(w->o, D, w->st, 1, BR, v + j0 * A->vs[1], A->vs[1], nq, D, nc, !first);
+        copy_rows(w->vb, v + j0 * A->vs[1], A->vs[1], nc, D);
+        gt_gemm_small_(w->o, D, w->st, 1, BR, w->vb, D, nq, D, nc, !first);
         first = 0;
     }
     for (int64_t r = 0; r < nq; r++) {
@@ -685,16 +697,19 @@ int gt_attention_fwd_f32(const gt_node *node, const gt_ctx *ctx) {
  * output gradients, transposed), ST and dPT (BC x BR), then per-row vectors lse, delta
  * (floats) and lo, hi, ex, sq (int32), BR each, and the keys' segments sk (BC). */
 typedef struct bwd_work {
-    float *qt, *dot, *st, *dpt, *lse, *delta;
+    float *qt, *dot, *st, *dpt, *lse, *delta, *qb, *gb, *kb, *vb;
     int32_t *lo, *hi, *ex, *sq, *sk;
 } bwd_work;
 
 static int64_t bwd_work_layout(int64_t D, int64_t Tq, char *base, bwd_work *w) {
     int64_t off = 0;
-    float **f[6];
-    const int64_t n[6] = {D * Tq, D * Tq, (int64_t)BC * BR, (int64_t)BC * BR, BR, BR};
-    if (w) { f[0] = &w->qt; f[1] = &w->dot; f[2] = &w->st; f[3] = &w->dpt; f[4] = &w->lse; f[5] = &w->delta; }
-    for (int i = 0; i < 6; i++) {
+    float **f[10];
+    const int64_t n[10] = {D * Tq, D * Tq, (int64_t)BC * BR, (int64_t)BC * BR, BR, BR, BR * D, BR * D, BC * D, BC * D};
+    if (w) {
+        f[0] = &w->qt; f[1] = &w->dot; f[2] = &w->st; f[3] = &w->dpt; f[4] = &w->lse; f[5] = &w->delta;
+        f[6] = &w->qb; f[7] = &w->gb; f[8] = &w->kb; f[9] = &w->vb;
+    }
+    for (int i = 0; i < 10; i++) {
         if (w) *f[i] = (float *)(base + off);
         off += align_up(n[i] * (int64_t)sizeof(float));
     }
@@ -740,21 +755,24 @@ static void bwd_unit(const att *A, rows R, const float *delta, const float *lse_
                 klo = w->lo[r] < klo ? w->lo[r] : klo;
                 khi = w->hi[r] > khi ? w->hi[r] : khi;
             }
+            copy_rows(w->qb, q + i0 * A->qs[1], A->qs[1], nq, D);    /* Q_i, dO_i, K_j, V_j packed: see the top */
+            copy_rows(w->gb, gq + i0 * gs[1], gs[1], nq, D);
             for (int64_t j0 = klo < Tk ? klo / BC * BC : Tk; j0 <= khi; j0 += BC) {
                 const int64_t nc = Tk - j0 < BC ? Tk - j0 : BC;
                 const int kind = classify(w->lo, w->hi, w->ex, nq, j0, j0 + nc - 1);
                 if (kind == BLOCK_SKIP) continue;
-                const float *kj = k + j0 * A->ks[1], *vj = v + j0 * A->vs[1];
+                copy_rows(w->kb, k + j0 * A->ks[1], A->ks[1], nc, D);
+                copy_rows(w->vb, v + j0 * A->vs[1], A->vs[1], nc, D);
                 /* ST = K_j Q_i^T, dPT = V_j dO_i^T (nc x nq) */
-                gt_gemm_small_(w->st, BR, kj, A->ks[1], 1, w->qt + i0, Tq, nc, nq, D, 0);
-                gt_gemm_small_(w->dpt, BR, vj, A->vs[1], 1, w->dot + i0, Tq, nc, nq, D, 0);
+                gt_gemm_small_(w->st, BR, w->kb, D, 1, w->qt + i0, Tq, nc, nq, D, 0);
+                gt_gemm_small_(w->dpt, BR, w->vb, D, 1, w->dot + i0, Tq, nc, nq, D, 0);
                 for (int64_t c = 0; c < nc; c++) w->sk[c] = A->seg ? A->seg[b * Tk + j0 + c] : 0;
                 block_probs_grad(w->st, w->dpt, BR, nc, nq, A->scale, kind == BLOCK_PARTIAL, (int32_t)j0, w->sk,
                                  w->lse, w->delta, w->lo, w->hi, w->ex, w->sq);
                 /* dV_j += P^T dO_i, dK_j += dS^T Q_i (nc x D), dQ_i += dS K_j (nq x D) */
-                gt_gemm_small_(dvb + j0 * ldk, ldk, w->st, BR, 1, gq + i0 * gs[1], gs[1], nc, D, nq, 1);
-                gt_gemm_small_(dkb + j0 * ldk, ldk, w->dpt, BR, 1, q + i0 * A->qs[1], A->qs[1], nc, D, nq, 1);
-                gt_gemm_small_(dqb + i0 * ldq, ldq, w->dpt, 1, BR, kj, A->ks[1], nq, D, nc, 1);
+                gt_gemm_small_(dvb + j0 * ldk, ldk, w->st, BR, 1, w->gb, D, nc, D, nq, 1);
+                gt_gemm_small_(dkb + j0 * ldk, ldk, w->dpt, BR, 1, w->qb, D, nc, D, nq, 1);
+                gt_gemm_small_(dqb + i0 * ldq, ldq, w->dpt, 1, BR, w->kb, D, nq, D, nc, 1);
             }
         }
     }
