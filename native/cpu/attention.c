@@ -15,14 +15,16 @@
  * The block products run on gt_gemm_small_ (matmul.c's register tiles). Blocks are held
  * transposed, keys by queries (S^T = K_j Q_i^T), so the softmax's per-query reductions
  * run along vectors. Q^T (and dO^T in the backward) is packed, Q multiplied by scale as
- * it is, so S comes out scaled (the same bits in both directions). A block's rows of K,
- * V (and Q, dO in the backward) are copied into contiguous BC x D (BR x D) buffers before
- * its products: in place their rows are a token's width apart (H D floats: 1 KiB for 8
- * heads of 32), so a block's 64 rows fall into a few L1 sets and evict each other while
- * the products read them once per register tile. Measured, one thread, alternated in
- * one process: the backward 3-5% faster at head sizes 32, 64 and 256, the forward the
- * same to 2% faster. The copies change no bits (each product's order per element does not depend on its
- * operands' strides).
+ * it is, so S comes out scaled (the same bits in both directions). Rows of K, V (and Q,
+ * dO in the backward) that would crowd L1 (crowded(): a token's width apart, a multiple of
+ * 1 KiB at 8 heads of 32 or 64, so a block's 64 rows share a few sets and evict each other
+ * between register tiles) are copied into contiguous rows first: the forward's V a block
+ * at a time, the backward's K and V a unit's whole head at once, its Q and dO a query
+ * block at a time. Measured, one thread, plans reused, alternating processes against the
+ * build without: the backward 16% faster at 8 heads of 32 (ctx 2048), 9% at 8 of 64, 7-10%
+ * at Gemma 3's 4 of 256, the forward 0-4%; SmolLM2's rows (768 bytes apart) are not
+ * crowded and are read in place, as copying them cost it 2-6%. The copies change no bits
+ * (each product's order per element does not depend on its operands' strides).
  *
  * Masks (one per call): a query row r sees the keys of an interval [lo_r, hi_r], all of
  * them, or (segment mask with a repeated segment value) only those of its segment. A
@@ -74,6 +76,7 @@ typedef struct att {
     int64_t qs[3], ks[3], vs[3];
     int mode;
     int64_t window;                 /* > 0: a query sees at most this many keys back (sliding window) */
+    int pack_q, pack_k, pack_v, pack_g;   /* copy blocks of these rows before their products (crowded) */
     float scale;
     const int32_t *pos, *seg;       /* mode MASK_POS: (Tq,); MASK_SEG: (B, Tk) */
 } att;
@@ -338,9 +341,37 @@ static void transpose_rows(float *restrict dst, int64_t ld, const float *restric
     }
 }
 
-/* dst (n x D, contiguous) = the n rows of src, rs apart */
-static void copy_rows(float *restrict dst, const float *restrict src, int64_t rs, int64_t n, int64_t D) {
-    for (int64_t r = 0; r < n; r++) memcpy(dst + r * D, src + r * rs, (size_t)D * sizeof(float));
+/* dst (n x D, contiguous) = the n rows of src, rs apart. Kept a loop: GCC makes the copy
+ * of a row a memcpy call, whose cost for rows of 128 bytes was 1.6% of a ctx-2048 llama
+ * step (perf), more than the copy's. */
+GT_CLONES __attribute__((optimize("no-tree-loop-distribute-patterns"))) static void
+copy_rows(float *restrict dst, const float *restrict src, int64_t rs, int64_t n, int64_t D) {
+    for (int64_t r = 0; r < n; r++)
+        for (int64_t d = 0; d < D; d++) dst[r * D + d] = src[r * rs + d];
+}
+
+/* Whether a block of rows of D floats, rs apart, crowds L1: more than L1_LINES_PER_SET of
+ * its 64-byte lines fall into one set of a 64-set L1 (48 KiB, 12 ways), so the rows evict
+ * each other while a product reads them (rows a multiple of 1 KiB apart: 8 heads of 32 or
+ * of 64, or Gemma's 4 query heads of 256). Rows 768 bytes apart (SmolLM2's K and V) spread
+ * over every set, and copying them cost 2-6% of its attention. */
+#define L1_SETS 64
+#define L1_LINES_PER_SET 8
+static int crowded(int64_t rs, int64_t D) {
+    if (rs == D) return 0;
+    int count[L1_SETS] = {0};
+    for (int64_t r = 0; r < BC; r++)
+        for (int64_t l = r * rs * 4 / 64; l <= (r * rs * 4 + D * 4 - 1) / 64; l++)
+            if (++count[l % L1_SETS] > L1_LINES_PER_SET) return 1;
+    return 0;
+}
+
+/* The n rows of src (rs apart) as rows D floats apart: their copy in buf when pack, else
+ * src itself (pack is 0 for rows already contiguous). */
+static const float *packed_rows(float *buf, const float *src, int64_t rs, int64_t n, int64_t D, int pack) {
+    if (!pack) return src;
+    copy_rows(buf, src, rs, n, D);
+    return buf;
 }
 
 /* ---- forward ------------------------------------------------------------------------ */
@@ -487,8 +518,8 @@ static void fwd_unit(const att *A, rows R, fwd_work *w, int64_t b, int64_t h, in
         if (!first)
             for (int64_t r = 0; r < nq; r++) mul_row(w->o + r * D, w->alpha[r], D);
         /* O (nq x D) (+)= P V_j, P[r, c] = ST[c, r] */
-        copy_rows(w->vb, v + j0 * A->vs[1], A->vs[1], nc, D);
-        gt_gemm_small_(w->o, D, w->st, 1, BR, w->vb, D, nq, D, nc, !first);
+        const float *vj = packed_rows(w->vb, v + j0 * A->vs[1], A->vs[1], nc, D, A->pack_v);
+        gt_gemm_small_(w->o, D, w->st, 1, BR, vj, A->pack_v ? D : A->vs[1], nq, D, nc, !first);
         first = 0;
     }
     for (int64_t r = 0; r < nq; r++) {
@@ -617,6 +648,7 @@ int gt_attention_fwd_f32(const gt_node *node, const gt_ctx *ctx) {
     att A;
     GT_TRY(check_qkv(node, op, 1, &A));
     GT_TRY(check_mask(node, op, 3, &A));
+    A.pack_v = crowded(A.vs[1], A.D);
     const gt_tensor *d = &node->dst;
     GT_CHECK_F32(d, op, "dst");
     GT_TRY(gt_check_contig(d, op, "dst"));
@@ -701,10 +733,10 @@ typedef struct bwd_work {
     int32_t *lo, *hi, *ex, *sq, *sk;
 } bwd_work;
 
-static int64_t bwd_work_layout(int64_t D, int64_t Tq, char *base, bwd_work *w) {
+static int64_t bwd_work_layout(int64_t D, int64_t Tq, int64_t Tk, char *base, bwd_work *w) {
     int64_t off = 0;
     float **f[10];
-    const int64_t n[10] = {D * Tq, D * Tq, (int64_t)BC * BR, (int64_t)BC * BR, BR, BR, BR * D, BR * D, BC * D, BC * D};
+    const int64_t n[10] = {D * Tq, D * Tq, (int64_t)BC * BR, (int64_t)BC * BR, BR, BR, BR * D, BR * D, Tk * D, Tk * D};
     if (w) {
         f[0] = &w->qt; f[1] = &w->dot; f[2] = &w->st; f[3] = &w->dpt; f[4] = &w->lse; f[5] = &w->delta;
         f[6] = &w->qb; f[7] = &w->gb; f[8] = &w->kb; f[9] = &w->vb;
@@ -736,6 +768,10 @@ static void bwd_unit(const att *A, rows R, const float *delta, const float *lse_
         memset(dkb + t * ldk, 0, (size_t)D * sizeof(float));
         memset(dvb + t * ldk, 0, (size_t)D * sizeof(float));
     }
+    /* this KV head's K and V, copied when crowded (see the top) */
+    const float *kr = packed_rows(w->kb, k, A->ks[1], Tk, D, A->pack_k);
+    const float *vr = packed_rows(w->vb, v, A->vs[1], Tk, D, A->pack_v);
+    const int64_t krs = A->pack_k ? D : A->ks[1], vrs = A->pack_v ? D : A->vs[1];
     for (int64_t g = g0; g < g1; g++) {
         const int64_t h = kvh * A->G + g;
         const float *q = A->q + b * A->qs[0] + h * A->qs[2];
@@ -755,24 +791,24 @@ static void bwd_unit(const att *A, rows R, const float *delta, const float *lse_
                 klo = w->lo[r] < klo ? w->lo[r] : klo;
                 khi = w->hi[r] > khi ? w->hi[r] : khi;
             }
-            copy_rows(w->qb, q + i0 * A->qs[1], A->qs[1], nq, D);    /* Q_i, dO_i, K_j, V_j packed: see the top */
-            copy_rows(w->gb, gq + i0 * gs[1], gs[1], nq, D);
+            const float *qi = packed_rows(w->qb, q + i0 * A->qs[1], A->qs[1], nq, D, A->pack_q);  /* Q_i, dO_i too */
+            const float *gi = packed_rows(w->gb, gq + i0 * gs[1], gs[1], nq, D, A->pack_g);
+            const int64_t qrs = A->pack_q ? D : A->qs[1], grs = A->pack_g ? D : gs[1];
             for (int64_t j0 = klo < Tk ? klo / BC * BC : Tk; j0 <= khi; j0 += BC) {
                 const int64_t nc = Tk - j0 < BC ? Tk - j0 : BC;
                 const int kind = classify(w->lo, w->hi, w->ex, nq, j0, j0 + nc - 1);
                 if (kind == BLOCK_SKIP) continue;
-                copy_rows(w->kb, k + j0 * A->ks[1], A->ks[1], nc, D);
-                copy_rows(w->vb, v + j0 * A->vs[1], A->vs[1], nc, D);
+                const float *kj = kr + j0 * krs, *vj = vr + j0 * vrs;
                 /* ST = K_j Q_i^T, dPT = V_j dO_i^T (nc x nq) */
-                gt_gemm_small_(w->st, BR, w->kb, D, 1, w->qt + i0, Tq, nc, nq, D, 0);
-                gt_gemm_small_(w->dpt, BR, w->vb, D, 1, w->dot + i0, Tq, nc, nq, D, 0);
+                gt_gemm_small_(w->st, BR, kj, krs, 1, w->qt + i0, Tq, nc, nq, D, 0);
+                gt_gemm_small_(w->dpt, BR, vj, vrs, 1, w->dot + i0, Tq, nc, nq, D, 0);
                 for (int64_t c = 0; c < nc; c++) w->sk[c] = A->seg ? A->seg[b * Tk + j0 + c] : 0;
                 block_probs_grad(w->st, w->dpt, BR, nc, nq, A->scale, kind == BLOCK_PARTIAL, (int32_t)j0, w->sk,
                                  w->lse, w->delta, w->lo, w->hi, w->ex, w->sq);
                 /* dV_j += P^T dO_i, dK_j += dS^T Q_i (nc x D), dQ_i += dS K_j (nq x D) */
-                gt_gemm_small_(dvb + j0 * ldk, ldk, w->st, BR, 1, w->gb, D, nc, D, nq, 1);
-                gt_gemm_small_(dkb + j0 * ldk, ldk, w->dpt, BR, 1, w->qb, D, nc, D, nq, 1);
-                gt_gemm_small_(dqb + i0 * ldq, ldq, w->dpt, 1, BR, w->kb, D, nq, D, nc, 1);
+                gt_gemm_small_(dvb + j0 * ldk, ldk, w->st, BR, 1, gi, grs, nc, D, nq, 1);
+                gt_gemm_small_(dkb + j0 * ldk, ldk, w->dpt, BR, 1, qi, qrs, nc, D, nq, 1);
+                gt_gemm_small_(dqb + i0 * ldq, ldq, w->dpt, 1, BR, kj, krs, nq, D, nc, 1);
             }
         }
     }
@@ -782,7 +818,7 @@ int gt_attention_bwd_f32_sizes(const gt_node *node, int64_t *scratch, int64_t *w
     att A;
     GT_TRY(check_qkv(node, "attention_bwd", 0, &A));
     *scratch = scratch_layout(&A, 1, NULL, NULL);
-    *work = bwd_work_layout(A.D, A.Tq, NULL, NULL);
+    *work = bwd_work_layout(A.D, A.Tq, A.Tk, NULL, NULL);
     return GT_OK;
 }
 
@@ -828,12 +864,16 @@ int gt_attention_bwd_f32(const gt_node *node, const gt_ctx *ctx) {
                        "got %s", op, gt_shape_str(q, b, sizeof b), (long long)(no + nl),
                        gt_shape_str(g, a, sizeof a));
     }
+    A.pack_q = crowded(A.qs[1], A.D);
+    A.pack_k = crowded(A.ks[1], A.D);
+    A.pack_v = crowded(A.vs[1], A.D);
+    A.pack_g = crowded(gs[1], A.D);
     GT_TRY(check_scratch(node, op, scratch_layout(&A, 1, NULL, NULL)));
-    GT_TRY(check_work(ctx, op, bwd_work_layout(A.D, A.Tq, NULL, NULL)));
+    GT_TRY(check_work(ctx, op, bwd_work_layout(A.D, A.Tq, A.Tk, NULL, NULL)));
     scratch S;
     scratch_layout(&A, 1, node->scratch, &S);
     bwd_work w;
-    bwd_work_layout(A.D, A.Tq, aligned_work(ctx), &w);
+    bwd_work_layout(A.D, A.Tq, A.Tk, aligned_work(ctx), &w);
     const float *o = y->data, *lse = o + no, *go = g->data;
 
     /* phase 1: the mask rows and Delta = rowsum(dO * O) - dLSE */
