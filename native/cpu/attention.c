@@ -194,15 +194,20 @@ static int classify(const int32_t *lo, const int32_t *hi, const int32_t *ex, int
  * intervals) are vectors, and each column is reduced over the keys in order. Key c's
  * segment value is sk[c]. */
 
-/* cmax[r] = max over the keys of s[c, r], every row seeing every key */
+/* cmax[r] = max over the keys of s[c, r], every row seeing every key. A vector of columns
+ * at a time over all the keys (its maxima held in registers, not reloaded and stored per
+ * key); each column still takes its keys in order. */
 GT_CLONES static void block_max(float *restrict cmax, const float *restrict s, int64_t ld, int64_t nc, int64_t n) {
-    for (int64_t c = 0; c < nc; c++) {
-        const float *restrict sc = s + c * ld;
-        int64_t i = 0;
-        for (; i + LANES <= n; i += LANES)
-            for (int k = 0; k < LANES; k++) cmax[i + k] = sc[i + k] > cmax[i + k] ? sc[i + k] : cmax[i + k];
-        for (; i < n; i++) cmax[i] = sc[i] > cmax[i] ? sc[i] : cmax[i];
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES) {
+        float acc[LANES];
+        for (int k = 0; k < LANES; k++) acc[k] = cmax[i + k];
+        for (int64_t c = 0; c < nc; c++)
+            for (int k = 0; k < LANES; k++) acc[k] = s[c * ld + i + k] > acc[k] ? s[c * ld + i + k] : acc[k];
+        for (int k = 0; k < LANES; k++) cmax[i + k] = acc[k];
     }
+    for (; i < n; i++)
+        for (int64_t c = 0; c < nc; c++) cmax[i] = s[c * ld + i] > cmax[i] ? s[c * ld + i] : cmax[i];
 }
 
 /* The same where rows see keys c0 + c only partly: s[c, r] = -inf where row r does not. */
@@ -265,24 +270,31 @@ GT_CLONES static void online_sum(float *restrict l, const float *restrict alpha,
     for (; i < n; i++) l[i] = l[i] * alpha[i] + bsum[i];
 }
 
-/* s[c, r] = exp(s[c, r] - m[r]); csum[r] += s[c, r], keys in order */
+/* s[c, r] = exp(s[c, r] - m[r]); csum[r] += s[c, r], keys in order (a vector of columns at
+ * a time over all the keys, as block_max) */
 GT_CLONES static void block_exp_sum(float *restrict s, int64_t ld, int64_t nc, int64_t n, float *restrict csum,
                                     const float *restrict m) {
-    for (int64_t c = 0; c < nc; c++) {
-        float *restrict sc = s + c * ld;
-        int64_t i = 0;
-        for (; i + LANES <= n; i += LANES)
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES) {
+        float acc[LANES], mi[LANES];
+        for (int k = 0; k < LANES; k++) {
+            acc[k] = csum[i + k];
+            mi[k] = m[i + k];
+        }
+        for (int64_t c = 0; c < nc; c++)
             for (int k = 0; k < LANES; k++) {
-                const float e = gt_expf_(sc[i + k] - m[i + k]);
-                sc[i + k] = e;
-                csum[i + k] += e;
+                const float e = gt_expf_(s[c * ld + i + k] - mi[k]);
+                s[c * ld + i + k] = e;
+                acc[k] += e;
             }
-        for (; i < n; i++) {
-            const float e = gt_expf_(sc[i] - m[i]);
-            sc[i] = e;
+        for (int k = 0; k < LANES; k++) csum[i + k] = acc[k];
+    }
+    for (; i < n; i++)
+        for (int64_t c = 0; c < nc; c++) {
+            const float e = gt_expf_(s[c * ld + i] - m[i]);
+            s[c * ld + i] = e;
             csum[i] += e;
         }
-    }
 }
 
 /* Backward (s: the scaled logits of keys c0 + c): p = exp(s - lse) where seen (every key
