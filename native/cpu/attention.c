@@ -18,9 +18,9 @@
  * it is, so S comes out scaled (the same bits in both directions). Rows of K, V (and Q,
  * dO in the backward) that would crowd L1 (crowded(): a token's width apart, a multiple of
  * 1 KiB at 8 heads of 32 or 64, so a block's 64 rows share a few sets and evict each other
- * between register tiles) are copied into contiguous rows first: the forward's V a block
- * at a time, the backward's K and V a unit's whole head at once, its Q and dO a query
- * block at a time. Measured, one thread, plans reused, alternating processes against the
+ * between register tiles) are copied into contiguous rows first: a head's whole V (the
+ * forward, once per thread and head: units go head by head) or K and V (the backward, once
+ * a unit), Q and dO a query block at a time. Measured, one thread, plans reused, alternating processes against the
  * build without: the backward 16% faster at 8 heads of 32 (ctx 2048), 9% at 8 of 64, 7-10%
  * at Gemma 3's 4 of 256, the forward 0-4%; SmolLM2's rows (768 bytes apart) are not
  * crowded and are read in place, as copying them cost it 2-6%. The copies change no bits
@@ -389,17 +389,17 @@ static const float *packed_rows(float *buf, const float *src, int64_t rs, int64_
 /* ---- forward ------------------------------------------------------------------------ */
 
 /* Per-thread work of the forward, in floats from a 64-byte aligned base: QT (D x BR),
- * ST (BC x BR), O (BR x D), then per-row vectors m, l, cmax, msafe, alpha and int32
- * lo, hi, ex, sq (BR each), and the keys' segments sk (BC). */
+ * ST (BC x BR), O (BR x D), then per-row vectors m, l, cmax, msafe, alpha, a head's V
+ * copied (Tk x D), and int32 lo, hi, ex, sq (BR each), and the keys' segments sk (BC). */
 typedef struct fwd_work {
     float *qt, *st, *o, *m, *l, *cmax, *msafe, *alpha, *vb;
     int32_t *lo, *hi, *ex, *sq, *sk;
 } fwd_work;
 
-static int64_t fwd_work_layout(int64_t D, char *base, fwd_work *w) {
+static int64_t fwd_work_layout(int64_t D, int64_t Tk, char *base, fwd_work *w) {
     int64_t off = 0;
     float **f[9];
-    int64_t n[9] = {D * BR, (int64_t)BC * BR, BR * D, BR, BR, BR, BR, BR, BC * D};
+    int64_t n[9] = {D * BR, (int64_t)BC * BR, BR * D, BR, BR, BR, BR, BR, Tk * D};
     if (w) {
         f[0] = &w->qt; f[1] = &w->st; f[2] = &w->o; f[3] = &w->m;
         f[4] = &w->l; f[5] = &w->cmax; f[6] = &w->msafe; f[7] = &w->alpha; f[8] = &w->vb;
@@ -492,7 +492,8 @@ static void block_rows(const att *A, rows R, int64_t b, int64_t i0, int64_t n, i
 }
 
 /* One forward unit: query rows [i0, i0 + nq) of head h, batch b. o: dst's O, lse: its LSE. */
-static void fwd_unit(const att *A, rows R, fwd_work *w, int64_t b, int64_t h, int64_t i0, float *o, float *lse) {
+static void fwd_unit(const att *A, rows R, fwd_work *w, int64_t b, int64_t h, int64_t i0, float *o, float *lse,
+                     int64_t *packed) {
     const int64_t D = A->D, Tk = A->Tk, kvh = h / A->G;
     const int64_t nq = A->Tq - i0 < BR ? A->Tq - i0 : BR;
     const float *q = A->q + b * A->qs[0] + i0 * A->qs[1] + h * A->qs[2];
@@ -506,6 +507,12 @@ static void fwd_unit(const att *A, rows R, fwd_work *w, int64_t b, int64_t h, in
         khi = w->hi[r] > khi ? w->hi[r] : khi;
     }
     transpose_rows(w->qt, BR, q, A->qs[1], nq, D, A->scale);   /* S comes out scaled */
+    if (A->pack_v && *packed != b * A->Hkv + kvh) {    /* this head's V, copied when crowded (see the top) */
+        copy_rows(w->vb, v, A->vs[1], Tk, D);
+        *packed = b * A->Hkv + kvh;
+    }
+    const float *vr = A->pack_v ? w->vb : v;
+    const int64_t vrs = A->pack_v ? D : A->vs[1];
     for (int64_t r = 0; r < nq; r++) {
         w->m[r] = -INFINITY;
         w->l[r] = 0.0f;
@@ -530,8 +537,7 @@ static void fwd_unit(const att *A, rows R, fwd_work *w, int64_t b, int64_t h, in
         if (!first)
             for (int64_t r = 0; r < nq; r++) mul_row(w->o + r * D, w->alpha[r], D);
         /* O (nq x D) (+)= P V_j, P[r, c] = ST[c, r] */
-        const float *vj = packed_rows(w->vb, v + j0 * A->vs[1], A->vs[1], nc, D, A->pack_v);
-        gt_gemm_small_(w->o, D, w->st, 1, BR, vj, A->pack_v ? D : A->vs[1], nq, D, nc, !first);
+        gt_gemm_small_(w->o, D, w->st, 1, BR, vr + j0 * vrs, vrs, nq, D, nc, !first);
         first = 0;
     }
     for (int64_t r = 0; r < nq; r++) {
@@ -651,7 +657,7 @@ int gt_attention_fwd_f32_sizes(const gt_node *node, int64_t *scratch, int64_t *w
     att A;
     GT_TRY(check_qkv(node, "attention", 0, &A));
     *scratch = scratch_layout(&A, 0, NULL, NULL);
-    *work = node->ip[2] ? ggml_work_layout(&A, (int)node->ip[4]) : fwd_work_layout(A.D, NULL, NULL);
+    *work = node->ip[2] ? ggml_work_layout(&A, (int)node->ip[4]) : fwd_work_layout(A.D, A.Tk, NULL, NULL);
     return GT_OK;
 }
 
@@ -675,7 +681,7 @@ int gt_attention_fwd_f32(const gt_node *node, const gt_ctx *ctx) {
         return GT_FAIL(GT_ERR_INVALID, "%s: llama.cpp's order (ip[2]) takes no segment mask", op);
     GT_TRY(check_scratch(node, op, scratch_layout(&A, 0, NULL, NULL)));
     GT_TRY(check_work(ctx, op,
-                      node->ip[2] ? ggml_work_layout(&A, (int)node->ip[4]) : fwd_work_layout(A.D, NULL, NULL)));
+                      node->ip[2] ? ggml_work_layout(&A, (int)node->ip[4]) : fwd_work_layout(A.D, A.Tk, NULL, NULL)));
     scratch S;
     scratch_layout(&A, 0, node->scratch, &S);
 
@@ -723,14 +729,16 @@ int gt_attention_fwd_f32(const gt_node *node, const gt_ctx *ctx) {
         return GT_OK;
     }
     fwd_work w;
-    fwd_work_layout(A.D, aligned_work(ctx), &w);
-    const int64_t nqb = div_up(A.Tq, BR), bh = A.B * A.H, units = nqb * bh;
+    fwd_work_layout(A.D, A.Tk, aligned_work(ctx), &w);
+    const int64_t nqb = div_up(A.Tq, BR), units = nqb * A.B * A.H;
+    int64_t packed = -1;    /* the (batch, KV head) whose V this thread's work holds, copied */
     for (;;) {
         const int64_t u = atomic_fetch_add_explicit(S.next, 1, memory_order_relaxed);
         if (u >= units) break;
-        /* the last query blocks (most keys under a causal mask) first */
-        const int64_t ib = nqb - 1 - u / bh, b = u % bh / A.H, h = u % A.H;
-        fwd_unit(&A, S.R, &w, b, h, ib * BR, o, lse);
+        /* head by head (so a thread's V copy serves its next units), each head's last query
+         * blocks (most keys under a causal mask) first */
+        const int64_t ib = nqb - 1 - u % nqb, b = u / nqb / A.H, h = u / nqb % A.H;
+        fwd_unit(&A, S.R, &w, b, h, ib * BR, o, lse, &packed);
     }
     return GT_OK;
 }
@@ -738,8 +746,9 @@ int gt_attention_fwd_f32(const gt_node *node, const gt_ctx *ctx) {
 /* ---- backward ------------------------------------------------------------------------ */
 
 /* Per-thread work of the backward: QT and dOT (D x Tq each: one head's queries and
- * output gradients, transposed), ST and dPT (BC x BR), then per-row vectors lse, delta
- * (floats) and lo, hi, ex, sq (int32), BR each, and the keys' segments sk (BC). */
+ * output gradients, transposed), ST and dPT (BC x BR), per-row vectors lse, delta (BR
+ * each), Q_i and dO_i copied (BR x D each), the KV head's K and V copied (Tk x D each),
+ * then lo, hi, ex, sq (int32, BR each) and the keys' segments sk (BC). */
 typedef struct bwd_work {
     float *qt, *dot, *st, *dpt, *lse, *delta, *qb, *gb, *kb, *vb;
     int32_t *lo, *hi, *ex, *sq, *sk;
