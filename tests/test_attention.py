@@ -65,10 +65,12 @@ def bwd(q, k, v, y, g, mode, scale, extra=None, n_threads=1, **kw):
 
 # (B, Tq, Tk, H, Hkv, D, mode): odd lengths (1, 7, 33, 257: partial blocks of 64), grouped
 # heads, head sizes off the vector width (8, 40), every mask; rows 1 KiB apart (8 heads of 32:
-# q, k, v and dO, or q and dO only, copied into contiguous blocks before their products)
+# q, k, v and dO, or q and dO only, copied into contiguous blocks before their products; with
+# 12 queries or fewer, as in decoding, read in place all the same)
 SHAPES = [
     (1, 130, 130, 8, 8, 32, "causal"),
     (2, 70, 70, 8, 2, 32, "seg"),
+    (1, 5, 140, 8, 8, 32, "pos"),
     (1, 1, 1, 2, 2, 8, "causal"),
     (2, 7, 7, 4, 2, 8, "causal"),
     (1, 33, 33, 6, 2, 40, "causal"),

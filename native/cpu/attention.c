@@ -378,6 +378,12 @@ static int crowded(int64_t rs, int64_t D) {
     return 0;
 }
 
+/* Whether copies of crowded rows would be read more than once: a block of K or V rows is
+ * read once per register tile of query rows (at most 12 rows a tile), so with 12 queries or
+ * fewer (decoding a token) a copy would only add a pass over the cache; likewise Q and dO
+ * with 12 keys or fewer. */
+static int reused(const att *A) { return A->Tq > 12 && A->Tk > 12; }
+
 /* The n rows of src (rs apart) as rows D floats apart: their copy in buf when pack, else
  * src itself (pack is 0 for rows already contiguous). */
 static const float *packed_rows(float *buf, const float *src, int64_t rs, int64_t n, int64_t D, int pack) {
@@ -666,7 +672,7 @@ int gt_attention_fwd_f32(const gt_node *node, const gt_ctx *ctx) {
     att A;
     GT_TRY(check_qkv(node, op, 1, &A));
     GT_TRY(check_mask(node, op, 3, &A));
-    A.pack_v = crowded(A.vs[1], A.D);
+    A.pack_v = reused(&A) && crowded(A.vs[1], A.D);
     const gt_tensor *d = &node->dst;
     GT_CHECK_F32(d, op, "dst");
     GT_TRY(gt_check_contig(d, op, "dst"));
@@ -885,10 +891,10 @@ int gt_attention_bwd_f32(const gt_node *node, const gt_ctx *ctx) {
                        "got %s", op, gt_shape_str(q, b, sizeof b), (long long)(no + nl),
                        gt_shape_str(g, a, sizeof a));
     }
-    A.pack_q = crowded(A.qs[1], A.D);
-    A.pack_k = crowded(A.ks[1], A.D);
-    A.pack_v = crowded(A.vs[1], A.D);
-    A.pack_g = crowded(gs[1], A.D);
+    A.pack_q = reused(&A) && crowded(A.qs[1], A.D);
+    A.pack_k = reused(&A) && crowded(A.ks[1], A.D);
+    A.pack_v = reused(&A) && crowded(A.vs[1], A.D);
+    A.pack_g = reused(&A) && crowded(gs[1], A.D);
     GT_TRY(check_scratch(node, op, scratch_layout(&A, 1, NULL, NULL)));
     GT_TRY(check_work(ctx, op, bwd_work_layout(A.D, A.Tq, A.Tk, NULL, NULL)));
     scratch S;
