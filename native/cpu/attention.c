@@ -497,9 +497,15 @@ static void block_rows(const att *A, rows R, int64_t b, int64_t i0, int64_t n, i
     }
 }
 
+/* The rows of a (batch, KV head)'s V a thread's forward work holds copied: rows [0, rows)
+ * of V for key = b * Hkv + kvh (-1: none yet). */
+typedef struct vcopy {
+    int64_t key, rows;
+} vcopy;
+
 /* One forward unit: query rows [i0, i0 + nq) of head h, batch b. o: dst's O, lse: its LSE. */
 static void fwd_unit(const att *A, rows R, fwd_work *w, int64_t b, int64_t h, int64_t i0, float *o, float *lse,
-                     int64_t *packed) {
+                     vcopy *vc) {
     const int64_t D = A->D, Tk = A->Tk, kvh = h / A->G;
     const int64_t nq = A->Tq - i0 < BR ? A->Tq - i0 : BR;
     const float *q = A->q + b * A->qs[0] + i0 * A->qs[1] + h * A->qs[2];
@@ -513,9 +519,13 @@ static void fwd_unit(const att *A, rows R, fwd_work *w, int64_t b, int64_t h, in
         khi = w->hi[r] > khi ? w->hi[r] : khi;
     }
     transpose_rows(w->qt, BR, q, A->qs[1], nq, D, A->scale);   /* S comes out scaled */
-    if (A->pack_v && *packed != b * A->Hkv + kvh) {    /* this head's V, copied when crowded (see the top) */
-        copy_rows(w->vb, v, A->vs[1], Tk, D);
-        *packed = b * A->Hkv + kvh;
+    if (A->pack_v) {    /* this head's V, copied when crowded (see the top), up to the last block seen */
+        const int64_t need = khi < 0 ? 0 : (khi / BC + 1) * BC < Tk ? (khi / BC + 1) * BC : Tk;
+        if (vc->key != b * A->Hkv + kvh) vc->key = b * A->Hkv + kvh, vc->rows = 0;
+        if (need > vc->rows) {
+            copy_rows(w->vb + vc->rows * D, v + vc->rows * A->vs[1], A->vs[1], need - vc->rows, D);
+            vc->rows = need;
+        }
     }
     const float *vr = A->pack_v ? w->vb : v;
     const int64_t vrs = A->pack_v ? D : A->vs[1];
@@ -737,14 +747,14 @@ int gt_attention_fwd_f32(const gt_node *node, const gt_ctx *ctx) {
     fwd_work w;
     fwd_work_layout(A.D, A.Tk, aligned_work(ctx), &w);
     const int64_t nqb = div_up(A.Tq, BR), units = nqb * A.B * A.H;
-    int64_t packed = -1;    /* the (batch, KV head) whose V this thread's work holds, copied */
+    vcopy vc = {-1, 0};
     for (;;) {
         const int64_t u = atomic_fetch_add_explicit(S.next, 1, memory_order_relaxed);
         if (u >= units) break;
         /* head by head (so a thread's V copy serves its next units), each head's last query
          * blocks (most keys under a causal mask) first */
         const int64_t ib = nqb - 1 - u % nqb, b = u / nqb / A.H, h = u / nqb % A.H;
-        fwd_unit(&A, S.R, &w, b, h, ib * BR, o, lse, &packed);
+        fwd_unit(&A, S.R, &w, b, h, ib * BR, o, lse, &vc);
     }
     return GT_OK;
 }
