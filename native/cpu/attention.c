@@ -371,11 +371,13 @@ copy_rows(float *restrict dst, const float *restrict src, int64_t rs, int64_t n,
  * over every set, and copying them cost 2-6% of its attention. */
 #define L1_SETS 64
 #define L1_LINES_PER_SET 8
+#define LINE_BYTES 64
 static int crowded(int64_t rs, int64_t D) {
     if (rs == D) return 0;
+    const int64_t F = (int64_t)sizeof(float);
     int count[L1_SETS] = {0};
     for (int64_t r = 0; r < BC; r++)
-        for (int64_t l = r * rs * 4 / 64; l <= (r * rs * 4 + D * 4 - 1) / 64; l++)
+        for (int64_t l = r * rs * F / LINE_BYTES; l <= (r * rs * F + D * F - 1) / LINE_BYTES; l++)
             if (++count[l % L1_SETS] > L1_LINES_PER_SET) return 1;
     return 0;
 }
@@ -398,16 +400,22 @@ static const float *packed_rows(float *buf, const float *src, int64_t rs, int64_
 
 /* Per-thread work of the forward, in floats from a 64-byte aligned base: QT (D x BR),
  * ST (BC x BR), O (BR x D), then per-row vectors m, l, cmax, msafe, alpha, a head's V
- * copied (Tk x D), and int32 lo, hi, ex, sq (BR each), and the keys' segments sk (BC). */
+ * copied (Tk x D where fwd_copies_v, else none), and int32 lo, hi, ex, sq (BR each), and the
+ * keys' segments sk (BC). */
 typedef struct fwd_work {
     float *qt, *st, *o, *m, *l, *cmax, *msafe, *alpha, *vb;
     int32_t *lo, *hi, *ex, *sq, *sk;
 } fwd_work;
 
-static int64_t fwd_work_layout(int64_t D, int64_t Tk, char *base, fwd_work *w) {
+/* Whether the forward copies a head's V (crowded rows read more than once): its work then
+ * holds Tk x D floats for the copy, else none. */
+static int fwd_copies_v(const att *A) { return reused(A) && crowded(A->vs[1], A->D); }
+
+static int64_t fwd_work_layout(const att *A, char *base, fwd_work *w) {
+    const int64_t D = A->D;
     int64_t off = 0;
     float **f[9];
-    int64_t n[9] = {D * BR, (int64_t)BC * BR, BR * D, BR, BR, BR, BR, BR, Tk * D};
+    int64_t n[9] = {D * BR, (int64_t)BC * BR, BR * D, BR, BR, BR, BR, BR, fwd_copies_v(A) ? A->Tk * D : 0};
     if (w) {
         f[0] = &w->qt; f[1] = &w->st; f[2] = &w->o; f[3] = &w->m;
         f[4] = &w->l; f[5] = &w->cmax; f[6] = &w->msafe; f[7] = &w->alpha; f[8] = &w->vb;
@@ -675,7 +683,7 @@ int gt_attention_fwd_f32_sizes(const gt_node *node, int64_t *scratch, int64_t *w
     att A;
     GT_TRY(check_qkv(node, "attention", 0, &A));
     *scratch = scratch_layout(&A, 0, NULL, NULL);
-    *work = node->ip[2] ? ggml_work_layout(&A, (int)node->ip[4]) : fwd_work_layout(A.D, A.Tk, NULL, NULL);
+    *work = node->ip[2] ? ggml_work_layout(&A, (int)node->ip[4]) : fwd_work_layout(&A, NULL, NULL);
     return GT_OK;
 }
 
@@ -684,7 +692,7 @@ int gt_attention_fwd_f32(const gt_node *node, const gt_ctx *ctx) {
     att A;
     GT_TRY(check_qkv(node, op, 1, &A));
     GT_TRY(check_mask(node, op, 3, &A));
-    A.pack_v = reused(&A) && crowded(A.vs[1], A.D);
+    A.pack_v = fwd_copies_v(&A);
     const gt_tensor *d = &node->dst;
     GT_CHECK_F32(d, op, "dst");
     GT_TRY(gt_check_contig(d, op, "dst"));
@@ -699,7 +707,7 @@ int gt_attention_fwd_f32(const gt_node *node, const gt_ctx *ctx) {
         return GT_FAIL(GT_ERR_INVALID, "%s: llama.cpp's order (ip[2]) takes no segment mask", op);
     GT_TRY(check_scratch(node, op, scratch_layout(&A, 0, NULL, NULL)));
     GT_TRY(check_work(ctx, op,
-                      node->ip[2] ? ggml_work_layout(&A, (int)node->ip[4]) : fwd_work_layout(A.D, A.Tk, NULL, NULL)));
+                      node->ip[2] ? ggml_work_layout(&A, (int)node->ip[4]) : fwd_work_layout(&A, NULL, NULL)));
     scratch S;
     scratch_layout(&A, 0, node->scratch, &S);
 
@@ -747,7 +755,7 @@ int gt_attention_fwd_f32(const gt_node *node, const gt_ctx *ctx) {
         return GT_OK;
     }
     fwd_work w;
-    fwd_work_layout(A.D, A.Tk, aligned_work(ctx), &w);
+    fwd_work_layout(&A, aligned_work(ctx), &w);
     const int64_t nqb = div_up(A.Tq, BR), units = nqb * A.B * A.H;
     vcopy vc = {-1, 0};
     for (;;) {

@@ -735,7 +735,8 @@ static int set_aliased(int64_t rs) { return rs * (int64_t)sizeof(float) % 16384 
  * place) made every weight gradient g^T @ x of llama config b's and SmolLM2's shapes
  * 12-20% faster (1376 x 1024 x 512: 119 -> 144 GFLOP/s on one thread, 226 -> 257 on
  * two), and llama config b's update 5-9% faster. */
-#define B_INPLACE_RS 1024
+#define PAGE_BYTES 4096
+#define B_INPLACE_RS (PAGE_BYTES / (int64_t)sizeof(float))
 
 /* A second, f32 product a gemm adds to its own (matmul_lora: a rank-r adapter's H @ B^T on
  * the frozen product): A2 (rows as A's) @ B2 (K2, the same columns), K2 > 0. */
