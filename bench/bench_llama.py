@@ -13,9 +13,10 @@ without. The two sides alternate step by step (PyTorch in a process that stays u
 step per command), so that a noisy moment of a shared machine hits both; step times are
 each side's best of the timed steps, as in bench_mnist and bench_matmul.
 
-    python bench/bench_llama.py [--steps 8] [--threads 2] [--configs a,b,c]
+    python bench/bench_llama.py [--steps 8] [--threads 2] [--configs a,b,c,d]
 
-Config c is a long context (2048 tokens, batch 1), where attention dominates (fused on both sides).
+Configs c and d are long contexts (2048 and 4096 tokens, batch 1), where attention dominates
+(fused on both sides).
 """
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ CONFIGS = {
     "a": dict(vocab=256, dim=256, layers=4, heads=8, kv_heads=8, ff=768, ctx=128, batch=8),
     "b": dict(vocab=256, dim=512, layers=8, heads=8, kv_heads=8, ff=1376, ctx=256, batch=4),
     "c": dict(vocab=256, dim=256, layers=4, heads=8, kv_heads=8, ff=768, ctx=2048, batch=1),   # long context
+    "d": dict(vocab=256, dim=256, layers=4, heads=8, kv_heads=8, ff=768, ctx=4096, batch=1),   # longer
 }
 
 TORCH_SCRIPT = r"""
@@ -150,7 +152,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=8, help="timed steps (after 2 warm-up steps)")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--configs", default="a,b,c")
+    ap.add_argument("--configs", default="a,b,c,d")
     args = ap.parse_args()
     from ggtrain.core.models.decoder import ModelConfig, init_params
 

@@ -1,6 +1,6 @@
 """Per-node time of one training update (in-plan profiling), grouped by kernel and shapes.
 
-    python bench/profile_step.py [fc|cnn|llama-a|llama-b|llama-c|smollm2|gemma] [threads] [--ckpt]
+    python bench/profile_step.py [fc|cnn|llama-a|llama-b|llama-c|llama-d|smollm2|gemma] [threads] [--ckpt]
 
 MNIST: a 1000-image update of two 500-image micro-batches. llama-X: bench_llama.py's
 config X, one update (checkpointing with --ckpt). smollm2, gemma: one LoRA update as
