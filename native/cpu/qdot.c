@@ -103,8 +103,6 @@ GT_CLONES static void rows_plain(float *y, int64_t ldy, const float *x, int64_t 
 
 #if defined(__x86_64__)
 
-#define PF_ROWS GT_QDOT_PREFETCH_ROWS
-
 /* 16-element chunks per unit, a constant for every kind but K_GEN */
 #define CHUNKS(kind, unit)                                                                       \
     ((kind) == K_F16 || (kind) == K_BF16 ? 1 : (kind) == K_Q6_K ? 16 : (kind) == K_GEN ? (unit) / LANES : 2)
@@ -201,10 +199,10 @@ body512(float *y, int64_t ldy, const float *x, int64_t ldx, const uint8_t *row, 
     const int chunks = CHUNKS(kind, unit);
     for (int64_t u = 0; u < units; u++) {
         const float *xu = x + u * unit;
+        gt_prefetch_ahead_(row, row_bytes, NW, u, unit_bytes);
 #pragma GCC unroll 2
         for (int j = 0; j < NW; j++) {
             const uint8_t *b = row + j * row_bytes + u * unit_bytes;
-            _mm_prefetch((const char *)(b + PF_ROWS * row_bytes), _MM_HINT_T0);
             if (kind == K_GEN) deq(buf, b, unit / block);
             const __m512 pre = prep512(kind, b);
             const __m512i qx = kind == K_Q4_0 || kind == K_Q4_1
@@ -368,10 +366,10 @@ body256(float *y, int64_t ldy, const float *x, int64_t ldx, const uint8_t *row, 
     const int chunks = CHUNKS(kind, unit);
     for (int64_t u = 0; u < units; u++) {
         const float *xu = x + u * unit;
+        gt_prefetch_ahead_(row, row_bytes, NW, u, unit_bytes);
 #pragma GCC unroll 2
         for (int j = 0; j < NW; j++) {
             const uint8_t *b = row + j * row_bytes + u * unit_bytes;
-            _mm_prefetch((const char *)(b + PF_ROWS * row_bytes), _MM_HINT_T0);
             if (kind == K_GEN) deq(buf, b, unit / block);
             /* unrolled (chunks is a constant but for K_GEN), so a Q6_K block's
              * loads and scale conversions are shared between its chunks */

@@ -193,18 +193,6 @@ static inline __attribute__((always_inline, target(T8))) __m256i wbytes(int kind
  * Q4_1's nibbles), v: x with w's sign (or x); lanes l = the sum of bytes 4l .. 4l+3's products,
  * by maddubs + madd (the pair sums never saturate: |w| <= 127, |x| <= 127) or by VNNI's dpbusd,
  * the same integers. */
-/* Prefetch of the weight rows GT_QDOT_PREFETCH_ROWS ahead of the `rows` a kernel reads at
- * once (w: its first row), the stretch block b of each of them spans: those rows lie in one
- * run of memory, and this walks it in order, as a block's rows are read, so the run comes in
- * as one stream. Prefetching each row's own block (a line every row_bytes) made eight rows
- * (Q4_0's chain) or two (the other types' pairs) so many short streams, and a core read
- * 10-12 GB/s from memory instead of 22-25 (a 178 MB Q8_0 head, Q4_0 FFN matrices). */
-static inline __attribute__((always_inline)) void prefetch_ahead(const uint8_t *w, int64_t row_bytes, int rows,
-                                                                 int64_t b, int block_bytes) {
-    const char *p = (const char *)w + GT_QDOT_PREFETCH_ROWS * row_bytes + b * rows * block_bytes;
-    for (int off = 0; off < rows * block_bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
-}
-
 #define BODY8(NAME, TARGET, DPB)                                                                                  \
     static inline __attribute__((always_inline, target(TARGET))) void NAME(                                     \
         float *y, int64_t ldy, const gt_act8 *x, int64_t ldx, const uint8_t *w, int64_t row_bytes, int kind,     \
@@ -217,7 +205,7 @@ static inline __attribute__((always_inline)) void prefetch_ahead(const uint8_t *
                 summs[j][r] = 0.0f;                                                                              \
             }                                                                                                    \
         for (int64_t b = 0; b < nb; b++) {                                                                       \
-            prefetch_ahead(w, row_bytes, NW, b, block_bytes);                                                    \
+            gt_prefetch_ahead_(w, row_bytes, NW, b, block_bytes);                                                    \
             _Pragma("GCC unroll 2") for (int j = 0; j < NW; j++) {                                               \
                 const uint8_t *wb = w + j * row_bytes + b * block_bytes;                                         \
                 const __m256i wv = WBYTES(kind, wb);                                                             \
@@ -307,7 +295,7 @@ static inline __attribute__((always_inline)) int16_t load_i16(const uint8_t *p) 
         const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);                                         \
         for (int64_t b = 0; b < nb; b++) {                                                                       \
             const uint8_t *wb = w + b * block_bytes;                                                             \
-            prefetch_ahead(w, row_bytes, 8, b, block_bytes);                                                     \
+            gt_prefetch_ahead_(w, row_bytes, 8, b, block_bytes);                                                     \
             __m256i lo[4], hi[4];                                                                                \
             _Pragma("GCC unroll 4") for (int p = 0; p < 4; p++) {                                                \
                 const uint8_t *w0 = wb + 2 * p * row_bytes, *w1 = w0 + row_bytes;                                \
