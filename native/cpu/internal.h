@@ -106,11 +106,18 @@ gt_dequant_fn gt_dequantizer_(int32_t dtype);
  * those rows lie in one run of memory, and this walks it in order as the rows are read, so
  * the run comes in as one stream. Prefetching each row's own step (a line every row_bytes)
  * made eight rows (Q4_0's chain) or two (the pairs) so many short streams, and a core read
- * 10-12 GB/s from memory instead of 22-27 (a 178 MB Q8_0 head, Q4_0 FFN matrices). */
+ * 10-12 GB/s from memory instead of 22-27 (a 178 MB Q8_0 head, Q4_0 FFN matrices). to_l2:
+ * into L2 only (prefetcht1), for kernels that read several lines of each of their rows a
+ * step (f16 and f32 weights' 4 rows of 64 elements): prefetched into L1 as well, SmolLM2's
+ * 49152 x 576 F16 head came at 10.5 GB/s, into L2 at 24-30; the block kernels read 20 and 28
+ * GB/s with L1, 16 and 24 with L2. */
 static inline void gt_prefetch_ahead_(const uint8_t *w, int64_t row_bytes, int rows, int64_t i,
-                                      int64_t step_bytes) {
+                                      int64_t step_bytes, int to_l2) {
     const char *p = (const char *)w + GT_QDOT_PREFETCH_ROWS * row_bytes + i * rows * step_bytes;
-    for (int64_t off = 0; off < rows * step_bytes; off += 64) __builtin_prefetch(p + off, 0, 3);
+    for (int64_t off = 0; off < rows * step_bytes; off += 64) {
+        if (to_l2) __builtin_prefetch(p + off, 0, 2);
+        else __builtin_prefetch(p + off, 0, 3);
+    }
 }
 #define GT_QDOT_SCRATCH_FLOATS 512
 void gt_qdot_rows_(float *y, int64_t ldy, const float *x, int64_t ldx, int m, const uint8_t *w,

@@ -107,14 +107,12 @@ __attribute__((target("avx512f"))) static void row_dots64_avx512(float *c, const
             for (int q = 0; q < 4; q++)
 #pragma GCC unroll 4
                 for (int l = 0; l < 4; l++) acc[q][l] = _mm512_setzero_ps();
-            const int64_t row_bytes = wh ? K * 2 : ldw * 4, ahead = GT_QDOT_PREFETCH_ROWS * row_bytes;
+            const int eb = wh ? 2 : 4;      /* bytes an element */
+            const int64_t row_bytes = wh ? K * 2 : ldw * 4;
+            const uint8_t *w0 = wh ? (const uint8_t *)hp[0] : (const uint8_t *)wp[0];
             for (int64_t i = 0; i < np; i += 64) {
                 __m512 xv[4];
-#pragma GCC unroll 4
-                for (int q = 0; q < 4; q++) {   /* (rows further on, as qdot.c's row dots do) */
-                    const char *at = wh ? (const char *)(hp[q] + i) : (const char *)(wp[q] + i);
-                    for (int line = 0; line < (wh ? 2 : 4); line++) _mm_prefetch(at + ahead + 64 * line, _MM_HINT_T0);
-                }
+                gt_prefetch_ahead_(w0, row_bytes, 4, i / 64, 64 * eb, 1);   /* (as qdot.c's row dots do) */
 #pragma GCC unroll 4
                 for (int l = 0; l < 4; l++) xv[l] = _mm512_loadu_ps(x + i + 16 * l);
 #pragma GCC unroll 4

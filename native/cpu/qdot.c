@@ -199,7 +199,7 @@ body512(float *y, int64_t ldy, const float *x, int64_t ldx, const uint8_t *row, 
     const int chunks = CHUNKS(kind, unit);
     for (int64_t u = 0; u < units; u++) {
         const float *xu = x + u * unit;
-        gt_prefetch_ahead_(row, row_bytes, NW, u, unit_bytes);
+        gt_prefetch_ahead_(row, row_bytes, NW, u, unit_bytes, 0);
 #pragma GCC unroll 2
         for (int j = 0; j < NW; j++) {
             const uint8_t *b = row + j * row_bytes + u * unit_bytes;
@@ -366,7 +366,7 @@ body256(float *y, int64_t ldy, const float *x, int64_t ldx, const uint8_t *row, 
     const int chunks = CHUNKS(kind, unit);
     for (int64_t u = 0; u < units; u++) {
         const float *xu = x + u * unit;
-        gt_prefetch_ahead_(row, row_bytes, NW, u, unit_bytes);
+        gt_prefetch_ahead_(row, row_bytes, NW, u, unit_bytes, 0);
 #pragma GCC unroll 2
         for (int j = 0; j < NW; j++) {
             const uint8_t *b = row + j * row_bytes + u * unit_bytes;

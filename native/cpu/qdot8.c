@@ -205,7 +205,7 @@ static inline __attribute__((always_inline, target(T8))) __m256i wbytes(int kind
                 summs[j][r] = 0.0f;                                                                              \
             }                                                                                                    \
         for (int64_t b = 0; b < nb; b++) {                                                                       \
-            gt_prefetch_ahead_(w, row_bytes, NW, b, block_bytes);                                                    \
+            gt_prefetch_ahead_(w, row_bytes, NW, b, block_bytes, 0);                                                    \
             _Pragma("GCC unroll 2") for (int j = 0; j < NW; j++) {                                               \
                 const uint8_t *wb = w + j * row_bytes + b * block_bytes;                                         \
                 const __m256i wv = WBYTES(kind, wb);                                                             \
@@ -295,7 +295,7 @@ static inline __attribute__((always_inline)) int16_t load_i16(const uint8_t *p) 
         const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);                                         \
         for (int64_t b = 0; b < nb; b++) {                                                                       \
             const uint8_t *wb = w + b * block_bytes;                                                             \
-            gt_prefetch_ahead_(w, row_bytes, 8, b, block_bytes);                                                     \
+            gt_prefetch_ahead_(w, row_bytes, 8, b, block_bytes, 0);                                                     \
             __m256i lo[4], hi[4];                                                                                \
             _Pragma("GCC unroll 4") for (int p = 0; p < 4; p++) {                                                \
                 const uint8_t *w0 = wb + 2 * p * row_bytes, *w1 = w0 + row_bytes;                                \
