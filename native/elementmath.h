@@ -70,22 +70,35 @@ GT_HD static inline void gt_adamw_1(float *p, float g, float *m, float *v, float
  * contraction (-std=c11; nvcc -fmad=false), and fmaf is exact wherever it runs (an
  * FMA instruction in the AVX2 and AVX-512 clones and on the GPU, libm's fmaf in a
  * baseline clone), so every SIMD clone and both backends give the same bits. */
+/* its constants (simd.h's 16-lane twin reads the same ones) */
+#define GT_EXPF_LO -87.336544f          /* below: 0 (n stays in [-126, 127]) */
+#define GT_EXPF_HI 88.3762626f          /* above: inf */
+#define GT_EXPF_LOG2E 1.44269504088896341f
+#define GT_EXPF_ROUND 12582912.0f       /* 1.5 * 2^23 */
+#define GT_EXPF_LN2_HI -0.693359375f    /* -ln2 in two parts */
+#define GT_EXPF_LN2_LO 2.12194440e-4f
+#define GT_EXPF_P0 1.9875691500e-4f     /* the polynomial, highest power first */
+#define GT_EXPF_P1 1.3981999507e-3f
+#define GT_EXPF_P2 8.3334519073e-3f
+#define GT_EXPF_P3 4.1665795894e-2f
+#define GT_EXPF_P4 1.6666665459e-1f
+#define GT_EXPF_P5 5.0000001201e-1f
 GT_HD static inline float gt_expf_(float x) {
-    const float lo = -87.336544f, hi = 88.3762626f;   /* n stays in [-126, 127] */
+    const float lo = GT_EXPF_LO, hi = GT_EXPF_HI;
     float xc = x < lo ? lo : x;
     xc = xc > hi ? hi : xc;
-    const float kf = fmaf(xc, 1.44269504088896341f, 12582912.0f);   /* 1.5 * 2^23 + n */
+    const float kf = fmaf(xc, GT_EXPF_LOG2E, GT_EXPF_ROUND);   /* 1.5 * 2^23 + n */
     uint32_t kb;
     memcpy(&kb, &kf, sizeof kb);
-    const float n = kf - 12582912.0f;
-    float r = fmaf(n, -0.693359375f, xc);
-    r = fmaf(n, 2.12194440e-4f, r);
-    float p = 1.9875691500e-4f;
-    p = fmaf(p, r, 1.3981999507e-3f);
-    p = fmaf(p, r, 8.3334519073e-3f);
-    p = fmaf(p, r, 4.1665795894e-2f);
-    p = fmaf(p, r, 1.6666665459e-1f);
-    p = fmaf(p, r, 5.0000001201e-1f);
+    const float n = kf - GT_EXPF_ROUND;
+    float r = fmaf(n, GT_EXPF_LN2_HI, xc);
+    r = fmaf(n, GT_EXPF_LN2_LO, r);
+    float p = GT_EXPF_P0;
+    p = fmaf(p, r, GT_EXPF_P1);
+    p = fmaf(p, r, GT_EXPF_P2);
+    p = fmaf(p, r, GT_EXPF_P3);
+    p = fmaf(p, r, GT_EXPF_P4);
+    p = fmaf(p, r, GT_EXPF_P5);
     p = fmaf(p, r * r, r) + 1.0f;
     const uint32_t bits = (kb - 0x4B400000u + 127u) << 23;    /* 2^n */
     float s;

@@ -173,6 +173,33 @@ def test_every_simd_level(level):
         np.testing.assert_allclose(x, want, rtol=1e-4, atol=1e-5)
 
 
+def test_avx512_exp_keeps_the_bits():
+    """Softmax's exps in the forward (and the backward's probabilities) take gt_expf16_ with
+    AVX-512 (simd.h), gt_expf_ below it: the same bits, from logits spanning the exp's whole
+    range (masked slots and rows that see no key included), and from huge ones (the clamps)."""
+    if not lib.gt_cpu_features() & 2:
+        pytest.skip("this CPU lacks AVX-512 (no second path to compare)")
+    rng = np.random.default_rng(12)
+    q, k, v = _f32(rng, 2, 70, 4, 32), _f32(rng, 2, 70, 2, 32), _f32(rng, 2, 70, 2, 32)
+    q[0] *= 40.0                          # logits past -87 after the max: exps of 0 and tiny ones
+    q[1, :5] *= 1e20                      # beyond both clamps
+    g = _f32(rng, *q.shape)
+    seg, kw = _mask_input("seg", 2, 70, 70, rng)
+    got = {}
+    for level in (1, 2):
+        lib.gt_set_simd_level(level)
+        try:
+            for mode, extra in (("causal", None), ("seg", seg)):
+                o, lse, y = fwd(q, k, v, mode, 0.3, extra, n_threads=2)
+                grads = bwd(q, k, v, y, g, mode, 0.3, extra, n_threads=2)
+                got[level, mode] = (y, *grads)
+        finally:
+            lib.gt_set_simd_level(2)
+    for mode in ("causal", "seg"):
+        for a, b in zip(got[1, mode], got[2, mode]):
+            np.testing.assert_array_equal(a, b, err_msg=mode)
+
+
 def test_strided_inputs_read_in_place():
     """q, k, v as views of one fused (B, T, (H + 2 Hkv) D) projection, and a strided dO: the
     same bits as from contiguous copies."""

@@ -205,7 +205,7 @@ static inline __attribute__((always_inline, target(T8))) __m256i wbytes(int kind
                 summs[j][r] = 0.0f;                                                                              \
             }                                                                                                    \
         for (int64_t b = 0; b < nb; b++) {                                                                       \
-            gt_prefetch_ahead_(w, row_bytes, NW, b, block_bytes, 0);                                                    \
+            gt_prefetch_ahead_(w, row_bytes, NW, b, block_bytes, 0);                                             \
             _Pragma("GCC unroll 2") for (int j = 0; j < NW; j++) {                                               \
                 const uint8_t *wb = w + j * row_bytes + b * block_bytes;                                         \
                 const __m256i wv = WBYTES(kind, wb);                                                             \
@@ -288,14 +288,14 @@ static inline __attribute__((always_inline)) int16_t load_i16(const uint8_t *p) 
 #define CHAIN8(NAME, TARGET, DPB2)                                                                               \
     __attribute__((target(TARGET))) static void NAME(float *y, int64_t ldy, const gt_act8 *x, int64_t ldx,       \
                                                      const uint8_t *w, int64_t row_bytes, int block_bytes,       \
-                                                     int64_t nb, int MM) {                                        \
+                                                     int64_t nb, int MM) {                                       \
         __m256 acc[4];                                                                                           \
         for (int r = 0; r < MM; r++) acc[r] = _mm256_setzero_ps();                                               \
         const __m256i m4 = _mm256_set1_epi8(15);                                                                 \
         const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);                                         \
         for (int64_t b = 0; b < nb; b++) {                                                                       \
             const uint8_t *wb = w + b * block_bytes;                                                             \
-            gt_prefetch_ahead_(w, row_bytes, 8, b, block_bytes, 0);                                                     \
+            gt_prefetch_ahead_(w, row_bytes, 8, b, block_bytes, 0);                                              \
             __m256i lo[4], hi[4];                                                                                \
             _Pragma("GCC unroll 4") for (int p = 0; p < 4; p++) {                                                \
                 const uint8_t *w0 = wb + 2 * p * row_bytes, *w1 = w0 + row_bytes;                                \
@@ -314,8 +314,9 @@ static inline __attribute__((always_inline)) int16_t load_i16(const uint8_t *p) 
                 const __m256i xl = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)xb->q));         \
                 const __m256i xh = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(xb->q + 16)));  \
                 /* each vector: two rows' 4 partial sums; hadds leave rows 0 2 4 6 | 1 3 5 7 */                  \
-                const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(DPB2(lo[0], xl, hi[0], xh), DPB2(lo[1], xl, hi[1], xh)), \
-                                                    _mm256_hadd_epi32(DPB2(lo[2], xl, hi[2], xh), DPB2(lo[3], xl, hi[3], xh))); \
+                const __m256i h01 = _mm256_hadd_epi32(DPB2(lo[0], xl, hi[0], xh), DPB2(lo[1], xl, hi[1], xh));   \
+                const __m256i h23 = _mm256_hadd_epi32(DPB2(lo[2], xl, hi[2], xh), DPB2(lo[3], xl, hi[3], xh));   \
+                const __m256i h = _mm256_hadd_epi32(h01, h23);                                                   \
                 const __m256i sums = _mm256_sub_epi32(_mm256_permutevar8x32_epi32(h, order),                     \
                                                       _mm256_set1_epi32(8 * xb->sum));                           \
                 acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(dw, _mm256_set1_ps(xb->d)), acc[r]); \
