@@ -328,6 +328,22 @@ GT_CLONES static void block_exp_sum(float *restrict s, int64_t ld, int64_t nc, i
         }
 }
 
+/* One element of block_probs_grad (key `key` of segment segc, query row i): the rows past
+ * the last whole vector of either version */
+static inline __attribute__((always_inline)) void
+probs_grad_1(float *restrict sc, float *restrict dc, int64_t i, float scale, int32_t key, int32_t segc,
+             const float *restrict lse, const float *restrict delta, const int32_t *restrict lo,
+             const int32_t *restrict hi, const int32_t *restrict ex, const int32_t *restrict sq, int partial) {
+    const float e = gt_expf_(sc[i] - lse[i]);
+    float p = e;
+    if (partial) {
+        const int vis = (key >= lo[i]) & (key <= hi[i]) & ((ex[i] != 0) | (segc == sq[i]));
+        p = vis ? e : 0.0f;
+    }
+    sc[i] = p;
+    dc[i] = scale * p * (dc[i] - delta[i]);
+}
+
 /* Backward (s: the scaled logits of keys c0 + c): p = exp(s - lse) where seen (every key
  * unless partial), else 0; s = p, dp = scale * p * (dp - delta). PARTIAL is a constant
  * after inlining: a whole block (most of them) computes no visibility. */
@@ -352,16 +368,7 @@ probs_grad_body(float *restrict s, float *restrict dp, int64_t ld, int64_t nc, i
                 sc[i + k] = p;
                 dc[i + k] = scale * p * (dc[i + k] - delta[i + k]);
             }
-        for (; i < n; i++) {
-            const float e = gt_expf_(sc[i] - lse[i]);
-            float p = e;
-            if (PARTIAL) {
-                const int vis = (key >= lo[i]) & (key <= hi[i]) & ((ex[i] != 0) | (segc == sq[i]));
-                p = vis ? e : 0.0f;
-            }
-            sc[i] = p;
-            dc[i] = scale * p * (dc[i] - delta[i]);
-        }
+        for (; i < n; i++) probs_grad_1(sc, dc, i, scale, key, segc, lse, delta, lo, hi, ex, sq, PARTIAL);
     }
 }
 
@@ -393,16 +400,7 @@ block_probs_grad_512(float *restrict s, float *restrict dp, int64_t ld, int64_t 
             _mm512_storeu_ps(dc + i, _mm512_mul_ps(_mm512_mul_ps(vs, p),
                                                    _mm512_sub_ps(_mm512_loadu_ps(dc + i), _mm512_loadu_ps(delta + i))));
         }
-        for (int64_t i = nv; i < n; i++) {
-            const float e = gt_expf_(sc[i] - lse[i]);
-            float p = e;
-            if (partial) {
-                const int vis = (key >= lo[i]) & (key <= hi[i]) & ((ex[i] != 0) | (segc == sq[i]));
-                p = vis ? e : 0.0f;
-            }
-            sc[i] = p;
-            dc[i] = scale * p * (dc[i] - delta[i]);
-        }
+        for (int64_t i = nv; i < n; i++) probs_grad_1(sc, dc, i, scale, key, segc, lse, delta, lo, hi, ex, sq, partial);
     }
 }
 #endif
