@@ -152,8 +152,11 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=8, help="timed steps (after 2 warm-up steps)")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--configs", default="a,b,c,d")
+    ap.add_argument("--configs", default="a,b,c,d", help=f"comma-separated, of {','.join(CONFIGS)}")
     args = ap.parse_args()
+    unknown = [c for c in args.configs.split(",") if c not in CONFIGS]
+    if unknown:
+        ap.error(f"--configs: unknown {','.join(unknown)} (configs: {','.join(CONFIGS)})")
     from ggtrain.core.models.decoder import ModelConfig, init_params
 
     peak = Peak(args.threads)
