@@ -27,6 +27,14 @@ def _sources() -> list:
     return sorted(os.path.relpath(p, root) for p in (HERE / "cpu").glob("*.c"))
 
 
+def _headers() -> list:
+    # The headers the sources include: build_ext rebuilds the extension only when a file it
+    # depends on is newer than it, and without these a changed header (a constant, an inline
+    # function) left every object as it was.
+    root = HERE.parent
+    return sorted(os.path.relpath(p, root) for p in [*HERE.glob("*.h"), *(HERE / "cpu").glob("*.h")])
+
+
 # NOTE: GCC 12 at -O2 vectorizes only loops that need no scalar epilogue ("very cheap"
 # cost model); the dynamic model vectorizes the plain elementwise loops too. No fast-math.
 # -fno-math-errno: sqrtf may then be the (correctly rounded) vector instruction; with
@@ -43,6 +51,7 @@ ffibuilder.set_source(
     "ggtrain.native._cpu",
     '#include <stdint.h>\n#include "native/gt_core.h"\n#include "native/ggtrain.h"\n',
     sources=_sources(),
+    depends=_headers(),
     include_dirs=[str(HERE.parent)],
     extra_compile_args=_CFLAGS,
     extra_link_args=["-pthread", "-lm"],
