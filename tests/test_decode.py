@@ -26,8 +26,9 @@ def _window_logits(weights, ids, cfg=CFG):
 
 @pytest.mark.parametrize("chunk", [256, 5])
 def test_cached_logits_equal_window_logits(tiny, chunk):
-    """Prompt in chunks (5: several plans), then one token at a time across the 32- and 64-row
-    cache buckets: the logits after each token equal the whole-window pass's at that position."""
+    """Prompt in chunks (5: several plans), then one token at a time from position 13 to 79:
+    the logits after each token equal the whole-window pass's at that position, and one plan
+    per count of tokens fed serves every position (each attends over the whole cache)."""
     rng = np.random.default_rng(0)
     ids = rng.integers(0, CFG.vocab, 80).tolist()
     want = _window_logits(tiny, ids)
@@ -38,6 +39,7 @@ def test_cached_logits_equal_window_logits(tiny, chunk):
     got = np.stack(got)
     np.testing.assert_allclose(got, want[12:], rtol=1e-4, atol=1e-4)
     assert dec.n_past == 80
+    assert sorted(t for t, _ in dec._plans) == ([1, 3, 5] if chunk == 5 else [1, 13])
     with pytest.raises(ConfigError, match="exceed the context of 80"):
         dec.feed([1])
 

@@ -684,14 +684,14 @@ class Decoder:
     returns the logits after the last one; each new token costs one token's work.
 
     The cache holds n_ctx positions (f32 keys and values per layer). Plans are compiled
-    on demand per (tokens fed at once, cache rows attended): the rows attended grow in
-    powers of two as the sequence does, so attention never reads more than twice the
-    rows in use; prompts are fed in chunks of `chunk` tokens (llama.cpp's default ubatch of
-    512: with act8 a product's row count picks llama.cpp's kernel, hence its float order, so
-    a prompt is cut where llama.cpp cuts it). act8, kv_f16: as Runner's.
+    on demand, one per count of tokens fed at once, each attending over the whole cache:
+    the attention kernels read only the rows each query sees (its position and those
+    before), so one plan serves a token at any position (plans per power-of-two span of
+    rows were compiled anew as the sequence grew, about 30 ms each, which was a fifth of the
+    time of 48 tokens of SmolLM2). Prompts are fed in chunks of `chunk` tokens (llama.cpp's
+    default ubatch of 512: with act8 a product's row count picks llama.cpp's kernel, hence
+    its float order, so a prompt is cut where llama.cpp cuts it). act8, kv_f16: as Runner's.
     """
-
-    MIN_ROWS = 32
 
     def __init__(self, cfg: ModelConfig, weights: dict, backend, n_ctx: int | None = None,
                  adapters: dict | None = None, chunk: int = 512, act8: bool = False, kv_f16: bool = False):
@@ -711,22 +711,21 @@ class Decoder:
         self._plans: dict = {}
         self.n_past = 0                      # positions in the cache
 
-    def _rows(self, n: int) -> int:
-        rows = self.MIN_ROWS
-        while rows < n:
-            rows *= 2
-        return min(rows, self.n_ctx)
-
-    def _plan(self, t: int, rows: int, every: bool = False):
-        key = (t, rows, every)
+    def _plan(self, t: int, every: bool = False):
+        key = (t, every)
         if key not in self._plans:
             g = self.graph
             tokens = g.input((1, t), "i32", name=f"tokens.{t}")
             pos = g.input((t,), "i32", name=f"pos.{t}")
             logits = forward(self.cfg, self.params, tokens, pos, lora=self.lora, cache=self.cache,
-                             n_kv=rows, last_only=not every, n_ctx=self.n_ctx)
+                             n_kv=self.n_ctx, last_only=not every, n_ctx=self.n_ctx)
             self._plans[key] = (self.runtime.compile([logits]), tokens, pos, logits)
         return self._plans[key]
+
+    def prepare(self) -> None:
+        """Compile the plan of one token now (generation's every step after the prompt), so the
+        first generated token does not wait for it."""
+        self._plan(1)
 
     def reset(self) -> None:
         """Forget the sequence (the cache rows are overwritten as new tokens come)."""
@@ -754,7 +753,7 @@ class Decoder:
         out = []
         for start in range(0, ids.size, self.chunk):
             part = ids[start:start + self.chunk]
-            plan, tokens, pos, logits = self._plan(part.size, self._rows(self.n_past + part.size), every)
+            plan, tokens, pos, logits = self._plan(part.size, every)
             self.runtime.set(tokens, part[None, :])
             self.runtime.set(pos, np.arange(self.n_past, self.n_past + part.size, dtype=np.int32))
             self.runtime.run(plan)
@@ -771,6 +770,8 @@ def generate(decoder: Decoder, prompt: list, n: int, sampler, stop: frozenset = 
     if not ids:
         raise ConfigError("generate: the prompt has no tokens")
     decoder.reset()
+    if n != 0:
+        decoder.prepare()
     logits = decoder.feed(ids)
     count = 0
     while n < 0 or count < n:

@@ -799,13 +799,18 @@ int gt_attention_fwd_f32(const gt_node *node, const gt_ctx *ctx) {
             float *kc = (float *)(work + ggml_row_bytes(D, A.Tk));
             float *vc = (float *)((char *)kc + align_up(A.B * rows * D * (int64_t)sizeof(float)));
             const int packed = A.ks[2] == D && A.ks[1] == A.Hkv * D && A.vs[2] == D && A.vs[1] == A.Hkv * D;
+            /* only the keys some row sees, 0 .. the last one (a decoder's plan spans its whole
+             * cache, and each token sees the rows filled so far) */
+            int64_t seen = 0;
+            for (int64_t i = 0; i < A.B * A.Tq; i++)
+                if (S.R.hi[i] >= S.R.lo[i] && S.R.hi[i] + 1 > seen) seen = S.R.hi[i] + 1;
             for (int64_t b = 0; b < A.B; b++) {
                 if (packed) {   /* (a KV cache's rows: one run a batch row, not one call a (row, head)) */
-                    gt_round_f16_(kc + b * rows * D, A.k + b * A.ks[0], rows * D);
-                    gt_round_f16_(vc + b * rows * D, A.v + b * A.vs[0], rows * D);
+                    gt_round_f16_(kc + b * rows * D, A.k + b * A.ks[0], seen * A.Hkv * D);
+                    gt_round_f16_(vc + b * rows * D, A.v + b * A.vs[0], seen * A.Hkv * D);
                     continue;
                 }
-                for (int64_t t = 0; t < A.Tk; t++)
+                for (int64_t t = 0; t < seen; t++)
                     for (int64_t g = 0; g < A.Hkv; g++) {
                         const int64_t at = ((b * A.Tk + t) * A.Hkv + g) * D;
                         gt_round_f16_(kc + at, A.k + b * A.ks[0] + t * A.ks[1] + g * A.ks[2], D);
