@@ -186,6 +186,9 @@ class CompiledPlan:
         Raises RuntimeError for an output in the shared arena when another plan of the
         runtime has run since this one (it may have overwritten the value).
         """
+        if self.plan is None:
+            raise RuntimeError(f"reading {t!r}: a later plan of the runtime grew the arena, and this one has "
+                               f"not run since")
         ref = self.refs.get(t.id)
         if ref is None:
             return self.runtime.get(t)
@@ -323,8 +326,8 @@ class Runtime:
     def compile(self, outputs: list, n_threads: int | None = None) -> CompiledPlan:
         """Lower the nodes `outputs` need (in creation order) into one native plan.
 
-        Its intermediates go in the runtime's one arena, shared by every plan (grown,
-        and the earlier plans re-lowered, when this one needs more).
+        Its intermediates go in the runtime's one arena, shared by every plan (grown when
+        this one needs more; an earlier plan is then lowered again when it next runs).
         """
         outputs = [t for t in outputs if t is not None]
         tensors = self.graph.ancestors(outputs)
@@ -399,9 +402,12 @@ class Runtime:
         self._plans = [p for p in self._plans if p() is not None] + [weakref.ref(plan)]
         if self._arena is None or self._arena.nbytes < arena_size:
             self._arena = self.backend.alloc(max(arena_size, 1))
-            for other in self._plans:   # every plan moves to the new arena
+            # every other plan moves to the new arena when it next runs (lowering each one
+            # here made n plans of growing size, a decoder's one per prompt length, cost n^2
+            # lowerings: 65 for 10 plans); dropping its native plan frees the old arena
+            for other in self._plans:
                 if other() is not None and other() is not plan:
-                    other()._lower(self._arena)
+                    other().plan, other().refs = None, {}
         plan._lower(self._arena)
         plan.report = MemoryReport(
             arena=self._arena.nbytes, arena_unpacked=sum(_align(v) for v in size.values()),
@@ -441,6 +447,8 @@ class Runtime:
             raise ValueError(f"run: the plan reads {', '.join(repr(t.name or t) for t in missing)}, "
                              f"never set (Runtime.set)")
         self._last_run = None
+        if plan.plan is None:       # the arena grew since it was lowered
+            plan._lower(self._arena)
         self.backend.run(plan.plan, n_threads)
         self._last_run = plan
 

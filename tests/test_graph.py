@@ -113,6 +113,33 @@ def test_plans_of_a_runtime_share_one_arena(backend):
     np.testing.assert_array_equal(rt.get(x), X)
 
 
+def test_plans_move_to_a_grown_arena_when_they_next_run(backend, monkeypatch):
+    """Ten plans, each needing more arena than the last: each is lowered once when compiled, an
+    earlier one again only when it runs after the arena grew (lowering every plan at each growth
+    was 55 lowerings more), and it still computes right; read before that run, it refuses."""
+    g = Graph()
+    x = g.input((8, 64))
+    rt = Runtime(g, backend)
+    X = np.random.default_rng(1).standard_normal((8, 64)).astype(np.float32)
+    rt.set(x, X)
+    lowered = []
+    compile_native = backend.compile
+    monkeypatch.setattr(backend, "compile", lambda calls, n: lowered.append(n) or compile_native(calls, n))
+    outs = [ops.sum(ops.relu(ops.scale(ops.repeat(ops.reshape(x, (1, 8, 64)), (k, 8, 64)), 1.0)))
+            for k in range(1, 11)]
+    plans = [rt.compile([y]) for y in outs]
+    assert len(lowered) == 10
+    with pytest.raises(RuntimeError, match="grew the arena"):
+        plans[0].read(outs[0])
+    rt.run(plans[0])
+    assert len(lowered) == 11
+    np.testing.assert_allclose(plans[0].read(outs[0]), np.maximum(X, 0).sum(), rtol=1e-5)
+    rt.run(plans[-1])
+    rt.run(plans[0])
+    assert len(lowered) == 11      # the arena did not grow again
+    np.testing.assert_allclose(plans[0].read(outs[0]), np.maximum(X, 0).sum(), rtol=1e-5)
+
+
 def test_bind_adopts_a_buffer_without_copying(backend):
     g = Graph()
     w = g.param((4, 8), name="w", trainable=False)
