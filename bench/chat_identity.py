@@ -28,10 +28,9 @@ import tempfile
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(1, str(HERE.parent))    # tests/real_models.py fetches Gemma 3 270M
+from bench_finetune import CHAT, SHARED  # noqa: E402  (the chat data bench_finetune trains on)
 from torch_venv import ensure_torch  # noqa: E402
 
-SHARED = HERE.parents[1] / "shared" / "data"
-CHAT = SHARED / "chat" / "dummy_conversation.json"
 TEMPLATE = SHARED / "templates" / "google-gemma-2-2b-it.jinja"
 QUESTIONS = ["Who are you?", "What is your name?", "Tell me your name.", "What's your name?"]
 TURN = "<start_of_turn>user\n{}<end_of_turn>\n<start_of_turn>model\n"     # the template's turn format
