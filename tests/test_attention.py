@@ -45,20 +45,20 @@ def _mask_input(mode, b, tq, tk, rng):
     return None, {"causal": mode == "causal"}
 
 
-def fwd(q, k, v, mode, scale, extra=None, n_threads=1, **kw):
+def fwd(q, k, v, mode, scale, extra=None, n_threads=1, window=0, **kw):
     """(O, LSE, the whole dst) of gt_attention_fwd_f32, into a NaN-filled dst."""
     b, tq, h, d = q.shape
     dst = np.full(q.size + b * h * tq, np.nan, np.float32)
     srcs = [q, k, v] + ([extra] if extra is not None else [])
-    run_kernel("attention_fwd_f32", dst, srcs, ip=(MODES[mode],), fp=(scale,), n_threads=n_threads, **kw)
+    run_kernel("attention_fwd_f32", dst, srcs, ip=(MODES[mode], window), fp=(scale,), n_threads=n_threads, **kw)
     return dst[:q.size].reshape(q.shape), dst[q.size:].reshape(b, h, tq), dst
 
 
-def bwd(q, k, v, y, g, mode, scale, extra=None, n_threads=1, **kw):
+def bwd(q, k, v, y, g, mode, scale, extra=None, n_threads=1, window=0, **kw):
     """(dq, dk, dv) of gt_attention_bwd_f32 for g = dO, or all of y's gradient (flat)."""
     dst = np.full(q.size + 2 * k.size, np.nan, np.float32)
     srcs = [q, k, v, y, g] + ([extra] if extra is not None else [])
-    run_kernel("attention_bwd_f32", dst, srcs, ip=(MODES[mode],), fp=(scale,), n_threads=n_threads, **kw)
+    run_kernel("attention_bwd_f32", dst, srcs, ip=(MODES[mode], window), fp=(scale,), n_threads=n_threads, **kw)
     return (dst[:q.size].reshape(q.shape), dst[q.size:q.size + k.size].reshape(k.shape),
             dst[q.size + k.size:].reshape(k.shape))
 
@@ -107,6 +107,31 @@ def test_kernels_match_float64(shape):
     flat = np.concatenate([g_o.reshape(-1), g_lse.reshape(-1)])
     got = bwd(q, k, v, y, flat, mode, scale, extra)
     for x, want in zip(got, refs.attention_bwd(q, k, v, g_o, scale, g_lse=g_lse, **kw)):
+        np.testing.assert_allclose(x, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode,window", [("causal", 0), ("causal", 40), ("seg", 40), ("pos", 40)])
+def test_quarters_no_row_sees_are_skipped(mode, window):
+    """A partial block's quarters (32 query rows x 32 keys) that no row sees are left out of
+    its products: a causal diagonal block's upper quarter, and with a 40-key window the lower
+    quarter of the block below the diagonal (rows 96.. of keys 0..31 of the block at rows 64..,
+    keys 0..): each product then starts or stops a half block later or sooner. The kernels
+    still match float64, with dO and dLSE both, and O where no key is seen is exactly 0."""
+    b, tq, h, hkv, d = 2, 200, 4, 2, 32
+    rng = np.random.default_rng(11)
+    q, k, v = _f32(rng, b, tq, h, d), _f32(rng, b, tq, hkv, d), _f32(rng, b, tq, hkv, d)
+    extra, kw = _mask_input(mode, b, tq, tq, rng)
+    o, lse, y = fwd(q, k, v, mode, 0.3, extra, window=window)
+    want_o, want_lse = refs.attention(q, k, v, 0.3, window=window, **kw)
+    np.testing.assert_allclose(o, want_o, rtol=1e-4, atol=2e-6)
+    seen = np.isfinite(want_lse)
+    np.testing.assert_array_equal(np.isfinite(lse), seen)
+    np.testing.assert_allclose(lse[seen], want_lse[seen], rtol=1e-5, atol=1e-5)
+    assert not np.any(o.transpose(0, 2, 1, 3)[~seen])
+    g_o, g_lse = _f32(rng, *q.shape), _f32(rng, b, h, tq)
+    flat = np.concatenate([g_o.reshape(-1), g_lse.reshape(-1)])
+    got = bwd(q, k, v, y, flat, mode, 0.3, extra, window=window)
+    for x, want in zip(got, refs.attention_bwd(q, k, v, g_o, 0.3, g_lse=g_lse, window=window, **kw)):
         np.testing.assert_allclose(x, want, rtol=1e-4, atol=1e-5)
 
 

@@ -184,6 +184,61 @@ static int classify(const int32_t *lo, const int32_t *hi, const int32_t *ex, int
     return !any ? BLOCK_SKIP : full ? BLOCK_FULL : BLOCK_PARTIAL;
 }
 
+/* A block's quarters: when it is partial and both its query rows and its keys are more than
+ * HALF, each is cut in two at HALF, and see[i][j] says whether some row of query half i sees
+ * some key of key half j (classify; 1 for a block not cut, nr = nk = 1). The products skip
+ * the quarters no row sees: a causal diagonal block's second half of keys for its first
+ * half of rows, a quarter of its work (at ctx 256, 4 of a head's 10 blocks are diagonal).
+ * What they leave out is what the masks make nothing of: S there is masked to -inf (P = 0),
+ * dS is 0, and the sums of P V, P^T dO, dS^T Q and dS K would add only products with a
+ * factor 0 to a running sum that starts at +0 (so is never -0): each sum keeps its bits. */
+#define HALF 32
+typedef struct quarters {
+    int nr, nk;             /* halves of the rows and of the keys: 1 or 2 */
+    int64_t r[3], k[3];     /* rows [r[i], r[i + 1]) of half i; keys [k[j], k[j + 1]) of half j */
+    int see[2][2];
+} quarters;
+
+static void quarters_of(quarters *Q, int kind, const int32_t *lo, const int32_t *hi, const int32_t *ex, int64_t nq,
+                        int64_t j0, int64_t nc) {
+    const int cut = kind == BLOCK_PARTIAL && nq > HALF && nc > HALF;
+    Q->nr = Q->nk = cut ? 2 : 1;
+    Q->r[0] = Q->k[0] = 0;
+    Q->r[1] = cut ? HALF : nq;
+    Q->k[1] = cut ? HALF : nc;
+    Q->r[2] = nq;
+    Q->k[2] = nc;
+    for (int i = 0; i < Q->nr; i++)
+        for (int j = 0; j < Q->nk; j++)
+            Q->see[i][j] = !cut || classify(lo + Q->r[i], hi + Q->r[i], ex + Q->r[i], Q->r[i + 1] - Q->r[i],
+                                            j0 + Q->k[j], j0 + Q->k[j + 1] - 1) != BLOCK_SKIP;
+}
+
+/* The rows [*a, *b) that see key half j (a == b: none); of two halves, those seen are
+ * consecutive. */
+static void rows_seeing(const quarters *Q, int j, int64_t *a, int64_t *b) {
+    int first = -1, last = -1;
+    for (int i = 0; i < Q->nr; i++)
+        if (Q->see[i][j]) {
+            if (first < 0) first = i;
+            last = i;
+        }
+    *a = first < 0 ? 0 : Q->r[first];
+    *b = first < 0 ? 0 : Q->r[last + 1];
+}
+
+/* The keys [*a, *b) that rows of half i see. */
+static void keys_seen(const quarters *Q, int i, int64_t *a, int64_t *b) {
+    int first = -1, last = -1;
+    for (int j = 0; j < Q->nk; j++)
+        if (Q->see[i][j]) {
+            if (first < 0) first = j;
+            last = j;
+        }
+    *a = first < 0 ? 0 : Q->k[first];
+    *b = first < 0 ? 0 : Q->k[last + 1];
+}
+
 /* ---- vector helpers (contiguous rows, LANES at a time, fixed order) ------------------ */
 
 /* NOTE: masks are combined with & and | (not && and ||): branches in a loop body stop
@@ -626,8 +681,16 @@ static void fwd_unit(const att *A, rows R, fwd_work *w, int64_t b, int64_t h, in
         const int64_t nc = Tk - j0 < BC ? Tk - j0 : BC;
         const int kind = classify(w->lo, w->hi, w->ex, nq, j0, j0 + nc - 1);
         if (kind == BLOCK_SKIP) continue;
-        /* ST (nc x nq) = K_j Q_i^T */
-        gt_gemm_small_(w->st, BR, k + j0 * A->ks[1], A->ks[1], 1, w->qt, BR, nc, nq, D, 0);
+        quarters Q;
+        quarters_of(&Q, kind, w->lo, w->hi, w->ex, nq, j0, nc);
+        /* ST (nc x nq) = K_j Q_i^T, the quarters seen */
+        for (int j = 0; j < Q.nk; j++) {
+            int64_t a, e;
+            rows_seeing(&Q, j, &a, &e);
+            if (a < e)
+                gt_gemm_small_(w->st + Q.k[j] * BR + a, BR, k + (j0 + Q.k[j]) * A->ks[1], A->ks[1], 1, w->qt + a, BR,
+                               Q.k[j + 1] - Q.k[j], e - a, D, 0);
+        }
         for (int64_t r = 0; r < nq; r++) w->cmax[r] = -INFINITY;
         if (kind == BLOCK_FULL) {
             block_max(w->cmax, w->st, BR, nc, nq);
@@ -641,8 +704,13 @@ static void fwd_unit(const att *A, rows R, fwd_work *w, int64_t b, int64_t h, in
         online_sum(w->l, w->alpha, w->cmax, nq);
         if (!first)
             for (int64_t r = 0; r < nq; r++) mul_row(w->o + r * D, w->alpha[r], D);
-        /* O (nq x D) (+)= P V_j, P[r, c] = ST[c, r] */
-        gt_gemm_small_(w->o, D, w->st, 1, BR, vr + j0 * vrs, vrs, nq, D, nc, !first);
+        /* O (nq x D) (+)= P V_j, P[r, c] = ST[c, r], over the keys each half of the rows sees */
+        for (int i = 0; i < Q.nr; i++) {
+            int64_t a, e;
+            keys_seen(&Q, i, &a, &e);
+            gt_gemm_small_(w->o + Q.r[i] * D, D, w->st + a * BR + Q.r[i], 1, BR, vr + (j0 + a) * vrs, vrs,
+                           Q.r[i + 1] - Q.r[i], D, e - a, !first);
+        }
         first = 0;
     }
     for (int64_t r = 0; r < nq; r++) {
@@ -941,9 +1009,25 @@ static void bwd_unit(const att *A, rows R, const float *delta, const float *lse_
                 const int kind = classify(w->lo, w->hi, w->ex, nq, j0, j0 + nc - 1);
                 if (kind == BLOCK_SKIP) continue;
                 const float *kj = kr + j0 * krs, *vj = vr + j0 * vrs;
-                /* ST = K_j Q_i^T, dPT = V_j dO_i^T (nc x nq) */
-                gt_gemm_small_(w->st, BR, kj, krs, 1, w->qt + i0 * D, BR, nc, nq, D, 0);
-                gt_gemm_small_(w->dpt, BR, vj, vrs, 1, w->dot + i0 * D, BR, nc, nq, D, 0);
+                quarters Q;
+                quarters_of(&Q, kind, w->lo, w->hi, w->ex, nq, j0, nc);
+                /* ST = K_j Q_i^T, dPT = V_j dO_i^T (nc x nq), the quarters seen; dPT of the others 0
+                 * (their P is 0, and so dS: dPT must hold a number there, not what was left) */
+                for (int j = 0; j < Q.nk; j++) {
+                    const int64_t c0 = Q.k[j], n = Q.k[j + 1] - c0;
+                    int64_t a, e;
+                    rows_seeing(&Q, j, &a, &e);
+                    if (a < e) {
+                        gt_gemm_small_(w->st + c0 * BR + a, BR, kj + c0 * krs, krs, 1, w->qt + i0 * D + a, BR, n, e - a,
+                                       D, 0);
+                        gt_gemm_small_(w->dpt + c0 * BR + a, BR, vj + c0 * vrs, vrs, 1, w->dot + i0 * D + a, BR, n,
+                                       e - a, D, 0);
+                    }
+                    for (int i = 0; i < Q.nr; i++)
+                        if (!Q.see[i][j])
+                            for (int64_t c = c0; c < c0 + n; c++)
+                                memset(w->dpt + c * BR + Q.r[i], 0, (size_t)(Q.r[i + 1] - Q.r[i]) * sizeof(float));
+                }
                 for (int64_t c = 0; c < nc; c++) w->sk[c] = A->seg ? A->seg[b * Tk + j0 + c] : 0;
                 const int part = kind == BLOCK_PARTIAL;
                 if (HAVE_EXP_512 && gt_simd_level_() >= 2)
@@ -953,9 +1037,21 @@ static void bwd_unit(const att *A, rows R, const float *delta, const float *lse_
                     block_probs_grad(w->st, w->dpt, BR, nc, nq, A->scale, part, (int32_t)j0, w->sk, w->lse, w->delta,
                                      w->lo, w->hi, w->ex, w->sq);
                 /* dV_j += P^T dO_i, dK_j += dS^T Q_i (nc x D), dQ_i += dS K_j (nq x D) */
-                gt_gemm_small_(w->dvi + j0 * D, D, w->st, BR, 1, gi, grs, nc, D, nq, 1);
-                gt_gemm_small_(w->dki + j0 * D, D, w->dpt, BR, 1, qi, qrs, nc, D, nq, 1);
-                gt_gemm_small_(w->dqi, D, w->dpt, 1, BR, kj, krs, nq, D, nc, 1);
+                for (int j = 0; j < Q.nk; j++) {     /* over the rows that see each half of the keys */
+                    const int64_t c0 = Q.k[j], n = Q.k[j + 1] - c0;
+                    int64_t a, e;
+                    rows_seeing(&Q, j, &a, &e);
+                    gt_gemm_small_(w->dvi + (j0 + c0) * D, D, w->st + c0 * BR + a, BR, 1, gi + a * grs, grs, n, D,
+                                   e - a, 1);
+                    gt_gemm_small_(w->dki + (j0 + c0) * D, D, w->dpt + c0 * BR + a, BR, 1, qi + a * qrs, qrs, n, D,
+                                   e - a, 1);
+                }
+                for (int i = 0; i < Q.nr; i++) {     /* over the keys each half of the rows sees */
+                    int64_t a, e;
+                    keys_seen(&Q, i, &a, &e);
+                    gt_gemm_small_(w->dqi + Q.r[i] * D, D, w->dpt + a * BR + Q.r[i], 1, BR, kj + a * krs, krs,
+                                   Q.r[i + 1] - Q.r[i], D, e - a, 1);
+                }
             }
             copy_rows_to(dqb + i0 * ldq, ldq, w->dqi, nq, D);
         }
