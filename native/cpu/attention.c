@@ -185,8 +185,8 @@ static int classify(const int32_t *lo, const int32_t *hi, const int32_t *ex, int
 }
 
 /* A block's quarters: when it is partial and both its query rows and its keys are more than
- * HALF, each is cut in two at HALF, and see[i][j] says whether some row of query half i sees
- * some key of key half j (classify; 1 for a block not cut, nr = nk = 1). The products skip
+ * HALF, each is cut in two at HALF, and see[2 i + j] says whether some row of query half i
+ * sees some key of key half j (classify; 1 for a block not cut, nr = nk = 1). The products skip
  * the quarters no row sees: a causal diagonal block's second half of keys for its first
  * half of rows, a quarter of its work (at ctx 256, 4 of a head's 10 blocks are diagonal).
  * What they leave out is what the masks make nothing of: S there is masked to -inf (P = 0),
@@ -196,7 +196,7 @@ static int classify(const int32_t *lo, const int32_t *hi, const int32_t *ex, int
 typedef struct quarters {
     int nr, nk;             /* halves of the rows and of the keys: 1 or 2 */
     int64_t r[3], k[3];     /* rows [r[i], r[i + 1]) of half i; keys [k[j], k[j + 1]) of half j */
-    int see[2][2];
+    int see[4];             /* see[2 i + j] */
 } quarters;
 
 static void quarters_of(quarters *Q, int kind, const int32_t *lo, const int32_t *hi, const int32_t *ex, int64_t nq,
@@ -210,33 +210,30 @@ static void quarters_of(quarters *Q, int kind, const int32_t *lo, const int32_t 
     Q->k[2] = nc;
     for (int i = 0; i < Q->nr; i++)
         for (int j = 0; j < Q->nk; j++)
-            Q->see[i][j] = !cut || classify(lo + Q->r[i], hi + Q->r[i], ex + Q->r[i], Q->r[i + 1] - Q->r[i],
+            Q->see[2 * i + j] = !cut || classify(lo + Q->r[i], hi + Q->r[i], ex + Q->r[i], Q->r[i + 1] - Q->r[i],
                                             j0 + Q->k[j], j0 + Q->k[j + 1] - 1) != BLOCK_SKIP;
 }
 
-/* The rows [*a, *b) that see key half j (a == b: none); of two halves, those seen are
- * consecutive. */
-static void rows_seeing(const quarters *Q, int j, int64_t *a, int64_t *b) {
+/* The bounds [*a, *b) of the halves whose flags (see[0], see[step], ... n of them) are set,
+ * halves cut at bound[]; a == b when none. Of two halves those set are consecutive. */
+static void seen_span(const int *see, int step, int n, const int64_t *bound, int64_t *a, int64_t *b) {
     int first = -1, last = -1;
-    for (int i = 0; i < Q->nr; i++)
-        if (Q->see[i][j]) {
+    for (int i = 0; i < n; i++)
+        if (see[i * step]) {
             if (first < 0) first = i;
             last = i;
         }
-    *a = first < 0 ? 0 : Q->r[first];
-    *b = first < 0 ? 0 : Q->r[last + 1];
+    *a = first < 0 ? 0 : bound[first];
+    *b = first < 0 ? 0 : bound[last + 1];
 }
 
-/* The keys [*a, *b) that rows of half i see. */
+/* The rows [*a, *b) that see key half j; the keys [*a, *b) that rows of half i see. */
+static void rows_seeing(const quarters *Q, int j, int64_t *a, int64_t *b) {
+    seen_span(Q->see + j, 2, Q->nr, Q->r, a, b);
+}
+
 static void keys_seen(const quarters *Q, int i, int64_t *a, int64_t *b) {
-    int first = -1, last = -1;
-    for (int j = 0; j < Q->nk; j++)
-        if (Q->see[i][j]) {
-            if (first < 0) first = j;
-            last = j;
-        }
-    *a = first < 0 ? 0 : Q->k[first];
-    *b = first < 0 ? 0 : Q->k[last + 1];
+    seen_span(Q->see + 2 * i, 1, Q->nk, Q->k, a, b);
 }
 
 /* ---- vector helpers (contiguous rows, LANES at a time, fixed order) ------------------ */
@@ -1024,7 +1021,7 @@ static void bwd_unit(const att *A, rows R, const float *delta, const float *lse_
                                        e - a, D, 0);
                     }
                     for (int i = 0; i < Q.nr; i++)
-                        if (!Q.see[i][j])
+                        if (!Q.see[2 * i + j])
                             for (int64_t c = c0; c < c0 + n; c++)
                                 memset(w->dpt + c * BR + Q.r[i], 0, (size_t)(Q.r[i + 1] - Q.r[i]) * sizeof(float));
                 }
