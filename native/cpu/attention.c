@@ -928,9 +928,12 @@ int gt_attention_fwd_f32(const gt_node *node, const gt_ctx *ctx) {
  * NOTE: every block a product reads or adds to many times is contiguous: Q^T as one D x Tq
  * matrix was read D rows Tq floats apart (8 KiB at ctx 2048), and dQ, dK, dV summed in dst
  * rows H * D floats apart (1 KiB at 8 heads of 32): such rows share a few L1 sets and evict
- * each other between register tiles (see crowded()). Measured, 2 threads, alternating: the
- * backward of 8 heads of 32 at ctx 2048 34.8-40.2 -> 30.3-30.8 ms, of llama config b's
- * (4 x 256, 8 heads of 64) 7.6 -> 4.8 ms. Same products in the same order: same bits. */
+ * each other between register tiles (see crowded()). Measured, 2 threads, builds alternating:
+ * the backward alone of 8 heads of 32 at ctx 2048 40.0-40.6 -> 31.2-32.1 ms, of llama config
+ * b's (4 x 256, 8 heads of 64) 7.6 -> 5.7 ms; inside a training step less, by how busy the
+ * shared machine is (llama-c's 4 backwards 142-144 -> 126 ms in one sitting, 128-135 -> 124-132
+ * in another).
+ * Same products in the same order: same bits. */
 typedef struct bwd_work {
     float *qt, *dot, *st, *dpt, *lse, *delta, *qb, *gb, *kb, *vb, *dqi, *dki, *dvi;
     int32_t *lo, *hi, *ex, *sq, *sk;
