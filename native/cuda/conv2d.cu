@@ -1,7 +1,10 @@
 /* conv2d.cu: the direct convolution over NHWC with bias, relu and max-pool fused, and its two
  * gradients, as ggtrain.h's conv2d: one thread an output element, the sums in the CPU's
  * order (channel, kernel row, kernel column); the kernel's gradient, a sum over every output
- * position, in chunks of positions (one thread a chunk and output), then the chunks in order. */
+ * position, in chunks of positions (one thread a chunk and output), then the chunks in order.
+ * Both gradients first write the gradient of the convolution's outputs (before relu and pool)
+ * densely into scratch (conv_dv), so the pool's codes and the relu are read once an output,
+ * not once a product (they were read C*KH*KW times over, most of both gradients' time). */
 #include "common.cuh"
 #include "kernels.h"
 
@@ -127,6 +130,17 @@ __device__ inline float dv_at(const geomT<I> &g, const float *y, const float *gr
     return y[plane + at] == code ? gr[at] : 0.0f;
 }
 
+/* dv[(n, oh, ow, co)] = dv_at(...): the gradient of every output of the convolution. */
+template <typename I>
+__global__ void conv_dv(geomT<I> g, float *dv, const float *y, const float *gr) {
+    CONV_FOR(i, g.N * g.OH * g.OW * g.CO) {
+        const I co = i % g.CO, ow = (i / g.CO) % g.OW, oh = (i / (g.CO * g.OW)) % g.OH, n = i / (g.CO * g.OW * g.OH);
+        dv[i] = dv_at(g, y, gr, n, oh, ow, co);
+    }
+}
+
+static int64_t dv_numel(const geom &g) { return g.N * g.OH * g.OW * g.CO; }
+
 /* Output positions (n, oh, ow) one partial sum of the kernel's gradient covers. */
 #define CONV_CHUNK 512
 
@@ -138,25 +152,24 @@ static int64_t weight_chunks(const geom &g) {
 /* part[chunk][r * CO + co]: the gradient of kernel row r (c, kh, kw; r = C*KH*KW: the bias) of
  * output channel co, summed over the chunk's positions in order. */
 template <typename I>
-__global__ void conv_weight_partial(geomT<I> g, float *part, const float *x, const float *y, const float *gr,
-                                    I chunks) {
+__global__ void conv_weight_partial(geomT<I> g, float *part, const float *x, const float *dv, I chunks) {
     const I rows = g.C * g.KH * g.KW, outs = (rows + 1) * g.CO, P = g.N * g.OH * g.OW;
     CONV_FOR(i, chunks * outs) {
         const I o = i % outs, chunk = i / outs, co = o % g.CO, r = o / g.CO;
         const I c = r / (g.KH * g.KW), kh = (r / g.KW) % g.KH, kw = r % g.KW;
         const I p0 = chunk * CONV_CHUNK, p1 = p0 + CONV_CHUNK < P ? p0 + CONV_CHUNK : P;
         I ow = p0 % g.OW, oh = (p0 / g.OW) % g.OH, n = p0 / (g.OW * g.OH);
+        const bool bias = r == rows;
         float acc = 0.0f;
+        /* (each position's loads do not wait on the sum, so unrolled they are in flight together:
+         * one at a time, each waited its full latency) */
+#pragma unroll 4
         for (I p = p0; p < p1; p++) {
-            const float dv = dv_at(g, y, gr, n, oh, ow, co);
-            if (dv != 0.0f) {
-                if (r == rows) {
-                    acc += dv;
-                } else {
-                    const I h = oh * g.S - g.P + kh, w = ow * g.S - g.P + kw;
-                    if (h >= 0 && h < g.H && w >= 0 && w < g.W) acc += dv * x[((n * g.H + h) * g.W + w) * g.C + c];
-                }
-            }
+            const float d = dv[p * g.CO + co];
+            const I h = oh * g.S - g.P + kh, w = ow * g.S - g.P + kw;
+            const bool in = !bias && h >= 0 && h < g.H && w >= 0 && w < g.W;
+            const float xv = in ? x[((n * g.H + h) * g.W + w) * g.C + c] : 0.0f;
+            if (d != 0.0f && (bias || in)) acc += bias ? d : d * xv;
             if (++ow == g.OW) {
                 ow = 0;
                 if (++oh == g.OH) {
@@ -178,20 +191,26 @@ __global__ void conv_weight_total(float *d, const float *part, I outs, I chunks)
     }
 }
 
-template <typename I>
-__global__ void conv_input_bwd(geomT<I> g, float *d, const float *k, const float *y, const float *gr) {
+/* UNIT: stride 1, where an output position is the input's shifted by the kernel offset (no
+ * division by the stride: a 32-bit division is about 20 instructions, and there are two per
+ * product). */
+template <typename I, bool UNIT>
+__global__ void conv_input_bwd(geomT<I> g, float *d, const float *k, const float *dv) {
     CONV_FOR(i, g.N * g.H * g.W * g.C) {
         const I c = i % g.C, w = (i / g.C) % g.W, h = (i / (g.C * g.W)) % g.H, n = i / (g.C * g.W * g.H);
         float acc = 0.0f;
         for (I co = 0; co < g.CO; co++)
             for (I kh = 0; kh < g.KH; kh++) {
                 const I hs = h + g.P - kh;
-                if (hs < 0 || hs % g.S || hs / g.S >= g.OH) continue;
+                if (hs < 0 || (!UNIT && hs % g.S)) continue;
+                const I oh = UNIT ? hs : hs / g.S;
+                if (oh >= g.OH) continue;
                 for (I kw = 0; kw < g.KW; kw++) {
                     const I ws = w + g.P - kw;
-                    if (ws < 0 || ws % g.S || ws / g.S >= g.OW) continue;
-                    const float dv = dv_at(g, y, gr, n, hs / g.S, ws / g.S, co);
-                    acc += dv * k[((co * g.C + c) * g.KH + kh) * g.KW + kw];
+                    if (ws < 0 || (!UNIT && ws % g.S)) continue;
+                    const I ow = UNIT ? ws : ws / g.S;
+                    if (ow >= g.OW) continue;
+                    acc += dv[((n * g.OH + oh) * g.OW + ow) * g.CO + co] * k[((co * g.C + c) * g.KH + kh) * g.KW + kw];
                 }
             }
         d[i] = acc;
@@ -250,12 +269,20 @@ static int weight_geometry(const gt_node *node, geom *g, const char *op) {
     return GT_OK;
 }
 
+/* Scratch: the chunks' partial sums, then the dense dv. */
 GTC_SIZES(conv2d_weight_bwd_f32) {
-    geom g;
+    geom g{};
     GTC_TRY(weight_geometry(node, &g, "conv2d_weight_bwd"));
-    *scratch = weight_chunks(g) * gtc_numel(node->dst) * (int64_t)sizeof(float);
+    *scratch = (weight_chunks(g) * gtc_numel(node->dst) + dv_numel(g)) * (int64_t)sizeof(float);
     *work = 0;
     return GT_OK;
+}
+
+/* The dense dv of the node's (out, grad) into dv. */
+template <typename I>
+static void launch_dv(const geom &g, float *dv, const gt_node *node) {
+    conv_dv<I><<<gtc_blocks(dv_numel(g)), GTC_THREADS, 0, gtc_stream_()>>>(
+        narrow<I>(g), dv, (const float *)node->src[1].data, (const float *)node->src[2].data);
 }
 
 GTC_LAUNCHER(conv2d_weight_bwd_f32) {
@@ -268,23 +295,34 @@ GTC_LAUNCHER(conv2d_weight_bwd_f32) {
     GTC_TRY(gt_conv2d_out_check(&node->src[1], g.N, g.OH, g.OW, g.CO, g.pool, op, "out"));
     GTC_TRY(gt_conv2d_grad_check(&node->src[2], g.N, g.OH, g.OW, g.CO, g.pool, op));
     const int64_t outs = gtc_numel(*d), chunks = weight_chunks(g);
-    if (node->scratch_size < chunks * outs * (int64_t)sizeof(float))
-        return GTC_FAIL(GT_ERR_INVALID, "%s: scratch must hold %lld floats", op, (long long)(chunks * outs));
-    float *part = (float *)node->scratch;
-    const float *xd = (const float *)x->data, *y = (const float *)node->src[1].data,
-                *gr = (const float *)node->src[2].data;
+    if (node->scratch_size < (chunks * outs + dv_numel(g)) * (int64_t)sizeof(float))
+        return GTC_FAIL(GT_ERR_INVALID, "%s: scratch must hold %lld floats", op,
+                        (long long)(chunks * outs + dv_numel(g)));
+    float *part = (float *)node->scratch, *dv = part + chunks * outs;
+    const float *xd = (const float *)x->data;
     const unsigned parts = gtc_blocks(chunks * outs), totals = gtc_blocks(outs);
     if (fits32(g, chunks * outs)) {
-        conv_weight_partial<int32_t><<<parts, GTC_THREADS, 0, gtc_stream_()>>>(narrow<int32_t>(g), part, xd, y, gr,
+        launch_dv<int32_t>(g, dv, node);
+        conv_weight_partial<int32_t><<<parts, GTC_THREADS, 0, gtc_stream_()>>>(narrow<int32_t>(g), part, xd, dv,
                                                                                 (int32_t)chunks);
         conv_weight_total<int32_t><<<totals, GTC_THREADS, 0, gtc_stream_()>>>((float *)d->data, part,
                                                                                (int32_t)outs, (int32_t)chunks);
     } else {
-        conv_weight_partial<int64_t><<<parts, GTC_THREADS, 0, gtc_stream_()>>>(narrow<int64_t>(g), part, xd, y, gr,
+        launch_dv<int64_t>(g, dv, node);
+        conv_weight_partial<int64_t><<<parts, GTC_THREADS, 0, gtc_stream_()>>>(narrow<int64_t>(g), part, xd, dv,
                                                                                 chunks);
         conv_weight_total<int64_t><<<totals, GTC_THREADS, 0, gtc_stream_()>>>((float *)d->data, part, outs, chunks);
     }
     return GTC_LAUNCHED(op);
+}
+
+/* Scratch: the dense dv. */
+GTC_SIZES(conv2d_input_bwd_f32) {
+    geom g{};
+    GTC_TRY(geometry(node, &node->dst, &node->src[0], &g, "conv2d_input_bwd"));
+    *scratch = dv_numel(g) * (int64_t)sizeof(float);
+    *work = 0;
+    return GT_OK;
 }
 
 GTC_LAUNCHER(conv2d_input_bwd_f32) {
@@ -298,12 +336,20 @@ GTC_LAUNCHER(conv2d_input_bwd_f32) {
     GTC_TRY(gt_conv2d_grad_check(&node->src[2], g.N, g.OH, g.OW, g.CO, g.pool, op));
     const int64_t n = gtc_numel(*d);
     if (n == 0) return GT_OK;
-    float *dd = (float *)d->data;
-    const float *k = (const float *)node->src[0].data, *y = (const float *)node->src[1].data,
-                *gr = (const float *)node->src[2].data;
-    if (fits32(g, n))
-        conv_input_bwd<int32_t><<<gtc_blocks(n), GTC_THREADS, 0, gtc_stream_()>>>(narrow<int32_t>(g), dd, k, y, gr);
-    else
-        conv_input_bwd<int64_t><<<gtc_blocks(n), GTC_THREADS, 0, gtc_stream_()>>>(narrow<int64_t>(g), dd, k, y, gr);
+    if (node->scratch_size < dv_numel(g) * (int64_t)sizeof(float))
+        return GTC_FAIL(GT_ERR_INVALID, "%s: scratch must hold %lld floats", op, (long long)dv_numel(g));
+    float *dd = (float *)d->data, *dv = (float *)node->scratch;
+    const float *k = (const float *)node->src[0].data;
+    const unsigned blocks = gtc_blocks(n);
+    if (fits32(g, n)) {
+        launch_dv<int32_t>(g, dv, node);
+        if (g.S == 1)
+            conv_input_bwd<int32_t, true><<<blocks, GTC_THREADS, 0, gtc_stream_()>>>(narrow<int32_t>(g), dd, k, dv);
+        else
+            conv_input_bwd<int32_t, false><<<blocks, GTC_THREADS, 0, gtc_stream_()>>>(narrow<int32_t>(g), dd, k, dv);
+    } else {
+        launch_dv<int64_t>(g, dv, node);
+        conv_input_bwd<int64_t, false><<<blocks, GTC_THREADS, 0, gtc_stream_()>>>(narrow<int64_t>(g), dd, k, dv);
+    }
     return GTC_LAUNCHED(op);
 }

@@ -17,7 +17,7 @@
     X(set_rows_fwd_f32) X(view_bwd_f32) X(adamw_step_fwd_f32) X(sgd_step_fwd_f32)             \
     X(max_pool2d_fwd_f32) X(max_pool2d_bwd_f32) X(im2col_fwd_f32) X(im2col_bwd_f32)           \
     S(attention_fwd_f32) S(attention_bwd_f32)                                                  \
-    X(conv2d_fwd_f32) S(conv2d_weight_bwd_f32) X(conv2d_input_bwd_f32)                         \
+    X(conv2d_fwd_f32) S(conv2d_weight_bwd_f32) S(conv2d_input_bwd_f32)                         \
     S(matmul_fwd_f32)                                                                          \
     S(matmul_fwd_f32_f16) S(matmul_fwd_f32_bf16) S(matmul_fwd_f32_q4_0) S(matmul_fwd_f32_q4_1) \
     S(matmul_fwd_f32_q5_0) S(matmul_fwd_f32_q5_1) S(matmul_fwd_f32_q8_0)                       \
