@@ -38,17 +38,46 @@ GTC_LAUNCHER(get_rows_fwd_f32) {
     return GTC_LAUNCHED(op);
 }
 
-/* dst (V, C) = zeros, then g's rows added at their indices, in index order per column. */
+/* Rows of g a scatter_add thread takes at once. */
+#define SCATTER_BATCH 16
+
+/* dst (V, C) = zeros, then g's rows added at their indices, in index order per column. A
+ * thread takes its column's rows SCATTER_BATCH at a time: it reads the batch's rows of g and
+ * its distinct dst rows together, adds each dst row's rows of the batch to it in order, and
+ * writes them back: the same sums in the same order as one row at a time (each dst element
+ * is summed by one thread, the rows in index order), with one wait on memory a batch instead
+ * of one a row (a dst row's read waited on the last row's write: 4096 rows took 1.3 ms on an
+ * H100). */
 __global__ void scatter_add(float *d, const float *g, const int32_t *idx, int64_t n, int64_t V, int64_t C,
                             GTC_ERR_ARGS) {
     GTC_FOR(c, C) {
-        for (int64_t r = 0; r < n; r++) {
-            const int32_t v = idx[r];
-            if (v < 0 || v >= V) {
-                GTC_RAISE(GTC_DEV_GET_ROWS_BWD, r, v, V);
-                continue;
+        for (int64_t r0 = 0; r0 < n; r0 += SCATTER_BATCH) {
+            const int k = n - r0 < SCATTER_BATCH ? (int)(n - r0) : SCATTER_BATCH;
+            int32_t v[SCATTER_BATCH];
+            float sum[SCATTER_BATCH], gv[SCATTER_BATCH];
+            bool first[SCATTER_BATCH];
+#pragma unroll
+            for (int j = 0; j < SCATTER_BATCH; j++) gv[j] = j < k ? g[(r0 + j) * C + c] : 0.0f;
+#pragma unroll
+            for (int j = 0; j < SCATTER_BATCH; j++) {
+                v[j] = j < k ? idx[r0 + j] : -1;
+                first[j] = j < k && v[j] >= 0 && v[j] < V;
+                if (j < k && !first[j]) GTC_RAISE(GTC_DEV_GET_ROWS_BWD, r0 + j, v[j], V);
+#pragma unroll
+                for (int i = 0; i < j; i++)
+                    if (first[i] && v[i] == v[j]) first[j] = false;
             }
-            d[v * C + c] += g[r * C + c];
+#pragma unroll
+            for (int j = 0; j < SCATTER_BATCH; j++)
+                if (first[j]) sum[j] = d[(int64_t)v[j] * C + c];
+#pragma unroll
+            for (int j = 0; j < SCATTER_BATCH; j++) {
+                if (!first[j]) continue;
+#pragma unroll
+                for (int i = j; i < SCATTER_BATCH; i++)
+                    if (i < k && v[i] == v[j]) sum[j] += gv[i];
+                d[(int64_t)v[j] * C + c] = sum[j];
+            }
         }
     }
 }
