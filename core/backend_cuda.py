@@ -278,6 +278,8 @@ class CudaBackend(Backend):
         node = self.ffi.new("gt_node *")
         fill_node(self.ffi, node, call, None, [])
         scratch, work = self.ffi.new("int64_t *"), self.ffi.new("int64_t *")
+        # (a product's work memory depends on the precision: bf16 operands are staged in it)
+        _check(self.lib.gtc_set_math(self.math.encode()), "choosing the matrix products' precision")
         _check(self.lib.gtc_kernel_sizes(call.kernel.encode(), node, scratch, work),
                f"sizing {call.label or call.kernel}")
         return int(scratch[0]), int(work[0])

@@ -73,8 +73,8 @@ def test_backend_cuda_says_why_it_cannot_run(tmp_path):
         assert r.stderr == f"error: --backend cuda: not available: {reason}\n", (args, r.stderr)
     r = subprocess.run([sys.executable, "-m", "ggtrain", "train", "--out", "x.gguf", "--backend", "tpu"],
                        capture_output=True, text=True)
-    assert r.returncode == 1 and r.stderr == "error: --backend tpu: expected cpu, cuda or cuda-tf32\n"
-    for backend in ("cuda-tf32",):
+    assert r.returncode == 1 and r.stderr == "error: --backend tpu: expected cpu, cuda, cuda-tf32 or cuda-bf16\n"
+    for backend in ("cuda-tf32", "cuda-bf16"):
         r = subprocess.run([sys.executable, "-m", "ggtrain", "train", "--out", "x.gguf", "--backend", backend],
                            capture_output=True, text=True)
         assert r.returncode == 1 and r.stderr == f"error: --backend {backend}: not available: {reason}\n", r.stderr

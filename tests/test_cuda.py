@@ -257,9 +257,10 @@ def test_matmul_lora_adds_its_second_product_through_the_host_stand_in(cuda_lib)
 
 def test_every_backend_precision_is_the_librarys_and_picks_its_compute_type(cuda_lib):
     """--backend's CUDA precisions (cli/common.py BACKENDS) are the names the library knows,
-    gtc_set_math picks each one's cuBLAS compute type (the host stand-in rounds the inputs as
-    that type reads them: TF32's 10 fraction bits), and an unknown name is refused with the
-    list."""
+    gtc_set_math picks each one's way of reading a product's inputs (the host stand-in rounds
+    them as that precision reads them: TF32's 10 fraction bits; bf16's 7, staged in the node's
+    work memory, which the sizes function asks for under bf16 alone, over each operand's view:
+    a transposed view of a wider matrix here), and an unknown name is refused with the list."""
     from ggtrain.cli.common import BACKENDS
     ffi, lib = cuda_lib
     if backend_cuda.unavailable_reason() is None:
@@ -272,25 +273,39 @@ def test_every_backend_precision_is_the_librarys_and_picks_its_compute_type(cuda
     assert sorted(m for m, _ in BACKENDS.values() if m) == sorted(names)
     assert lib.gtc_test_host_blas() == 0
     rng = np.random.default_rng(3)
-    a, b = rng.standard_normal((6, 9)).astype(np.float32), rng.standard_normal((9, 5)).astype(np.float32)
+    wide = rng.standard_normal((7, 10)).astype(np.float32)
+    a, b = rng.standard_normal((6, 9)).astype(np.float32), wide[:5, 1:].T     # b: (9, 5), a strided view
     fn = lib.gtc_kernel(b"matmul_fwd_f32")
 
-    def ref(x):
-        return TensorRef(_ArrayBuffer(x), 0, "f32", x.shape, tuple(s // 4 for s in x.strides))
+    def ref(x, base=None):
+        base = x if base is None else base
+        off = (x.__array_interface__["data"][0] - base.__array_interface__["data"][0]) // 4
+        return TensorRef(_ArrayBuffer(base), off * 4, "f32", x.shape, tuple(s // 4 for s in x.strides))
     try:
-        for math, drop in (("tf32", 13), ("f32", 0)):
+        for math, drop in (("tf32", 13), ("f32", 0), ("bf16", 16)):
             assert lib.gtc_set_math(math.encode()) == 0
             out = np.full((6, 5), np.nan, np.float32)
+            call = KernelCall("matmul_fwd_f32", ref(out), (ref(a), ref(b, wide)))
             node = ffi.new("gt_node *")
-            fill_node(ffi, node, KernelCall("matmul_fwd_f32", ref(out), (ref(a), ref(b))), fn, [])
-            assert fn(node, ffi.new("gt_ctx *")) == 0, ffi.string(lib.gtc_last_error()).decode()
+            fill_node(ffi, node, call, fn, [])
+            scratch, work = ffi.new("int64_t *"), ffi.new("int64_t *")
+            assert lib.gtc_kernel_sizes(b"matmul_fwd_f32", node, scratch, work) == 0
+            span_b = (b.shape[0] - 1) * 1 + (b.shape[1] - 1) * 10 + 1       # the view's first to last element
+            assert work[0] == (0 if math != "bf16" else 256 * -(-a.size * 2 // 256) + 256 * -(-span_b * 2 // 256))
+            ctx = ffi.new("gt_ctx *")
+            if math == "bf16":
+                assert fn(node, ctx) != 0        # no work memory: refused, saying how much it needs
+                assert f"needs {work[0]} bytes of work memory" in ffi.string(lib.gtc_last_error()).decode()
+                mem = ffi.new("char[]", work[0])
+                ctx.wdata, ctx.wsize = mem, work[0]
+            assert fn(node, ctx) == 0, ffi.string(lib.gtc_last_error()).decode()
             ra, rb = (refs.rounded(a, drop), refs.rounded(b, drop)) if drop else (a, b)
             want = ra.astype(np.float64) @ rb.astype(np.float64)
             np.testing.assert_allclose(out, want, rtol=1e-6, atol=1e-6, err_msg=math)
             if drop:     # the rounding made a difference the check can see
                 assert np.abs(want - a.astype(np.float64) @ b.astype(np.float64)).max() > 1e-4, math
-        assert lib.gtc_set_math(b"bf16") != 0
-        assert ("matrix products in bf16: expected one of f32, tf32"
+        assert lib.gtc_set_math(b"fp8") != 0
+        assert ("matrix products in fp8: expected one of f32, tf32, bf16"
                 in ffi.string(lib.gtc_last_error()).decode())
     finally:
         lib.gtc_set_math(b"f32")

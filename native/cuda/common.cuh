@@ -232,6 +232,14 @@ __host__ __device__ inline float gtc_bf16(uint16_t h) {
     v.u = (uint32_t)h << 16;
     return v.f;
 }
+/* f32 to bf16, rounded to nearest even (a NaN stays a quiet NaN): copy_bf16's rounding and the
+ * bf16 products' (cuda-bf16), on the device and in the host stand-in alike. */
+__host__ __device__ inline uint16_t gtc_to_bf16(float f) {
+    union { float f; uint32_t u; } v;
+    v.f = f;
+    if ((v.u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((v.u >> 16) | 0x40u);
+    return (uint16_t)((v.u + 0x7FFFu + ((v.u >> 16) & 1u)) >> 16);
+}
 
 /* The launchers, one per kernel of the table (kernels.h lists them). */
 #define GTC_LAUNCHER(name) extern "C" int gtc_k_##name(const gt_node *node, const gt_ctx *ctx)

@@ -239,12 +239,6 @@ GTC_LAUNCHER(dropout_fwd_f32) {
 /* ---- copies with conversion (also `cont`): src f32/f16/bf16 any strides, dst contiguous ----- */
 
 __device__ inline uint16_t to_f16(float f) { return __half_as_ushort(__float2half_rn(f)); }
-__device__ inline uint16_t to_bf16(float f) {
-    union { float f; uint32_t u; } v;
-    v.f = f;
-    if ((v.u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((v.u >> 16) | 0x40u);   /* quiet NaN */
-    return (uint16_t)((v.u + 0x7FFFu + ((v.u >> 16) & 1u)) >> 16);
-}
 
 template <int DST>
 __global__ void copy(void *d, GTC_PARAM gt_tensor s, GTC_PARAM gt_tensor like, int64_t n, bool plain) {
@@ -259,7 +253,7 @@ __global__ void copy(void *d, GTC_PARAM gt_tensor s, GTC_PARAM gt_tensor like, i
         } else if (DST == GT_F16) {
             ((uint16_t *)d)[i] = s.dtype == GT_F16 ? ((const uint16_t *)s.data)[o] : to_f16(v);
         } else {
-            ((uint16_t *)d)[i] = s.dtype == GT_BF16 ? ((const uint16_t *)s.data)[o] : to_bf16(v);
+            ((uint16_t *)d)[i] = s.dtype == GT_BF16 ? ((const uint16_t *)s.data)[o] : gtc_to_bf16(v);
         }
     }
 }

@@ -1,6 +1,9 @@
 /* matmul.cu: matrix products through cuBLAS (f32, exact unless gtc_set_math), products with a
  * frozen weight in its stored type (decoded to f32 in the node's work memory, then the f32
- * product: the same view, so the same layouts as the CPU's), and get_rows of stored weights. */
+ * product: the same view, so the same layouts as the CPU's), and get_rows of stored weights.
+ * Under gtc_set_math("bf16") a product's two operands are first rounded to bf16 (nearest even)
+ * into the work memory, each over the span of memory its view covers, so the same offsets and
+ * leading dims address them; cuBLAS multiplies them with f32 sums into the f32 dst. */
 #include <dlfcn.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -43,6 +46,7 @@ int gtc_cublas_load_(cudaStream_t stream) {
     g_blas.gemm = (decltype(g_blas.gemm))dlsym(lib, "cublasGemmEx");
     g_blas.gemm_strided = (decltype(g_blas.gemm_strided))dlsym(lib, "cublasGemmStridedBatchedEx");
     g_blas.compute = GTC_COMPUTE_32F;
+    g_blas.bf16 = 0;
     if (!create || !set_stream || !g_blas.gemm || !g_blas.gemm_strided)
         return GTC_FAIL(GT_ERR_UNSUPPORTED, "cuBLAS lacks a function ggtrain calls (cublasCreate_v2, "
                         "cublasSetStream_v2, cublasGemmEx, cublasGemmStridedBatchedEx)");
@@ -69,19 +73,24 @@ static float host_input(float x, int compute) {
     return x;
 }
 
-/* C = alpha op(A) op(B) + beta C, column-major, f32 operands, as cublasGemmEx defines it. */
-static int host_gemm(void *, int ta, int tb, int m, int n, int k, const void *alpha_, const void *A_, int,
-                     int lda, const void *B_, int, int ldb, const void *beta_, void *C_, int, int ldc, int compute,
+/* Element i of an operand of cudaDataType `type` (f32 or bf16). */
+static float host_elem(const void *p, int type, int64_t i) {
+    return type == GTC_R_16BF ? gtc_bf16(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+/* C = alpha op(A) op(B) + beta C, column-major, A and B f32 or bf16, C f32, as cublasGemmEx
+ * defines it. */
+static int host_gemm(void *, int ta, int tb, int m, int n, int k, const void *alpha_, const void *A, int at,
+                     int lda, const void *B, int bt, int ldb, const void *beta_, void *C_, int, int ldc, int compute,
                      int) {
-    const float *A = (const float *)A_, *B = (const float *)B_, alpha = *(const float *)alpha_,
-                beta = *(const float *)beta_;
+    const float alpha = *(const float *)alpha_, beta = *(const float *)beta_;
     float *C = (float *)C_;
     for (int j = 0; j < n; j++)
         for (int i = 0; i < m; i++) {
             double acc = 0.0;
             for (int l = 0; l < k; l++) {
-                const float av = ta == GTC_OP_N ? A[i + (int64_t)l * lda] : A[l + (int64_t)i * lda];
-                const float bv = tb == GTC_OP_N ? B[l + (int64_t)j * ldb] : B[j + (int64_t)l * ldb];
+                const float av = host_elem(A, at, ta == GTC_OP_N ? i + (int64_t)l * lda : l + (int64_t)i * lda);
+                const float bv = host_elem(B, bt, tb == GTC_OP_N ? l + (int64_t)j * ldb : j + (int64_t)l * ldb);
                 acc += (double)host_input(av, compute) * host_input(bv, compute);
             }
             float *c = C + i + (int64_t)j * ldc;
@@ -94,9 +103,10 @@ static int host_gemm_strided(void *h, int ta, int tb, int m, int n, int k, const
                              int at, int lda, long long sa, const void *B, int bt, int ldb, long long sb,
                              const void *beta, void *C, int ct, int ldc, long long sc, int batch, int compute,
                              int algo) {
+    const int ea = at == GTC_R_16BF ? 2 : 4, eb = bt == GTC_R_16BF ? 2 : 4;
     for (int i = 0; i < batch; i++)
-        host_gemm(h, ta, tb, m, n, k, alpha, (const float *)A + i * sa, at, lda, (const float *)B + i * sb, bt, ldb,
-                  beta, (float *)C + i * sc, ct, ldc, compute, algo);
+        host_gemm(h, ta, tb, m, n, k, alpha, (const char *)A + i * sa * ea, at, lda, (const char *)B + i * sb * eb,
+                  bt, ldb, beta, (float *)C + i * sc, ct, ldc, compute, algo);
     return 0;
 }
 
@@ -106,6 +116,7 @@ extern "C" int gtc_test_host_blas(void) {
     g_blas.gemm = host_gemm;
     g_blas.gemm_strided = host_gemm_strided;
     g_blas.compute = GTC_COMPUTE_32F;
+    g_blas.bf16 = 0;
     return GT_OK;
 }
 
@@ -113,8 +124,8 @@ extern "C" int gtc_test_host_blas(void) {
  * errors use (the one table: gtc_math_name lists it for the Python side). */
 static const struct {
     const char *name;
-    int compute;
-} g_maths[] = {{"f32", GTC_COMPUTE_32F}, {"tf32", GTC_COMPUTE_32F_FAST_TF32}};
+    int compute, bf16;
+} g_maths[] = {{"f32", GTC_COMPUTE_32F, 0}, {"tf32", GTC_COMPUTE_32F_FAST_TF32, 0}, {"bf16", GTC_COMPUTE_32F, 1}};
 
 extern "C" const char *gtc_math_name(int32_t i) {
     return i >= 0 && i < (int32_t)(sizeof g_maths / sizeof g_maths[0]) ? g_maths[i].name : NULL;
@@ -124,7 +135,7 @@ extern "C" int gtc_set_math(const char *name) {
     if (!g_blas.handle) return GTC_FAIL(GT_ERR_INVALID, "gtc_set_math: gtc_init has not run");
     char names[64] = "";
     for (const auto &m : g_maths) {
-        if (name && !strcmp(name, m.name)) return (g_blas.compute = m.compute, GT_OK);
+        if (name && !strcmp(name, m.name)) return (g_blas.compute = m.compute, g_blas.bf16 = m.bf16, GT_OK);
         const size_t used = strlen(names);
         snprintf(names + used, sizeof names - used, "%s%s", used ? ", " : "", m.name);
     }
@@ -158,10 +169,46 @@ static int layout(const gt_tensor *t, const char *what, operand *o) {
     return GT_OK;
 }
 
+/* ---- bf16 operands (gtc_set_math "bf16") ------------------------------------------------------ */
+
+/* Elements of memory a view covers, from its first element to its last (strides >= 0: every
+ * view the plans make); -1 for a negative stride. */
+static int64_t span(const gt_tensor *t) {
+    if (gtc_numel(*t) == 0) return 0;
+    int64_t n = 1;
+    for (int i = 0; i < t->ndim; i++) {
+        if (t->strides[i] < 0) return -1;
+        n += (t->shape[i] - 1) * t->strides[i];
+    }
+    return n;
+}
+
+static int64_t align256(int64_t bytes) { return (bytes + 255) / 256 * 256; }
+
+/* Work bytes a product of a and b takes for its bf16 operands (0 unless bf16 is the math). */
+static int64_t bf16_bytes(const gt_tensor *a, const gt_tensor *b) {
+    if (!g_blas.bf16) return 0;
+    const int64_t na = span(a), nb = span(b);
+    return na < 0 || nb < 0 ? 0 : align256(na * 2) + align256(nb * 2);
+}
+
+__global__ void round_bf16_kernel(uint16_t *y, const float *x, int64_t n) { GTC_FOR(i, n) y[i] = gtc_to_bf16(x[i]); }
+
+/* y[i] = x[i] rounded to bf16, i < n (on the host under the stand-in of cuBLAS). */
+static int round_bf16(uint16_t *y, const float *x, int64_t n, const char *op) {
+    if (g_host_blas) {
+        for (int64_t i = 0; i < n; i++) y[i] = gtc_to_bf16(x[i]);
+        return GT_OK;
+    }
+    round_bf16_kernel<<<gtc_blocks(n), GTC_THREADS, 0, gtc_stream_()>>>(y, x, n);
+    return GTC_LAUNCHED(op);
+}
+
 /* dst (..., M, N) = a (..., M, K) @ b (..., K, N) (+ dst with beta = 1), batch dims broadcast;
- * b's data may be another pointer than b->data (a decoded weight). */
+ * b's data may be another pointer than b->data (a decoded weight). Under bf16 math, `half`
+ * (half_bytes of work memory) takes the operands rounded to bf16. */
 static int gemm(const gt_tensor *d, const gt_tensor *a, const gt_tensor *b, const float *bdata, const char *op,
-                float beta = 0.0f) {
+                void *half, int64_t half_bytes, float beta = 0.0f) {
     if (d->ndim < 2 || a->ndim < 2 || b->ndim < 2)
         return GTC_FAIL(GT_ERR_SHAPE, "%s: operands need two dims", op);
     const int64_t M = a->shape[a->ndim - 2], K = a->shape[a->ndim - 1], N = b->shape[b->ndim - 1];
@@ -201,6 +248,23 @@ static int gemm(const gt_tensor *d, const gt_tensor *a, const gt_tensor *b, cons
     operand oa = {GTC_OP_N, 0}, ob = {GTC_OP_N, 0};
     GTC_TRY(layout(a, "src0", &oa));
     GTC_TRY(layout(b, "src1", &ob));
+    /* the operands as cuBLAS reads them: f32 as they are, or rounded to bf16 into `half` */
+    const char *A = (const char *)ad, *B = (const char *)bdata;
+    int type = GTC_R_32F, es = 4;
+    if (g_blas.bf16) {
+        const int64_t na = span(a), nbb = span(b);
+        if (na < 0 || nbb < 0) return GTC_FAIL(GT_ERR_INVALID, "%s: bf16 products need strides >= 0", op);
+        if (!half || half_bytes < bf16_bytes(a, b))
+            return GTC_FAIL(GT_ERR_INVALID, "%s: needs %lld bytes of work memory for its bf16 operands, got %lld", op,
+                            (long long)bf16_bytes(a, b), (long long)(half ? half_bytes : 0));
+        uint16_t *ha = (uint16_t *)half, *hb = (uint16_t *)((char *)half + align256(na * 2));
+        GTC_TRY(round_bf16(ha, ad, na, op));
+        GTC_TRY(round_bf16(hb, bdata, nbb, op));
+        A = (const char *)ha;
+        B = (const char *)hb;
+        type = GTC_R_16BF;
+        es = 2;
+    }
     /* one strided-batched call when each operand's batch offsets step evenly */
     const int64_t sa = nb > 1 ? gtc_offset(ab, batch, 1) : 0, sb = nb > 1 ? gtc_offset(bb, batch, 1) : 0;
     bool even = nb > 1;
@@ -208,30 +272,35 @@ static int gemm(const gt_tensor *d, const gt_tensor *a, const gt_tensor *b, cons
         even = gtc_offset(ab, batch, i) == i * sa && gtc_offset(bb, batch, i) == i * sb;
     int st;
     if (even && nb <= INT32_MAX) {
-        st = g_blas.gemm_strided(g_blas.handle, ob.op, oa.op, (int)N, (int)M, (int)K, &alpha, bdata, GTC_R_32F,
-                                 (int)ob.ld, sb, ad, GTC_R_32F, (int)oa.ld, sa, &beta, dd, GTC_R_32F, (int)N, M * N,
-                                 (int)nb, g_blas.compute, GTC_GEMM_DEFAULT);
+        st = g_blas.gemm_strided(g_blas.handle, ob.op, oa.op, (int)N, (int)M, (int)K, &alpha, B, type, (int)ob.ld, sb,
+                                 A, type, (int)oa.ld, sa, &beta, dd, GTC_R_32F, (int)N, M * N, (int)nb,
+                                 g_blas.compute, GTC_GEMM_DEFAULT);
         if (st) return GTC_FAIL(GT_ERR_UNSUPPORTED, "%s: cublasGemmStridedBatchedEx failed (status %d)", op, st);
         return g_host_blas ? GT_OK : GTC_LAUNCHED(op);
     }
     for (int64_t i = 0; i < nb; i++) {
-        st = g_blas.gemm(g_blas.handle, ob.op, oa.op, (int)N, (int)M, (int)K, &alpha, bdata + gtc_offset(bb, batch, i),
-                         GTC_R_32F, (int)ob.ld, ad + gtc_offset(ab, batch, i), GTC_R_32F, (int)oa.ld, &beta,
+        st = g_blas.gemm(g_blas.handle, ob.op, oa.op, (int)N, (int)M, (int)K, &alpha, B + gtc_offset(bb, batch, i) * es,
+                         type, (int)ob.ld, A + gtc_offset(ab, batch, i) * es, type, (int)oa.ld, &beta,
                          dd + i * M * N, GTC_R_32F, (int)N, g_blas.compute, GTC_GEMM_DEFAULT);
         if (st) return GTC_FAIL(GT_ERR_UNSUPPORTED, "%s: cublasGemmEx failed (status %d)", op, st);
     }
     return g_host_blas ? GT_OK : GTC_LAUNCHED(op);
 }
 
+/* Work memory: the bf16 operands of the product, and of matmul_lora's second product. */
 GTC_SIZES(matmul_fwd_f32) {
-    (void)node;
     *scratch = 0;
     *work = 0;
+    if (node->n_src >= 2) *work = bf16_bytes(&node->src[0], &node->src[1]);
+    if (node->n_src >= 4) {
+        const int64_t second = bf16_bytes(&node->src[2], &node->src[3]);
+        *work = second > *work ? second : *work;
+    }
     return GT_OK;
 }
 
 /* matmul_lora's second product, dst += src2 (..., M, R) @ src3 (R, N) (ggtrain.h). */
-static int lora_product(const gt_node *node, const char *op) {
+static int lora_product(const gt_node *node, const char *op, void *half, int64_t half_bytes) {
     const gt_tensor *d = &node->dst, *h = &node->src[2], *bt = &node->src[3];
     GTC_F32(h, op, "src2 (h)");
     GTC_F32(bt, op, "src3 (B^T)");
@@ -242,29 +311,24 @@ static int lora_product(const gt_node *node, const char *op) {
         return GTC_FAIL(GT_ERR_SHAPE, "%s: expected h (..., M, R) with dst's leading dims and B^T (R, N), got h of "
                         "%d dims and B^T of %d", op, h->ndim, bt->ndim);
     GTC_TRY(gtc_check_contig_(h, op, "src2 (h)"));
-    return gemm(d, h, bt, (const float *)bt->data, op, 1.0f);
+    return gemm(d, h, bt, (const float *)bt->data, op, half, half_bytes, 1.0f);
 }
 
-static int f32_matmul(const gt_node *node, const char *op, bool lora) {
+static int f32_matmul(const gt_node *node, const gt_ctx *ctx, const char *op, bool lora) {
     GTC_TRY(gtc_check_n_src_(node, lora ? 4 : 2, lora ? 4 : 2, op));
     GTC_F32(&node->dst, op, "dst");
     GTC_F32(&node->src[0], op, "src0");
     GTC_F32(&node->src[1], op, "src1");
-    GTC_TRY(gemm(&node->dst, &node->src[0], &node->src[1], (const float *)node->src[1].data, op));
-    return lora ? lora_product(node, op) : GT_OK;
+    GTC_TRY(gemm(&node->dst, &node->src[0], &node->src[1], (const float *)node->src[1].data, op, ctx->wdata,
+                 ctx->wsize));
+    return lora ? lora_product(node, op, ctx->wdata, ctx->wsize) : GT_OK;
 }
 
-GTC_LAUNCHER(matmul_fwd_f32) {
-    (void)ctx;
-    return f32_matmul(node, "matmul", false);
-}
+GTC_LAUNCHER(matmul_fwd_f32) { return f32_matmul(node, ctx, "matmul", false); }
 
 /* matmul_lora: the product, then the adapter's added by a second cuBLAS product (beta = 1). */
 GTC_SIZES(matmul_lora_fwd_f32) { return gtc_s_matmul_fwd_f32(node, scratch, work); }
-GTC_LAUNCHER(matmul_lora_fwd_f32) {
-    (void)ctx;
-    return f32_matmul(node, "matmul_lora", true);
-}
+GTC_LAUNCHER(matmul_lora_fwd_f32) { return f32_matmul(node, ctx, "matmul_lora", true); }
 
 /* ---- stored weights -------------------------------------------------------------------------- */
 
@@ -295,7 +359,12 @@ static int weight_sizes(const gt_node *node, int32_t type, int64_t *scratch, int
     *work = 0;
     if (node->n_src < 2 || node->src[1].dtype != type) return GT_OK;
     GTC_TRY(weight_dims(&node->src[1], type, &R, &C, "matmul", 0));
-    *work = R * C * (int64_t)sizeof(float);
+    int64_t half = bf16_bytes(&node->src[0], &node->src[1]);
+    if (node->n_src >= 4) {
+        const int64_t second = bf16_bytes(&node->src[2], &node->src[3]);
+        half = second > half ? second : half;
+    }
+    *work = (half ? align256(R * C * (int64_t)sizeof(float)) : R * C * (int64_t)sizeof(float)) + half;
     return GT_OK;
 }
 
@@ -309,9 +378,12 @@ static int weight_matmul(const gt_node *node, const gt_ctx *ctx, int32_t type, c
         return GTC_FAIL(GT_ERR_INVALID, "%s: needs %lld bytes of scratch (the decoded weight), got %lld", op,
                         (long long)(R * C * 4), (long long)ctx->wsize);
     float *y = (float *)ctx->wdata;
+    const int64_t at = align256(R * C * (int64_t)sizeof(float));   /* the bf16 operands, past the weight */
+    void *half = ctx->wsize > at ? (char *)ctx->wdata + at : NULL;
+    const int64_t half_bytes = ctx->wsize > at ? ctx->wsize - at : 0;
     GTC_TRY(decode(y, &node->src[1], R, C));
-    GTC_TRY(gemm(&node->dst, &node->src[0], &node->src[1], y, op));
-    return lora ? lora_product(node, op) : GT_OK;
+    GTC_TRY(gemm(&node->dst, &node->src[0], &node->src[1], y, op, half, half_bytes));
+    return lora ? lora_product(node, op, half, half_bytes) : GT_OK;
 }
 
 __global__ void get_rows_blocks(float *d, const uint8_t *w, const int32_t *idx, int64_t n, int64_t V, int64_t C,
