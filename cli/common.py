@@ -31,9 +31,9 @@ BACKENDS = {
     "cuda": ("f32", "one GPU, exact f32"),
     "cuda-tf32": ("tf32", "the GPU's f32 matrix products on TF32 tensor cores: about 2x faster, about 1e-3 "
                           "relative error"),
-    "cuda-bf16": ("bf16", "the GPU's matrix products with their operands rounded to bf16 (f32 sums, f32 "
-                          "everywhere else; a fine-tune's fused loss head stays f32): faster again, about 1e-2 "
-                          "relative error"),
+    "cuda-bf16": ("bf16", "the GPU's matrix products on bf16 tensor cores, their operands rounded to bf16 "
+                          "(f32 sums; everything else f32, a fine-tune's fused loss head too): about 1e-2 "
+                          "relative error, and today no faster than cuda-tf32"),
 }
 
 
