@@ -226,8 +226,9 @@ def test_the_cublas_mapping_of_every_view_gives_the_product(cuda_lib):
 
 def test_matmul_lora_adds_its_second_product_through_the_host_stand_in(cuda_lib):
     """matmul_lora_fwd_f32's launcher (the product, then the adapter's with beta = 1), its
-    cuBLAS calls answered by the host reference: x @ w.T + h @ b.T over batch dims, and a
-    misshapen h refused in words."""
+    cuBLAS calls answered by the host reference: x @ w.T + h @ b.T over batch dims, in f32 and
+    with bf16 operands (both products' staged in the same work memory, which the sizes
+    function asks for: the larger of the two), and a misshapen h refused in words."""
     ffi, lib = cuda_lib
     if backend_cuda.unavailable_reason() is None:
         pytest.skip("a GPU is usable here: the host stand-in would replace cuBLAS in this process")
@@ -241,18 +242,30 @@ def test_matmul_lora_adds_its_second_product_through_the_host_stand_in(cuda_lib)
 
     def ref(a):
         return TensorRef(_ArrayBuffer(a), 0, "f32", a.shape, tuple(s // 4 for s in a.strides))
-    for hh, ok in ((h, True), (h[:, :2], False)):
-        out = np.full((2, 3, 5), np.nan, np.float32)
-        node = ffi.new("gt_node *")
-        fill_node(ffi, node, KernelCall("matmul_lora_fwd_f32", ref(out), (ref(x), ref(w.T), ref(np.ascontiguousarray(hh)),
-                                                                          ref(b.T))), fn, [])
-        rc = fn(node, ffi.new("gt_ctx *"))
-        if ok:
-            assert rc == 0, ffi.string(lib.gtc_last_error()).decode()
-            want = x.astype(np.float64) @ w.T.astype(np.float64) + h.astype(np.float64) @ b.T.astype(np.float64)
-            np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
-        else:
-            assert rc != 0 and "expected h (..., M, R)" in ffi.string(lib.gtc_last_error()).decode()
+    try:
+        for math, hh, ok in (("f32", h, True), ("f32", h[:, :2], False), ("bf16", h, True)):
+            assert lib.gtc_set_math(math.encode()) == 0
+            out = np.full((2, 3, 5), np.nan, np.float32)
+            node = ffi.new("gt_node *")
+            fill_node(ffi, node, KernelCall("matmul_lora_fwd_f32", ref(out),
+                                            (ref(x), ref(w.T), ref(np.ascontiguousarray(hh)), ref(b.T))), fn, [])
+            ctx = ffi.new("gt_ctx *")
+            scratch, work = ffi.new("int64_t *"), ffi.new("int64_t *")
+            assert lib.gtc_kernel_sizes(b"matmul_lora_fwd_f32", node, scratch, work) == 0
+            assert work[0] == (0 if math == "f32" else 2 * 256)     # x and w.T: 42 and 35 bf16s, each padded
+            mem = ffi.new("char[]", max(1, work[0]))
+            ctx.wdata, ctx.wsize = mem, work[0]
+            rc = fn(node, ctx)
+            if ok:
+                assert rc == 0, ffi.string(lib.gtc_last_error()).decode()
+                drop = 16 if math == "bf16" else 0
+                r = (lambda a: refs.rounded(a, drop).astype(np.float64)) if drop else (lambda a: a.astype(np.float64))
+                want = r(x) @ r(w.T) + r(h) @ r(b.T)
+                np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5, err_msg=math)
+            else:
+                assert rc != 0 and "expected h (..., M, R)" in ffi.string(lib.gtc_last_error()).decode()
+    finally:
+        lib.gtc_set_math(b"f32")
 
 
 def test_every_backend_precision_is_the_librarys_and_picks_its_compute_type(cuda_lib):
