@@ -68,7 +68,7 @@ def allreduce_times(counts: list, repeats: int) -> dict:
 def step_time(cfg: dict, threads: int, steps: int) -> tuple:
     """(median seconds per update, parameter count) of ggtrain training cfg on one process."""
     from ggtrain.core.backend_cpu import CpuBackend
-    from ggtrain.core.models.decoder import ModelConfig, init_params
+    from ggtrain.core.models.config import ModelConfig, init_params
     from ggtrain.core.train import TextConfig, TextRun
 
     model = ModelConfig(**{k: v for k, v in cfg.items() if k != "batch"})

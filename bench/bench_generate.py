@@ -96,7 +96,8 @@ def flop_per_token(model) -> float:
 def ours(model, prompt, n, threads, ctx, exact=False, f32_cache=False) -> dict:
     out, err, rc, rss = _measured([sys.executable, "-m", "ggtrain", "generate", "--model", str(model),
                                    "--prompt", prompt, "-n", str(n), "--temp", "0", "--threads",
-                                   str(threads), "--ctx", str(ctx), "--timings"] + (["--exact"] if exact else [])
+                                   str(threads), "--ctx", str(ctx), "--timings",
+                                   "--numerics", "exact" if exact else "llama"]
                                   + (["--cache-type", "f32"] if f32_cache else []))
     if rc != 0:
         sys.exit(f"ggtrain generate failed: {err}")
@@ -150,7 +151,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--exact", action="store_true",
-                    help="also ours with --exact (f32 activations), in the same alternation")
+                    help="also ours with --numerics exact (f32 activations), in the same alternation "
+                         "(the others run --numerics llama)")
     ap.add_argument("--ctx", type=int, default=256,
                     help="context (KV cache positions) of both sides; llama.cpp pads to 256")
     args = ap.parse_args()

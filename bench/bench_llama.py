@@ -111,7 +111,7 @@ class OursSide:
 
     def __init__(self, cfg: dict, init: dict, windows: np.ndarray, threads: int, checkpointing: bool):
         from ggtrain.core.backend_cpu import CpuBackend
-        from ggtrain.core.models.decoder import ModelConfig
+        from ggtrain.core.models.config import ModelConfig
         from ggtrain.core.train import TextConfig, TextRun
 
         model = ModelConfig(**{k: v for k, v in cfg.items() if k != "batch"})
@@ -157,7 +157,7 @@ def main():
     unknown = [c for c in args.configs.split(",") if c not in CONFIGS]
     if unknown:
         ap.error(f"--configs: unknown {','.join(unknown)} (configs: {','.join(CONFIGS)})")
-    from ggtrain.core.models.decoder import ModelConfig, init_params
+    from ggtrain.core.models.config import ModelConfig, init_params
 
     peak = Peak(args.threads)
     print(f"{'config':<7} {'ckpt':<5} {'ours tok/s':>11} {'torch tok/s':>12} {'ratio':>6} {'GFLOP/s':>8} "

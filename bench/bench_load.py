@@ -24,7 +24,7 @@ import time
 
 import numpy as np
 
-from ggtrain.core.models.decoder import ModelConfig
+from ggtrain.core.models.config import ModelConfig
 from ggtrain.formats import model as layouts
 from ggtrain.formats.gguf import write_gguf
 

@@ -33,7 +33,7 @@ def child(config: str, checkpointing: bool, steps: int) -> None:
     import numpy as np
 
     from ggtrain.core.backend_cpu import CpuBackend
-    from ggtrain.core.models.decoder import ModelConfig, init_params
+    from ggtrain.core.models.config import ModelConfig, init_params
     from ggtrain.core.train import TextConfig, TextRun
 
     cfg, batch = CONFIGS[config]
@@ -60,7 +60,7 @@ def torch_peak(config: str, checkpointing: bool, steps: int, tmp: str) -> int:
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
     from bench_llama import TorchSide
 
-    from ggtrain.core.models.decoder import ModelConfig, init_params
+    from ggtrain.core.models.config import ModelConfig, init_params
 
     cfg, batch = CONFIGS[config]
     init = init_params(ModelConfig(**cfg), 0)

@@ -63,7 +63,8 @@ def build_pairs(threads: int) -> pathlib.Path:
     if path.exists():
         return path
     from ggtrain.core.backend_cpu import CpuBackend
-    from ggtrain.core.models.decoder import Decoder, ModelConfig, generate
+    from ggtrain.core.models.inference import Decoder, generate
+    from ggtrain.core.models.config import ModelConfig
     from ggtrain.core.sampling import Sampler
     from ggtrain.formats.chat import chat_template
     from ggtrain.formats.dataset import chat_prompt

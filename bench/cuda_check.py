@@ -129,7 +129,7 @@ def inference(tmp: pathlib.Path, model: pathlib.Path, adapter: pathlib.Path, tex
     part = tmp / "text-part.txt"     # a few windows of it
     part.write_text(text.read_text(encoding="utf-8")[:6000], encoding="utf-8")
     for be in ("cpu", device):
-        g = cli("generate", "--model", model, "--lora", adapter, "--prompt", "Once upon a time", "-n", 48, "--exact",
+        g = cli("generate", "--model", model, "--lora", adapter, "--prompt", "Once upon a time", "-n", 48, "--numerics", "exact",
                 "--backend", be)
         e = cli("eval", "--model", model, "--lora", adapter, "--data", part, "--ctx", 128, "--json", "--quiet",
                 "--backend", be)
@@ -395,7 +395,7 @@ def profile_plans(step, batches: list) -> None:
 def bench(device: str, steps: int, profile: str | None = None, configs: tuple = tuple(CONFIGS),
           maths: tuple = ("f32", "tf32", "bf16")) -> None:
     from ggtrain.cli.common import make_backend
-    from ggtrain.core.models.decoder import ModelConfig, init_params
+    from ggtrain.core.models.config import ModelConfig, init_params
     from ggtrain.core.train import TextConfig, TextRun
 
     be = make_backend(device)

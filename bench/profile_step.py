@@ -23,7 +23,7 @@ ckpt = "--ckpt" in sys.argv
 be = CpuBackend(nt)
 if arch.startswith("llama-"):
     from bench_llama import CONFIGS
-    from ggtrain.core.models.decoder import ModelConfig, init_params
+    from ggtrain.core.models.config import ModelConfig, init_params
     from ggtrain.core.train import TextConfig, TextRun
     cfg = CONFIGS[arch[6:]]
     model = ModelConfig(**{k: v for k, v in cfg.items() if k != "batch"})
@@ -34,7 +34,7 @@ if arch.startswith("llama-"):
     per_epoch, unit = None, "update"
 elif arch in ("smollm2", "gemma"):
     from bench_finetune import SMOLLM2
-    from ggtrain.core.models.decoder import ModelConfig
+    from ggtrain.core.models.config import ModelConfig
     from ggtrain.core.models.lora import LoraConfig, init_lora
     from ggtrain.core.train import TextConfig, TextRun
     from ggtrain.formats.model_file import open_model

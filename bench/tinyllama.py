@@ -27,7 +27,7 @@ def _write_f16(path: pathlib.Path) -> None:
     import gguf
 
     from ggtrain.formats.gguf import read_gguf
-    from ggtrain.core.models.decoder import ModelConfig
+    from ggtrain.core.models.config import ModelConfig
     from ggtrain.formats.model import config_to_kv, tensor_shapes
 
     hp = ModelConfig(**HPARAMS)

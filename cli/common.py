@@ -4,6 +4,7 @@ lets a run stop cleanly."""
 from __future__ import annotations
 
 import contextlib
+import enum
 import json
 import os
 import pathlib
@@ -35,6 +36,13 @@ BACKENDS = {
                           "(f32 sums; everything else f32, a fine-tune's fused loss head too): about 1e-2 "
                           "relative error, and today no faster than cuda-tf32"),
 }
+
+
+def choices(name: str, values) -> type:
+    """An Enum of string values for an option whose value is one of them, so --help shows
+    them ([a|b|c]) and a wrong value is a usage error listing them; the command reads the
+    chosen member's .value."""
+    return enum.Enum(name, {v: v for v in values}, type=str)
 
 
 def make_backend(backend: str = "cpu", threads: int | None = None) -> CpuBackend:

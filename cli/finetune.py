@@ -33,7 +33,8 @@ from ggtrain.core.backend import StoredTensor
 from ggtrain.core.data import (PackedBatches, Picked, TokenWindows, eval_windows, pack, pack_pairs, split_samples,
                                split_tokens)
 from ggtrain.core.distributed import Shard
-from ggtrain.core.models.decoder import Decoder, ModelConfig
+from ggtrain.core.models.inference import Decoder
+from ggtrain.core.models.config import ModelConfig
 from ggtrain.core.models.families import NAMES
 from ggtrain.core.models.lora import TARGETS, LoraConfig, factor_names, init_lora
 from ggtrain.core.preference import METHODS, PreferenceConfig, pair_slots

@@ -15,12 +15,14 @@ import time
 
 import typer
 
-from ggtrain.cli.common import make_backend, file_errors
+from ggtrain.cli.common import choices, make_backend, file_errors
 from ggtrain.cli.loop import BACKEND, THREADS
 from ggtrain.cli.tasks import run_task, task_words
 from ggtrain.cli.main import app
-from ggtrain.core.models.decoder import ModelConfig, Decoder, Runner, act8_available, generate
 from ggtrain.core import ops
+from ggtrain.core.models.config import ModelConfig
+from ggtrain.core.models.inference import Decoder, Runner, generate, llama_numerics_available
+from ggtrain.core.numerics import EXACT, LLAMA, NUMERICS
 from ggtrain.core.models.families import NAMES
 from ggtrain.core.sampling import Sampler
 from ggtrain.errors import ConfigError
@@ -33,26 +35,33 @@ from ggtrain.formats.tasks import read_task
 
 # the context generate reserves when it runs until end of generation (-n -1) and no --ctx is given
 UNTIL_EOG_CTX = 4096
-EXACT = typer.Option(False, "--exact",
-                     help="Compute in exact f32. By default the CPU computes as llama.cpp's CPU build does, "
-                          "bit for bit: quantized weights multiply activations rounded to 8 bits in blocks of "
-                          f"32 (256 for K-quants) with integer products (weights stored as "
-                          f"{', '.join(ops.ACT8_TYPES)}), F32 and F16 weights and LoRA adapters take its float "
-                          "order (activations rounded to f16 against F16), and its norms, rope, attention, "
-                          "swiglu and Gemma's f16-table gelu are its own: llama.cpp's logits, so its greedy "
-                          "text, and faster. (BF16, Q2_K and Q3_K weights, and CUDA, multiply in exact "
-                          "f32.)")
+Numerics = choices("Numerics", NUMERICS)
+CacheType = choices("CacheType", ("f16", "f32"))
+NUMERICS_OPTION = typer.Option(
+    EXACT, "--numerics",
+    help=f"{EXACT}: f32 as training computes (the default of generate and eval). {LLAMA}: llama.cpp's CPU "
+         "build bit for bit (CPU only): quantized weights times activations rounded to 8 bits "
+         f"({', '.join(ops.ACT8_TYPES)}), F32, F16 and LoRA products in its float order, its norms, rope, "
+         "attention, swiglu and Gemma's gelu table: its logits, so its greedy text and its perplexity; "
+         "~20% faster for generate, 2-3x slower for eval over whole windows.")
 CACHE_TYPE = typer.Option("f16", "--cache-type",
-                          help="The KV cache llama.cpp's numbers assume: f16 (llama.cpp's default: keys, values, "
-                               "queries and attention weights meet it rounded to f16) or f32 (its --cache-type-k/v "
-                               "f32). Our cache holds f32 either way; no effect with --exact.")
-INT8 = typer.Option(False, "--int8",
-                    help="Compute as llama.cpp's CPU build does, bit for bit: quantized weights times "
-                         f"activations rounded to 8 bits ({', '.join(ops.ACT8_TYPES)} weights, on the CPU), "
-                         "F32, F16 and LoRA products in its float order, its norms, rope, attention, swiglu "
-                         "and Gemma's f16-table gelu: llama-perplexity's "
-                         "logits (F32 KV cache), so its NLL; by row dots, ~2-4x slower than the default f32 "
-                         "GEMM over whole windows.")
+                          help="The KV cache --numerics llama assumes: f16 (llama.cpp's default) or f32 (its "
+                               "--cache-type-k/v f32). Our cache holds f32 either way; no effect with "
+                               "--numerics exact.")
+# the flags --numerics replaced, kept one release (each says what replaces it)
+OLD_EXACT = typer.Option(False, "--exact", hidden=True)
+OLD_INT8 = typer.Option(False, "--int8", hidden=True)
+
+
+def _numerics(numerics: str, be, old: str | None = None) -> str:
+    """--numerics for backend be: llama where it has llama.cpp's kernels, else a ConfigError;
+    a replaced flag (old) is said in a warning."""
+    if old is not None:
+        typer.echo(f"warning: {old} is replaced by --numerics {numerics}", err=True)
+    if numerics == LLAMA and not llama_numerics_available(be):
+        raise ConfigError(f"--numerics {LLAMA}: the {be.name} backend computes exact f32 only (llama.cpp's CPU "
+                          f"numbers are the CPU backend's)")
+    return numerics
 
 
 def _open(model, lora, lora_scale, backend):
@@ -93,8 +102,9 @@ def generate_cmd(
                             f"min({UNTIL_EOG_CTX}, the model's context) with -n -1)."),
     threads: int = THREADS,
     backend: str = BACKEND,
-    exact: bool = EXACT,
-    cache_type: str = CACHE_TYPE,
+    numerics: Numerics = NUMERICS_OPTION,
+    cache_type: CacheType = CACHE_TYPE,
+    exact: bool = OLD_EXACT,
     timings: bool = typer.Option(False, "--timings", help='Print {"load_s", "prompt_tokens", "prompt_s", '
                                  '"tokens", "tokens_per_s"} as JSON on stderr at the end.'),
 ):
@@ -109,6 +119,7 @@ def generate_cmd(
     sampler = Sampler(temp=temp, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty,
                       seed=seed)
     be = make_backend(backend, threads)
+    numerics = _numerics(EXACT if exact else numerics.value, be, "--exact" if exact else None)
     cfg, weights, tok, adapters = _open(model, lora, lora_scale, be)
     if chat:
         messages = ([{"role": "system", "content": system}] if system is not None else []) + \
@@ -129,8 +140,8 @@ def generate_cmd(
     if n == 0:
         sys.stdout.write("\n")
         return
-    decoder = Decoder(cfg, weights, be, n_ctx=n_ctx, adapters=adapters, act8=not exact and act8_available(be),
-                      kv_f16=kv_f16(cache_type))
+    decoder = Decoder(cfg, weights, be, n_ctx=n_ctx, adapters=adapters, numerics=numerics,
+                      kv_f16=cache_type.value == "f16")
     text = codecs.getincrementaldecoder("utf-8")(errors="replace")
     stop = frozenset(tok.eog_ids)
     t_loaded = time.perf_counter()
@@ -147,20 +158,6 @@ def generate_cmd(
         sys.stderr.write(json.dumps({"load_s": round(t_loaded - t_start, 4), "prompt_tokens": len(ids),
                                      "prompt_s": round(stamps[0] - t_loaded, 4), "tokens": len(stamps),
                                      "tokens_per_s": round(rate, 3)}) + "\n")
-
-
-def kv_f16(cache_type: str) -> bool:
-    """--cache-type as Decoder's kv_f16; a ConfigError for another value."""
-    if cache_type not in ("f16", "f32"):
-        raise ConfigError(f"--cache-type {cache_type}: must be f16 or f32")
-    return cache_type == "f16"
-
-
-def act8_ok(be) -> bool:
-    """--int8 where the backend has the 8-bit products; else a ConfigError saying where they are."""
-    if not act8_available(be):
-        raise ConfigError(f"--int8: the {be.name} backend multiplies in f32 only (8-bit activations are the CPU's)")
-    return True
 
 
 @app.command("eval", help="Perplexity of a model on a text (non-overlapping windows, every token scored once), "
@@ -183,8 +180,9 @@ def eval_cmd(
     quiet: bool = typer.Option(False, "--quiet", help="No progress bar."),
     threads: int = THREADS,
     backend: str = BACKEND,
-    int8: bool = INT8,
-    cache_type: str = CACHE_TYPE,
+    numerics: Numerics = NUMERICS_OPTION,
+    cache_type: CacheType = CACHE_TYPE,
+    int8: bool = OLD_INT8,
 ):
     """Perplexity of a model on a text (non-overlapping windows, every token scored once), or
     its accuracy on a multiple-choice task."""
@@ -195,6 +193,8 @@ def eval_cmd(
     if limit < 0:
         raise ConfigError(f"--limit must be >= 0, got {limit}")
     be = make_backend(backend, threads)
+    numerics = _numerics(LLAMA if int8 else numerics.value, be, "--int8" if int8 else None)
+    f16 = cache_type.value == "f16"
     cfg, weights, tok, adapters = _open(model, lora, lora_scale, be)
     if task is not None:
         fmt = "hellaswag" if hellaswag else "winogrande" if winogrande else "jsonl"
@@ -203,8 +203,8 @@ def eval_cmd(
         items = items[:limit] if limit else items
         if not 0 <= ctx <= cfg.ctx:
             raise ConfigError(f"--ctx {ctx}: must be in 1..{cfg.ctx} (the model's context)")
-        decoder = Decoder(cfg, weights, be, n_ctx=ctx or cfg.ctx, adapters=adapters, act8=int8 and act8_ok(be),
-                          kv_f16=kv_f16(cache_type))
+        decoder = Decoder(cfg, weights, be, n_ctx=ctx or cfg.ctx, adapters=adapters, numerics=numerics,
+                          kv_f16=f16)
         result = run_task(decoder, tok, items, quiet=quiet)
         if as_json:
             typer.echo(json.dumps(result))
@@ -222,15 +222,13 @@ def eval_cmd(
     ids = tok.encode(text, add_bos=tok.add_bos)
     if len(ids) < 2:
         raise ConfigError(f"--data {data}: fewer than 2 tokens to score")
-    act8 = int8 and act8_ok(be)
-    f16 = kv_f16(cache_type)
-    runner = Runner(cfg, weights, be, length=min(length, len(ids) - 1), adapters=adapters, n_ctx=length, act8=act8,
-                    kv_f16=f16)
+    runner = Runner(cfg, weights, be, length=min(length, len(ids) - 1), adapters=adapters, n_ctx=length,
+                    numerics=numerics, kv_f16=f16)
     # llama.cpp's kernels (so its float order) depend on a product's row count: in its numbers
     # a shorter last window runs at its own length, not padded to the others'
     last = (len(ids) - 1) % runner.length
-    tail = Runner(cfg, weights, be, length=last, adapters=adapters, n_ctx=length, act8=True, kv_f16=f16) \
-        if act8 and last \
+    tail = Runner(cfg, weights, be, length=last, adapters=adapters, n_ctx=length, numerics=LLAMA, kv_f16=f16) \
+        if numerics == LLAMA and last \
         else runner
     total, count = 0.0, 0
     for start in range(0, len(ids) - 1, runner.length):

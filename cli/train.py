@@ -15,7 +15,7 @@ from ggtrain.cli.loop import (BACKEND, CHECKPOINT_DIR, CHECKPOINTING, CONFIG, EA
 from ggtrain.cli.main import app
 from ggtrain.core.data import TokenWindows, eval_windows, split_tokens
 from ggtrain.core.distributed import Shard
-from ggtrain.core.models.decoder import ModelConfig, init_params
+from ggtrain.core.models.config import ModelConfig, init_params
 from ggtrain.core.models.families import NAMES
 from ggtrain.core.train import TextConfig, TextRun
 from ggtrain.errors import ConfigError

@@ -23,6 +23,7 @@ import struct
 from dataclasses import dataclass, field
 from typing import Callable
 
+from ggtrain.core.numerics import EXACT, LLAMA, check_numerics
 from ggtrain.core.tensor import Tensor, contiguous_strides, numel
 from ggtrain.errors import DTypeError, ShapeError
 from ggtrain.native import lib
@@ -46,10 +47,11 @@ class OpDef:
     dtypes: tuple = ("f32",)            # kernel variants: gt_<kernel>_<one of these>
     inplace: tuple = ()                 # srcs whose memory dst may take when they die here
     suffix: Callable | None = None      # (y) -> the variant a node runs (default dtypes[0])
-    # llama.cpp's CPU numbers (generate's and eval's act8 path: its rounding of activations,
-    # its float orders, its f16 tables): only the CPU backend has these kernels, and a GPU
-    # has no reason to copy a CPU's rounding (decoder.act8_available asks the backend)
-    llama_cpu: bool = False
+    # the numerics the op exists for (core/numerics.py): LLAMA for llama.cpp's CPU numbers
+    # only (its rounding of activations, its float orders, its f16 tables): only the CPU
+    # backend has these kernels, and a GPU has no reason to copy a CPU's rounding
+    # (inference.llama_numerics_available asks the backend); EXACT for the rest
+    numerics: str = EXACT
 
     def kernel_name(self, y) -> str:
         """The kernel node `y` runs, e.g. "matmul_fwd_f32_q4_0" (without the gt_ prefix)."""
@@ -115,6 +117,16 @@ def _scalar_tensor(graph, value: float) -> Tensor:
 def _need(cond: bool, msg: str, exc=ShapeError):
     if not cond:
         raise exc(msg)
+
+
+def _llama(y) -> int:
+    """1 where node y computes in llama.cpp's numbers (its kernel's flag), else 0."""
+    return int(y.params.get("numerics", EXACT) == LLAMA)
+
+
+def _no_llama_gradient(y, name: str) -> None:
+    if _llama(y):
+        raise ValueError(f"{name}: llama.cpp's numbers (numerics llama) are for inference: no gradient")
 
 
 def _f32(op, *xs):
@@ -371,23 +383,23 @@ register(OpDef("geglu_bwd", _infer_glu_bwd("geglu_bwd"), "geglu_bwd", contiguous
 def geglu_f16(g: Tensor, u: Tensor) -> Tensor:
     """llama.cpp's CPU geglu: gelu_tanh of g rounded to f16, the result rounded to f16 (its
     table), times u; 0 for g <= -10, g * u for g >= 10. Inference only (llama.cpp's numbers
-    for Gemma: the decoder's act8 mode); no gradient."""
+    for Gemma: numerics LLAMA); no gradient."""
     return apply("geglu_f16", [g, u])
 
 
 register(OpDef("geglu_f16", _infer_same("geglu_f16"), "geglu_f16_fwd", contiguous=(0, 1), differentiable=(),
-               llama_cpu=True))
+               numerics=LLAMA))
 
 
 def swiglu_ggml(g: Tensor, u: Tensor) -> Tensor:
     """llama.cpp's CPU swiglu bit for bit: silu(g) * u with its vector exp (16 columns of a
-    row at a time; libm's expf for the last C % 16). Inference only (the decoder's act8 mode:
+    row at a time; libm's expf for the last C % 16). Inference only (numerics LLAMA:
     llama.cpp's numbers); no gradient."""
     return apply("swiglu_ggml", [g, u])
 
 
 register(OpDef("swiglu_ggml", _infer_same("swiglu_ggml"), "swiglu_ggml_fwd", contiguous=(0, 1), differentiable=(),
-               llama_cpu=True))
+               numerics=LLAMA))
 register(OpDef("with_grad", _infer_with_grad, "scale_fwd", lower=lambda y: ((), (1.0,)),   # a copy of y
                backward=_with_grad_bwd, differentiable=(1,)))
 register(OpDef("tanh", _infer_same("tanh"), "tanh_fwd",
@@ -658,7 +670,7 @@ def _infer_matmul_q8(srcs, params):
 
 register(OpDef("matmul_q8", _infer_matmul_q8, "matmul_q8_fwd", unit_stride_2d=(0,), differentiable=(),
                dtypes=tuple(f"f32_{w}" for w in ACT8_TYPES), suffix=lambda y: _weight_suffix(y.srcs[1]),
-               llama_cpu=True))
+               numerics=LLAMA))
 
 
 # the weight types matmul_ggml takes (native/cpu/matmul_ggml.c)
@@ -669,8 +681,8 @@ def matmul_ggml(a: Tensor, b: Tensor) -> Tensor:
     """a (..., M, K) @ b, b the view W.T of a weight W (N, K) in f32 or stored in f16, in
     llama.cpp's CPU float order for such weights (its tinyBLAS GEMM's 16 lanes when M >= 2,
     N % 4 == 0 and K % 16 == 0, else its vec_dot's 64; a rounded to f16 against an f16 W;
-    native/cpu/matmul_ggml.c): the decoder's act8 mode for weights that are not quantized and
-    for LoRA factors. a's rows, batch dims folded, are one llama.cpp ubatch. Forward only."""
+    native/cpu/matmul_ggml.c): llama numerics for weights that are not quantized and for
+    LoRA factors. a's rows, batch dims folded, are one llama.cpp ubatch. Forward only."""
     return apply("matmul_ggml", [a, b])
 
 
@@ -684,7 +696,7 @@ def _infer_matmul_ggml(srcs, params):
 
 
 register(OpDef("matmul_ggml", _infer_matmul_ggml, "matmul_ggml_fwd", contiguous=(0,), differentiable=(),
-               dtypes=("f32", "f32_f16"), suffix=lambda y: _weight_suffix(y.srcs[1]), llama_cpu=True))
+               dtypes=("f32", "f32_f16"), suffix=lambda y: _weight_suffix(y.srcs[1]), numerics=LLAMA))
 
 
 def linear(x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
@@ -696,16 +708,14 @@ def linear(x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
 # ---- normalisation, softmax, loss ---------------------------------------------------
 
 
-def rms_norm(x: Tensor, eps: float = 1e-5, ggml: bool = False) -> Tensor:
-    """x / sqrt(mean(x^2, last dim) + eps); no weight (multiply it after). (f32) ggml:
-    llama.cpp's CPU bits (the squares summed in double; inference in its numerics, the
-    decoder's act8 mode; no gradient)."""
-    return apply("rms_norm", [x], eps=float(eps), ggml=bool(ggml))
+def rms_norm(x: Tensor, eps: float = 1e-5, numerics: str = EXACT) -> Tensor:
+    """x / sqrt(mean(x^2, last dim) + eps); no weight (multiply it after). (f32) numerics
+    LLAMA: llama.cpp's CPU bits (the squares summed in double; inference only, no gradient)."""
+    return apply("rms_norm", [x], eps=float(eps), numerics=check_numerics(numerics))
 
 
 def _rms_norm_backward(y, g):
-    if y.params.get("ggml"):
-        raise ValueError("rms_norm: llama.cpp's numbers (ggml=True) are for inference: no gradient")
+    _no_llama_gradient(y, "rms_norm")
     return [rms_norm_bwd(y.srcs[0], g, y.params["eps"])]
 
 
@@ -821,7 +831,7 @@ def _infer_rms_norm(srcs, params):
 
 
 register(OpDef("rms_norm", _infer_rms_norm, "rms_norm_fwd", contiguous=(0,), backward=_rms_norm_backward,
-               lower=lambda y: ((int(y.params.get("ggml", False)),), (y.params["eps"],))))
+               lower=lambda y: ((_llama(y),), (y.params["eps"],))))
 register(OpDef("rms_norm_bwd", _infer_rms_norm, "rms_norm_bwd", contiguous=(0, 1),
                lower=lambda y: ((), (y.params["eps"],))))
 register(OpDef("softmax", _infer_softmax, "softmax_fwd", contiguous=(0, 1),
@@ -851,7 +861,7 @@ def linear_cross_entropy(x: Tensor, w: Tensor, targets: Tensor, scale: float = 1
     grad, dx is zeros (losses only, at half the work: evaluation). x (N, C)
     f32, w (V, C) f32 or a frozen stored weight (whole, as stored), targets (N,) i32. The
     loss of a fine-tune whose output matrix is frozen (LoRA): its gradient is handed to the
-    backward with with_grad (see decoder.chunked_loss), so the op itself has none."""
+    backward with with_grad (see losses.chunked_loss), so the op itself has none."""
     return apply("linear_cross_entropy", [x, w, targets], scale=float(scale), softcap=float(softcap),
                  mean=bool(mean), grad=bool(grad))
 
@@ -880,7 +890,7 @@ register(OpDef("linear_cross_entropy", _infer_linear_ce, "linear_cross_entropy_f
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool = False, pos: Tensor | None = None,
-              seg: Tensor | None = None, with_lse: bool = False, window: int = 0, ggml: bool = False,
+              seg: Tensor | None = None, with_lse: bool = False, window: int = 0, numerics: str = EXACT,
               scale_q: bool = False, kv_f16: bool = False):
     """softmax(scale * q k^T + mask) v for each query head, fused (gt_attention_fwd_f32):
     no (Tq, Tk) tensor is made, here or in the backward.
@@ -893,12 +903,11 @@ def attention(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool = Fals
     Returns O (B, Tq, H, D), or (O, LSE (B, H, Tq)) with with_lse: each row's log-sum-exp
     over the keys it sees (-inf, and O = 0, for a row that sees none). Both are views of
     one node, which is all the backward keeps (besides q, k, v).
-    ggml: llama.cpp's CPU numbers bit for bit instead (its dot products' order, its vector
+    numerics LLAMA: llama.cpp's CPU numbers bit for bit instead (its dot products' order, its vector
     exp, its double sums; key j being cache row j; native/cpu/attention.c says how), and with
     scale_q the scale multiplies q before the dots as some families' graphs do (gemma3, phi3),
     else the dots; with kv_f16 as its F16 KV cache (its default) rounds q, k, v and the weights:
-    inference in llama.cpp's numerics (the decoder's act8 mode), CPU only, no gradient, no
-    segment mask.
+    inference only, CPU only, no gradient, no segment mask.
     Raises ValueError for two masks, ShapeError / DTypeError for bad shapes or types.
     """
     if int(bool(causal)) + (pos is not None) + (seg is not None) > 1:
@@ -908,9 +917,10 @@ def attention(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool = Fals
     extra = [pos] if pos is not None else [seg] if seg is not None else []
     if window and mask == "none":
         raise ValueError("attention: a window needs a mask (causal, pos or seg)")
-    if (ggml and mask == "seg") or ((scale_q or kv_f16) and not ggml):
-        raise ValueError("attention: ggml (llama.cpp's numbers) takes no segment mask; scale_q and kv_f16 need ggml")
-    y = apply("attention", qkv + extra, scale=float(scale), mask=mask, window=int(window), ggml=bool(ggml),
+    llama = check_numerics(numerics) == LLAMA
+    if (llama and mask == "seg") or ((scale_q or kv_f16) and not llama):
+        raise ValueError("attention: llama numerics take no segment mask; scale_q and kv_f16 need llama numerics")
+    y = apply("attention", qkv + extra, scale=float(scale), mask=mask, window=int(window), numerics=numerics,
               scale_q=bool(scale_q), kv_f16=bool(kv_f16))
     b, tq, h, _ = q.shape
     o = view(y, q.shape)
@@ -953,8 +963,7 @@ def _infer_attention(name):
 
 
 def _attention_bwd(y, g):
-    if y.params.get("ggml"):
-        raise ValueError("attention: llama.cpp's numbers (ggml=True) are for inference: no gradient")
+    _no_llama_gradient(y, "attention")
     q, k, v = y.srcs[:3]
     extra = list(y.srcs[3:])
     if (g.op == "view_bwd" and g.params["voffset"] == 0 and g.srcs[0].shape == q.shape
@@ -969,7 +978,7 @@ def _attention_bwd(y, g):
 
 
 _attention_lower = lambda y: ((_SOFTMAX_MASKS[y.params["mask"]], y.params["window"],  # noqa: E731
-                               int(y.params.get("ggml", False)), int(y.params.get("scale_q", False)),
+                               _llama(y), int(y.params.get("scale_q", False)),
                                int(y.params.get("kv_f16", False))),
                               (y.params["scale"],))
 register(OpDef("attention", _infer_attention("attention"), "attention_fwd", backward=_attention_bwd,
@@ -1025,22 +1034,21 @@ ROPE_MODES = {"norm": 0, "neox": 2}   # ggml's numbers: 0 adjacent pairs, 2 pair
 
 def rope(x: Tensor, pos: Tensor, n_dims: int | None = None, freq_base: float = 10000.0, mode: str = "norm",
          freq_scale: float = 1.0, factors: Tensor | None = None, attn_factor: float = 1.0,
-         ggml: bool = False) -> Tensor:
+         numerics: str = EXACT) -> Tensor:
     """Rotary embedding as llama.cpp's ggml_rope_ext without YaRN: x (..., T, H, D), pos i32 (T,)
     shared by every row, or x's leading dims (..., T), e.g. (B, T): each row its own positions
     (packed samples restart at 0). mode "norm" rotates adjacent pairs (x[2i], x[2i+1]) (llama),
     "neox" the pairs (x[i], x[i + n_dims/2]) (qwen2, qwen3, gemma3, phi3); pair i turns by
     freq_scale * pos * freq_base^(-2i/n_dims) / factors[i] (factors (n_dims/2,) f32: llama 3's
     rope_freqs; freq_scale: linear rope scaling); the rotated pairs are scaled by attn_factor
-    (phi3's longrope attention factor; the dims past n_dims are not). ggml: llama.cpp's CPU
-    numbers bit for bit (f32 angles theta *= powf(base, -2/n_dims) pair after pair, libm's
-    cosf / sinf, an fma'd rotation) instead of exact angles rounded once: inference in
-    llama.cpp's numerics (the decoder's act8 mode), CPU only, no gradient. Raises
-    ShapeError / DTypeError."""
+    (phi3's longrope attention factor; the dims past n_dims are not). numerics LLAMA:
+    llama.cpp's CPU numbers bit for bit (f32 angles theta *= powf(base, -2/n_dims) pair after
+    pair, libm's cosf / sinf, an fma'd rotation) instead of exact angles rounded once:
+    inference only, CPU only, no gradient. Raises ShapeError / DTypeError."""
     n_dims = x.shape[-1] if n_dims is None else int(n_dims)
     srcs = [x, pos] if factors is None else [x, pos, factors]
     return apply("rope", srcs, n_dims=n_dims, freq_base=float(freq_base), mode=mode, freq_scale=float(freq_scale),
-                 attn_factor=float(attn_factor), ggml=bool(ggml))
+                 attn_factor=float(attn_factor), numerics=check_numerics(numerics))
 
 
 def rope_bwd(g: Tensor, pos: Tensor, n_dims: int, freq_base: float, mode: str = "norm", freq_scale: float = 1.0,
@@ -1072,14 +1080,13 @@ def _infer_rope(srcs, params):
 def _rope_backward(y, g):
     factors = y.srcs[2] if len(y.srcs) == 3 else None
     p = y.params
-    if p.get("ggml"):
-        raise ValueError("rope: llama.cpp's numbers (ggml=True) are for inference: no gradient")
+    _no_llama_gradient(y, "rope")
     return [rope_bwd(g, y.srcs[1], p["n_dims"], p["freq_base"], p["mode"], p["freq_scale"], factors,
                      p["attn_factor"]), None, None]
 
 
 _rope_lower = lambda y: ((y.params["n_dims"], ROPE_MODES[y.params["mode"]],  # noqa: E731
-                          int(y.params.get("ggml", False))),
+                          _llama(y)),
                          (y.params["freq_base"], y.params["freq_scale"], y.params["attn_factor"]))
 register(OpDef("rope", _infer_rope, "rope_fwd", contiguous=(0, 1), lower=_rope_lower, backward=_rope_backward,
                differentiable=(0,)))

@@ -2,7 +2,7 @@
 
 A pair is a prompt with a chosen and a rejected completion; data.pack_pairs lays both
 sequences side by side in one row and marks their positions with `pair` = 2 * id + side
-(side 0: chosen). The model's loss at each trained position, nll (N,) (decoder.sequence_nll),
+(side 0: chosen). The model's loss at each trained position, nll (N,) (losses.sequence_nll),
 is reduced each batch by a selection matrix S (K, N) fed with it: K = 2P + 1 for P pair
 slots, row p the chosen sequence of slot p, row P + p its rejected one, row 2P the chosen
 tokens' mean (ORPO's SFT term). Slots a batch does not fill carry weight 0.

@@ -20,8 +20,11 @@ from ggtrain.core.distributed import World
 from ggtrain.core.fit import EarlyStopping, check_early_stop, fit_updates, stop_message
 from ggtrain.core.data import ImageBatches
 from ggtrain.core.graph import Graph, Rows
-from ggtrain.core.models import decoder
-from ggtrain.core.models.lora import factor_names
+from ggtrain.core.models import losses
+from ggtrain.core.models.config import trainable
+from ggtrain.core.models.decoder import Inputs, Net, Options, forward
+from ggtrain.core.models.inference import frozen_params, lora_fused
+from ggtrain.core.models.lora import Adapter, factor_names
 from ggtrain.core.optim import LBFGS, ConstantLR, CosineLR, make_optimizer
 from ggtrain.core.preference import PairLoss, PreferenceConfig
 from ggtrain.core.step import TrainStep
@@ -417,12 +420,11 @@ class TextRun:
         self.graph = g
         b = config.batch
         # what is trained; a model's constants (rope factors) ride along untrained
-        self.params = {k: g.param(v.shape, v, name=k, trainable=decoder.trainable(k)) for k, v in init.items()}
-        weights, adapters, bind = dict(self.params), None, {}
+        self.params = {k: g.param(v.shape, v, name=k, trainable=trainable(k)) for k, v in init.items()}
+        weights, adapters, bind = dict(self.params), {}, {}
         self.dropout_seed = None
         if lora is not None:
-            weights, _, bind = decoder._frozen(g, frozen or {}, None)
-            adapters = {}
+            weights, bind = frozen_params(g, frozen or {})
             if lora.dropout > 0:    # a fresh mask per physical batch, drawn from (seed, batch number)
                 self.dropout_seed = g.input((), "i32", name="dropout_seed")
             for salt, w in enumerate(lora.weights(model)):
@@ -430,8 +432,9 @@ class TextRun:
                 if a not in self.params or b_ not in self.params:
                     raise ConfigError(f"LoRA: no initial factors for {w}")
                 drop = (lora.dropout, self.dropout_seed, salt) if self.dropout_seed is not None else None
-                adapters[w] = (self.params[a], self.params[b_], lora.scale, drop,
-                               decoder.lora_fused(backend, weights[w]))
+                adapters[w] = Adapter(self.params[a], self.params[b_], lora.scale, drop,
+                                      lora_fused(backend, weights[w]))
+        net = Net(model, weights, adapters)
         self.tokens = g.input((b, self.ctx), "i32", name="tokens")
         self.targets = g.input((b, self.ctx), "i32", name="targets")
         self.packed = packed
@@ -447,12 +450,12 @@ class TextRun:
             targets = self.row_targets = g.input((loss_rows,), "i32", name="row_targets")
         self._rows = rows
         # the loss over the output projection in chunks of rows when the logits would be large
-        # (decoder.chunked_loss): under LoRA (a frozen output matrix) each chunk's input
+        # (losses.chunked_loss): under LoRA (a frozen output matrix) each chunk's input
         # gradient is taken in the forward, so one chunk's logits at a time, none recomputed
         # With the output matrix frozen and the kernel at hand, one linear_cross_entropy takes
-        # all rows (decoder.fused_loss_available): no logits at all, the matrix read once
-        fused = lora is not None and decoder.fused_loss_available(model, weights, adapters, backend)
-        n_chunks = 1 if fused else decoder.loss_chunks(model, loss_rows or b * self.ctx, head_trained=lora is None)
+        # all rows (losses.fused_loss_available): no logits at all, the matrix read once
+        fused = lora is not None and losses.fused_loss_available(net, backend)
+        n_chunks = 1 if fused else losses.loss_chunks(model, loss_rows or b * self.ctx, head_trained=lora is None)
         self.chunks = g.input((n_chunks,), name="chunk_weights")
         self.pair_loss = None
         self.reference = None    # DPO: (pair ids, 2) reference NLL of each pair's sides
@@ -461,22 +464,21 @@ class TextRun:
                 raise ConfigError("preference pairs train on packed rows with planned loss rows")
             self.pair_loss = PairLoss(g, preference, pairs, loss_rows)
 
-        def objective(adapters_, grad, train=True):
-            hidden = decoder.forward(model, weights, self.tokens, self.pos, g,
-                                     checkpoint=train and config.checkpointing, lora=adapters_, seg=self.seg,
-                                     rows=rows, head=False, n_ctx=self.ctx)
+        inputs = Inputs(self.tokens, self.pos, seg=self.seg, rows=rows)
+
+        def objective(net_, grad, train=True):
+            opt = Options(checkpoint=g if train and config.checkpointing else None, head=False, n_ctx=self.ctx)
+            hidden = forward(net_, inputs, opt)
             if self.pair_loss is None:
-                return decoder.chunked_loss(model, weights, hidden, targets, self.chunks, lora=adapters_,
-                                            grad=grad, fused=fused), []
-            nll = decoder.sequence_nll(model, weights, hidden, targets, self.pair_loss.select, n_chunks,
-                                       lora=adapters_, grad=grad, fused=fused)
+                return losses.chunked_loss(net_, hidden, targets, self.chunks, grad=grad, fused=fused), []
+            nll = losses.sequence_nll(net_, hidden, targets, self.pair_loss.select, n_chunks, grad=grad, fused=fused)
             return self.pair_loss.loss(nll)
 
-        self.loss, self.outputs = objective(adapters, lora is not None)
+        self.loss, self.outputs = objective(net, lora is not None)
         self.eval_loss, self.eval_outputs = self.loss, self.outputs
         if self.dropout_seed is not None:   # evaluation without dropout: the same weights, no masks
-            self.eval_loss, self.eval_outputs = objective({w: (*f[:3], None, *f[4:]) for w, f in adapters.items()},
-                                                          False, train=False)
+            still = {w: dataclasses.replace(ad, dropout=None) for w, ad in adapters.items()}
+            self.eval_loss, self.eval_outputs = objective(dataclasses.replace(net, lora=still), False, train=False)
         self.optimizer = make_optimizer(config.optimizer, config.lr, weight_decay=config.weight_decay,
                                         max_grad_norm=config.grad_clip, momentum=config.momentum)
         if isinstance(self.optimizer, LBFGS):   # lr is its first trial step, the line search scales it
@@ -578,7 +580,7 @@ class TextRun:
             rows[:where.size], tgt[:where.size] = where, flat[where]
             feed[self._rows], feed[self.row_targets] = rows, tgt
         used = feed[self.row_targets] if self.loss_rows else batch["targets"]
-        feed[self.chunks] = decoder.chunk_weights(used, self.chunks.shape[0])
+        feed[self.chunks] = losses.chunk_weights(used, self.chunks.shape[0])
         if self.pair_loss is not None:
             codes = np.full(self.loss_rows, -1, np.int64)
             codes[:where.size] = np.asarray(batch["pair"]).reshape(-1)[where]

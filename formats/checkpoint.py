@@ -47,7 +47,7 @@ from gguf import GGUFValueType as VT
 
 from ggtrain.errors import FormatError
 from ggtrain.formats.gguf import GGUFFile, read_gguf, write_gguf
-from ggtrain.core.models.decoder import ModelConfig
+from ggtrain.core.models.config import ModelConfig
 from ggtrain.formats.model import CHECKPOINT_KEY, config_to_kv
 from ggtrain.formats.mnist import model_kv
 from ggtrain.formats.model_file import carried_kv

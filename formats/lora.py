@@ -22,7 +22,7 @@ def read_lora(path) -> tuple:
     """(alpha, architecture, {weight name: (A (r, n_in), B (n_out, r))}) of an adapter file:
     f32 arrays, or f16 ones where the file stores F16 (as llama.cpp's converter writes PEFT's
     adapters by default): llama.cpp multiplies those in f16, and so do llama.cpp's numbers
-    here (the decoder's act8 mode); everything else takes their exact values as f32."""
+    here (llama numerics); everything else takes their exact values as f32."""
     f = read_gguf(path)
     if f.value("general.type", None) != "adapter" or f.value("adapter.type", None) != "lora":
         raise FormatError(f"{path}: not a LoRA adapter (general.type {f.value('general.type', None)!r}, "

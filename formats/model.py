@@ -21,7 +21,7 @@ import numpy as np
 
 from gguf.constants import GGMLQuantizationType, GGUFValueType, Keys, LlamaFileType
 
-from ggtrain.core.models.decoder import ModelConfig, param_shapes
+from ggtrain.core.models.config import ModelConfig, param_shapes
 from ggtrain.core.models.families import FAMILIES, NAMES
 from ggtrain.core.models.family import (COMMON_KEYS, OUTPUT, OUTPUT_NORM, REQUIRED_KEYS, ROPE_FACTORS_LONG,
                                         ROPE_FREQS, ROPE_SCALING, TOKEN_EMBD, Family)

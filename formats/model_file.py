@@ -11,7 +11,7 @@ from gguf import GGUFValueType as VT
 from gguf.constants import GGML_QUANT_VERSION as QUANTIZATION_VERSION, GGMLQuantizationType
 
 from ggtrain.core.backend import StoredTensor
-from ggtrain.core.models.decoder import ModelConfig
+from ggtrain.core.models.config import ModelConfig
 from ggtrain.errors import FormatError
 from ggtrain.formats.gguf import GGUFFile, dequantize, read_gguf, write_gguf
 from ggtrain.formats.model import FILE_TYPES, OUTPUT, TOKEN_EMBD, config_to_kv, tensor_shapes, validate_model

@@ -13,7 +13,10 @@ from ggtrain.core import ops
 from ggtrain.core.autograd import backward
 from ggtrain.core.backend_cpu import CpuBackend, run_kernel
 from ggtrain.core.graph import Graph, Runtime
-from ggtrain.core.models import decoder
+from ggtrain.core.models import losses as model_losses
+from ggtrain.core.models.config import ModelConfig, init_params
+from ggtrain.core.models.decoder import Inputs, Net, Options, forward
+from ggtrain.core.models.inference import Decoder
 from ggtrain.errors import DTypeError, NativeError, ShapeError
 from ggtrain.native import lib
 
@@ -333,18 +336,18 @@ def test_op_matches_unfused_composition(mode, backend):
 
 
 def _tiny_llama(**kw):
-    return decoder.ModelConfig(vocab=64, dim=32, layers=2, heads=4, kv_heads=2, ff=48, ctx=80, **kw)
+    return ModelConfig(vocab=64, dim=32, layers=2, heads=4, kv_heads=2, ff=48, ctx=80, **kw)
 
 
 def _llama_step(cfg, tokens, targets, pos, seg, checkpoint, backend):
     """Loss and every parameter's gradient of one llama step."""
     g = Graph()
-    init = decoder.init_params(cfg, 0, std=0.2)
+    init = init_params(cfg, 0, std=0.2)
     params = {n: g.param(a.shape, a, name=n) for n, a in init.items()}
     tt, ty = g.const(tokens, dtype="i32"), g.const(targets, dtype="i32")
     tp = g.const(pos, dtype="i32")
     ts = g.const(seg, dtype="i32") if seg is not None else None
-    loss = decoder.loss(decoder.forward(cfg, params, tt, tp, g, checkpoint=checkpoint, seg=ts), ty)
+    loss = model_losses.loss(forward(Net(cfg, params), Inputs(tt, tp, seg=ts), Options(checkpoint=g if checkpoint else None)), ty)
     grads = backward(loss, list(params.values()), checkpointing=checkpoint)
     rt = Runtime(g, backend)
     plan = rt.compile([loss] + list(grads.values()), 2)
@@ -380,11 +383,11 @@ def test_llama_step_matches_unfused_graph(packed, checkpoint, backend, monkeypat
 def test_decoder_matches_unfused_graph(backend, monkeypatch):
     """KV-cached decoding (mask by position) gives the unfused graph's logits."""
     cfg = _tiny_llama()
-    weights = decoder.init_params(cfg, 1, std=0.2)
+    weights = init_params(cfg, 1, std=0.2)
     ids = np.random.default_rng(4).integers(0, cfg.vocab, 40)
 
     def run():
-        dec = decoder.Decoder(cfg, weights, backend, chunk=16)
+        dec = Decoder(cfg, weights, backend, chunk=16)
         return np.stack([dec.feed(ids[:33])] + [dec.feed([i]) for i in ids[33:]])
 
     fused = run()
@@ -399,8 +402,8 @@ def test_ctx2048_training_plans_a_quarter_of_the_unfused_arena(monkeypatch):
     zeros around dO) and holds no (T, T) tensor."""
     from ggtrain.core.train import TextConfig, TextRun
 
-    cfg = decoder.ModelConfig(vocab=256, dim=256, layers=4, heads=8, kv_heads=8, ff=768, ctx=2048)
-    init = decoder.init_params(cfg, 0)
+    cfg = ModelConfig(vocab=256, dim=256, layers=4, heads=8, kv_heads=8, ff=768, ctx=2048)
+    init = init_params(cfg, 0)
 
     def plan():
         run = TextRun(cfg, init, TextConfig(steps=10, batch=1, checkpointing=False), CpuBackend(2))

@@ -54,7 +54,7 @@ def test_checkpoint_model_generates_in_llama_cpp_as_ggtrain_generate(llama, shar
     ids = tok.encode(prompt, add_bos=True).tolist()
     theirs = greedy(open_llm(llama, out), ids, 24)
     shown = list(itertools.takewhile(lambda t: t != tok.eos_id, theirs))
-    r = run_cli("generate", "--model", out, "--prompt", prompt, "-n", 24, "--temp", 0)
+    r = run_cli("generate", "--model", out, "--prompt", prompt, "-n", 24, "--temp", 0, "--numerics", "llama")
     assert r.returncode == 0, r.stderr
     assert r.stdout == tok.decode(shown) + "\n"
 

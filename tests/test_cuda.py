@@ -13,13 +13,14 @@ from ggtrain.errors import UnsupportedOpError
 from ggtrain.native import ffi as cpu_ffi
 from ggtrain.native import lib as cpu_lib
 from ggtrain.native.dtypes import dtype
+from ggtrain.core.numerics import LLAMA
 from tests import refs
 
 # CPU kernels the CUDA library does not have: llama.cpp's CPU numbers for generation and
-# evaluation (ops.OpDef.llama_cpu: products with 8-bit activations, its float orders, its
-# f16-table gelu; on CUDA the decoder computes in f32: decoder.act8_available). A new CPU
+# evaluation (ops.OpDef.numerics llama: products with 8-bit activations, its float orders, its
+# f16-table gelu; on CUDA the decoder computes in f32: inference.llama_numerics_available). A new CPU
 # kernel of any other op shows up in the table test until its CUDA launcher is written.
-CPU_ONLY: set = {f"{op.kernel}_{v}" for op in ops.OPS.values() if op.llama_cpu for v in op.dtypes}
+CPU_ONLY: set = {f"{op.kernel}_{v}" for op in ops.OPS.values() if op.numerics == LLAMA for v in op.dtypes}
 
 
 @pytest.fixture(scope="module")

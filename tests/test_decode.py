@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 
 from ggtrain.core.backend_cpu import CpuBackend
-from ggtrain.core.models.decoder import ModelConfig, Decoder, Runner, generate, init_params
+from ggtrain.core.models.config import ModelConfig, init_params
+from ggtrain.core.models.inference import Decoder, Runner, generate
 from ggtrain.core.sampling import Sampler
 from ggtrain.errors import ConfigError
 from tests import np_decoder as np_llama

@@ -6,7 +6,9 @@ import pytest
 from ggtrain.core.autograd import backward
 from ggtrain.core.backend_cpu import CpuBackend
 from ggtrain.core.graph import Graph, Runtime
-from ggtrain.core.models import decoder
+from ggtrain.core.models import losses as model_losses
+from ggtrain.core.models.config import ModelConfig, init_params, trainable
+from ggtrain.core.models.decoder import Inputs, Net, Options, forward
 from ggtrain.core.optim import AdamW
 from ggtrain.core.step import TrainStep
 from tests import np_decoder as np_llama
@@ -38,7 +40,7 @@ def family_params(cfg, seed=0, std=0.1):
     """init_params with the 1-D tensors moved off their neutral values (norm weights near 1,
     biases near 0, rope factors 1..8 as llama 3's grow), so every family tensor matters."""
     rng = np.random.default_rng(seed + 100)
-    init = decoder.init_params(cfg, seed, std=std)
+    init = init_params(cfg, seed, std=std)
     for name, v in init.items():
         if name in ("rope_freqs.weight", "rope_factors_long.weight"):
             init[name] = np.geomspace(1.0, 8.0, v.size).astype(np.float32)
@@ -54,19 +56,19 @@ def family_params(cfg, seed=0, std=0.1):
 def _graph(cfg, b, t, seed=0, checkpoint=False):
     g = Graph()
     init = family_params(cfg, seed, std=0.1)   # std larger than the default: visible attention
-    params = {k: g.param(v.shape, v, name=k, trainable=decoder.trainable(k)) for k, v in init.items()}
+    params = {k: g.param(v.shape, v, name=k, trainable=trainable(k)) for k, v in init.items()}
     tokens = g.input((b, t), "i32", name="tokens")
     targets = g.input((b, t), "i32", name="targets")
     pos = g.input((t,), "i32", name="pos")
-    logits = decoder.forward(cfg, params, tokens, pos, g, checkpoint=checkpoint)
-    return g, init, params, tokens, targets, pos, logits, decoder.loss(logits, targets)
+    logits = forward(Net(cfg, params), Inputs(tokens, pos), Options(checkpoint=g if checkpoint else None))
+    return g, init, params, tokens, targets, pos, logits, model_losses.loss(logits, targets)
 
 
 @pytest.mark.parametrize("kw", [{}, {"tied": True, "kv_heads": 4}, {"kv_heads": 1, "rope_dims": 4}] + FAMILIES
                          + [dict(arch="qwen3", rope_dims=6)],
                          ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items()))
 def test_forward_matches_numpy_twin(kw):
-    cfg = decoder.ModelConfig(**{**TINY, **kw})
+    cfg = ModelConfig(**{**TINY, **kw})
     b, t = 2, 7
     g, init, params, tokens, targets, pos, logits, loss = _graph(cfg, b, t)
     rng = np.random.default_rng(0)
@@ -85,7 +87,7 @@ def test_forward_matches_numpy_twin(kw):
 
 @pytest.mark.parametrize("kw", [{}] + FAMILIES, ids=lambda kw: kw.get("arch", "default"))
 def test_gradients_match_finite_differences_of_numpy_twin(kw):
-    cfg = decoder.ModelConfig(**{**TINY, **kw})
+    cfg = ModelConfig(**{**TINY, **kw})
     b, t = 2, 5
     g, init, params, tokens, targets, pos, logits, loss = _graph(cfg, b, t)
     rng = np.random.default_rng(1)
@@ -115,7 +117,7 @@ def test_gradients_match_finite_differences_of_numpy_twin(kw):
 
 @pytest.mark.parametrize("kw", [{}, FAMILIES[2]], ids=["llama", "qwen3"])
 def test_checkpointed_training_equals_plain_and_lowers_loss(kw):
-    cfg = decoder.ModelConfig(**{**TINY, **kw})
+    cfg = ModelConfig(**{**TINY, **kw})
     b, t = 4, 16
     rng = np.random.default_rng(2)
     tok = rng.integers(0, cfg.vocab, (b, t + 1)).astype(np.int32)
@@ -140,7 +142,7 @@ def test_checkpointing_keeps_attention_and_the_mid_residual():
     # attention's forward again, nor the q, k, v and output projections, but still
     # recomputes each block's gate and up products (every block ends a segment); and it
     # plans less memory than no checkpointing.
-    cfg = decoder.ModelConfig(**dict(TINY, layers=3))
+    cfg = ModelConfig(**dict(TINY, layers=3))
     b, t = 2, 16
     counts, arenas = {}, {}
     for checkpoint in (False, True):
@@ -161,35 +163,35 @@ def test_chunked_loss_equals_one_chunk_and_holds_less(kw, frozen_head, monkeypat
     loss and gradients as one chunk; with a frozen output matrix (LoRA) each chunk's input
     gradient is taken in the forward (ops.with_grad), and the plan holds one chunk's logits,
     not all. (Budgets shrunk so a 2048-token vocabulary chunks.)"""
-    cfg = decoder.ModelConfig(**{**TINY, **kw, "vocab": 2048, "ctx": 16})
+    cfg = ModelConfig(**{**TINY, **kw, "vocab": 2048, "ctx": 16})
     b, t = 4, 16
     rng = np.random.default_rng(3)
     tok = rng.integers(0, cfg.vocab, (b, t + 1)).astype(np.int32)
     tok[1, 5:] = -1                        # ignored targets, unevenly spread over the chunks
-    monkeypatch.setattr(decoder, "LOGITS_BUDGET", 1024)
-    monkeypatch.setattr(decoder, "CHUNK_BYTES", 9 * 2048 * 4)   # 9 rows a chunk: 8 chunks, the last short
+    monkeypatch.setattr(model_losses, "LOGITS_BUDGET", 1024)
+    monkeypatch.setattr(model_losses, "CHUNK_BYTES", 9 * 2048 * 4)   # 9 rows a chunk: 8 chunks, the last short
     head = {"output.weight", "token_embd.weight"}
     runs = {}
     for chunked in (False, True):
         g = Graph()
         init = family_params(cfg, 0, std=0.1)
-        params = {k: g.param(v.shape, v, name=k, trainable=decoder.trainable(k) and not (frozen_head and k in head))
+        params = {k: g.param(v.shape, v, name=k, trainable=trainable(k) and not (frozen_head and k in head))
                   for k, v in init.items()}
         tokens, targets = g.input((b, t), "i32"), g.input((b, t), "i32")
         pos = g.input((t,), "i32")
-        n = decoder.loss_chunks(cfg, b * t) if chunked else 1
+        n = model_losses.loss_chunks(cfg, b * t) if chunked else 1
         weights = g.input((n,), name="chunk_weights")
-        hidden = decoder.forward(cfg, params, tokens, pos, g, checkpoint=True, head=False)
-        loss = decoder.chunked_loss(cfg, params, hidden, targets, weights, grad=frozen_head and chunked)
+        hidden = forward(Net(cfg, params), Inputs(tokens, pos), Options(checkpoint=g, head=False))
+        loss = model_losses.chunked_loss(Net(cfg, params), hidden, targets, weights, grad=frozen_head and chunked)
         trained = [p for p in params.values() if p.requires_grad]
         st = TrainStep(loss, trained, AdamW(lr=1e-3), CpuBackend(2), checkpointing=True)
         feed = {tokens: np.maximum(tok[:, :-1], 0), targets: tok[:, 1:], pos: np.arange(t, dtype=np.int32),
-                weights: decoder.chunk_weights(tok[:, 1:], n)}
+                weights: model_losses.chunk_weights(tok[:, 1:], n)}
         losses = [st.step([feed], 1e-3) for _ in range(3)]
         runs[chunked] = (n, losses, {k: st.get(v) for k, v in params.items()}, st.memory.arena)
     (n0, l0, p0, a0), (n1, l1, p1, a1) = runs[False], runs[True]
     assert (n0, n1) == (1, 8)
-    assert decoder.loss_chunks(cfg, b * t, head_trained=True) == 1      # what TextRun asks without LoRA
+    assert model_losses.loss_chunks(cfg, b * t, head_trained=True) == 1      # what TextRun asks without LoRA
     want = np_llama.loss(np_llama.forward(cfg, family_params(cfg, 0, std=0.1), np.maximum(tok[:, :-1], 0),
                                           np.arange(t))[tok[:, 1:] >= 0], tok[:, 1:][tok[:, 1:] >= 0])
     assert l0[0] == pytest.approx(want, rel=1e-5) and l1[0] == pytest.approx(want, rel=1e-5)

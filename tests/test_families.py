@@ -16,13 +16,15 @@ import pytest
 
 from ggtrain.core.backend_cpu import CpuBackend
 from ggtrain.core.sampling import Sampler
-from ggtrain.core.models.decoder import Decoder, ModelConfig, Runner, generate
+from ggtrain.core.models.inference import Decoder, Runner, generate
+from ggtrain.core.models.config import ModelConfig
 from ggtrain.core.models.families import FAMILIES
 from ggtrain.formats.gguf import read_gguf
 from ggtrain.formats.lora import lora_adapters
 from ggtrain.formats.model import validate_model
 from ggtrain.formats.model_file import load_model
 from ggtrain.formats.tokenizer import ByteTokenizer
+from ggtrain.core.numerics import LLAMA
 from tests import np_decoder
 from tests.interop import open_llm, run_cli
 from tests.test_decoder import family_params
@@ -291,7 +293,7 @@ def test_granite_scales_are_required_and_no_rope_is_refused(tmp_path, drop, add,
 
 
 def test_family_logits_in_llama_cpp_numbers_are_its_own(llama, family_model):
-    """In llama.cpp's numbers (act8: generate's default, eval --int8) each family's F32 model
+    """In llama.cpp's numbers (--numerics llama) each family's F32 model
     gives llama.cpp's logits (F32 KV cache, its context of 256) bit for bit at every position,
     fed a token at a time (the decoder) and all at once (the window runner): its f32 products'
     order, norms, rope (llama 3's factors, phi3's long ones), attention (windows, q or S scaled
@@ -305,15 +307,15 @@ def test_family_logits_in_llama_cpp_numbers_are_its_own(llama, family_model):
     one = np.array(llm.scores[:len(ids)], np.float32)
     batched = np.array(_their_nll(llm, ids + [0])[0], np.float32)
     be = CpuBackend(2)
-    dec = Decoder(cfg, weights, be, n_ctx=256, act8=True)
+    dec = Decoder(cfg, weights, be, n_ctx=256, numerics=LLAMA)
     np.testing.assert_array_equal(np.concatenate([dec.feed([t], every=True) for t in ids]), one)
-    runner = Runner(cfg, weights, be, length=len(ids), act8=True, n_ctx=256)
+    runner = Runner(cfg, weights, be, length=len(ids), numerics=LLAMA, n_ctx=256)
     np.testing.assert_array_equal(runner.logits(np.asarray(ids, np.int32)[None])[0, :len(ids)], batched)
 
 
 def test_family_greedy_generation_equals_llama_cpp(llama, family_model):
-    """KV-cached greedy decoding (sliding windows by position) in llama.cpp's numbers (generate's
-    default) gives llama.cpp's greedy tokens, all of them; in exact f32 it may part only where
+    """KV-cached greedy decoding (sliding windows by position) in llama.cpp's numbers (--numerics
+    llama) gives llama.cpp's greedy tokens, all of them; in exact f32 it may part only where
     llama.cpp's own top-2 margin is within the tolerance. `ggtrain generate` runs on the family
     too (its text is random bytes, so the ids are compared through the decoder it drives)."""
     path, cfg, weights, tok = family_model
@@ -327,7 +329,7 @@ def test_family_greedy_generation_equals_llama_cpp(llama, family_model):
         theirs.append(int(t))
         if len(theirs) == n:
             break
-    assert list(generate(Decoder(cfg, weights, CpuBackend(2), n_ctx=256, act8=True), ids, n, Sampler(temp=0))) == theirs
+    assert list(generate(Decoder(cfg, weights, CpuBackend(2), n_ctx=256, numerics=LLAMA), ids, n, Sampler(temp=0))) == theirs
     llm = open_llm(llama, path)
     ours = list(generate(Decoder(cfg, weights, CpuBackend(2), n_ctx=256), ids, n, Sampler(temp=0)))
     common = 0

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from ggtrain.core.backend_cpu import CpuBackend
-from ggtrain.core.models.decoder import ModelConfig, Runner
+from ggtrain.core.models.config import ModelConfig
+from ggtrain.core.models.inference import Runner
 from ggtrain.formats.model_file import load_model
 from ggtrain.formats.lora import lora_adapters
 from tests.interop import greedy, open_llm, run_cli
@@ -50,7 +51,8 @@ def test_adapter_and_merged_model_run_in_llama_cpp(llama, shared_data, tmp_path,
     # our greedy continuation with the adapter (the CLI) is llama.cpp's
     theirs = greedy(with_adapter, ids, 16)
     shown = list(itertools.takewhile(lambda t: t not in tok.eog_ids, theirs))
-    r = run_cli("generate", "--model", base, "--lora", adapter, "--prompt", "Tom had a red kite. The kite", "-n", 16)
+    r = run_cli("generate", "--model", base, "--lora", adapter, "--prompt", "Tom had a red kite. The kite", "-n", 16,
+                "--numerics", "llama")
     assert r.returncode == 0, r.stderr
     assert r.stdout == tok.decode(shown) + "\n"
     # the merged model runs in llama.cpp as the base does with the adapter

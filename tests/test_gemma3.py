@@ -8,7 +8,7 @@ rounding that flips moves a position's logits by up to ~1 (measured), and every 
 of its window with it: on a 400-token text that alone moves llama.cpp's own mean NLL by 0.006
 between its batched and its one-token paths, and our f32 NLL lies 0.013-0.019 from it; over
 3342 tokens (4.5 windows) the noise averages out to 0.0014, under issue #19's 0.01.
-In llama.cpp's numbers (the decoder's act8 mode: generate's default, eval --int8) our logits
+In llama.cpp's numbers (numerics llama: generate and eval --numerics llama) our logits
 are llama.cpp's bit for bit, batched or a token at a time, so the NLLs and the greedy text
 are equal.
 """
@@ -19,6 +19,7 @@ import pytest
 
 from ggtrain.formats.gguf import read_gguf
 from ggtrain.formats.model import validate_model
+from ggtrain.core.numerics import LLAMA
 from tests.conftest import SHARED_DATA
 from tests.interop import greedy, open_llm, run_cli, their_nll
 from tests.real_models import gemma3_270m
@@ -63,7 +64,7 @@ def test_gemma3_270m_nll_equals_llama_cpp(llama, gemma, tmp_path):
     data.write_text(short)
     ours = _our_eval(gemma, data)
     # in llama.cpp's numbers: its logits, so its NLL (to our f32 cross-entropy over 262,144 logits)
-    assert _our_eval(gemma, data, "--int8", "--cache-type", "f32")["nll"] == \
+    assert _our_eval(gemma, data, "--numerics", "llama", "--cache-type", "f32")["nll"] == \
         pytest.approx(_their_nll(llama, gemma, short), abs=1e-4)
     f32 = tmp_path / "g32.gguf"
     r = run_cli("convert-checkpoint", gemma, f32, "--out-type", "f32")
@@ -74,10 +75,11 @@ def test_gemma3_270m_nll_equals_llama_cpp(llama, gemma, tmp_path):
 
 
 def test_gemma3_270m_greedy_equals_llama_cpp(llama, gemma):
-    """generate's default (llama.cpp's numbers, its default F16 KV cache) continues a prompt
+    """generate --numerics llama (llama.cpp's numbers, its default F16 KV cache) continues a prompt
     with the greedy tokens of llama.cpp as a user runs it, every one of them."""
     prompt, n = "The capital of France is", 48
-    r = run_cli("generate", "--model", gemma, "--prompt", prompt, "-n", n, "--temp", 0, "--threads", 2)
+    r = run_cli("generate", "--model", gemma, "--prompt", prompt, "-n", n, "--temp", 0, "--threads", 2,
+                "--numerics", "llama")
     assert r.returncode == 0, r.stderr
     llm = llama.Llama(model_path=str(gemma), n_ctx=256, n_threads=2, n_threads_batch=2, seed=0, verbose=False)
     theirs = greedy(llm, llm.tokenize(prompt.encode(), add_bos=True), n)
@@ -85,14 +87,15 @@ def test_gemma3_270m_greedy_equals_llama_cpp(llama, gemma):
 
 
 def test_gemma3_270m_logits_with_llama_cpp_numerics_equal_llama_cpp(llama, gemma):
-    """The decoder in llama.cpp's CPU numbers (act8: 8-bit activations for the Q5_0, Q8_0,
+    """The decoder in llama.cpp's CPU numbers (8-bit activations for the Q5_0, Q8_0,
     Q4_K and Q6_K products in the order of the kernel llama.cpp picks for the row count, its
     f16-table gelu, its rms_norm sums, rope angles, attention order and exp) gives llama.cpp's
     logits bit for bit at every position, fed a token at a time (its one-row kernels) and fed
     60 tokens at once (its repacked Q4_K GEMM, tiled Q6_K GEMM, tinyBLAS P V), where the f32
     path is ~0.5 away."""
     from ggtrain.core.backend_cpu import CpuBackend
-    from ggtrain.core.models.decoder import Decoder, ModelConfig
+    from ggtrain.core.models.inference import Decoder
+    from ggtrain.core.models.config import ModelConfig
     from ggtrain.formats.model_file import open_model
     be = CpuBackend(2)
     cfg, weights, _ = open_model(gemma, be)
@@ -107,7 +110,7 @@ def test_gemma3_270m_logits_with_llama_cpp_numerics_equal_llama_cpp(llama, gemma
     for t in ids[:16]:
         llm.eval([t])
     one = np.array(llm.scores[:16], np.float32)
-    dec = Decoder(ModelConfig(**cfg), weights, be, n_ctx=64, act8=True)
+    dec = Decoder(ModelConfig(**cfg), weights, be, n_ctx=64, numerics=LLAMA)
     np.testing.assert_array_equal(dec.feed(ids, every=True), batched)
     dec.reset()
     np.testing.assert_array_equal(np.concatenate([dec.feed([t], every=True) for t in ids[:16]]), one)

@@ -8,9 +8,11 @@ import numpy as np
 import pytest
 
 from ggtrain.core.backend_cpu import CpuBackend
-from ggtrain.core.models.decoder import ModelConfig, Decoder, Runner, generate
+from ggtrain.core.models.config import ModelConfig
+from ggtrain.core.models.inference import Decoder, Runner, generate
 from ggtrain.core.sampling import Sampler
 from ggtrain.formats.model_file import load_model
+from ggtrain.core.numerics import EXACT, LLAMA
 from tests import np_decoder as np_llama
 
 # From ../shared/data/README.md: llama.cpp's greedy continuations of "Once upon a time".
@@ -30,7 +32,7 @@ def _cli(*args):
 @pytest.mark.parametrize("name", list(LLAMA_CPP))
 def test_greedy_continuation_equals_llama_cpp(shared_data, name):
     r = _cli("generate", "--model", str(shared_data / "gguf" / f"{name}.gguf"), "--prompt", "Once upon a time",
-             "-n", "40", "--temp", "0")
+             "-n", "40", "--temp", "0", "--numerics", "llama")
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith(LLAMA_CPP[name]), r.stdout
 
@@ -200,9 +202,10 @@ def test_smollm2_logits_equal_float64_oracle(shared_data, backend):
     assert (got.argmax(-1) == want.argmax(-1)).all()
 
 
-def test_eval_int8_is_the_runner_with_8_bit_activations(shared_data, tmp_path):
-    """`eval --int8` on stories260K-Q8_0 gives the perplexity of the Runner with act8 (llama.cpp's
-    numbers, its default F16 KV cache), not the default's (f32 activations), which it is close to."""
+def test_eval_numerics_llama_is_the_runner_in_llama_numbers(shared_data, tmp_path):
+    """`eval --numerics llama` on stories260K-Q8_0 gives the perplexity of the Runner in llama
+    numbers (its default F16 KV cache), not the default's (exact f32), which it is close to; the
+    replaced `--int8` still gives it, with a warning naming --numerics."""
     from ggtrain.formats.model_file import open_model
     path = shared_data / "gguf" / "stories260K-Q8_0.gguf"
     be = CpuBackend(2)
@@ -211,14 +214,16 @@ def test_eval_int8_is_the_runner_with_8_bit_activations(shared_data, tmp_path):
     (tmp_path / "t.txt").write_text(text)
     ids = tok.encode(text, add_bos=True)
     got = {}
-    for flag in ((), ("--int8",)):
+    for flag in ((), ("--numerics", "llama"), ("--int8",)):
         r = _cli("eval", "--model", str(path), "--data", str(tmp_path / "t.txt"), "--json", *flag)
         assert r.returncode == 0, r.stderr
+        assert ("--numerics llama" in r.stderr) == (flag == ("--int8",)), r.stderr
         got[flag] = json.loads(r.stdout)["nll"]
     want = {}
-    for act8 in (False, True):
-        runner = Runner(ModelConfig(**config), weights, be, length=len(ids) - 1, act8=act8, kv_f16=True)
-        want[act8] = runner.nll(ids[None, :-1], ids[None, 1:]) / (len(ids) - 1)
-    assert got[()] == pytest.approx(want[False], abs=1e-6)
-    assert got[("--int8",)] == pytest.approx(want[True], abs=1e-6)
-    assert 1e-5 < abs(want[True] - want[False]) < 0.05
+    for numerics in (EXACT, LLAMA):
+        runner = Runner(ModelConfig(**config), weights, be, length=len(ids) - 1, numerics=numerics, kv_f16=True)
+        want[numerics] = runner.nll(ids[None, :-1], ids[None, 1:]) / (len(ids) - 1)
+    assert got[()] == pytest.approx(want[EXACT], abs=1e-6)
+    assert got[("--numerics", "llama")] == pytest.approx(want[LLAMA], abs=1e-6)
+    assert got[("--int8",)] == got[("--numerics", "llama")]
+    assert 1e-5 < abs(want[LLAMA] - want[EXACT]) < 0.05

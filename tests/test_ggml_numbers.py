@@ -1,4 +1,4 @@
-"""The kernels' llama.cpp modes (the decoder's act8 mode: generate's default, eval --int8):
+"""The kernels' llama.cpp modes (numerics llama: generate and eval --numerics llama):
 rope, rms_norm, attention and swiglu computing llama.cpp's CPU numbers bit for bit, against
 float32 emulations of its code (tests/refs.py ggml_*); with the 8-bit products (test_qdot8.py)
 they make our logits llama.cpp's own (test_gemma3.py, test_interop.py check that against it)."""
@@ -11,6 +11,7 @@ from ggtrain.core.backend_cpu import CpuBackend, run_kernel
 from ggtrain.core.graph import Graph
 from ggtrain.errors import DTypeError, NativeError, ShapeError
 from ggtrain.native import lib
+from ggtrain.core.numerics import EXACT, LLAMA
 from tests import refs
 
 ROPE_MODES = {"norm": 0, "neox": 2}
@@ -123,15 +124,15 @@ def test_llama_cpp_modes_refuse_what_they_do_not_do():
     g = Graph()
     x = g.param((1, 2, 2, 8), name="x")
     pos = g.input((2,), "i32", name="pos")
-    for y in (ops.rope(x, pos, ggml=True), ops.rms_norm(x, ggml=True)):
+    for y in (ops.rope(x, pos, numerics=LLAMA), ops.rms_norm(x, numerics=LLAMA)):
         with pytest.raises(ValueError, match="inference: no gradient"):
             backward(ops.sum(y), [x])
-    y = ops.attention(x, x, x, 0.5, pos=pos, ggml=True)
+    y = ops.attention(x, x, x, 0.5, pos=pos, numerics=LLAMA)
     with pytest.raises(ValueError, match="inference: no gradient"):
         backward(ops.sum(y), [x])
     with pytest.raises(ValueError, match="no segment mask"):
-        ops.attention(x, x, x, 0.5, seg=g.input((1, 2), "i32"), ggml=True)
-    with pytest.raises(ValueError, match="scale_q and kv_f16 need ggml"):
+        ops.attention(x, x, x, 0.5, seg=g.input((1, 2), "i32"), numerics=LLAMA)
+    with pytest.raises(ValueError, match="scale_q and kv_f16 need llama numerics"):
         ops.attention(x, x, x, 0.5, causal=True, scale_q=True)
     q = np.zeros((1, 2, 2, 8), np.float32)
     with pytest.raises(NativeError, match="ip\\[2\\]"):
@@ -143,19 +144,20 @@ def test_llama_cpp_modes_refuse_what_they_do_not_do():
                    [q, q, q, np.zeros(q.size + 4, np.float32), q], ip=(1, 0, 1, 0), fp=(0.5,))
 
 
-def test_decoder_act8_uses_the_llama_cpp_modes():
-    """The act8 graph's rope, rms_norm and attention nodes carry ggml, its FFN swiglu_ggml; the
-    f32 graph's none."""
-    from ggtrain.core.models.decoder import Decoder, ModelConfig, init_params
+def test_decoder_in_llama_numerics_uses_the_llama_cpp_modes():
+    """The llama-numerics graph's rope, rms_norm and attention nodes carry numerics llama, its
+    FFN swiglu_ggml; the exact graph's none."""
+    from ggtrain.core.models.inference import Decoder
+    from ggtrain.core.models.config import ModelConfig, init_params
     cfg = ModelConfig(vocab=64, dim=32, layers=1, heads=2, kv_heads=1, ff=48, ctx=16)
     weights = init_params(cfg, seed=1)
-    for act8 in (True, False):
-        dec = Decoder(cfg, weights, CpuBackend(1), n_ctx=16, act8=act8)
+    for numerics in (LLAMA, EXACT):
+        dec = Decoder(cfg, weights, CpuBackend(1), n_ctx=16, numerics=numerics)
         plan, *_, logits = dec._plan(3, 16)
         nodes = _nodes(logits)
-        flagged = {t.op for t in nodes if t.params.get("ggml")}
-        assert flagged == ({"rope", "rms_norm", "attention"} if act8 else set())
-        assert any(t.op == ("swiglu_ggml" if act8 else "swiglu") for t in nodes)
+        flagged = {t.op for t in nodes if t.params.get("numerics") == LLAMA}
+        assert flagged == ({"rope", "rms_norm", "attention"} if numerics == LLAMA else set())
+        assert any(t.op == ("swiglu_ggml" if numerics == LLAMA else "swiglu") for t in nodes)
 
 
 def _nodes(t, seen=None):

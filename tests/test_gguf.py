@@ -18,7 +18,7 @@ import pytest
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T, GGUFValueType as VT, quants
 
 from ggtrain.errors import ConfigError, FormatError, ShapeError, UnsupportedOpError
-from ggtrain.core.models.decoder import ModelConfig
+from ggtrain.core.models.config import ModelConfig
 from ggtrain.core.models.families import FAMILIES
 from ggtrain.formats import model as layouts
 from ggtrain.native import _check, ffi, lib

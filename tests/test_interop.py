@@ -10,10 +10,12 @@ import numpy as np
 import pytest
 
 from ggtrain.core.backend_cpu import CpuBackend
-from ggtrain.core.models.decoder import ModelConfig, Decoder, Runner, generate, init_params
+from ggtrain.core.models.config import ModelConfig, init_params
+from ggtrain.core.models.inference import Decoder, Runner, generate
 from ggtrain.core.sampling import Sampler
 from ggtrain.formats.model_file import load_model, open_model, save_model
 from ggtrain.formats.tokenizer import load_tokenizer
+from ggtrain.core.numerics import EXACT, LLAMA
 from tests.conftest import SHARED_DATA
 
 PROMPT = "Once upon a time"
@@ -242,7 +244,7 @@ def test_lora_adapter_applies_as_in_llama_cpp(llama, shared_data, tmp_path):
 
 @pytest.mark.parametrize("name,factors", [("stories260K", "F32"), ("stories260K-Q8_0", "F32"), ("stories260K", "F16")])
 def test_lora_adapter_in_llama_cpp_numbers_gives_its_logits(llama, shared_data, tmp_path, name, factors):
-    """With act8 (generate's default) an adapter goes on as llama.cpp's graph puts it, scale *
+    """In llama numerics an adapter goes on as llama.cpp's graph puts it, scale *
     B (A x) added to W x, its factors multiplied in llama.cpp's order for their type (matmul_ggml;
     F16 factors, as llama.cpp's converter writes PEFT's, in f16) and the scale computed in f32:
     our logits with the adapter are llama.cpp's (F32 KV cache) bit for bit at every position,
@@ -269,11 +271,11 @@ def test_lora_adapter_in_llama_cpp_numbers_gives_its_logits(llama, shared_data, 
     one = np.array(llm.scores[:len(ids)], np.float32)
     batched = _their_logits(llm, ids)
     model = ModelConfig(**cfg)
-    dec = Decoder(model, weights, be, n_ctx=len(ids), adapters=lora, act8=True)
+    dec = Decoder(model, weights, be, n_ctx=len(ids), adapters=lora, numerics=LLAMA)
     np.testing.assert_array_equal(np.concatenate([dec.feed([t], every=True) for t in ids]), one)
-    runner = Runner(model, weights, be, length=len(ids), adapters=lora, act8=True)
+    runner = Runner(model, weights, be, length=len(ids), adapters=lora, numerics=LLAMA)
     np.testing.assert_array_equal(runner.logits(np.asarray(ids, np.int32)[None])[0, :len(ids)], batched)
-    plain = Runner(model, weights, be, length=len(ids), act8=True).logits(np.asarray(ids, np.int32)[None])
+    plain = Runner(model, weights, be, length=len(ids), numerics=LLAMA).logits(np.asarray(ids, np.int32)[None])
     assert np.abs(plain[0, :len(ids)] - batched).max() > 0.1          # the adapter matters
 
 
@@ -311,7 +313,7 @@ SMOLLM2_PROMPT = "The capital of France is"
 
 def test_smollm2_generate_equals_llama_cpp_greedy(llama, shared_data):
     """`ggtrain generate -n 48 --temp 0` on SmolLM2 (its default: llama.cpp's numbers with its
-    default F16 KV cache, as the decoder with act8 and kv_f16) gives the greedy continuation of
+    default F16 KV cache, as the decoder in llama numerics with kv_f16) gives the greedy continuation of
     llama.cpp as a user runs it, token for token."""
     import subprocess
     import sys
@@ -331,10 +333,11 @@ def test_smollm2_generate_equals_llama_cpp_greedy(llama, shared_data):
         if t in tok.eog_ids or len(theirs) == n:
             break
     r = subprocess.run([sys.executable, "-m", "ggtrain", "generate", "--model", str(path), "--prompt",
-                        SMOLLM2_PROMPT, "-n", str(n), "--temp", "0"], capture_output=True, text=True)
+                        SMOLLM2_PROMPT, "-n", str(n), "--temp", "0", "--numerics", "llama"],
+                       capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     config, weights, _ = open_model(path, CpuBackend(2))
-    dec = Decoder(ModelConfig(**config), weights, CpuBackend(2), n_ctx=len(prompt) + n, act8=True, kv_f16=True)
+    dec = Decoder(ModelConfig(**config), weights, CpuBackend(2), n_ctx=len(prompt) + n, numerics=LLAMA, kv_f16=True)
     ours = list(generate(dec, prompt, n, Sampler(temp=0), tok.eog_ids))
     assert r.stdout == tok.decode([t for t in ours if t not in tok.eog_ids]) + "\n"   # the CLI's
     assert ours == theirs
@@ -359,15 +362,15 @@ def _first_difference(llm, prompt, ours, theirs):
 
 def test_greedy_generation_with_8_bit_activations_follows_llama_cpp(llama, shared_data):
     """SmolLM2-135M-Instruct Q4_1 (Q4_1 and Q8_0 weights), llama.cpp with an F32 KV cache: the
-    decoder in llama.cpp's numbers (generate's default) gives llama.cpp's 64 greedy tokens after
+    decoder in llama.cpp's numbers (--numerics llama) gives llama.cpp's 64 greedy tokens after
     each prompt, all of them (its logits are llama.cpp's bit for bit:
-    test_logits_with_8_bit_activations_equal_llama_cpp); with f32 activations (--exact) it
+    test_logits_with_8_bit_activations_equal_llama_cpp); with f32 activations (--numerics exact) it
     parts from llama.cpp at a clear decision. (llama.cpp's default F16 KV cache rounds keys,
     queries and attention weights to f16, which this decoder does not do.)"""
-    from ggtrain.core.models.decoder import act8_available
+    from ggtrain.core.models.inference import llama_numerics_available
     path = shared_data / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
     be = CpuBackend(2)
-    assert act8_available(be)
+    assert llama_numerics_available(be)
     config, weights, tok = open_model(path, be)
     llm = _open(llama, path, n_ctx=256, logits_all=True, f32_cache=True)
     n = 64
@@ -375,18 +378,18 @@ def test_greedy_generation_with_8_bit_activations_follows_llama_cpp(llama, share
         ids = tok.encode(prompt, add_bos=tok.add_bos).tolist()
         theirs = _their_greedy_ids(llm, ids, n, -1)
 
-        def ours(act8):
-            dec = Decoder(ModelConfig(**config), weights, be, n_ctx=len(ids) + n, act8=act8)
+        def ours(numerics):
+            dec = Decoder(ModelConfig(**config), weights, be, n_ctx=len(ids) + n, numerics=numerics)
             return list(generate(dec, ids, n, Sampler(temp=0), frozenset()))
-        assert ours(True) == theirs, prompt
-    i, margin = _first_difference(llm, ids, ours(False), theirs)
+        assert ours(LLAMA) == theirs, prompt
+    i, margin = _first_difference(llm, ids, ours(EXACT), theirs)
     assert i is not None and margin >= TIE_8BIT, (i, margin)
 
 
 def test_llama_cpp_numbers_with_its_default_f16_kv_cache(llama, shared_data):
     """llama.cpp as a user runs it keeps an F16 KV cache: with kv_f16 the decoder (a token at a
     time) and the window runner (all at once) give its logits bit for bit at every position,
-    and `generate`'s default its greedy text."""
+    and `generate --numerics llama` its greedy text."""
     from tests.interop import run_cli
     path = shared_data / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
     be = CpuBackend(2)
@@ -400,23 +403,24 @@ def test_llama_cpp_numbers_with_its_default_f16_kv_cache(llama, shared_data):
     llm.reset()
     llm.eval(ids)
     batched = np.array(llm.scores[:len(ids)], np.float32)
-    dec = Decoder(ModelConfig(**config), weights, be, n_ctx=len(ids), act8=True, kv_f16=True)
+    dec = Decoder(ModelConfig(**config), weights, be, n_ctx=len(ids), numerics=LLAMA, kv_f16=True)
     np.testing.assert_array_equal(np.concatenate([dec.feed([t], every=True) for t in ids]), one)
-    runner = Runner(ModelConfig(**config), weights, be, length=len(ids), act8=True, kv_f16=True)
+    runner = Runner(ModelConfig(**config), weights, be, length=len(ids), numerics=LLAMA, kv_f16=True)
     np.testing.assert_array_equal(runner.logits(np.asarray(ids, np.int32)[None])[0, :len(ids)], batched)
-    f32 = Runner(ModelConfig(**config), weights, be, length=len(ids), act8=True)
+    f32 = Runner(ModelConfig(**config), weights, be, length=len(ids), numerics=LLAMA)
     assert (f32.logits(np.asarray(ids, np.int32)[None])[0, :len(ids)] != batched).any()
     prompt, n = "Once upon a time", 48
-    r = run_cli("generate", "--model", path, "--prompt", prompt, "-n", n, "--temp", 0, "--threads", 2)
+    r = run_cli("generate", "--model", path, "--prompt", prompt, "-n", n, "--temp", 0, "--threads", 2,
+                "--numerics", "llama")
     assert r.returncode == 0, r.stderr
     theirs = _their_greedy_ids(llm, tok.encode(prompt, add_bos=tok.add_bos).tolist(), n, -1)
     assert r.stdout.rstrip("\n") == llm.detokenize(theirs).decode("utf-8", errors="replace").rstrip("\n")
 
 
 def test_eval_int8_nll_equals_llama_cpp_in_windows(llama, shared_data, tmp_path):
-    """`eval --int8` on SmolLM2 Q4_1 in windows of 128 tokens, the last one shorter and run at
+    """`eval --numerics llama` on SmolLM2 Q4_1 in windows of 128 tokens, the last one shorter and run at
     its own length (llama.cpp's kernels depend on the row count): llama.cpp's NLL (F32 KV
-    cache) to our f32 cross-entropy's rounding; the f32 default is 1e-3 or more away."""
+    cache) to our f32 cross-entropy's rounding; the exact default is 1e-3 or more away."""
     import json
     from tests.interop import run_cli, their_nll
     path = shared_data / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -424,14 +428,14 @@ def test_eval_int8_nll_equals_llama_cpp_in_windows(llama, shared_data, tmp_path)
     data = tmp_path / "t.txt"
     data.write_text(text)
     got = {}
-    for flags in ((), ("--int8",)):
+    for flags in ((), ("--numerics", "llama")):
         r = run_cli("eval", "--model", path, "--data", data, "--ctx", 128, "--json", "--threads", 2,
                     "--cache-type", "f32", *flags)
         assert r.returncode == 0, r.stderr
         got[flags] = json.loads(r.stdout)
     assert got[()]["tokens"] % 128 != 0
     theirs = their_nll(llama, path, text, 128)
-    assert got[("--int8",)]["nll"] == pytest.approx(theirs, abs=2e-5)
+    assert got[("--numerics", "llama")]["nll"] == pytest.approx(theirs, abs=2e-5)
     assert abs(got[()]["nll"] - theirs) > 1e-3
 
 
@@ -455,12 +459,12 @@ def test_prompt_logits_are_llama_cpps_as_generation_runs_it(llama, tmp_path, out
     theirs = last_logits(open_llm(llama, path, n_ctx=512, logits_all=False), ids)
     be = CpuBackend(2)
     cfg, weights, _ = open_model(path, be)
-    dec = Decoder(ModelConfig(**cfg), weights, be, n_ctx=512, act8=True)
+    dec = Decoder(ModelConfig(**cfg), weights, be, n_ctx=512, numerics=LLAMA)
     np.testing.assert_array_equal(dec.feed(ids), theirs)
     if out_type == "f32":
         dec.reset()
         assert (dec.feed(ids, every=True)[-1] != theirs).any()
-        cut = Decoder(ModelConfig(**cfg), weights, be, n_ctx=512, act8=True, chunk=256).feed(ids)
+        cut = Decoder(ModelConfig(**cfg), weights, be, n_ctx=512, numerics=LLAMA, chunk=256).feed(ids)
         assert (cut != theirs).any()
 
 
@@ -549,9 +553,9 @@ def test_logits_with_8_bit_activations_equal_llama_cpp(llama, tmp_path, out_type
     llm.reset()
     llm.eval(ids)           # all at once (its batched kernels)
     batched = np.array(llm.scores[:len(ids)], np.float32)
-    dec = Decoder(ModelConfig(**cfg), weights, be, n_ctx=len(ids), act8=True)
+    dec = Decoder(ModelConfig(**cfg), weights, be, n_ctx=len(ids), numerics=LLAMA)
     np.testing.assert_array_equal(np.concatenate([dec.feed([t], every=True) for t in ids]), one)
-    runner = Runner(ModelConfig(**cfg), weights, be, length=len(ids), act8=True)
+    runner = Runner(ModelConfig(**cfg), weights, be, length=len(ids), numerics=LLAMA)
     np.testing.assert_array_equal(runner.logits(np.asarray(ids, np.int32)[None])[0, :len(ids)], batched)
     exact = Runner(ModelConfig(**cfg), weights, be, length=len(ids))
     apart = np.abs(exact.logits(np.asarray(ids, np.int32)[None])[0, :len(ids)] - batched).max(-1)

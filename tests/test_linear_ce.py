@@ -8,7 +8,10 @@ import pytest
 from ggtrain.core import ops
 from ggtrain.core.backend_cpu import CpuBackend, run_kernel
 from ggtrain.core.graph import Graph
-from ggtrain.core.models import decoder
+from ggtrain.core.models import inference, losses as model_losses
+from ggtrain.core.models.config import ModelConfig, trainable
+from ggtrain.core.models.decoder import Inputs, Net, Options, forward
+from ggtrain.core.models.inference import Runner
 from ggtrain.core.optim import AdamW
 from ggtrain.core.step import TrainStep
 from ggtrain.errors import NativeError, ShapeError
@@ -145,7 +148,7 @@ def test_the_fused_loss_trains_as_the_chunked_logits_do(kw):
     same FLOPs; the fused plan makes no logits, and counts its products as the ones only
     counted rows take (step.row_flops: the kernel leaves the padding rows after the last
     counted one out; the logits' matmul multiplies every row)."""
-    cfg = decoder.ModelConfig(**{**TINY, **kw, "vocab": 600, "ctx": 16})
+    cfg = ModelConfig(**{**TINY, **kw, "vocab": 600, "ctx": 16})
     b, t = 4, 16
     rng = np.random.default_rng(3)
     tok = rng.integers(0, cfg.vocab, (b, t + 1)).astype(np.int32)
@@ -155,19 +158,19 @@ def test_the_fused_loss_trains_as_the_chunked_logits_do(kw):
     for fused in (False, True):
         g = Graph()
         init = family_params(cfg, 0, std=0.1)
-        params = {k: g.param(v.shape, v, name=k, trainable=decoder.trainable(k) and k not in head)
+        params = {k: g.param(v.shape, v, name=k, trainable=trainable(k) and k not in head)
                   for k, v in init.items()}
-        assert decoder.fused_loss_available(cfg, params, None, CpuBackend(2))
+        assert model_losses.fused_loss_available(Net(cfg, params), CpuBackend(2))
         tokens, targets = g.input((b, t), "i32"), g.input((b, t), "i32")
         pos = g.input((t,), "i32")
         n = 1 if fused else 4
         weights = g.input((n,), name="chunk_weights")
-        hidden = decoder.forward(cfg, params, tokens, pos, g, checkpoint=True, head=False)
-        loss = decoder.chunked_loss(cfg, params, hidden, targets, weights, grad=True, fused=fused)
+        hidden = forward(Net(cfg, params), Inputs(tokens, pos), Options(checkpoint=g, head=False))
+        loss = model_losses.chunked_loss(Net(cfg, params), hidden, targets, weights, grad=True, fused=fused)
         trained = [p for p in params.values() if p.requires_grad]
         st = TrainStep(loss, trained, AdamW(lr=1e-3), CpuBackend(2), checkpointing=True)
         feed = {tokens: np.maximum(tok[:, :-1], 0), targets: tok[:, 1:], pos: np.arange(t, dtype=np.int32),
-                weights: decoder.chunk_weights(tok[:, 1:], n)}
+                weights: model_losses.chunk_weights(tok[:, 1:], n)}
         losses = [st.step([feed], 1e-3) for _ in range(3)]
         kernels = {c.kernel for c in st._update.plan.calls}
         runs[fused] = (losses, {k: st.get(v) for k, v in params.items()}, kernels, st.flops, st.row_flops)
@@ -185,17 +188,17 @@ def test_evaluation_takes_the_loss_without_logits(monkeypatch):
     """Runner.nll (ggtrain eval) with f32 numbers: one linear_cross_entropy without its
     gradient, the same NLL as the logits in chunks, the plan holding no logits; llama.cpp's
     numbers (act8) keep their chunks (the head's product in 8 bits)."""
-    cfg = decoder.ModelConfig(**{**TINY, "vocab": 600, "ctx": 16})
+    cfg = ModelConfig(**{**TINY, "vocab": 600, "ctx": 16})
     weights = family_params(cfg, 0, std=0.3)
     tok = np.random.default_rng(4).integers(0, cfg.vocab, (2, 17)).astype(np.int32)
-    monkeypatch.setattr(decoder, "LOGITS_BUDGET", 1024)
-    monkeypatch.setattr(decoder, "CHUNK_BYTES", 9 * 600 * 4)
-    fused = decoder.Runner(cfg, weights, CpuBackend(2), batch=2, length=16)
+    monkeypatch.setattr(model_losses, "LOGITS_BUDGET", 1024)
+    monkeypatch.setattr(model_losses, "CHUNK_BYTES", 9 * 600 * 4)
+    fused = Runner(cfg, weights, CpuBackend(2), batch=2, length=16)
     got = fused.nll(tok[:, :-1], tok[:, 1:])
     kernels = {c.kernel for c in fused._plan_loss.plan.calls}
     assert "linear_cross_entropy_fwd_f32" in kernels and "cross_entropy_fwd_f32" not in kernels
-    monkeypatch.setattr(decoder, "fused_loss_available", lambda *a: False)
-    chunked = decoder.Runner(cfg, weights, CpuBackend(2), batch=2, length=16)
+    monkeypatch.setattr(inference, "fused_loss_available", lambda *a: False)
+    chunked = Runner(cfg, weights, CpuBackend(2), batch=2, length=16)
     assert chunked.chunks.shape == (4,)
     assert got == pytest.approx(chunked.nll(tok[:, :-1], tok[:, 1:]), rel=1e-6)
     assert fused.runtime.memory.arena < chunked.runtime.memory.arena

@@ -11,14 +11,17 @@ from ggtrain.core.autograd import backward
 from ggtrain.core.backend import StoredTensor
 from ggtrain.core.backend_cpu import CpuBackend
 from ggtrain.core.graph import Graph, Runtime
-from ggtrain.core.models import decoder
-from ggtrain.core.models.lora import LoraConfig, factor_names, init_lora
+from ggtrain.core.models import losses as model_losses
+from ggtrain.core.models.config import ModelConfig, init_params
+from ggtrain.core.models.decoder import Inputs, Net, forward
+from ggtrain.core.models.inference import Runner
+from ggtrain.core.models.lora import Adapter, LoraConfig, factor_names, init_lora
 from ggtrain.core.train import TextConfig, TextRun
 from ggtrain.errors import ConfigError
 from ggtrain.formats.gguf import dequantize, quantize
 from tests import np_decoder as np_llama
 
-CFG = decoder.ModelConfig(vocab=11, dim=16, layers=2, heads=4, kv_heads=2, ff=24, ctx=8)
+CFG = ModelConfig(vocab=11, dim=16, layers=2, heads=4, kv_heads=2, ff=24, ctx=8)
 LORA = LoraConfig(rank=2, alpha=3.0)
 
 
@@ -46,7 +49,7 @@ def _merged(weights, factors, cfg=CFG):
 @pytest.mark.parametrize("arch", ["llama", "phi3"])    # phi3: the fused qkv and gate|up weights
 def test_every_target_gets_the_finite_difference_gradient(arch):
     cfg = dataclasses.replace(CFG, arch=arch)
-    weights = decoder.init_params(cfg, seed=1, std=0.3)
+    weights = init_params(cfg, seed=1, std=0.3)
     factors = _factors(weights, 2, cfg)
     rng = np.random.default_rng(3)
     tokens = rng.integers(0, cfg.vocab, (1, 6))
@@ -58,10 +61,10 @@ def test_every_target_gets_the_finite_difference_gradient(arch):
     g = Graph()
     base = {k: g.param(v.shape, v, name=k, trainable=False) for k, v in weights.items()}
     fac = {k: g.param(v.shape, v, name=k) for k, v in factors.items()}
-    lora = {w: (fac[factor_names(w)[0]], fac[factor_names(w)[1]], LORA.scale) for w in LORA.weights(cfg)}
+    lora = {w: Adapter(fac[factor_names(w)[0]], fac[factor_names(w)[1]], LORA.scale) for w in LORA.weights(cfg)}
     tok = g.const(tokens.astype(np.int32), dtype="i32")
     pos = g.const(np.arange(6, dtype=np.int32), dtype="i32")
-    logits = decoder.forward(cfg, base, tok, pos, lora=lora)
+    logits = forward(Net(cfg, base, lora), Inputs(tok, pos))
     loss = ops.sum(ops.mul(logits, g.const(upstream)))
     grads = backward(loss, list(fac.values()), checkpointing=False)
     rt = Runtime(g, CpuBackend(2))
@@ -110,7 +113,7 @@ def _run(weights_frozen, steps=30, lora=LORA, cfg=CFG):
 
 
 def test_training_moves_only_the_adapters():
-    weights = decoder.init_params(CFG, seed=1, std=0.3)
+    weights = init_params(CFG, seed=1, std=0.3)
     before = {k: v.copy() for k, v in weights.items()}
     run, losses, _ = _run(weights)
     assert losses[-1] < 0.5 * losses[0]
@@ -122,8 +125,8 @@ def test_training_moves_only_the_adapters():
 def test_initial_adapter_is_the_identity_and_quantized_base_stays_in_its_type():
     """B = 0 at the start (PEFT): the first loss is the base model's; a Q8_0 base is bound as
     stored bytes and its buffers are byte-identical after training."""
-    cfg = decoder.ModelConfig(vocab=11, dim=32, layers=2, heads=4, kv_heads=2, ff=64, ctx=8)  # whole Q8_0 rows
-    weights = decoder.init_params(cfg, seed=1, std=0.3)
+    cfg = ModelConfig(vocab=11, dim=32, layers=2, heads=4, kv_heads=2, ff=64, ctx=8)  # whole Q8_0 rows
+    weights = init_params(cfg, seed=1, std=0.3)
     be = CpuBackend(2)
     stored = {}
     for k, v in weights.items():
@@ -141,7 +144,7 @@ def test_initial_adapter_is_the_identity_and_quantized_base_stays_in_its_type():
         assert np.array_equal(stored[k].buffer.bytes, raw), k
     # the first update's loss is the base model's loss on the same batch: B started at zero
     deq = {k: (dequantize(copies[k], "Q8_0", v.shape) if k in copies else v) for k, v in weights.items()}
-    base = decoder.Runner(cfg, deq, CpuBackend(2), batch=2, length=cfg.ctx)
+    base = Runner(cfg, deq, CpuBackend(2), batch=2, length=cfg.ctx)
     want = base.nll(first[:, :-1], first[:, 1:]) / first[:, 1:].size
     assert losses[0] == pytest.approx(want, rel=1e-5)
 
@@ -157,7 +160,7 @@ def test_bad_lora_settings(kw, text):
 def test_lora_dropout_trains_and_evaluates_without_masks():
     """With dropout the run still learns; evaluation uses no mask (it equals a dropout-free
     run's evaluation on the same factors), and resuming repeats the masks (same losses)."""
-    weights = decoder.init_params(CFG, seed=1, std=0.3)
+    weights = init_params(CFG, seed=1, std=0.3)
     drop = LoraConfig(rank=2, alpha=3.0, dropout=0.3)
     run, losses, first = _run(weights, steps=12, lora=drop)
     assert losses[-1] < losses[0]
@@ -170,7 +173,7 @@ def test_lora_dropout_trains_and_evaluates_without_masks():
 def test_selective_checkpointing_gives_the_plain_gradients():
     """LoRA keeps the frozen products' outputs and recomputes the rest of each block: the
     gradients equal those of a run without checkpointing, bit for bit."""
-    weights = decoder.init_params(CFG, seed=1, std=0.3)
+    weights = init_params(CFG, seed=1, std=0.3)
     factors = _factors(weights, 7)
     batch = np.random.default_rng(8).integers(0, CFG.vocab, (2, CFG.ctx + 1)).astype(np.int32)
     grads, frozen_products, nodes = [], [], []
@@ -194,7 +197,7 @@ def test_packed_samples_have_the_losses_they_have_alone():
     each attending only to itself: each sample's loss equals its loss run alone."""
     from ggtrain.core.data import pack
 
-    weights = decoder.init_params(CFG, seed=1, std=0.3)
+    weights = init_params(CFG, seed=1, std=0.3)
     rng = np.random.default_rng(9)
     samples = [(rng.integers(0, CFG.vocab, n).astype(np.int32), np.ones(n, bool)) for n in (4, 2, 3)]
     data, stats = pack(samples, CFG.ctx)
@@ -203,13 +206,13 @@ def test_packed_samples_have_the_losses_they_have_alone():
     params = {k: g.param(v.shape, v, name=k, trainable=False) for k, v in weights.items()}
     tok, pos, seg = (g.const(getattr(data, k), dtype="i32") for k in ("tokens", "pos", "seg"))
     tgt = g.input((1, CFG.ctx), "i32")
-    packed_loss = decoder.loss(decoder.forward(CFG, params, tok, pos, seg=seg), tgt)
+    packed_loss = model_losses.loss(forward(Net(CFG, params), Inputs(tok, pos, seg=seg)), tgt)
     rt = Runtime(g, CpuBackend(2))
     plan = rt.compile([packed_loss])
     for i, (ids, _) in enumerate(samples):
         mine = np.where(data.seg == i, data.targets, -1)
         rt.set(tgt, mine)
         rt.run(plan)
-        alone = decoder.Runner(CFG, weights, CpuBackend(2), length=len(ids) - 1)
+        alone = Runner(CFG, weights, CpuBackend(2), length=len(ids) - 1)
         want = alone.nll(ids[None, :-1], ids[None, 1:]) / (len(ids) - 1)
         assert float(plan.read(packed_loss)) == pytest.approx(want, rel=1e-5), i

@@ -11,7 +11,8 @@ from ggtrain.core import ops
 from ggtrain.core.autograd import backward
 from ggtrain.core.backend_cpu import CpuBackend
 from ggtrain.core.graph import Graph, Runtime
-from ggtrain.core.models import decoder
+from ggtrain.core.models.config import init_params
+from ggtrain.core import train
 from ggtrain.core.train import TextConfig, TextRun
 from ggtrain.errors import ShapeError
 from tests.test_linear_ce import _stored
@@ -73,12 +74,12 @@ def test_a_lora_run_trains_as_with_the_products_apart(checkpointing, monkeypatch
     the same losses and factors over 3 AdamW updates to rounding, the frozen products still
     kept under selective checkpointing (never recomputed), no add of an adapter's product
     left, and the same FLOPs counted (fewer under checkpointing: nothing of it recomputed)."""
-    weights = decoder.init_params(CFG, seed=1, std=0.3)
+    weights = init_params(CFG, seed=1, std=0.3)
     factors = _factors(weights, 7)
     batches = [np.random.default_rng(s).integers(0, CFG.vocab, (2, CFG.ctx + 1)).astype(np.int32) for s in (1, 2, 3)]
     runs = {}
     for fused in (True, False):
-        monkeypatch.setattr(decoder, "lora_fused", lambda backend, w, f=fused: f)
+        monkeypatch.setattr(train, "lora_fused", lambda backend, w, f=fused: f)
         tc = TextConfig(steps=3, batch=2, lr=1e-2, lr_min=1e-2, warmup=0, checkpointing=checkpointing)
         run = TextRun(CFG, factors, tc, CpuBackend(2), frozen=weights, lora=LORA)
         losses = [run.step.step([run.feed(b)], lr=1e-2) for b in batches]

@@ -7,6 +7,7 @@ import pytest
 from ggtrain.core import ops
 from ggtrain.core.autograd import backward
 from ggtrain.core.graph import Graph, Runtime
+from ggtrain.core.numerics import EXACT, LLAMA
 from tests.op_cases import CASES
 
 HEADER = __import__("pathlib").Path(__file__).resolve().parents[1] / "native" / "ggtrain.h"
@@ -49,8 +50,8 @@ def _f32_inputs(case, arrays):
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 @pytest.mark.parametrize("n_threads", [1, 2])
 def test_forward(case, n_threads, backend):
-    if getattr(ops.OPS.get(case.op), "llama_cpu", False) and backend.name != "cpu":
-        pytest.skip(f"{case.op} is llama.cpp's CPU numbers (OpDef.llama_cpu): the {backend.name} backend has no kernel")
+    if getattr(ops.OPS.get(case.op), "numerics", EXACT) == LLAMA and backend.name != "cpu":
+        pytest.skip(f"{case.op} is llama.cpp's CPU numbers (OpDef.numerics llama): the {backend.name} backend has no kernel")
     arrays = _f32_inputs(case, _inputs(case, 0))
     g, tensors, out = _build(case, arrays)
     rt = Runtime(g, backend)
@@ -161,16 +162,16 @@ def test_every_kernel_in_header_is_used_by_an_op():
     assert not unused, f"kernels in ggtrain.h that no op uses: {unused}"
 
 
-def _llama_cpu_kernels() -> set:
-    return {f"{op.kernel}_{v}" for op in ops.OPS.values() if op.llama_cpu for v in op.dtypes}
+def _llama_numerics_kernels() -> set:
+    return {f"{op.kernel}_{v}" for op in ops.OPS.values() if op.numerics == LLAMA for v in op.dtypes}
 
 
 def test_every_op_variant_has_a_kernel(backend):
-    """Every variant on the CPU; on another backend all but llama.cpp's CPU numbers (OpDef.llama_cpu)."""
-    want = _op_kernels() - (set() if backend.name == "cpu" else _llama_cpu_kernels())
+    """Every variant on the CPU; on another backend all but llama.cpp's CPU numbers (OpDef.numerics llama)."""
+    want = _op_kernels() - (set() if backend.name == "cpu" else _llama_numerics_kernels())
     missing = sorted(k for k in want if not backend.supports(k))
     assert not missing, f"registry ops name kernels the {backend.name} backend lacks: {missing}"
-    assert _llama_cpu_kernels() and all(backend.supports(k) == (backend.name == "cpu") for k in _llama_cpu_kernels())
+    assert _llama_numerics_kernels() and all(backend.supports(k) == (backend.name == "cpu") for k in _llama_numerics_kernels())
 
 
 def test_every_sizes_function_belongs_to_a_kernel():

@@ -11,7 +11,9 @@ import pytest
 
 from ggtrain.core.backend_cpu import CpuBackend
 from ggtrain.core.data import pack_pairs
-from ggtrain.core.models import decoder
+from ggtrain.core.models import losses as model_losses
+from ggtrain.core.models.config import ModelConfig, trainable
+from ggtrain.core.models.decoder import Inputs, Net, Options, forward
 from ggtrain.core.preference import PreferenceConfig, pair_slots
 from ggtrain.core.train import TextConfig, TextRun
 from ggtrain.errors import ConfigError
@@ -77,7 +79,7 @@ def _run(cfg, init, data, pref, batch, seed=0):
 @pytest.mark.parametrize("pref", [PreferenceConfig("dpo", beta=0.5), PreferenceConfig("orpo", orpo_lambda=0.7),
                                   PreferenceConfig("dpo", beta=0.5, rpo_alpha=0.8)], ids=["dpo", "orpo", "dpo-rpo"])
 def test_loss_and_gradient_match_the_float64_formula(pref):
-    cfg = decoder.ModelConfig(**{**TINY, "ctx": CTX})
+    cfg = ModelConfig(**{**TINY, "ctx": CTX})
     rng = np.random.default_rng(0)
     pairs = _pairs(rng, 5, cfg.vocab)
     data, stats = pack_pairs(pairs, CTX)
@@ -114,7 +116,7 @@ def test_loss_and_gradient_match_the_float64_formula(pref):
 
 def test_metrics_are_trl_rewards():
     """rewards = beta (logp - ref logp) per side; accuracy: the chosen side's is higher."""
-    cfg = decoder.ModelConfig(**{**TINY, "ctx": CTX})
+    cfg = ModelConfig(**{**TINY, "ctx": CTX})
     rng = np.random.default_rng(1)
     pairs = _pairs(rng, 4, cfg.vocab)
     data, _ = pack_pairs(pairs, CTX)
@@ -288,13 +290,13 @@ def test_bad_preference_input_is_one_line_and_writes_nothing(tmp_path, story, re
 
 
 def test_sequence_nll_in_chunks_with_gradients_in_the_forward_equals_one_chunk():
-    """decoder.sequence_nll over row chunks, each chunk's per-row input gradients taken in the
+    """losses.sequence_nll over row chunks, each chunk's per-row input gradients taken in the
     forward (ops.with_grad, row-wise: a frozen output matrix, as under LoRA), and fused (one
     linear_cross_entropy, what TextRun takes on the CPU): the values and gradients of one chunk."""
     from ggtrain.core.autograd import backward
     from ggtrain.core.graph import Graph, Runtime
     from ggtrain.core import ops
-    cfg = decoder.ModelConfig(**{**TINY, "ctx": CTX})
+    cfg = ModelConfig(**{**TINY, "ctx": CTX})
     rng = np.random.default_rng(5)
     b, n = 2, 2 * CTX
     tok = rng.integers(0, cfg.vocab, (b, CTX)).astype(np.int32)
@@ -305,15 +307,15 @@ def test_sequence_nll_in_chunks_with_gradients_in_the_forward_equals_one_chunk()
     for chunks in (1, 3, "fused"):
         g = Graph()
         init = family_params(cfg, 0, std=0.1)
-        params = {k: g.param(v.shape, v, name=k, trainable=decoder.trainable(k) and k != "output.weight")
+        params = {k: g.param(v.shape, v, name=k, trainable=trainable(k) and k != "output.weight")
                   for k, v in init.items()}
         tokens, targets, pos = g.input((b, CTX), "i32"), g.input((b, CTX), "i32"), g.input((CTX,), "i32")
         sel = g.input((5, n))
-        hidden = decoder.forward(cfg, params, tokens, pos, g, head=False)
+        hidden = forward(Net(cfg, params), Inputs(tokens, pos), Options(head=False))
         if chunks == "fused":
-            s = decoder.sequence_nll(cfg, params, hidden, targets, sel, 1, grad=True, fused=True)
+            s = model_losses.sequence_nll(Net(cfg, params), hidden, targets, sel, 1, grad=True, fused=True)
         else:
-            s = decoder.sequence_nll(cfg, params, hidden, targets, sel, chunks, grad=chunks > 1)
+            s = model_losses.sequence_nll(Net(cfg, params), hidden, targets, sel, chunks, grad=chunks > 1)
         loss = ops.sum(ops.mul(s, g.const(weights)))
         trained = [p for p in params.values() if p.requires_grad]
         grads = backward(loss, trained, checkpointing=False)

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from ggtrain.core.backend_cpu import CpuBackend
-from ggtrain.core.models.decoder import Decoder, ModelConfig
+from ggtrain.core.models.inference import Decoder
+from ggtrain.core.models.config import ModelConfig
 from ggtrain.core.tasks import score_item, summarize
 from ggtrain.errors import FormatError
 from ggtrain.formats.model_file import load_model

@@ -100,12 +100,15 @@ class Family:
     no_rope_every: n > 0, layers n-1, 2n-1, ... attend without rope (smollm3's NoPE layers).
     act: the FFN gate's activation (ACTIVATIONS). embed_scale: the embedding is multiplied
     by sqrt(n_embd). attention_scale: cfg -> the scale of q.k; scale_q: llama.cpp's graph
-    multiplies q by it (after rope) rather than q.k (the same value, rounded elsewhere: the
-    decoder's act8 mode follows it). window_pattern: with a
+    multiplies q by it (after rope) rather than q.k (the same value, rounded elsewhere: llama
+    numerics follow it). window_pattern: with a
     sliding window, every n-th layer is global (llama.cpp's default for the family).
     Post-attention / post-FFN norms and q/k norms are there when the block has their tensors.
     required_keys: config fields of `keys` a file must state. rope_switch: the family reads
     rope.scaling.finetuned = false as "no rope" (granite), which ggtrain refuses.
+    mixer, ffn: the layers every block builds, by their names in the decoder's MIXERS and FFNS
+    ("attention", "glu"); layers: (cfg, layer) -> (mixer, ffn) where the kind varies from
+    layer to layer (None: every layer is (mixer, ffn)). layer_kinds(cfg, i) answers for both.
     """
 
     arch: str
@@ -124,6 +127,9 @@ class Family:
     no_rope_every: int = 0
     required_keys: tuple = ()
     rope_switch: bool = False
+    mixer: str = "attention"
+    ffn: str = "glu"
+    layers: Callable | None = None
 
     def __post_init__(self):
         unknown = [n for n in self.block if n not in BLOCK_SHAPES]
@@ -135,6 +141,10 @@ class Family:
             raise ValueError(f"family {self.arch}: LoRA target {bad[0]!r} is not a block weight")
         if self.act not in ACTIVATIONS or self.rope_mode not in ("norm", "neox"):
             raise ValueError(f"family {self.arch}: act {self.act!r}, rope_mode {self.rope_mode!r}")
+
+    def layer_kinds(self, cfg, layer: int) -> tuple:
+        """(mixer, ffn) of block `layer` of a model of this family (config cfg)."""
+        return self.layers(cfg, layer) if self.layers is not None else (self.mixer, self.ffn)
 
     @property
     def qkv_bias(self) -> bool:

@@ -63,6 +63,20 @@ class LoraConfig:
         return [f"blk.{i}.{t}.weight" for i in range(model.layers) for t in chosen]
 
 
+@dataclass(frozen=True)
+class Adapter:
+    """One weight's adapter in a graph (decoder.linear): factor tensors a (r, n_in) and b
+    (n_out, r), scale (user scale * alpha / r); dropout: (p, seed tensor, salt) drops the
+    adapter's input out in training (ops.dropout), None for none; fused: the backend sums the
+    adapter's product onto the frozen one's in one op (ops.matmul_lora)."""
+
+    a: object
+    b: object
+    scale: float
+    dropout: tuple | None = None
+    fused: bool = False
+
+
 def init_lora(cfg: LoraConfig, shapes: dict, seed: int = 0) -> dict:
     """PEFT's initial factors for each adapted weight: {"<w>.lora_a": A (r, n_in) f32,
     "<w>.lora_b": B (n_out, r) zeros}. shapes: {weight name: (n_out, n_in)}."""

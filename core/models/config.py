@@ -1,0 +1,178 @@
+"""A decoder's description (layer 4): ModelConfig (the {arch}.* keys of a GGUF file), the
+family it belongs to, its parameters' names and shapes, and their initialisation for training
+from scratch.
+
+Parameters use llama.cpp's tensor names with numpy-order shapes (ggml's ne reversed):
+token_embd.weight (V, C), blk.{i}.attn_q.weight (H*D, C), attn_k/attn_v (Hkv*D, C),
+attn_output (C, H*D), ffn_gate/ffn_up (F, C), ffn_down (C, F), norms (C,); D is the head
+size (attention.key_length; C / H when absent). What a family has is its Family
+(core/models/family.py, core/models/families/).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from ggtrain.core.models.families import FAMILIES, NAMES
+from ggtrain.core.models.family import (BLOCK_SHAPES, OUTPUT, OUTPUT_NORM, ROPE_CONSTANTS, ROPE_FACTORS_LONG,
+                                        ROPE_FACTORS_SHORT, ROPE_FREQS, STORED_AS, TOKEN_EMBD, Family)
+from ggtrain.errors import ConfigError
+
+
+def family(arch: str) -> Family:
+    """The Family of an architecture name; ConfigError naming the supported ones."""
+    fam = FAMILIES.get(arch)
+    if fam is None:
+        raise ConfigError(f"architecture {arch!r} is not supported (ggtrain computes {NAMES})")
+    return fam
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A decoder's hyperparameters (the {arch}.* keys of its GGUF file).
+
+    head_dim: 0 means dim // heads; rope_dims: 0 means the whole head (both resolved on
+    construction, so equal models have equal configs); rope_scale: linear
+    rope scaling (positions divided by it); rope_freqs: the model carries rope_freqs.weight
+    (per-pair frequency factors); tied: the output projection is the token embedding.
+    window: > 0, the sliding window of the local layers (gemma3); window_pattern: every
+    n-th layer is global (-1: the family's default; 0: none is); rope_base_swa: the rope
+    base of local layers; logit_softcap: > 0, logits become c tanh(logits / c).
+    rope_long: the model carries rope_factors_long/short (phi3's longrope), the long ones
+    for runs of a context beyond rope_orig_ctx (0: ctx); rope_attn_factor scales the rotated
+    dims. granite's multipliers, as llama.cpp reads them: embedding_scale multiplies the
+    embedding, residual_scale what each attention and FFN adds to the residual (0: neither
+    is scaled), attn_scale scales q.k (0: the family's scale), logits are divided by
+    logit_scale.
+    """
+
+    vocab: int
+    dim: int = 256
+    layers: int = 4
+    heads: int = 8
+    kv_heads: int = 8
+    ff: int = 768
+    ctx: int = 128
+    rope_dims: int = 0           # 0: the whole head
+    rope_base: float = 10000.0
+    norm_eps: float = 1e-5
+    tied: bool = False           # output projection is the token embedding
+    arch: str = "llama"
+    head_dim: int = 0            # 0: dim // heads
+    rope_scale: float = 1.0
+    rope_freqs: bool = False
+    window: int = 0
+    window_pattern: int = -1
+    rope_base_swa: float = 10000.0
+    logit_softcap: float = 0.0
+    rope_long: bool = False
+    rope_orig_ctx: int = 0
+    rope_attn_factor: float = 1.0
+    embedding_scale: float = 0.0
+    residual_scale: float = 0.0
+    attn_scale: float = 0.0
+    logit_scale: float = 1.0
+
+    def __post_init__(self):
+        fam = family(self.arch)
+        for name in ("vocab", "dim", "layers", "heads", "kv_heads", "ff", "ctx"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{self.arch}: {name} must be >= 1, got {getattr(self, name)}")
+        if not self.head_dim:
+            if self.dim % self.heads:
+                raise ConfigError(f"{self.arch}: dim {self.dim} is not a multiple of heads {self.heads}")
+            object.__setattr__(self, "head_dim", self.dim // self.heads)
+        if self.head_dim < 1:
+            raise ConfigError(f"{self.arch}: head_dim must be >= 1, got {self.head_dim}")
+        if not self.rope_dims:
+            object.__setattr__(self, "rope_dims", self.head_dim)
+        if self.heads % self.kv_heads:
+            raise ConfigError(f"{self.arch}: heads {self.heads} is not a multiple of kv_heads {self.kv_heads}")
+        if self.head_dim % 2 or self.n_rot % 2 or self.n_rot > self.head_dim:
+            raise ConfigError(f"{self.arch}: rotary dims {self.n_rot} must be even and <= head dim {self.head_dim}")
+        if not self.rope_scale > 0 or not self.rope_base > 0 or not self.norm_eps > 0:
+            raise ConfigError(f"{self.arch}: rope_scale, rope_base and norm_eps must be > 0")
+        if self.rope_freqs and not fam.rope_freqs:
+            raise ConfigError(f"{self.arch}: the family has no {ROPE_FREQS}")
+        if self.window_pattern == -1:
+            object.__setattr__(self, "window_pattern", fam.window_pattern)
+        if self.window < 0 or self.window_pattern < 0 or self.logit_softcap < 0 or not self.rope_base_swa > 0:
+            raise ConfigError(f"{self.arch}: window {self.window}, window_pattern {self.window_pattern}, "
+                              f"logit_softcap {self.logit_softcap} must be >= 0, rope_base_swa > 0")
+        if self.window and "window" not in fam.keys:
+            raise ConfigError(f"{self.arch}: the family has no sliding-window attention")
+        if self.rope_long and not fam.long_rope:
+            raise ConfigError(f"{self.arch}: the family has no long-context rope factors")
+        if not (self.embedding_scale >= 0 and self.residual_scale >= 0 and self.attn_scale >= 0
+                and self.logit_scale > 0):
+            raise ConfigError(f"{self.arch}: embedding_scale {self.embedding_scale}, residual_scale "
+                              f"{self.residual_scale}, attn_scale {self.attn_scale} must be >= 0, logit_scale "
+                              f"{self.logit_scale} > 0")
+        applied = dict(embedding_scale=self.embedding_scale != 0, residual_scale=self.residual_scale != 0,
+                       attn_scale=self.attn_scale != 0, logit_scale=self.logit_scale != 1.0)
+        unread = [name for name, on in applied.items() if on and name not in fam.keys]
+        if unread:
+            raise ConfigError(f"{self.arch}: the family has no {unread[0]}")
+        if self.rope_orig_ctx < 0 or not self.rope_attn_factor > 0:
+            raise ConfigError(f"{self.arch}: rope_orig_ctx {self.rope_orig_ctx} must be >= 0, "
+                              f"rope_attn_factor {self.rope_attn_factor} > 0")
+
+    @property
+    def family(self) -> Family:
+        return FAMILIES[self.arch]
+
+    @property
+    def n_rot(self) -> int:
+        return self.rope_dims
+
+    def local(self, layer: int) -> bool:
+        """Whether a layer attends through the sliding window (llama.cpp's SWA pattern:
+        every window_pattern-th layer is global)."""
+        n = self.window_pattern
+        return self.window > 0 and (n == 0 or layer % n < n - 1)
+
+    @property
+    def n_params(self) -> int:
+        """Parameters (the output tied to the embedding or not, as the config says)."""
+        return sum(math.prod(s) for s in param_shapes(self).values())
+
+
+def param_shapes(cfg: ModelConfig) -> dict:
+    """{tensor name: numpy-order shape}, in llama.cpp's order."""
+    shapes = {TOKEN_EMBD: (cfg.vocab, cfg.dim), OUTPUT_NORM: (cfg.dim,)}
+    if not cfg.tied:
+        shapes[OUTPUT] = (cfg.vocab, cfg.dim)
+    if cfg.rope_freqs:
+        shapes[ROPE_FREQS] = (cfg.n_rot // 2,)
+    if cfg.rope_long:
+        shapes[ROPE_FACTORS_LONG] = shapes[ROPE_FACTORS_SHORT] = (cfg.n_rot // 2,)
+    for i in range(cfg.layers):
+        for name in cfg.family.block:
+            shapes[f"blk.{i}.{STORED_AS.get(name, name)}"] = BLOCK_SHAPES[name](cfg)
+    return shapes
+
+
+def trainable(name: str) -> bool:
+    """Whether training changes a parameter: all but the rope frequency factors (constants
+    of the position encoding, not weights)."""
+    return name not in ROPE_CONSTANTS
+
+
+def init_params(cfg: ModelConfig, seed: int = 0, std: float = 0.02) -> dict:
+    """Initialisation for training from scratch: N(0, std^2) for matrices, with the
+    projections that write into the residual stream (attn_output, ffn_down) scaled by
+    1/sqrt(2 L) as in GPT-2; ones for the RMSNorm weights (and rope factors), zeros for
+    biases. {name: float32 array}."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for name, shape in param_shapes(cfg).items():
+        if name.endswith("norm.weight") or name in ROPE_CONSTANTS:
+            out[name] = np.ones(shape, np.float32)
+        elif name.endswith(".bias"):
+            out[name] = np.zeros(shape, np.float32)
+        else:
+            s = std / math.sqrt(2 * cfg.layers) if name.endswith(("attn_output.weight", "ffn_down.weight")) else std
+            out[name] = rng.normal(0.0, s, shape).astype(np.float32)
+    return out
