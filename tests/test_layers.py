@@ -10,7 +10,7 @@ LAYERS = [
     ("ggtrain.errors", 0), ("ggtrain.__init__", 0), ("ggtrain.__main__", 0),
     ("ggtrain.native", 1),
     ("ggtrain.core.backend", 2),   # backend.py, backend_cpu.py, backend_cuda.py
-    ("ggtrain.core.ops", 3), ("ggtrain.core.tensor", 3), ("ggtrain.core.graph", 3),
+    ("ggtrain.core.ops", 3), ("ggtrain.core.tensor", 3), ("ggtrain.core.graph", 3), ("ggtrain.core.numerics", 3),
     ("ggtrain.core.autograd", 3),
     ("ggtrain.core.optim", 4), ("ggtrain.core.train", 4), ("ggtrain.core.step", 4), ("ggtrain.core.fit", 4), ("ggtrain.core.models", 4),
     ("ggtrain.core.data", 4), ("ggtrain.core.sampling", 4), ("ggtrain.core.distributed", 4),
