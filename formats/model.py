@@ -14,7 +14,6 @@ the family does not have: each is a FormatError naming it.
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -23,7 +22,7 @@ from gguf.constants import GGMLQuantizationType, GGUFValueType, Keys, LlamaFileT
 
 from ggtrain.core.models.config import ModelConfig, param_shapes
 from ggtrain.core.models.families import FAMILIES, NAMES
-from ggtrain.core.models.family import (COMMON_KEYS, OUTPUT, OUTPUT_NORM, REQUIRED_KEYS, ROPE_FACTORS_LONG,
+from ggtrain.core.models.family import (OUTPUT, OUTPUT_NORM, ROPE_FACTORS_LONG,
                                         ROPE_FREQS, ROPE_SCALING, TOKEN_EMBD, Family)
 from ggtrain.errors import ConfigError, FormatError
 from ggtrain.formats.gguf import GGUFFile
@@ -33,8 +32,7 @@ __all__ = ["CHECKPOINT_KEY", "FILE_TYPES", "OUTPUT", "OUTPUT_NORM", "ROPE_FREQS"
 
 VT = GGUFValueType
 _INT_TYPES = (VT.UINT8, VT.INT8, VT.UINT16, VT.INT16, VT.UINT32, VT.INT32, VT.UINT64, VT.INT64)
-# the config fields read and written as FLOAT32 (the rest are counts, UINT32)
-_FLOAT_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig) if f.type == "float")
+_VALUE_TYPES = {"u32": VT.UINT32, "f32": VT.FLOAT32}     # a family.Key's type as GGUF's
 
 # "{arch}." keys besides the family's own that change nothing the decoder computes, or that
 # are checked by hand below
@@ -62,36 +60,24 @@ def tensor_shapes(cfg: ModelConfig) -> dict:
 
 
 def config_to_kv(cfg: ModelConfig, name: str = "ggtrain", file_type: int | None = None) -> list:
-    """The model's GGUF key/values as (key, value, type) tuples, with llama.cpp's types. The
-    head size is written (attention.key_length and value_length) where it is not n_embd / n_head,
-    the rope scaling where there is one."""
+    """The model's GGUF key/values as (key, value, type) tuples, with llama.cpp's types: every
+    key of its family (family.Key) whose value differs from what a file without it means, in
+    the family's order. The head size is written (attention.key_length and value_length) where
+    it is not n_embd / n_head, the rope scaling where there is one."""
     a = cfg.arch
     kv = [(Keys.General.ARCHITECTURE, a, VT.STRING), (Keys.General.NAME, name, VT.STRING)]
-    ints = ["vocab", "ctx", "dim", "ff", "layers", "heads", "kv_heads"]
-    values = {**{f: getattr(cfg, f) for f in ints}, "rope_dims": cfg.n_rot}
-    for field in ints + ["rope_dims"]:
-        kv.append((f"{a}.{COMMON_KEYS[field]}", int(values[field]), VT.UINT32))
-    if cfg.dim % cfg.heads or cfg.head_dim != cfg.dim // cfg.heads:
-        kv.append((f"{a}.{COMMON_KEYS['head_dim']}", cfg.head_dim, VT.UINT32))
-        kv.append((f"{a}.{_VALUE_LENGTH}", cfg.head_dim, VT.UINT32))
-    for field in ("norm_eps", "rope_base"):
-        kv.append((f"{a}.{COMMON_KEYS[field]}", float(getattr(cfg, field)), VT.FLOAT32))
-    own = cfg.family.keys    # the family's keys: where they say something
-    if cfg.window:
-        kv.append((f"{a}.{own['window']}", cfg.window, VT.UINT32))
-        kv.append((f"{a}.{own['rope_base_swa']}", float(cfg.rope_base_swa), VT.FLOAT32))
-        if cfg.window_pattern != cfg.family.window_pattern:
-            kv.append((f"{a}.{own['window_pattern']}", cfg.window_pattern, VT.UINT32))
-    if cfg.logit_softcap:
-        kv.append((f"{a}.{own['logit_softcap']}", float(cfg.logit_softcap), VT.FLOAT32))
-    for field in ("embedding_scale", "residual_scale", "attn_scale", "logit_scale"):   # granite's, all
-        if field in own:
-            kv.append((f"{a}.{own[field]}", float(getattr(cfg, field)), VT.FLOAT32))
+    for k in cfg.family.all_keys.values():
+        value = getattr(cfg, k.field)
+        if k.field == "head_dim":
+            if cfg.dim % cfg.heads == 0 and value == cfg.dim // cfg.heads:
+                continue
+        elif k.unset is not None and value == k.unset:
+            continue
+        kv.append((f"{a}.{k.key}", float(value) if k.type == "f32" else int(value), _VALUE_TYPES[k.type]))
+        if k.field == "head_dim":       # values are as long as keys (ggtrain's attention)
+            kv.append((f"{a}.{_VALUE_LENGTH}", value, VT.UINT32))
     if cfg.rope_long:
         kv.append((f"{a}.{_SCALING_TYPE}", "longrope", VT.STRING))
-        if cfg.rope_orig_ctx:
-            kv.append((f"{a}.{own['rope_orig_ctx']}", cfg.rope_orig_ctx, VT.UINT32))
-        kv.append((f"{a}.{own['rope_attn_factor']}", float(cfg.rope_attn_factor), VT.FLOAT32))
     if cfg.rope_scale != 1.0:
         kv.append((f"{a}.{_SCALING_TYPE}", "linear", VT.STRING))
         kv.append((f"{a}.{_SCALING_FACTOR}", float(cfg.rope_scale), VT.FLOAT32))
@@ -152,17 +138,17 @@ def config_from_kv(f: GGUFFile) -> dict:
     """
     fam = check_architecture(f)
     a = fam.arch
-    by_key = {f"{a}.{k}": field for field, k in fam.all_keys.items()}
+    by_key = {f"{a}.{k.key}": k for k in fam.all_keys.values()}
     values = {"arch": a}
     scaling, factor = "linear", None     # llama.cpp's default type when a factor is given
     for key in f.kv:
         if not key.startswith(a + "."):
             continue
         rest = key[len(a) + 1:]
-        if key in by_key and by_key[key] == "window_pattern" and f.kv[key].type == VT.ARRAY:
+        if key in by_key and by_key[key].field == "window_pattern" and f.kv[key].type == VT.ARRAY:
             values["window_pattern"] = _pattern(f, key)
         elif key in by_key:
-            values[by_key[key]] = _number(f, key, by_key[key] in _FLOAT_FIELDS)
+            values[by_key[key].field] = _number(f, key, by_key[key].type == "f32")
         elif rest == _SCALING_TYPE:
             v = f.kv[key]
             scaling = str(v.value) if v.type == VT.STRING else None
@@ -183,7 +169,7 @@ def config_from_kv(f: GGUFFile) -> dict:
         elif rest not in _HARMLESS and rest not in fam.ignored_keys:
             raise FormatError(f"{f.path}: key {key!r} is not applied by ggtrain's {a} decoder, so the "
                               f"model would be computed wrongly (it reads {', '.join(sorted(by_key))})")
-    missing = [f"{a}.{fam.all_keys[k]}" for k in REQUIRED_KEYS + fam.required_keys if k not in values]
+    missing = [f"{a}.{k.key}" for k in fam.all_keys.values() if k.required and k.field not in values]
     if missing:
         raise FormatError(f"{f.path}: {a} key {missing[0]!r} is missing"
                           + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
@@ -200,7 +186,7 @@ def config_from_kv(f: GGUFFile) -> dict:
         elif TOKEN_EMBD in f.tensors and len(f.tensors[TOKEN_EMBD].shape) == 2:
             values["vocab"] = f.tensors[TOKEN_EMBD].shape[0]
         else:
-            raise FormatError(f"{f.path}: cannot tell the vocabulary size (no {a}.{COMMON_KEYS['vocab']}, "
+            raise FormatError(f"{f.path}: cannot tell the vocabulary size (no {a}.{fam.all_keys['vocab'].key}, "
                               f"no {Keys.Tokenizer.LIST}, no {TOKEN_EMBD})")
     values.setdefault("kv_heads", values["heads"])
     try:

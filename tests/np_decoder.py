@@ -7,11 +7,12 @@ frequency factors and linear scaling, q/k/v biases (qwen2), per-head q/k RMSNorm
 causal attention with grouped KV heads and any head size, SwiGLU; gemma3's scaled
 embedding, post-attention and post-FFN norms, GeGLU (tanh gelu), sliding-window local
 layers with their own rope base, and logit soft-capping; granite's embedding, residual,
-attention and logit multipliers.
+attention and logit multipliers. What sets each family apart is its row of
+tests/family_cases.py's ORACLE (or what its tensors and config say), never its name here.
 """
 import numpy as np
 
-NEOX = ("qwen2", "qwen3", "gemma3", "phi3")
+from tests.family_cases import ORACLE
 
 
 def gelu_tanh(x):
@@ -52,18 +53,18 @@ def rope(x, pos, n_rot, base, neox=False, scale=1.0, factors=None, mscale=1.0):
 def forward(cfg, p, tokens, pos, gelu=gelu_tanh, n_ctx=None):
     p = {k: np.asarray(v, np.float64) for k, v in p.items()}
     b, t = tokens.shape
-    arch = getattr(cfg, "arch", "llama")
+    facts = ORACLE[getattr(cfg, "arch", "llama")]
     h, hkv = cfg.heads, cfg.kv_heads
     d = getattr(cfg, "head_dim", 0) or cfg.dim // cfg.heads
     factors = p.get("rope_freqs.weight")
     if getattr(cfg, "rope_long", False):    # phi3: long factors past the original context
         long = (n_ctx or t) > (cfg.rope_orig_ctx or cfg.ctx)
         factors = p["rope_factors_long.weight" if long else "rope_factors_short.weight"]
-    rot = dict(neox=arch in NEOX, scale=getattr(cfg, "rope_scale", 1.0), factors=factors,
+    rot = dict(neox=facts.get("neox", False), scale=getattr(cfg, "rope_scale", 1.0), factors=factors,
                mscale=getattr(cfg, "rope_attn_factor", 1.0))
-    gemma = arch == "gemma3"
+    post_norms = facts.get("post_norms", False)
     x = p["token_embd.weight"][tokens]
-    if gemma:
+    if facts.get("embed_scale"):
         x = x * np.sqrt(cfg.dim)
     residual = getattr(cfg, "residual_scale", 0.0) or 1.0        # granite's multipliers (0: none)
     if getattr(cfg, "embedding_scale", 0.0):
@@ -94,18 +95,20 @@ def forward(cfg, p, tokens, pos, gelu=gelu_tanh, n_ctx=None):
         if q_ + "attn_q_norm.weight" in p:
             q = rms_norm(q, p[q_ + "attn_q_norm.weight"], cfg.norm_eps)
             k = rms_norm(k, p[q_ + "attn_k_norm.weight"], cfg.norm_eps)
-        if not (arch == "smollm3" and (i + 1) % 4 == 0):     # smollm3: every 4th layer has no rope
+        no_rope = facts.get("no_rope_every", 0)
+        if not (no_rope and (i + 1) % no_rope == 0):           # smollm3: every 4th layer has no rope
             q = rope(q, pos, cfg.n_rot, base, **rot_i)
             k = rope(k, pos, cfg.n_rot, base, **rot_i)
         k = np.repeat(k, h // hkv, axis=2)                      # q head j uses kv head j // G
         v = np.repeat(v, h // hkv, axis=2)
-        scale = getattr(cfg, "attn_scale", 0.0) or 1 / np.sqrt(cfg.dim // h if gemma and cfg.layers == 62 else d)
+        at_62 = facts.get("scale_62") and cfg.layers == 62
+        scale = getattr(cfg, "attn_scale", 0.0) or 1 / np.sqrt(cfg.dim // h if at_62 else d)
         s = np.einsum("bqhd,bkhd->bhqk", q, k) * scale + mask
         s = np.exp(s - s.max(-1, keepdims=True))
         s /= s.sum(-1, keepdims=True)
         o = np.einsum("bhqk,bkhd->bqhd", s, v).reshape(b, t, h * d)
         a = o @ p[q_ + "attn_output.weight"].T
-        if gemma:
+        if post_norms:
             a = rms_norm(a, p[q_ + "post_attention_norm.weight"], cfg.norm_eps)
         x = x + a * residual
         f = rms_norm(x, p[q_ + "ffn_norm.weight"], cfg.norm_eps)
@@ -113,9 +116,9 @@ def forward(cfg, p, tokens, pos, gelu=gelu_tanh, n_ctx=None):
             gate, up = f @ p[q_ + "ffn_gate.weight"].T, f @ p[q_ + "ffn_up.weight"].T
         else:                                # phi3: gate | up rows of ffn_up
             gate, up = np.split(f @ p[q_ + "ffn_up.weight"].T, 2, axis=-1)
-        act = gelu(gate) if gemma else gate / (1 + np.exp(-gate))
+        act = gelu(gate) if facts.get("gelu") else gate / (1 + np.exp(-gate))
         f = (act * up) @ p[q_ + "ffn_down.weight"].T
-        if gemma:
+        if post_norms:
             f = rms_norm(f, p[q_ + "post_ffw_norm.weight"], cfg.norm_eps)
         x = x + f * residual
     x = rms_norm(x, p["output_norm.weight"], cfg.norm_eps)

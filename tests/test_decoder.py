@@ -11,29 +11,12 @@ from ggtrain.core.models.config import ModelConfig, init_params, trainable
 from ggtrain.core.models.decoder import Inputs, Net, Options, forward
 from ggtrain.core.optim import AdamW
 from ggtrain.core.step import TrainStep
+from ggtrain.core.models.families import FAMILIES as FAMILIES_REGISTERED
 from tests import np_decoder as np_llama
+from tests.family_cases import INTEROP_CASES, ORACLE, TINY, TINY_CASES
 
-TINY = dict(vocab=64, dim=32, layers=2, heads=4, kv_heads=2, ff=48, ctx=16)
-# each family with what sets it apart: llama 3's rope factors, a head size that is not
-# dim / heads, linear rope scaling; qwen2's biases (tied output); qwen3's q/k norms (one kv head)
-FAMILIES = [
-    dict(arch="llama", rope_freqs=True, head_dim=12, rope_base=500000.0, rope_scale=2.0),
-    dict(arch="qwen2", tied=True),
-    dict(arch="qwen3", head_dim=12, kv_heads=1),
-    # gemma3: local layers 0, 2 (window 3 < the text), global 1 (pattern 2), soft-capped logits
-    dict(arch="gemma3", head_dim=12, kv_heads=1, tied=True, window=3, window_pattern=2, rope_base_swa=100.0,
-         logit_softcap=3.0, layers=3),
-    # phi3: fused qkv and gate|up, partial rotation
-    dict(arch="phi3", kv_heads=2, rope_dims=4),
-    # phi3's longrope: the long factors (a run of 7 positions past an original context of 4) or
-    # the short ones, and the attention factor
-    dict(arch="phi3", kv_heads=2, rope_dims=4, rope_long=True, rope_orig_ctx=4, rope_attn_factor=1.2),
-    dict(arch="phi3", kv_heads=2, rope_long=True, rope_orig_ctx=64, rope_attn_factor=1.2),
-    # smollm3: layer 3 without rope
-    dict(arch="smollm3", layers=4),
-    # granite: its embedding, residual, attention and logit multipliers
-    dict(arch="granite", embedding_scale=3.0, residual_scale=0.5, attn_scale=0.2, logit_scale=2.5),
-]
+# every family's tiny cases, by name
+FAMILIES = [pytest.param(kw, id=name) for name, kw in TINY_CASES.items()]
 
 
 def family_params(cfg, seed=0, std=0.1):
@@ -64,7 +47,8 @@ def _graph(cfg, b, t, seed=0, checkpoint=False):
     return g, init, params, tokens, targets, pos, logits, model_losses.loss(logits, targets)
 
 
-@pytest.mark.parametrize("kw", [{}, {"tied": True, "kv_heads": 4}, {"kv_heads": 1, "rope_dims": 4}] + FAMILIES
+@pytest.mark.parametrize("kw", [{}, {"tied": True, "kv_heads": 4}, {"kv_heads": 1, "rope_dims": 4}]
+                         + [p.values[0] for p in FAMILIES]
                          + [dict(arch="qwen3", rope_dims=6)],
                          ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items()))
 def test_forward_matches_numpy_twin(kw):
@@ -85,7 +69,7 @@ def test_forward_matches_numpy_twin(kw):
     assert float(plan.read(loss)) == pytest.approx(np_llama.loss(want, tgt), rel=1e-5)
 
 
-@pytest.mark.parametrize("kw", [{}] + FAMILIES, ids=lambda kw: kw.get("arch", "default"))
+@pytest.mark.parametrize("kw", [pytest.param({}, id="default")] + FAMILIES)
 def test_gradients_match_finite_differences_of_numpy_twin(kw):
     cfg = ModelConfig(**{**TINY, **kw})
     b, t = 2, 5
@@ -115,7 +99,7 @@ def test_gradients_match_finite_differences_of_numpy_twin(kw):
             assert got.reshape(-1)[i] == pytest.approx((lp - lm) / 2e-6, rel=2e-3, abs=2e-5), f"{name}[{i}]"
 
 
-@pytest.mark.parametrize("kw", [{}, FAMILIES[2]], ids=["llama", "qwen3"])
+@pytest.mark.parametrize("kw", [{}, TINY_CASES["qwen3"]], ids=["llama", "qwen3"])
 def test_checkpointed_training_equals_plain_and_lowers_loss(kw):
     cfg = ModelConfig(**{**TINY, **kw})
     b, t = 4, 16
@@ -156,7 +140,7 @@ def test_checkpointing_keeps_attention_and_the_mid_residual():
     assert arenas[True] < arenas[False]
 
 
-@pytest.mark.parametrize("kw", [{}, FAMILIES[3]], ids=["llama", "gemma3"])
+@pytest.mark.parametrize("kw", [{}, TINY_CASES["gemma3"]], ids=["llama", "gemma3"])
 @pytest.mark.parametrize("frozen_head", [False, True], ids=["trained-head", "frozen-head"])
 def test_chunked_loss_equals_one_chunk_and_holds_less(kw, frozen_head, monkeypatch):
     """The loss over the output projection in chunks of rows (large vocabularies): the same
@@ -200,3 +184,14 @@ def test_chunked_loss_equals_one_chunk_and_holds_less(kw, frozen_head, monkeypat
         np.testing.assert_allclose(p1[k], p0[k], rtol=1e-4, atol=1e-6)
     if frozen_head:
         assert a1 < a0 / 2      # the (64, 2048) logits and their gradient dominate the unchunked plan
+
+
+def test_every_family_has_test_cases():
+    """Each registered family has a case against the float64 oracle (TINY_CASES), one against
+    llama.cpp (INTEROP_CASES, tests/test_families.py) and a row of the oracle's facts, as every
+    op has a row in the op table: a new family without them fails here."""
+    for arch in FAMILIES_REGISTERED:
+        assert any(kw["arch"] == arch for kw in TINY_CASES.values()), f"{arch}: no case in TINY_CASES"
+        assert any(kw["arch"] == arch for kw in INTEROP_CASES.values()), f"{arch}: no case in INTEROP_CASES"
+        assert arch in ORACLE, f"{arch}: no row in tests/family_cases.py's ORACLE"
+    assert set(ORACLE) == set(FAMILIES_REGISTERED)

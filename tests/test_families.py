@@ -27,28 +27,10 @@ from ggtrain.formats.tokenizer import ByteTokenizer
 from ggtrain.core.numerics import LLAMA
 from tests import np_decoder
 from tests.interop import open_llm, run_cli
+from tests.family_cases import BASE, INTEROP_CASES
 from tests.test_decoder import family_params
 
-BASE = dict(dim=64, layers=2, heads=4, kv_heads=2, ff=96, ctx=256)
-CASES = {
-    "llama3": dict(arch="llama", rope_freqs=True, head_dim=24, rope_base=500000.0),
-    "llama-linear": dict(arch="llama", rope_scale=4.0, kv_heads=1),
-    "qwen2": dict(arch="qwen2", tied=True),
-    "qwen3": dict(arch="qwen3", head_dim=32),
-    # local layers 0 and 2 see 8 keys (the text is ~150 tokens), layer 1 is global; the
-    # pattern as llama.cpp's converters write it for gemma3n-style files (a bool per layer)
-    # fused qkv and gate|up, partial rotation (Phi-4-mini rotates 3/4 of each head)
-    "phi3": dict(arch="phi3", rope_dims=12, kv_heads=1),
-    # Phi-3.5/4-mini's longrope: llama.cpp's context (256) and ours (the eval window) both past
-    # the original context, so the long factors; the attention factor on the rotated dims
-    "phi3-longrope": dict(arch="phi3", rope_long=True, rope_orig_ctx=64, rope_attn_factor=1.19),
-    "smollm3": dict(arch="smollm3", layers=4),        # layer 3 without rope
-    # granite's four multipliers (Granite 3.x's are of this order: 12, 0.22, 1/128 and 8)
-    "granite": dict(arch="granite", kv_heads=1, embedding_scale=12.0, residual_scale=0.22, attn_scale=0.05,
-                    logit_scale=8.0),
-    "gemma3": dict(arch="gemma3", head_dim=32, kv_heads=1, tied=True, layers=3, window=8, window_pattern=2,
-                   rope_base=1e6, rope_base_swa=10000.0, logit_softcap=30.0),
-}
+CASES = INTEROP_CASES
 TEXT = ("First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n\n"
         "First Citizen:\nYou are all resolved rather to die than to famish?\n")
 # random weights at std 0.3 give peaked logits; NLLs agree to float32 rounding

@@ -18,7 +18,7 @@ from ggtrain.errors import NativeError, ShapeError
 from ggtrain.native import lib
 from ggtrain.native.dtypes import nbytes
 from tests import refs
-from tests.test_decoder import FAMILIES, TINY
+from tests.family_cases import TINY, TINY_CASES
 from tests.test_families import family_params
 from tests.test_qdot8 import _kquant_raw
 
@@ -140,7 +140,7 @@ def test_bad_input_is_refused_with_its_reason(backend):
         ops.linear_cross_entropy(xs, g.input((5, 32)), g.input((4,), "i32"))
 
 
-@pytest.mark.parametrize("kw", [{}, FAMILIES[3], dict(arch="granite", logit_scale=4.0)],
+@pytest.mark.parametrize("kw", [{}, TINY_CASES["gemma3"], dict(arch="granite", logit_scale=4.0)],
                          ids=["llama", "gemma3-softcap", "granite-logit-scale"])
 def test_the_fused_loss_trains_as_the_chunked_logits_do(kw):
     """A LoRA-like step (frozen output matrix): the fused loss (one linear_cross_entropy) and

@@ -20,7 +20,8 @@ from ggtrain.errors import ConfigError
 from tests import np_decoder
 from tests.interop import open_llm, run_cli
 from tests.test_distributed import mpiexec  # noqa: F401 - the fixture
-from tests.test_decoder import TINY, family_params
+from tests.family_cases import TINY
+from tests.test_decoder import family_params
 
 CTX = 16
 

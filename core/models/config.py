@@ -10,6 +10,7 @@ size (attention.key_length; C / H when absent). What a family has is its Family
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -101,8 +102,6 @@ class ModelConfig:
         if self.window < 0 or self.window_pattern < 0 or self.logit_softcap < 0 or not self.rope_base_swa > 0:
             raise ConfigError(f"{self.arch}: window {self.window}, window_pattern {self.window_pattern}, "
                               f"logit_softcap {self.logit_softcap} must be >= 0, rope_base_swa > 0")
-        if self.window and "window" not in fam.keys:
-            raise ConfigError(f"{self.arch}: the family has no sliding-window attention")
         if self.rope_long and not fam.long_rope:
             raise ConfigError(f"{self.arch}: the family has no long-context rope factors")
         if not (self.embedding_scale >= 0 and self.residual_scale >= 0 and self.attn_scale >= 0
@@ -110,11 +109,13 @@ class ModelConfig:
             raise ConfigError(f"{self.arch}: embedding_scale {self.embedding_scale}, residual_scale "
                               f"{self.residual_scale}, attn_scale {self.attn_scale} must be >= 0, logit_scale "
                               f"{self.logit_scale} > 0")
-        applied = dict(embedding_scale=self.embedding_scale != 0, residual_scale=self.residual_scale != 0,
-                       attn_scale=self.attn_scale != 0, logit_scale=self.logit_scale != 1.0)
-        unread = [name for name, on in applied.items() if on and name not in fam.keys]
-        if unread:
-            raise ConfigError(f"{self.arch}: the family has no {unread[0]}")
+        # a field some family reads keeps its neutral value in a family that does not
+        own = fam.all_keys
+        for name in FAMILY_FIELDS:
+            neutral = fam.window_pattern if name == "window_pattern" else _NEUTRAL[name]
+            if name not in own and getattr(self, name) != neutral:
+                raise ConfigError(f"{self.arch}: the family has no {name} (it reads "
+                                  f"{', '.join(k.field for k in fam.keys) or 'only the common keys'})")
         if self.rope_orig_ctx < 0 or not self.rope_attn_factor > 0:
             raise ConfigError(f"{self.arch}: rope_orig_ctx {self.rope_orig_ctx} must be >= 0, "
                               f"rope_attn_factor {self.rope_attn_factor} > 0")
@@ -137,6 +138,12 @@ class ModelConfig:
     def n_params(self) -> int:
         """Parameters (the output tied to the embedding or not, as the config says)."""
         return sum(math.prod(s) for s in param_shapes(self).values())
+
+
+# the fields one family or another reads from its own keys, and their neutral values (the
+# defaults: what a file without the key means)
+FAMILY_FIELDS = tuple(dict.fromkeys(k.field for fam in FAMILIES.values() for k in fam.keys))
+_NEUTRAL = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
 
 
 def param_shapes(cfg: ModelConfig) -> dict:

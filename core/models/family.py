@@ -10,26 +10,44 @@ adding a family is adding such a module (and its test rows).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
 
-# config field -> GGUF key after "{arch}.", read from every family's files and written to them
-COMMON_KEYS = {
-    "ctx": "context_length",
-    "dim": "embedding_length",
-    "ff": "feed_forward_length",
-    "layers": "block_count",
-    "heads": "attention.head_count",
-    "kv_heads": "attention.head_count_kv",
-    "head_dim": "attention.key_length",
-    "rope_dims": "rope.dimension_count",
-    "vocab": "vocab_size",
-    "norm_eps": "attention.layer_norm_rms_epsilon",
-    "rope_base": "rope.freq_base",
-}
-REQUIRED_KEYS = ("ctx", "dim", "ff", "layers", "heads", "norm_eps")
+@dataclass(frozen=True)
+class Key:
+    """One "{arch}." key: the ModelConfig field it sets, the GGUF type llama.cpp reads it as
+    ("u32" a count, "f32" a float), and the field's value where a file does not state it, so
+    a writer states it only where it differs (None: stated always). required: a file must
+    state it."""
+
+    field: str
+    key: str
+    type: str = "u32"
+    unset: object = None
+    required: bool = False
+
+    def __post_init__(self):
+        if self.type not in ("u32", "f32"):
+            raise ValueError(f"key {self.key}: type {self.type!r} (u32 or f32)")
+
+
+# the keys every family's files hold, in the order they are written (the head size is stated
+# where it is not n_embd / n_head, with attention.value_length equal to it: formats/model.py)
+COMMON_KEYS = (
+    Key("vocab", "vocab_size"),
+    Key("ctx", "context_length", required=True),
+    Key("dim", "embedding_length", required=True),
+    Key("ff", "feed_forward_length", required=True),
+    Key("layers", "block_count", required=True),
+    Key("heads", "attention.head_count", required=True),
+    Key("kv_heads", "attention.head_count_kv"),
+    Key("rope_dims", "rope.dimension_count"),
+    Key("head_dim", "attention.key_length"),
+    Key("norm_eps", "attention.layer_norm_rms_epsilon", "f32", required=True),
+    Key("rope_base", "rope.freq_base", "f32"),
+)
 
 # block tensor (blk.{i}.<name>) -> numpy-order shape from a ModelConfig c. The one table of
 # shapes: every family lists the names it has.
@@ -93,18 +111,17 @@ class Family:
     order files hold them. rope_mode: "norm" (adjacent pairs) or "neox" (halves).
     rope_freqs: files may carry rope_freqs.weight. long_rope: files may carry
     rope_factors_long/short (and the rope scaling "longrope"). lora_targets: the block weights an
-    adapter may target (their names without ".weight"). keys: {config field: key after
-    "{arch}."} read besides COMMON_KEYS. ignored_keys: keys after "{arch}." that files
+    adapter may target (their names without ".weight"). keys: the Keys read besides
+    COMMON_KEYS (ModelConfig's fields of one family are set only from them). ignored_keys: keys after "{arch}." that files
     carry and that change nothing this decoder computes (each with its reason in the
     family's module); any other "{arch}." key is refused, not silently dropped.
     no_rope_every: n > 0, layers n-1, 2n-1, ... attend without rope (smollm3's NoPE layers).
     act: the FFN gate's activation (ACTIVATIONS). embed_scale: the embedding is multiplied
     by sqrt(n_embd). attention_scale: cfg -> the scale of q.k; scale_q: llama.cpp's graph
     multiplies q by it (after rope) rather than q.k (the same value, rounded elsewhere: llama
-    numerics follow it). window_pattern: with a
-    sliding window, every n-th layer is global (llama.cpp's default for the family).
+    numerics follow it).
     Post-attention / post-FFN norms and q/k norms are there when the block has their tensors.
-    required_keys: config fields of `keys` a file must state. rope_switch: the family reads
+    rope_switch: the family reads
     rope.scaling.finetuned = false as "no rope" (granite), which ggtrain refuses.
     mixer, ffn: the layers every block builds, by their names in the decoder's MIXERS and FFNS
     ("attention", "glu"); layers: (cfg, layer) -> (mixer, ffn) where the kind varies from
@@ -117,15 +134,13 @@ class Family:
     rope_freqs: bool = False
     long_rope: bool = False
     lora_targets: tuple = LLAMA_TARGETS
-    keys: dict = field(default_factory=dict)
+    keys: tuple = ()
     ignored_keys: tuple = ()
     act: str = "silu"
     embed_scale: bool = False
     attention_scale: Callable = head_scale
     scale_q: bool = False
-    window_pattern: int = 0
     no_rope_every: int = 0
-    required_keys: tuple = ()
     rope_switch: bool = False
     mixer: str = "attention"
     ffn: str = "glu"
@@ -170,5 +185,12 @@ class Family:
 
     @property
     def all_keys(self) -> dict:
-        """{config field: key after "{arch}."} of every key this family reads."""
-        return {**COMMON_KEYS, **self.keys}
+        """{config field: Key} of every key this family reads (the common ones first)."""
+        return {k.field: k for k in COMMON_KEYS + self.keys}
+
+    @property
+    def window_pattern(self) -> int:
+        """With a sliding window, every n-th layer is global: the family's n where a file
+        does not say (llama.cpp's default for it), 0 for a family without windows."""
+        key = self.all_keys.get("window_pattern")
+        return key.unset if key is not None else 0

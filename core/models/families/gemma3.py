@@ -10,7 +10,7 @@ global, rotating with rope.freq_base and the rope scaling. q.k is scaled by 1/sq
 size), by 1/sqrt(n_embd / n_head) for the 62-layer 27B model, as llama.cpp does. Logits
 are soft-capped (c tanh(x / c)) where final_logit_softcapping is given.
 """
-from ggtrain.core.models.family import Family, recip_sqrt_f32
+from ggtrain.core.models.family import Family, Key, recip_sqrt_f32
 
 _BLOCK = ("attn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_q_norm.weight",
           "attn_k_norm.weight", "attn_output.weight", "post_attention_norm.weight", "ffn_norm.weight",
@@ -22,6 +22,8 @@ def _attention_scale(cfg) -> float:
 
 
 FAMILY = Family(arch="gemma3", block=_BLOCK, rope_mode="neox", act="gelu", embed_scale=True,
-                attention_scale=_attention_scale, scale_q=True, window_pattern=6,
-                keys={"window": "attention.sliding_window", "window_pattern": "attention.sliding_window_pattern",
-                      "rope_base_swa": "rope.freq_base_swa", "logit_softcap": "final_logit_softcapping"})
+                attention_scale=_attention_scale, scale_q=True,
+                keys=(Key("window", "attention.sliding_window", unset=0),
+                      Key("window_pattern", "attention.sliding_window_pattern", unset=6),
+                      Key("rope_base_swa", "rope.freq_base_swa", "f32", unset=10000.0),
+                      Key("logit_softcap", "final_logit_softcapping", "f32", unset=0.0)))

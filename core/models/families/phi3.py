@@ -11,11 +11,11 @@ rope.scaling.attn_factor. attention.sliding_window, which the converter writes, 
 ignored as llama.cpp does (it disables Phi's window: the converters write no layer pattern),
 so both compute full causal attention.
 """
-from ggtrain.core.models.family import Family
+from ggtrain.core.models.family import Family, Key
 
 FAMILY = Family(arch="phi3", rope_mode="neox", long_rope=True, scale_q=True,
-                keys={"rope_orig_ctx": "rope.scaling.original_context_length",
-                      "rope_attn_factor": "rope.scaling.attn_factor"},
+                keys=(Key("rope_orig_ctx", "rope.scaling.original_context_length", unset=0),
+                      Key("rope_attn_factor", "rope.scaling.attn_factor", "f32", unset=1.0)),
                 ignored_keys=("attention.sliding_window",),
                 block=("attn_norm.weight", "attn_qkv.weight", "attn_output.weight", "ffn_norm.weight",
                        "ffn_gate_up.weight", "ffn_down.weight"),

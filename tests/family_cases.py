@@ -1,0 +1,72 @@
+"""The model families' test cases, one table (tests), and the numpy oracle's facts of each.
+
+CASES: a row per case, named: what sets the family apart, at the two sizes the suite runs a
+family at. `tiny` (over TINY) is for the graph against the float64 oracle (tests/np_decoder.py,
+tests/test_decoder.py): windows shorter than its 5-7 token texts; `interop` (over BASE) is for
+llama.cpp on a file (tests/test_families.py): windows shorter than its ~150-token text. None:
+the case is not run at that size. test_every_family_has_test_cases (tests/test_decoder.py)
+fails when a registered family lacks a case at either size or an oracle row, as the op table
+fails for an op without a case.
+
+ORACLE: what the float64 oracle needs to know of each family, written from llama.cpp's graphs
+(its src/models/*.cpp), independently of core/models/families/: NEOX rope (halves rather than
+adjacent pairs), the embedding scaled by sqrt(n_embd), post-attention and post-FFN norms, the
+GeGLU gate, q.k scaled by n_embd / n_head at 62 layers (Gemma 3 27B), layers without rope every
+n-th (smollm3). What the tensors say (biases, q/k norms, fused qkv, tied output, rope factors)
+and the config's multipliers and windows the oracle reads from them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+TINY = dict(vocab=64, dim=32, layers=2, heads=4, kv_heads=2, ff=48, ctx=16)
+BASE = dict(dim=64, layers=2, heads=4, kv_heads=2, ff=96, ctx=256)
+
+
+@dataclass(frozen=True)
+class Case:
+    tiny: dict | None        # ModelConfig overrides of TINY (None: not run there)
+    interop: dict | None     # of BASE (the vocabulary is the tokenizer's)
+
+
+CASES = {
+    # llama 3's rope factors, a head size that is not dim / heads, a large base; linear scaling
+    "llama3": Case(dict(arch="llama", rope_freqs=True, head_dim=12, rope_base=500000.0, rope_scale=2.0),
+                   dict(arch="llama", rope_freqs=True, head_dim=24, rope_base=500000.0)),
+    "llama-linear": Case(None, dict(arch="llama", rope_scale=4.0, kv_heads=1)),
+    # qwen2's biases (tied output); qwen3's q/k norms (one kv head; a larger head)
+    "qwen2": Case(dict(arch="qwen2", tied=True), dict(arch="qwen2", tied=True)),
+    "qwen3": Case(dict(arch="qwen3", head_dim=12, kv_heads=1), dict(arch="qwen3", head_dim=32)),
+    # gemma3: local layers 0, 2 (the window shorter than the text), global 1 (pattern 2),
+    # soft-capped logits
+    "gemma3": Case(dict(arch="gemma3", head_dim=12, kv_heads=1, tied=True, window=3, window_pattern=2,
+                        rope_base_swa=100.0, logit_softcap=3.0, layers=3),
+                   dict(arch="gemma3", head_dim=32, kv_heads=1, tied=True, layers=3, window=8, window_pattern=2,
+                        rope_base=1e6, rope_base_swa=10000.0, logit_softcap=30.0)),
+    # phi3: fused qkv and gate|up, partial rotation (Phi-4-mini rotates 3/4 of each head)
+    "phi3": Case(dict(arch="phi3", kv_heads=2, rope_dims=4), dict(arch="phi3", rope_dims=12, kv_heads=1)),
+    # phi3's longrope: the long factors (a run past the original context) with partial
+    # rotation, and past it by llama.cpp's context (256) and ours; the attention factor
+    "phi3-longrope-partial": Case(dict(arch="phi3", kv_heads=2, rope_dims=4, rope_long=True, rope_orig_ctx=4,
+                                       rope_attn_factor=1.2), None),
+    "phi3-longrope": Case(dict(arch="phi3", kv_heads=2, rope_long=True, rope_orig_ctx=64, rope_attn_factor=1.2),
+                          dict(arch="phi3", rope_long=True, rope_orig_ctx=64, rope_attn_factor=1.19)),
+    # smollm3: layer 3 without rope
+    "smollm3": Case(dict(arch="smollm3", layers=4), dict(arch="smollm3", layers=4)),
+    # granite's four multipliers (Granite 3.x's are of the interop case's order)
+    "granite": Case(dict(arch="granite", embedding_scale=3.0, residual_scale=0.5, attn_scale=0.2, logit_scale=2.5),
+                    dict(arch="granite", kv_heads=1, embedding_scale=12.0, residual_scale=0.22, attn_scale=0.05,
+                         logit_scale=8.0)),
+}
+TINY_CASES = {name: c.tiny for name, c in CASES.items() if c.tiny is not None}
+INTEROP_CASES = {name: c.interop for name, c in CASES.items() if c.interop is not None}
+
+ORACLE = {
+    "llama": dict(),
+    "qwen2": dict(neox=True),
+    "qwen3": dict(neox=True),
+    "gemma3": dict(neox=True, embed_scale=True, post_norms=True, gelu=True, scale_62=True),
+    "phi3": dict(neox=True),
+    "smollm3": dict(no_rope_every=4),
+    "granite": dict(),
+}
