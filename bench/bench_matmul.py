@@ -118,17 +118,26 @@ def _best(fn, reps: int) -> float:
     return best
 
 
+_BACKENDS: dict = {}
+
+
+def _threads(n: int) -> CpuBackend:
+    """The CPU backend of n threads (plans run on their own backend's threads; every CPU
+    backend's buffers are host memory, so one backend's operands serve them all)."""
+    return _BACKENDS.setdefault(n, CpuBackend(n))
+
+
 def bench_line(backend, M, K, N, layout, n_threads, rounds, reps, rng, batch=0):
     a, b, c, aref, bref, cref, _keep = _operands(backend, M, K, N, layout, rng, batch)
     call = KernelCall("matmul_fwd_f32", cref, (aref, bref))
     call = KernelCall(call.kernel, cref, (aref, bref), work_bytes=backend.kernel_sizes(call)[1])
-    plan = backend.compile([call], n_threads)
+    plan = _threads(n_threads).compile([call])
     ref = np.empty_like(c)
     with _blas_threads(n_threads):
         np.matmul(a, b, out=ref)
-        backend.run(plan, n_threads)
+        backend.run(plan)
         err = float(np.abs(c - ref).max() / (np.abs(ref).max() + 1e-30))
-        ours_fn = lambda: backend.run(plan, n_threads)  # noqa: E731
+        ours_fn = lambda: backend.run(plan)  # noqa: E731
         numpy_fn = lambda: np.matmul(a, b, out=ref)  # noqa: E731
         t_ours = t_np = float("inf")
         for _ in range(rounds):  # interleaved rounds, best of all
@@ -204,11 +213,11 @@ def _alternate(backend, plans, n_threads, rounds, reps):
     """Best time of each plan, measured in alternating rounds."""
     best = [float("inf")] * len(plans)
     for p in plans:
-        backend.run(p, n_threads)
+        backend.run(p)
     for _ in range(rounds):
         for i, p in enumerate(plans):
             time.sleep(_POOL_SPIN_S)
-            best[i] = min(best[i], _best(lambda: backend.run(p, n_threads), reps))  # noqa: B023
+            best[i] = min(best[i], _best(lambda: backend.run(p), reps))  # noqa: B023
     return best
 
 
@@ -226,7 +235,7 @@ def bench_weights(backend, threads, rounds, reps, rng, peaks) -> None:
             for transposed in (True, False):
                 calls, (ours, ref), _, _keep = _weight_calls(backend, w, R, C, WEIGHT_ROWS, transposed, rng)
                 for nt in threads:
-                    plans = [backend.compile([c], nt) for c in calls]
+                    plans = [_threads(nt).compile([c]) for c in calls]
                     t_ours, t_f32 = _alternate(backend, plans, nt, rounds, reps)
                     same = np.array_equal(ours, ref)
                     flops = 2.0 * WEIGHT_ROWS * R * C
@@ -241,7 +250,7 @@ def bench_weights(backend, threads, rounds, reps, rng, peaks) -> None:
 
 def _gen_plan(backend, w, R, C, nt, rng):
     calls, _, nbytes, keep = _weight_calls(backend, w, R, C, 1, True, rng)
-    return [backend.compile([c], nt) for c in calls], nbytes, keep
+    return [_threads(nt).compile([c]) for c in calls], nbytes, keep
 
 
 def bench_generation(backend, threads, rounds, reps, rng) -> None:

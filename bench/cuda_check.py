@@ -242,7 +242,7 @@ def precision_rounding() -> None:
     matrices is nearest the float64 product of the inputs rounded to its fraction bits (f32
     23, TF32 10, bf16 7: tests/refs.py rounds to nearest even)."""
     from ggtrain.cli.common import BACKENDS
-    from ggtrain.core.backend_cpu import run_kernel
+    from ggtrain.core.backend_kernel import run_kernel
     from ggtrain.core.backend_cuda import CudaBackend
     sys.path.insert(0, str(ROOT))
     from tests.refs import rounded

@@ -17,6 +17,7 @@ import typer
 from tqdm import tqdm
 
 from ggtrain.core import distributed
+from ggtrain.core.backend import Backend
 from ggtrain.core.backend_cpu import CpuBackend, default_threads
 from ggtrain.core.backend_cuda import CudaBackend, unavailable_reason
 from ggtrain.errors import ConfigError
@@ -45,7 +46,7 @@ def choices(name: str, values) -> type:
     return enum.Enum(name, {v: v for v in values}, type=str)
 
 
-def make_backend(backend: str = "cpu", threads: int | None = None) -> CpuBackend:
+def make_backend(backend: str = "cpu", threads: int | None = None) -> Backend:
     """The backend --backend names, with --threads; ConfigError naming the bad value, and for
     cuda saying why it cannot run here."""
     if backend not in BACKENDS:

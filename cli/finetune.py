@@ -389,7 +389,7 @@ def finetune(
                    f"({'' if full else f'rank {lora_cfg.rank}, alpha {lora_cfg.alpha:g}, '}"
                    f"{model_cfg.layers} blocks); {summary}; {train_cfg.steps} updates of {train_cfg.batch} x "
                    f"{train_cfg.grad_acc} windows{procs}; planned memory {mem.peak / 2**20:.1f} MiB; "
-                   f"{be.n_threads} threads", err=True)
+                   f"{be.describe()}", err=True)
 
     model_json = dataclasses.asdict(model_cfg)
     train_json = dataclasses.asdict(train_cfg)

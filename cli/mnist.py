@@ -113,7 +113,7 @@ def train(
     if world.lead:
         typer.echo(f"mnist-{arch}: {sum(v.size for v in init.values())} parameters, "
                    f"{len(labels)} images, planned memory {mem.peak / 2**20:.1f} MiB "
-                   f"(arena {mem.arena / 2**20:.1f} MiB), {be.n_threads} threads", err=True)
+                   f"(arena {mem.arena / 2**20:.1f} MiB), {be.describe()}", err=True)
     train_json = dataclasses.asdict(cfg)
     run_json = {"limit": limit, "world": world.size, "options": record["options"]}
 

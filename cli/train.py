@@ -152,7 +152,7 @@ def train(
     if world.lead:
         typer.echo(f"{model_cfg.arch}: {n_params} parameters, vocab {tok.n_vocab} ({tokenizer if not source else 'from checkpoint'}), "
                    f"{len(train_ids)} training / {len(val_ids)} validation tokens; planned memory "
-                   f"{mem.peak / 2**20:.1f} MiB (arena {mem.arena / 2**20:.1f} MiB); {be.n_threads} threads",
+                   f"{mem.peak / 2**20:.1f} MiB (arena {mem.arena / 2**20:.1f} MiB); {be.describe()}",
                    err=True)
 
     model_json = dataclasses.asdict(model_cfg)

@@ -74,11 +74,16 @@ class KernelCall:
 
 
 class Plan(ABC):
-    """A compiled list of kernel calls, run by Backend.run."""
+    """A compiled list of kernel calls, run by Backend.run. work_nbytes: the work memory the
+    plan's kernels are given (the CPU: each call's per-thread work times its threads)."""
+
+    calls: list
+    work_nbytes: int = 0
 
 
 class Backend(ABC):
-    """Allocation, copies and plan execution on one device."""
+    """Allocation, copies and plan execution on one device. How a backend spreads a plan over
+    its device (the CPU's threads, a GPU's stream) is its own state, set when it is made."""
 
     name: str
     # whether its linear_cross_entropy leaves the rows after the last counted one (a plan's
@@ -113,10 +118,19 @@ class Backend(ABC):
         tensors' dtypes, shapes and strides and its params (buffers may be None)."""
 
     @abstractmethod
-    def compile(self, calls: list, n_threads: int) -> Plan: ...
+    def compile(self, calls: list) -> Plan: ...
 
     @abstractmethod
-    def run(self, plan: Plan, n_threads: int | None = None) -> None: ...
+    def run(self, plan: Plan) -> None: ...
+
+    @abstractmethod
+    def describe(self) -> str:
+        """What runs the plans, in a few words for a run's summary line ("2 threads")."""
+
+    def work_memory(self, plans: list) -> int:
+        """The work memory `plans` (graph.CompiledPlan, or backend Plans) hold together: each
+        its own by default."""
+        return sum(p.work_nbytes for p in plans)
 
     def allreduce(self, buffer: Buffer, count: int, world) -> None:
         """Sum the first `count` f32 elements of `buffer` over the processes of a data-parallel

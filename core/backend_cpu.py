@@ -73,14 +73,15 @@ _POOL_GATHER_BYTES = 1 << 16
 class CpuPlan(Plan):
     """Native nodes plus the memory they point into; freed with the object."""
 
-    def __init__(self, backend: "CpuBackend", calls: list, n_threads: int):
+    def __init__(self, backend: "CpuBackend", calls: list):
         self.calls = calls
-        self.n_threads = n_threads
+        n_threads = self.n_threads = backend.n_threads
         self.nodes = ffi.new("gt_node[]", max(1, len(calls)))
         keep = []
         work = max([c.work_bytes for c in calls] + [0])
         work = (work + _ALIGN - 1) // _ALIGN * _ALIGN
         self.work = CpuBuffer(work * n_threads) if work else None
+        self.work_nbytes = work * n_threads
         for i, call in enumerate(calls):
             _fill_node(self.nodes[i], call, backend.kernel_pointer(call.kernel), keep)
         self._keep = keep
@@ -119,7 +120,7 @@ class CpuBackend(Backend):
     skips_uncounted_rows = True
 
     def __init__(self, n_threads: int | None = None):
-        self.n_threads = n_threads or default_threads()
+        self.n_threads = n_threads or default_threads()   # every plan of this backend runs on as many
         self._pool = None
         self._pool_size = 0
         self._gather = None   # (key, plan, index buffer, source, destination) of the last big gather_in
@@ -189,6 +190,9 @@ class CpuBackend(Backend):
     def supports(self, kernel: str) -> bool:
         return hasattr(lib, "gt_" + kernel)
 
+    def describe(self) -> str:
+        return f"{self.n_threads} thread{'s' if self.n_threads != 1 else ''}"
+
     def kernel_sizes(self, call: KernelCall) -> tuple:
         sizer = getattr(lib, f"gt_{call.kernel}_sizes", None)
         if sizer is None:
@@ -205,96 +209,12 @@ class CpuBackend(Backend):
             raise UnsupportedOpError(f"cpu backend has no kernel gt_{kernel}")
         return ffi.cast("gt_kernel", ffi.addressof(lib, "gt_" + kernel))
 
-    def compile(self, calls: list, n_threads: int | None = None) -> CpuPlan:
-        return CpuPlan(self, list(calls), n_threads or self.n_threads)
+    def compile(self, calls: list) -> CpuPlan:
+        return CpuPlan(self, list(calls))
 
-    def run(self, plan: CpuPlan, n_threads: int | None = None) -> None:
-        n = n_threads or plan.n_threads
-        rc = lib.gt_plan_compute(plan.ptr, n)
+    def run(self, plan: CpuPlan) -> None:
+        rc = lib.gt_plan_compute(plan.ptr, plan.n_threads)
         if rc != 0:
             idx = lib.gt_plan_failed_node(plan.ptr)
             label = plan.calls[idx].label or plan.calls[idx].kernel if 0 <= idx < len(plan.calls) else "?"
             _check(rc, f"running {label}")
-
-
-def run_kernel(kernel: str, dst: np.ndarray, srcs: list, ip=(), fp=(), n_threads: int = 1,
-               scratch_bytes: int | None = None, work_bytes: int | None = None,
-               backend: Backend | None = None) -> np.ndarray:
-    """Run one kernel on numpy arrays (tests and direct use); dst is filled in place.
-
-    Arrays may be strided views of contiguous buffers. A tuple (array, dtype) names the
-    dtype where numpy cannot (bf16 as uint16); (array, dtype, shape, strides) also gives
-    the logical shape and element strides, as block types need (array: their raw bytes).
-    Scratch and work sizes default to what the kernel asks for (Backend.kernel_sizes).
-    On a backend whose memory is not the host's (CUDA), each array's contiguous base goes
-    to the device and dst's comes back.
-    """
-    backend = backend or CpuBackend(n_threads)
-    host = isinstance(backend, CpuBackend)
-    bufs, back = [], []
-
-    def buffer(a: np.ndarray) -> tuple:
-        """(buffer, byte offset of a's first element in it)."""
-        if host:
-            return _ArrayBuffer(a), 0
-        root = a
-        while isinstance(root.base, np.ndarray):
-            root = root.base
-        if not root.flags.c_contiguous:
-            if not a.flags.c_contiguous:
-                raise ShapeError("run_kernel: a strided array must be a view of a contiguous one")
-            root = a
-        offset = a.__array_interface__["data"][0] - root.__array_interface__["data"][0]
-        for buf, known in back:        # one device copy of a base (an in-place kernel's dst is its src)
-            if known is root:
-                return buf, offset
-        buf = backend.alloc(max(1, root.nbytes))
-        backend.copy_in(buf, 0, root.reshape(-1).view(np.uint8))
-        back.append((buf, root))
-        return buf, offset
-
-    def ref(a):
-        dtype = shape = strides = None
-        if isinstance(a, tuple):
-            a, dtype, *rest = a
-            if rest:
-                shape, strides = rest
-        if dtype is None:
-            dtype = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16",
-                     np.dtype(np.int32): "i32", np.dtype(np.uint16): "bf16"}[a.dtype]
-        buf, offset = buffer(a)
-        bufs.append(buf)
-        if shape is None:
-            item = a.dtype.itemsize
-            shape, strides = tuple(a.shape), tuple(s // item for s in a.strides)
-        return TensorRef(buf, offset, dtype, tuple(shape), tuple(strides))
-
-    call = KernelCall(kernel, ref(dst), tuple(ref(s) for s in srcs), tuple(ip), tuple(fp))
-    if scratch_bytes is None or work_bytes is None:
-        need_scratch, need_work = backend.kernel_sizes(call)
-        scratch_bytes = need_scratch if scratch_bytes is None else scratch_bytes
-        work_bytes = need_work if work_bytes is None else work_bytes
-    scratch = None
-    if scratch_bytes:
-        sb = backend.alloc(scratch_bytes)
-        bufs.append(sb)
-        scratch = TensorRef(sb, 0, "f32", (scratch_bytes,), (1,))
-    call = KernelCall(kernel, call.dst, call.srcs, call.ip, call.fp, scratch, work_bytes)
-    plan = backend.compile([call], n_threads)
-    backend.run(plan, n_threads)
-    if back:    # dst's base (the first array given) comes back from the device
-        buf, root = back[0]
-        backend.copy_out(buf, 0, root.reshape(-1).view(np.uint8))
-    return dst[0] if isinstance(dst, tuple) else dst
-
-
-class _ArrayBuffer(Buffer):
-    """Wraps an existing numpy array's memory (direct kernel runs)."""
-
-    def __init__(self, array: np.ndarray):
-        self.array = array
-        self.nbytes = array.nbytes
-        self.address = array.ctypes.data
-
-    def host(self, nbytes: int | None = None) -> np.ndarray:
-        return self.array.reshape(-1).view(np.uint8)[:nbytes]

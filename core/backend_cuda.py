@@ -156,17 +156,19 @@ class CudaBuffer(Buffer):
 
 class CudaPlan(Plan):
     """gt_node records for the library and the memory they point into; work memory is the
-    backend's one shared buffer."""
+    backend's one shared buffer. math: the precision of its matrix products (the backend's
+    when it was compiled; its work sizes were asked under it, so it runs under it)."""
 
     def __init__(self, backend: "CudaBackend", calls: list):
         ffi = backend.ffi
         self.calls = calls
+        self.math = backend.math
         self.nodes = ffi.new("gt_node[]", max(1, len(calls)))
         keep = []
         for i, call in enumerate(calls):
             fill_node(ffi, self.nodes[i], call, backend.kernel_pointer(call.kernel), keep)
         self._keep = keep
-        self.work_bytes = max([c.work_bytes for c in calls] + [0])
+        self.work_bytes = self.work_nbytes = max([c.work_bytes for c in calls] + [0])
         backend.reserve_work(self.work_bytes)
         self._ffi = ffi
         self._profile = None
@@ -187,7 +189,6 @@ class CudaBackend(Backend):
     products exact unless `math` names a tensor-core precision: maths() lists them)."""
 
     name = "cuda"
-    n_threads = 1     # a node is one launch: no CPU threads to share work among
 
     def __init__(self, device: int = 0, math: str = "f32"):
         why = unavailable_reason()
@@ -284,16 +285,23 @@ class CudaBackend(Backend):
                f"sizing {call.label or call.kernel}")
         return int(scratch[0]), int(work[0])
 
-    def compile(self, calls: list, n_threads: int | None = None) -> CudaPlan:
+    def compile(self, calls: list) -> CudaPlan:
         return CudaPlan(self, list(calls))
 
-    def run(self, plan: CudaPlan, n_threads: int | None = None) -> None:
+    def describe(self) -> str:
+        return f"GPU {self.device[0]}, {self.math} products"
+
+    def work_memory(self, plans: list) -> int:
+        """Plans run in turn over the backend's one work buffer: the largest one's."""
+        return max([p.work_nbytes for p in plans] + [0])
+
+    def run(self, plan: CudaPlan) -> None:
         failed = self.ffi.new("int64_t *")
         self.reserve_work(plan.work_bytes)
         work = self.ffi.cast("void *", self._work.address) if plan.work_bytes else self.ffi.NULL
         size = self._work.nbytes if plan.work_bytes else 0
-        # (the precision is the library's one setting: each backend's plans run with their own)
-        _check(self.lib.gtc_set_math(self.math.encode()), "choosing the matrix products' precision")
+        # (the library holds one precision for its stream; a plan runs under its own)
+        _check(self.lib.gtc_set_math(plan.math.encode()), "choosing the matrix products' precision")
         self.lib.gtc_set_profile(plan._profile if plan._profile is not None else self.ffi.NULL)
         rc = self.lib.gtc_run(plan.nodes, len(plan.calls), work, size, failed)
         if rc != 0:

@@ -147,7 +147,7 @@ class MemoryReport:
     arena: int          # intermediates of the runtime's plans, packed by live range (shared)
     arena_unpacked: int # what this plan's intermediates would take without reuse
     persistent: int     # parameters, state, inputs, constants of the runtime
-    scratch: int        # per-thread kernel work of every plan of the runtime
+    scratch: int        # the kernels' work memory of every plan of the runtime (Backend.work_memory)
 
     @property
     def peak(self) -> int:
@@ -161,13 +161,11 @@ class CompiledPlan:
     this plan's run and before another plan of the same runtime runs.
     """
 
-    def __init__(self, runtime, emit, n_threads: int, arena_size: int, work_bytes: int,
-                 report: MemoryReport, n_nodes: int):
+    def __init__(self, runtime, emit, arena_size: int, report: MemoryReport, n_nodes: int):
         self.runtime = runtime
         self._emit = emit              # arena -> (kernel calls, {output id: TensorRef})
-        self.n_threads = n_threads
         self.arena_size = arena_size
-        self.work_bytes = work_bytes   # per thread
+        self.work_nbytes = 0           # the work memory its native plan holds (the backend's answer)
         self.report = report
         self.n_nodes = n_nodes
         self.flops = 0                 # FLOPs of its products and convolutions (ops.product_flops)
@@ -178,7 +176,8 @@ class CompiledPlan:
 
     def _lower(self, arena) -> None:
         calls, self.refs = self._emit(arena)
-        self.plan = self.runtime.backend.compile(calls, self.n_threads)
+        self.plan = self.runtime.backend.compile(calls)
+        self.work_nbytes = self.plan.work_nbytes
 
     def read(self, t: Tensor) -> np.ndarray:
         """A copy of an output tensor's value after a run.
@@ -323,7 +322,7 @@ class Runtime:
 
     # ---- compilation -------------------------------------------------------------
 
-    def compile(self, outputs: list, n_threads: int | None = None) -> CompiledPlan:
+    def compile(self, outputs: list) -> CompiledPlan:
         """Lower the nodes `outputs` need (in creation order) into one native plan.
 
         Its intermediates go in the runtime's one arena, shared by every plan (grown when
@@ -339,7 +338,6 @@ class Runtime:
                 self.buffer(t)
             if t.out is not None:
                 self.buffer(t.out)
-        n_threads = n_threads or getattr(self.backend, "n_threads", 1)
         # what each node runs, and the memory its kernel needs besides its tensors
         nodes = []
         for t in execs:
@@ -394,8 +392,7 @@ class Runtime:
                                         probe.fp, scratch_ref, work, probe.label))
             return calls, {t.id: ref(t) for t in outputs}
 
-        work_max = max([w for _, _, _, w in nodes] + [0])
-        plan = CompiledPlan(self, emit, n_threads, arena_size, work_max, None, len(nodes))
+        plan = CompiledPlan(self, emit, arena_size, None, len(nodes))
         plan.inputs = [t for t in tensors if t.kind == "input"]
         plan.flops = sum(_ops.product_flops(t) for t, *_ in nodes)
         plan.row_flops = sum(_ops.row_flops(t) for t, *_ in nodes)
@@ -412,7 +409,7 @@ class Runtime:
         plan.report = MemoryReport(
             arena=self._arena.nbytes, arena_unpacked=sum(_align(v) for v in size.values()),
             persistent=self.persistent_bytes,
-            scratch=sum(p().work_bytes * p().n_threads for p in self._plans if p() is not None))
+            scratch=self.backend.work_memory([p() for p in self._plans if p() is not None]))
         return plan
 
     @staticmethod
@@ -439,7 +436,7 @@ class Runtime:
                     break
         return alias
 
-    def run(self, plan: CompiledPlan, n_threads: int | None = None) -> None:
+    def run(self, plan: CompiledPlan) -> None:
         """Execute a compiled plan (one native call). ValueError when an input it reads
         was never set (it would read zeros: a batch fed without one of its inputs)."""
         missing = [t for t in plan.inputs if t.id not in self._given]
@@ -449,7 +446,7 @@ class Runtime:
         self._last_run = None
         if plan.plan is None:       # the arena grew since it was lowered
             plan._lower(self._arena)
-        self.backend.run(plan.plan, n_threads)
+        self.backend.run(plan.plan)
         self._last_run = plan
 
     @property
@@ -459,7 +456,7 @@ class Runtime:
         return MemoryReport(arena=self._arena.nbytes if self._arena is not None else 0,
                             arena_unpacked=max([p.report.arena_unpacked for p in plans] + [0]),
                             persistent=self.persistent_bytes,
-                            scratch=sum(p.work_bytes * p.n_threads for p in plans))
+                            scratch=self.backend.work_memory(plans))
 
 
 def _desc(t: Tensor) -> TensorRef:

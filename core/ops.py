@@ -26,8 +26,9 @@ from typing import Callable
 from ggtrain.core.numerics import EXACT, LLAMA, check_numerics
 from ggtrain.core.tensor import Tensor, contiguous_strides, numel
 from ggtrain.errors import DTypeError, ShapeError
-from ggtrain.native import lib
 from ggtrain.native.dtypes import WEIGHT_TYPES
+from ggtrain.native.host import (ACT8_TYPES, HYPER_BC1, HYPER_BC2, HYPER_BETA1, HYPER_BETA2,  # noqa: F401
+                                 HYPER_COUNT, HYPER_EPS, HYPER_LR, HYPER_MAX_NORM, HYPER_MOMENTUM, HYPER_WD)
 
 
 @dataclass(frozen=True)
@@ -646,9 +647,7 @@ register(OpDef("matmul_lora", _infer_matmul_lora, "matmul_lora_fwd", backward=_m
                suffix=lambda y: _weight_suffix(y.srcs[1])))
 
 
-# the weight types whose product with 8-bit activations has a kernel (native/checks.h's
-# GT_ACT8_TYPES, read from the library)
-ACT8_TYPES = tuple(w for w in WEIGHT_TYPES if hasattr(lib, f"gt_matmul_q8_fwd_f32_{w}"))
+# (ACT8_TYPES: the weight types whose product with 8-bit activations has a kernel, native/host.py)
 
 
 def matmul_q8(a: Tensor, b: Tensor) -> Tensor:
@@ -1482,11 +1481,7 @@ def _infer_step(name, n_src):
     return infer
 
 
-# Layout of the hyper vector read by the step kernels: enum gt_hyper of gt_core.h.
-HYPER_LR, HYPER_BETA1, HYPER_BETA2 = lib.GT_HYPER_LR, lib.GT_HYPER_BETA1, lib.GT_HYPER_BETA2
-HYPER_EPS, HYPER_WD, HYPER_BC1, HYPER_BC2 = lib.GT_HYPER_EPS, lib.GT_HYPER_WD, lib.GT_HYPER_BC1, lib.GT_HYPER_BC2
-HYPER_MAX_NORM, HYPER_MOMENTUM = lib.GT_HYPER_MAX_NORM, lib.GT_HYPER_MOMENTUM
-HYPER_COUNT = lib.GT_HYPER_COUNT
+# (the layout of the hyper vector the step kernels read: native/host.py, HYPER_*)
 
 
 def adamw_step(p, grad, hyper, grad_norm, m, v, decay: bool) -> Tensor:

@@ -313,13 +313,13 @@ class LBFGSSearch:
         self._here = None   # (loss, grad norm, payload) of the evaluation at the current point
         self.runtime = None
 
-    def compile(self, runtime, n_threads: int) -> None:
-        self.runtime, self.n_threads = runtime, n_threads
-        self._direction = [runtime.compile(outs, n_threads) for outs in self._direction_outs]
-        self._move = runtime.compile(self._move_outs, n_threads)
-        self._restore = runtime.compile(self._restore_outs, n_threads)
-        self._probe = runtime.compile([self.gd, self.grad_norm], n_threads)
-        self._accept = [runtime.compile(list(outs), n_threads) for outs in self._accept_outs]
+    def compile(self, runtime) -> None:
+        self.runtime = runtime
+        self._direction = [runtime.compile(outs) for outs in self._direction_outs]
+        self._move = runtime.compile(self._move_outs)
+        self._restore = runtime.compile(self._restore_outs)
+        self._probe = runtime.compile([self.gd, self.grad_norm])
+        self._accept = [runtime.compile(list(outs)) for outs in self._accept_outs]
 
     # ---- state (checkpoints) -------------------------------------------------------------
 
@@ -356,7 +356,7 @@ class LBFGSSearch:
         self.runtime.set(self.coef, c)
 
     def _run(self, plan) -> None:
-        self.runtime.run(plan, self.n_threads)
+        self.runtime.run(plan)
 
     def _probe_run(self) -> tuple:
         self._run(self._probe)

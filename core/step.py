@@ -61,7 +61,6 @@ class TrainStep:
         self.runtime = Runtime(graph, backend)
         for t, buf in (bind or {}).items():
             self.runtime.bind(t, buf)
-        self.n_threads = getattr(backend, "n_threads", 1)   # the backend's business (CpuBackend(n))
         self.updates = 0  # optimizer updates done
         self.stop = False  # whether some process asked to stop with the last update
 
@@ -92,23 +91,23 @@ class TrainStep:
         self.grad_norm = ops.sqrt(ops.sumsq(self.grad_flat))
         self._micro = self._zero = self._search = None
         if isinstance(optimizer, LBFGS):
-            self._micro = self.runtime.compile(outs + written, self.n_threads)
+            self._micro = self.runtime.compile(outs + written)
             if grad_acc > 1:
-                self._zero = self.runtime.compile([self._zero_grads()], self.n_threads)
+                self._zero = self.runtime.compile([self._zero_grads()])
             self._search = LBFGSSearch(optimizer, graph, self.params, self.grad_flat, self.grad_norm)
-            self._search.compile(self.runtime, self.n_threads)
+            self._search.compile(self.runtime)
             self.state = self._search.buffers
             self._update = None
         else:
             steps, self.state = optimizer.build(graph, self.params, bufs, self.hyper, self.grad_norm)
             if n_batches == 1:   # one plan: forward, backward and update fused
-                self._update = self.runtime.compile(outs + written + steps + [self.grad_norm], self.n_threads)
+                self._update = self.runtime.compile(outs + written + steps + [self.grad_norm])
             else:   # split between backward and update: accumulation, the all-reduce (_reduce)
-                self._micro = self.runtime.compile(outs + written, self.n_threads)
+                self._micro = self.runtime.compile(outs + written)
                 # the steps read the norm and gradients before the fill (when the micro plan
                 # accumulates, the update zeroes the buffer): creation order
                 zero = [self._zero_grads()] if grad_acc > 1 else []
-                self._update = self.runtime.compile(steps + zero + [self.grad_norm], self.n_threads)
+                self._update = self.runtime.compile(steps + zero + [self.grad_norm])
         self.extra_outputs = list(extra_outputs)
         self.last_outputs = []   # per physical batch: [value of each extra output]
         self.last_grad_norm = float("nan")
@@ -156,11 +155,11 @@ class TrainStep:
         processes, the all-reduce that sums theirs (`_reduce`). Returns ([loss of each of
         this process's physical batches], [[value of each extra output] per physical batch])."""
         if self._zero is not None:
-            self.runtime.run(self._zero, self.n_threads)
+            self.runtime.run(self._zero)
         losses, outputs = [], []
         for batch in batches:
             self._set_inputs(batch)
-            self.runtime.run(self._micro, self.n_threads)
+            self.runtime.run(self._micro)
             losses.append(float(self._micro.read(self.loss)))
             outputs.append([self._micro.read(t) for t in self.extra_outputs])
         self._reduce()
@@ -200,12 +199,12 @@ class TrainStep:
         self.runtime.set(self.hyper, self.optimizer.hyper(self.updates, lr))
         if self._micro is None:
             self._set_inputs(batches[0])
-            self.runtime.run(self._update, self.n_threads)
+            self.runtime.run(self._update)
             losses = [float(self._update.read(self.loss))]
             self.last_outputs = [[self._update.read(t) for t in self.extra_outputs]]
         else:
             losses, self.last_outputs = self._gradients(batches)
-            self.runtime.run(self._update, self.n_threads)
+            self.runtime.run(self._update)
         self.last_grad_norm = float(self._update.read(self.grad_norm))
         if self.world.size == 1:
             self.stop = wants()

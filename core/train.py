@@ -125,7 +125,7 @@ class ClassifierRun:
         self.step = TrainStep(self.loss, [t for t in self.params.values() if t.requires_grad], self.optimizer, backend,
                               grad_acc=grad_acc, checkpointing=False,
                               extra_outputs=[self.logits], world=self.world)
-        self._eval = self.step.runtime.compile([self.logits], self.step.n_threads)
+        self._eval = self.step.runtime.compile([self.logits])
         self._stop = False
         self.early_stopping = EarlyStopping(config.early_stop_patience, config.min_delta, unit="epoch")
         self.best_params = None
@@ -185,7 +185,7 @@ class ClassifierRun:
             if n < p:  # pad the last batch; padded rows are not scored
                 xb = np.concatenate([xb, np.zeros((p - n,) + xb.shape[1:], xb.dtype)])
             rt.set(self.x, xb)
-            rt.run(self._eval, self.step.n_threads)
+            rt.run(self._eval)
             logits = self._eval.read(self.logits)[:n]
             yb = labels[start:start + n]
             losses.append(_log_softmax_loss(logits, yb))
@@ -491,7 +491,7 @@ class TextRun:
                               world=self.world, extra_outputs=self.outputs)
         if not packed:
             self.step.runtime.set(self.pos, np.arange(self.ctx, dtype=np.int32))
-        self._eval = self.step.runtime.compile([self.eval_loss] + self.eval_outputs, self.step.n_threads)
+        self._eval = self.step.runtime.compile([self.eval_loss] + self.eval_outputs)
         self.last_eval_metrics = {}   # preference metrics of the last evaluate()
         self.tokens_seen = 0
         self._stop = False
@@ -615,7 +615,7 @@ class TextRun:
         for t, v in feed.items():
             if t is not self.dropout_seed:
                 rt.set(t, v)
-        rt.run(self._eval, self.step.n_threads)
+        rt.run(self._eval)
         return float(self._eval.read(self.eval_loss)), [self._eval.read(t) for t in self.eval_outputs], feed
 
     def compute_reference(self, datasets: list, n_pairs: int, progress=None) -> None:

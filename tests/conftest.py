@@ -20,11 +20,11 @@ atexit.register(shutil.rmtree, os.environ["GGTRAIN_TOKEN_CACHE"], True)
 if os.environ.get("GGTRAIN_TEST_BACKEND") == "cuda":   # the kernel tests' direct runs go to the GPU too
     import functools
 
-    from ggtrain.core import backend_cpu
+    from ggtrain.core import backend_kernel
     from ggtrain.core.backend_cuda import CudaBackend
 
     _cuda = CudaBackend()
-    backend_cpu.run_kernel = functools.partial(backend_cpu.run_kernel, backend=_cuda)
+    backend_kernel.run_kernel = functools.partial(backend_kernel.run_kernel, backend=_cuda)
 
 
 @pytest.fixture(scope="session")

@@ -11,7 +11,8 @@ import pytest
 
 from ggtrain.core import ops
 from ggtrain.core.autograd import backward
-from ggtrain.core.backend_cpu import CpuBackend, run_kernel
+from ggtrain.core.backend_cpu import CpuBackend
+from ggtrain.core.backend_kernel import run_kernel
 from ggtrain.core.graph import Graph, Runtime
 from ggtrain.core.models import losses as model_losses
 from ggtrain.core.models.config import ModelConfig, init_params
@@ -328,7 +329,7 @@ def test_op_matches_unfused_composition(mode, backend):
         loss = ops.sum(ops.mul(out, g.const(upstream)))
         grads = backward(loss, [q, k, v], checkpointing=False)
         rt = Runtime(g, backend)
-        plan = rt.compile([out] + [grads[t] for t in (q, k, v)], 2)
+        plan = rt.compile([out] + [grads[t] for t in (q, k, v)])
         rt.run(plan)
         results.append([plan.read(out)] + [plan.read(grads[t]) for t in (q, k, v)])
     for got, want in zip(*results):
@@ -350,7 +351,7 @@ def _llama_step(cfg, tokens, targets, pos, seg, checkpoint, backend):
     loss = model_losses.loss(forward(Net(cfg, params), Inputs(tt, tp, seg=ts), Options(checkpoint=g if checkpoint else None)), ty)
     grads = backward(loss, list(params.values()), checkpointing=checkpoint)
     rt = Runtime(g, backend)
-    plan = rt.compile([loss] + list(grads.values()), 2)
+    plan = rt.compile([loss] + list(grads.values()))
     rt.run(plan)
     return float(plan.read(loss)), {t.name: plan.read(gr) for t, gr in grads.items()}
 

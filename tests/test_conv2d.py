@@ -10,7 +10,8 @@ import pytest
 
 from ggtrain.core import ops
 from ggtrain.core.autograd import backward
-from ggtrain.core.backend_cpu import CpuBackend, run_kernel
+from ggtrain.core.backend_cpu import CpuBackend
+from ggtrain.core.backend_kernel import run_kernel
 from ggtrain.core.graph import Graph, Runtime
 from ggtrain.core.models import mnist
 from ggtrain.errors import NativeError, ShapeError
@@ -38,20 +39,20 @@ def _unfused(x, k, b, stride, pad, relu, pool):
 def _run(fused, cfg, thread_counts=(1,), seed=0):
     """Values and gradients (x, kernel, bias) of sum(y * R), once per thread count."""
     xs, ks, stride, pad, relu, pool = cfg
-    rng = np.random.default_rng(seed)
-    g = Graph()
-    x = g.param(xs, rng.standard_normal(xs).astype(np.float32))
-    k = g.param(ks, rng.standard_normal(ks).astype(np.float32))
-    b = g.param((ks[0],), rng.standard_normal(ks[0]).astype(np.float32))
-    y = (ops.conv2d(x, k, b, stride, pad, relu, pool) if fused else _unfused(x, k, b, stride, pad, relu, pool))
-    r = g.const(rng.standard_normal(y.shape).astype(np.float32))
-    grads = backward(ops.sum(ops.mul(y, r)), [x, k, b], checkpointing=False)
-    outs = [y] + [grads[t] for t in (x, k, b)]
-    rt = Runtime(g, CpuBackend(max(thread_counts)))
     results = []
-    for nt in thread_counts:
-        plan = rt.compile(outs, nt)
-        rt.run(plan, nt)
+    for nt in thread_counts:    # the same graph and values, on a backend of nt threads
+        rng = np.random.default_rng(seed)
+        g = Graph()
+        x = g.param(xs, rng.standard_normal(xs).astype(np.float32))
+        k = g.param(ks, rng.standard_normal(ks).astype(np.float32))
+        b = g.param((ks[0],), rng.standard_normal(ks[0]).astype(np.float32))
+        y = (ops.conv2d(x, k, b, stride, pad, relu, pool) if fused else _unfused(x, k, b, stride, pad, relu, pool))
+        r = g.const(rng.standard_normal(y.shape).astype(np.float32))
+        grads = backward(ops.sum(ops.mul(y, r)), [x, k, b], checkpointing=False)
+        outs = [y] + [grads[t] for t in (x, k, b)]
+        rt = Runtime(g, CpuBackend(nt))
+        plan = rt.compile(outs)
+        rt.run(plan)
         results.append([plan.read(o) for o in outs])
     return results
 
@@ -102,7 +103,7 @@ def test_codes_name_the_first_maximum_and_relu_cuts():
     g = Graph()
     y = ops.conv2d(g.param(x.shape, x), g.param(k.shape, k), None, 1, 0, True, 2)
     rt = Runtime(g, CpuBackend(1))
-    plan = rt.compile([y.srcs[0]], 1)
+    plan = rt.compile([y.srcs[0]])
     rt.run(plan)
     raw = plan.read(y.srcs[0])
     np.testing.assert_array_equal(raw[0].reshape(-1), [3, 0])

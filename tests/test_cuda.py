@@ -116,7 +116,8 @@ def test_run_kernel_stages_arrays_through_a_device_backend():
     """run_kernel on a backend whose memory is not the host's (CUDA's; here a CPU backend seen
     through copies): strided views, an in-place kernel and dst come back as on the CPU."""
     from ggtrain.core.backend import Backend
-    from ggtrain.core.backend_cpu import CpuBackend, run_kernel
+    from ggtrain.core.backend_cpu import CpuBackend
+    from ggtrain.core.backend_kernel import run_kernel
 
     class Staged(Backend):     # the CPU's kernels on buffers reached only by copies
         name = "staged"
@@ -145,11 +146,14 @@ def test_run_kernel_stages_arrays_through_a_device_backend():
         def kernel_sizes(self, call):
             return self.cpu.kernel_sizes(call)
 
-        def compile(self, calls, n_threads=None):
-            return self.cpu.compile(calls, 1)
+        def compile(self, calls):
+            return self.cpu.compile(calls)
 
-        def run(self, plan, n_threads=None):
-            self.cpu.run(plan, 1)
+        def run(self, plan):
+            self.cpu.run(plan)
+
+        def describe(self):
+            return "the CPU behind copies"
 
     rng = np.random.default_rng(0)
     base = rng.standard_normal((6, 8)).astype(np.float32)
@@ -200,7 +204,7 @@ def test_the_cublas_mapping_of_every_view_gives_the_product(cuda_lib):
     if backend_cuda.unavailable_reason() is None:
         pytest.skip("a GPU is usable here: the host stand-in would replace cuBLAS in this process")
     from ggtrain.core.backend import KernelCall, TensorRef, fill_node
-    from ggtrain.core.backend_cpu import _ArrayBuffer
+    from ggtrain.core.backend_kernel import _ArrayBuffer
     assert lib.gtc_test_host_blas() == 0
     fn = lib.gtc_kernel(b"matmul_fwd_f32")
     for a, b in _views():
@@ -234,7 +238,7 @@ def test_matmul_lora_adds_its_second_product_through_the_host_stand_in(cuda_lib)
     if backend_cuda.unavailable_reason() is None:
         pytest.skip("a GPU is usable here: the host stand-in would replace cuBLAS in this process")
     from ggtrain.core.backend import KernelCall, TensorRef, fill_node
-    from ggtrain.core.backend_cpu import _ArrayBuffer
+    from ggtrain.core.backend_kernel import _ArrayBuffer
     assert lib.gtc_test_host_blas() == 0
     fn = lib.gtc_kernel(b"matmul_lora_fwd_f32")
     rng = np.random.default_rng(5)
@@ -280,7 +284,7 @@ def test_every_backend_precision_is_the_librarys_and_picks_its_compute_type(cuda
     if backend_cuda.unavailable_reason() is None:
         pytest.skip("a GPU is usable here: the host stand-in would replace cuBLAS in this process")
     from ggtrain.core.backend import KernelCall, TensorRef, fill_node
-    from ggtrain.core.backend_cpu import _ArrayBuffer
+    from ggtrain.core.backend_kernel import _ArrayBuffer
     names = []
     while (name := lib.gtc_math_name(len(names))) != ffi.NULL:
         names.append(ffi.string(name).decode())

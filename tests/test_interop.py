@@ -490,7 +490,7 @@ def test_one_row_products_are_llama_cpps_compiled_vec_dot(llama, f16):
     at every length 1..200 and some long ones: its 64 lanes, and its leftovers as its compiler
     ordered them (whole 8s added after rounding, the last n % 8 fma'd, for f32; in double for
     f16), which our tests' float64 emulations were first wrong about."""
-    from ggtrain.core.backend_cpu import run_kernel
+    from ggtrain.core.backend_kernel import run_kernel
     from tests import refs
 
     lib = _ggml_cpu(llama)

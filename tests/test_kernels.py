@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ggtrain.core.backend_cpu import run_kernel
+from ggtrain.core.backend_kernel import run_kernel
 from ggtrain.errors import DTypeError, GgtrainError, NativeError, ShapeError
 
 from tests import refs

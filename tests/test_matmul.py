@@ -2,7 +2,8 @@
 import numpy as np
 import pytest
 
-from ggtrain.core.backend_cpu import CpuBackend, run_kernel
+from ggtrain.core.backend_cpu import CpuBackend
+from ggtrain.core.backend_kernel import run_kernel
 from ggtrain.errors import DTypeError, ShapeError
 from ggtrain.native import lib
 

@@ -3,7 +3,8 @@ import numpy as np
 import pytest
 
 from ggtrain.core.backend import KernelCall, TensorRef
-from ggtrain.core.backend_cpu import CpuBackend, CpuBuffer, run_kernel
+from ggtrain.core.backend_cpu import CpuBackend, CpuBuffer
+from ggtrain.core.backend_kernel import run_kernel
 from ggtrain.errors import GgtrainError, NativeError, ShapeError
 from ggtrain.native import _check, ffi, lib
 
@@ -23,9 +24,9 @@ def test_long_plan_on_two_threads_is_correct():
     # b = b + a, a thousand times, each node depending on the previous one
     calls = [KernelCall("add_fwd_f32", _ref(buf, 4 * 37, (37,)), (_ref(buf, 4 * 37, (37,)), _ref(buf, 0, (37,))))
              for _ in range(n)]
-    plan = backend.compile(calls, 2)
+    plan = backend.compile(calls)
     for _ in range(3):
-        backend.run(plan, 2)
+        backend.run(plan)
     np.testing.assert_array_equal(b, 3 * n * np.arange(37))
 
 
@@ -40,10 +41,11 @@ def test_error_in_any_node_raises_with_its_label_and_pool_survives():
 
 
 def test_plan_rejects_more_threads_than_pool():
+    """The native guard: a plan asked to run on more threads than its pool has."""
     backend = CpuBackend(1)
-    plan = backend.compile([], 1)
+    plan = backend.compile([])
     with pytest.raises(GgtrainError, match="n_threads 3"):
-        backend.run(plan, 3)
+        _check(lib.gt_plan_compute(plan.ptr, 3))
 
 
 def test_check_maps_status_to_exceptions():
@@ -113,10 +115,10 @@ def test_a_bigger_pool_keeps_old_plans_working():
     a = np.ones(64, np.float32)
     out1 = np.zeros(64, np.float32)
     buf_calls = []
-    from ggtrain.core.backend_cpu import _ArrayBuffer
+    from ggtrain.core.backend_kernel import _ArrayBuffer
     ref = lambda arr: TensorRef(_ArrayBuffer(arr), 0, "f32", arr.shape, (1,))  # noqa: E731
-    old = backend.compile([KernelCall("add_fwd_f32", ref(out1), (ref(a), ref(a)))], 1)
+    old = backend.compile([KernelCall("add_fwd_f32", ref(out1), (ref(a), ref(a)))])
     backend.pool(3)  # grows: a new pool replaces the backend's
-    backend.run(old, 1)
+    backend.run(old)
     assert out1.sum() == 128
     assert not buf_calls

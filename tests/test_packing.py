@@ -73,7 +73,7 @@ def test_dropout_seed_input_and_salts(backend):
     seed = g.input((), "i32", name="seed")
     a, b = ops.dropout(x, 0.5, seed, 0), ops.dropout(x, 0.5, seed, 1)
     rt = Runtime(g, backend)
-    plan = rt.compile([a, b], 2)
+    plan = rt.compile([a, b])
     masks = {}
     for s in (7, 8, 7):
         rt.set(seed, np.int32(s))
@@ -102,7 +102,7 @@ def _dropout_net(checkpointing: bool, backend):
     grads = backward(loss, [w1, w2], checkpointing=checkpointing)
     rt = Runtime(g, backend)
     rt.set(seed, np.array([123], np.int32))
-    plan = rt.compile([loss, grads[w1], grads[w2]], 2)
+    plan = rt.compile([loss, grads[w1], grads[w2]])
     rt.run(plan)
     return [plan.read(t) for t in (loss, grads[w1], grads[w2])]
 
@@ -155,10 +155,10 @@ def _run(x_np, pos_np, seg_np, weights, upstreams, backend, causal=False):
     r = g.input(out.shape)
     grads = backward(ops.sum(ops.mul(out, r)), list(w.values()), checkpointing=False)
     rt = Runtime(g, backend)
-    fwd = rt.compile([out, k_rot], 2)
+    fwd = rt.compile([out, k_rot])
     rt.run(fwd)
     y = fwd.read(out), fwd.read(k_rot)
-    bwd = rt.compile([grads[t] for t in w.values()], 2)
+    bwd = rt.compile([grads[t] for t in w.values()])
     got = []
     for up in upstreams:
         rt.set(r, up)

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from ggtrain.core import ops
-from ggtrain.core.backend_cpu import CpuBackend, run_kernel
+from ggtrain.core.backend_cpu import CpuBackend
+from ggtrain.core.backend_kernel import run_kernel
 from ggtrain.core.graph import Graph
 from ggtrain.errors import DTypeError, NativeError, ShapeError
 from ggtrain.formats.gguf import quantize

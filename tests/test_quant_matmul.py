@@ -15,7 +15,8 @@ from gguf import quants
 
 from ggtrain.core import ops
 from ggtrain.core.autograd import backward
-from ggtrain.core.backend_cpu import CpuBackend, run_kernel
+from ggtrain.core.backend_cpu import CpuBackend
+from ggtrain.core.backend_kernel import run_kernel
 from ggtrain.core.graph import Graph, Runtime
 from ggtrain.errors import DTypeError, NativeError, ShapeError
 from ggtrain.native import lib
@@ -269,7 +270,7 @@ def test_graph_linear_forward_and_input_gradient(w, M):
     loss = ops.sum(ops.mul(y, g.const(R)))
     grads = backward(loss, [x], checkpointing=False)
     rt = Runtime(g, BACKENDS[2])
-    plan = rt.compile([y, grads[x]], 2)
+    plan = rt.compile([y, grads[x]])
     rt.run(plan)
     check(plan.read(y), x0, W.T)
     W64 = W.astype(np.float64)
@@ -293,6 +294,6 @@ def test_graph_get_rows_q8_0():
     idx = g.const(np.array([[0, 49, 7], [7, 7, 1]], np.int32), dtype="i32")
     out = ops.get_rows(table, idx)
     rt = Runtime(g, BACKENDS[2])
-    plan = rt.compile([out], 2)
+    plan = rt.compile([out])
     rt.run(plan)
     assert np.array_equal(plan.read(out), W[[[0, 49, 7], [7, 7, 1]]])
