@@ -199,13 +199,13 @@ class JsonLog:
 
 @contextlib.contextmanager
 def stop_on_ctrl_c(run):
-    """While active, Ctrl-C calls run.stop() (the run ends after its current update) instead
+    """While active, Ctrl-C calls run.request_stop() (the run ends after its current update) instead
     of raising; yields a dict whose "interrupted" entry says whether it happened."""
     state = {"interrupted": False}
 
     def handler(signum, frame):
         state["interrupted"] = True
-        run.stop()
+        run.request_stop()
 
     old = signal.signal(signal.SIGINT, handler)
     try:

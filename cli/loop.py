@@ -15,6 +15,7 @@ from tqdm import tqdm
 from ggtrain.cli.common import BACKENDS, JsonLog, stop_on_ctrl_c
 from ggtrain.cli.tasks import task_words
 from ggtrain.cli.config import load_config
+from ggtrain.core.fit import Run
 from ggtrain.core.optim import OPTIMIZERS
 from ggtrain.core.preference import METRICS
 from ggtrain.errors import ConfigError, WriteError
@@ -149,16 +150,14 @@ def eval_line(ev: dict) -> str:
     return f"step {ev['step']}: validation loss {ev['val_loss']:.4f}{acc}"
 
 
-def drive(run, batches, val_batches, *, log: JsonLog, quiet: bool, save_every: int,
+def drive(run: Run, batches, val_batches, *, log: JsonLog, quiet: bool, save_every: int,
           checkpoint_dir: pathlib.Path | None, out: pathlib.Path,
           checkpoint: Callable[[pathlib.Path], None], evaluate_task: Callable[[], dict] | None = None,
           on_save_error: str = "stop", resumed_from: pathlib.Path | None = None,
           describe_eval: Callable[[dict], str] = eval_line, evals_when_quiet: bool = False) -> dict:
     """Run `run.fit` to its last update with a progress bar, logging and checkpoints: the one
-    loop of `train`, `finetune` (a TextRun) and `mnist train` (a ClassifierRun). The run has
-    fit(batches, val_batches, on_step, on_eval), total_updates(batches), validate(val_batches)
-    -> {"val_loss", ...}, seen() -> {"tokens_seen"} or {"samples_seen"}, updates, interrupted,
-    stop_reason, why_stopped(), world.
+    loop of `train`, `finetune` (a TextRun) and `mnist train` (a ClassifierRun), both a
+    core.fit.Run.
 
     checkpoint(path) writes a resumable checkpoint of the run; only rank 0 calls it (and
     only its log has a file). On Ctrl-C one is written (into --checkpoint-dir, else beside

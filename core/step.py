@@ -62,7 +62,7 @@ class TrainStep:
         for t, buf in (bind or {}).items():
             self.runtime.bind(t, buf)
         self.updates = 0  # optimizer updates done
-        self.stop = False  # whether some process asked to stop with the last update
+        self.stop_voted = False  # whether some process asked to stop with the last update
 
         # each of the grad_acc x size physical batches of an update adds its share of the mean
         n_batches = grad_acc * self.world.size
@@ -180,7 +180,7 @@ class TrainStep:
 
         Returns the mean loss over the physical batches (of every process; before the
         update). stop: asked after the update, whether this process wants to stop (e.g.
-        Ctrl-C came); `self.stop` then says whether any process did, so that all stop after
+        Ctrl-C came); `self.stop_voted` then says whether any process did, so that all stop after
         the same update. same_batch: the batches are the previous update's (full-batch
         training); L-BFGS then starts from the evaluation it ended that update with.
         """
@@ -194,7 +194,7 @@ class TrainStep:
             self.last_grad_norm = res.pop("grad_norm")
             self.last_search = res
             # the loss is every process's already; the vote is the one more sum
-            self.stop = wants() if self.world.size == 1 else self.world.sum([float(wants())])[0] > 0
+            self.stop_voted = wants() if self.world.size == 1 else self.world.sum([float(wants())])[0] > 0
             return res["loss"]
         self.runtime.set(self.hyper, self.optimizer.hyper(self.updates, lr))
         if self._micro is None:
@@ -207,11 +207,11 @@ class TrainStep:
             self.runtime.run(self._update)
         self.last_grad_norm = float(self._update.read(self.grad_norm))
         if self.world.size == 1:
-            self.stop = wants()
+            self.stop_voted = wants()
             return float(np.mean(losses))
         # one sum after the update: the losses and the stop vote
         total, votes = self.world.sum([sum(losses), float(wants())])
-        self.stop = votes > 0
+        self.stop_voted = votes > 0
         return float(total / (len(losses) * self.world.size))
 
     def _reduce(self) -> None:

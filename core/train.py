@@ -17,7 +17,7 @@ import numpy as np
 
 from ggtrain.core import ops
 from ggtrain.core.distributed import World
-from ggtrain.core.fit import EarlyStopping, check_early_stop, fit_updates, stop_message
+from ggtrain.core.fit import Run, check_early_stop, fit_updates
 from ggtrain.core.data import ImageBatches
 from ggtrain.core.graph import Graph, Rows
 from ggtrain.core.models import losses
@@ -93,12 +93,12 @@ def classifier_data(images: np.ndarray, labels: np.ndarray, config: ClassifierCo
     return batches, ((images[val_idx], labels[val_idx]) if len(val_idx) else None)
 
 
-class ClassifierRun:
+class ClassifierRun(Run):
     """Trains a classifier graph built by `forward(params, x) -> logits` on arrays.
 
     Reports through callbacks: on_step({"step", "epoch", "loss", "lr", "grad_norm",
     "samples_per_s", "elapsed_s", ...}) after each update and on_eval({"step", "epoch",
-    train/val loss and accuracy...}) after each epoch. `stop()` may be called from a
+    train/val loss and accuracy...}) after each epoch. `request_stop()` may be called from a
     callback (or a signal handler) to end after the current update. `state()` /
     `load_state()` carry everything a bit-identical resume needs, mid-epoch too.
 
@@ -109,8 +109,7 @@ class ClassifierRun:
 
     def __init__(self, forward, init: dict, input_shape: tuple, config: ClassifierConfig, backend,
                  world: World | None = None):
-        self.config = config
-        self.world = world or World()
+        super().__init__(config, world, config.early_stop_patience, config.min_delta, unit="epoch")
         grad_acc = config.batch // config.physical_batch
         g = Graph()
         self.graph = g
@@ -126,49 +125,23 @@ class ClassifierRun:
                               grad_acc=grad_acc, checkpointing=False,
                               extra_outputs=[self.logits], world=self.world)
         self._eval = self.step.runtime.compile([self.logits])
-        self._stop = False
-        self.early_stopping = EarlyStopping(config.early_stop_patience, config.min_delta, unit="epoch")
-        self.best_params = None
         self.best = None            # the summary of the best epoch (early stopping)
         self.last = None            # the summary of the last epoch evaluated
         self.samples_seen = 0
         self._epoch = {"loss": 0.0, "hits": 0, "n": 0}   # the current epoch's training totals
-        self.stop_reason = None
-
-    def stop(self) -> None:
-        self._stop = True
-
-    def stopped(self) -> bool:
-        """Whether stop() was called."""
-        return self._stop
-
-    @property
-    def interrupted(self) -> bool:
-        """As TextRun.interrupted."""
-        return self.step.stop or (self.world.size == 1 and self._stop)
-
-    @property
-    def updates(self) -> int:
-        return self.step.updates
 
     @property
     def flop_per_sample(self) -> float:
         """FLOPs of one update (products and convolutions, forward and backward) per sample."""
         return self.step.flops / self.config.batch
 
-    def param_values(self) -> dict:
-        return {name: self.step.get(t) for name, t in self.params.items()}
+    def _state(self) -> dict:
+        """"run": the samples seen, the current epoch's training totals and the best and last
+        epochs' summaries."""
+        return {"tokens_seen": 0, "run": {"samples_seen": self.samples_seen, "epoch": dict(self._epoch),
+                                          "best": self.best, "last": self.last}}
 
-    def state(self) -> dict:
-        """As TextRun.state(), with "run": the samples seen, the current epoch's training
-        totals and the best and last epochs' summaries."""
-        state = _run_state(self, tokens_seen=0)
-        state["run"] = {"samples_seen": self.samples_seen, "epoch": dict(self._epoch), "best": self.best,
-                        "last": self.last}
-        return state
-
-    def load_state(self, state: dict) -> None:
-        _load_run_state(self, state)
+    def _load_state(self, state: dict) -> None:
         run = state.get("run") or {}
         self.samples_seen = int(run.get("samples_seen", 0))
         self._epoch = dict(run.get("epoch") or {"loss": 0.0, "hits": 0, "n": 0})
@@ -282,34 +255,10 @@ class ClassifierRun:
             return self.best
         return self.last
 
-    def why_stopped(self) -> str:
-        return stop_message(self.stop_reason, self.early_stopping, self.last["epoch"] if self.last else 0)
-
-
-def _run_state(run, **counts) -> dict:
-    """{"params", "optimizer", "updates", **counts}; with early stopping also "early_stop"
-    ({"best", "best_step", "bad"}) and "best_params": what TextRun and ClassifierRun share."""
-    state = {"params": run.param_values(), "optimizer": run.step.optimizer_state(),
-             "updates": run.step.updates, **counts}
-    if run.early_stopping.patience:
-        es = run.early_stopping
-        state["early_stop"] = {"best": es.best, "best_step": es.best_step, "bad": es.bad}
-        state["best_params"] = run.best_params or {}
-    return state
-
-
-def _load_run_state(run, state: dict) -> None:
-    for k, t in run.params.items():
-        if k not in state["params"]:
-            raise ConfigError(f"the checkpoint has no tensor {k}")
-        run.step.set(t, state["params"][k])
-    run.step.load_optimizer_state(state["optimizer"])
-    run.step.updates = int(state["updates"])
-    if run.early_stopping.patience and state.get("early_stop"):
-        es = state["early_stop"]
-        run.early_stopping.best, run.early_stopping.best_step = float(es["best"]), int(es["best_step"])
-        run.early_stopping.bad = int(es["bad"])
-        run.best_params = dict(state.get("best_params") or {}) or None
+    @property
+    def progress(self) -> int:
+        """The epochs done (the last evaluated)."""
+        return self.last["epoch"] if self.last else 0
 
 
 # ---- language-model training (llama) -------------------------------------------------------
@@ -377,7 +326,7 @@ def _frozen_product(t: Tensor) -> bool:
         or t.op == "attention"
 
 
-class TextRun:
+class TextRun(Run):
     """Trains a llama on batches of token windows: all of its weights (`ggtrain train`,
     `ggtrain finetune --full`), or LoRA adapters on frozen weights (`ggtrain finetune`).
 
@@ -399,7 +348,7 @@ class TextRun:
     A batch source has next() -> {"tokens", "targets"[, "pos", "seg"]: (batch, ctx) i32}
     (or a (batch, ctx + 1) window array) and `epoch` (progress in passes over the data).
     Reports through callbacks: on_step(info) after each update, on_eval(info) after each
-    evaluation; `stop()` ends after the current update. `state()` / `load_state()` carry
+    evaluation; `request_stop()` ends after the current update. `state()` / `load_state()` carry
     everything a bit-identical resume needs.
     """
 
@@ -408,8 +357,8 @@ class TextRun:
                  loss_rows: int = 0, world: World | None = None, preference: PreferenceConfig | None = None,
                  pairs: int = 0):
 
-        self.model, self.config, self.lora = model, config, lora
-        self.world = world or World()
+        super().__init__(config, world, config.early_stop_patience, config.min_delta)
+        self.model, self.lora = model, lora
         if config.world != self.world.size:
             raise ConfigError(f"the run is configured for {config.world} processes, {self.world.size} "
                               f"were started")
@@ -494,28 +443,6 @@ class TextRun:
         self._eval = self.step.runtime.compile([self.eval_loss] + self.eval_outputs)
         self.last_eval_metrics = {}   # preference metrics of the last evaluate()
         self.tokens_seen = 0
-        self._stop = False
-        self.early_stopping = EarlyStopping(config.early_stop_patience, config.min_delta)
-        self.best_params = None   # with early stopping: the parameters of the best evaluation
-        self.stop_reason = None
-
-    def stop(self) -> None:
-        self._stop = True
-
-    def stopped(self) -> bool:
-        """Whether stop() was called."""
-        return self._stop
-
-    @property
-    def interrupted(self) -> bool:
-        """Whether the run stopped on request before its last update, or (one process) got
-        the request after it. Several processes stop together, as the last update's vote
-        said (a request that came later is not seen by the others)."""
-        return self.step.stop or (self.world.size == 1 and self._stop)
-
-    @property
-    def updates(self) -> int:
-        return self.step.updates
 
     def flop_per_token(self, counted: float = 1.0) -> float:
         """FLOPs of one update (products: forward, backward, recomputation) per token (the same
@@ -525,21 +452,14 @@ class TextRun:
         flops = self.step.flops - (1.0 - counted) * self.step.row_flops
         return flops / (self.config.batch * self.config.grad_acc * self.ctx)
 
-    def param_values(self) -> dict:
-        """{name: f32 array} of what is trained (model parameters, or adapter factors)."""
-        return {k: self.step.get(t) for k, t in self.params.items()}
-
-    def state(self) -> dict:
-        """{"params", "optimizer" ({state name: array}), "updates", "tokens_seen"}; with early
-        stopping also "early_stop" ({"best", "best_step", "bad"}) and "best_params"; for DPO
-        "reference"."""
-        state = _run_state(self, tokens_seen=self.tokens_seen)
+    def _state(self) -> dict:
+        """"tokens_seen"; for DPO "reference"."""
+        state = {"tokens_seen": self.tokens_seen}
         if self.reference is not None:
             state["reference"] = self.reference
         return state
 
-    def load_state(self, state: dict) -> None:
-        _load_run_state(self, state)
+    def _load_state(self, state: dict) -> None:
         self.tokens_seen = int(state["tokens_seen"])
         if self.pair_loss is not None and self.pair_loss.config.method == "dpo":
             if state.get("reference") is None:
@@ -675,6 +595,3 @@ class TextRun:
                                        evaluate=evaluate if val_batches else None, on_step=on_step,
                                        on_eval=on_eval)
 
-    def why_stopped(self) -> str:
-        """One line on why fit ended (after fit)."""
-        return stop_message(self.stop_reason, self.early_stopping, self.updates)
