@@ -33,7 +33,6 @@ from ggtrain.core.backend import StoredTensor
 from ggtrain.core.data import (PackedBatches, Picked, TokenWindows, eval_windows, pack, pack_pairs, split_samples,
                                split_tokens)
 from ggtrain.core.distributed import Shard
-from ggtrain.core.models.inference import Decoder
 from ggtrain.core.models.config import ModelConfig
 from ggtrain.core.models.families import NAMES
 from ggtrain.core.models.lora import TARGETS, LoraConfig, factor_names, init_lora
@@ -413,8 +412,7 @@ def finetune(
             weights_ = frozen
             adapters_ = {w: (trained[factor_names(w)[0]], trained[factor_names(w)[1]], lora_cfg.scale)
                          for w in lora_cfg.weights(model_cfg)}
-        decoder = Decoder(model_cfg, weights_, be, n_ctx=ctx, adapters=adapters_)
-        with_errors = run_task(decoder, tok, task_items, quiet=True)
+        with_errors = run_task(task_items, tok, model_cfg, weights_, be, adapters_, n_ctx=ctx, quiet=True)
         return {f"task_{k}": v for k, v in with_errors.items()}
 
     logf = JsonLog(log if world.lead else None)

@@ -203,9 +203,8 @@ def eval_cmd(
         items = items[:limit] if limit else items
         if not 0 <= ctx <= cfg.ctx:
             raise ConfigError(f"--ctx {ctx}: must be in 1..{cfg.ctx} (the model's context)")
-        decoder = Decoder(cfg, weights, be, n_ctx=ctx or cfg.ctx, adapters=adapters, numerics=numerics,
-                          kv_f16=f16)
-        result = run_task(decoder, tok, items, quiet=quiet)
+        result = run_task(items, tok, cfg, weights, be, adapters, n_ctx=ctx, numerics=numerics, kv_f16=f16,
+                          quiet=quiet)
         if as_json:
             typer.echo(json.dumps(result))
         else:

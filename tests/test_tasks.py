@@ -136,6 +136,36 @@ def test_shared_prefix_scores_equal_scoring_each_choice_alone(shared_data):
         assert shared.logliks[k] == pytest.approx(alone.logliks[0], abs=1e-4)
 
 
+@pytest.mark.parametrize("fmt", ["jsonl", "hellaswag", "winogrande"])
+def test_batched_scores_equal_item_by_item(files, shared_data, monkeypatch, fmt):
+    """score_items (the choices of many items packed into the rows of one plan, each attending
+    only to itself, over batches small enough here that items straddle them) gives the
+    log-likelihoods of score_item (the KV-cached decoder, the shared prefix fed once), so the
+    same accuracies."""
+    from ggtrain.core import tasks
+    from ggtrain.core.tasks import score_items
+    monkeypatch.setattr(tasks, "BATCH_TOKENS", 96)    # rows of 64 positions, one a batch
+    config, weights, tok = load_model(shared_data / "gguf" / "stories260K.gguf")
+    cfg = ModelConfig(**config)
+    encoded = encode_items(tok, read_task(files[fmt], fmt)) * 3
+    decoder = Decoder(cfg, weights, CpuBackend(2), n_ctx=128)
+    one = [score_item(decoder, choices, gold) for choices, gold in encoded]
+    done = []
+    many = score_items(cfg, weights, CpuBackend(2), encoded, n_ctx=128, progress=done.append)
+    assert sum(done) == len(encoded) and len(done) > 1
+    for a, b in zip(one, many):
+        np.testing.assert_allclose(b.logliks, a.logliks, rtol=0, atol=1e-4)
+        assert (a.tokens, a.gold, a.norm_lens) == (b.tokens, b.gold, b.norm_lens)
+    assert summarize(one) == summarize(many)
+
+
+def test_a_choice_longer_than_ctx_names_its_item(files, shared_data):
+    """The batched path says which item does not fit, as the item-by-item one does."""
+    r = run_cli("eval", "--model", shared_data / "gguf" / "stories260K.gguf", "--task", files["jsonl"], "--ctx", 4,
+                "--quiet")
+    assert r.returncode == 1 and "line 1" in r.stderr and "more than the context of 4 (--ctx)" in r.stderr, r.stderr
+
+
 @pytest.mark.parametrize("args, message", [
     ([], "give --data TEXT (perplexity) or --task FILE"),
     (["--task", "missing.jsonl"], "--task missing.jsonl: no such file"),
