@@ -12,8 +12,9 @@ and context (--ctx; ours keeps an f32 cache of that many positions).
     python bench/bench_generate.py [--model PATH ...] [--tinyllama] [--requant TYPE ...] [-n 48]
                                    [--threads 2] [--rounds 3] [--prompt TEXT] [--exact]
 
-Ours runs as `ggtrain generate` does by default: quantized weights times activations rounded
-to 8 bits, llama.cpp's numerics (--exact adds a row of ours with f32 activations).
+Ours runs `ggtrain generate --numerics llama`: quantized weights times activations rounded
+to 8 bits, llama.cpp's numerics (--exact adds a row of ours with --numerics exact, the
+default of the command: f32 activations).
 
 Default model: SmolLM2-135M-Instruct Q4_1 from ../shared/data. --tinyllama adds the
 TinyLlama-1.1B-shaped Q4_0 model of bench/tinyllama.py (built on first use); --requant f16

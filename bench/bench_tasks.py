@@ -1,0 +1,128 @@
+"""Benchmark: multiple-choice scoring (`eval --task`) against llama.cpp on the same items: items/s,
+and the largest difference of a choice's log-likelihood between the two.
+
+Three ways to score, alternated in rounds on one HellaSwag-format file, each best of the rounds:
+- ours, batched: `core.tasks.score_items`, what `eval --task` runs (every choice of many items
+  packed into the rows of one plan);
+- ours, item by item: `core.tasks.score_item` through the KV-cached decoder (the shared prefix fed
+  once, each choice continued from it; what `eval --task` ran before, and runs for --numerics llama);
+- llama.cpp (llama-cpp-python): each choice as one batch of its tokens (reset, eval, its logits),
+  as a user scores with its Python API, the same threads.
+
+The file: `--task FILE` (llama-perplexity's HellaSwag format: 6 lines an item), else one made
+from the bundled tiny shakespeare text in that format (a 40-word context, the true 20-word
+continuation and three others drawn from elsewhere), so the suite's data is all it needs.
+
+    python bench/bench_tasks.py [--model PATH] [--task FILE] [--items 40] [--threads 2] [--rounds 2]
+
+Default model: SmolLM2-135M-Instruct Q4_1 from ../shared/data. Target (issue 42): ours batched
+>= 3x ours item by item, >= 4x llama.cpp, with equal per-choice log-likelihoods (to rounding).
+"""
+from __future__ import annotations
+
+import argparse
+import pathlib
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+HERE = pathlib.Path(__file__).resolve().parent
+SHARED = HERE.parents[1] / "shared" / "data"
+SMOLLM2 = SHARED / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+TEXT = HERE.parent / "cli" / "data" / "tinyshakespeare.txt"
+
+
+def make_hellaswag(path: pathlib.Path, n: int, seed: int = 0) -> None:
+    """n items in llama-perplexity's HellaSwag format from the tiny shakespeare text."""
+    words = TEXT.read_text(encoding="utf-8").split()
+    rng = np.random.default_rng(seed)
+    lines = []
+    for _ in range(n):
+        o = int(rng.integers(0, len(words) - 100))
+        gold = int(rng.integers(0, 4))
+        ends = [" ".join(words[p:p + 20]) for p in rng.integers(0, len(words) - 30, 4)]
+        ends[gold] = " ".join(words[o + 40:o + 60])
+        lines += ["Scene: " + " ".join(words[o:o + 40]), str(gold)] + ends
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+
+
+def _theirs(llm, encoded) -> tuple:
+    out = []
+    t0 = time.perf_counter()
+    for choices, _ in encoded:
+        lls = []
+        for c, t, _ in choices:
+            ids = [int(x) for x in c] + [int(x) for x in t]
+            llm.reset()
+            llm.eval(ids)
+            s = np.array(llm.scores[:len(ids)], np.float64)
+            s -= s.max(-1, keepdims=True)
+            lp = s - np.log(np.exp(s).sum(-1, keepdims=True))
+            lls.append(float(sum(lp[len(c) - 1 + j, int(x)] for j, x in enumerate(t))))
+        out.append(lls)
+    return out, time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", type=pathlib.Path, default=SMOLLM2)
+    ap.add_argument("--task", type=pathlib.Path, default=None)
+    ap.add_argument("--items", type=int, default=40)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=2)
+    args = ap.parse_args()
+    if not args.model.exists():
+        sys.exit(f"{args.model}: no such model (the default lives in ../shared/data)")
+    import llama_cpp
+
+    from ggtrain.core.backend_cpu import CpuBackend
+    from ggtrain.core.models.config import ModelConfig
+    from ggtrain.core.models.inference import Decoder
+    from ggtrain.core.tasks import score_item, score_items, summarize
+    from ggtrain.formats.model_file import open_model
+    from ggtrain.formats.tasks import encode_items, read_task
+
+    task = args.task
+    if task is None:
+        task = pathlib.Path(tempfile.mkdtemp()) / "hellaswag.txt"
+        make_hellaswag(task, args.items)
+    items = read_task(task, "hellaswag")[:args.items]
+    be = CpuBackend(args.threads)
+    config, weights, tok = open_model(args.model, be)
+    cfg = ModelConfig(**config)
+    encoded = encode_items(tok, items)
+    n_ctx = min(cfg.ctx, 512)
+    llm = llama_cpp.Llama(model_path=str(args.model), n_ctx=n_ctx, n_threads=args.threads,
+                          n_threads_batch=args.threads, logits_all=True, verbose=False, seed=0)
+    tokens = sum(len(c) + len(t) - 1 for choices, _ in encoded for c, t, _ in choices)
+    print(f"{args.model.name}, {len(items)} items, {tokens} choice tokens, {args.threads} threads, "
+          f"{args.rounds} rounds alternated")
+    best = {"batched": float("inf"), "item by item": float("inf"), "llama.cpp": float("inf")}
+    for _ in range(args.rounds):
+        t0 = time.perf_counter()
+        batched = score_items(cfg, weights, be, encoded, n_ctx=n_ctx)
+        best["batched"] = min(best["batched"], time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        dec = Decoder(cfg, weights, be, n_ctx=n_ctx)
+        one = [score_item(dec, c, g) for c, g in encoded]
+        best["item by item"] = min(best["item by item"], time.perf_counter() - t0)
+        theirs, dt = _theirs(llm, encoded)
+        best["llama.cpp"] = min(best["llama.cpp"], dt)
+    rate = {k: len(items) / v for k, v in best.items()}
+    for k in best:
+        print(f"  {k:<13} {rate[k]:7.2f} items/s  ({best[k]:.2f} s)")
+    print(f"  batched / item by item: {rate['batched'] / rate['item by item']:.2f}x; "
+          f"batched / llama.cpp: {rate['batched'] / rate['llama.cpp']:.2f}x")
+    d_one = max(abs(a - b) for s, o in zip(batched, one) for a, b in zip(s.logliks, o.logliks))
+    d_them = max(abs(a - b) for s, o in zip(batched, theirs) for a, b in zip(s.logliks, o))
+    print(f"  largest |log-likelihood difference|: batched vs item by item {d_one:.2e}, "
+          f"vs llama.cpp {d_them:.2e}")
+    sb, so = summarize(batched), summarize(one)
+    print(f"  accuracy batched {sb['acc']:.4f} (norm {sb['acc_norm']:.4f}), item by item {so['acc']:.4f} "
+          f"(norm {so['acc_norm']:.4f})")
+
+
+if __name__ == "__main__":
+    main()
