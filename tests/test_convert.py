@@ -365,3 +365,22 @@ def test_out_type_is_for_models(gguf_dir, tmp_path, text):
     assert r.returncode == 1 and r.stderr.count("\n") == 1, r.stderr
     assert "--out-type q4_k_m is for a model (--full or --merged-out)" in r.stderr
     assert not out.exists()
+
+
+def test_finetune_merged_out_keeps_the_fine_tune(gguf_dir, tmp_path, text):
+    """finetune --merged-out follows convert-checkpoint's rules: into a Q4_0 base the adapted
+    Q4_0 matrices are written F16, the rest keep their bytes, and the summary gives the share kept
+    (the file's, recomputed here)."""
+    base = gguf_dir / "stories260K-Q4_0.gguf"
+    adapter, merged = tmp_path / "a.gguf", tmp_path / "m.gguf"
+    r = _cli("finetune", "--model", base, "--data", text, "--out", adapter, "--merged-out", merged, "--steps", 3,
+             "--lora-targets", "attn_q,ffn_down", *FAST)
+    assert r.returncode == 0, r.stderr
+    _, _, pairs = read_lora(adapter)
+    fb, fm = read_gguf(base), read_gguf(merged)
+    for name, info in fm.tensors.items():
+        want = "F16" if name in pairs else fb.tensors[name].type.name     # (ffn_down: F16 in the base)
+        assert info.type.name == want, name
+        if name not in pairs:
+            assert np.array_equal(fm.read_tensor(name).view(np.uint8), fb.read_tensor(name).view(np.uint8)), name
+    assert f"merged tensors as F16 keep {_kept(base, merged, adapter, 1.0):.1%} of the adapter's change" in r.stderr
