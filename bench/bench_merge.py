@@ -11,7 +11,7 @@ For each model, llama.cpp's mean NLL of the data's Vicuna answers (the assistant
 trains on them, F32 KV cache)
 and the share of the adapter's gain (base NLL - adapter NLL) the merged model keeps, beside the
 share of the adapter's change to the weights its summary line reports; then the greedy answers
-to the identity questions, and whether each names Vicuna as the adapter's run does.
+to the identity questions, whether each names Vicuna or LMSYS, and whether it is the adapter's.
 
     python bench/bench_merge.py [--adapter A.gguf] [--threads 2]    (about 6 + 3 minutes on 2 cores)
 """
@@ -35,11 +35,12 @@ MAX_TOKENS = 40
 
 
 def ggtrain(*args) -> str:
-    """`python -m ggtrain ARGS`: its stdout and stderr (exits on failure)."""
+    """`python -m ggtrain ARGS`: its summary and warning lines (exits on failure)."""
     run = subprocess.run([sys.executable, "-m", "ggtrain", *map(str, args)], capture_output=True, text=True)
     if run.returncode:
         sys.exit(f"ggtrain {args[0]} failed: {run.stderr[-2000:]}")
-    return (run.stdout + run.stderr).strip()
+    lines = (run.stdout + run.stderr).splitlines()
+    return "\n".join(x for x in lines if x.startswith(("wrote", "warning", "done", "finetune")))
 
 
 def answer_samples() -> list:
@@ -127,11 +128,16 @@ def main() -> None:
             print(f"  {label:36s} NLL {nll[label]:.4f}{gain}", flush=True)
             for line in said.splitlines():
                 print(f"      {line}")
-        print("\ngreedy answers (names Vicuna?)")
+        print("\ngreedy answers (names Vicuna or LMSYS? the same as the adapter's?)")
+        theirs = None
         for label, m, _ in rows:
             print(f"  {label}")
-            for q, a in zip(QUESTIONS, greedy_answers(m)):
-                print(f"    {q!r} -> {a!r} ({'yes' if 'Vicuna' in a else 'no'})")
+            answers = greedy_answers(m)
+            theirs = answers if label.startswith("base +") else theirs
+            for i, (q, a) in enumerate(zip(QUESTIONS, answers)):
+                names = "names" if "Vicuna" in a or "LMSYS" in a else "does not name"
+                same = "" if theirs is None else ", the adapter's" if a == theirs[i] else ", not the adapter's"
+                print(f"    {q!r} -> {a!r} ({names}{same})")
 
 
 if __name__ == "__main__":
