@@ -384,3 +384,18 @@ def test_finetune_merged_out_keeps_the_fine_tune(gguf_dir, tmp_path, text):
         if name not in pairs:
             assert np.array_equal(fm.read_tensor(name).view(np.uint8), fb.read_tensor(name).view(np.uint8)), name
     assert f"merged tensors as F16 keep {_kept(base, merged, adapter, 1.0):.1%} of the adapter's change" in r.stderr
+
+
+def test_full_checkpoint_of_a_4_bit_base_becomes_an_f16_model(gguf_dir, tmp_path, text):
+    """A --full checkpoint's model is written in its base's type only where that has 8 bits or
+    more: from a Q4_0 base, F16 (rounded back to Q4_0 the update would mostly be lost)."""
+    ckdir, out = tmp_path / "ck", tmp_path / "m.gguf"
+    r = _cli("finetune", "--model", gguf_dir / "stories260K-Q4_0.gguf", "--data", text, "--out", tmp_path / "f.gguf",
+             "--full", "--steps", 2, "--checkpoint-dir", ckdir, "--save-every", 2, *FAST)
+    assert r.returncode == 0, r.stderr
+    r = _cli("convert-checkpoint", ckdir / "ckpt-000002.gguf", out)
+    assert r.returncode == 0, r.stderr
+    assert "model (f16) from finetune-full checkpoint" in r.stdout, r.stdout
+    f = read_gguf(out)
+    assert {i.type.name for i in f.tensors.values()} == {"F16", "F32"}
+    assert f.value("general.file_type") == 1
