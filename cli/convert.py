@@ -29,9 +29,12 @@ from ggtrain.errors import ConfigError
 from ggtrain.formats.checkpoint import Checkpoint, is_checkpoint, load_checkpoint, save_checkpoint
 from ggtrain.formats.gguf import GGUFFile, read_gguf
 from ggtrain.formats.llama2c import read_llama2c, read_llama2c_tokenizer
-from ggtrain.formats.model_file import WRITE_TYPES, carried_kv, check_write_type, load_model, rewrite_model, save_model
+from ggtrain.formats.mixture import OUT_TYPES
+from ggtrain.formats.model_file import (carried_kv, check_write_type, default_out_type, load_model, requantized,
+                                       rewrite_model, save_model)
 from ggtrain.formats.lora import read_lora, write_lora, write_merged
 from ggtrain.formats.mnist import save_mnist_model
+from ggtrain.native.dtypes import dtype
 
 TO = ("model", "checkpoint")
 SOURCES = ("gguf", "llama2c")
@@ -69,12 +72,21 @@ def _summary(out: pathlib.Path, what: str) -> str:
 
 
 def _default_type(ckpt: Checkpoint) -> str:
-    """A checkpoint's model is written in its base's type where ggtrain writes it (F16 where it
-    does not), f32 for a model trained from scratch."""
+    """A checkpoint's model is written in its base's type where that keeps what training changed
+    (default_out_type: 8 bits or more, else F16), f32 for a model trained from scratch."""
     base = ckpt.run_config.get("base_type")
-    if base is None:
-        return "f32"
-    return base if base in WRITE_TYPES else "f16"
+    return "f32" if base is None else default_out_type(base)
+
+
+def _requantized_words(f: GGUFFile, types: dict, merged=()) -> str:
+    """"; requantizes N tensors from Q4_1" for the input's block-type tensors written in another type."""
+    stored = {n: dtype(int(i.type)).name for n, i in f.tensors.items() if n not in merged}
+    req = requantized(stored, types)
+    if not req:
+        return ""
+    froms = ", ".join(sorted({s.upper() for _, s, _ in req}))
+    return (f"; requantizes {len(req)} tensors from {froms} (llama.cpp's quantizer asks --allow-requantize for "
+            f"this: both roundings stay)")
 
 
 def _lora_pairs(ckpt: Checkpoint) -> tuple:
@@ -101,10 +113,12 @@ def convert_checkpoint(
     adapter: pathlib.Path = typer.Option(None, "--adapter", help="A llama.cpp LoRA adapter to merge into the base."),
     scale: float = typer.Option(1.0, "--scale", help="Scale of the merged adapter (as llama.cpp's --lora-scaled): "
                                 "W + scale * alpha / r * B A."),
-    out_type: str = typer.Option(None, "--out-type", help=f"Type of the written model's matrices: "
-                                 f"{', '.join(WRITE_TYPES)} (default: the input's types where ggtrain writes them, "
+    out_type: str = typer.Option(None, "--out-type", help=f"Type of the written model, as llama.cpp's quantizer "
+                                 f"names and mixes them (q4_k_m: Q4_K with Q6_K for the output, half the attn_v "
+                                 f"and ffn_down, ...): {', '.join(OUT_TYPES)} (default: the input's types; merged "
+                                 f"tensors and trained models keep their base's type where it has 8 bits or more, "
                                  f"else f16; f32 for models trained from scratch and llama2.c imports). 1-D "
-                                 f"tensors stay F32, as llama.cpp keeps them."),
+                                 f"tensors keep their type, as llama.cpp keeps them."),
     source: str = typer.Option("gguf", "--from", help="gguf, or llama2c (Karpathy's llama2.c version 0 "
                                "checkpoint; needs --tokenizer)."),
     tokenizer: pathlib.Path = typer.Option(None, "--tokenizer", help="With --from llama2c: its tokenizer.bin."),
@@ -186,8 +200,11 @@ def _merge(inp, out, base, adapter, scale, to, out_type) -> str:
     base_arch = fb.value("general.architecture", None)
     if adapter is not None and arch not in (None, base_arch):
         raise ConfigError(f"--adapter {adapter}: an adapter for architecture {arch!r}; the base is a {base_arch}")
-    write_merged(out, fb, pairs, alpha, scale, out_type, src=src, progress=_bar())
-    return f"{base.name} with {label} merged (scale {scale:g}){f', as {out_type}' if out_type else ''}"
+    result = write_merged(out, fb, pairs, alpha, scale, out_type, src=src, progress=_bar())
+    if result.warning():
+        typer.echo(result.warning(), err=True)
+    return (f"{base.name} with {label} merged (scale {scale:g}){f', as {out_type}' if out_type else ''}; "
+            f"{result.words()}{_requantized_words(fb, result.types, result.merged)}")
 
 
 def _from_checkpoint(inp, out, to, out_type) -> str:
@@ -226,5 +243,5 @@ def _from_model(f: GGUFFile, out, to, out_type) -> str:
         return f"model checkpoint (f32, update 0) of {inp.name}"
     if out_type is None:
         raise ConfigError(f"IN {inp} is already a model: give --out-type, --adapter or --to checkpoint")
-    rewrite_model(out, f, out_type=out_type, progress=_bar())
-    return f"{inp.name} as {out_type}"
+    types = rewrite_model(out, f, out_type=out_type, progress=_bar())
+    return f"{inp.name} as {out_type}{_requantized_words(f, types)}"

@@ -45,7 +45,8 @@ from ggtrain.formats.chat import chat_template as find_template
 from ggtrain.formats.corpus import packed_rows
 from ggtrain.formats.dataset import is_plain_text
 from ggtrain.formats.gguf import read_gguf
-from ggtrain.formats.model_file import WRITE_TYPES, carried_kv, check_write_type, open_model, save_model
+from ggtrain.formats.mixture import OUT_TYPES
+from ggtrain.formats.model_file import carried_kv, check_write_type, open_model, save_model
 from ggtrain.formats.lora import write_lora, write_merged
 from ggtrain.formats.tasks import read_task
 from ggtrain.native.dtypes import dtype, nbytes
@@ -138,9 +139,9 @@ def finetune(
     merged_out: pathlib.Path = typer.Option(None, "--merged-out",
                                             help="Also write the base with the adapter merged in (a llama.cpp model)."),
     out_type: str = typer.Option(None, "--out-type",
-                                 help=f"Type of the written model's matrices (--full, --merged-out): {', '.join(WRITE_TYPES)} "
-                                      "(default: f32 for --full; for --merged-out the base's type where ggtrain "
-                                      "writes it, else f16)."),
+                                 help=f"Type of the written model (--full, --merged-out), as llama.cpp's quantizer "
+                                      f"names and mixes them: {', '.join(OUT_TYPES)} (default: f32 for --full; for "
+                                      "--merged-out the base's type where it has 8 bits or more, else f16)."),
     method: str = typer.Option("sft", "--method",
                                help="sft (supervised: the completions' likelihood), or on preference pairs "
                                     "({\"prompt\", \"chosen\", \"rejected\"} records) dpo (Direct Preference "
@@ -212,6 +213,9 @@ def finetune(
         raise ConfigError("--steps must be >= 1 and --epochs > 0")
     if out_type is not None:
         out_type = check_write_type(out_type)
+        if not full and merged_out is None:
+            raise ConfigError(f"--out-type {out_type} is for a model (--full or --merged-out); the adapter is "
+                              f"written F32, as llama.cpp reads adapters")
     if method not in METHODS:
         raise ConfigError(f"--method {method!r}: expected one of {', '.join(METHODS)}")
     task_items = None
@@ -438,8 +442,10 @@ def finetune(
         write_lora(out, model_cfg.arch, lora_cfg.alpha, pairs)
         wrote = f"wrote the adapter {out}"
         if merged_out is not None:
-            write_merged(merged_out, base_file, pairs, lora_cfg.alpha, out_type=out_type, src=out)
-            wrote += f" and the merged model {merged_out}"
+            merged = write_merged(merged_out, base_file, pairs, lora_cfg.alpha, out_type=out_type, src=out)
+            wrote += f" and the merged model {merged_out} ({merged.words()})"
+            if merged.warning():
+                typer.echo(merged.warning(), err=True)
     logf.write({"event": "done", **result, "out": str(out)})
     logf.close()
     task = f"; task {task_words(result, 'task_')}" if "task_acc" in result else ""

@@ -49,6 +49,8 @@ MAX_ARRAY_DEPTH = 4          # arrays of arrays of ...
 _READ_CHUNK = 1 << 30        # largest single read (Linux caps one read near 2 GiB)
 _PIECE = 64 << 20            # load_tensors reads in pieces of this size ...
 _READ_THREADS = min(4, os.cpu_count() or 1)   # ... on this many threads
+_QUANT_THREADS = os.cpu_count() or 1           # quantize converts on this many threads ...
+_QUANT_SLAB = 1 << 18                          # ... each at least this many elements
 
 VT = GGUFValueType
 _SCALAR = {  # value type -> (struct code, numpy dtype)
@@ -286,15 +288,32 @@ def dequantize(raw: np.ndarray, type_, shape: Sequence[int]) -> np.ndarray:
 
 
 def quantize(x: np.ndarray, type_) -> np.ndarray:
-    """Raw bytes (uint8, (..., bytes per row)) of f32 `x` stored as a type in QUANTIZABLE."""
+    """Raw bytes (uint8, (..., bytes per row)) of f32 `x` stored as a type in QUANTIZABLE. Big
+    arrays are converted a slab of rows per thread (the native call releases the GIL; the
+    K-quants' scale searches cost ~50-100 ns an element on one core)."""
     t = ggml_type(type_)
     x = np.ascontiguousarray(x, dtype=np.float32)
     if t not in QUANTIZABLE:
         can = ", ".join(q.name for q in sorted(QUANTIZABLE, key=int))
         raise UnsupportedOpError(f"cannot quantize to ggml type {t.name} ({can} can)")
     out = np.empty(tensor_nbytes(x.shape, t), dtype=np.uint8)
-    _check(lib.gt_quantize_row(ffi.cast("void *", out.ctypes.data), ffi.cast("float *", x.ctypes.data),
-                               int(t), x.size), f"quantize {t.name}")
+    cols = x.shape[-1] if x.ndim else 1
+    n_rows = x.size // cols if cols else 0
+    row_bytes = out.size // n_rows if n_rows else 0
+
+    def run(lo: int, hi: int) -> None:     # rows [lo, hi): all of x when it has no rows
+        n = (hi - lo) * cols if n_rows else x.size
+        _check(lib.gt_quantize_row(ffi.cast("void *", out.ctypes.data + lo * row_bytes),
+                                   ffi.cast("float *", x.ctypes.data + lo * cols * 4), int(t), n), f"quantize {t.name}")
+
+    n_threads = min(_QUANT_THREADS, n_rows, max(1, x.size // _QUANT_SLAB))
+    if n_threads <= 1:
+        run(0, n_rows)
+    else:
+        bounds = [n_rows * i // n_threads for i in range(n_threads + 1)]
+        with ThreadPoolExecutor(n_threads) as pool:
+            for _ in pool.map(run, bounds[:-1], bounds[1:]):
+                pass
     return out.reshape(x.shape[:-1] + (-1,)) if x.ndim else out
 
 

@@ -9,11 +9,13 @@ W + scale * alpha / r * B @ A.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFValueType as VT
 
 from ggtrain.errors import FormatError
-from ggtrain.formats.gguf import GGUFFile, read_gguf, write_gguf
+from ggtrain.formats.gguf import GGUFFile, dequantize, read_gguf, write_gguf
 from ggtrain.formats.model import validate_model
 from ggtrain.formats.model_file import rewrite_model
 
@@ -101,24 +103,80 @@ def adapter_scale(scale: float, alpha: float, r: int) -> float:
     return float(np.float32(np.float32(scale) * np.float32(alpha)) / np.float32(r))
 
 
+def lora_delta(a: np.ndarray, b: np.ndarray, s: float) -> np.ndarray:
+    """The change an adapter makes to its weight: s * B @ A (n_out, n_in), float64."""
+    return s * (b.astype(np.float64) @ a.astype(np.float64))
+
+
 def merged_weight(w: np.ndarray, a: np.ndarray, b: np.ndarray, s: float) -> np.ndarray:
     """W + s * B @ A, computed in float64 and rounded to f32 once."""
-    return (w.astype(np.float64) + s * (b.astype(np.float64) @ a.astype(np.float64))).astype(np.float32)
+    return (w.astype(np.float64) + lora_delta(a, b, s)).astype(np.float32)
+
+
+# below this share of the adapter's change kept, a merge warns (merge_warning)
+KEPT_WARN = 0.9
+
+
+@dataclass(frozen=True)
+class MergeResult:
+    """What write_merged wrote: types {tensor name: type written}; merged: the names of the
+    merged tensors; kept: the share of the adapter's change dW the written merged tensors keep,
+    sum <Q(W + dW) - W, dW> / sum |dW|^2 over them (Q: what the written type stores; 1 when
+    nothing is lost, ~0 when the rounding undoes the change), None when dW is 0."""
+
+    types: dict
+    merged: tuple
+    kept: float | None
+
+    @property
+    def merged_types(self) -> str:
+        """The types the merged tensors were written in, upper case ("F16", "Q4_K, Q6_K")."""
+        return ", ".join(sorted({self.types[n].upper() for n in self.merged}))
+
+    def words(self) -> str:
+        """The summary's words: "merged tensors as F16 keep 99.8% of the adapter's change"."""
+        if self.kept is None:
+            return f"merged tensors as {self.merged_types}; the adapter changes nothing"
+        return f"merged tensors as {self.merged_types} keep {self.kept:.1%} of the adapter's change"
+
+    def warning(self) -> str | None:
+        """A line for a merge that loses most of the adapter's change, else None."""
+        if self.kept is None or self.kept >= KEPT_WARN:
+            return None
+        return (f"warning: written as {self.merged_types}, the merged tensors keep only {self.kept:.0%} of what the "
+                f"adapter changes: write them as F16 or Q8_0 (--out-type f16 / q8_0, or no --out-type), or run the "
+                f"base with the adapter (llama-cli --lora ADAPTER.gguf, Ollama's ADAPTER)")
 
 
 def write_merged(path, base, pairs: dict, alpha: float, scale: float = 1.0, out_type: str | None = None,
-                 src="the adapter", progress=None) -> dict:
+                 src="the adapter", progress=None) -> MergeResult:
     """Write the llama model `base` (path or GGUFFile) with the adapter pairs {weight name:
-    (A, B)} merged in (merged_weight, one tensor at a time), atomically: the base's keys and
-    other tensors as they are; the merged matrices in their base type where ggtrain writes
-    it, else F16, or everything as `out_type` (model_file.rewrite_model). Returns {tensor
-    name: type written}. Raises FormatError when the adapter does not fit the base."""
+    (A, B)} merged in (merged_weight, from the dequantized base, one tensor at a time),
+    atomically: the base's keys and other tensors as they are, the merged matrices in their
+    base type where it has 8 bits or more (else F16: model_file.merged_type); or everything as
+    the mixture `out_type` (model_file.rewrite_model). Measures how much of the change each
+    written merged tensor keeps (MergeResult.kept). Raises FormatError when the adapter does
+    not fit the base."""
     f = base if isinstance(base, GGUFFile) else read_gguf(base)
     layout = validate_model(f)
     fitted = fit_pairs(src, pairs, alpha, layout.shapes, scale)
-    replace = {name: (lambda name=name, a=a, b=b, s=s: merged_weight(f.tensor_f32(name), a, b, s))
-               for name, (a, b, s) in fitted.items()}
-    return rewrite_model(path, f, replace, out_type, progress=progress)
+    pending, sums = {}, [0.0, 0.0]      # name -> (W, dW) until written; <Q - W, dW>, |dW|^2
+
+    def merged(name, a, b, s):
+        w = f.tensor_f32(name)
+        delta = lora_delta(a, b, s)
+        pending[name] = (w, delta)
+        return (w.astype(np.float64) + delta).astype(np.float32)
+
+    def observe(name, t, values, raw):
+        w, delta = pending.pop(name)
+        q = values if t == "f32" else dequantize(raw, t, values.shape)
+        sums[0] += float(np.sum((q.astype(np.float64) - w) * delta))
+        sums[1] += float(np.sum(delta * delta))
+
+    replace = {name: (lambda name=name, a=a, b=b, s=s: merged(name, a, b, s)) for name, (a, b, s) in fitted.items()}
+    types = rewrite_model(path, f, replace, out_type, progress=progress, observe=observe)
+    return MergeResult(types, tuple(fitted), sums[0] / sums[1] if sums[1] > 0 else None)
 
 
 def merge_lora(weights: dict, path, scale: float = 1.0, arch: str = "llama") -> dict:

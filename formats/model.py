@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from gguf.constants import GGMLQuantizationType, GGUFValueType, Keys, LlamaFileType
+from gguf.constants import GGMLQuantizationType, GGUFValueType, Keys
 
 from ggtrain.core.models.config import ModelConfig, param_shapes
 from ggtrain.core.models.families import FAMILIES, NAMES
@@ -26,6 +26,7 @@ from ggtrain.core.models.family import (OUTPUT, OUTPUT_NORM, ROPE_FACTORS_LONG,
                                         ROPE_FREQS, ROPE_SCALING, TOKEN_EMBD, Family)
 from ggtrain.errors import ConfigError, FormatError
 from ggtrain.formats.gguf import GGUFFile
+from ggtrain.formats.mixture import MIXTURES
 
 __all__ = ["CHECKPOINT_KEY", "FILE_TYPES", "OUTPUT", "OUTPUT_NORM", "ROPE_FREQS", "TOKEN_EMBD", "ModelLayout",
            "check_architecture", "config_from_kv", "config_to_kv", "tensor_shapes", "validate_model"]
@@ -46,12 +47,9 @@ _HARMLESS = ("rope.scaling.original_context_length",   # read by YaRN only (refu
 # the key that marks a ggtrain training checkpoint (formats/checkpoint.py)
 CHECKPOINT_KEY = "ggtrain.checkpoint.version"
 
-# llama.cpp's general.file_type for a model whose matrices are of one type
-FILE_TYPES = {
-    GGMLQuantizationType.F32: LlamaFileType.ALL_F32, GGMLQuantizationType.F16: LlamaFileType.MOSTLY_F16,
-    GGMLQuantizationType.BF16: LlamaFileType.MOSTLY_BF16, GGMLQuantizationType.Q8_0: LlamaFileType.MOSTLY_Q8_0,
-    GGMLQuantizationType.Q4_0: LlamaFileType.MOSTLY_Q4_0, GGMLQuantizationType.Q4_1: LlamaFileType.MOSTLY_Q4_1,
-}
+# llama.cpp's general.file_type for a model whose matrices are of one type (the mixtures named
+# after their type, formats.mixture)
+FILE_TYPES = {GGMLQuantizationType[m.base.upper()]: m.file_type for m in MIXTURES.values() if m.name == m.base}
 
 
 def tensor_shapes(cfg: ModelConfig) -> dict:

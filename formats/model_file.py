@@ -8,13 +8,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from gguf import GGUFValueType as VT
-from gguf.constants import GGML_QUANT_VERSION as QUANTIZATION_VERSION, GGMLQuantizationType
+from gguf.constants import GGML_QUANT_VERSION as QUANTIZATION_VERSION
 
 from ggtrain.core.backend import StoredTensor
 from ggtrain.core.models.config import ModelConfig
 from ggtrain.errors import FormatError
-from ggtrain.formats.gguf import GGUFFile, dequantize, read_gguf, write_gguf
-from ggtrain.formats.model import FILE_TYPES, OUTPUT, TOKEN_EMBD, config_to_kv, tensor_shapes, validate_model
+from ggtrain.formats.gguf import GGUFFile, dequantize, quantize, read_gguf, write_gguf
+from ggtrain.formats.mixture import mixture, tensor_types
+from ggtrain.formats.model import config_to_kv, tensor_shapes, validate_model
 from ggtrain.formats.tokenizer import tokenizer_from_gguf
 from ggtrain.native.dtypes import DTYPES, WEIGHT_TYPES, dtype, nbytes as _nbytes
 
@@ -68,7 +69,8 @@ def load_model(path) -> tuple:
 
 # ---- writing ---------------------------------------------------------------------------
 
-WRITE_TYPES = tuple(n for n, d in DTYPES.items() if d.can_quantize)   # the types ggtrain writes
+WRITE_TYPES = tuple(n for n, d in DTYPES.items() if d.can_quantize)   # the tensor types ggtrain writes
+# (the types a model is written as, mixtures of these by llama.cpp's rules: formats.mixture.OUT_TYPES)
 # keys of a model that are not hparams or vocabulary but that llama.cpp uses: carried from a
 # base model into what is trained from it (the merged model, a --full fine-tune, checkpoints)
 CARRIED_PREFIXES = ("tokenizer.chat_template",)
@@ -97,33 +99,55 @@ def carried_kv(f: GGUFFile) -> list:
 
 
 def check_write_type(out_type: str, what: str = "--out-type") -> str:
-    """out_type lower-cased, or FormatError naming the types ggtrain writes."""
-    t = str(out_type).lower()
-    if t not in WRITE_TYPES:
-        raise FormatError(f"{what} {out_type}: not a type ggtrain writes (it writes {', '.join(WRITE_TYPES)})")
-    return t
+    """out_type lower-cased: one of formats.mixture.OUT_TYPES, or FormatError naming them."""
+    return mixture(out_type, what).name
 
 
-def tensor_type(name: str, shape: tuple, out_type: str, tied: bool = False) -> str:
-    """The type a model tensor is written in when a model is written as `out_type`, by
-    llama.cpp's quantizer's rules: 1-D tensors stay F32; the output matrix (the embedding
-    when it is tied) keeps 8 bits under a 4-bit out_type (llama.cpp's Q6_K, which falls
-    back to Q8_0 where rows are not whole Q6_K blocks; ggtrain does not write Q6_K); a
-    matrix whose rows are not whole blocks of its type falls back to F16."""
-    if len(shape) < 2:
-        return "f32"
-    t = out_type
-    if (name == OUTPUT or (tied and name == TOKEN_EMBD)) and dtype(t).block > 1 and t != "q8_0":
-        t = "q8_0"
-    if shape[-1] % dtype(t).block:
-        t = "f16"
-    return t
+def model_types(out_type: str, tensors: dict, cfg: ModelConfig) -> dict:
+    """{name: type written} of a model written as `out_type` (a mixture of OUT_TYPES, by
+    llama.cpp's rules): tensors {name: (numpy-order shape, the type it comes in)}."""
+    return tensor_types(mixture(out_type), tensors, cfg)
 
 
-def _tensor_spec(path, name: str, shape: tuple, value, t: str) -> tuple:
+def default_out_type(base_type: str) -> str:
+    """The out_type a model trained or merged from a base whose matrices are base_type is written
+    as by default: that type where ggtrain writes it and it has at least 8 bits a weight (F32,
+    F16, BF16, Q8_0), else F16, as llama.cpp's llama-export-lora writes merges: rounded back
+    onto a 4-bit grid, W + dW mostly lands on W again."""
+    return base_type if base_type in WRITE_TYPES and dtype(base_type).bits >= 8 else "f16"
+
+
+def merged_type(stored: str, shape: tuple) -> str:
+    """The type a merged (or otherwise changed) tensor stored as `stored` is written in when no
+    out_type is given: default_out_type's for a matrix, F32 for a 1-D tensor."""
+    return default_out_type(stored) if len(shape) > 1 else "f32"
+
+
+def requantized(stored: dict, types: dict) -> list:
+    """[(name, stored type, written type)] of the tensors stored in a block type and written in
+    another (llama.cpp's quantizer asks --allow-requantize for these: both roundings stay)."""
+    return [(n, s, types[n]) for n, s in stored.items() if dtype(s).is_block and types[n] != s]
+
+
+def _stored_type(value) -> str:
+    return value.dtype if isinstance(value, (StoredTensor, FileTensor)) else "f32"
+
+
+def _check_convertible(path, stored: dict, types: dict) -> None:
+    """FormatError for a tensor to be written in another type than it is stored in, where ggtrain
+    cannot read its type (nothing is written)."""
+    for name, s in stored.items():
+        if types[name] != s and not dtype(s).can_dequantize:
+            readable = ", ".join(t.upper() for t in WEIGHT_TYPES)
+            raise FormatError(f"{path}: tensor {name!r} is {s.upper()}, which ggtrain cannot read to write it as "
+                              f"{types[name].upper()} (it reads {readable})")
+
+
+def _tensor_spec(path, name: str, shape: tuple, value, t: str, observe=None) -> tuple:
     """(name, read, TYPE, shape) for write_gguf: `value` (an f32 array, a callable returning
     one, a StoredTensor or a FileTensor) written as type t: stored bytes copied when they
-    already are t, else converted through f32."""
+    already are t, else converted through f32. observe(name, t, f32 values, bytes written), if
+    given, sees a converted tensor as it is written."""
     shape = tuple(shape)
     if isinstance(value, (StoredTensor, FileTensor)):
         if tuple(value.shape) != shape:
@@ -143,19 +167,22 @@ def _tensor_spec(path, name: str, shape: tuple, value, t: str) -> tuple:
         a = np.ascontiguousarray(value() if callable(value) else value, dtype=np.float32)
         if a.shape != shape:
             raise FormatError(f"{path}: tensor {name} has shape {a.shape}, expected {shape}")
-        return a
+        if observe is None:
+            return a
+        raw = a if t == "f32" else quantize(a, t)
+        observe(name, t, a, raw)
+        return raw
     return name, read, t.upper(), shape
 
 
-def _type_kv(types: list, file_type_of: str | None) -> list:
-    """general.quantization_version (when a block type is written) and general.file_type."""
+def _type_kv(types: list, out_type: str | None) -> list:
+    """general.quantization_version (when a block type is written) and general.file_type (the
+    mixture's)."""
     kv = []
     if any(dtype(t).block > 1 for t in types):
         kv.append(("general.quantization_version", QUANTIZATION_VERSION, VT.UINT32))
-    if file_type_of is not None:
-        ft = FILE_TYPES.get(GGMLQuantizationType[file_type_of.upper()])
-        if ft is not None:
-            kv.append(("general.file_type", int(ft), VT.UINT32))
+    if out_type is not None:
+        kv.append(("general.file_type", int(mixture(out_type).file_type), VT.UINT32))
     return kv
 
 
@@ -168,33 +195,32 @@ def save_model(path, config: dict, weights: dict, tokenizer, name: str = "ggtrai
     config: ModelConfig-style keyword arguments; tokenizer: anything with gguf_kv()
     (formats.tokenizer); weights: {tensor name: value} in numpy order, a value being an f32
     array, a zero-argument callable returning one (computed only when that tensor is
-    written), a StoredTensor or a FileTensor. out_type: one of WRITE_TYPES; each tensor's
-    type is tensor_type(name, shape, out_type). progress: as write_gguf's.
+    written), a StoredTensor or a FileTensor. out_type: one of OUT_TYPES (formats.mixture),
+    each tensor's type by its rules (model_types). progress: as write_gguf's.
     """
     cfg = ModelConfig(**config)
-    tied = cfg.tied
     out_type = check_write_type(out_type, f"{path}: out_type")
-    specs, types = [], {}
-    for tname, shape in tensor_shapes(cfg).items():
-        w = weights.get(tname)
-        if w is None:
+    shapes = tensor_shapes(cfg)
+    for tname in shapes:
+        if weights.get(tname) is None:
             raise FormatError(f"{path}: no weights for tensor {tname}")
-        types[tname] = tensor_type(tname, shape, out_type, tied)
-        specs.append(_tensor_spec(path, tname, shape, w, types[tname]))
+    stored = {tname: _stored_type(weights[tname]) for tname in shapes}
+    types = model_types(out_type, {tname: (shape, stored[tname]) for tname, shape in shapes.items()}, cfg)
+    _check_convertible(path, stored, types)
+    specs = [_tensor_spec(path, tname, shape, weights[tname], types[tname]) for tname, shape in shapes.items()]
     kv = config_to_kv(cfg, name) + _type_kv(list(types.values()), out_type)
     write_gguf(path, kv + list(tokenizer.gguf_kv()) + list(extra_kv), specs, progress=progress)
     return types
 
 
 def rewrite_model(path, base, replace: dict | None = None, out_type: str | None = None,
-                  progress=None) -> dict:
+                  progress=None, observe=None) -> dict:
     """Write the model `base` (a path or GGUFFile) again, atomically, with the tensors
     in `replace` ({name: f32 array or callable}, e.g. merged weights) and every tensor as
-    tensor_type(out_type) when out_type is given. Without out_type every tensor keeps its
-    type: stored bytes are copied, a replaced tensor is written in its base type where
-    ggtrain writes that type, else F16 (F32 for 1-D). The base's key/values are kept (its
-    tokenizer, chat template, ...), general.file_type follows out_type. Returns {tensor
-    name: type written}.
+    out_type's rules give (model_types) when out_type is given. Without out_type the other
+    tensors keep their bytes, and a replaced tensor is written as merged_type gives. The base's
+    key/values are kept (its tokenizer, chat template, ...), general.file_type follows out_type.
+    observe: as _tensor_spec's, for the replaced tensors. Returns {tensor name: type written}.
     """
     f = base if isinstance(base, GGUFFile) else read_gguf(base)
     layout = validate_model(f)
@@ -202,20 +228,16 @@ def rewrite_model(path, base, replace: dict | None = None, out_type: str | None 
     unknown = [n for n in replace if n not in f.tensors]
     if unknown:
         raise FormatError(f"{f.path}: the model has no tensor {unknown[0]!r}")
+    stored = {tname: dtype(int(info.type)).name for tname, info in f.tensors.items()}
     if out_type is not None:
         out_type = check_write_type(out_type)
-    specs, types = [], {}
-    for tname, info in f.tensors.items():
-        shape = tuple(info.shape)
-        stored = dtype(int(info.type)).name
-        if out_type is not None:
-            t = tensor_type(tname, shape, out_type, layout.tied)
-        elif tname not in replace:
-            t = stored
-        else:
-            t = stored if stored in WRITE_TYPES else ("f16" if len(shape) > 1 else "f32")
-        types[tname] = t
-        specs.append(_tensor_spec(path, tname, shape, replace.get(tname, FileTensor(f, tname)), t))
+        types = model_types(out_type, {n: (tuple(i.shape), stored[n]) for n, i in f.tensors.items()}, layout.config)
+    else:
+        types = {n: merged_type(stored[n], tuple(i.shape)) if n in replace else stored[n] for n, i in f.tensors.items()}
+    _check_convertible(f.path, {n: s for n, s in stored.items() if n not in replace}, types)
+    specs = [_tensor_spec(path, tname, tuple(info.shape), replace.get(tname, FileTensor(f, tname)), types[tname],
+                          observe if tname in replace else None)
+             for tname, info in f.tensors.items()]
     if out_type is None:    # the base's keys as they are (the writer adds the alignment)
         kv = [(k, v) for k, v in f.kv.items() if k != "general.alignment"]
     else:

@@ -54,6 +54,11 @@ class DType:
         return bool(self.flags & lib.GT_DTYPE_QUANTIZE)
 
     @property
+    def bits(self) -> float:
+        """Bits per element (Q4_1: 5.0, Q8_0: 8.5, Q6_K: 6.5625)."""
+        return 8 * self.block_bytes / self.block
+
+    @property
     def itemsize(self) -> int:
         """Bytes per element of an element type; DTypeError for a block type."""
         if self.block != 1:

@@ -66,3 +66,42 @@ def random_lora_pairs(rng, weights: dict, layers: int, targets=("attn_q", "attn_
             pairs[w] = (rng.normal(0, std, (rank, n_in)).astype(np.float32),
                         rng.normal(0, std, (n_out, rank)).astype(np.float32))
     return pairs
+
+
+def ggml_quantize(llama, x: np.ndarray, type_id: int) -> np.ndarray:
+    """The bytes llama-cpp-python's own libggml-base writes for f32 rows x (rows, n) as ggml type
+    type_id without an importance matrix (ggml_quantize_chunk, what llama_model_quantize calls)."""
+    import ctypes
+    import os
+
+    from ggtrain.native.dtypes import nbytes
+    lib = ctypes.CDLL(os.path.join(os.path.dirname(llama.__file__), "lib", "libggml-base.so"))
+    f = lib.ggml_quantize_chunk
+    f.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                  ctypes.c_void_p]
+    f.restype = ctypes.c_size_t
+    x = np.ascontiguousarray(x, np.float32)
+    out = np.zeros(nbytes(x.shape, type_id), np.uint8)
+    assert f(type_id, x.ctypes.data, out.ctypes.data, 0, x.shape[0], x.shape[1], None) == out.size
+    return out
+
+
+def quantize_with_llama_cpp(llama, src, dst, file_type: int, requantize: bool = False) -> None:
+    """llama.cpp's llama_model_quantize of the model src into dst as file_type (an LLAMA_FTYPE),
+    default parameters, 2 threads."""
+    params = llama.llama_model_quantize_default_params()
+    params.ftype = int(file_type)
+    params.nthread = 2
+    params.allow_requantize = requantize
+    assert llama.llama_model_quantize(str(src).encode(), str(dst).encode(), params) == 0
+
+
+def same_model_files(ours, theirs) -> None:
+    """The same tensors (names, types, bytes, in any order) and general.file_type."""
+    from ggtrain.formats.gguf import read_gguf
+    a, b = read_gguf(ours), read_gguf(theirs)
+    assert sorted(a.tensors) == sorted(b.tensors)
+    for name, info in b.tensors.items():
+        assert a.tensors[name].type == info.type, (name, a.tensors[name].type.name, info.type.name)
+        assert np.array_equal(a.read_tensor(name).view(np.uint8), b.read_tensor(name).view(np.uint8)), name
+    assert a.value("general.file_type") == b.value("general.file_type")

@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 
 from ggtrain.formats.checkpoint import load_checkpoint
-from ggtrain.formats.gguf import quantize, read_gguf
+from ggtrain.formats.gguf import quantize, read_gguf, write_gguf
 from ggtrain.formats.model_file import load_model
 from ggtrain.formats.lora import merge_lora, read_lora, write_lora
+from ggtrain.native.dtypes import nbytes
 
 TEXT = "Tom had a red kite. The kite flew high over the park and Tom laughed. " * 40
 FAST = ["--ctx", "64", "--batch", "2", "--lora-rank", "4", "--lr", "3e-3", "--quiet"]
@@ -180,7 +181,9 @@ def test_lora_checkpoint_becomes_its_adapter_and_merges_into_its_base(gguf_dir, 
 
 
 def test_merge_scale_and_types(gguf_dir, tmp_path):
-    """W + scale * alpha / r * B A in float64, rounded once into the base's type per tensor."""
+    """W + scale * alpha / r * B A in float64, rounded once into the base's type where it has 8
+    bits or more (F16, Q8_0), else into F16 (Q4_0, as llama-export-lora does); the other
+    tensors keep their bytes."""
     base = gguf_dir / "stories260K-Q4_0.gguf"
     config, weights, _ = load_model(base)
     rng = np.random.default_rng(0)
@@ -193,14 +196,70 @@ def test_merge_scale_and_types(gguf_dir, tmp_path):
     assert r.returncode == 0, r.stderr
     expected = merge_lora(weights, adapter, scale=0.5)
     fb, fm = read_gguf(base), read_gguf(out)
+    merged_types = {"blk.0.attn_q.weight": "F16", "blk.1.ffn_down.weight": "F16", "output.weight": "Q8_0"}
+    assert {n: fb.tensors[n].type.name for n in pairs} == {"blk.0.attn_q.weight": "Q4_0",
+                                                           "blk.1.ffn_down.weight": "F16", "output.weight": "Q8_0"}
     for name, info in fm.tensors.items():
-        assert info.type == fb.tensors[name].type, name        # Q4_0, F16 (ffn_down), Q8_0 (output)
+        assert info.type.name == merged_types.get(name, fb.tensors[name].type.name), name
         want = quantize(expected[name], info.type) if name in pairs else fb.read_tensor(name)
         assert np.array_equal(fm.read_tensor(name).view(np.uint8), np.asarray(want).view(np.uint8)), name
     s = 0.5 * 6.0 / 3
     a, b = pairs["blk.0.attn_q.weight"]
     w64 = weights["blk.0.attn_q.weight"].astype(np.float64) + s * (b.astype(np.float64) @ a.astype(np.float64))
     assert np.array_equal(expected["blk.0.attn_q.weight"], w64.astype(np.float32))
+
+
+def _kept(base, merged, adapter, scale) -> float:
+    """The share of the adapter's change dW the merged file's tensors keep, from the three files:
+    sum <merged - W, dW> / sum |dW|^2 over the adapted weights."""
+    alpha, _, pairs = read_lora(adapter)
+    fb, fm = read_gguf(base), read_gguf(merged)
+    num = den = 0.0
+    for name, (a, b) in pairs.items():
+        delta = scale * alpha / a.shape[0] * (b.astype(np.float64) @ a.astype(np.float64))
+        num += float(np.sum((fm.tensor_f32(name).astype(np.float64) - fb.tensor_f32(name)) * delta))
+        den += float(np.sum(delta * delta))
+    return num / den
+
+
+def test_merge_says_how_much_of_the_adapter_it_keeps(gguf_dir, tmp_path):
+    """The summary line gives the share of the adapter's change the written merged tensors keep
+    (recomputed here from the files); into a 4-bit base it is near all by default (F16), and a
+    forced --out-type q4_0 that rounds most of a small change away warns, naming the type and
+    what to do instead."""
+    base = gguf_dir / "stories260K-Q4_0.gguf"
+    config, weights, _ = load_model(base)
+    rng = np.random.default_rng(2)
+    pairs = {f"blk.{i}.{t}.weight": (rng.standard_normal((4, weights[f"blk.{i}.{t}.weight"].shape[1])).astype(np.float32),
+                                     rng.standard_normal((weights[f"blk.{i}.{t}.weight"].shape[0], 4)).astype(np.float32))
+             for i in range(config["layers"]) for t in ("attn_q", "attn_v")}
+    adapter = tmp_path / "a.gguf"
+    write_lora(adapter, "llama", 4.0, pairs)
+    scale = 0.002                      # a change of ~1% of the weights: under Q4_0's steps
+    said = {}
+    for label, extra in (("default", ()), ("q4_0", ("--out-type", "q4_0"))):
+        out = tmp_path / f"{label}.gguf"
+        r = _cli("convert-checkpoint", base, out, "--adapter", adapter, "--scale", scale, *extra)
+        assert r.returncode == 0, r.stderr
+        kept = _kept(base, out, adapter, scale)
+        types = "F16" if label == "default" else "Q4_0"
+        assert f"merged tensors as {types} keep {kept:.1%} of the adapter's change" in r.stdout, (r.stdout, kept)
+        said[label] = (kept, [line for line in r.stderr.splitlines() if "warning" in line])   # (and a progress bar)
+    assert said["default"][0] > 0.99 and said["default"][1] == []
+    kept, warnings = said["q4_0"]
+    assert kept < 0.9 and len(warnings) == 1
+    assert warnings[0].startswith(f"warning: written as Q4_0, the merged tensors keep only {kept:.0%}")
+    assert "F16 or Q8_0" in warnings[0] and "--lora" in warnings[0] and "ADAPTER" in warnings[0]
+
+
+def test_requantizing_says_so(gguf_dir, tmp_path):
+    out = tmp_path / "q.gguf"
+    r = _cli("convert-checkpoint", gguf_dir / "stories260K-Q4_0.gguf", out, "--out-type", "q8_0")
+    assert r.returncode == 0, r.stderr
+    n = sum(i.type.name == "Q4_0" for i in read_gguf(gguf_dir / "stories260K-Q4_0.gguf").tensors.values())
+    assert f"requantizes {n} tensors from Q4_0 (llama.cpp's quantizer asks --allow-requantize" in r.stdout, r.stdout
+    r = _cli("convert-checkpoint", gguf_dir / "stories260K.gguf", tmp_path / "k.gguf", "--out-type", "q4_k_m")
+    assert r.returncode == 0 and "requantizes" not in r.stdout, r.stdout
 
 
 def test_model_checkpoint_starts_training(shared_data, tmp_path, text):
@@ -258,11 +317,18 @@ def test_bad_input_is_one_line_and_writes_nothing(gguf_dir, tmp_path):
     foreign = tmp_path / "foreign.gguf"
     write_lora(foreign, "gpt2", 8.0, {"blk.0.attn_q.weight": (np.zeros((2, 64), np.float32),
                                                               np.zeros((64, 2), np.float32))})
+    iq4 = tmp_path / "iq4.gguf"                # a model with a tensor of a type ggtrain does not read
+    f = read_gguf(story)
+    tensors = [(n, f.read_tensor(n), i.type.name) for n, i in f.tensors.items() if n != "output.weight"]
+    tensors.append(("output.weight", lambda: np.zeros(nbytes((512, 64), "iq4_nl"), np.uint8), "IQ4_NL", (512, 64)))
+    write_gguf(iq4, [(k, v) for k, v in f.kv.items() if k != "general.alignment"], tensors)
     out = tmp_path / "out.gguf"
     cases = [
         ([tmp_path / "missing.gguf", out, "--out-type", "f16"], "missing.gguf: no such file"),
         ([story, out], "is already a model: give --out-type, --adapter or --to checkpoint"),
-        ([story, out, "--out-type", "q5_k"], "--out-type q5_k: not a type ggtrain writes"),
+        ([story, out, "--out-type", "q5_k"], "--out-type q5_k: not a type ggtrain writes (it writes f32, f16, bf16, "
+                                             "q8_0, q4_0, q4_1, q5_0, q5_1, q2_k, q3_k_s, q3_k_m, q3_k_l, q4_k_s, "
+                                             "q4_k_m, q5_k_s, q5_k_m, q6_k)"),
         ([story, out, "--to", "weights"], "--to weights: expected one of model, checkpoint"),
         ([story, out, "--adapter", other], "blk.0.attn_q.weight: adapter gives (32, 32), the weight is (64, 64)"),
         ([story, out, "--adapter", foreign], "an adapter for architecture 'gpt2'"),
@@ -270,6 +336,8 @@ def test_bad_input_is_one_line_and_writes_nothing(gguf_dir, tmp_path):
         ([other, out], "a LoRA adapter; merge it into its model"),
         ([gguf_dir / "ggml-vocab-llama-spm.gguf", out, "--to", "checkpoint"], "a vocab-only GGUF"),
         ([story, out, "--to", "checkpoint", "--out-type", "q8_0"], "a checkpoint holds f32 weights"),
+        ([iq4, out, "--out-type", "q4_k_m"], "tensor 'output.weight' is IQ4_NL, which ggtrain cannot read to write "
+                                             "it as Q8_0"),
         ([story, out, "--tokenizer", story], "--tokenizer is for --from llama2c"),
         ([story, story, "--out-type", "f16"], "is also IN"),
         ([story, tmp_path / "nodir" / "x.gguf", "--out-type", "f16"], "does not exist"),
@@ -285,3 +353,49 @@ def test_bad_input_is_one_line_and_writes_nothing(gguf_dir, tmp_path):
         assert r.returncode == 1, (args, r.stderr)
         assert message in r.stderr and r.stderr.count("\n") == 1, (args, r.stderr)
         assert sorted(p.name for p in tmp_path.iterdir()) == before, args
+
+
+def test_out_type_is_for_models(gguf_dir, tmp_path, text):
+    """An adapter is not quantized (llama.cpp reads adapters in F32/F16): --out-type on a LoRA
+    run without --merged-out, or on a LoRA checkpoint becoming its adapter, is refused before
+    anything runs or is written."""
+    out = tmp_path / "a.gguf"
+    r = _cli("finetune", "--model", gguf_dir / "stories260K.gguf", "--data", text, "--out", out, "--steps", 1,
+             "--out-type", "q4_k_m", *FAST)
+    assert r.returncode == 1 and r.stderr.count("\n") == 1, r.stderr
+    assert "--out-type q4_k_m is for a model (--full or --merged-out)" in r.stderr
+    assert not out.exists()
+
+
+def test_finetune_merged_out_keeps_the_fine_tune(gguf_dir, tmp_path, text):
+    """finetune --merged-out follows convert-checkpoint's rules: into a Q4_0 base the adapted
+    Q4_0 matrices are written F16, the rest keep their bytes, and the summary gives the share kept
+    (the file's, recomputed here)."""
+    base = gguf_dir / "stories260K-Q4_0.gguf"
+    adapter, merged = tmp_path / "a.gguf", tmp_path / "m.gguf"
+    r = _cli("finetune", "--model", base, "--data", text, "--out", adapter, "--merged-out", merged, "--steps", 3,
+             "--lora-targets", "attn_q,ffn_down", *FAST)
+    assert r.returncode == 0, r.stderr
+    _, _, pairs = read_lora(adapter)
+    fb, fm = read_gguf(base), read_gguf(merged)
+    for name, info in fm.tensors.items():
+        want = "F16" if name in pairs else fb.tensors[name].type.name     # (ffn_down: F16 in the base)
+        assert info.type.name == want, name
+        if name not in pairs:
+            assert np.array_equal(fm.read_tensor(name).view(np.uint8), fb.read_tensor(name).view(np.uint8)), name
+    assert f"merged tensors as F16 keep {_kept(base, merged, adapter, 1.0):.1%} of the adapter's change" in r.stderr
+
+
+def test_full_checkpoint_of_a_4_bit_base_becomes_an_f16_model(gguf_dir, tmp_path, text):
+    """A --full checkpoint's model is written in its base's type only where that has 8 bits or
+    more: from a Q4_0 base, F16 (rounded back to Q4_0 the update would mostly be lost)."""
+    ckdir, out = tmp_path / "ck", tmp_path / "m.gguf"
+    r = _cli("finetune", "--model", gguf_dir / "stories260K-Q4_0.gguf", "--data", text, "--out", tmp_path / "f.gguf",
+             "--full", "--steps", 2, "--checkpoint-dir", ckdir, "--save-every", 2, *FAST)
+    assert r.returncode == 0, r.stderr
+    r = _cli("convert-checkpoint", ckdir / "ckpt-000002.gguf", out)
+    assert r.returncode == 0, r.stderr
+    assert "model (f16) from finetune-full checkpoint" in r.stdout, r.stdout
+    f = read_gguf(out)
+    assert {i.type.name for i in f.tensors.values()} == {"F16", "F32"}
+    assert f.value("general.file_type") == 1

@@ -1,15 +1,21 @@
 """convert-checkpoint's outputs in real llama.cpp (the interop extra): the llama2.c import runs
 as ggml-org's stories260K.gguf, a checkpoint's model generates as `ggtrain generate` does,
-merged models run as the base with the adapter, and the quantizers give llama.cpp's bytes."""
+merged models run as the base with the adapter, and the quantizers and every --out-type mixture
+give llama.cpp's bytes."""
 import itertools
 
 import numpy as np
 import pytest
 
-from ggtrain.formats.gguf import read_gguf
-from ggtrain.formats.model_file import load_model
+from ggtrain.core.models.decoder import ModelConfig, init_params
+from ggtrain.formats.gguf import quantize, read_gguf
 from ggtrain.formats.lora import write_lora
-from tests.interop import greedy, open_llm, random_lora_pairs, run_cli
+from ggtrain.formats.mixture import MIXTURES
+from ggtrain.formats.model_file import load_model, rewrite_model, save_model
+from ggtrain.formats.tokenizer import load_tokenizer
+from ggtrain.native.dtypes import DTYPES
+from tests.interop import (ggml_quantize, greedy, open_llm, quantize_with_llama_cpp, random_lora_pairs, run_cli,
+                           same_model_files)
 
 PROMPT = "Once upon a time, there was a little"
 # where a quantized merged model's greedy run parts from llama.cpp's base + adapter, llama.cpp's
@@ -84,21 +90,95 @@ def test_merged_model_runs_as_base_with_adapter(llama, shared_data, tmp_path, na
     assert top2[1] - top2[0] < NEAR_TIE, (i, top2)
 
 
-@pytest.mark.parametrize("out_type,ftype", [("q4_1", "MOSTLY_Q4_1"), ("bf16", "MOSTLY_BF16"), ("f16", "MOSTLY_F16"),
-                                            ("q4_0", "MOSTLY_Q4_0")])
-def test_out_types_are_llama_cpps_quantizations(llama, shared_data, tmp_path, out_type, ftype):
+@pytest.mark.parametrize("out_type", ["q4_1", "bf16", "f16", "q4_0"])
+def test_out_types_are_llama_cpps_quantizations(llama, shared_data, tmp_path, out_type):
     """llama.cpp's llama_model_quantize of stories260K and ours: the same type and bytes per tensor."""
     src = shared_data / "gguf" / "stories260K.gguf"
     ref, out = tmp_path / "ref.gguf", tmp_path / "ours.gguf"
-    params = llama.llama_model_quantize_default_params()
-    params.ftype = getattr(llama, f"LLAMA_FTYPE_{ftype}")
-    params.nthread = 2
-    assert llama.llama_model_quantize(str(src).encode(), str(ref).encode(), params) == 0
+    quantize_with_llama_cpp(llama, src, ref, MIXTURES[out_type].file_type)
     r = run_cli("convert-checkpoint", src, out, "--out-type", out_type)
     assert r.returncode == 0, r.stderr
-    a, b = read_gguf(out), read_gguf(ref)
-    assert sorted(a.tensors) == sorted(b.tensors)
-    for name, info in b.tensors.items():
-        assert a.tensors[name].type == info.type, name
-        assert np.array_equal(a.read_tensor(name).view(np.uint8), b.read_tensor(name).view(np.uint8)), name
-    assert a.value("general.file_type") == b.value("general.file_type")
+    same_model_files(out, ref)
+
+
+@pytest.mark.parametrize("name", [n for n, d in DTYPES.items() if d.can_quantize and d.is_block])
+def test_block_quantizers_are_ggmls(llama, name):
+    """Every block type ggtrain writes, row by row, gives the bytes of llama-cpp-python's own
+    ggml_quantize_chunk (its reference quantizers, which llama_model_quantize runs without an
+    imatrix): normal, heavy-tailed, one-signed, zero, tiny and mixed-zero rows."""
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((8, 1024)).astype(np.float32)
+    rows = [x, x ** 3, np.abs(x) + 0.1, -np.abs(x), np.zeros_like(x), x * 1e-9]
+    mixed = x.copy()
+    mixed[:, :48] = 0
+    mixed[3] = 0
+    mixed[5, 7] = 100
+    rows.append(mixed)
+    for i, r in enumerate(rows):
+        ours = quantize(r, name).reshape(-1)
+        theirs = ggml_quantize(llama, r, DTYPES[name].id)
+        assert np.array_equal(ours, theirs), (name, i, np.flatnonzero(ours != theirs)[:8])
+
+
+# small random models whose rules and fallbacks cover llama.cpp's mixtures: rows of whole Q*_K
+# blocks, the output untied, 8 layers (Q4_K_M's more-bits layers 0, 3, 6 and 7), GQA 4 (Q2_K's
+# attn_v Q4_K); and SmolLM2's widths (576: the fallbacks, ffn_down's 1536: K-quants), tied, F16
+K_MODEL = dict(dim=256, layers=8, heads=8, kv_heads=2, ff=256, ctx=64)
+WIDTH_576 = dict(dim=576, layers=2, heads=9, kv_heads=3, ff=1536, ctx=64, tied=True)
+
+
+@pytest.fixture(scope="module")
+def small_models(tmp_path_factory):
+    tok = load_tokenizer("byte", "First Citizen: Before we proceed any further, hear me speak.")
+    d = tmp_path_factory.mktemp("mixtures")
+    models = {}
+    for name, shape, t in (("k256-f32", K_MODEL, "f32"), ("w576-tied-f16", WIDTH_576, "f16")):
+        config = dict(vocab=tok.n_vocab, **shape)
+        models[name] = d / f"{name}.gguf"
+        save_model(models[name], config, init_params(ModelConfig(**config), seed=1, std=0.02), tok, out_type=t)
+    return models
+
+
+@pytest.mark.parametrize("model", ["k256-f32", "w576-tied-f16"])
+@pytest.mark.parametrize("out_type", list(MIXTURES))
+def test_mixtures_are_llama_cpps_quantizer(llama, small_models, tmp_path, model, out_type):
+    """Every --out-type (a row of formats.mixture.MIXTURES) of a model is llama_model_quantize's
+    file of the same input: each tensor's type (the mixture's rules, the output's Q6_K/Q8_0, the
+    fallbacks where rows are not whole blocks) and bytes, and general.file_type; llama.cpp runs it."""
+    src, ref, out = small_models[model], tmp_path / "ref.gguf", tmp_path / "ours.gguf"
+    quantize_with_llama_cpp(llama, src, ref, MIXTURES[out_type].file_type)
+    rewrite_model(out, src, out_type=out_type)
+    same_model_files(out, ref)
+    m = open_llm(llama, out, n_ctx=32)
+    m.eval([1, 70, 80, 90])
+    assert np.isfinite(np.asarray(m.scores[:4])).all()
+
+
+def _smollm2_matches(llama, shared_data, tmp_path, out_type):
+    """convert-checkpoint SmolLM2 (Q4_1, Q8_0 embedding) --out-type: llama.cpp's requantization
+    (--allow-requantize) byte for byte; the summary says it requantizes where a quantized tensor
+    changes type; llama.cpp's greedy run on ours is the one on its own file."""
+    src = shared_data / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    ref, out = tmp_path / "ref.gguf", tmp_path / "ours.gguf"
+    quantize_with_llama_cpp(llama, src, ref, MIXTURES[out_type].file_type, requantize=True)
+    r = run_cli("convert-checkpoint", src, out, "--out-type", out_type)
+    assert r.returncode == 0, r.stderr
+    same_model_files(out, ref)
+    fs, fr = read_gguf(src), read_gguf(ref)
+    changed = sorted({i.type.name for n, i in fs.tensors.items() if i.type.name.startswith("Q")
+                      and fr.tensors[n].type != i.type})
+    assert ("requantizes" in r.stdout) == bool(changed), r.stdout
+    assert not changed or f"from {', '.join(changed)} (llama.cpp" in r.stdout, r.stdout
+    ids = open_llm(llama, ref).tokenize(b"The capital of France is", add_bos=False)
+    assert greedy(open_llm(llama, out), ids, 8) == greedy(open_llm(llama, ref), ids, 8)
+
+
+@pytest.mark.parametrize("out_type", ["q4_k_m", "q2_k"])
+def test_smollm2_out_types_are_llama_cpps(llama, shared_data, tmp_path, out_type):
+    _smollm2_matches(llama, shared_data, tmp_path, out_type)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("out_type", [t for t in MIXTURES if t not in ("q4_k_m", "q2_k")])
+def test_smollm2_every_out_type_is_llama_cpps(llama, shared_data, tmp_path, out_type):
+    _smollm2_matches(llama, shared_data, tmp_path, out_type)

@@ -144,7 +144,7 @@ def test_quant_errors():
     with pytest.raises(UnsupportedOpError):
         dequantize(np.zeros(66, np.uint8), T.IQ2_XXS, (256,))
     with pytest.raises(UnsupportedOpError):
-        quantize(np.zeros(256, np.float32), T.Q4_K)
+        quantize(np.zeros(256, np.float32), T.IQ4_XS)
 
 
 # ---- the real files --------------------------------------------------------------

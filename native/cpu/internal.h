@@ -180,6 +180,14 @@ void gt_gemm_small_(float *c, int64_t ldc, const float *a, int64_t ars, int64_t 
                     int64_t ldb, int64_t M, int64_t N, int64_t K, int acc);
 
 
+/* quant_k.c: nb super-blocks of 256 values of x written to b as Q2_K .. Q6_K the way ggml's
+ * reference quantizers write them (no importance matrix). */
+void gt_quant_q2_k_(uint8_t *b, const float *x, int64_t nb);
+void gt_quant_q3_k_(uint8_t *b, const float *x, int64_t nb);
+void gt_quant_q4_k_(uint8_t *b, const float *x, int64_t nb);
+void gt_quant_q5_k_(uint8_t *b, const float *x, int64_t nb);
+void gt_quant_q6_k_(uint8_t *b, const float *x, int64_t nb);
+
 float gt_f16_to_f32_1(uint16_t h);
 /* the f16 at p (little-endian) as f32: a block's scale */
 static inline float gt_half_at_(const uint8_t *p) { return gt_f16_to_f32_1((uint16_t)(p[0] | (p[1] << 8))); }

@@ -1,7 +1,7 @@
 /* quant.c: ggml block formats. Dequantize any of F32, F16, BF16, Q4_0, Q4_1,
  * Q5_0, Q5_1, Q8_0, Q2_K..Q6_K to f32, and quantize f32 to F16, BF16, Q8_0,
- * Q4_0 and Q4_1 the way ggml's reference quantizer does (round to nearest, no importance
- * matrix). The per-block dequantizers are shared with the kernels that read
+ * Q4_0, Q4_1, Q5_0 and Q5_1 the way ggml's reference quantizer does (round to nearest, no
+ * importance matrix), and to Q2_K..Q6_K by quant_k.c's writers. The per-block dequantizers are shared with the kernels that read
  * frozen weights (gt_dequantizer_). Which types each direction supports is in
  * the dtype table's flags (dtype.c); a test checks the two agree.
  *
@@ -339,6 +339,64 @@ static void quant_q4_1(uint8_t *b, const float *src, int64_t nb) {
     }
 }
 
+/* The fifth bits of a 32-value block's levels q (0..31): bit j of the u32 is q[j] >> 4, in
+ * Q5_0/Q5_1's qh (little-endian); the low nibbles go to qs as in Q4_0. */
+static void pack_5bit(uint8_t *qh, uint8_t *qs, const int *q) {
+    uint32_t h = 0;
+    for (int j = 0; j < QK / 2; j++) {
+        qs[j] = (uint8_t)((q[j] & 0x0f) | ((q[j + QK / 2] & 0x0f) << 4));
+        h |= (uint32_t)((q[j] >> 4) & 1) << j;
+        h |= (uint32_t)((q[j + QK / 2] >> 4) & 1) << (j + QK / 2);
+    }
+    for (int k = 0; k < 4; k++) qh[k] = (uint8_t)(h >> (8 * k));
+}
+
+/* ggml's quantize_row_q5_0_ref: d = m / -16 where m is the element of largest magnitude
+ * (the first such), q = min(31, trunc(x / d + 16.5)). A NaN maps to 0. */
+static void quant_q5_0(uint8_t *b, const float *src, int64_t nb) {
+    int q[QK];
+    for (int64_t i = 0; i < nb; i++, b += 22, src += QK) {
+        float amax = 0.0f, max = 0.0f;
+        for (int j = 0; j < QK; j++) {
+            if (amax < fabsf(src[j])) {
+                amax = fabsf(src[j]);
+                max = src[j];
+            }
+        }
+        const float d = max / -16.0f;
+        const float id = d != 0.0f ? 1.0f / d : 0.0f;
+        put_half(b, d);
+        for (int j = 0; j < QK; j++) {
+            const float t = src[j] * id + 16.5f;
+            q[j] = t >= 31.0f ? 31 : t > 0.0f ? (int)t : 0;
+        }
+        pack_5bit(b + 2, b + 6, q);
+    }
+}
+
+/* ggml's quantize_row_q5_1_ref: the block's minimum m and d = (max - m) / 31, both stored as
+ * half; q = trunc((x - m) / d + 0.5) (x - m >= 0, at most 31). A NaN maps to 0. */
+static void quant_q5_1(uint8_t *b, const float *src, int64_t nb) {
+    int q[QK];
+    for (int64_t i = 0; i < nb; i++, b += 24, src += QK) {
+        float lo = FLT_MAX, hi = -FLT_MAX;
+        for (int j = 0; j < QK; j++) {
+            if (src[j] < lo) lo = src[j];
+            if (src[j] > hi) hi = src[j];
+        }
+        const float d = (hi - lo) / 31.0f;
+        const float id = d != 0.0f ? 1.0f / d : 0.0f;
+        put_half(b, d);
+        put_half(b + 2, lo);
+        for (int j = 0; j < QK; j++) {
+            /* NOTE: ggml keeps trunc(t) in a uint8 unclamped; t < 32 here, as d >= (hi - lo) / 31 */
+            const float t = (src[j] - lo) * id + 0.5f;
+            q[j] = t > 0.0f && t < 256.0f ? (uint8_t)(int)t : 0;
+        }
+        pack_5bit(b + 4, b + 8, q);
+    }
+}
+
 static void quant_f32(uint8_t *b, const float *src, int64_t n) { memcpy(b, src, (size_t)n * sizeof(float)); }
 
 static void quant_f16(uint8_t *b, const float *src, int64_t n) {
@@ -363,6 +421,13 @@ int gt_quantize_row(void *dst, const float *src, int32_t dtype, int64_t n) {
     case GT_Q8_0: fn = quant_q8_0; break;
     case GT_Q4_0: fn = quant_q4_0; break;
     case GT_Q4_1: fn = quant_q4_1; break;
+    case GT_Q5_0: fn = quant_q5_0; break;
+    case GT_Q5_1: fn = quant_q5_1; break;
+    case GT_Q2_K: fn = gt_quant_q2_k_; break;
+    case GT_Q3_K: fn = gt_quant_q3_k_; break;
+    case GT_Q4_K: fn = gt_quant_q4_k_; break;
+    case GT_Q5_K: fn = gt_quant_q5_k_; break;
+    case GT_Q6_K: fn = gt_quant_q6_k_; break;
     default: break;
     }
     if (!t) return GT_FAIL(GT_ERR_UNSUPPORTED, "quantize: unknown ggml type %d", (int)dtype);
