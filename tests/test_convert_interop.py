@@ -7,7 +7,7 @@ import itertools
 import numpy as np
 import pytest
 
-from ggtrain.core.models.decoder import ModelConfig, init_params
+from ggtrain.core.models.config import ModelConfig, init_params
 from ggtrain.formats.gguf import quantize, read_gguf
 from ggtrain.formats.lora import write_lora
 from ggtrain.formats.mixture import MIXTURES

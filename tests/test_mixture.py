@@ -3,7 +3,7 @@ and conditions the code knows, its types are ones ggtrain writes); test_convert_
 every row against llama.cpp's quantizer."""
 import pytest
 
-from ggtrain.core.models.decoder import ModelConfig, param_shapes
+from ggtrain.core.models.config import ModelConfig, param_shapes
 from ggtrain.formats.mixture import MIXTURES, WHEN, kind, mixture, tensor_types
 from ggtrain.formats.model import FILE_TYPES
 from ggtrain.formats.model_file import WRITE_TYPES
