@@ -10,10 +10,10 @@ non-blank byte ("{": JSON lines, "[": a JSON array, anything else: plain text):
                                                                       of bytes ("line 7")
     json      .json               an object of a JSON array ("{"      a slice of the array, which is
                                   first: JSON lines)                  read whole ("record 12")
-    parquet   .parquet, .pq       a row: its columns are the          rows of one row group, only the
-                                  fields; lists of structs (chat      columns the layout reads
-                                  messages) arrive as lists of        ("row 12", from 0)
-                                  dicts, without their null fields
+    parquet   .parquet, .pq       a row: its columns are the          rows of one row group (at most
+                                  fields; lists of structs (chat      8 parts a group), only the
+                                  messages) arrive as lists of        columns the layout reads
+                                  dicts, without their null fields    ("row 12", from 0)
     csv, tsv  .csv, .tsv          a row under the header line         whole rows, about a range of
                                                                       bytes ("line 7")
 
@@ -44,7 +44,8 @@ from ggtrain.formats.layouts import _type_words
 BLOCK = 4 << 20              # bytes read at a time
 SNIFF = 1 << 16              # bytes of a file looked at to tell what it is
 _MIN_RANGE = 1 << 16         # bytes of JSON lines or CSV a part holds at least (tests make it small)
-_PART_ROWS = 4096            # Parquet rows a part holds at most
+_PART_ROWS = 4096            # Parquet rows a part holds (unless a row group would make more than
+_GROUP_PARTS = 8             # ... this many parts: a worker holds one row group, and a part of it)
 _ARRAY_PART = 2000           # records of a JSON array a part holds at most
 _BOM = b"\xef\xbb\xbf"
 _JSON_WS = " \t\r\n"
@@ -334,8 +335,11 @@ def parts(shards: list, arrays: dict, workers: int) -> list:
                     for lo in range(0, n, step)]
         else:
             n = max(1, sum(s.groups))
-            out += [Part(k, lo, min(g_rows, lo + per_part), g, size * (min(g_rows, lo + per_part) - lo) // n)
-                    for g, g_rows in enumerate(s.groups) for lo in range(0, g_rows, per_part)]
+            for g, g_rows in enumerate(s.groups):
+                # each part of a group decodes the whole group (Parquet's unit): a few parts at most
+                step = -(-g_rows // min(_GROUP_PARTS, -(-g_rows // per_part))) if g_rows else 1
+                out += [Part(k, lo, min(g_rows, lo + step), g, size * (min(g_rows, lo + step) - lo) // n)
+                        for lo in range(0, g_rows, step)]
     return out
 
 
@@ -559,7 +563,8 @@ def _parquet_rows(shard: Shard, part: Part, columns: tuple | None) -> list:
     import pyarrow
     base = sum(shard.groups[:part.first])
     try:
-        table = _parquet(shard.path).read_row_group(part.first, columns=list(columns) if columns else None)
+        table = _parquet(shard.path).read_row_group(part.first, columns=list(columns) if columns else None,
+                                                    use_threads=False)   # the workers are the threads
         rows = table.slice(part.lo, part.hi - part.lo).to_pylist()
     except (pyarrow.ArrowException, OSError) as e:
         raise FormatError(f"{shard.path} row group {part.first}: cannot read it ({str(e).splitlines()[0]})") from None

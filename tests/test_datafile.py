@@ -123,6 +123,11 @@ def test_parquet_parts_are_rows_of_row_groups(tmp_path, monkeypatch):
                                                       for lo in range(0, n, 3)}
     rows = [r for p in parts for r in datafile.read_part(shards[0], p, {}, ("text",))]
     assert rows == [(i, {"text": f"t{i}"}) for i in range(50)]          # only the columns asked for
+    # each part decodes its whole row group: a group is cut into a few parts at most
+    monkeypatch.setattr(datafile, "_GROUP_PARTS", 2)
+    parts = datafile.parts(shards, {}, 2)
+    assert [(p.first, p.lo, p.hi) for p in parts[:3]] == [(0, 0, 4), (0, 4, 7), (1, 0, 4)] and len(parts) == 15
+    assert [r for p in parts for r in datafile.read_part(shards[0], p, {}, ("text",))] == rows
 
 
 def test_a_folder_is_its_data_files_in_order(tmp_path):
