@@ -226,6 +226,17 @@ def read_text(path) -> str:
         return decode(f.read(), os.fspath(path))
 
 
+def check_utf8(path) -> None:
+    """Raises FormatError (naming the line and column) at a file's first byte that is not
+    UTF-8 text (`Utf8Stream`), reading it through once, in blocks."""
+    path = os.fspath(path)
+    stream = Utf8Stream(path)
+    with open(path, "rb") as f:
+        while block := f.read(BLOCK):
+            stream.feed(block)
+    stream.feed(b"", final=True)
+
+
 def format_words(fmt: str) -> str:
     """What a format is, in messages ("a Parquet file of records")."""
     return {"folder": "a folder", "jsonl": "JSON lines of records", "json": "a JSON array of records",

@@ -250,3 +250,17 @@ def test_utf8_stream_names_the_line_and_column_across_blocks():
     stream = datafile.Utf8Stream("f")
     assert stream.feed(raw[:-1][:9]) + stream.feed(raw[:-1][9:], final=True) == "ab\ncdé\n🦙x\n"
     assert np.all([datafile._complete(b"a\xf0\x9f") == 1, datafile._complete(b"a\xc3\xa9") == 3])
+
+
+def test_pyarrow_is_imported_only_where_parquet_is_read(tmp_path):
+    """Its import takes about 0.1 s: commands and files without Parquet do not pay it."""
+    import subprocess
+    import sys
+    data = _jsonl(tmp_path / "r.jsonl", RECORDS["alpaca"])
+    parquet = _parquet(tmp_path / "r.parquet", RECORDS["alpaca"])
+    code = ("import sys; import ggtrain.cli.main, ggtrain.cli.finetune, ggtrain.cli.train, ggtrain.cli.generate; "
+            "from ggtrain.formats.dataset import read_data; read_data(sys.argv[1]); "
+            "print('pyarrow' in sys.modules)")
+    for path, imported in ((data, "False"), (parquet, "True")):
+        r = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True)
+        assert r.returncode == 0 and r.stdout.strip() == imported, r.stderr
