@@ -222,8 +222,7 @@ def read_text(path) -> str:
     if os.path.isdir(path):
         raise IsADirectoryError(21, "Is a directory", os.fspath(path))
     require_text(path)
-    with open(path, "rb") as f:
-        return decode(f.read(), os.fspath(path))
+    return read_utf8(path)
 
 
 def check_utf8(path) -> None:
