@@ -23,7 +23,8 @@ extensions (README.md, LICENSE, .txt), are not data; a file of a format ggtrain 
 is an error, as is a folder without data files.
 
 Every format but Parquet is UTF-8 text. A data file that is not (a byte that is not UTF-8,
-a NUL, the first bytes of a binary format) or whose extension names a format ggtrain does
+a NUL (`read_utf8`, what `tokenize --file` reads, lets those through), the first bytes of a
+binary format) or whose extension names a format ggtrain does
 not read (.xlsx, .arrow, .gz, ...) is a FormatError naming the file (and line and column),
 never text: `data_format` looks at a file's name and first block, `Utf8Stream` checks every
 byte as it decodes. Record files' errors name the record: "data.jsonl line 7",
@@ -96,11 +97,13 @@ def _complete(raw: bytes) -> int:
 
 class Utf8Stream:
     """Decodes a file's bytes block after block, strictly: the first byte that is not UTF-8
-    text, or a NUL (no text holds one; binary files and UTF-16 do), is a FormatError naming
+    text, or a NUL (no training text holds one; binary files and UTF-16 do; nul=True lets
+    them through, for `read_utf8`), is a FormatError naming
     the file's line and column (in bytes, from 1). A UTF-8 sequence cut by a block's end
     waits for the next block."""
 
-    def __init__(self, path: str, first_line: int = 1):
+    def __init__(self, path: str, first_line: int = 1, nul: bool = False):
+        self.nul = nul
         self.path = path
         self.line = first_line       # the line of the next byte fed
         self.column = 1              # ... and its column
@@ -112,7 +115,7 @@ class Utf8Stream:
         end = len(raw) if final else _complete(raw)
         self.held = raw[end:]
         raw = raw[:end]
-        nul = raw.find(b"\x00")
+        nul = -1 if self.nul else raw.find(b"\x00")
         try:
             text = raw[:nul if nul >= 0 else len(raw)].decode("utf-8")
         except UnicodeDecodeError as e:
@@ -134,18 +137,18 @@ class Utf8Stream:
         return FormatError(f"{self.path} line {line} column {column}: {what}")
 
 
-def decode(raw: bytes, path: str, first_line: int = 1) -> str:
+def decode(raw: bytes, path: str, first_line: int = 1, nul: bool = False) -> str:
     """`raw`, the bytes of a text file from line first_line on, decoded (see Utf8Stream)."""
-    return Utf8Stream(path, first_line).feed(raw, final=True)
+    return Utf8Stream(path, first_line, nul).feed(raw, final=True)
 
 
-def _sniff(path: str, head: bytes) -> None:
+def _sniff(path: str, head: bytes, nul: bool = False) -> None:
     """Raises FormatError if the first bytes of a file that should be text are a binary
     format's or not text."""
     for magic, what in MAGIC:
         if head.startswith(magic):
             raise FormatError(f"{path}: {what}, not text")
-    Utf8Stream(path).feed(head[len(_BOM):] if head.startswith(_BOM) else head)
+    Utf8Stream(path, nul=nul).feed(head[len(_BOM):] if head.startswith(_BOM) else head)
 
 
 def first_byte(path: str) -> bytes | None:
@@ -162,7 +165,7 @@ def first_byte(path: str) -> bytes | None:
     return None
 
 
-def data_format(path) -> str:
+def data_format(path, nul: bool = False) -> str:
     """What a data path holds: "folder", or a file's format (see the module docstring).
 
     Raises FormatError naming the file for an extension of a format ggtrain does not read, a
@@ -179,7 +182,7 @@ def data_format(path) -> str:
         with open(path, "rb"):
             return fmt
     with open(path, "rb") as f:
-        _sniff(path, f.read(SNIFF))
+        _sniff(path, f.read(SNIFF), nul)
     if fmt in ("text", "jsonl", "csv", "tsv"):
         return fmt
     first = first_byte(path)
@@ -203,16 +206,16 @@ def require_text(path) -> None:
 
 def read_utf8(path) -> str:
     """The whole of a text file of any format but Parquet, decoded byte for byte (a byte
-    order mark kept); FormatError for a binary or unread format, or bytes that are not UTF-8
-    text; IsADirectoryError for a folder."""
+    order mark kept, and NUL characters: UTF-8 text may hold them); FormatError for a binary or
+    unread format, or bytes that are not UTF-8; IsADirectoryError for a folder."""
     path = os.fspath(path)
-    fmt = data_format(path)
+    fmt = data_format(path, nul=True)
     if fmt == "folder":
         raise IsADirectoryError(21, "Is a directory", path)
     if fmt == "parquet":
         raise FormatError(f"{path}: a Parquet file, not text")
     with open(path, "rb") as f:
-        return decode(f.read(), path)
+        return decode(f.read(), path, nul=True)
 
 
 def read_text(path) -> str:
@@ -222,7 +225,8 @@ def read_text(path) -> str:
     if os.path.isdir(path):
         raise IsADirectoryError(21, "Is a directory", os.fspath(path))
     require_text(path)
-    return read_utf8(path)
+    with open(path, "rb") as f:
+        return decode(f.read(), os.fspath(path))
 
 
 def check_utf8(path) -> None:

@@ -238,6 +238,11 @@ def test_text_for_every_command_is_utf8_and_not_another_format(tmp_path):
             read(parquet)
     text = _write(tmp_path / "t.md", "\ufeffnaïve 🦙\n".encode())
     assert datafile.read_text(text) == datafile.read_utf8(text) == "\ufeffnaïve 🦙\n"
+    # a NUL is UTF-8 (tokenize --file reads it), but no text to train or evaluate on
+    nul = _write(tmp_path / "n.txt", b"a\n" * 40000 + b"b\x00c\n")
+    assert datafile.read_utf8(nul) == "a\n" * 40000 + "b\x00c\n"
+    with pytest.raises(FormatError, match=rf"^{nul} line 40001 column 2: not text \(a NUL byte"):
+        datafile.read_text(nul)
 
 
 def test_utf8_stream_names_the_line_and_column_across_blocks():
