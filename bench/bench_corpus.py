@@ -19,7 +19,9 @@ Lines, each in its own process, in one sitting:
 Chat records (--records 100000, the Vicuna conversations of dummy_conversation.json repeated):
 the path before (read the file, render, tokenize and mask every conversation in one process)
 against `ggtrain finetune --data RECORDS --steps 1` with an empty token cache (samples made by
-worker processes and kept), then again (the samples read from the cache): seconds, peak memory.
+worker processes and kept), then again (the samples read from the cache): seconds, peak memory;
+then the same records as one Parquet file (row groups of 1000, as Hugging Face datasets writes
+them) with an empty cache: seconds, peak memory.
 
     python bench/bench_corpus.py [--mb 1024] [--whole-mb 100] [--records 100000] [--only text|chat]
 """
@@ -158,6 +160,19 @@ def make_records(n: int) -> pathlib.Path:
     return path
 
 
+def make_parquet(n: int) -> pathlib.Path:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    path = CACHE / "bench" / f"chat-{n}.parquet"
+    if not path.exists():
+        convs = json.loads((SHARED / "chat" / "dummy_conversation.json").read_text())
+        rows = [{"conversations": convs[i % len(convs)]["conversations"]} for i in range(n)]
+        tmp = path.with_suffix(".tmp")
+        pq.write_table(pa.Table.from_pylist(rows), tmp, row_group_size=1000)
+        os.replace(tmp, path)
+    return path
+
+
 def chat(n: int, threads: int) -> None:
     records = make_records(n)
     py = sys.executable
@@ -179,6 +194,14 @@ def chat(n: int, threads: int) -> None:
     tokens = sum(f.stat().st_size for f in kept.iterdir() if f.suffix in (".tokens", ".train")) / 2**20
     rows = sum(f.stat().st_size for f in kept.glob("*.rows")) / 2**20
     bound = tokens + model + plan
+    parquet = make_parquet(n)
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [py, "-m", "ggtrain", "finetune", "--model", str(SMOLLM2), "--data", str(parquet),
+               "--out", f"{tmp}/a.gguf", "--steps", "1", "--ctx", "512", "--batch", "1", "--quiet",
+               "--threads", str(threads)]
+        pcold = measured(cmd, {"GGTRAIN_TOKEN_CACHE": tempfile.mkdtemp(prefix="ggtrain-bench-samples-")})
+    print(f"the same records in Parquet ({parquet.stat().st_size / 1e6:.0f} MB), finetune --steps 1 with an "
+          f"empty cache: {pcold['s']:.1f} s, peak {pcold['peak_mib']:.0f} MiB")
     print(f"finetune --steps 1, samples made by workers and kept: {cold['s']:.1f} s, peak {cold['peak_mib']:.0f} "
           f"MiB = {cold['peak_mib'] / bound:.2f}x; again, samples and packed rows from the cache: {warm['s']:.1f} s, "
           f"peak {warm['peak_mib']:.0f} MiB = {warm['peak_mib'] / bound:.2f}x (the bound: token files {tokens:.0f} + "

@@ -112,8 +112,8 @@ def token_cache_dir(token_cache: str | None) -> str | None:
 def read_records(path: pathlib.Path, tok: Tokenizer, template_of: Callable, template_key: str,
                  train_on_inputs: bool, token_cache: str | None, quiet: bool, world: distributed.World,
                  check: Callable[[str, str], None]) -> SampleSet:
-    """The samples of a record --data file, from the token cache when made before, else made by
-    worker processes (a progress bar) and kept there. check(kind, layout) runs before any
+    """The samples of a record --data file (or folder of shards), from the token cache when
+    made before, else made by worker processes (a progress bar) and kept there. check(kind, layout) runs before any
     sample is made (an error there costs no sampling); template_of(kind, conversational)
     gives the chat template the records need, or None."""
     cache = token_cache_dir(token_cache)

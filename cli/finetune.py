@@ -41,9 +41,8 @@ from ggtrain.core.train import TextConfig, TextRun
 from ggtrain.errors import ConfigError
 from ggtrain.formats.checkpoint import Checkpoint, save_checkpoint
 from ggtrain.formats.chat import ChatTemplate, template_id
-from ggtrain.formats.chat import chat_template as find_template
 from ggtrain.formats.corpus import packed_rows
-from ggtrain.formats.dataset import is_plain_text
+from ggtrain.formats.dataset import is_plain_text, record_template
 from ggtrain.formats.gguf import read_gguf
 from ggtrain.formats.mixture import OUT_TYPES
 from ggtrain.formats.model_file import carried_kv, check_write_type, open_model, save_model
@@ -124,8 +123,12 @@ def finetune(
                                        help=f"The base GGUF model (families {NAMES}; F32 ... Q4_0, K-quants); not needed with "
                                             "--full --resume of a model checkpoint (convert-checkpoint --to checkpoint)."),
     data: pathlib.Path = typer.Option(..., "--data", "--train-data",
-                                      help="Training data: .txt, or JSON lines / a JSON array of {\"text\"}, "
-                                           "{\"prompt\", \"completion\"}, {\"messages\"} or {\"conversations\"}."),
+                                      help="Training data: plain text (.txt), or records in JSON lines, a JSON "
+                                           "array, Parquet or CSV (or a folder of such files): {\"text\"}, "
+                                           "{\"prompt\", \"completion\"}, {\"messages\"} (OpenAI), "
+                                           "{\"conversations\"} (ShareGPT), {\"instruction\", \"input\", \"output\"} "
+                                           "(Alpaca), {\"instruction\", \"context\", \"response\"} (Dolly) or "
+                                           "{\"prompt\", \"chosen\", \"rejected\"}."),
     out: pathlib.Path = typer.Option(..., "--out", "--lora-out", "--output-adapter",
                                      help="Where to write the LoRA adapter (llama.cpp's format); with --full, the model."),
     lora_rank: int = typer.Option(16, "--lora-rank", help="Rank r of each adapter."),
@@ -158,7 +161,7 @@ def finetune(
     chat_template: pathlib.Path = typer.Option(None, "--chat-template",
                                                help="A Jinja chat template for chat data (default: the model's own)."),
     train_on_inputs: bool = typer.Option(False, "--train-on-inputs",
-                                         help="Loss on every token of chat and prompt/completion records, "
+                                         help="Loss on every token of chat, instruction and prompt/completion records, "
                                               "not only the assistant turns / completions."),
     packing: bool = typer.Option(True, "--packing/--no-packing",
                                  help="Pack several samples into each --ctx window (each sees only itself)."),
@@ -269,7 +272,7 @@ def finetune(
             raise ConfigError(f"--train-on-inputs does not apply to --method {method}: its loss compares the answers")
 
     def template_of(kind: str, conversational: bool) -> ChatTemplate | None:
-        return find_template(base_file, chat_template) if kind == "chat" or conversational else None
+        return record_template(kind, conversational, base_file, chat_template)
 
     with file_errors(f"--data {data}"):
         plain = is_plain_text(data)

@@ -27,6 +27,7 @@ from ggtrain.core.models.families import NAMES
 from ggtrain.core.sampling import Sampler
 from ggtrain.errors import ConfigError
 from ggtrain.formats.chat import chat_template as find_template
+from ggtrain.formats.datafile import read_text
 from ggtrain.formats.dataset import chat_prompt
 from ggtrain.formats.gguf import read_gguf
 from ggtrain.formats.model_file import open_model
@@ -166,7 +167,8 @@ def eval_cmd(
     model: pathlib.Path = typer.Option(..., "--model", help=f"A GGUF model (families {NAMES})."),
     lora: pathlib.Path = typer.Option(None, "--lora", help="A LoRA adapter GGUF (llama.cpp's format) to apply."),
     lora_scale: float = typer.Option(1.0, "--lora-scale", help="Scale of the adapter."),
-    data: pathlib.Path = typer.Option(None, "--data", help="A UTF-8 text file: its perplexity."),
+    data: pathlib.Path = typer.Option(None, "--data", help="A UTF-8 plain-text file: its perplexity (records, "
+                                      "binary files and formats ggtrain does not read are errors)."),
     task: pathlib.Path = typer.Option(None, "--task", help="A multiple-choice task: JSON lines of {\"context\", "
                                       "\"choices\", \"gold\"} (or llama-perplexity's files with --hellaswag / "
                                       "--winogrande); accuracy as lm-evaluation-harness scores it."),
@@ -213,11 +215,8 @@ def eval_cmd(
     length = ctx or min(cfg.ctx, 512)
     if not 1 <= length <= cfg.ctx:
         raise ConfigError(f"--ctx {ctx}: must be in 1..{cfg.ctx} (the model's context)")
-    try:
-        with file_errors(f"--data {data}", "text file"):
-            text = data.read_text(encoding="utf-8")
-    except UnicodeDecodeError as exc:
-        raise ConfigError(f"--data {data}: not UTF-8 text ({exc})") from None
+    with file_errors(f"--data {data}", "text file"):
+        text = read_text(data)
     ids = tok.encode(text, add_bos=tok.add_bos)
     if len(ids) < 2:
         raise ConfigError(f"--data {data}: fewer than 2 tokens to score")

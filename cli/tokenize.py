@@ -15,6 +15,7 @@ import typer
 from ggtrain.cli.common import file_errors
 from ggtrain.cli.main import app
 from ggtrain.errors import ConfigError
+from ggtrain.formats.datafile import read_utf8
 from ggtrain.formats.tokenizer import tokenizer_from_gguf
 
 _HELP = (
@@ -29,11 +30,7 @@ _HELP = (
 
 def _read_text(file: Path) -> str:
     with file_errors(f"--file {file}", "text file"):
-        data = file.read_bytes()
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise ConfigError(f"--file {file}: not UTF-8 text ({exc})") from None
+        return read_utf8(file)
 
 
 @app.command("tokenize", help=_HELP)
@@ -43,7 +40,8 @@ def tokenize_command(
     text: Optional[str] = typer.Option(None, "--text", show_default=False,
                                        help="The text to tokenize."),
     file: Optional[Path] = typer.Option(None, "--file", show_default=False,
-                                        help="Tokenize this UTF-8 file, byte for byte (final newline included)."),
+                                        help="Tokenize this UTF-8 text file, byte for byte (final newline "
+                                             "included); a binary file is an error."),
     as_json: bool = typer.Option(False, "--json", help='Print one JSON object {"ids": [...]}.'),
     bos: bool = typer.Option(False, "--bos",
                              help="Add the special tokens the vocabulary asks for, as llama.cpp's "

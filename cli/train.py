@@ -20,6 +20,7 @@ from ggtrain.core.models.families import NAMES
 from ggtrain.core.train import TextConfig, TextRun
 from ggtrain.errors import ConfigError
 from ggtrain.formats.checkpoint import Checkpoint, save_checkpoint
+from ggtrain.formats.datafile import decode, require_text
 from ggtrain.formats.model_file import save_model
 from ggtrain.formats.tokenizer import load_tokenizer
 
@@ -30,6 +31,7 @@ BPE_SAMPLE = 64 << 20     # bytes of --data that --tokenizer bpe:N learns its me
 def _bpe_text(path: pathlib.Path) -> str:
     """What --tokenizer bpe:N is trained on: the text's first BPE_SAMPLE bytes (to a line's end)."""
     with file_errors(f"--data {path}"):
+        require_text(path)
         with open(path, "rb") as f:
             raw = f.read(BPE_SAMPLE)
             if len(raw) == BPE_SAMPLE:
@@ -38,14 +40,14 @@ def _bpe_text(path: pathlib.Path) -> str:
         raw = raw[3:]
     if not raw.strip():
         raise ConfigError(f"--data {path}: the file is empty")
-    # undecodable bytes survive as surrogates; each tokenizer documents what it does with them
-    return raw.decode("utf-8", errors="surrogateescape")
+    return decode(raw, str(path))
 
 
 @app.command("train")
 def train(
     context: typer.Context,
-    data: pathlib.Path = typer.Option(None, "--data", help="UTF-8 text to train on (default: bundled tiny shakespeare)."),
+    data: pathlib.Path = typer.Option(None, "--data", help="A UTF-8 plain-text file to train on (default: bundled tiny "
+                                  "shakespeare); records, binary files and formats ggtrain does not read are errors."),
     out: pathlib.Path = typer.Option(..., "--out", help="Where to write the trained model (GGUF llama.cpp loads)."),
     tokenizer: str = typer.Option("byte", "--tokenizer", help="byte, bpe:N (trained on the first 64 MB of "
                                   "--data) or VOCAB.gguf."),

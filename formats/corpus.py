@@ -4,8 +4,10 @@ later runs, and resumed ones, open them in a moment.
 
 `corpus_tokens(path, tokenizer, add_bos=..., cache_dir=..., progress=...)` returns a
 `TokenFile` whose `ids` (n,) int32 are exactly `tokenizer.encode(text, add_bos)` of the whole
-file read as `ggtrain train` reads text (a leading UTF-8 byte order mark dropped, undecodable
-bytes kept as surrogates), without ever holding the text or a Python list of its ids:
+file read as text (a leading UTF-8 byte order mark dropped), without ever holding the text or
+a Python list of its ids. The file must be plain text (formats/datafile.py): records, a binary
+file or bytes that are not UTF-8 are a FormatError naming the line and column, found in one
+pass over the bytes before anything is tokenized (about 2 s/GB; none on a cache hit).
 
 - the file is read in blocks of BLOCK bytes; a character cut by a block's end waits for the
   next block, and the text is cut only where the tokenizer allows (`Tokenizer.cut`: no token
@@ -21,15 +23,17 @@ the .json last, so a .tokens file without its .json is never read; temporary fil
 killed run are removed by the next one (formats/files.py). With no cache directory the ids go to an
 unnamed temporary file (unlinked once mapped).
 
-Record files (JSON lines or arrays of records, formats/dataset.py): `sample_records` makes the
-samples of their records in forked workers and keeps them as `<key>.tokens` (every sample's
-ids, one after another), `<key>.train` (their masks, one byte a token), `<key>.lengths` (int64
-a sample; a preference pair is two, chosen first), `<key>.places` (int64 a record: its line,
-or its index in an array) and `<key>.json` (kind, layout), where key also covers the chat
-template and train_on_inputs (`samples_key`); `cached_samples` gives them back, memory-mapped,
-without reading the records. JSON lines are cut into ranges of whole lines that the workers
-read, parse and sample themselves, so no process holds more than a range of records; a JSON
-array is read whole and its records sliced among the workers.
+Record files (JSON lines, JSON arrays, Parquet, CSV, or a folder of such shards;
+formats/dataset.py): `sample_records` makes the samples of their records in forked workers and
+keeps them as `<key>.tokens` (every sample's ids, one after another), `<key>.train` (their
+masks, one byte a token), `<key>.lengths` (int64 a sample; a preference pair is two, chosen
+first), `<key>.places` (two int64 a record: its shard, and its line, index or row there) and
+`<key>.json` (kind, layout, the shards' names), where key covers every shard's name and bytes,
+the chat template and train_on_inputs (`samples_key`); `cached_samples` gives them back,
+memory-mapped, without reading the records. The records are cut into parts (ranges of whole
+lines of JSON lines and CSV, rows of one Parquet row group) that the workers read, parse and
+sample themselves, so no process holds more than a part of the records (and a worker one row
+group); a JSON array is read whole and its records sliced among the workers.
 
 `packed_rows` keeps what `core.data.pack` / `pack_pairs` make of them as `<key2>.rows` (every
 field's rows, int32) and `<key2>.json` (the stats, the rows' sha256, the targets in each row),
@@ -52,13 +56,15 @@ import numpy as np
 
 from ggtrain.core.data import PackedData, PackStats, allocate_packed
 from ggtrain.errors import ConfigError, FormatError
-from ggtrain.formats.dataset import Data, Sample, is_json_lines, read_data, read_lines, samples
+from ggtrain.formats import datafile
+from ggtrain.formats.datafile import Utf8Stream
+from ggtrain.formats.dataset import Sample, open_records, samples
 from ggtrain.formats.files import commit, discard, open_temporary, remove_stale_temporaries, write_atomic
 from ggtrain.formats.tokenizer import ByteTokenizer, Tokenizer
 
 BLOCK = 4 << 20              # bytes read at a time
 _REACH = 1 << 16             # a cut is looked for in the last _REACH characters first
-_VERSION = 1                 # of the token files; a change makes every cached file a miss
+_VERSION = 2                 # of the token files; a change makes every cached file a miss
 _BOM = b"\xef\xbb\xbf"
 
 
@@ -90,15 +96,20 @@ def corpus_tokens(path, tokenizer: Tokenizer, add_bos: bool = False, cache_dir: 
     progress(bytes_done, bytes_total, tokens) is called as the file is tokenized (not on a
     cache hit). workers: processes that encode (default: the CPUs this process may use).
     Raises FileNotFoundError for a missing file, ConfigError for one with no text (empty or
-    only whitespace).
+    only whitespace), FormatError (naming the file, and the line and column) for one that is
+    not plain text: records, a format ggtrain does not read, or bytes that are not UTF-8
+    text, all found before any is tokenized (not looked for again on a cache hit: the key
+    is the bytes').
     """
     path = os.fspath(path)
+    datafile.require_text(path)
     size = os.path.getsize(path)
     key = _key(path, tokenizer, add_bos)
     if cache_dir is not None:
         found = _open_cached(cache_dir, key)
         if found is not None:
             return found
+    datafile.check_utf8(path)       # every byte, before any is tokenized (a pass of ~2 s/GB)
     if workers is None:
         workers = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     if isinstance(tokenizer, ByteTokenizer):
@@ -134,9 +145,10 @@ def corpus_tokens(path, tokenizer: Tokenizer, add_bos: bool = False, cache_dir: 
 # ---- the stream -------------------------------------------------------------------------------
 
 def _blocks(path: str) -> Iterator[tuple]:
-    """(bytes read so far, text) of each block: decoded with surrogateescape, a UTF-8
-    sequence cut by the block's end held back for the next block."""
-    held = b""
+    """(bytes read so far, text) of each block, decoded strictly (FormatError naming the line
+    and column of a byte that is not UTF-8 text); a UTF-8 sequence cut by the block's end is
+    held back for the next block."""
+    stream = Utf8Stream(path)
     done = 0
     with open(path, "rb") as f:
         first = True
@@ -148,27 +160,10 @@ def _blocks(path: str) -> Iterator[tuple]:
             if first and raw.startswith(_BOM):
                 raw = raw[len(_BOM):]
             first = False
-            raw = held + raw
-            end = _complete(raw)
-            held = raw[end:]
-            yield done, raw[:end].decode("utf-8", errors="surrogateescape")
-    if held:
-        yield done, held.decode("utf-8", errors="surrogateescape")
-
-
-def _complete(raw: bytes) -> int:
-    """The length of `raw` without a UTF-8 sequence its end cuts short (which the next
-    bytes may complete); invalid bytes are left in, they decode the same either way."""
-    for back in range(1, min(3, len(raw)) + 1):
-        b = raw[-back]
-        if b & 0xC0 == 0x80:
-            continue                         # a continuation byte: look further back
-        if b >= 0xC0:
-            need = 2 if b < 0xE0 else 3 if b < 0xF0 else 4
-            if back < need:
-                return len(raw) - back
-        break
-    return len(raw)
+            yield done, stream.feed(raw)
+    tail = stream.feed(b"", final=True)
+    if tail:
+        yield done, tail
 
 
 def _pieces(path: str, tokenizer: Tokenizer) -> Iterator[tuple]:
@@ -248,10 +243,15 @@ def _tokenize(path, size, tokenizer, add_bos, out, progress, workers) -> tuple:
 # ---- the cache --------------------------------------------------------------------------------
 
 def _key(path: str, tokenizer: Tokenizer, add_bos: bool, extra: str = "") -> str:
+    """A cache key over the bytes of a data file (every shard of a folder, by its name in it),
+    the vocabulary, add_bos and `extra`."""
     h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(BLOCK):
-            h.update(chunk)
+    for file in datafile.data_files(path):
+        if file != path:
+            h.update(f"{os.path.relpath(file, path)}\0{os.path.getsize(file)}\0".encode())
+        with open(file, "rb") as f:
+            while chunk := f.read(BLOCK):
+                h.update(chunk)
     h.update(f"|{tokenizer.fingerprint()}|bos={int(add_bos)}|v{_VERSION}|{extra}".encode())
     return h.hexdigest()[:40]
 
@@ -285,8 +285,8 @@ def _map(path: str, n: int) -> np.ndarray:
 
 # ---- record files: their samples, made in parallel and kept ------------------------------------
 
-_SAMPLE_FILES = ("tokens", "train", "lengths", "places")   # the arrays of a SampleSet, one file each
-_MIN_RANGE = 1 << 16        # bytes of JSON lines a worker reads at least (tests make it small)
+# the arrays of a SampleSet, one file each (places: two int64 a record, its shard and number)
+_SAMPLE_FILES = ("tokens", "train", "lengths", "places")
 
 
 class RecordSamples(Sequence):
@@ -313,27 +313,31 @@ class RecordSamples(Sequence):
 
 
 class Places(Sequence):
-    """Where each record is, as errors name it ("data.jsonl line 7", "chat.json record 12"),
-    from its line numbers (JSON lines) or indices (a JSON array)."""
+    """Where each record is, as errors name it ("data.jsonl line 7", "chat.json record 12",
+    "chat.parquet row 3"): places (n, 2) int64, each record's shard and its line, index or
+    row there; shards: (path, word) of each shard."""
 
-    def __init__(self, path: str, numbers: np.ndarray, word: str):
-        self.path, self.numbers, self.word = path, numbers, word
+    def __init__(self, shards: Sequence, places: np.ndarray):
+        self.shards, self.places = shards, places
 
     def __len__(self) -> int:
-        return len(self.numbers)
+        return len(self.places)
 
     def __getitem__(self, k: int) -> str:
-        return f"{self.path} {self.word} {int(self.numbers[k])}"
+        shard, number = (int(x) for x in self.places[k])
+        path, word = self.shards[shard]
+        return f"{path} {word} {number}"
 
 
 @dataclass
 class SampleSet:
-    """The samples of a record file (formats/dataset.py): ids, train (bool): every sample's
-    tokens and mask one after another (memory-mapped from the cache, or in memory); lengths:
-    each sample's (a preference pair: two, chosen first); places: each record's line (JSON
-    lines) or index (a JSON array); kind, layout; conversational: preference pairs given as
-    messages; cached: found in the cache rather than made now; key: the cache key
-    (samples_key); cache_dir: where they are kept (None: nowhere)."""
+    """The samples of a record file or folder (formats/dataset.py): ids, train (bool): every
+    sample's tokens and mask one after another (memory-mapped from the cache, or in memory);
+    lengths: each sample's (a preference pair: two, chosen first); places (n, 2): each
+    record's shard and line, index or row; kind, layout; conversational: preference pairs
+    given as messages; cached: found in the cache rather than made now; key: the cache key
+    (samples_key); cache_dir: where they are kept (None: nowhere); shards: (path, word) of
+    each shard, for `where`."""
     ids: np.ndarray
     train: np.ndarray
     lengths: np.ndarray
@@ -345,7 +349,7 @@ class SampleSet:
     cached: bool
     key: str
     cache_dir: str | None = None
-    array: bool = False        # the file is one JSON array (places are indices)
+    shards: tuple = ()
 
     @property
     def samples(self) -> RecordSamples:
@@ -353,20 +357,28 @@ class SampleSet:
 
     @property
     def where(self) -> Places:
-        return Places(self.path, self.places, "record" if self.array else "line")
+        return Places(self.shards, self.places)
 
 
 def samples_key(path, tokenizer: Tokenizer, template_id: str, train_on_inputs: bool) -> str:
-    """The cache key of a record file's samples: its bytes, the vocabulary, the chat template
-    that would render it (`formats.chat.template_id`) and train_on_inputs."""
-    return _key(path, tokenizer, False, f"samples|{template_id}|tio={int(train_on_inputs)}")
+    """The cache key of a record file's (or folder's: every shard's) samples: its bytes, the
+    vocabulary, the chat template that would render it (`formats.chat.template_id`) and
+    train_on_inputs."""
+    return _key(os.fspath(path), tokenizer, False, f"samples|{template_id}|tio={int(train_on_inputs)}")
+
+
+def _shard_words(path: str, shards: Sequence) -> list:
+    """[(name, word)] of the shards kept with samples: names relative to the data path (a
+    folder moved or renamed still names its files right)."""
+    return [(os.path.relpath(s.path, path) if s.path != path else "", datafile.WORDS[s.format]) for s in shards]
 
 
 def cached_samples(cache_dir: str | None, key: str, path) -> SampleSet | None:
-    """The samples of the record file `path` stored under `key`, or None (absent, damaged or
-    unfinished)."""
+    """The samples of the record file or folder `path` stored under `key`, or None (absent,
+    damaged or unfinished)."""
     if cache_dir is None:
         return None
+    path = os.fspath(path)
     base = os.path.join(cache_dir, key)
     try:
         with open(base + ".json", encoding="utf-8") as f:
@@ -374,14 +386,15 @@ def cached_samples(cache_dir: str | None, key: str, path) -> SampleSet | None:
         if meta.get("version") != _VERSION or meta.get("what") != "samples":
             return None
         lengths = np.fromfile(base + ".lengths", dtype="<i8")
-        places = np.fromfile(base + ".places", dtype="<i8")
+        places = np.fromfile(base + ".places", dtype="<i8").reshape(-1, 2)
         total = int(lengths.sum())
         if len(lengths) != meta["samples"] or len(places) != meta["records"] \
                 or os.path.getsize(base + ".tokens") != 4 * total or os.path.getsize(base + ".train") != total:
             return None
         ids, train = _map(base + ".tokens", total), _map_mask(base + ".train", total)
-        return SampleSet(ids, train, lengths, places, os.fspath(path), meta["kind"], meta["layout"],
-                         bool(meta["conversational"]), True, key, cache_dir, bool(meta["array"]))
+        shards = tuple((os.path.join(path, name) if name else path, word) for name, word in meta["shards"])
+        return SampleSet(ids, train, lengths, places, path, meta["kind"], meta["layout"],
+                         bool(meta["conversational"]), True, key, cache_dir, shards)
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
@@ -389,60 +402,51 @@ def cached_samples(cache_dir: str | None, key: str, path) -> SampleSet | None:
 def sample_records(path, tokenizer: Tokenizer, template_of: Callable, train_on_inputs: bool,
                    cache_dir: str | None, key: str, progress: Callable[[int, int, str], None] | None = None,
                    workers: int | None = None, check: Callable[[str, str], None] | None = None) -> SampleSet:
-    """The samples of the record file `path`, made by `workers` forked processes and stored
-    under `key` in cache_dir (when given).
+    """The samples of the record file or folder `path`, made by `workers` forked processes
+    and stored under `key` in cache_dir (when given).
 
-    JSON lines are cut into ranges of whole lines that each worker reads, parses and samples
-    itself, so this process never holds the records, only the first (its kind); a JSON
-    array is read here and its records sliced among the workers. check(kind, layout) runs
-    on the first record, before any sampling; template_of(kind, conversational) gives the
-    chat template the records need, or None. progress(done, total, unit) is called as parts
-    finish (unit "B" for JSON lines, "record" for an array). Raises FormatError naming the
-    file and line (or record) of a bad record, ConfigError for a cache that cannot be written."""
+    The records are read in parts (formats/datafile.py: ranges of whole lines of JSON lines
+    and CSV, rows of a Parquet row group, slices of a JSON array, which alone is read whole
+    here) that each worker reads, parses and samples itself, so this process holds only the
+    shards' first records (their layout). check(kind, layout) runs on the first record, before
+    any sampling; template_of(kind, conversational) gives the chat template the records need,
+    or None. progress(done, total, "B") is called as parts finish (bytes of the files). Raises
+    FormatError naming the file and line (record, row) of a bad record, ConfigError for a
+    cache that cannot be written."""
     global _RECORDS
     path = os.fspath(path)
     if workers is None:
         workers = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    first_byte = _first_byte(path)
-    if first_byte is None:
-        raise FormatError(f"{path}: the file is empty")
-    lines = is_json_lines(path, first_byte)
-    if lines:
-        size = os.path.getsize(path)
-        ranges = _line_ranges(path, max(_MIN_RANGE, min(BLOCK, -(-size // (4 * workers)))))
-        head = _first_records(path)
-        data, total, unit = None, size, "B"
-        first = (head.layout, head.where[0])
-    else:
-        data = read_data(path)
-        head, first = data, None
-        step = max(1, min(2000, -(-len(data.records) // (4 * workers))))
-        ranges = [(i, min(len(data.records), i + step)) for i in range(0, len(data.records), step)]
-        total, unit = len(data.records), "record"
+    records = open_records(path)
+    head = records.head
     kind, layout = head.kind, head.layout
     conversational = kind == "preference" and isinstance(head.records[0][0], list)
     if check is not None:
         check(kind, layout)
     template = template_of(kind, conversational)
+    parts = records.parts(workers)
+    total = sum(p.size for p in parts)
     out = _SampleWriter(cache_dir, key)
-    _RECORDS = (path, first, data, tokenizer, template, train_on_inputs)
-    job = _sample_lines if lines else _sample_slice
+    _RECORDS = (records, tokenizer, template, train_on_inputs)
     try:
-        if workers <= 1 or len(ranges) == 1:
-            parts = map(job, ranges)
+        if workers <= 1 or len(parts) == 1:
+            made = map(_sample_part, parts)
         else:
             pool = _fork_pool(workers)
-            parts = pool.imap(job, ranges)
+            made = pool.imap(_sample_part, parts)
         try:
-            for r, part in zip(ranges, parts):
-                out.write(*part)
+            done = 0
+            for part, arrays in zip(parts, made):
+                out.write(*arrays)
+                done += part.size
                 if progress is not None:
-                    progress(r[1], total, unit)
+                    progress(done, total, "B")
         finally:
-            if workers > 1 and len(ranges) > 1:
+            if workers > 1 and len(parts) > 1:
                 pool.terminate()
+        shards = _shard_words(path, records.shards)
         meta = {"version": _VERSION, "what": "samples", "source": os.path.abspath(path), "kind": kind,
-                "layout": layout, "conversational": conversational, "array": not lines,
+                "layout": layout, "conversational": conversational, "shards": shards,
                 "tokenizer": repr(tokenizer)}
         ids, train, lengths, places = out.finish(meta)
     except BaseException:
@@ -450,8 +454,9 @@ def sample_records(path, tokenizer: Tokenizer, template_of: Callable, train_on_i
         raise
     finally:
         _RECORDS = None
+    shards = tuple((os.path.join(path, name) if name else path, word) for name, word in shards)
     return SampleSet(ids, train, lengths, places, path, kind, layout, conversational, False, key,
-                     cache_dir, not lines)
+                     cache_dir, shards)
 
 
 class _SampleWriter:
@@ -483,7 +488,7 @@ class _SampleWriter:
             ids, train, lengths, places = (np.concatenate(self.parts[n]) if self.parts[n] else
                                            np.zeros(0, dt) for n, dt in zip(_SAMPLE_FILES, (np.int32, np.uint8,
                                                                                            np.int64, np.int64)))
-            return ids, train.astype(bool), lengths, places
+            return ids, train.astype(bool), lengths, places.reshape(-1, 2)
         for name, (f, tmp) in self.files.items():
             f.flush()
             os.fsync(f.fileno())
@@ -491,7 +496,7 @@ class _SampleWriter:
             commit(tmp, f"{self.base}.{name}")
         self.files = {}
         lengths = np.fromfile(self.base + ".lengths", dtype="<i8")
-        places = np.fromfile(self.base + ".places", dtype="<i8")
+        places = np.fromfile(self.base + ".places", dtype="<i8").reshape(-1, 2)
         total = int(lengths.sum())
         write_atomic(self.base + ".json", json.dumps({**meta, "samples": len(lengths), "records": len(places)}).encode())
         return _map(self.base + ".tokens", total), _map_mask(self.base + ".train", total), lengths, places
@@ -503,49 +508,7 @@ class _SampleWriter:
         self.files = {}
 
 
-_RECORDS: tuple | None = None   # (path, first, data, tokenizer, template, train_on_inputs) of forked workers
-
-
-def _first_byte(path: str) -> bytes | None:
-    with open(path, "rb") as f:
-        head = f.read(len(_BOM))
-        if head != _BOM:
-            f.seek(0)
-        while block := f.read(1 << 16):
-            block = block.lstrip(b" \t\r\n")
-            if block:
-                return block[:1]
-    return None
-
-
-def _line_ranges(path: str, chunk: int) -> list:
-    """(lo, hi, first line) of consecutive ranges of whole lines, each about chunk bytes (a
-    longer line: a range of its own)."""
-    out, lo, line, buf = [], 0, 1, b""
-    with open(path, "rb") as f:
-        while True:
-            block = f.read(BLOCK)
-            buf += block
-            while len(buf) > chunk and (nl := buf.find(b"\n", chunk - 1)) >= 0:
-                out.append((lo, lo + nl + 1, line))
-                line += buf.count(b"\n", 0, nl + 1)
-                lo, buf = lo + nl + 1, buf[nl + 1:]
-            if not block:
-                break
-    if buf:
-        out.append((lo, lo + len(buf), line))
-    return out
-
-
-def _first_records(path: str) -> Data:
-    """The file's first record (its kind and layout), read alone."""
-    with open(path, "rb") as f:
-        line, lo = 1, 0
-        while raw := f.readline():
-            if raw.strip(b" \t\r\n") and not (lo == 0 and raw.strip(b" \t\r\n") == _BOM):
-                return read_lines(path, lo, lo + len(raw), line)
-            line, lo = line + 1, lo + len(raw)
-    raise FormatError(f"{path}: the file is empty")
+_RECORDS: tuple | None = None   # (records, tokenizer, template, train_on_inputs) of forked workers
 
 
 def _flatten(got: list, places: np.ndarray) -> tuple:
@@ -558,20 +521,13 @@ def _flatten(got: list, places: np.ndarray) -> tuple:
             np.array([len(s.ids) for s in flat], dtype=np.int64), places)
 
 
-def _sample_lines(r: tuple) -> tuple:
-    """The samples of a range (lo, hi, first line) of a JSON lines file."""
-    path, first, _, tokenizer, template, train_on_inputs = _RECORDS
-    data = read_lines(path, *r, first=first)
+def _sample_part(part: datafile.Part) -> tuple:
+    """The samples of a part of the record files (read here: in a worker, or serially)."""
+    records, tokenizer, template, train_on_inputs = _RECORDS
+    data, numbers = records.read(part)
     got = samples(data.records, data.kind, tokenizer, template, train_on_inputs, data.where)
-    return _flatten(got, np.array([int(w.rsplit(" ", 1)[1]) for w in data.where], np.int64))
-
-
-def _sample_slice(r: tuple) -> tuple:
-    """The samples of records lo..hi of a JSON array file read whole."""
-    _, _, data, tokenizer, template, train_on_inputs = _RECORDS
-    lo, hi = r
-    got = samples(data.records[lo:hi], data.kind, tokenizer, template, train_on_inputs, data.where[lo:hi])
-    return _flatten(got, np.arange(lo, hi, dtype=np.int64))
+    places = np.array([(part.shard, n) for n in numbers], np.int64).reshape(-1, 2)
+    return _flatten(got, places)
 
 
 # ---- packed rows, kept ------------------------------------------------------------------------

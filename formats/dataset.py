@@ -1,33 +1,27 @@
-"""Training data (layer 5): text and JSON record files, and the token samples made from them.
+"""Training data (layer 5): data files read as text or records, and the token samples made
+from them.
 
-`read_data(path)` tells the kind of a file by its extension and content:
+`read_data(path)` reads a data file or a folder of record files (formats/datafile.py says how
+a path's format is told and how each is read):
 
-    .txt                 plain text, returned whole for token windows (as `ggtrain train`
-                         reads it: bytes that are not UTF-8 kept as surrogates)
-    .jsonl, or a file    JSON lines: one JSON object per line (blank lines skipped)
-    starting with "{"
-    a file starting      a JSON array of objects
-    with "["
-    anything else        plain text
+    plain text    a .txt file, or a file of no record format whose first non-blank byte
+                  starts no JSON: returned whole, for token windows
+    records       JSON lines, a JSON array, Parquet or CSV (a folder: its shards), each
+                  record of one layout of formats/layouts.py (the table of layouts, their
+                  fields and what a record becomes):
 
-Records (one kind per file; a record's other fields are ignored):
+                  layout         fields                          kind
+                  text           text                            text
+                  prompt_completion  prompt, completion          prompt_completion
+                  messages       messages [{role, content}]      chat (OpenAI)
+                  conversations  conversations [{from, value}]   chat (ShareGPT)
+                  alpaca         instruction, input?, output     instruction
+                  dolly          instruction, context?, response instruction
+                  preference     prompt, chosen, rejected        preference
 
-    {"text": str}                                  -> kind "text"
-    {"prompt": str, "completion": str}             -> kind "prompt_completion"
-    {"messages": [{"role", "content"}, ...]}       -> kind "chat" (OpenAI; roles system,
-                                                      user, assistant, tool)
-    {"conversations": [{"from", "value"}, ...]}    -> kind "chat" (ShareGPT; from human/user,
-                                                      gpt/chatgpt/assistant, system, tool),
-                                                      normalised to messages
-    {"prompt", "chosen", "rejected"}              -> kind "preference" (a pair for DPO/ORPO):
-                                                      three strings, or TRL's conversational
-                                                      form (prompt a list of messages, chosen
-                                                      and rejected lists of the assistant's
-                                                      answer)
-
-Errors are one-line FormatErrors naming the file and the line (JSON lines) or the record
-index (a JSON array, counted from 0 as in data[12]), and the field: 'data.jsonl line 7:
-record has no "completion" field'.
+A file that is not UTF-8 text (Parquet aside), or whose extension names a format ggtrain does
+not read, is an error, never text. Errors are one-line FormatErrors naming the file and the
+record (line, index or row) and the field: 'data.jsonl line 7: record has no "completion" field'.
 
 `samples(records, kind, tokenizer, template, train_on_inputs)` turns records into token
 samples, each ids (n,) int32 with train (n,) bool, train[i] meaning "ids[i] is a prediction
@@ -36,6 +30,10 @@ target" (its loss counts when it is predicted from ids[:i]):
     text               BOS (if the vocabulary adds one), the text, EOS; all but BOS trained
     prompt_completion  BOS, prompt + completion encoded as one text, EOS; the completion's
                        tokens and EOS trained (all but BOS with train_on_inputs)
+    instruction        with a chat template: the conversation `instruction_messages` makes
+                       (the instruction and input as the user's turn, the output as the
+                       assistant's), as chat; without one: Alpaca's prompt and the output as
+                       prompt_completion (`alpaca_prompt`). Either way the output is trained.
     preference         a pair (chosen, rejected) of samples: the prompt with each completion,
                        as prompt_completion (strings) or chat (messages: the prompt's turns
                        then the answer's, rendered; only the answer's turns trained)
@@ -61,38 +59,32 @@ starts inside the span.
 """
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from ggtrain.errors import ConfigError, FormatError
-from ggtrain.formats.chat import ChatTemplate
+from ggtrain.formats import datafile
+from ggtrain.formats.chat import TEMPLATE_KEY, ChatTemplate, chat_template
+from ggtrain.formats.gguf import GGUFFile
+from ggtrain.formats.layouts import (BY_NAME, KINDS, ROLES, SHAREGPT_ROLES, Layout, alpaca_prompt,  # noqa: F401
+                                     instruction_messages, layout_of, no_layout, parse_records)
 from ggtrain.formats.tokenizer import ATTR_CONTROL, ATTR_UNKNOWN, ATTR_USER_DEFINED, Tokenizer
 
-KINDS = ("text", "prompt_completion", "chat", "preference")
-ROLES = ("system", "user", "assistant", "tool")
-SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant",
-                  "assistant": "assistant", "system": "system", "tool": "tool"}
-# record layouts: (kind, what messages call a record of it)
-_LAYOUTS = {"text": ("text", '{"text"}'),
-            "prompt_completion": ("prompt_completion", '{"prompt", "completion"}'),
-            "messages": ("chat", '{"messages"} (OpenAI)'),
-            "conversations": ("chat", '{"conversations"} (ShareGPT)'),
-            "preference": ("preference", '{"prompt", "chosen", "rejected"}')}
 _JSON_WS = " \t\r\n"
 _BOM = b"\xef\xbb\xbf"
 
 
 @dataclass
 class Data:
-    """A training data file as read.
+    """A training data file (or folder) as read.
 
     kind: "plain" (text: the whole file) or one of KINDS (records: text -> str,
     prompt_completion -> (prompt, completion), chat -> list of message dicts with "role" and
-    "content"); where: for each record, where it is ("data.jsonl line 7", "chat.json record
-    12"); layout: "plain", "text", "prompt_completion", "messages" or "conversations".
+    "content", instruction -> (instruction, input, output), preference -> (prompt, chosen,
+    rejected)); where: for each record, where it is ("data.jsonl line 7", "chat.json record
+    12", "chat.parquet row 3"); layout: "plain" or a layout's name (formats/layouts.py).
     """
     path: str
     kind: str
@@ -120,33 +112,108 @@ class Sample:
 # ---- reading files ----------------------------------------------------------------------------
 
 def read_data(path) -> Data:
-    """Read a training data file (see the module docstring for the kinds).
+    """Read a training data file or folder (see the module docstring for the kinds).
 
-    Raises FormatError naming the file (and line or record, and field) when it is empty, not
-    UTF-8 (JSON), not valid JSON, or holds a malformed record or a mix of kinds;
-    FileNotFoundError when it does not exist.
+    Raises FormatError naming the file (and line, record or row, and field) when it is empty,
+    not UTF-8, of a format ggtrain does not read, not valid JSON/Parquet/CSV, or holds a
+    malformed record or a mix of layouts; FileNotFoundError when it does not exist.
     """
     path = os.fspath(path)
-    with open(path, "rb") as f:
-        raw = f.read()
-    if raw.startswith(_BOM):
-        raw = raw[len(_BOM):]
-    if not raw.strip():
-        raise FormatError(f"{path}: the file is empty")
-    first = raw.lstrip(_JSON_WS.encode())[:1]
-    if _plain(path, first):
-        # undecodable bytes survive as surrogates, as ggtrain train reads text
-        return Data(path, "plain", text=raw.decode("utf-8", errors="surrogateescape"))
-    text = _decode(raw, path)
-    pairs = _json_lines(text, path) if is_json_lines(path, first) else _json_array(text, path)
-    layout, records, where = _parse_records(pairs)
-    return Data(path, _LAYOUTS[layout][0], records=records, where=where, layout=layout)
+    if datafile.data_format(path) == "text":
+        with open(path, "rb") as f:
+            raw = f.read()
+        if raw.startswith(_BOM):
+            raw = raw[len(_BOM):]
+        if not raw.strip():
+            raise FormatError(f"{path}: the file is empty")
+        return Data(path, "plain", text=datafile.decode(raw, path))
+    records = open_records(path)
+    out = Data(path, records.kind, layout=records.layout.name)
+    for part in records.parts(1):
+        got, _ = records.read(part)
+        out.records += got.records
+        out.where += got.where
+    return out
+
+
+def is_plain_text(path) -> bool:
+    """Whether `read_data` reads the path as plain text (from its name and first block,
+    without reading the rest): such files are tokenized as a stream (formats/corpus.py).
+    False for a folder, and for a file with no text (read_data says it is empty). Raises
+    FormatError for a file of a format ggtrain does not read, or whose first block is not
+    text."""
+    path = os.fspath(path)
+    return datafile.data_format(path) == "text" and datafile.first_byte(path) is not None
 
 
 def is_json_lines(path, first: bytes) -> bool:
     """Whether a record file whose first non-blank byte is `first` holds JSON lines (else one
     JSON array)."""
-    return os.path.splitext(os.fspath(path))[1].lower() == ".jsonl" or first == b"{"
+    return os.path.splitext(os.fspath(path))[1].lower() in (".jsonl", ".ndjson") or first == b"{"
+
+
+@dataclass
+class Records:
+    """A record file or folder, opened: its shards (formats/datafile.py), the JSON arrays
+    among them read whole, the layout of its records, where the first is, and the first
+    record as read (`head`). Read by parts: `parts(workers)`, `read(part)`."""
+    path: str
+    shards: list
+    arrays: dict
+    layout: Layout
+    first: str
+    head: Data
+
+    @property
+    def kind(self) -> str:
+        return self.layout.kind
+
+    def parts(self, workers: int) -> list:
+        return datafile.parts(self.shards, self.arrays, workers)
+
+    def read(self, part: datafile.Part) -> tuple:
+        """(Data of the part's records, their numbers: lines, indices or rows)."""
+        shard = self.shards[part.shard]
+        got = datafile.read_part(shard, part, self.arrays, self.layout.columns)
+        _, records, where = parse_records([(shard.where(n), rec) for n, rec in got], (self.layout.name, self.first))
+        return (Data(self.path, self.kind, records=records, where=where, layout=self.layout.name),
+                [n for n, _ in got])
+
+
+def open_records(path) -> Records:
+    """A record file or a folder of them, opened (`Records`): every shard's first record is
+    read and must be of the first's layout; a Parquet or CSV shard's columns must be some
+    layout's, with its required fields. Raises FormatError naming the file (and record)."""
+    path = os.fspath(path)
+    shards = datafile.open_shards(path)
+    arrays = datafile.read_arrays(shards)
+    layout = first = head = None
+    for shard in shards:
+        columns = None
+        if shard.columns:
+            found = _columns_layout(shard)
+            columns = found.columns
+        number, rec = datafile.first_record(shard, arrays, columns)
+        at = shard.where(number)
+        name, records, where = parse_records([(at, rec)], (layout.name, first) if layout else None)
+        if layout is None:
+            layout, first = BY_NAME[name], at
+            head = Data(path, layout.kind, records=records, where=where, layout=name)
+    return Records(path, shards, arrays, layout, first, head)
+
+
+def _columns_layout(shard: datafile.Shard) -> Layout:
+    """The layout of a Parquet or CSV file's columns (FormatError: none, or a field missing)."""
+    what = "columns" if shard.format == "parquet" else "header's fields"
+    layout = layout_of(shard.columns)
+    if layout is None:
+        raise no_layout(shard.path, shard.columns, f"the {what}")
+    missing = [f for f in layout.fields if f not in shard.columns]
+    if missing:
+        have = ", ".join(f'"{c}"' for c in shard.columns)
+        raise FormatError(f'{shard.path}: no "{missing[0]}" {"column" if shard.format == "parquet" else "field"} '
+                          f"({layout.words} records need one; its {what}: {have})")
+    return layout
 
 
 def read_lines(path, lo: int, hi: int, first_line: int, first: tuple | None = None) -> Data:
@@ -155,226 +222,34 @@ def read_lines(path, lo: int, hi: int, first_line: int, first: tuple | None = No
     record (None: these are the first). Kind and layout are the file's; no records is not an
     error here."""
     path = os.fspath(path)
-    with open(path, "rb") as f:
-        f.seek(lo)
-        raw = f.read(hi - lo)
-    if lo == 0 and raw.startswith(_BOM):
-        raw = raw[len(_BOM):]
-    layout, records, where = _parse_records(_json_lines(_decode(raw, path, first_line), path, first_line), first)
-    layout = layout or (first[0] if first else None)
-    return Data(path, _LAYOUTS[layout][0] if layout else "text", records=records, where=where,
-                layout=layout or "text")
-
-
-def is_plain_text(path) -> bool:
-    """Whether `read_data` reads the file as plain text (from its name and first non-blank
-    byte, without reading the rest): such files are tokenized as a stream
-    (formats/corpus.py). False for a file with no text (read_data says it is empty)."""
-    path = os.fspath(path)
-    with open(path, "rb") as f:
-        head = f.read(len(_BOM))
-        if head != _BOM:
-            f.seek(0)
-        while block := f.read(1 << 16):
-            block = block.lstrip(_JSON_WS.encode())
-            if block:
-                return _plain(path, block[:1])
-    return False
-
-
-def _plain(path: str, first: bytes) -> bool:
-    """Plain text by the extension, or by a first non-blank byte that starts no JSON."""
-    ext = os.path.splitext(path)[1].lower()
-    if ext == ".txt" or (ext != ".jsonl" and first not in (b"{", b"[")):
-        if ext == ".json":
-            raise FormatError(f"{path}: not JSON lines or a JSON array of records "
-                              f"(it starts with {first.decode('latin-1')!r})")
-        return True
-    return False
-
-
-def _decode(raw: bytes, path: str, first_line: int = 1) -> str:
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        line = raw.count(b"\n", 0, e.start) + first_line
-        column = e.start - (raw.rfind(b"\n", 0, e.start) + 1) + 1
-        raise FormatError(f"{path} line {line} column {column}: not UTF-8 "
-                          f"(byte 0x{raw[e.start]:02x})") from None
+    shard = datafile.Shard(path, "jsonl")
+    got = datafile.read_part(shard, datafile.Part(0, lo, hi, first_line, hi - lo), {})
+    layout, records, where = parse_records([(shard.where(n), rec) for n, rec in got], first)
+    layout = layout or (first[0] if first else "text")
+    return Data(path, BY_NAME[layout].kind, records=records, where=where, layout=layout)
 
 
 def _json_lines(text: str, path: str, first_line: int = 1) -> list:
-    """[(where, value)] of the non-blank lines of a JSON lines file (or of its lines from
-    first_line on)."""
-    out = []
-    for n, line in enumerate(text.split("\n"), first_line):
-        if not line.strip(_JSON_WS):
-            continue
-        try:
-            value = json.loads(line)
-        except RecursionError:
-            raise FormatError(f"{path} line {n}: JSON nested too deeply") from None
-        except json.JSONDecodeError as e:
-            hint = ("; JSON lines hold one whole record per line"
-                    if e.pos >= len(line.rstrip(_JSON_WS)) else "")
-            raise FormatError(f"{path} line {n} column {e.colno}: invalid JSON ({e.msg}){hint}") from None
-        out.append((f"{path} line {n}", value))
-    return out
+    """[(where, value)] of the non-blank lines of JSON lines text (formats/tasks.py reads them)."""
+    return [(f"{path} line {n}", v) for n, v in datafile.json_lines(text, path, first_line)]
 
 
 def _json_array(text: str, path: str) -> list:
-    """[(where, value)] of the items of a file holding one JSON array."""
-    try:
-        value = json.loads(text)
-    except RecursionError:
-        raise FormatError(f"{path}: JSON nested too deeply") from None
-    except json.JSONDecodeError as e:
-        raise FormatError(f"{path} line {e.lineno} column {e.colno}: invalid JSON ({e.msg})") from None
-    if not isinstance(value, list):
-        raise FormatError(f"{path}: the file holds {_json_type(value)}, not an array of records")
-    if not value:
-        raise FormatError(f"{path}: the JSON array holds no records")
-    return [(f"{path} record {i}", v) for i, v in enumerate(value)]
+    """[(where, value)] of the items of text holding one JSON array."""
+    return [(f"{path} record {i}", v) for i, v in enumerate(datafile.json_array(text, path))]
 
 
-def _json_type(v) -> str:
-    if v is None:
-        return "null"
-    if isinstance(v, bool):
-        return f"a boolean ({str(v).lower()})"
-    if isinstance(v, (int, float)):
-        return f"a number ({v})"
-    if isinstance(v, str):
-        return "a string"
-    if isinstance(v, list):
-        return "an array"
-    return "an object"
-
-
-def _layout(record: dict) -> str | None:
-    if "chosen" in record or "rejected" in record:
-        return "preference"
-    if "messages" in record:
-        return "messages"
-    if "conversations" in record:
-        return "conversations"
-    if "prompt" in record or "completion" in record:
-        return "prompt_completion"
-    if "text" in record:
-        return "text"
+def record_template(kind: str, conversational: bool, gguf_file: GGUFFile,
+                    override_path=None) -> ChatTemplate | None:
+    """The chat template records of `kind` are rendered with: chat records and conversational
+    preference pairs need one (`chat_template`: the --chat-template file, else the model's;
+    FormatError without); instruction records take it where there is one, else None (Alpaca's
+    own prompt); other kinds None."""
+    if kind == "chat" or conversational:
+        return chat_template(gguf_file, override_path)
+    if kind == "instruction" and (override_path is not None or gguf_file.value(TEMPLATE_KEY, None)):
+        return chat_template(gguf_file, override_path)
     return None
-
-
-def _parse_records(pairs: list, first: tuple | None = None) -> tuple:
-    """(layout, records, where) of [(where, JSON value)], each record checked and normalised;
-    first: (layout, where) of the file's first record when these records come after it."""
-    layout0, where0 = first or (None, None)
-    records, where = [], []
-    for at, rec in pairs:
-        if not isinstance(rec, dict):
-            raise FormatError(f"{at}: the record is {_json_type(rec)} (expected a JSON object)")
-        layout = _layout(rec)
-        if layout is None:
-            keys = ", ".join(f'"{k}"' for k in list(rec)[:5]) or "none"
-            raise FormatError(f'{at}: the record has none of the fields "text", "prompt" and '
-                              f'"completion", "messages", "conversations" (its fields: {keys})')
-        if layout0 is None:
-            layout0, where0 = layout, at
-        elif layout != layout0:
-            raise FormatError(f"{at}: a {_LAYOUTS[layout][1]} record, but the file's first "
-                              f"record ({where0}) is {_LAYOUTS[layout0][1]}: a file holds one kind")
-        records.append(_PARSE[layout](rec, at))
-        where.append(at)
-    return layout0, records, where
-
-
-def _string(value, at: str, name: str) -> str:
-    if not isinstance(value, str):
-        raise FormatError(f"{at}: {name} is {_json_type(value)} (expected a string)")
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise FormatError(f"{at}: {name} holds a lone surrogate \\u{ord(value[e.start]):04x} at "
-                          f"character {e.start}, which is not text") from None
-    return value
-
-
-def _field(rec: dict, key: str, at: str, owner: str = "record") -> object:
-    if key not in rec:
-        raise FormatError(f'{at}: {owner} has no "{key}" field')
-    return rec[key]
-
-
-def _parse_text(rec: dict, at: str) -> str:
-    return _string(rec["text"], at, '"text"')
-
-
-def _parse_prompt_completion(rec: dict, at: str) -> tuple:
-    return (_string(_field(rec, "prompt", at), at, '"prompt"'),
-            _string(_field(rec, "completion", at), at, '"completion"'))
-
-
-def _turns(rec: dict, key: str, at: str, shape: str) -> list:
-    turns = rec[key]
-    if not isinstance(turns, list):
-        raise FormatError(f"{at}: {key} is {_json_type(turns)} (expected an array of {shape} objects)")
-    if not turns:
-        raise FormatError(f"{at}: {key} is empty")
-    for i, t in enumerate(turns):
-        if not isinstance(t, dict):
-            raise FormatError(f"{at}: {key}[{i}] is {_json_type(t)} (expected a {shape} object)")
-    return turns
-
-
-def _parse_messages(rec: dict, at: str, key: str = "messages") -> list:
-    out = []
-    for i, m in enumerate(_turns({key: rec["messages"]}, key, at, '{"role", "content"}')):
-        role = _string(_field(m, "role", at, f"{key}[{i}]"), at, f"{key}[{i}].role")
-        if role not in ROLES:
-            raise FormatError(f"{at}: {key}[{i}].role is {role!r} (expected {', '.join(ROLES[:-1])} "
-                              f"or {ROLES[-1]})")
-        _string(_field(m, "content", at, f"{key}[{i}]"), at, f"{key}[{i}].content")
-        out.append(dict(m))
-    return out
-
-
-def _parse_conversations(rec: dict, at: str) -> list:
-    out = []
-    for i, t in enumerate(_turns(rec, "conversations", at, '{"from", "value"}')):
-        who = _string(_field(t, "from", at, f"conversations[{i}]"), at, f"conversations[{i}].from")
-        if who not in SHAREGPT_ROLES:
-            raise FormatError(f"{at}: conversations[{i}].from is {who!r} (expected "
-                              f"{', '.join(list(SHAREGPT_ROLES)[:-1])} or {list(SHAREGPT_ROLES)[-1]})")
-        value = _string(_field(t, "value", at, f"conversations[{i}]"), at, f"conversations[{i}].value")
-        out.append({"role": SHAREGPT_ROLES[who], "content": value})
-    return out
-
-
-def _parse_preference(rec: dict, at: str) -> tuple:
-    """(prompt, chosen, rejected): three strings, or three message lists (the answers'
-    messages all the assistant's)."""
-    parts = [_field(rec, key, at) for key in ("prompt", "chosen", "rejected")]
-    if all(isinstance(p, str) for p in parts):
-        out = tuple(_string(p, at, f'"{key}"') for p, key in zip(parts, ("prompt", "chosen", "rejected")))
-    elif all(isinstance(p, list) for p in parts):
-        out = tuple(_parse_messages({"messages": p}, at, key)
-                    for p, key in zip(parts, ("prompt", "chosen", "rejected")))
-        for key, answer in zip(("chosen", "rejected"), out[1:]):
-            for i, m in enumerate(answer):
-                if m["role"] != "assistant":
-                    raise FormatError(f"{at}: {key}[{i}].role is {m['role']!r} (the answer's messages are "
-                                      f"the assistant's)")
-    else:
-        kinds = ", ".join(f'"{k}" {_json_type(p)}' for k, p in zip(("prompt", "chosen", "rejected"), parts))
-        raise FormatError(f"{at}: a preference pair holds three strings or three message lists, got {kinds}")
-    if out[1] == out[2]:
-        raise FormatError(f'{at}: "chosen" and "rejected" are identical (a pair must differ)')
-    return out
-
-
-_PARSE = {"text": _parse_text, "prompt_completion": _parse_prompt_completion,
-          "messages": _parse_messages, "conversations": _parse_conversations,
-          "preference": _parse_preference}
 
 
 # ---- samples ----------------------------------------------------------------------------------
@@ -384,7 +259,10 @@ def samples(records: list, kind: str, tokenizer: Tokenizer, template: ChatTempla
     """Token samples of records of one kind (see the module docstring): list[Sample].
 
     records: as `read_data` gives them (text: str; prompt_completion: (prompt, completion);
-    chat: a list of {"role", "content"} dicts); where: their places, for messages.
+    chat: a list of {"role", "content"} dicts; instruction: (instruction, input, output);
+    preference: (prompt, chosen, rejected)); where: their places, for messages. An
+    instruction record is a chat sample with a template, Alpaca's prompt and its output
+    without one.
     Raises ConfigError for chat records without a template, FormatError (naming the record)
     when the template fails on a conversation or its turns cannot be found.
     """
@@ -408,9 +286,12 @@ def samples(records: list, kind: str, tokenizer: Tokenizer, template: ChatTempla
             out.append(_text_sample(rec, tokenizer))
         elif kind == "prompt_completion":
             out.append(_prompt_completion_sample(rec[0], rec[1], tokenizer, train_on_inputs))
+        elif kind == "instruction" and template is None:
+            out.append(_prompt_completion_sample(*alpaca_prompt(rec), tokenizer, train_on_inputs))
         else:
             try:
-                out.append(_chat_sample(rec, tokenizer, template, train_on_inputs))
+                messages = instruction_messages(rec) if kind == "instruction" else rec
+                out.append(_chat_sample(messages, tokenizer, template, train_on_inputs))
             except FormatError as e:
                 raise FormatError(f"{at}: {e}") from None
     return out

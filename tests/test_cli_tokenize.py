@@ -120,7 +120,8 @@ def _unsupported_pre(tmp_path, shared_data):
     ("text and file", "give exactly one of --text and --file"),
     ("neither text nor file", "give exactly one of --text and --file"),
     ("missing file", "--file {file}: no such file"),
-    ("file not UTF-8", "--file {file}: not UTF-8 text"),
+    ("file not UTF-8", "{file} line 1 column 4: not UTF-8 (byte 0xe9)"),
+    ("file is Parquet", "{file}: a Parquet file (name it .parquet to read its records), not text"),
 ])
 def test_errors_are_one_line_and_exit_1(capsys, tmp_path, shared_data, case, message):
     model = shared_data / "gguf" / "ggml-vocab-gpt-2.gguf"
@@ -149,6 +150,9 @@ def test_errors_are_one_line_and_exit_1(capsys, tmp_path, shared_data, case, mes
         args = ["--file", file]
     elif case == "file not UTF-8":
         file.write_bytes(b"caf\xe9 latin-1\n")
+        args = ["--file", file]
+    elif case == "file is Parquet":
+        file.write_bytes(b"PAR1\x15\x04\x15\xa0\x01")
         args = ["--file", file]
     code, out, err = _main(capsys, "--model", model, *args)
     lines = err.strip().splitlines()

@@ -1,5 +1,6 @@
 """Corpora tokenized as a stream into cached token files (formats/corpus.py), the cut rule
 that makes the stream exact (Tokenizer.cut), and the word-cache BPE path of long texts."""
+import csv
 import hashlib
 import json
 import os
@@ -8,10 +9,12 @@ import subprocess
 import sys
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from ggtrain.errors import ConfigError, FormatError
-from ggtrain.formats import corpus
+from ggtrain.formats import corpus, datafile
 from ggtrain.formats.corpus import corpus_tokens
 from ggtrain.formats.files import _host
 from ggtrain.formats.pretokenizer import BPE_PRE
@@ -128,13 +131,13 @@ def test_regex_module_and_oniguruma_agree_on_the_word_cache_range():
 
 def _raw_corpus(shared_data) -> bytes:
     text = _mixed_text(shared_data).replace("\udc80\udcff", "")
+    # a byte order mark, and 4-byte characters that blocks of every size below cut
     raw = text.encode("utf-8")
-    # a byte order mark, and undecodable bytes: a lone lead byte, a cut 4-byte sequence
-    return b"\xef\xbb\xbf" + raw[:7001] + b"\xe2(" + raw[7001:20000] + b"\xf0\x9f\x98" + raw[20000:]
+    return b"\xef\xbb\xbf" + raw[:7001] + "🦙".encode() + raw[7001:20000] + "𝄞😀".encode() + raw[20000:]
 
 
 def _expected(tok, raw, add_bos):
-    return tok.encode(raw[3:].decode("utf-8", errors="surrogateescape"), add_bos=add_bos)
+    return tok.encode(raw[3:].decode("utf-8"), add_bos=add_bos)
 
 
 @pytest.mark.parametrize("name", ["models/SmolLM2-135M-Instruct.Q4_1.gguf", "gguf/stories260K.gguf", "byte"])
@@ -267,6 +270,34 @@ def test_a_file_without_text_is_one_error(tmp_path, content):
     assert not list((tmp_path / "cache").glob("*"))
 
 
+@pytest.mark.parametrize("bad, where", [(b"\xe2(", "line 41 column 9: not UTF-8 (byte 0xe2)"),
+                                        (b"\x00", "line 41 column 9: not text (a NUL byte"),
+                                        (b"\xf0\x9f\x98", "line 41 column 9: not UTF-8 (byte 0xf0)")])
+def test_a_corpus_that_is_not_utf8_text_is_one_error_before_any_tokenizing(tmp_path, monkeypatch, bad, where):
+    """Far past the first block (which data_format looks at), and cut by a block's end."""
+    monkeypatch.setattr(corpus, "BLOCK", 1000)
+    path, cache = tmp_path / "c.txt", tmp_path / "cache"
+    line = "abcdefghijklmnopqrstuvwxyz 0123456789 éü\n".encode()
+    path.write_bytes(line * (datafile.SNIFF // len(line) + 40) + b"12345678" + bad + b" tail\n" + line)
+    monkeypatch.setattr(ByteTokenizer, "encode", lambda *a, **k: pytest.fail("tokenized"))
+    with pytest.raises(FormatError, match=re.escape(f"{path} line {datafile.SNIFF // len(line) + 41}"
+                                                    f"{where[7:]}")):
+        corpus_tokens(path, ByteTokenizer(), cache_dir=str(cache))
+    assert not list(cache.glob("*"))
+
+
+@pytest.mark.parametrize("name, content, message", [
+    ("r.jsonl", b'{"text": "a"}\n', "JSON lines of records, not plain text"),
+    ("r.parquet", b"PAR1", "a Parquet file of records, not plain text"),
+    ("p.txt", b"PAR1\x15\x04\x15\xa0", "a Parquet file (name it .parquet to read its records), not text"),
+    ("x.xlsx", b"PK\x03\x04", "an Excel workbook, a format ggtrain does not read")])
+def test_a_corpus_that_is_not_plain_text_is_one_error(tmp_path, name, content, message):
+    path = tmp_path / name
+    path.write_bytes(content)
+    with pytest.raises(FormatError, match=re.escape(f"{path}: {message}")):
+        corpus_tokens(path, ByteTokenizer(), cache_dir=None)
+
+
 def test_tokenizer_fingerprint_tells_vocabularies_apart(shared_data):
     a = load_tokenizer("byte")
     assert a.fingerprint() == ByteTokenizer().fingerprint()
@@ -289,6 +320,9 @@ def _record_files(tmp_path, shared_data):
             "prompt": [{"role": "user", "content": c["conversations"][0]["value"]}],
             "chosen": [{"role": "assistant", "content": c["conversations"][1]["value"]}],
             "rejected": [{"role": "assistant", "content": "I do not know."}]}) for c in chat)),
+        "instruction": ("alpaca.jsonl", "\n".join(json.dumps({
+            "instruction": c["conversations"][0]["value"], "input": "Answer briefly." if i % 3 else "",
+            "output": c["conversations"][1]["value"]}) for i, c in enumerate(chat))),
     }
     out = {}
     for kind, (name, content) in files.items():
@@ -304,13 +338,46 @@ def _same_samples(a, b):
             assert np.array_equal(s.ids, t.ids) and np.array_equal(np.asarray(s.train, bool), t.train)
 
 
-@pytest.mark.parametrize("form", ["jsonl", "array"])
-@pytest.mark.parametrize("kind", ["chat", "text", "prompt_completion", "preference"])
+def _write_form(tmp_path, form, lines) -> object:
+    """The records of JSON lines `lines` written as a file (or folder) of the form."""
+    records = [json.loads(line) for line in lines if line.strip()]
+    if form == "array":
+        path = tmp_path / "records.json"
+        path.write_text("[" + ",\n".join(lines) + "]")
+    elif form == "jsonl":
+        path = tmp_path / "records.jsonl"
+        path.write_text("\ufeff" + "\n".join(l + ("\n\n  \r" if i % 7 == 3 else "") for i, l in enumerate(lines)) + "\n")
+    elif form == "parquet":
+        path = tmp_path / "records.parquet"
+        pq.write_table(pa.Table.from_pylist(records), path, row_group_size=23)
+    elif form == "csv":
+        path = tmp_path / "records.csv"
+        with open(path, "w", newline="", encoding="utf-8") as f:
+            writer = csv.DictWriter(f, list(records[0]))
+            writer.writeheader()
+            writer.writerows(records)
+    else:       # a folder of shards of three formats, one in a subfolder
+        path = tmp_path / "records"
+        (path / "b").mkdir(parents=True)
+        third = len(records) // 3
+        (path / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records[:third]))
+        pq.write_table(pa.Table.from_pylist(records[third:2 * third]), path / "b" / "c.parquet", row_group_size=10)
+        (path / "d.json").write_text(json.dumps(records[2 * third:]))
+    return path
+
+
+RECORD_CASES = [(kind, form) for kind in ["chat", "text", "prompt_completion", "preference", "instruction"]
+                for form in ["jsonl", "array", "parquet", "csv", "folder"]
+                if not (form == "csv" and kind in ("chat", "preference"))]     # a CSV holds strings only
+
+
+@pytest.mark.parametrize("kind, form", RECORD_CASES, ids=[f"{k}-{f}" for k, f in RECORD_CASES])
 def test_record_samples_are_those_of_the_records_and_come_back_from_the_cache(shared_data, tmp_path, monkeypatch,
                                                                               kind, form):
-    """JSON lines are sampled by workers from ranges of lines (made small here: many ranges,
-    with a BOM and blank lines), a JSON array from slices of its records: the samples are
-    those of the records read whole, and so are their places."""
+    """JSON lines and CSV are sampled by workers from ranges of whole lines / rows (made small
+    here: many ranges, with a BOM and blank lines), Parquet from rows of row groups (cut in
+    parts too), a JSON array from slices of its records, a folder from the parts of its
+    shards: the samples are those of the records read whole, and so are their places."""
     from ggtrain.formats.chat import chat_template, template_id
     from ggtrain.formats.dataset import read_data
     from ggtrain.formats.gguf import read_gguf
@@ -320,14 +387,12 @@ def test_record_samples_are_those_of_the_records_and_come_back_from_the_cache(sh
     given = _record_files(tmp_path, shared_data)[kind]
     text = given.read_text()
     lines = ([json.dumps(r) for r in json.loads(text)] if given.suffix == ".json" else text.split("\n"))
-    path = tmp_path / f"records.{'jsonl' if form == 'jsonl' else 'json'}"
-    if form == "array":
-        path.write_text("[" + ",\n".join(lines) + "]")
-    else:
-        path.write_text("\ufeff" + "\n".join(l + ("\n\n  \r" if i % 7 == 3 else "") for i, l in enumerate(lines)) + "\n")
-    monkeypatch.setattr(corpus, "_MIN_RANGE", 300)
+    path = _write_form(tmp_path, form, lines)
+    monkeypatch.setattr(datafile, "_MIN_RANGE", 300)
+    monkeypatch.setattr(datafile, "_PART_ROWS", 7)
     data = read_data(path)
-    want = data.samples(tok, template if kind in ("chat", "preference") else None, kind == "text")
+    templated = kind in ("chat", "preference", "instruction")
+    want = data.samples(tok, template if templated else None, kind == "text")
     cache = str(tmp_path / "cache")
     key = corpus.samples_key(path, tok, template_id(model), kind == "text")
     assert corpus.cached_samples(cache, key, path) is None
@@ -335,12 +400,12 @@ def test_record_samples_are_those_of_the_records_and_come_back_from_the_cache(sh
 
     def template_of(k, conversational):
         seen.append((k, conversational))
-        return template if k == "chat" or conversational else None
+        return template if k in ("chat", "instruction") or conversational else None
     made = corpus.sample_records(path, tok, template_of, kind == "text", cache, key, workers=2,
                                  progress=lambda done, total, unit: seen.append(unit))
-    assert seen[0] == (kind, kind == "preference") and set(seen[1:]) == {"B" if form == "jsonl" else "record"}
-    if form == "jsonl":
-        assert len(seen) > 8      # many ranges (about 4 a worker)
+    assert seen[0] == (kind, kind == "preference") and set(seen[1:]) == {"B"}
+    if form != "array":
+        assert len(seen) > 8      # many parts (about 4 a worker)
     _same_samples(made.samples, want)
     assert not made.cached and made.kind == kind and list(made.where) == data.where
     serial = corpus.sample_records(path, tok, template_of, kind == "text", None, key, workers=1)
@@ -354,6 +419,12 @@ def test_record_samples_are_those_of_the_records_and_come_back_from_the_cache(sh
     # another template or train_on_inputs: another key
     assert corpus.samples_key(path, tok, "other", kind == "text") != key
     assert corpus.samples_key(path, tok, template_id(model), kind != "text") != key
+    if form == "folder":        # the key covers every shard's bytes and name
+        (path / "d.json").write_text((path / "d.json").read_text() + " ")
+        assert corpus.samples_key(path, tok, template_id(model), kind == "text") != key
+        changed = corpus.samples_key(path, tok, template_id(model), kind == "text")
+        (path / "d.json").rename(path / "e.json")
+        assert corpus.samples_key(path, tok, template_id(model), kind == "text") != changed
 
 
 @pytest.mark.parametrize("damage", ["json", "layout", "utf8", "type"])
@@ -368,11 +439,12 @@ def test_a_bad_record_in_a_later_range_is_named_as_read_data_names_it(shared_dat
     path.write_bytes(b"\n".join(raw))
     with pytest.raises(FormatError) as whole:
         read_data(path)
-    monkeypatch.setattr(corpus, "_MIN_RANGE", 300)
+    monkeypatch.setattr(datafile, "_MIN_RANGE", 300)
     with pytest.raises(FormatError) as streamed:
         corpus.sample_records(path, tok, lambda *a: None, False, str(tmp_path / "cache"), "k", workers=2)
     assert str(streamed.value) == str(whole.value) and "line 41" in str(streamed.value)
-    assert not [p for p in (tmp_path / "cache").iterdir()]     # nothing kept, no temporaries left
+    # nothing kept, no temporaries left (bytes that are not UTF-8 in the first block: no folder made)
+    assert not (tmp_path / "cache").exists() or not list((tmp_path / "cache").iterdir())
 
 
 def test_finetune_on_records_reuses_their_samples(shared_data, tmp_path):

@@ -50,15 +50,30 @@ def test_kinds_by_extension_and_content(tmp_path):
     assert read_data(write(tmp_path, "c.data", '\ufeff {"text": "x"}\n')).records == ["x"]
     assert read_data(write(tmp_path, "d", '\n[{"text": "x"}]')).records == ["x"]
     assert read_data(write(tmp_path, "e.json", '{"text": "x"}')).kind == "text"
-    # plain text: .txt always, other files that are not JSON; bytes that are not UTF-8 kept
-    d = read_data(write(tmp_path, "f.txt", b'{"text": "caf\xe9"}\n'))
-    assert (d.kind, d.text) == ("plain", '{"text": "caf\udce9"}\n')
+    # plain text: .txt always, other files that are not JSON
+    d = read_data(write(tmp_path, "f.txt", '{"text": "café"}\n'))
+    assert (d.kind, d.text) == ("plain", '{"text": "café"}\n')
     assert read_data(write(tmp_path, "g.md", "# notes\n")).text == "# notes\n"
     # records become samples, plain text does not (it is cut into token windows)
     s, = read_data(write(tmp_path, "h.jsonl", '{"text": "ab"}\n')).samples(ByteTokenizer())
     np.testing.assert_array_equal(s.ids, [1, 3 + ord("a"), 3 + ord("b"), 2])
     with pytest.raises(ConfigError, match=r"f\.txt: plain text is cut into token windows"):
         read_data(tmp_path / "f.txt").samples(ByteTokenizer())
+
+
+def test_alpaca_and_dolly_records(tmp_path):
+    """An absent, null or empty input is none; Dolly's context is Alpaca's input; other fields
+    (Dolly's category) are ignored."""
+    d = read_data(write(tmp_path, "a.jsonl", "\n".join(json.dumps(r) for r in [
+        {"instruction": "Add.", "input": "2 3", "output": "5"}, {"instruction": "Hi.", "output": "Hello."},
+        {"instruction": "Hi.", "input": None, "output": "Hey."}, {"instruction": "Hi.", "input": "", "output": ""}])))
+    assert (d.kind, d.layout) == ("instruction", "alpaca")
+    assert d.records == [("Add.", "2 3", "5"), ("Hi.", "", "Hello."), ("Hi.", "", "Hey."), ("Hi.", "", "")]
+    d = read_data(write(tmp_path, "d.json", json.dumps([
+        {"instruction": "Sum up.", "context": "A long text.", "response": "Short.", "category": "summarization"},
+        {"instruction": "Why?", "response": "Because."}])))
+    assert (d.kind, d.layout, d.where[1]) == ("instruction", "dolly", f"{tmp_path}/d.json record 1")
+    assert d.records == [("Sum up.", "A long text.", "Short."), ("Why?", "", "Because.")]
 
 
 def test_sharegpt_and_openai_give_the_same_conversations(shared_data, tmp_path):
@@ -85,8 +100,8 @@ BAD = [
      r"c\.json record 12: conversations\[3\]\.from is 'bot' \(expected human, user, gpt, chatgpt, "
      r"assistant, system or tool\)$"),
     ("d.jsonl", '{"text": "hi"}\n{"prompt": "a", "completion": "b"}\n',
-     r'd\.jsonl line 2: a \{"prompt", "completion"\} record, but the file\'s first record '
-     r'\(.*d\.jsonl line 1\) is \{"text"\}: a file holds one kind$'),
+     r'd\.jsonl line 2: a \{"prompt", "completion"\} record, but the first record '
+     r'\(.*d\.jsonl line 1\) is \{"text"\}: a file, or a folder of them, holds one layout$'),
     ("e.jsonl", '{"text": "hi"}\n{"text": "a", \n',
      r"e\.jsonl line 2 column 15: invalid JSON \(Expecting property name enclosed in double quotes\); "
      r"JSON lines hold one whole record per line$"),
@@ -102,7 +117,9 @@ BAD = [
     ("l.jsonl", '{"messages": [{"role": "bot", "content": "x"}]}\n',
      r"l\.jsonl line 1: messages\[0\]\.role is 'bot' \(expected system, user, assistant or tool\)$"),
     ("m.jsonl", '{"text": "\\ud800x"}\n', r'm\.jsonl line 1: "text" holds a lone surrogate \\ud800 at character 0'),
-    ("n.jsonl", '{"foo": 1}\n', r'n\.jsonl line 1: the record has none of the fields "text", .*\(its fields: "foo"\)$'),
+    ("n.jsonl", '{"foo": 1, "bar": 2}\n', r'n\.jsonl line 1: the record\'s fields \("foo", "bar"\) are of no layout '
+     r'ggtrain reads \(known: \{"prompt", "chosen", "rejected"\}; .*\{"instruction", "input", "output"\} \(Alpaca\); '
+     r'\{"prompt", "completion"\}; \{"text"\}\)$'),
     ("q.json", "hello\n", r"q\.json: not JSON lines or a JSON array of records \(it starts with 'h'\)$"),
     ("s.jsonl", '{"messages": []}\n', r"s\.jsonl line 1: messages is empty$"),
     ("t.jsonl", '{"messages": "hi"}\n',
@@ -110,6 +127,14 @@ BAD = [
     ("u.jsonl", '{"messages": [{"content": "x"}]}\n', r'u\.jsonl line 1: messages\[0\] has no "role" field$'),
     ("v.jsonl", '{"conversations": [{"from": "gpt"}]}\n', r'v\.jsonl line 1: conversations\[0\] has no "value" field$'),
     ("w.jsonl", '{"prompt": 3, "completion": "x"}\n', r'w\.jsonl line 1: "prompt" is a number \(3\) \(expected a string\)$'),
+    ("x.jsonl", '{"instruction": "a", "output": "b"}\n{"instruction": "a", "input": "b"}\n',
+     r'x\.jsonl line 2: record has no "output" field$'),
+    ("y.json", '[{"instruction": "a", "input": 3, "output": "b"}]',
+     r'y\.json record 0: "input" is a number \(3\) \(expected a string\)$'),
+    ("z.jsonl", '{"instruction": "a", "context": "", "response": "b"}\n{"instruction": "a", "output": "b"}\n',
+     r'z\.jsonl line 2: a \{"instruction", "input", "output"\} \(Alpaca\) record, but the first record \(.*z\.jsonl line 1\) '
+     r'is \{"instruction", "context", "response"\} \(Dolly\): a file, or a folder of them, holds one layout$'),
+    ("za.jsonl", '{"context": "c", "response": "b"}\n', r'za\.jsonl line 1: record has no "instruction" field$'),
 ]
 
 
@@ -161,6 +186,59 @@ def test_prompt_completion_samples(shared_data, vocab):
     every = samples(PAIRS, "prompt_completion", tok, train_on_inputs=True)
     for s in every:
         assert s.train[int(tok.add_bos):].all() and not s.train[:int(tok.add_bos)].any()
+
+
+# Stanford Alpaca's prompts (train.py, PROMPT_DICT), written out here as the reference
+ALPACA_INPUT = ("Below is an instruction that describes a task, paired with an input that provides further "
+                "context. Write a response that appropriately completes the request.\n\n### Instruction:\n"
+                "{instruction}\n\n### Input:\n{input}\n\n### Response:")
+ALPACA_NO_INPUT = ("Below is an instruction that describes a task. Write a response that appropriately "
+                   "completes the request.\n\n### Instruction:\n{instruction}\n\n### Response:")
+INSTRUCTIONS = [("Name a color.", "", "Blue."), ("Add the numbers.", "2 and 3", "They add up to 5."),
+                ("Übersetze ins Englische.", "Katze", "Cat"), ("Say nothing.", "", "")]
+
+
+@pytest.mark.parametrize("vocab", ["gguf/ggml-vocab-llama-spm.gguf", SMOLLM, "byte"])
+def test_instruction_samples_without_a_template_are_alpacas_prompt_with_the_output_trained(shared_data, vocab):
+    tok = tokenizer(shared_data, vocab)
+    for rec, s in zip(INSTRUCTIONS, samples(INSTRUCTIONS, "instruction", tok)):
+        instruction, given, output = rec
+        prompt = (ALPACA_INPUT if given else ALPACA_NO_INPUT).format(instruction=instruction, input=given)
+        lead = int(tok.add_bos)
+        body = tok.encode(prompt + output)
+        np.testing.assert_array_equal(s.ids, np.r_[[tok.bos_id] * lead, body, tok.eos_id])
+        # trained: the output's tokens and EOS, nothing of the prompt
+        n_prompt = len(tok.encode(prompt))
+        assert not s.train[:lead + n_prompt].any() and s.train[lead + n_prompt:].all()
+        assert tok.decode_bytes(s.ids[s.train][:-1]).decode() == output and s.ids[s.train][-1] == tok.eos_id
+    # with train_on_inputs, every token but BOS
+    every = samples(INSTRUCTIONS, "instruction", tok, train_on_inputs=True)
+    for a, b in zip(samples(INSTRUCTIONS, "instruction", tok), every):
+        np.testing.assert_array_equal(a.ids, b.ids)
+        assert b.train[int(tok.add_bos):].all()
+
+
+INSTRUCTION_CHAT = [("SmolLM2", SMOLLM, "<|im_end|>"),
+                    ("meta-llama-Llama-3.1-8B-Instruct", "gguf/ggml-vocab-llama-bpe.gguf", "<|eot_id|>"),
+                    ("mistralai-Mistral-Nemo-Instruct-2407", "gguf/ggml-vocab-llama-spm.gguf", "</s>"),
+                    ("google-gemma-2-2b-it", "byte", "<end_of_turn>")]
+
+
+@pytest.mark.parametrize("name, vocab, eot", INSTRUCTION_CHAT, ids=[c[0] for c in INSTRUCTION_CHAT])
+def test_instruction_samples_with_a_template_are_a_user_turn_and_the_output_as_the_answer(shared_data, name,
+                                                                                         vocab, eot):
+    tok = tokenizer(shared_data, vocab)
+    t = template(shared_data, name, vocab)
+    records = [r for r in INSTRUCTIONS if r[2]]
+    got = samples(records, "instruction", tok, t)
+    for (instruction, given, output), s in zip(records, got):
+        user = f"{instruction}\n\n{given}" if given else instruction
+        conversation = [{"role": "user", "content": user}, {"role": "assistant", "content": output}]
+        want, = samples([conversation], "chat", tok, t)
+        np.testing.assert_array_equal(s.ids, want.ids)
+        np.testing.assert_array_equal(s.train, want.train)
+        assert spelled(tok, s.ids[s.train]) == output + eot
+        assert user in spelled(tok, s.ids)
 
 
 def test_samples_arguments():

@@ -223,6 +223,107 @@ def test_bad_input(tmp_path, story, text, chat, shared_data):
     fails("--model", story, "--data", other, "--resume", ck / "ckpt-000002.gguf", *FAST, expect=["other.txt", "not the data"])
 
 
+NAMES = ["Lily", "Ben", "Sam", "Mia"]
+
+
+def _as_it_comes(tmp_path, form):
+    """A data file (or folder) of the form, as downloaded: Alpaca's JSON array, Alpaca or
+    chat messages in Parquet, Dolly's CSV, a folder of Parquet and JSON lines shards."""
+    import csv
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    alpaca = [{"instruction": f"Who is {n}?", "input": "" if i % 2 else "Say it briefly.",
+               "output": f"{n} is a kid who likes to play with a ball."} for i, n in enumerate(NAMES * 6)]
+    chat = [{"messages": [{"role": "user", "content": r["instruction"]}, {"role": "assistant", "content": r["output"]}]}
+            for r in alpaca]
+    if form == "alpaca-json":
+        path = tmp_path / "alpaca_data.json"
+        path.write_text(json.dumps(alpaca, indent=4))
+    elif form == "alpaca-parquet":
+        path = tmp_path / "train-00000-of-00001.parquet"
+        pq.write_table(pa.Table.from_pylist(alpaca), path, row_group_size=5)
+    elif form == "chat-parquet":
+        path = tmp_path / "chat.parquet"
+        pq.write_table(pa.Table.from_pylist(chat), path, row_group_size=5)
+    elif form == "dolly-csv":
+        path = tmp_path / "dolly.csv"
+        with open(path, "w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(["instruction", "context", "response", "category"])
+            w.writerows([r["instruction"], r["input"], r["output"], "open_qa"] for r in alpaca)
+    else:
+        path = tmp_path / "shards"
+        (path / "data").mkdir(parents=True)
+        pq.write_table(pa.Table.from_pylist(chat[:10]), path / "data" / "train-00000.parquet")
+        (path / "data" / "train-00001.jsonl").write_text("".join(json.dumps(r) + "\n" for r in chat[10:]))
+        (path / "README.md").write_text("# the dataset card\n")
+    return path
+
+
+# (form, with a chat template) -- without one, instruction records take Alpaca's own prompt
+AS_IT_COMES = [("alpaca-json", False), ("alpaca-parquet", True), ("chat-parquet", True), ("dolly-csv", False),
+               ("folder", True)]
+
+
+@pytest.mark.parametrize("form, templated", AS_IT_COMES, ids=[f[0] for f in AS_IT_COMES])
+def test_finetune_on_data_as_it_comes(tmp_path, story, chat, form, templated):
+    """No conversion: each trains the tokens its layout says (the masks test_dataset.py
+    checks), every record a sample."""
+    from ggtrain.formats.chat import ChatTemplate
+    from ggtrain.formats.dataset import read_data
+    from ggtrain.formats.tokenizer import tokenizer_from_gguf
+    _, tpl = chat
+    data = _as_it_comes(tmp_path, form)
+    out, log = tmp_path / "a.gguf", tmp_path / "log.jsonl"
+    r = _cli("finetune", "--model", story, "--data", data, "--out", out, "--steps", 3, "--log", log,
+             *(["--chat-template", tpl] if templated else []), *FAST[2:], "--ctx", 256)
+    assert r.returncode == 0, r.stderr
+    tok = tokenizer_from_gguf(story)
+    template = ChatTemplate(tpl.read_text(), "<s>", "</s>") if templated else None
+    want = read_data(data).samples(tok, template)
+    trained = sum(int(s.train[1:].sum()) for s in want)
+    assert f"24 samples, {trained} trained of {sum(len(s.ids) - 1 for s in want)} tokens (0 cut" in r.stderr, r.stderr
+    assert read_lora(out)[0] == 32.0
+
+
+def test_finetune_refuses_what_is_not_data_in_one_line(tmp_path, story, text):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    out = tmp_path / "a.gguf"
+    binary = tmp_path / "chat.txt"
+    pq.write_table(pa.Table.from_pylist([{"text": "hello"}] * 20), binary)
+    unknown = tmp_path / "qa.parquet"
+    pq.write_table(pa.Table.from_pylist([{"question": "q", "answer": "a"}] * 20), unknown)
+    header = tmp_path / "pc.csv"
+    header.write_text("question,answer\nWho?,Me.\n")
+    sheet = tmp_path / "data.xlsx"
+    sheet.write_bytes(b"PK\x03\x04")
+    mixed = tmp_path / "mixed"
+    mixed.mkdir()
+    (mixed / "a.jsonl").write_text('{"text": "hello"}\n')
+    (mixed / "b.jsonl").write_text('{"prompt": "a", "completion": "b"}\n')
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "README.md").write_text("# card\n")
+    cases = [(binary, f"{binary}: a Parquet file (name it .parquet to read its records), not text"),
+             (unknown, f'{unknown}: the columns ("question", "answer") are of no layout ggtrain reads (known: '),
+             (header, f"{header}: the header's fields (\"question\", \"answer\") are of no layout"),
+             (sheet, f"{sheet}: an Excel workbook, a format ggtrain does not read"),
+             (mixed, f'{mixed}/b.jsonl line 1: a {{"prompt", "completion"}} record, but the first record '
+                     f'({mixed}/a.jsonl line 1) is {{"text"}}'),
+             (empty, f"{empty}: a folder without data files")]
+    for data, message in cases:
+        r = _cli("finetune", "--model", story, "--data", data, "--out", out, *FAST)
+        assert r.returncode == 1 and r.stderr.startswith(f"error: {message}"), r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1 and not out.exists(), r.stderr
+    # eval --data reads plain text only
+    for data, message in [(unknown, f"{unknown}: a Parquet file of records, not plain text"),
+                          (binary, f"{binary}: a Parquet file (name it .parquet")]:
+        r = _cli("eval", "--model", story, "--data", data)
+        assert r.returncode == 1 and r.stderr.startswith(f"error: {message}"), r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1
+
+
 def test_help_lists_the_contract_options():
     r = _cli("finetune", "--help")
     assert r.returncode == 0

@@ -127,18 +127,22 @@ def test_bad_input(tmp_path, text):
 
 
 @pytest.mark.parametrize("tokenizer", ["byte", "bpe:300"])
-def test_undecodable_bytes_are_handled_as_the_tokenizer_defines(tmp_path, text, tokenizer):
-    """byte keeps every byte (surrogateescape); the others replace invalid UTF-8 (U+FFFD)."""
+def test_data_that_is_not_utf8_plain_text_is_one_line_and_trains_nothing(tmp_path, text, tokenizer):
+    """Bytes that are not UTF-8 far into the file, a binary file named .txt, records, a folder."""
     raw = tmp_path / "raw.txt"
-    raw.write_bytes(text.read_bytes()[:20000] + b"\xff\xfe broken \xc3( utf-8 \x80" * 50)
+    good = text.read_bytes() * 2             # past the first block that data_format looks at
+    raw.write_bytes(good + b"\xff\xfe broken\n")
+    line = good.count(b"\n") + 1
+    column = len(good) - good.rfind(b"\n")
+    parquet = tmp_path / "chat.txt"
+    parquet.write_bytes(b"PAR1\x15\x04\x15\xa0\x01" + bytes(range(256)))
+    records = tmp_path / "r.jsonl"
+    records.write_text('{"text": "hello"}\n' * 50)
     out = tmp_path / "m.gguf"
-    r = _cli("train", "--data", raw, "--out", out, "--steps", 3, "--tokenizer", tokenizer, *TINY)
-    assert r.returncode == 0, r.stderr
-    config, weights, tok = load_model(out)
-    if tokenizer == "byte":  # the reloaded byte vocabulary still keeps every byte
-        assert tok.decode_bytes(tok.encode_bytes(b"\xff\xfe broken")) == b"\xff\xfe broken"
-    ck = tmp_path / "ck"  # and resuming on that text is accepted (same token stream)
-    r = _cli("train", "--data", raw, "--out", out, "--steps", 2, "--checkpoint-dir", ck, "--tokenizer", tokenizer, *TINY)
-    assert r.returncode == 0, r.stderr
-    r = _cli("train", "--data", raw, "--out", out, "--steps", 3, "--resume", ck / "ckpt-000002.gguf", *TINY)
-    assert r.returncode == 0, r.stderr
+    for data, message in [(raw, f"{raw} line {line} column {column}: not UTF-8 (byte 0xff)"),
+                          (parquet, f"{parquet}: a Parquet file (name it .parquet to read its records), not text"),
+                          (records, f"{records}: JSON lines of records, not plain text"),
+                          (tmp_path, f"{tmp_path}: a folder, not plain text")]:
+        r = _cli("train", "--data", data, "--out", out, "--steps", 3, "--tokenizer", tokenizer, *TINY)
+        assert r.returncode == 1 and r.stderr == f"error: {message}\n", r.stderr
+        assert not out.exists()
