@@ -55,7 +55,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from ggtrain.core.data import PackedData, PackStats, allocate_packed
-from ggtrain.errors import ConfigError, FormatError
+from ggtrain.errors import ConfigError
 from ggtrain.formats import datafile
 from ggtrain.formats.datafile import Utf8Stream
 from ggtrain.formats.dataset import Sample, open_records, samples
