@@ -4,13 +4,13 @@ lets a run stop cleanly."""
 from __future__ import annotations
 
 import contextlib
-import enum
 import json
 import os
 import pathlib
 import signal
 import socket
 import sys
+import time
 from typing import Callable
 
 import typer
@@ -39,11 +39,52 @@ BACKENDS = {
 }
 
 
-def choices(name: str, values) -> type:
-    """An Enum of string values for an option whose value is one of them, so --help shows
-    them ([a|b|c]) and a wrong value is a usage error listing them; the command reads the
-    chosen member's .value."""
-    return enum.Enum(name, {v: v for v in values}, type=str)
+class _Lines:
+    """A progress report for a stderr that is not a terminal (a log file, a pipe): a plain line
+    at most every `every` seconds and at the end, not a bar redrawn with carriage returns (a
+    thousand updates made some 200 KB of them). Takes what tqdm's bars are given here."""
+
+    def __init__(self, total=None, initial: int = 0, desc: str = "", unit: str = "it", every: float = 30.0, **_):
+        self.total, self.n, self.desc, self.unit, self.every = total, initial, desc, unit, every
+        self.postfix, self.t0 = "", time.perf_counter()
+        self.last = self.t0
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+        now = time.perf_counter()
+        if now - self.last >= self.every:
+            self.last = now
+            self._line()
+
+    def set_postfix(self, **values) -> None:
+        self.postfix = ", ".join(f"{k}={v}" for k, v in values.items())
+
+    def set_postfix_str(self, text: str, refresh: bool = False) -> None:
+        self.postfix = text
+
+    def write(self, line: str) -> None:
+        sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+
+    def _line(self) -> None:
+        of = f"/{self.total}" if self.total else ""
+        rest = f" ({self.postfix})" if self.postfix else ""
+        self.write(f"{self.desc + ': ' if self.desc else ''}{self.n}{of} {self.unit}, "
+                   f"{time.perf_counter() - self.t0:.0f} s{rest}")
+
+    def close(self) -> None:
+        if self.n and time.perf_counter() - self.t0 >= self.every:
+            self._line()
+
+
+def progress(quiet: bool = False, **kw):
+    """A progress bar on stderr (tqdm's, where stderr is a terminal; plain lines now and then
+    where it is not), or None with quiet. kw: tqdm's (total, initial, unit, desc, ...)."""
+    if quiet:
+        return None
+    if not sys.stderr.isatty():
+        return _Lines(**kw)
+    return tqdm(file=sys.stderr, **kw)
 
 
 def make_backend(backend: str = "cpu", threads: int | None = None) -> Backend:
@@ -182,10 +223,11 @@ def read_corpus(path: pathlib.Path, tok: Tokenizer, add_bos: bool, token_cache: 
 
 
 class JsonLog:
-    """--log RUN.jsonl: one JSON object per line, flushed as written (no file: no-op)."""
+    """--log RUN.jsonl: one JSON object per line, flushed as written (no file: no-op); append:
+    add to the file (a resumed run's log) instead of starting it anew."""
 
-    def __init__(self, path: pathlib.Path | None):
-        self.file = open(path, "w", encoding="utf-8") if path else None
+    def __init__(self, path: pathlib.Path | None, append: bool = False):
+        self.file = open(path, "a" if append else "w", encoding="utf-8") if path else None
 
     def write(self, obj: dict) -> None:
         if self.file:

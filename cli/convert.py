@@ -23,6 +23,7 @@ from tqdm import tqdm
 from ggtrain.cli.common import file_errors
 from ggtrain.cli.loop import check_out
 from ggtrain.cli.main import app
+from ggtrain.cli.options import choice
 from ggtrain.core.models import mnist
 from ggtrain.core.models.lora import factor_names
 from ggtrain.errors import ConfigError
@@ -102,25 +103,31 @@ def _lora_pairs(ckpt: Checkpoint) -> tuple:
     return float(lora["alpha"]), pairs
 
 
-@app.command("convert-checkpoint")
+To, TO_OPTION = choice(None, "--to", values=TO, panel="Options", show_default=False,
+                       help="model (a checkpoint becomes its model or adapter, the default) or checkpoint (a model "
+                            "becomes a checkpoint to train from).")
+From, FROM_OPTION = choice("gguf", "--from", values=SOURCES, panel="Options",
+                           help="gguf, or llama2c (Karpathy's llama2.c version 0 checkpoint; needs --tokenizer).")
+
+
+@app.command("convert-checkpoint", rich_help_panel="Files")
 def convert_checkpoint(
-    files: list[pathlib.Path] = typer.Argument(..., metavar="IN OUT", show_default=False,
-                                               help="The file to convert and where to write (with --base: OUT only)."),
-    to: str = typer.Option(None, "--to", help="model (default: a checkpoint becomes its model or adapter) or "
-                           "checkpoint (a model becomes a checkpoint to train from)."),
+    first: pathlib.Path = typer.Argument(..., metavar="IN", show_default=False,
+                                         help="The file to convert (with --base and one path: OUT)."),
+    second: pathlib.Path = typer.Argument(None, metavar="OUT", show_default=False, help="Where to write."),
+    to: To = TO_OPTION,
     base: pathlib.Path = typer.Option(None, "--base", help="The base model to merge an adapter (or a LoRA "
                                       "checkpoint) into."),
     adapter: pathlib.Path = typer.Option(None, "--adapter", help="A llama.cpp LoRA adapter to merge into the base."),
     scale: float = typer.Option(1.0, "--scale", help="Scale of the merged adapter (as llama.cpp's --lora-scaled): "
                                 "W + scale * alpha / r * B A."),
-    out_type: str = typer.Option(None, "--out-type", help=f"Type of the written model, as llama.cpp's quantizer "
+    out_type: str = typer.Option(None, "--out-type", metavar="TYPE", help=f"Type of the written model, as llama.cpp's quantizer "
                                  f"names and mixes them (q4_k_m: Q4_K with Q6_K for the output, half the attn_v "
                                  f"and ffn_down, ...): {', '.join(OUT_TYPES)} (default: the input's types; merged "
                                  f"tensors and trained models keep their base's type where it has 8 bits or more, "
                                  f"else f16; f32 for models trained from scratch and llama2.c imports). 1-D "
                                  f"tensors keep their type, as llama.cpp keeps them."),
-    source: str = typer.Option("gguf", "--from", help="gguf, or llama2c (Karpathy's llama2.c version 0 "
-                               "checkpoint; needs --tokenizer)."),
+    source: From = FROM_OPTION,
     tokenizer: pathlib.Path = typer.Option(None, "--tokenizer", help="With --from llama2c: its tokenizer.bin."),
 ):
     """Convert between checkpoints, models and adapters; merge adapters; change types; import llama2.c."""
@@ -130,13 +137,12 @@ def convert_checkpoint(
         raise ConfigError(f"--from {source}: expected one of {', '.join(SOURCES)}")
     if out_type is not None:
         out_type = check_write_type(out_type)
-    if len(files) == 2:
-        inp, out = files
-    elif len(files) == 1 and base is not None:
-        inp, out = None, files[0]
+    if second is not None:
+        inp, out = first, second
+    elif base is not None:
+        inp, out = None, first
     else:
-        raise ConfigError(f"give IN and OUT (got {len(files)} paths)" if base is None else
-                          "with --base give at most IN (a LoRA checkpoint) and OUT")
+        raise ConfigError("give IN and OUT (with --base, OUT alone merges --adapter into it)")
     check_out(out, "OUT")
     for p, option in ((inp, "IN"), (base, "--base"), (adapter, "--adapter"), (tokenizer, "--tokenizer")):
         if p is not None and p.exists() and p.resolve() == out.resolve():

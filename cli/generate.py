@@ -15,11 +15,10 @@ import time
 
 import typer
 
-from ggtrain.cli.common import choices, make_backend, file_errors
-from ggtrain.cli.loop import BACKEND, THREADS
+from ggtrain.cli.common import file_errors, make_backend
+from ggtrain.cli.options import BACKEND, RUNTIME, THREADS, Backend, choice
 from ggtrain.cli.tasks import run_task, task_words
 from ggtrain.cli.main import app
-from ggtrain.core import ops
 from ggtrain.core.models.config import ModelConfig
 from ggtrain.core.models.inference import Decoder, Runner, generate, llama_numerics_available
 from ggtrain.core.numerics import EXACT, LLAMA, NUMERICS
@@ -36,19 +35,13 @@ from ggtrain.formats.tasks import read_task
 
 # the context generate reserves when it runs until end of generation (-n -1) and no --ctx is given
 UNTIL_EOG_CTX = 4096
-Numerics = choices("Numerics", NUMERICS)
-CacheType = choices("CacheType", ("f16", "f32"))
-NUMERICS_OPTION = typer.Option(
-    EXACT, "--numerics",
+Numerics, NUMERICS_OPTION = choice(
+    EXACT, "--numerics", values=NUMERICS, panel=RUNTIME,
     help=f"{EXACT}: f32 as training computes (the default of generate and eval). {LLAMA}: llama.cpp's CPU "
-         "build bit for bit (CPU only): quantized weights times activations rounded to 8 bits "
-         f"({', '.join(ops.ACT8_TYPES)}), F32, F16 and LoRA products in its float order, its norms, rope, "
-         "attention, swiglu and Gemma's gelu table: its logits, so its greedy text and its perplexity; "
-         "~20% faster for generate, 2-3x slower for eval over whole windows.")
-CACHE_TYPE = typer.Option("f16", "--cache-type",
-                          help="The KV cache --numerics llama assumes: f16 (llama.cpp's default) or f32 (its "
-                               "--cache-type-k/v f32). Our cache holds f32 either way; no effect with "
-                               "--numerics exact.")
+         "build bit for bit (its logits, so its greedy text and perplexity; CPU only): ~20% faster for generate, "
+         "2-3x slower for eval over whole windows.")
+CacheType, CACHE_TYPE = choice("f16", "--cache-type", values=("f16", "f32"), panel=RUNTIME,
+                               help="The KV cache --numerics llama assumes: f16 (llama.cpp's default) or f32.")
 # the flags --numerics replaced, kept one release (each says what replaces it)
 OLD_EXACT = typer.Option(False, "--exact", hidden=True)
 OLD_INT8 = typer.Option(False, "--int8", hidden=True)
@@ -76,8 +69,8 @@ def _open(model, lora, lora_scale, backend):
     return ModelConfig(**config), weights, tok, adapters
 
 
-@app.command("generate", help=f"Continue a prompt with a GGUF model (families {NAMES}; KV-cached); "
-             "prints only the continuation, as it comes.")
+@app.command("generate", rich_help_panel="Run", help="Continue a prompt with a GGUF model (or answer one chat "
+             "turn), printing the continuation as it comes.")
 def generate_cmd(
     model: pathlib.Path = typer.Option(..., "--model", help=f"A GGUF model (families {NAMES}; F32, F16, Q8_0, Q4_0, K-quants, ...)."),
     lora: pathlib.Path = typer.Option(None, "--lora", help="A LoRA adapter GGUF (llama.cpp's format) to apply."),
@@ -99,10 +92,10 @@ def generate_cmd(
     repeat_penalty: float = typer.Option(1.0, "--repeat-penalty",
                                          help="Penalize the last 64 tokens' ids (1: off; llama.cpp's rule)."),
     seed: int = typer.Option(0, "--seed", help="Seed of the sampler."),
-    ctx: int = typer.Option(0, "--ctx", help="Positions of the KV cache (default: prompt + n, or "
+    ctx: int = typer.Option(0, "--ctx", show_default=False, help="Positions of the KV cache (default: prompt + n, or "
                             f"min({UNTIL_EOG_CTX}, the model's context) with -n -1)."),
     threads: int = THREADS,
-    backend: str = BACKEND,
+    backend: Backend = BACKEND,
     numerics: Numerics = NUMERICS_OPTION,
     cache_type: CacheType = CACHE_TYPE,
     exact: bool = OLD_EXACT,
@@ -120,7 +113,7 @@ def generate_cmd(
     sampler = Sampler(temp=temp, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty,
                       seed=seed)
     be = make_backend(backend, threads)
-    numerics = _numerics(EXACT if exact else numerics.value, be, "--exact" if exact else None)
+    numerics = _numerics(EXACT if exact else numerics, be, "--exact" if exact else None)
     cfg, weights, tok, adapters = _open(model, lora, lora_scale, be)
     if chat:
         messages = ([{"role": "system", "content": system}] if system is not None else []) + \
@@ -142,7 +135,7 @@ def generate_cmd(
         sys.stdout.write("\n")
         return
     decoder = Decoder(cfg, weights, be, n_ctx=n_ctx, adapters=adapters, numerics=numerics,
-                      kv_f16=cache_type.value == "f16")
+                      kv_f16=cache_type == "f16")
     text = codecs.getincrementaldecoder("utf-8")(errors="replace")
     stop = frozenset(tok.eog_ids)
     t_loaded = time.perf_counter()
@@ -161,8 +154,8 @@ def generate_cmd(
                                      "tokens_per_s": round(rate, 3)}) + "\n")
 
 
-@app.command("eval", help="Perplexity of a model on a text (non-overlapping windows, every token scored once), "
-             "or its accuracy on a multiple-choice task.")
+@app.command("eval", rich_help_panel="Run", help="A model's perplexity on a text, or its accuracy on a "
+             "multiple-choice task.")
 def eval_cmd(
     model: pathlib.Path = typer.Option(..., "--model", help=f"A GGUF model (families {NAMES})."),
     lora: pathlib.Path = typer.Option(None, "--lora", help="A LoRA adapter GGUF (llama.cpp's format) to apply."),
@@ -175,13 +168,13 @@ def eval_cmd(
     hellaswag: bool = typer.Option(False, "--hellaswag", help="--task is llama.cpp's HellaSwag file (6 lines a task)."),
     winogrande: bool = typer.Option(False, "--winogrande", help="--task is llama.cpp's Winogrande CSV."),
     limit: int = typer.Option(0, "--limit", help="Score only the first N task items (0: all)."),
-    ctx: int = typer.Option(0, "--ctx", help="Window length (default: min(model context, 512)); for --task the "
+    ctx: int = typer.Option(0, "--ctx", show_default=False, help="Window length (default: min(model context, 512)); for --task the "
                             "most tokens a choice may take (default: the model's context)."),
     as_json: bool = typer.Option(False, "--json", help='Print {"perplexity", "nll", "tokens"} (--task: {"items", '
                                  '"acc", "acc_stderr", "acc_norm", "acc_norm_stderr"}) as JSON.'),
     quiet: bool = typer.Option(False, "--quiet", help="No progress bar."),
     threads: int = THREADS,
-    backend: str = BACKEND,
+    backend: Backend = BACKEND,
     numerics: Numerics = NUMERICS_OPTION,
     cache_type: CacheType = CACHE_TYPE,
     int8: bool = OLD_INT8,
@@ -195,8 +188,8 @@ def eval_cmd(
     if limit < 0:
         raise ConfigError(f"--limit must be >= 0, got {limit}")
     be = make_backend(backend, threads)
-    numerics = _numerics(LLAMA if int8 else numerics.value, be, "--int8" if int8 else None)
-    f16 = cache_type.value == "f16"
+    numerics = _numerics(LLAMA if int8 else numerics, be, "--int8" if int8 else None)
+    f16 = cache_type == "f16"
     cfg, weights, tok, adapters = _open(model, lora, lora_scale, be)
     if task is not None:
         fmt = "hellaswag" if hellaswag else "winogrande" if winogrande else "jsonl"

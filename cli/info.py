@@ -73,7 +73,7 @@ def _type_label(v: GGUFValue) -> str:
     return v.type.name
 
 
-@app.command("info")
+@app.command("info", rich_help_panel="Files")
 def info(
     file: Path = typer.Argument(..., help="A GGUF file.", show_default=False),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of text."),
@@ -147,7 +147,7 @@ def _checkpoint_lines(c: dict) -> list:
     lines = [f"ggtrain checkpoint (v{c['version']}): {what}", model,
              f"  trained: {c['trained_tensors']} tensors, {c['trained_parameters']:,} parameters"]
     if c["kind"] == "mnist":
-        lines.append(f"  progress: {c['updates']} updates of {c['epochs']} epochs; optimizer {c['optimizer']}, "
+        lines.append(f"  progress: {c['updates']} updates of {c['epochs']:g} epochs; optimizer {c['optimizer']}, "
                      f"lr {c['lr']}")
     elif c["kind"] != "model":
         planned = f" of {c['steps']}" if c["steps"] else ""

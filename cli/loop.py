@@ -1,20 +1,22 @@
-"""What the training commands share (layer 6): their common options (declared once), the
-optimizer's defaults, and around a TextRun (`train`, `finetune`) the progress bar, the JSONL
-log, periodic and final checkpoints, Ctrl-C (one checkpoint, exit 130), the summary line.
-In a data-parallel run only rank 0 shows progress and writes files."""
+"""The scaffold of the training commands (layer 6): `train`, `finetune` and `mnist train` are
+each a TrainingCommand (processes, options record, backend, output checks, resume, summary
+line, log, the drive of the run, the final line), the optimizer's defaults, and around a run
+the progress bar, the JSONL log, periodic and final checkpoints, Ctrl-C (one checkpoint, exit
+130). In a data-parallel run only rank 0 shows progress and writes files."""
 from __future__ import annotations
 
+import json
+import os
 import pathlib
-import sys
 import time
 from typing import Callable
 
 import typer
-from tqdm import tqdm
 
-from ggtrain.cli.common import BACKENDS, JsonLog, stop_on_ctrl_c
+from ggtrain.cli.common import JsonLog, make_backend, progress, start_world, stop_on_ctrl_c
+from ggtrain.cli.config import config_record
+from ggtrain.cli.options import SAVE_ERRORS
 from ggtrain.cli.tasks import task_words
-from ggtrain.cli.config import load_config
 from ggtrain.core.fit import Run
 from ggtrain.core.optim import OPTIMIZERS
 from ggtrain.core.preference import METRICS
@@ -27,44 +29,6 @@ SEARCH_FIELDS = ("evals", "step_size")   # L-BFGS: forward+backward runs and acc
 # preference objectives (DPO, ORPO): TRL's rewards of an update's pairs
 PREFERENCE_FIELDS = METRICS
 
-# The options `train` and `finetune` share, declared once (the ones whose defaults differ,
-# --lr, --warmup, ..., are declared by each command).
-GRAD_CLIP = typer.Option(None, "--grad-clip", help="Global gradient-norm clip (0: off; default 1, "
-                         "0 with lbfgs).")
-CHECKPOINTING = typer.Option(True, "--checkpointing/--no-checkpointing",
-                             help="Gradient checkpointing: keep each block's attention, q, k, v and "
-                                  "mid residual, recompute its norms and FFN in backward (less memory "
-                                  "for ~10-15% more time).")
-CHECKPOINT_DIR = typer.Option(None, "--checkpoint-dir", help="Folder for resumable checkpoints.")
-SAVE_EVERY = typer.Option(0, "--save-every", help="Save a checkpoint every N updates (needs --checkpoint-dir).")
-ON_SAVE_ERROR = typer.Option("stop", "--on-save-error",
-                             help="When a checkpoint cannot be written (a full disk, a folder not writable): "
-                                  "stop (one line naming the last checkpoint to --resume from) or continue "
-                                  "(a warning, and the run goes on). The previous checkpoint is intact either way.")
-SAVE_ERRORS = ("stop", "continue")
-EVAL_EVERY = typer.Option(0, "--eval-every", help="Validation loss every N updates (0: at the end only).")
-THREADS = typer.Option(None, "--threads", help="CPU threads (default: all available).")
-BACKEND = typer.Option("cpu", "--backend", help="; ".join(f"{k}: {v[1]}" for k, v in BACKENDS.items()) + ".")
-LOG = typer.Option(None, "--log", help="JSON lines: steps, evaluations, and a final summary.")
-QUIET = typer.Option(False, "--quiet", help="No progress bar.")
-TOKEN_CACHE = typer.Option(None, "--token-cache",
-                           help="Folder where a plain-text --data file's tokens are kept, so later runs and "
-                                "--resume skip tokenizing it (default: GGTRAIN_TOKEN_CACHE, else "
-                                "$GGTRAIN_CACHE/tokens, else ~/.cache/ggtrain/tokens); none: keep no copy.")
-# also `mnist train`'s
-OPTIMIZER = typer.Option("adamw", "--optimizer",
-                         help=f"{'|'.join(OPTIMIZERS)}. lbfgs: each update is a line search of several "
-                              "forward+backward runs on the same batch (suits full or large batches); "
-                              "--lr is its first trial step (default 1), no schedule, decay or clipping.")
-MOMENTUM = typer.Option(0.0, "--momentum", help="SGD momentum.")
-EARLY_STOP_PATIENCE = typer.Option(0, "--early-stop-patience",
-                                   help="Stop when the validation loss has not improved for N evaluations "
-                                        "and keep the best model (0: off).")
-MIN_DELTA = typer.Option(0.0, "--min-delta", help="What counts as an improvement for --early-stop-patience.")
-CONFIG = typer.Option(None, "--config", is_eager=True, callback=load_config,
-                      help="Options from a TOML file (keys: the long options, e.g. lr = 3e-4, kv-heads = 2) "
-                           "or from a run's --log; options on the command line override it.")
-
 LR_LBFGS = 1.0   # the quasi-Newton step: L-BFGS's first trial step
 
 
@@ -74,10 +38,23 @@ def optimizer_settings(optimizer: str, lr: float | None, weight_decay: float | N
     for lbfgs lr 1 and neither decay nor clipping (given ones are refused by make_optimizer)."""
     if optimizer not in OPTIMIZERS:
         raise ConfigError(f"--optimizer {optimizer!r}: expected one of {', '.join(OPTIMIZERS)}")
+    for name, value in (("--lr", lr), ("--weight-decay", weight_decay), ("--grad-clip", grad_clip)):
+        if value is not None and (value < 0 or (name == "--lr" and value == 0)):
+            raise ConfigError(f"{name} must be {'> 0' if name == '--lr' else '>= 0'}, got {value:g}")
     if optimizer == "lbfgs":
         return (LR_LBFGS if lr is None else lr, weight_decay or 0.0, grad_clip or 0.0)
     return (lr_default if lr is None else lr, weight_decay_default if weight_decay is None else weight_decay,
             1.0 if grad_clip is None else grad_clip)
+
+
+def check_length(steps: int | None, epochs: float | None) -> None:
+    """--steps or --epochs (one of them), each positive."""
+    if steps is not None and steps < 1:
+        raise ConfigError(f"--steps must be >= 1, got {steps}")
+    if epochs is not None and not epochs > 0:
+        raise ConfigError(f"--epochs must be > 0, got {epochs:g}")
+    if steps is not None and epochs is not None:
+        raise ConfigError("give --steps or --epochs, not both")
 
 
 def check_checkpoint_options(save_every: int, checkpoint_dir: pathlib.Path | None,
@@ -137,9 +114,15 @@ def _nothing(path: pathlib.Path) -> None:
 
 
 def check_out(out: pathlib.Path, option: str = "--out") -> None:
-    """The folder of an output exists (what killed writes left in it is removed)."""
+    """An output can be written where it is named: its folder exists and is writable, and the
+    name is not a folder (so a run is not lost when it ends); what killed writes left in the
+    folder is removed."""
+    if out.is_dir():
+        raise ConfigError(f"{option} {out}: is a folder; name the file to write (e.g. {out / 'out.gguf'})")
     if not out.parent.is_dir():
         raise ConfigError(f"{option} {out}: folder {out.parent} does not exist")
+    if not os.access(out.parent, os.W_OK):
+        raise ConfigError(f"{option} {out}: folder {out.parent} cannot be written")
     remove_stale_temporaries(out.parent)
 
 
@@ -177,7 +160,7 @@ def drive(run: Run, batches, val_batches, *, log: JsonLog, quiet: bool, save_eve
     lead = run.world.lead
     if not lead:
         checkpoint, evaluate_task = _nothing, None
-    bar = None if quiet or not lead else tqdm(total=total, initial=run.updates, unit="step", file=sys.stderr)
+    bar = progress(quiet or not lead, total=total, initial=run.updates, unit="step")
     last = [resumed_from]
 
     def save(path: pathlib.Path, step: int, then_continue: bool = True) -> None:
@@ -228,7 +211,7 @@ def drive(run: Run, batches, val_batches, *, log: JsonLog, quiet: bool, save_eve
             bar.close()
     if run.interrupted:
         path = (checkpoint_dir / f"ckpt-{run.updates:06d}.gguf" if checkpoint_dir
-                else out.parent / (out.name + ".ckpt.gguf"))
+                else interrupt_checkpoint(out))
         save(path, run.updates, then_continue=False)
         write({"event": "interrupted", "step": run.updates, "checkpoint": str(path)})
         log.close()
@@ -240,7 +223,7 @@ def drive(run: Run, batches, val_batches, *, log: JsonLog, quiet: bool, save_eve
     if checkpoint_dir is not None:
         save(checkpoint_dir / f"ckpt-{run.updates:06d}.gguf", run.updates)
     task = evaluate_task() if evaluate_task is not None else {}
-    return {"step": run.updates, **validation, **task, **run.seen(), "elapsed_s": time.perf_counter() - t0,
+    return {"step": run.updates, **validation, **task, **run.seen(), "elapsed_s": run.elapsed_offset + time.perf_counter() - t0,
             "stop_reason": run.stop_reason, "stopped": run.why_stopped()}
 
 
@@ -252,3 +235,105 @@ def validation_words(result: dict) -> str:
     acc = (f", preference accuracy {result['val_rewards_accuracy']:.3f}"
            if "val_rewards_accuracy" in result else "")
     return f"validation loss {result['val_loss']:.4f}{acc}"
+
+
+def interrupt_checkpoint(out: pathlib.Path) -> pathlib.Path:
+    """Where Ctrl-C saves a run without --checkpoint-dir: beside --out."""
+    return out.parent / (out.name + ".ckpt.gguf")
+
+
+def _last_elapsed(log: pathlib.Path, step: int) -> float:
+    """The elapsed_s of a log's last step record at or before `step` (0 without one)."""
+    last = 0.0
+    try:
+        lines = log.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError):
+        return 0.0
+    for line in lines:
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(rec, dict) and "elapsed_s" in rec and "event" not in rec and rec.get("step", 0) <= step:
+            last = float(rec["elapsed_s"])
+    return last
+
+
+class TrainingCommand:
+    """What train, finetune and mnist train do around their run, once: the processes, the
+    options record (the log's first line), the backend, the outputs checked before any work,
+    --resume opened, the summary line, the log (appended to when a run resumes with the log it
+    had), the drive of the run, and the final line.
+
+    outs: {option: path or None} of every file the command will write (checked here, on rank 0).
+    """
+
+    def __init__(self, context: typer.Context, command: str, *, backend: str, threads: int | None, outs: dict,
+                 save_every: int = 0, checkpoint_dir: pathlib.Path | None = None, on_save_error: str = "stop",
+                 resume: pathlib.Path | None = None, log: pathlib.Path | None = None, quiet: bool = False):
+        self.t_start = time.perf_counter()
+        self.command = command
+        self.world = start_world()
+        self.record = config_record(context)
+        self.backend = make_backend(backend, threads)
+        self.save_every, self.checkpoint_dir, self.on_save_error = save_every, checkpoint_dir, on_save_error
+        self.resume, self.log_path, self.quiet = resume, log, quiet
+        self.outs = outs
+        if self.lead:   # the one process that writes
+            check_checkpoint_options(save_every, checkpoint_dir, on_save_error)
+            for option, path in outs.items():
+                if path is not None:
+                    check_out(path, option)
+        self.ckpt, self.start = open_resume(resume, command)
+        self.log = None
+
+    @property
+    def lead(self) -> bool:
+        return self.world.lead
+
+    def say(self, line: str) -> None:
+        """A line on stderr from the process that writes."""
+        if self.lead:
+            typer.echo(line, err=True)
+
+    def summary(self, words: str, run: Run) -> None:
+        """The line before training: the command's words, the planned memory and what computes."""
+        mem = run.step.memory
+        self.say(f"{words}; planned memory {mem.peak / 2**20:.1f} MiB (arena {mem.arena / 2**20:.1f} MiB); "
+                 f"{self.backend.describe()}")
+
+    def open_log(self, run: Run, **start) -> JsonLog:
+        """The --log of the run: a new file, or, when the run resumes a checkpoint and the log
+        exists, that file appended to (a "resumed" record; elapsed_s goes on from the log's last
+        step at the checkpoint); `start` (if any) is written as an {"event": "start"} record."""
+        resumed = self.ckpt is not None and self.log_path is not None and self.log_path.is_file()
+        if resumed and self.lead:
+            run.elapsed_offset = _last_elapsed(self.log_path, run.updates)
+        self.log = JsonLog(self.log_path if self.lead else None, append=resumed)
+        self.log.write(self.record)
+        if resumed:
+            self.log.write({"event": "resumed", "step": run.updates, "checkpoint": str(self.resume)})
+        if start:
+            self.log.write({"event": "start", "load_s": time.perf_counter() - self.t_start, **start})
+        return self.log
+
+    def drive(self, run: Run, batches, val, checkpoint: Callable[[pathlib.Path], None], out: pathlib.Path,
+              **kw) -> dict:
+        """drive() with the command's checkpoint options and log."""
+        return drive(run, batches, val, log=self.log, quiet=self.quiet, save_every=self.save_every,
+                     checkpoint_dir=self.checkpoint_dir, out=out, checkpoint=checkpoint,
+                     on_save_error=self.on_save_error, resumed_from=self.resume if self.ckpt is not None else None,
+                     **kw)
+
+    def finish(self, result: dict, out: pathlib.Path, words: str, done: dict | None = None) -> None:
+        """The log's "done" record (drive's result, or `done`) and the final line; the Ctrl-C
+        checkpoint this run resumed from beside --out is removed (the run it belongs to is
+        complete)."""
+        self.log.write({"event": "done", **(result if done is None else done), "out": str(out)})
+        self.log.close()
+        stale = interrupt_checkpoint(out)
+        if self.resume is not None and self.ckpt is not None and self.resume.resolve() == stale.resolve() \
+                and stale.exists():
+            stale.unlink()
+            words += f"; removed {stale} (the interrupted run is complete)"
+        self.say(f"done: {result['stopped']}; {words}")

@@ -15,6 +15,9 @@ import time
 import traceback
 
 import typer
+from typer import rich_utils
+from typer._click.exceptions import ClickException, NoArgsIsHelpError
+from typer.exceptions import Abort
 
 from ggtrain import __version__
 from ggtrain.core import distributed
@@ -48,16 +51,23 @@ def _root(
     _state["debug"] = debug or os.environ.get("GGTRAIN_DEBUG") == "1"
 
 
+def canonical(argv: list) -> list:
+    """argv with the aliases of other tools' option names replaced (cli/options.py ALIASES)."""
+    from ggtrain.cli.options import canonical as replace
+    return replace(argv)
+
+
 def _register() -> None:
     """Import the command modules; each adds its commands to `app`."""
-    from ggtrain.cli import convert  # noqa: F401  (ggtrain convert-checkpoint)
-    from ggtrain.cli import finetune  # noqa: F401  (ggtrain finetune)
-    from ggtrain.cli import generate  # noqa: F401  (ggtrain generate, ggtrain eval)
-    from ggtrain.cli import info  # noqa: F401  (ggtrain info)
-    from ggtrain.cli import mnist  # noqa: F401  (ggtrain mnist train|eval)
-    from ggtrain.cli import plot  # noqa: F401  (ggtrain plot)
-    from ggtrain.cli import tokenize  # noqa: F401  (ggtrain tokenize)
+    # (in the order --help shows them: Train, Run, Files)
     from ggtrain.cli import train  # noqa: F401  (ggtrain train)
+    from ggtrain.cli import finetune  # noqa: F401  (ggtrain finetune)
+    from ggtrain.cli import mnist  # noqa: F401  (ggtrain mnist train|eval)
+    from ggtrain.cli import generate  # noqa: F401  (ggtrain generate, ggtrain eval)
+    from ggtrain.cli import convert  # noqa: F401  (ggtrain convert-checkpoint)
+    from ggtrain.cli import info  # noqa: F401  (ggtrain info)
+    from ggtrain.cli import tokenize  # noqa: F401  (ggtrain tokenize)
+    from ggtrain.cli import plot  # noqa: F401  (ggtrain plot)
 
 
 def _say(line: str) -> None:
@@ -68,12 +78,29 @@ def _say(line: str) -> None:
     sys.stderr.flush()
 
 
+def _run(args: list) -> None:
+    """The app on args; a usage error (a bad option or value) is one line too, with Click's
+    status 2 (rather than its box drawn over a dozen lines)."""
+    try:
+        code = app(args=args, standalone_mode=False)
+    except ClickException as exc:
+        if isinstance(exc, NoArgsIsHelpError):     # `ggtrain` alone: the help, as Typer shows it
+            rich_utils.rich_format_error(exc)
+        else:
+            _say(f"error: {exc.format_message()}")
+        sys.exit(exc.exit_code)
+    except Abort:
+        sys.exit(1)
+    if isinstance(code, int) and code:
+        sys.exit(code)
+
+
 def main(argv: list | None = None) -> None:
     """Entry point of the console script and `python -m ggtrain`."""
     distributed.supervise(sys.argv[1:] if argv is None else list(argv))
     _register()
     try:
-        app(args=argv, standalone_mode=True)
+        _run(canonical(sys.argv[1:] if argv is None else list(argv)))
     except SystemExit as exc:
         # every process stops together with 0 or 130 (Ctrl-C); any other status is this one
         # alone (e.g. Click's answer to a KeyboardInterrupt outside the training loop)

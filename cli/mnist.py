@@ -7,12 +7,13 @@ import pathlib
 
 import typer
 
-from ggtrain.cli.common import JsonLog, make_backend, start_world
-from ggtrain.cli.config import config_record
-from ggtrain.cli.loop import (BACKEND, CHECKPOINT_DIR, CONFIG, EARLY_STOP_PATIENCE, MIN_DELTA, MOMENTUM,
-                              ON_SAVE_ERROR, OPTIMIZER, QUIET, SAVE_EVERY, THREADS, check_checkpoint_options,
-                              check_out, check_resume_data, continue_run, drive, open_resume, optimizer_settings)
+from ggtrain.cli.common import make_backend
+from ggtrain.cli.loop import TrainingCommand, check_length, check_resume_data, continue_run, optimizer_settings
 from ggtrain.cli.main import app
+from ggtrain.cli.options import (BACKEND, CHECKPOINT_DIR, CONFIG, DATA, EARLY_STOP_PATIENCE, LOG, MIN_DELTA, MODEL,
+                                 MOMENTUM, ON_SAVE_ERROR, OPTIMIZATION, OPTIMIZER, QUIET, SAVE_EVERY, STEPS, THREADS,
+                                 Backend, OnSaveError, Optimizer, choice, opt_batch, opt_epochs, opt_lr, opt_resume,
+                                 opt_seed, opt_val_split)
 from ggtrain.core.data import fingerprint_arrays
 from ggtrain.core.models import mnist as model
 from ggtrain.core.train import ClassifierConfig, ClassifierRun, classifier_data, split_train_val
@@ -25,66 +26,66 @@ BUNDLED = pathlib.Path(__file__).resolve().parent / "data" / "mnist"
 
 mnist_app = typer.Typer(help="Train and evaluate ggml's MNIST classifiers (mnist-fc, mnist-cnn).",
                         no_args_is_help=True)
-app.add_typer(mnist_app, name="mnist")
+app.add_typer(mnist_app, name="mnist", rich_help_panel="Train")
+
+
+Arch, ARCH = choice("fc", "--arch", values=model.ARCHS, panel=MODEL,
+                    help="fc (784-500-10) or cnn (two 3x3 convolutions).")
 
 
 @mnist_app.command("train")
 def train(
     context: typer.Context,
-    arch: str = typer.Option("fc", "--arch", help="Model: fc (784-500-10) or cnn (two 3x3 convs)."),
-    data: pathlib.Path = typer.Option(None, "--data", help="Folder with the MNIST IDX files (.gz or raw); "
-                                      "default: a bundled 5000-image subset."),
-    out: pathlib.Path = typer.Option(..., "--out", help="Where to write the model (GGUF)."),
-    epochs: int = typer.Option(None, "--epochs", help="Passes over the training split (>= 1; default 30); "
-                               "with --resume, the run's new total."),
-    batch: int = typer.Option(1000, "--batch", help="Logical batch: samples per optimizer update, of each "
-                              "process under mpiexec (more than the training split: all of it, a full batch)."),
-    physical_batch: int = typer.Option(500, "--physical-batch",
-                                       help="Samples per native run; gradients accumulate over batch/physical."),
-    lr: float = typer.Option(None, "--lr", help="Learning rate (default 1e-3; lbfgs: first trial step, 1)."),
-    optimizer: str = OPTIMIZER,
+    out: pathlib.Path = typer.Option(..., "--out", rich_help_panel=MODEL, show_default=False,
+                                     help="The model to write (GGUF)."),
+    arch: Arch = ARCH,
+    data: pathlib.Path = typer.Option(None, "--data", rich_help_panel=DATA, show_default=False,
+                                      help="Folder of the MNIST IDX files (.gz or raw) (default: a bundled "
+                                           "5000-image subset)."),
+    limit: int = typer.Option(0, "--limit", rich_help_panel=DATA, help="Only the first N training images (0: all)."),
+    steps: int = STEPS,
+    epochs: float = opt_epochs("30; with --resume, the run's new total"),
+    batch: int = opt_batch(1000, "Images (a logical batch: one update; more than the training split: all of it)"),
+    physical_batch: int = typer.Option(500, "--physical-batch", rich_help_panel=OPTIMIZATION,
+                                       help="Images a native run; gradients add up over --batch / this."),
+    lr: float = opt_lr("1e-3"),
+    optimizer: Optimizer = OPTIMIZER,
     momentum: float = MOMENTUM,
     early_stop_patience: int = EARLY_STOP_PATIENCE,
     min_delta: float = MIN_DELTA,
-    val_split: float = typer.Option(0.05, "--val-split", help="Fraction of training data held out for validation."),
-    seed: int = typer.Option(0, "--seed", help="Seed of initialisation, split and shuffling."),
+    val_split: float = opt_val_split(0.05, "evaluated every epoch"),
     checkpoint_dir: pathlib.Path = CHECKPOINT_DIR,
     save_every: int = SAVE_EVERY,
-    on_save_error: str = ON_SAVE_ERROR,
-    resume: pathlib.Path = typer.Option(None, "--resume", help="Continue from an mnist checkpoint (same --data "
-                                        "and --limit; the run's other settings are the checkpoint's)."),
+    on_save_error: OnSaveError = ON_SAVE_ERROR,
+    resume: pathlib.Path = opt_resume("same --data and --limit; the run's other settings are the checkpoint's"),
+    seed: int = opt_seed("the initialisation, the split and the order"),
     threads: int = THREADS,
-    backend: str = BACKEND,
-    log: pathlib.Path = typer.Option(None, "--log", help="Write per-step and per-epoch JSON lines here."),
-    limit: int = typer.Option(0, "--limit", help="Use only the first N training images (0: all)."),
+    backend: Backend = BACKEND,
+    log: pathlib.Path = LOG,
     quiet: bool = QUIET,
     config: pathlib.Path = CONFIG,
 ):
     """Train an MNIST classifier with ggml's defaults and write it as GGUF; checkpoints and
     --resume as `ggtrain train`'s (Ctrl-C writes one)."""
-    world = start_world()
-    record = config_record(context)
-    if world.lead:   # the one process that writes
-        check_checkpoint_options(save_every, checkpoint_dir, on_save_error)
-        check_out(out)
-    if epochs is not None and epochs < 1:
-        raise ConfigError(f"--epochs must be >= 1, got {epochs}")
-    ckpt, _ = open_resume(resume, "mnist train")
+    check_length(steps, epochs)
+    cmd = TrainingCommand(context, "mnist train", backend=backend, threads=threads, outs={"--out": out},
+                          save_every=save_every, checkpoint_dir=checkpoint_dir, on_save_error=on_save_error,
+                          resume=resume, log=log, quiet=quiet)
+    world, ckpt = cmd.world, cmd.ckpt
     if ckpt is not None:   # the run's settings are the checkpoint's
         arch = ckpt.model_config["arch"]
-        cfg = ClassifierConfig(**{**ckpt.train_config, **({"epochs": epochs} if epochs is not None else {})})
+        more = {"epochs": epochs, "steps": 0} if epochs is not None else {"steps": steps} if steps is not None else {}
+        cfg = ClassifierConfig(**{**ckpt.train_config, **more})
         limit = ckpt.run_config.get("limit", 0)
         if ckpt.run_config.get("world", 1) != world.size:
             raise ConfigError(f"--resume {resume}: the run had {ckpt.run_config.get('world', 1)} processes, "
                               f"{world.size} were started")
     else:
-        if arch not in model.ARCHS:
-            raise ConfigError(f"--arch {arch!r}: expected one of {', '.join(model.ARCHS)}")
-        epochs = 30 if epochs is None else epochs
         lr, _, _ = optimizer_settings(optimizer, lr, None, None, 1e-3, 0.0)
-        cfg = ClassifierConfig(epochs=epochs, batch=batch, physical_batch=physical_batch, lr=lr,
-                               val_split=val_split, seed=seed, optimizer=optimizer, momentum=momentum,
-                               early_stop_patience=early_stop_patience, min_delta=min_delta)   # checked before reading
+        cfg = ClassifierConfig(epochs=30 if epochs is None else epochs, steps=steps or 0, batch=batch,
+                               physical_batch=physical_batch, lr=lr, val_split=val_split, seed=seed,
+                               optimizer=optimizer, momentum=momentum, early_stop_patience=early_stop_patience,
+                               min_delta=min_delta)   # checked before reading
     images, labels = load_mnist(data or BUNDLED, "train")
     if limit:
         images, labels = images[:limit], labels[:limit]
@@ -92,53 +93,39 @@ def train(
     per = cfg.physical_batch * world.size   # the global batch is batch x processes
     if ckpt is None and cfg.batch * world.size > n_train >= per:   # a full batch: every training image each update
         full = n_train // per * cfg.physical_batch
-        if world.lead:
-            total = full * world.size
-            procs = f" ({full} on each of {world.size} processes)" if world.size > 1 else ""
-            typer.echo(f"--batch is more than the {n_train} training images: a full batch of {total}{procs}"
-                       + (f" ({n_train - total} left out: not a multiple of --physical-batch"
-                          + (" x processes" if world.size > 1 else "") + ")" if n_train > total else ""),
-                       err=True)
+        total = full * world.size
+        procs = f" ({full} on each of {world.size} processes)" if world.size > 1 else ""
+        cmd.say(f"--batch is more than the {n_train} training images: a full batch of {total}{procs}"
+                + (f" ({n_train - total} left out: not a multiple of --physical-batch"
+                   + (" x processes" if world.size > 1 else "") + ")" if n_train > total else ""))
         cfg = dataclasses.replace(cfg, batch=full)
     fingerprint = fingerprint_arrays(images, labels)
     if ckpt is not None:
         check_resume_data(ckpt, fingerprint, resume, data or BUNDLED)
-    be = make_backend(backend, threads)
     init = ckpt.state["params"] if ckpt is not None else model.init_params(arch, cfg.seed)
-    run = ClassifierRun(lambda p, x: model.forward(arch, p, x), init, (28, 28), cfg, be, world=world)
+    run = ClassifierRun(lambda p, x: model.forward(arch, p, x), init, (28, 28), cfg, cmd.backend, world=world)
     batches, val = classifier_data(images, labels, cfg, world)
     if ckpt is not None:
         continue_run(run, batches, ckpt)
-    mem = run.step.memory
-    if world.lead:
-        typer.echo(f"mnist-{arch}: {sum(v.size for v in init.values())} parameters, "
-                   f"{len(labels)} images, planned memory {mem.peak / 2**20:.1f} MiB "
-                   f"(arena {mem.arena / 2**20:.1f} MiB), {be.describe()}", err=True)
+    cmd.summary(f"mnist-{arch}: {sum(v.size for v in init.values()):,} parameters, {len(labels):,} images", run)
     train_json = dataclasses.asdict(cfg)
-    run_json = {"limit": limit, "world": world.size, "options": record["options"]}
+    run_json = {"limit": limit, "world": world.size, "options": cmd.record["options"]}
 
     def checkpoint(path: pathlib.Path) -> None:
         save_checkpoint(path, Checkpoint("mnist", {"arch": arch}, train_json, run.state(), None, batches.state(),
                                          fingerprint, run_config=run_json))
 
-    logf = JsonLog(log if world.lead else None)
-    logf.write(record)
-    result = drive(run, batches, val, log=logf, quiet=quiet, save_every=save_every, checkpoint_dir=checkpoint_dir,
-                   out=out, checkpoint=checkpoint, on_save_error=on_save_error,
-                   resumed_from=resume if ckpt is not None else None, describe_eval=_epoch_line,
-                   evals_when_quiet=True)
+    cmd.open_log(run)
+    result = cmd.drive(run, batches, val, checkpoint, out, describe_eval=_epoch_line, evals_when_quiet=True)
     if world.lead:
         save_mnist_model(out, arch, run.param_values(), model.PARAM_SHAPES[arch])
         kept = run.kept()     # of the model written: the best epoch's with early stopping
-        done = {"event": "done", "epochs": run.last["epoch"] if run.last else 0, "elapsed_s": result["elapsed_s"],
-                "stop_reason": run.stop_reason, "stopped": result["stopped"],
-                "samples_seen": result["samples_seen"], "out": str(out)}
+        done = {"epochs": run.last["epoch"] if run.last else 0, "elapsed_s": result["elapsed_s"],
+                "stop_reason": run.stop_reason, "stopped": result["stopped"], "samples_seen": result["samples_seen"]}
         if kept:
             done.update({k: kept.get(k) for k in ("epoch", "val_loss", "val_accuracy", "train_loss",
                                                   "train_accuracy")})
-        logf.write(done)
-        logf.close()
-        typer.echo(f"{result['stopped']}; wrote {out}", err=True)
+        cmd.finish(result, out, f"wrote {out}", done=done)
 
 
 def _epoch_line(s: dict) -> str:
@@ -154,7 +141,7 @@ def evaluate(
                                       "default: the bundled 1000-image test subset."),
     as_json: bool = typer.Option(False, "--json", help='Print {"loss": .., "accuracy": ..} as JSON.'),
     threads: int = THREADS,
-    backend: str = BACKEND,
+    backend: Backend = BACKEND,
 ):
     """Test loss and accuracy (with standard errors) of an MNIST model on the t10k set."""
     arch, params = load_mnist_model(model_path, model.PARAM_SHAPES)

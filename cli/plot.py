@@ -53,7 +53,7 @@ def _pyplot():
     return plt
 
 
-@app.command("plot")
+@app.command("plot", rich_help_panel="Files")
 def plot(
     logs: list[pathlib.Path] = typer.Argument(..., help="--log files (JSON lines) of training runs; several "
                                               "are drawn over each other."),

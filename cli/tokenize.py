@@ -33,7 +33,7 @@ def _read_text(file: Path) -> str:
         return read_utf8(file)
 
 
-@app.command("tokenize", help=_HELP)
+@app.command("tokenize", rich_help_panel="Files", help=_HELP)
 def tokenize_command(
     model: Path = typer.Option(..., "--model", show_default=False,
                                help="A GGUF file with a tokenizer vocabulary (a model or vocab-only file)."),

@@ -102,6 +102,7 @@ class Run(ABC):
         self.early_stopping = EarlyStopping(patience, min_delta, unit=unit)
         self.best_params = None     # with early stopping: the parameters of the best evaluation
         self.stop_reason = None     # one of STOP_REASONS once fit has ended
+        self.elapsed_offset = 0.0   # seconds the run had trained before this process (a resumed run)
         self._stop_requested = False
 
     # ---- the stop request (Ctrl-C): asked, voted on by every process, answered ---------------
@@ -227,7 +228,7 @@ def fit_updates(run: Run, first: int, total: int, draw: Callable, describe: Call
             raise NumericError(f"loss {loss}, gradient norm {grad_norm} at update {u}: training diverged "
                                f"(try a lower --lr)")
         now = time.perf_counter()
-        info = {"step": u, "loss": loss, "lr": lr, "grad_norm": grad_norm, "elapsed_s": now - t0,
+        info = {"step": u, "loss": loss, "lr": lr, "grad_norm": grad_norm, "elapsed_s": run.elapsed_offset + now - t0,
                 **describe(feeds, loss, now - t_step), **search_fields(run.step)}
         if on_step is not None:
             on_step(info)

@@ -39,7 +39,8 @@ from ggtrain.errors import ConfigError
 class ClassifierConfig:
     """Hyperparameters of a classifier run (defaults: ggml's MNIST trainer)."""
 
-    epochs: int = 30
+    epochs: float = 30     # passes over the training split (a fraction ends mid-epoch)
+    steps: int = 0          # updates instead of epochs (0: from epochs)
     batch: int = 1000           # logical batch (one optimizer update)
     physical_batch: int = 500   # rows per native run; batch must be a multiple
     lr: float = 1e-3
@@ -55,8 +56,8 @@ class ClassifierConfig:
     min_delta: float = 0.0
 
     def __post_init__(self):
-        if self.epochs < 0:
-            raise ConfigError(f"--epochs must be >= 0, got {self.epochs}")
+        if self.epochs < 0 or self.steps < 0:
+            raise ConfigError(f"--epochs and --steps must be >= 0, got {self.epochs:g}, {self.steps}")
         check_early_stop(self.early_stop_patience, self.min_delta)
         if self.physical_batch < 1 or self.batch < 1 or self.batch % self.physical_batch:
             raise ConfigError(f"--batch ({self.batch}) must be a positive multiple of "
@@ -182,7 +183,7 @@ class ClassifierRun(Run):
         return {"samples_seen": self.samples_seen}
 
     def total_updates(self, batches) -> int:
-        return self.config.epochs * batches.updates_per_epoch
+        return self.config.steps or round(self.config.epochs * batches.updates_per_epoch)
 
     @property
     def drawn(self) -> int:

@@ -24,17 +24,18 @@ def _config(layout) -> dict:
     return dataclasses.asdict(layout.config)
 
 
-def open_model(path, backend) -> tuple:
+def open_model(path, backend, file: GGUFFile | None = None) -> tuple:
     """(ModelConfig kwargs, {name: weights}, tokenizer) of a GGUF model of any family, its weights
     read from the file straight into `backend` buffers in the types the file stores them in
     (no f32 copy, no second copy of any kind): matrices as StoredTensor (F32, F16, BF16,
     Q4_0 ... Q6_K), the 1-D norm weights as f32 (StoredTensor when the file has them in
     F32, else a small f32 array).
 
+    file: the file already read (read_gguf(path)), so its header is parsed once.
     Raises FormatError for files that are not models of a family ggtrain computes, and for a tensor in a type no
     kernel reads (naming the tensor, its type and the supported ones).
     """
-    f = read_gguf(path)
+    f = file if file is not None else read_gguf(path)
     layout = validate_model(f)
     for name in layout.shapes:
         info = f.tensors[name]

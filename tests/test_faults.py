@@ -32,8 +32,8 @@ def _ggtrain(args, cwd, fsize=None):
                           text=True, preexec_fn=limits, timeout=300)
 
 
-def _one_line_error(r, *words):
-    assert r.returncode == 1, r.stderr
+def _one_line_error(r, *words, status=1):
+    assert r.returncode == status, r.stderr
     assert "Traceback" not in r.stderr, r.stderr
     last = r.stderr.strip().splitlines()[-1]
     assert last.startswith("error: "), r.stderr
@@ -86,7 +86,7 @@ def test_on_save_error_continue_goes_on_and_says_so(tmp_path, text):
 def test_on_save_error_is_checked(tmp_path, text):
     r = _ggtrain(["train", "--data", text, "--out", tmp_path / "m.gguf", "--on-save-error", "retry", *TINY],
                  tmp_path)
-    _one_line_error(r, "--on-save-error", "retry", "stop", "continue")
+    _one_line_error(r, "--on-save-error", "retry", "stop", "continue", status=2)   # a usage error
 
 
 # ---- files a killed save left ---------------------------------------------------------------

@@ -282,7 +282,7 @@ def test_finetune_on_data_as_it_comes(tmp_path, story, chat, form, templated):
     template = ChatTemplate(tpl.read_text(), "<s>", "</s>") if templated else None
     want = read_data(data).samples(tok, template)
     trained = sum(int(s.train[1:].sum()) for s in want)
-    assert f"24 samples, {trained} trained of {sum(len(s.ids) - 1 for s in want)} tokens (0 cut" in r.stderr, r.stderr
+    assert f"24 samples, {trained:,} trained of {sum(len(s.ids) - 1 for s in want):,} tokens (0 cut" in r.stderr, r.stderr
     assert read_lora(out)[0] == 32.0
 
 

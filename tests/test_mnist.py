@@ -161,7 +161,7 @@ def test_cli_rejects_bad_input(mnist, tmp_path, shared_data):
     r = _cli("mnist", "train", "--data", str(tmp_path), "--out", str(tmp_path / "m.gguf"))
     assert r.returncode == 1 and "train images" in r.stderr
     r = _cli("mnist", "train", "--arch", "rnn", "--data", str(folder), "--out", str(tmp_path / "m.gguf"))
-    assert r.returncode == 1 and "--arch" in r.stderr
+    assert r.returncode == 2 and "--arch" in r.stderr and "'fc', 'cnn'" in r.stderr   # a usage error
     r = _cli("mnist", "train", "--data", str(folder), "--out", str(tmp_path / "m.gguf"), "--batch", "300",
              "--physical-batch", "200")
     assert r.returncode == 1 and "--physical-batch" in r.stderr

@@ -271,7 +271,7 @@ def test_conversational_pairs_train_only_the_answer(tmp_path, story, shared_data
       "rejected": [{"role": "assistant", "content": "b"}]}, ["--method", "dpo"], "chosen[0].role is 'user'"),
     ({"prompt": "Q ", "chosen": "a"}, ["--method", "dpo"], 'no "rejected" field'),
     ({"prompt": "Q " * 200, "chosen": "a", "rejected": "b"}, ["--method", "dpo"], "the prompt leaves no chosen token"),
-    ({"prompt": "Q ", "chosen": "a", "rejected": "b"}, ["--method", "ppo"], "--method 'ppo'"),
+    ({"prompt": "Q ", "chosen": "a", "rejected": "b"}, ["--method", "ppo"], "'ppo' is not one of 'sft', 'dpo', 'orpo'"),
     ({"prompt": "Q ", "chosen": "a", "rejected": "b"}, [], "preference pairs train with --method dpo or orpo"),
     ({"text": "Tom had a kite."}, ["--method", "orpo"], "--method orpo trains on preference pairs"),
     ({"prompt": "Q ", "chosen": "a", "rejected": "b"}, ["--method", "dpo", "--beta", "0"], "--beta must be > 0"),
@@ -285,7 +285,7 @@ def test_bad_preference_input_is_one_line_and_writes_nothing(tmp_path, story, re
     p.write_text((json.dumps(record) + "\n") * 4)
     out = tmp_path / "a.gguf"
     r = run_cli("finetune", "--model", story, "--data", p, "--out", out, *args, *FAST)
-    assert r.returncode == 1, r.stderr
+    assert r.returncode == (2 if "ppo" in args else 1), r.stderr      # a value not among the choices: a usage error
     assert message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert not out.exists()
 
