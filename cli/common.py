@@ -20,7 +20,7 @@ from ggtrain.core import distributed
 from ggtrain.core.backend import Backend
 from ggtrain.core.backend_cpu import CpuBackend, default_threads
 from ggtrain.core.backend_cuda import CudaBackend, unavailable_reason
-from ggtrain.errors import ConfigError
+from ggtrain.errors import ConfigError, FormatError
 from ggtrain.formats.corpus import (SampleSet, TokenFile, cached_samples, corpus_tokens, default_cache_dir,
                                     sample_records, samples_key)
 from ggtrain.formats.tokenizer import Tokenizer
@@ -77,7 +77,7 @@ class _Lines:
             self._line()
 
 
-def progress(quiet: bool = False, **kw):
+def progress_bar(quiet: bool = False, **kw):
     """A progress bar on stderr (tqdm's, where stderr is a terminal; plain lines now and then
     where it is not), or None with quiet. kw: tqdm's (total, initial, unit, desc, ...)."""
     if quiet:
@@ -129,6 +129,16 @@ def file_errors(prefix: str, kind: str = "file"):
         raise ConfigError(f"{prefix}: cannot read: {exc.strerror or exc}") from None
 
 
+@contextlib.contextmanager
+def option_named(option: str):
+    """A FormatError about a file an option names, said with the option first ("--model
+    README.md: not a GGUF file ...") where the message starts with the file alone."""
+    try:
+        yield
+    except FormatError as exc:
+        raise FormatError(f"{option} {exc}") from None
+
+
 def token_cache_dir(token_cache: str | None) -> str | None:
     """The folder the --token-cache option names: None for "none", the default when not given.
     A default that cannot be written (a read-only home) is said in a warning and not used:
@@ -171,8 +181,8 @@ def read_records(path: pathlib.Path, tok: Tokenizer, template_of: Callable, temp
         if quiet or not world.lead:
             return
         if bar is None:
-            bar = tqdm(total=total, unit=unit, unit_scale=unit == "B", desc=f"sampling {path.name}",
-                       file=sys.stderr, leave=False, mininterval=0.5)
+            bar = progress_bar(total=total, unit=unit, unit_scale=unit == "B", desc=f"sampling {path.name}",
+                           leave=False, mininterval=0.5)
         bar.update(done - bar.n)
 
     try:
@@ -200,8 +210,8 @@ def read_corpus(path: pathlib.Path, tok: Tokenizer, add_bos: bool, token_cache: 
         if quiet or not world.lead:
             return
         if bar is None:
-            bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"tokenizing {path.name}",
-                       file=sys.stderr, leave=False, mininterval=0.5)
+            bar = progress_bar(total=total, unit="B", unit_scale=True, desc=f"tokenizing {path.name}",
+                           leave=False, mininterval=0.5)
         bar.update(done - bar.n)
         bar.set_postfix_str(f"{tokens:,} tokens", refresh=False)
 

@@ -15,12 +15,11 @@ Every output is written atomically; one summary line says what was written.
 from __future__ import annotations
 
 import pathlib
-import sys
 
 import typer
-from tqdm import tqdm
 
 from ggtrain.cli.common import file_errors
+from ggtrain.cli.common import progress_bar
 from ggtrain.cli.loop import check_out
 from ggtrain.cli.main import app
 from ggtrain.cli.options import choice
@@ -47,7 +46,7 @@ def _bar():
 
     def update(i: int, n: int) -> None:
         if "bar" not in state:
-            state["bar"] = tqdm(total=n, unit="tensor", file=sys.stderr, leave=False, mininterval=0.5)
+            state["bar"] = progress_bar(total=n, unit="tensor", leave=False, mininterval=0.5)
         state["bar"].update(i - state["bar"].n)
         if i == n:
             state["bar"].close()

@@ -17,7 +17,7 @@ import pathlib
 import numpy as np
 import typer
 
-from ggtrain.cli.common import file_errors, progress
+from ggtrain.cli.common import file_errors, progress_bar
 from ggtrain.cli.finetune_data import DataOptions, training_data
 from ggtrain.cli.loop import TrainingCommand, check_length, check_resume_data, continue_run, optimizer_settings, validation_words
 from ggtrain.cli.main import app
@@ -255,7 +255,7 @@ def finetune(
         continue_run(run, td.batches, ckpt)
     elif pref is not None and pref.method == "dpo":   # the reference: the model before training, once a pair
         sets = [td.packed] + ([td.val_packed] if td.val_packed is not None else [])
-        bar = progress(quiet or not world.lead, total=sum(d.rows for d in sets), unit="row", desc="reference")
+        bar = progress_bar(quiet or not world.lead, total=sum(d.rows for d in sets), unit="row", desc="reference")
         run.compute_reference(sets, td.n_pairs, progress=bar.update if bar is not None else None)
         if bar is not None:
             bar.close()

@@ -7,6 +7,7 @@ applies one (no merged copy of the weights).
 from __future__ import annotations
 
 import codecs
+import secrets
 import json
 import math
 import pathlib
@@ -15,8 +16,8 @@ import time
 
 import typer
 
-from ggtrain.cli.common import file_errors, make_backend
-from ggtrain.cli.options import BACKEND, RUNTIME, THREADS, Backend, choice
+from ggtrain.cli.common import file_errors, make_backend, option_named, progress_bar
+from ggtrain.cli.options import BACKEND, RUNTIME, SAMPLING, THREADS, Backend, choice
 from ggtrain.cli.tasks import run_task, task_words
 from ggtrain.cli.main import app
 from ggtrain.core.models.config import ModelConfig
@@ -60,11 +61,11 @@ def _numerics(numerics: str, be, old: str | None = None) -> str:
 
 def _open(model, lora, lora_scale, backend):
     """Config, weights in backend memory, tokenizer, and the adapter (or None) of a model."""
-    with file_errors(f"--model {model}"):
+    with file_errors(f"--model {model}"), option_named("--model"):
         config, weights, tok = open_model(model, backend)
     adapters = None
     if lora is not None:
-        with file_errors(f"--lora {lora}"):
+        with file_errors(f"--lora {lora}"), option_named("--lora"):
             adapters = lora_adapters(lora, {n: w.shape for n, w in weights.items()}, lora_scale, config["arch"])
     return ModelConfig(**config), weights, tok, adapters
 
@@ -81,17 +82,19 @@ def generate_cmd(
     system: str = typer.Option(None, "--system", help="With --chat: a system message before the user's."),
     chat_template: pathlib.Path = typer.Option(None, "--chat-template",
                                                help="With --chat: a Jinja chat template instead of the model's."),
-    n: int = typer.Option(64, "-n", "--n-tokens",
-                          help="Tokens to generate; -1: until an end-of-generation token or the context is full."),
-    temp: float = typer.Option(0.0, "--temp", help="Sampling temperature; 0 is greedy (llama.cpp's greedy tokens)."),
-    top_k: int = typer.Option(40, "--top-k", help="Sample among the K most likely tokens (0: all)."),
-    top_p: float = typer.Option(0.95, "--top-p", help="Sample among the most likely tokens holding this much "
+    n: int = typer.Option(64, "-n", "--n-predict", rich_help_panel=SAMPLING,
+                          help="Tokens to generate; -1: until an end-of-generation token or the context is full. "
+                               "Also --n-tokens."),
+    temp: float = typer.Option(0.0, "--temp", rich_help_panel=SAMPLING, help="Sampling temperature; 0 is greedy (llama.cpp's greedy tokens)."),
+    top_k: int = typer.Option(40, "--top-k", rich_help_panel=SAMPLING, help="Sample among the K most likely tokens (0: all)."),
+    top_p: float = typer.Option(0.95, "--top-p", rich_help_panel=SAMPLING, help="Sample among the most likely tokens holding this much "
                                 "probability (1: all)."),
-    min_p: float = typer.Option(0.05, "--min-p", help="Drop tokens less likely than this fraction of the most "
+    min_p: float = typer.Option(0.05, "--min-p", rich_help_panel=SAMPLING, help="Drop tokens less likely than this fraction of the most "
                                 "likely one (0: off)."),
-    repeat_penalty: float = typer.Option(1.0, "--repeat-penalty",
+    repeat_penalty: float = typer.Option(1.0, "--repeat-penalty", rich_help_panel=SAMPLING,
                                          help="Penalize the last 64 tokens' ids (1: off; llama.cpp's rule)."),
-    seed: int = typer.Option(0, "--seed", help="Seed of the sampler."),
+    seed: int = typer.Option(None, "--seed", rich_help_panel=SAMPLING, show_default=False,
+                             help="Seed of the sampler (default: a random one, printed with --timings)."),
     ctx: int = typer.Option(0, "--ctx", show_default=False, help="Positions of the KV cache (default: prompt + n, or "
                             f"min({UNTIL_EOG_CTX}, the model's context) with -n -1)."),
     threads: int = THREADS,
@@ -110,6 +113,7 @@ def generate_cmd(
         raise ConfigError(f"--top-k must be >= 0, got {top_k}")
     if ctx < 0:
         raise ConfigError(f"--ctx must be >= 1 (0: the default), got {ctx}")
+    seed = secrets.randbits(31) if seed is None else seed     # (llama.cpp's default is random too)
     sampler = Sampler(temp=temp, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty,
                       seed=seed)
     be = make_backend(backend, threads)
@@ -118,7 +122,9 @@ def generate_cmd(
     if chat:
         messages = ([{"role": "system", "content": system}] if system is not None else []) + \
             [{"role": "user", "content": prompt}]
-        ids = chat_prompt(messages, tok, find_template(read_gguf(model), chat_template)).tolist()
+        with option_named("--chat"):
+            template = find_template(read_gguf(model), chat_template)
+        ids = chat_prompt(messages, tok, template).tolist()
     elif system is not None or chat_template is not None:
         raise ConfigError("--system and --chat-template apply to --chat")
     else:
@@ -140,18 +146,24 @@ def generate_cmd(
     stop = frozenset(tok.eog_ids)
     t_loaded = time.perf_counter()
     stamps = []     # time after each token was chosen (the first: after the prompt)
+    stopped = False
     for t in generate(decoder, ids, n, sampler, stop):
         stamps.append(time.perf_counter())
         if t in stop:
+            stopped = True
             break
         sys.stdout.write(text.decode(tok.decode_bytes([t])))
         sys.stdout.flush()
     sys.stdout.write(text.decode(b"", final=True) + "\n")
+    if not stopped and len(ids) + len(stamps) >= n_ctx and (n < 0 or len(stamps) < n):
+        sys.stderr.write(f"note: stopped at the context of {n_ctx} positions ({len(ids)} of the prompt, "
+                         f"{len(stamps)} generated{f' of -n {n}' if n >= 0 else ''}; the model's context is "
+                         f"{cfg.ctx}{'' if n_ctx == cfg.ctx else ', --ctx sets ours'})\n")
     if timings:
         rate = (len(stamps) - 1) / (stamps[-1] - stamps[0]) if len(stamps) > 1 else 0.0
         sys.stderr.write(json.dumps({"load_s": round(t_loaded - t_start, 4), "prompt_tokens": len(ids),
                                      "prompt_s": round(stamps[0] - t_loaded, 4), "tokens": len(stamps),
-                                     "tokens_per_s": round(rate, 3)}) + "\n")
+                                     "tokens_per_s": round(rate, 3), "seed": seed}) + "\n")
 
 
 @app.command("eval", rich_help_panel="Run", help="A model's perplexity on a text, or its accuracy on a "
@@ -222,11 +234,18 @@ def eval_cmd(
         if numerics == LLAMA and last \
         else runner
     total, count = 0.0, 0
+    bar = progress_bar(quiet, total=len(ids) - 1, unit="token", unit_scale=True, desc=f"scoring {data.name}",
+                   leave=False)
     for start in range(0, len(ids) - 1, runner.length):
         window = ids[start:start + runner.length + 1]
         x, y = window[:-1][None, :], window[1:][None, :]
         total += (tail if y.size < runner.length else runner).nll(x, y)
         count += y.size
+        if bar is not None:
+            bar.update(y.size)
+            bar.set_postfix_str(f"perplexity {math.exp(total / count):.3f}", refresh=False)
+    if bar is not None:
+        bar.close()
     result = {"perplexity": math.exp(total / count), "nll": total / count, "tokens": count}
     if as_json:
         typer.echo(json.dumps(result))

@@ -155,7 +155,8 @@ def _checkpoint_lines(c: dict) -> list:
                      f"optimizer {c['optimizer']}, peak lr {c['lr']}")
     if c["lora"]:
         lo = c["lora"]
-        lines.append(f"  lora: rank {lo.get('rank')}, alpha {lo.get('alpha')}, targets {','.join(lo.get('targets', ()))}")
+        targets = ",".join(lo.get("targets") or ()) or "all of the family's"
+        lines.append(f"  lora: rank {lo.get('rank')}, alpha {lo.get('alpha')}, targets {targets}")
     if c["base"]:
         lines.append(f"  base model: {c['base']['path']} (sha256 of its weights {c['base']['fingerprint'][:16]}...)")
     if c["data_fingerprint"]:

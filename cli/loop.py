@@ -13,7 +13,7 @@ from typing import Callable
 
 import typer
 
-from ggtrain.cli.common import JsonLog, make_backend, progress, start_world, stop_on_ctrl_c
+from ggtrain.cli.common import JsonLog, make_backend, progress_bar, start_world, stop_on_ctrl_c
 from ggtrain.cli.config import config_record
 from ggtrain.cli.options import SAVE_ERRORS
 from ggtrain.cli.tasks import task_words
@@ -160,7 +160,7 @@ def drive(run: Run, batches, val_batches, *, log: JsonLog, quiet: bool, save_eve
     lead = run.world.lead
     if not lead:
         checkpoint, evaluate_task = _nothing, None
-    bar = progress(quiet or not lead, total=total, initial=run.updates, unit="step")
+    bar = progress_bar(quiet or not lead, total=total, initial=run.updates, unit="step")
     last = [resumed_from]
 
     def save(path: pathlib.Path, step: int, then_continue: bool = True) -> None:

@@ -5,10 +5,8 @@ summarised with standard errors."""
 from __future__ import annotations
 
 import re
-import sys
 
-from tqdm import tqdm
-
+from ggtrain.cli.common import progress_bar
 from ggtrain.core.models.inference import Decoder
 from ggtrain.core.numerics import EXACT, LLAMA
 from ggtrain.core.tasks import score_item, score_items, summarize
@@ -22,7 +20,7 @@ def run_task(items: list, tokenizer, cfg, weights: dict, backend, adapters: dict
     backend, adapters); n_ctx: the most positions a choice may take (default the model's
     context). ConfigError naming the item that does not fit."""
     encoded = encode_items(tokenizer, items)
-    bar = None if quiet else tqdm(total=len(items), unit="item", desc=desc, file=sys.stderr, leave=False)
+    bar = progress_bar(quiet, total=len(items), unit="item", desc=desc, leave=False)
     try:
         if numerics == LLAMA:
             decoder = Decoder(cfg, weights, backend, n_ctx=n_ctx or cfg.ctx, adapters=adapters, numerics=LLAMA,

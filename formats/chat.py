@@ -189,7 +189,7 @@ def chat_template(gguf_file: GGUFFile | str | os.PathLike | None,
         raise ConfigError("no chat template: give a model or --chat-template FILE.jinja")
     source = f.value(TEMPLATE_KEY, None)
     if source is None:
-        raise FormatError(f"{f.path}: no {TEMPLATE_KEY} (chat records need one); "
+        raise FormatError(f"{f.path}: the model has no chat template ({TEMPLATE_KEY}); "
                           f"give one with --chat-template FILE.jinja")
     if not isinstance(source, str) or not source.strip():
         raise FormatError(f"{f.path}: {TEMPLATE_KEY} is not a template (an empty string or "

@@ -524,8 +524,10 @@ def read_gguf(path) -> GGUFFile:
         size = os.fstat(f.fileno()).st_size
         if size < HEADER_BYTES:
             head = f.read(4)
+            if not head:
+                raise FormatError(f"{path}: not a GGUF file (it is empty)")
             if head[:4] != GGUF_MAGIC[:len(head)] or len(head) < 4:
-                raise FormatError(f"{path}: not a GGUF file ({size} bytes, no GGUF magic)")
+                raise FormatError(_not_gguf(path, head))
             raise FormatError(f"{path}: truncated GGUF file: {size} bytes, "
                               f"the header alone is {HEADER_BYTES}")
         mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
@@ -538,11 +540,17 @@ def read_gguf(path) -> GGUFFile:
             pass
 
 
+def _not_gguf(path: str, head: bytes) -> str:
+    """The message for a file whose first bytes are not GGUF's magic (shown as text)."""
+    shown = head[:4].decode("latin-1").encode("unicode_escape").decode("ascii").replace('"', '\\"')
+    return f'{path}: not a GGUF file (it starts with "{shown}", a GGUF file with "GGUF")'
+
+
 def _parse(mm, size: int, path: str) -> GGUFFile:
     p = _Parser(mm, size, path)
     magic = bytes(mm[0:4])
     if magic != GGUF_MAGIC:
-        raise FormatError(f"{path}: not a GGUF file (magic {magic!r}, expected {GGUF_MAGIC!r})")
+        raise FormatError(_not_gguf(path, magic))
     p.pos = 4
     version = p.u32("version")
     if version not in READ_VERSIONS:

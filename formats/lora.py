@@ -16,7 +16,7 @@ from gguf import GGMLQuantizationType, GGUFValueType as VT
 
 from ggtrain.errors import FormatError
 from ggtrain.formats.gguf import GGUFFile, dequantize, read_gguf, write_gguf
-from ggtrain.formats.model import validate_model
+from ggtrain.formats.model import CHECKPOINT_KEY, validate_model
 from ggtrain.formats.model_file import rewrite_model
 
 
@@ -27,8 +27,11 @@ def read_lora(path) -> tuple:
     here (llama numerics); everything else takes their exact values as f32."""
     f = read_gguf(path)
     if f.value("general.type", None) != "adapter" or f.value("adapter.type", None) != "lora":
+        if f.value(CHECKPOINT_KEY, None) is not None:
+            raise FormatError(f"{path}: a ggtrain checkpoint, not a LoRA adapter; `ggtrain convert-checkpoint {path} "
+                              f"ADAPTER.gguf` writes its adapter")
         raise FormatError(f"{path}: not a LoRA adapter (general.type {f.value('general.type', None)!r}, "
-                          f"adapter.type {f.value('adapter.type', None)!r})")
+                          f"adapter.type {f.value('adapter.type', None)!r}); finetune writes one with --out")
     alpha = float(f.value("adapter.lora.alpha", 0.0))
     pairs = {}
     for name in f.tensors:

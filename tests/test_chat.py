@@ -238,7 +238,7 @@ def test_override_file_wins_and_keeps_the_model_tokens(shared_data, tmp_path):
 
 def test_missing_template_is_an_error_naming_the_file(shared_data, tmp_path):
     model = shared_data / "gguf" / "stories260K.gguf"
-    with pytest.raises(FormatError, match=r"stories260K\.gguf: no tokenizer\.chat_template .*--chat-template"):
+    with pytest.raises(FormatError, match=r"stories260K\.gguf: the model has no chat template \(tokenizer\.chat_template\).*--chat-template"):
         chat_template(model)
     with pytest.raises(ConfigError, match=r"--chat-template .*nope\.jinja: no such file"):
         chat_template(model, tmp_path / "nope.jinja")
