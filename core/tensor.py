@@ -1,7 +1,7 @@
 """Symbolic tensors (layer 3): a node of a static graph, with shape, dtype and storage view.
 
 A Tensor is created by a Graph (parameters, inputs, constants, state) or by applying
-an op (core/ops.py) to other tensors. Nothing is computed when a tensor is made:
+an op (core/ops/) to other tensors. Nothing is computed when a tensor is made:
 graphs are compiled into native plans (core/graph.py) and run many times.
 
 Storage: every tensor has a `root` (the tensor that owns its memory) plus an element

@@ -1,5 +1,5 @@
 """Facts of the C core that any backend's graphs use (layer 1), read once from the compiled
-core, so layer 3 (core/ops.py) never reaches into a backend's module for them.
+core, so layer 3 (core/ops/) never reaches into a backend's module for them.
 
 HYPER_*: the layout of the hyper vector the optimizer steps read (enum gt_hyper of
 native/gt_core.h, which both the CPU and the CUDA library compile). ACT8_TYPES: the weight
