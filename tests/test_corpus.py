@@ -113,7 +113,7 @@ def test_regex_module_and_oniguruma_agree_on_the_word_cache_range():
     from tokenizers import Regex, pre_tokenizers
     import regex
 
-    from ggtrain.formats.tokenizer import _FAST_UNSAFE
+    from ggtrain.formats.tokenizer_bpe import _FAST_UNSAFE
     chars = "".join(chr(c) for c in range(0x110000)
                     if not 0xD800 <= c < 0xE000 and not _FAST_UNSAFE.match(chr(c)))
     assert len(chars) == 0x530 + 0x70
@@ -473,7 +473,7 @@ def test_cut_rules_keep_the_pre_tokens_of_every_bpe_pre_row():
     """Whatever the vocabulary, a BPE cut must fall where the row's regexes (run by
     Oniguruma, as llama.cpp's are) end a pre-token: pre-tokens of the two sides = the whole's."""
     from tokenizers import Regex, pre_tokenizers
-    from ggtrain.formats.tokenizer import _PRETOKEN_CUT, _STREAM_CUT
+    from ggtrain.formats.tokenizer_bpe import _PRETOKEN_CUT, _STREAM_CUT
     rng = np.random.default_rng(5)
     pool = list("abcdefgXYZ019 .,'\"\n\r\t!?-/") + ["中", "文", "。", "é", "\u3000", "ß", "  ", "\n\n", "'s", "'ll",
                                                  " a", "a b", "\r\n"]

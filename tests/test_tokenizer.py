@@ -31,11 +31,10 @@ from ggtrain.formats.tokenizer import (
     BpeTokenizer,
     ByteTokenizer,
     SpmTokenizer,
-    _BPE_CHUNK,
-    _bpe_chunks,
     load_tokenizer,
     tokenizer_from_gguf,
 )
+from ggtrain.formats.tokenizer_bpe import _BPE_CHUNK, _bpe_chunks
 
 
 VOCABS = ["llama-spm", "phi-3", "gpt-2"]

@@ -7,7 +7,8 @@ from ggtrain.core.tensor import Tensor, numel
 from ggtrain.errors import DTypeError
 from ggtrain.native.host import (ACT8_TYPES, HYPER_BC1, HYPER_BC2, HYPER_BETA1, HYPER_BETA2,  # noqa: F401
                                  HYPER_COUNT, HYPER_EPS, HYPER_LR, HYPER_MAX_NORM, HYPER_MOMENTUM, HYPER_WD)
-from ggtrain.core.ops.registry import OpDef, _WEIGHT_VARIANTS, _f32, _need, _weight_suffix, apply, broadcast_shape, check_weight, register
+from ggtrain.core.ops.registry import (OpDef, _WEIGHT_VARIANTS, _f32, _need, _weight_suffix, apply,
+                                       broadcast_shape, check_weight, register)
 from ggtrain.core.ops.views import cont, reshape, transpose
 from ggtrain.core.ops.elementwise import add, sum_to
 

@@ -7,7 +7,8 @@ from ggtrain.core.tensor import Tensor
 from ggtrain.errors import DTypeError
 from ggtrain.native.host import (ACT8_TYPES, HYPER_BC1, HYPER_BC2, HYPER_BETA1, HYPER_BETA2,  # noqa: F401
                                  HYPER_COUNT, HYPER_EPS, HYPER_LR, HYPER_MAX_NORM, HYPER_MOMENTUM, HYPER_WD)
-from ggtrain.core.ops.registry import OpDef, _WEIGHT_VARIANTS, _f32, _llama, _need, _no_llama_gradient, _weight_suffix, apply, check_weight, register
+from ggtrain.core.ops.registry import (OpDef, _WEIGHT_VARIANTS, _f32, _llama, _need, _no_llama_gradient,
+                                       _weight_suffix, apply, check_weight, register)
 
 
 # ---- rope, embeddings -------------------------------------------------------------
