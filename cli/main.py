@@ -70,6 +70,29 @@ def _register() -> None:
     from ggtrain.cli import plot  # noqa: F401  (ggtrain plot)
 
 
+def _command():
+    """The app as one Click command, every flag shown without a value in the help (Typer
+    would show `<bool>` beside the flags a command declares without options.flag, and --help)."""
+    root = typer.main.get_command(app)
+
+    def walk(cmd):
+        for p in cmd.params:
+            if getattr(p, "is_flag", False):
+                p.metavar = ""
+        made = cmd.get_help_option
+
+        def help_option(ctx, made=made):
+            option = made(ctx)
+            if option is not None:
+                option.metavar = ""
+            return option
+        cmd.get_help_option = help_option
+        for sub in getattr(cmd, "commands", {}).values():
+            walk(sub)
+    walk(root)
+    return root
+
+
 def _say(line: str) -> None:
     """One line on stderr in one write: under mpiexec the ranks' streams are merged, and a
     line written in pieces (print writes the text, then the newline) could take another
@@ -82,7 +105,7 @@ def _run(args: list) -> None:
     """The app on args; a usage error (a bad option or value) is one line too, with Click's
     status 2 (rather than its box drawn over a dozen lines)."""
     try:
-        code = app(args=args, standalone_mode=False)
+        code = _command()(args=args, standalone_mode=False, prog_name="ggtrain")
     except ClickException as exc:
         if isinstance(exc, NoArgsIsHelpError):     # `ggtrain` alone: the help, as Typer shows it
             rich_utils.rich_format_error(exc)

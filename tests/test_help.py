@@ -45,6 +45,7 @@ def test_help_at_80_columns_shows_every_option_whole(path, command):
     text = _help(path)
     assert max(len(line) for line in text.splitlines()) <= 80
     assert "…" not in text, text
+    assert "<bool>" not in text, text        # flags (and --help) show no value
     for p in command.params:
         if getattr(p, "hidden", False) or p.param_type_name != "option":
             continue

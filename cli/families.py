@@ -1,0 +1,62 @@
+"""The supported-families table of README.md, made from the family registry so that it cannot
+drift from what the code computes (tests/test_docs.py compares the README's copy with it).
+
+`python -m ggtrain.cli.families` prints it: one row a family, its architecture name
+(general.architecture), the models its module names, what its block does beyond the llama
+block, the keys it reads beyond the common ones, and the weights a LoRA adapter may target.
+"""
+from __future__ import annotations
+
+import sys
+
+from ggtrain.core.models.families import FAMILIES
+
+BEGIN = "<!-- families: made by `python -m ggtrain.cli.families`; do not edit by hand -->"
+END = "<!-- families end -->"
+
+
+def _models(family) -> str:
+    """The models a family's module names: its docstring's first line, "arch (MODELS): ..."."""
+    doc = sys.modules[f"ggtrain.core.models.families.{family.arch}"].__doc__ or ""
+    first = doc.strip().splitlines()[0] if doc.strip() else ""
+    return first.split("(", 1)[1].split(")", 1)[0] if "(" in first else ""
+
+
+# what a block may do beyond the llama block: (does this family's?, the words for it)
+_FEATURES = (
+    (lambda f: f.rope_freqs, "rope_freqs factors"),
+    (lambda f: f.long_rope, "longrope factors"),
+    (lambda f: f.no_rope_every, lambda f: f"no rope in every {f.no_rope_every}th layer"),
+    (lambda f: f.fused_qkv, "fused qkv"),
+    (lambda f: f.qkv_bias, "q/k/v biases"),
+    (lambda f: f.qk_norm, "q/k norms"),
+    (lambda f: f.window_pattern, "sliding-window layers"),
+    (lambda f: f.post_norms, "post-norms"),
+    (lambda f: f.embed_scale, "scaled embedding"),
+)
+
+
+def _block(family) -> str:
+    """What a family's block computes beyond the llama block, in a few words."""
+    out = [] if family.layers is None and family.mixer == "attention" else ["layer kinds per layer"]
+    out.append("NEOX rope" if family.rope_mode == "neox" else "rope")
+    out += [words(family) if callable(words) else words for has, words in _FEATURES if has(family)]
+    out.append({"silu": "SwiGLU", "gelu": "GeGLU"}[family.act] + (" (fused gate-up)" if family.fused_gate_up else ""))
+    return ", ".join(out)
+
+
+def markdown() -> str:
+    """The table, between its BEGIN and END markers."""
+    rows = [BEGIN, "| architecture | models | block | keys beyond the common ones | LoRA targets |",
+            "| --- | --- | --- | --- | --- |"]
+    for arch in sorted(FAMILIES):
+        f = FAMILIES[arch]
+        keys = ", ".join(f"`{k.key}`" for k in f.keys) or "—"
+        targets = " ".join(f.lora_targets)
+        rows.append(f"| `{arch}` | {_models(f)} | {_block(f)} | {keys} | {targets} |")
+    rows.append(END)
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    print(markdown())
