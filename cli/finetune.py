@@ -236,17 +236,7 @@ def finetune(
                                optimizer=optimizer, momentum=momentum, early_stop_patience=early_stop_patience,
                                min_delta=min_delta)
         lora_cfg = None if full else LoraConfig(lora_rank, lora_alpha, _targets(lora_targets), lora_dropout)
-    if full:
-        if cmd.start is None:
-            cmd.say(f"--full: dequantizing the base's {len(base.weights)} tensors to f32 once")
-            init = {name: np.ascontiguousarray(base.file.tensor_f32(name).reshape(w.shape), np.float32)
-                    for name, w in base.weights.items()}
-        else:
-            init = base.weights
-        frozen = None
-    else:
-        init = init_lora(lora_cfg, {w: base.weights[w].shape for w in lora_cfg.weights(base.cfg)}, train_cfg.seed)
-        frozen = base.weights
+    init, frozen = _start_params(cmd, base, lora_cfg, train_cfg.seed)
     loss_rows, counted = td.loss_rows(train_cfg.batch, cmd.backend.skips_uncounted_rows)
     run = TextRun(base.cfg, ckpt.state["params"] if ckpt else init, train_cfg, cmd.backend, frozen=frozen,
                   lora=lora_cfg, ctx=opts.ctx, packed=td.packed is not None, loss_rows=loss_rows, world=world,
@@ -291,22 +281,41 @@ def finetune(
                        evaluate_task=task_accuracy if task_items else None)
     if not world.lead:
         return
-    trained = run.param_values()
-    if full:
-        save_model(out, model_json, trained, base.tok, name="ggtrain finetune", out_type=out_type or "f32",
-                   extra_kv=carried)
-        wrote = f"wrote the model {out}"
-    else:
-        pairs = _adapters(lora_cfg, base.cfg, trained, False)
-        write_lora(out, base.cfg.arch, lora_cfg.alpha, pairs)
-        wrote = f"wrote the adapter {out}"
-        if merged_out is not None:
-            merged = write_merged(merged_out, base.file, pairs, lora_cfg.alpha, out_type=out_type, src=out)
-            wrote += f" and the merged model {merged_out} ({merged.words()})"
-            if merged.warning():
-                cmd.say(merged.warning())
+    wrote = _write_outputs(cmd, base, run.param_values(), lora_cfg, model_json, carried, out, merged_out, out_type)
     task = f"; task {task_words(result, 'task_')}" if "task_acc" in result else ""
     cmd.finish(result, out, f"{validation_words(result)}{task}; {wrote}")
+
+
+def _start_params(cmd: TrainingCommand, base, lora_cfg, seed: int) -> tuple:
+    """(the trained parameters' first values, the frozen weights or None): with --full every
+    weight of the base (dequantized to f32 once for a new run), else new LoRA adapters."""
+    if lora_cfg is not None:
+        shapes = {w: base.weights[w].shape for w in lora_cfg.weights(base.cfg)}
+        return init_lora(lora_cfg, shapes, seed), base.weights
+    if cmd.start is not None:
+        return base.weights, None
+    cmd.say(f"--full: dequantizing the base's {len(base.weights)} tensors to f32 once")
+    return {name: np.ascontiguousarray(base.file.tensor_f32(name).reshape(w.shape), np.float32)
+            for name, w in base.weights.items()}, None
+
+
+def _write_outputs(cmd: TrainingCommand, base, trained: dict, lora_cfg, model_json: dict, carried: dict,
+                   out: pathlib.Path, merged_out, out_type) -> str:
+    """Write what the run made (the model with --full; else the adapter, and with --merged-out
+    the merged model, warning where its types lose the fine-tune); the words that say so."""
+    if lora_cfg is None:
+        save_model(out, model_json, trained, base.tok, name="ggtrain finetune", out_type=out_type or "f32",
+                   extra_kv=carried)
+        return f"wrote the model {out}"
+    pairs = _adapters(lora_cfg, base.cfg, trained, False)
+    write_lora(out, base.cfg.arch, lora_cfg.alpha, pairs)
+    wrote = f"wrote the adapter {out}"
+    if merged_out is not None:
+        merged = write_merged(merged_out, base.file, pairs, lora_cfg.alpha, out_type=out_type, src=out)
+        wrote += f" and the merged model {merged_out} ({merged.words()})"
+        if merged.warning():
+            cmd.say(merged.warning())
+    return wrote
 
 
 def _check_options(full: bool, merged_out, out_type, steps, epochs) -> str | None:

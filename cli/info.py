@@ -20,6 +20,7 @@ import typer
 
 from ggtrain.cli.common import file_errors
 from ggtrain.cli.main import app
+from ggtrain.core.models.families import FAMILIES
 from ggtrain.formats.checkpoint import checkpoint_summary, is_checkpoint
 from ggtrain.formats.gguf import GGUFValue, StringArray, read_gguf
 
@@ -155,7 +156,9 @@ def _checkpoint_lines(c: dict) -> list:
                      f"optimizer {c['optimizer']}, peak lr {c['lr']}")
     if c["lora"]:
         lo = c["lora"]
-        targets = ",".join(lo.get("targets") or ()) or "all of the family's"
+        family = FAMILIES.get(m.get("arch"))
+        targets = (",".join(lo["targets"]) if lo.get("targets") else
+                   f"{','.join(family.lora_targets)} (the family's default)" if family else "the family's default")
         lines.append(f"  lora: rank {lo.get('rank')}, alpha {lo.get('alpha')}, targets {targets}")
     if c["base"]:
         lines.append(f"  base model: {c['base']['path']} (sha256 of its weights {c['base']['fingerprint'][:16]}...)")

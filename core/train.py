@@ -261,6 +261,12 @@ class ClassifierRun(Run):
         """The epochs done (the last evaluated)."""
         return self.last["epoch"] if self.last else 0
 
+    def why_stopped(self) -> str:
+        """As Run's; a run of --steps that ran them all says so in updates (its epochs may be 0)."""
+        if self.stop_reason == "finished" and self.config.steps:
+            return f"ran all {self.updates:,} updates"
+        return super().why_stopped()
+
 
 # ---- language-model training (llama) -------------------------------------------------------
 

@@ -3,8 +3,14 @@ resumed run's log goes on, generation says when it stops at the context, outputs
 before any work, sampling seeds are random unless given, the Ctrl-C checkpoint goes once its
 run is complete, errors name the option and say what to do, progress without a terminal is
 plain lines."""
+import fcntl
 import json
+import os
+import pty
+import select
 import shutil
+import struct
+import termios
 import subprocess
 import sys
 
@@ -117,3 +123,51 @@ def test_progress_without_a_terminal_is_plain_lines(text, tmp_path):
                         "--steps", "30", *[str(a) for a in TINY if a != "--quiet"]], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert "\r" not in r.stderr and len(r.stderr) < 2000, r.stderr[-500:]
+
+
+def test_eval_shows_progress_and_info_names_a_checkpoints_targets(tiny_model, tmp_path, text, shared_data):
+    """eval --data has a bar over its windows (and --quiet none); info names the targets a LoRA
+    checkpoint trains when it was started without --lora-targets (the family's default)."""
+    def bar(*extra) -> str:
+        """What eval writes on a terminal (stderr a pseudo-terminal: tqdm's bar)."""
+        main, side = pty.openpty()
+        fcntl.ioctl(side, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))   # a terminal's size
+        p = subprocess.Popen([sys.executable, "-m", "ggtrain", "eval", "--model", str(tiny_model / "m.gguf"),
+                              "--data", str(text), *extra], stdout=subprocess.PIPE, stderr=side, text=True)
+        os.close(side)
+        seen = b""
+        while True:                                  # read while it runs (a pty keeps little)
+            if select.select([main], [], [], 0.2)[0]:
+                try:
+                    chunk = os.read(main, 65536)
+                except OSError:                      # the child closed its side
+                    chunk = b""
+                seen += chunk
+                if chunk:
+                    continue
+            if p.poll() is not None:
+                break
+        os.close(main)
+        r = subprocess.CompletedProcess(p.args, p.returncode, p.stdout.read(), "")
+        assert r.returncode == 0 and r.stdout.startswith("perplexity"), r.stdout
+        return seen.decode(errors="replace")
+    assert f"scoring {text.name}" in bar(), "no progress bar"
+    assert "scoring" not in bar("--quiet")
+    ck = tmp_path / "ck"
+    r = _cli("finetune", "--model", shared_data / "gguf" / "stories260K.gguf", "--data", text, "--out",
+             tmp_path / "a.gguf", "--steps", 2, "--ctx", 32, "--checkpoint-dir", ck, "--save-every", 1, "--quiet")
+    assert r.returncode == 0, r.stderr
+    from ggtrain.core.models.families import FAMILIES
+    r = _cli("info", ck / "ckpt-000001.gguf")
+    assert r.returncode == 0, r.stderr
+    assert f"targets {','.join(FAMILIES['llama'].lora_targets)} (the family's default)" in r.stdout, r.stdout
+
+
+def test_one_meaning_per_option_name(text, tmp_path):
+    """--warmup is a fraction or a count in train as in finetune; mnist train takes --steps."""
+    r = _cli("train", "--data", text, "--out", tmp_path / "m.gguf", "--steps", 2, "--warmup", 0.5, *TINY)
+    assert r.returncode == 0, r.stderr
+    r = _cli("mnist", "train", "--out", tmp_path / "mnist.gguf", "--steps", 2, "--batch", 100, "--physical-batch",
+             100, "--limit", 1000, "--quiet")
+    assert r.returncode == 0, r.stderr
+    assert "2 updates" in r.stderr or "ran all 2 updates" in r.stderr, r.stderr
