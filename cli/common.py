@@ -21,8 +21,8 @@ from ggtrain.core.backend import Backend
 from ggtrain.core.backend_cpu import CpuBackend, default_threads
 from ggtrain.core.backend_cuda import CudaBackend, unavailable_reason
 from ggtrain.errors import ConfigError, FormatError
-from ggtrain.formats.corpus import (SampleSet, TokenFile, cached_samples, corpus_tokens, default_cache_dir,
-                                    sample_records, samples_key)
+from ggtrain.formats.corpus import TokenFile, corpus_tokens, default_cache_dir
+from ggtrain.formats.sample_cache import SampleSet, cached_samples, sample_records, samples_key
 from ggtrain.formats.tokenizer import Tokenizer
 
 

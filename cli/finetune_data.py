@@ -16,7 +16,7 @@ from ggtrain.core.distributed import World
 from ggtrain.core.preference import PreferenceConfig, pair_slots
 from ggtrain.errors import ConfigError
 from ggtrain.formats.chat import template_id
-from ggtrain.formats.corpus import packed_rows
+from ggtrain.formats.sample_cache import packed_rows
 from ggtrain.formats.dataset import is_plain_text, record_template
 from ggtrain.formats.gguf import GGUFFile
 from ggtrain.formats.tokenizer import Tokenizer

@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from ggtrain.errors import ConfigError, FormatError
-from ggtrain.formats import corpus, datafile
+from ggtrain.formats import corpus, datafile, sample_cache
 from ggtrain.formats.corpus import corpus_tokens
 from ggtrain.formats.files import _host
 from ggtrain.formats.pretokenizer import BPE_PRE
@@ -394,37 +394,37 @@ def test_record_samples_are_those_of_the_records_and_come_back_from_the_cache(sh
     templated = kind in ("chat", "preference", "instruction")
     want = data.samples(tok, template if templated else None, kind == "text")
     cache = str(tmp_path / "cache")
-    key = corpus.samples_key(path, tok, template_id(model), kind == "text")
-    assert corpus.cached_samples(cache, key, path) is None
+    key = sample_cache.samples_key(path, tok, template_id(model), kind == "text")
+    assert sample_cache.cached_samples(cache, key, path) is None
     seen = []
 
     def template_of(k, conversational):
         seen.append((k, conversational))
         return template if k in ("chat", "instruction") or conversational else None
-    made = corpus.sample_records(path, tok, template_of, kind == "text", cache, key, workers=2,
+    made = sample_cache.sample_records(path, tok, template_of, kind == "text", cache, key, workers=2,
                                  progress=lambda done, total, unit: seen.append(unit))
     assert seen[0] == (kind, kind == "preference") and set(seen[1:]) == {"B"}
     if form != "array":
         assert len(seen) > 8      # many parts (about 4 a worker)
     _same_samples(made.samples, want)
     assert not made.cached and made.kind == kind and list(made.where) == data.where
-    serial = corpus.sample_records(path, tok, template_of, kind == "text", None, key, workers=1)
+    serial = sample_cache.sample_records(path, tok, template_of, kind == "text", None, key, workers=1)
     _same_samples(serial.samples, want)
     assert list(serial.where) == data.where
     monkeypatch.setattr(type(tok), "encode", lambda *a, **k: pytest.fail("sampled again"))
-    hit = corpus.cached_samples(cache, key, path)
+    hit = sample_cache.cached_samples(cache, key, path)
     assert hit.cached and hit.kind == kind and hit.layout == data.layout and list(hit.where) == data.where
     assert hit.conversational == (kind == "preference")
     _same_samples(hit.samples, want)
     # another template or train_on_inputs: another key
-    assert corpus.samples_key(path, tok, "other", kind == "text") != key
-    assert corpus.samples_key(path, tok, template_id(model), kind != "text") != key
+    assert sample_cache.samples_key(path, tok, "other", kind == "text") != key
+    assert sample_cache.samples_key(path, tok, template_id(model), kind != "text") != key
     if form == "folder":        # the key covers every shard's bytes and name
         (path / "d.json").write_text((path / "d.json").read_text() + " ")
-        assert corpus.samples_key(path, tok, template_id(model), kind == "text") != key
-        changed = corpus.samples_key(path, tok, template_id(model), kind == "text")
+        assert sample_cache.samples_key(path, tok, template_id(model), kind == "text") != key
+        changed = sample_cache.samples_key(path, tok, template_id(model), kind == "text")
         (path / "d.json").rename(path / "e.json")
-        assert corpus.samples_key(path, tok, template_id(model), kind == "text") != changed
+        assert sample_cache.samples_key(path, tok, template_id(model), kind == "text") != changed
 
 
 @pytest.mark.parametrize("damage", ["json", "layout", "utf8", "type"])
@@ -441,7 +441,7 @@ def test_a_bad_record_in_a_later_range_is_named_as_read_data_names_it(shared_dat
         read_data(path)
     monkeypatch.setattr(datafile, "_MIN_RANGE", 300)
     with pytest.raises(FormatError) as streamed:
-        corpus.sample_records(path, tok, lambda *a: None, False, str(tmp_path / "cache"), "k", workers=2)
+        sample_cache.sample_records(path, tok, lambda *a: None, False, str(tmp_path / "cache"), "k", workers=2)
     assert str(streamed.value) == str(whole.value) and "line 41" in str(streamed.value)
     # nothing kept, no temporaries left (bytes that are not UTF-8 in the first block: no folder made)
     assert not (tmp_path / "cache").exists() or not list((tmp_path / "cache").iterdir())
@@ -561,11 +561,11 @@ def test_packed_rows_are_kept_and_mapped_back_as_packed(tmp_path, pairs):
     def make(allocate):
         return (pack_pairs(items, 90, allocate=allocate, first_id=3) if pairs else
                 pack(items, 32, drop_long=True, allocate=allocate))
-    want, want_stats, want_fp, cached = corpus.packed_rows(None, "k", "spec", make)
+    want, want_stats, want_fp, cached = sample_cache.packed_rows(None, "k", "spec", make)
     assert not cached
     cache = str(tmp_path)
     for hit in (False, True):
-        got, stats, fp, cached = corpus.packed_rows(cache, "k", "spec", make)
+        got, stats, fp, cached = sample_cache.packed_rows(cache, "k", "spec", make)
         assert cached == hit and stats == want_stats and fp == want_fp == got.fingerprint()
         for name, value in want.fields().items():
             np.testing.assert_array_equal(got.fields()[name], value, err_msg=name)
@@ -573,6 +573,6 @@ def test_packed_rows_are_kept_and_mapped_back_as_packed(tmp_path, pairs):
     rows = next(tmp_path.glob("*.rows"))
     with open(rows, "r+b") as f:      # damaged: packed again
         f.truncate(rows.stat().st_size - 4)
-    got, _, fp, cached = corpus.packed_rows(cache, "k", "spec", make)
+    got, _, fp, cached = sample_cache.packed_rows(cache, "k", "spec", make)
     assert not cached and fp == want_fp
-    assert corpus.packed_rows(cache, "k", "other spec", make)[3] is False
+    assert sample_cache.packed_rows(cache, "k", "other spec", make)[3] is False
