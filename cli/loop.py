@@ -118,7 +118,8 @@ def check_out(out: pathlib.Path, option: str = "--out") -> None:
     name is not a folder (so a run is not lost when it ends); what killed writes left in the
     folder is removed."""
     if out.is_dir():
-        raise ConfigError(f"{option} {out}: is a folder; name the file to write (e.g. {out / 'out.gguf'})")
+        example = out / ("run.jsonl" if option == "--log" else "out.gguf")
+        raise ConfigError(f"{option} {out}: is a folder; name the file to write (e.g. {example})")
     if not out.parent.is_dir():
         raise ConfigError(f"{option} {out}: folder {out.parent} does not exist")
     if not os.access(out.parent, os.W_OK):
@@ -281,7 +282,7 @@ class TrainingCommand:
         self.outs = outs
         if self.lead:   # the one process that writes
             check_checkpoint_options(save_every, checkpoint_dir, on_save_error)
-            for option, path in outs.items():
+            for option, path in {**outs, "--log": log}.items():
                 if path is not None:
                     check_out(path, option)
         self.ckpt, self.start = open_resume(resume, command)

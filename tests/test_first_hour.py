@@ -90,6 +90,9 @@ def test_outputs_are_checked_before_any_training(tmp_path, text, shared_data):
              "--steps", 1000, "--quiet")
     assert r.returncode == 1 and r.stderr.startswith(f"error: --out {folder}: is a folder"), r.stderr
     assert "planned memory" not in r.stderr          # refused before the model was read
+    r = _cli("train", "--data", text, "--out", tmp_path / "m.gguf", "--log", folder, *TINY)
+    assert r.returncode == 1 and r.stderr.startswith(f"error: --log {folder}: is a folder"), r.stderr
+    assert "run.jsonl" in r.stderr
     r = _cli("train", "--data", text, "--out", tmp_path / "m.gguf", *TINY, "--lr", -1)
     assert r.returncode == 1 and "--lr must be > 0, got -1" in r.stderr, r.stderr
 
