@@ -14,6 +14,7 @@ import pathlib
 import sys
 import time
 
+import numpy as np
 import typer
 
 from ggtrain.cli.common import file_errors, make_backend, option_named, progress_bar
@@ -182,6 +183,8 @@ def eval_cmd(
     limit: int = typer.Option(0, "--limit", help="Score only the first N task items (0: all)."),
     ctx: int = typer.Option(0, "--ctx", show_default=False, help="Window length (default: min(model context, 512)); for --task the "
                             "most tokens a choice may take (default: the model's context)."),
+    half_window: bool = typer.Option(False, "--half-window", help="Score --data as llama-perplexity does: "
+                                     "--ctx chunks, each begun with BOS, the second half of each scored."),
     as_json: bool = typer.Option(False, "--json", help='Print {"perplexity", "nll", "tokens"} (--task: {"items", '
                                  '"acc", "acc_stderr", "acc_norm", "acc_norm_stderr"}) as JSON.'),
     quiet: bool = typer.Option(False, "--quiet", help="No progress bar."),
@@ -191,8 +194,8 @@ def eval_cmd(
     cache_type: CacheType = CACHE_TYPE,
     int8: bool = OLD_INT8,
 ):
-    """Perplexity of a model on a text (non-overlapping windows, every token scored once), or
-    its accuracy on a multiple-choice task."""
+    """Perplexity of a model on a text (non-overlapping windows, every token scored once; or
+    llama-perplexity's half windows), or its accuracy on a multiple-choice task."""
     if (data is None) == (task is None):
         raise ConfigError("give --data TEXT (perplexity) or --task FILE (multiple choice), one of them")
     if (hellaswag or winogrande) and task is None or hellaswag and winogrande:
@@ -225,24 +228,23 @@ def eval_cmd(
     ids = tok.encode(text, add_bos=tok.add_bos)
     if len(ids) < 2:
         raise ConfigError(f"--data {data}: fewer than 2 tokens to score")
-    runner = Runner(cfg, weights, be, length=min(length, len(ids) - 1), adapters=adapters, n_ctx=length,
+    windows = _half_windows(ids, length, tok) if half_window else _windows(ids, length)
+    runner = Runner(cfg, weights, be, length=len(windows[0][0]), adapters=adapters, n_ctx=length,
                     numerics=numerics, kv_f16=f16)
     # llama.cpp's kernels (so its float order) depend on a product's row count: in its numbers
     # a shorter last window runs at its own length, not padded to the others'
-    last = (len(ids) - 1) % runner.length
+    last = len(windows[-1][0])
     tail = Runner(cfg, weights, be, length=last, adapters=adapters, n_ctx=length, numerics=LLAMA, kv_f16=f16) \
-        if numerics == LLAMA and last \
+        if numerics == LLAMA and last < runner.length \
         else runner
     total, count = 0.0, 0
-    bar = progress_bar(quiet, total=len(ids) - 1, unit="token", unit_scale=True, desc=f"scoring {data.name}",
-                   leave=False)
-    for start in range(0, len(ids) - 1, runner.length):
-        window = ids[start:start + runner.length + 1]
-        x, y = window[:-1][None, :], window[1:][None, :]
-        total += (tail if y.size < runner.length else runner).nll(x, y)
-        count += y.size
+    bar = progress_bar(quiet, total=sum(len(x) for x, _ in windows), unit="token", unit_scale=True,
+                       desc=f"scoring {data.name}", leave=False)
+    for x, y in windows:
+        total += (tail if x.size < runner.length else runner).nll(x[None, :], y[None, :])
+        count += int((y >= 0).sum())
         if bar is not None:
-            bar.update(y.size)
+            bar.update(x.size)
             bar.set_postfix_str(f"perplexity {math.exp(total / count):.3f}", refresh=False)
     if bar is not None:
         bar.close()
@@ -251,3 +253,28 @@ def eval_cmd(
         typer.echo(json.dumps(result))
     else:
         typer.echo(f"perplexity {result['perplexity']:.4f} (mean NLL {result['nll']:.4f} over {count} tokens)")
+
+
+def _windows(ids: np.ndarray, length: int) -> list:
+    """[(tokens, targets)]: non-overlapping windows of up to `length` tokens, each token after
+    the first scored once (the last window shorter)."""
+    n = len(ids) - 1
+    return [(ids[s:min(s + length, n)], ids[s + 1:s + length + 1]) for s in range(0, n, length)]
+
+
+def _half_windows(ids: np.ndarray, length: int, tok) -> list:
+    """[(tokens, targets)] as llama-perplexity scores a text: chunks of `length` tokens (the
+    last partial one dropped), each begun with BOS where the vocabulary adds one, the whole
+    chunk fed, and only the tokens after its first half scored (targets -1 elsewhere)."""
+    if len(ids) < 2 * length:
+        raise ConfigError(f"--half-window: the text gives {len(ids)} tokens; llama-perplexity's scoring needs at "
+                          f"least 2 x --ctx = {2 * length}")
+    out = []
+    for s in range(0, len(ids) - length + 1, length):
+        chunk = ids[s:s + length].copy()
+        if tok.add_bos:
+            chunk[0] = tok.bos_id
+        targets = np.full(length, -1, np.int32)
+        targets[length // 2:-1] = chunk[length // 2 + 1:]
+        out.append((chunk, targets))
+    return out

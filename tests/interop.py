@@ -54,6 +54,27 @@ def their_nll(llama, model, text: str, window: int) -> float:
     return total / (len(ids) - 1)
 
 
+def their_half_window_nll(llama, model, text: str, n_ctx: int) -> tuple:
+    """(mean NLL, tokens scored) as llama-perplexity scores text (its default, no stride): chunks
+    of n_ctx tokens of the text tokenized with BOS, the last partial chunk dropped, each chunk's
+    first token replaced by BOS (where the vocabulary adds one), the whole chunk decoded from an empty cache, and the tokens after
+    position n_ctx / 2 scored; F32 KV cache."""
+    llm = open_llm(llama, model, n_ctx=n_ctx)
+    ids = llm.tokenize(text.encode(), add_bos=True)
+    adds_bos = len(llm.tokenize(b"a", add_bos=True)) > len(llm.tokenize(b"a", add_bos=False))
+    first, total, count = n_ctx // 2, 0.0, 0
+    for s in range(0, len(ids) - n_ctx + 1, n_ctx):
+        chunk = ([llm.token_bos()] if adds_bos else ids[s:s + 1]) + ids[s + 1:s + n_ctx]
+        llm.reset()
+        llm.eval(chunk)
+        logits = np.array(llm.scores[first:n_ctx - 1], np.float64)
+        z = logits - logits.max(-1, keepdims=True)
+        logp = z - np.log(np.exp(z).sum(-1, keepdims=True))
+        total -= logp[np.arange(len(logits)), chunk[first + 1:]].sum()
+        count += len(logits)
+    return total / count, count
+
+
 def random_lora_pairs(rng, weights: dict, layers: int, targets=("attn_q", "attn_v", "ffn_up", "ffn_down"),
                       rank: int = 16, std: float = 0.3) -> dict:
     """{weight name: (A (rank, n_in), B (n_out, rank))} f32, normal with `std`, for the targets of

@@ -439,6 +439,31 @@ def test_eval_int8_nll_equals_llama_cpp_in_windows(llama, shared_data, tmp_path)
     assert abs(got[()]["nll"] - theirs) > 1e-3
 
 
+def test_eval_half_window_is_llama_perplexitys_scoring(llama, shared_data, tmp_path):
+    """`eval --half-window` scores as llama-perplexity does (chunks of --ctx begun with BOS, the
+    second half of each scored, the last partial chunk dropped): with --numerics llama, llama.cpp's
+    NLL of those tokens to our cross-entropy's rounding, over the same count of tokens; without
+    the flag every token is scored and the number differs; too short a text is one line."""
+    import json
+    from tests.interop import run_cli, their_half_window_nll
+    path = shared_data / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    text = (shared_data / "text" / "tinyshakespeare.txt").read_text()[:1400]
+    data = tmp_path / "t.txt"
+    data.write_text(text)
+    args = ("eval", "--model", path, "--data", data, "--ctx", 128, "--json", "--threads", 2, "--cache-type", "f32",
+            "--numerics", "llama")
+    r = run_cli(*args, "--half-window")
+    assert r.returncode == 0, r.stderr
+    ours = json.loads(r.stdout)
+    theirs, count = their_half_window_nll(llama, path, text, 128)
+    assert ours["tokens"] == count and count % 63 == 0
+    assert ours["nll"] == pytest.approx(theirs, abs=2e-5)
+    r = run_cli(*args)
+    assert r.returncode == 0 and json.loads(r.stdout)["tokens"] > count
+    r = run_cli(*args[:5], "--ctx", 1024, "--half-window")
+    assert r.returncode == 1 and "--half-window" in r.stderr and "2 x --ctx = 2048" in r.stderr, r.stderr
+
+
 @pytest.mark.parametrize("out_type", ["f32", "f16", "q8_0"])
 def test_prompt_logits_are_llama_cpps_as_generation_runs_it(llama, tmp_path, out_type):
     """Generation in llama.cpp's numbers takes a prompt as llama.cpp does: in ubatches of 512
