@@ -70,7 +70,7 @@ STOP_REASONS = ("finished", "early_stop", "converged", "interrupted")
 def stop_message(reason: str, stopping: EarlyStopping, done: int) -> str:
     """The summary's words for a STOP_REASONS entry; done: the updates (epochs for
     ClassifierRun: stopping.unit) the run did."""
-    at = f"{stopping.unit} {done}"
+    at = f"{stopping.unit} {done:,}"
     if reason == "early_stop":
         return f"stopped early at {at}: {stopping.reason()}; kept the best model"
     if reason == "converged":
@@ -79,7 +79,7 @@ def stop_message(reason: str, stopping: EarlyStopping, done: int) -> str:
         return f"interrupted at {at}"
     kept = (f"; kept the best model ({stopping.unit} {stopping.best_step}, validation loss {stopping.best:.4f})"
             if stopping.patience and stopping.best_step else "")
-    return f"ran all {done} {stopping.unit}s{kept}"
+    return f"ran all {done:,} {stopping.unit}s{kept}"
 
 
 class Run(ABC):
