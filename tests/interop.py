@@ -68,9 +68,10 @@ def random_lora_pairs(rng, weights: dict, layers: int, targets=("attn_q", "attn_
     return pairs
 
 
-def ggml_quantize(llama, x: np.ndarray, type_id: int) -> np.ndarray:
+def ggml_quantize(llama, x: np.ndarray, type_id: int, imatrix: np.ndarray | None = None) -> np.ndarray:
     """The bytes llama-cpp-python's own libggml-base writes for f32 rows x (rows, n) as ggml type
-    type_id without an importance matrix (ggml_quantize_chunk, what llama_model_quantize calls)."""
+    type_id (ggml_quantize_chunk, what llama_model_quantize calls), with the importance of each
+    of the n columns (imatrix, f32) or without one."""
     import ctypes
     import os
 
@@ -82,7 +83,9 @@ def ggml_quantize(llama, x: np.ndarray, type_id: int) -> np.ndarray:
     f.restype = ctypes.c_size_t
     x = np.ascontiguousarray(x, np.float32)
     out = np.zeros(nbytes(x.shape, type_id), np.uint8)
-    assert f(type_id, x.ctypes.data, out.ctypes.data, 0, x.shape[0], x.shape[1], None) == out.size
+    im = None if imatrix is None else np.ascontiguousarray(imatrix, np.float32)
+    assert f(type_id, x.ctypes.data, out.ctypes.data, 0, x.shape[0], x.shape[1],
+             None if im is None else im.ctypes.data) == out.size
     return out
 
 

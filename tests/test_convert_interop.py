@@ -104,8 +104,10 @@ def test_out_types_are_llama_cpps_quantizations(llama, shared_data, tmp_path, ou
 @pytest.mark.parametrize("name", [n for n, d in DTYPES.items() if d.can_quantize and d.is_block])
 def test_block_quantizers_are_ggmls(llama, name):
     """Every block type ggtrain writes, row by row, gives the bytes of llama-cpp-python's own
-    ggml_quantize_chunk (its reference quantizers, which llama_model_quantize runs without an
-    imatrix): normal, heavy-tailed, one-signed, zero, tiny and mixed-zero rows."""
+    ggml_quantize_chunk: without an importance matrix (its reference quantizers) and with one
+    (its weighted scale searches, as llama_model_quantize runs them given an imatrix: heavy-
+    tailed importances, uniform ones, and a third of the columns of importance 0), on normal,
+    heavy-tailed, one-signed, zero, tiny and mixed-zero rows."""
     rng = np.random.default_rng(5)
     x = rng.standard_normal((8, 1024)).astype(np.float32)
     rows = [x, x ** 3, np.abs(x) + 0.1, -np.abs(x), np.zeros_like(x), x * 1e-9]
@@ -114,10 +116,13 @@ def test_block_quantizers_are_ggmls(llama, name):
     mixed[3] = 0
     mixed[5, 7] = 100
     rows.append(mixed)
+    importances = [None, (rng.random(1024) ** 4 * 10).astype(np.float32), np.ones(1024, np.float32),
+                   np.where(rng.random(1024) < 0.3, 0, rng.random(1024)).astype(np.float32)]
     for i, r in enumerate(rows):
-        ours = quantize(r, name).reshape(-1)
-        theirs = ggml_quantize(llama, r, DTYPES[name].id)
-        assert np.array_equal(ours, theirs), (name, i, np.flatnonzero(ours != theirs)[:8])
+        for k, im in enumerate(importances):
+            ours = quantize(r, name, imatrix=im).reshape(-1)
+            theirs = ggml_quantize(llama, r, DTYPES[name].id, im)
+            assert np.array_equal(ours, theirs), (name, i, k, np.flatnonzero(ours != theirs)[:8])
 
 
 # small random models whose rules and fallbacks cover llama.cpp's mixtures: rows of whole Q*_K
