@@ -293,9 +293,9 @@ def quantize(x: np.ndarray, type_, imatrix: np.ndarray | None = None) -> np.ndar
     K-quants' scale searches cost ~50-100 ns an element on one core).
 
     imatrix: (x.shape[-1],) f32 importance of each column (llama.cpp's importance matrix
-    values, formats.imatrix), which weights the scale searches of the types ggml weights (the
-    K-quants, Q4_0, Q4_1, Q5_0, Q5_1) as llama.cpp's quantizer does; ValueError when its
-    length is not x's columns."""
+    values, formats.imatrix; for 3-D x (experts, rows, cols) one row of it per expert), which
+    weights the scale searches of the types ggml weights (the K-quants, Q4_0, Q4_1, Q5_0,
+    Q5_1) as llama.cpp's quantizer does; ValueError when its length is not x's columns."""
     t = ggml_type(type_)
     x = np.ascontiguousarray(x, dtype=np.float32)
     if t not in QUANTIZABLE:
@@ -307,6 +307,8 @@ def quantize(x: np.ndarray, type_, imatrix: np.ndarray | None = None) -> np.ndar
     row_bytes = out.size // n_rows if n_rows else 0
     if imatrix is not None:
         imatrix = np.ascontiguousarray(imatrix, dtype=np.float32)
+        if imatrix.ndim == 2 and x.ndim == 3 and imatrix.shape == (x.shape[0], cols):   # one per expert
+            return np.stack([quantize(x[e], t, imatrix[e]) for e in range(x.shape[0])])
         if x.ndim < 2 or imatrix.shape != (cols,):
             raise ValueError(f"quantize {t.name}: importance of shape {imatrix.shape} for rows of {x.shape}")
 
