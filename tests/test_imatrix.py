@@ -184,3 +184,13 @@ def test_imatrix_summary_counts_the_weighted_matrices(tmp_path, small_model):
     assert f.value("quantize.imatrix.dataset") == "data.txt"
     assert f.value("quantize.imatrix.entries_count") == len(entries)
     assert f.value("quantize.imatrix.chunks_count") == 4
+
+
+def test_finetune_takes_imatrix_with_out_type_only(tmp_path, small_model):
+    """finetune --imatrix is read before training: without --out-type it is refused at once."""
+    path = write_imatrix_gguf(tmp_path / "im.gguf", model_entries(small_model, np.random.default_rng(6)))
+    data = tmp_path / "d.txt"
+    data.write_text("First Citizen: Before we proceed any further, hear me speak. " * 20)
+    r = run_cli("finetune", "--model", small_model, "--data", data, "--out", tmp_path / "a.gguf", "--imatrix", path)
+    assert r.returncode == 1 and "--imatrix" in r.stderr and "--out-type" in r.stderr, r.stderr
+    assert not (tmp_path / "a.gguf").exists()
