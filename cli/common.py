@@ -22,8 +22,10 @@ from ggtrain.core.backend_cpu import CpuBackend, default_threads
 from ggtrain.core.backend_cuda import CudaBackend, unavailable_reason
 from ggtrain.errors import ConfigError, FormatError
 from ggtrain.formats.corpus import TokenFile, corpus_tokens, default_cache_dir
+from ggtrain.formats.imatrix import read_imatrix
 from ggtrain.formats.sample_cache import SampleSet, cached_samples, sample_records, samples_key
 from ggtrain.formats.tokenizer import Tokenizer
+from ggtrain.native.dtypes import dtype
 
 
 # --backend's values: what each runs on, the precision of the GPU's matrix products (the CUDA
@@ -137,6 +139,27 @@ def option_named(option: str):
         yield
     except FormatError as exc:
         raise FormatError(f"{option} {exc}") from None
+
+
+def imatrix_option(path: str | None, out_type: str | None):
+    """The importance matrix --imatrix names (formats.imatrix.Imatrix), or None; ConfigError
+    without --out-type, and for a file that cannot be read, one line naming it."""
+    if path is None:
+        return None
+    if out_type is None:
+        raise ConfigError(f"--imatrix {path}: an importance matrix weights quantization; give --out-type too")
+    with file_errors(f"--imatrix {path}", "importance matrix file"), option_named("--imatrix"):
+        return read_imatrix(path)
+
+
+def imatrix_words(imatrix, stored: dict, types: dict) -> str:
+    """"; weighted by FILE (k of n quantized matrices)" for a model written with an importance
+    matrix: stored {name: type it came in}, types {name: type written}."""
+    if imatrix is None:
+        return ""
+    changed = [n for n, t in types.items() if t != stored.get(n) and dtype(t).is_block]
+    k = sum(n in imatrix.values for n in changed)
+    return f"; importance matrix {imatrix.path} ({k} of {len(changed)} quantized matrices have an entry)"
 
 
 def token_cache_dir(token_cache: str | None) -> str | None:

@@ -18,11 +18,11 @@ import pathlib
 
 import typer
 
-from ggtrain.cli.common import file_errors
+from ggtrain.cli.common import file_errors, imatrix_option, imatrix_words
 from ggtrain.cli.common import progress_bar
 from ggtrain.cli.loop import check_out
 from ggtrain.cli.main import app
-from ggtrain.cli.options import choice
+from ggtrain.cli.options import choice, opt_imatrix
 from ggtrain.core.models import mnist
 from ggtrain.core.models.lora import factor_names
 from ggtrain.errors import ConfigError
@@ -78,6 +78,11 @@ def _default_type(ckpt: Checkpoint) -> str:
     return "f32" if base is None else default_out_type(base)
 
 
+def _stored(f: GGUFFile, merged=()) -> dict:
+    """{name: type} of f's tensors as they come in (merged ones as f32: they are computed)."""
+    return {n: "f32" if n in merged else dtype(int(i.type)).name for n, i in f.tensors.items()}
+
+
 def _requantized_words(f: GGUFFile, types: dict, merged=()) -> str:
     """"; requantizes N tensors from Q4_1" for the input's block-type tensors written in another type."""
     stored = {n: dtype(int(i.type)).name for n, i in f.tensors.items() if n not in merged}
@@ -126,6 +131,7 @@ def convert_checkpoint(
                                  f"tensors and trained models keep their base's type where it has 8 bits or more, "
                                  f"else f16; f32 for models trained from scratch and llama2.c imports). 1-D "
                                  f"tensors keep their type, as llama.cpp keeps them."),
+    imatrix: str = opt_imatrix("Options"),
     source: From = FROM_OPTION,
     tokenizer: pathlib.Path = typer.Option(None, "--tokenizer", help="With --from llama2c: its tokenizer.bin."),
 ):
@@ -143,26 +149,28 @@ def convert_checkpoint(
     else:
         raise ConfigError("give IN and OUT (with --base, OUT alone merges --adapter into it)")
     check_out(out, "OUT")
-    for p, option in ((inp, "IN"), (base, "--base"), (adapter, "--adapter"), (tokenizer, "--tokenizer")):
+    for p, option in ((inp, "IN"), (base, "--base"), (adapter, "--adapter"), (tokenizer, "--tokenizer"),
+                      (imatrix and pathlib.Path(imatrix), "--imatrix")):
         if p is not None and p.exists() and p.resolve() == out.resolve():
             raise ConfigError(f"OUT {out} is also {option}: write to another file")
+    im = imatrix_option(imatrix, out_type)
 
     if source == "llama2c":
-        what = _from_llama2c(inp, out, tokenizer, to, adapter, base, out_type)
+        what = _from_llama2c(inp, out, tokenizer, to, adapter, base, out_type, im)
     elif tokenizer is not None:
         raise ConfigError("--tokenizer is for --from llama2c (a GGUF file has its own vocabulary)")
     elif adapter is not None or base is not None:
-        what = _merge(inp, out, base, adapter, scale, to, out_type)
+        what = _merge(inp, out, base, adapter, scale, to, out_type, im)
     else:
         f = _open(inp, "IN")
         if _is_adapter(f):
             raise ConfigError(f"IN {inp}: a LoRA adapter; merge it into its model with "
                               f"`convert-checkpoint BASE.gguf OUT --adapter {inp}`")
-        what = _from_checkpoint(inp, out, to, out_type) if is_checkpoint(f) else _from_model(f, out, to, out_type)
+        what = _from_checkpoint(inp, out, to, out_type, im) if is_checkpoint(f) else _from_model(f, out, to, out_type, im)
     typer.echo(_summary(out, what))
 
 
-def _from_llama2c(inp, out, tokenizer, to, adapter, base, out_type) -> str:
+def _from_llama2c(inp, out, tokenizer, to, adapter, base, out_type, im) -> str:
     if inp is None:
         raise ConfigError("--from llama2c: give IN (the llama2.c checkpoint) and OUT")
     if tokenizer is None:
@@ -172,11 +180,11 @@ def _from_llama2c(inp, out, tokenizer, to, adapter, base, out_type) -> str:
     config, weights = read_llama2c(inp)
     tok = read_llama2c_tokenizer(tokenizer, config["vocab"])
     t = out_type or "f32"
-    save_model(out, config, weights, tok, name=inp.stem, out_type=t, progress=_bar())
-    return f"llama model ({t}) from llama2.c {inp.name}"
+    types = save_model(out, config, weights, tok, name=inp.stem, out_type=t, progress=_bar(), imatrix=im)
+    return f"llama model ({t}) from llama2.c {inp.name}{imatrix_words(im, {}, types)}"
 
 
-def _merge(inp, out, base, adapter, scale, to, out_type) -> str:
+def _merge(inp, out, base, adapter, scale, to, out_type, im) -> str:
     if to == "checkpoint":
         raise ConfigError("--adapter/--base write a merged model, not a checkpoint (drop --to checkpoint)")
     if base is not None and adapter is not None and inp is not None:
@@ -205,21 +213,22 @@ def _merge(inp, out, base, adapter, scale, to, out_type) -> str:
     base_arch = fb.value("general.architecture", None)
     if adapter is not None and arch not in (None, base_arch):
         raise ConfigError(f"--adapter {adapter}: an adapter for architecture {arch!r}; the base is a {base_arch}")
-    result = write_merged(out, fb, pairs, alpha, scale, out_type, src=src, progress=_bar())
+    result = write_merged(out, fb, pairs, alpha, scale, out_type, src=src, progress=_bar(), imatrix=im)
     if result.warning():
         typer.echo(result.warning(), err=True)
     return (f"{base.name} with {label} merged (scale {scale:g}){f', as {out_type}' if out_type else ''}; "
-            f"{result.words()}{_requantized_words(fb, result.types, result.merged)}")
+            f"{result.words()}{_requantized_words(fb, result.types, result.merged)}"
+            f"{imatrix_words(im, _stored(fb, result.merged), result.types)}")
 
 
-def _from_checkpoint(inp, out, to, out_type) -> str:
+def _from_checkpoint(inp, out, to, out_type, im) -> str:
     if to == "checkpoint":
         raise ConfigError(f"IN {inp} is already a checkpoint (--to checkpoint converts a model)")
     ckpt = load_checkpoint(inp)
     step = ckpt.state["updates"]
     if ckpt.kind == "mnist":
-        if out_type not in (None, "f32"):
-            raise ConfigError(f"IN {inp}: an MNIST model is F32 (--out-type {out_type} is for language models)")
+        if out_type not in (None, "f32") or im is not None:
+            raise ConfigError(f"IN {inp}: an MNIST model is F32 (--out-type and --imatrix are for language models)")
         arch = ckpt.model_config["arch"]
         save_mnist_model(out, arch, ckpt.state["params"], mnist.PARAM_SHAPES[arch])
         return f"mnist-{arch} model from checkpoint {inp.name} at update {step}"
@@ -231,12 +240,13 @@ def _from_checkpoint(inp, out, to, out_type) -> str:
         write_lora(out, ckpt.model_config.get("arch", "llama"), alpha, pairs, progress=_bar())
         return f"LoRA adapter (rank {ckpt.run_config['lora']['rank']}) from checkpoint {inp.name} at update {step}"
     t = out_type or _default_type(ckpt)
-    save_model(out, ckpt.model_config, ckpt.state["params"], ckpt.tokenizer,
-               name=f"ggtrain {ckpt.kind}", out_type=t, extra_kv=ckpt.extra_kv, progress=_bar())
-    return f"{ckpt.model_config.get('arch', 'llama')} model ({t}) from {ckpt.kind} checkpoint {inp.name} at update {step}"
+    types = save_model(out, ckpt.model_config, ckpt.state["params"], ckpt.tokenizer,
+                       name=f"ggtrain {ckpt.kind}", out_type=t, extra_kv=ckpt.extra_kv, progress=_bar(), imatrix=im)
+    return (f"{ckpt.model_config.get('arch', 'llama')} model ({t}) from {ckpt.kind} checkpoint {inp.name} at update "
+            f"{step}{imatrix_words(im, {}, types)}")
 
 
-def _from_model(f: GGUFFile, out, to, out_type) -> str:
+def _from_model(f: GGUFFile, out, to, out_type, im) -> str:
     inp = pathlib.Path(f.path)
     if to == "checkpoint":
         if out_type is not None:
@@ -248,5 +258,5 @@ def _from_model(f: GGUFFile, out, to, out_type) -> str:
         return f"model checkpoint (f32, update 0) of {inp.name}"
     if out_type is None:
         raise ConfigError(f"IN {inp} is already a model: give --out-type, --adapter or --to checkpoint")
-    types = rewrite_model(out, f, out_type=out_type, progress=_bar())
-    return f"{inp.name} as {out_type}{_requantized_words(f, types)}"
+    types = rewrite_model(out, f, out_type=out_type, progress=_bar(), imatrix=im)
+    return f"{inp.name} as {out_type}{_requantized_words(f, types)}{imatrix_words(im, _stored(f), types)}"

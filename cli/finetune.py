@@ -17,7 +17,7 @@ import pathlib
 import numpy as np
 import typer
 
-from ggtrain.cli.common import file_errors, progress_bar
+from ggtrain.cli.common import file_errors, imatrix_option, progress_bar
 from ggtrain.cli.finetune_data import DataOptions, training_data
 from ggtrain.cli.loop import TrainingCommand, check_length, check_resume_data, continue_run, optimizer_settings, validation_words
 from ggtrain.cli.main import app
@@ -25,7 +25,7 @@ from ggtrain.cli.options import (BACKEND, CHECKPOINT_DIR, CHECKPOINTING, CONFIG,
                                  EVAL_EVERY, EVALUATION, GRAD_ACC, GRAD_CLIP, LOG, LORA, LR_MIN, MIN_DELTA, MODEL,
                                  MOMENTUM, OBJECTIVE, ON_SAVE_ERROR, OPTIMIZER, QUIET, SAVE_EVERY, STEPS, THREADS,
                                  TOKEN_CACHE, Backend, OnSaveError, Optimizer, choice, flag, opt_batch, opt_epochs,
-                                 opt_lr, opt_resume, opt_seed, opt_val_split, opt_warmup, opt_weight_decay,
+                                 opt_imatrix, opt_lr, opt_resume, opt_seed, opt_val_split, opt_warmup, opt_weight_decay,
                                  warmup_updates)
 from ggtrain.cli.tasks import run_task, task_words
 from ggtrain.core.backend import StoredTensor
@@ -139,6 +139,7 @@ def finetune(
     out_type: str = typer.Option(None, "--out-type", rich_help_panel=MODEL, show_default=False, metavar="TYPE",
                                  help=f"Type of a written model: {', '.join(OUT_TYPES)} (default: f16 where the "
                                       "base has under 8 bits a weight, else the base's; f32 with --full)."),
+    imatrix: str = opt_imatrix(MODEL),
     data: pathlib.Path = typer.Option(..., "--data", rich_help_panel=DATA, show_default=False,
                                       help="Text (.txt), or records (JSON lines, JSON, Parquet, CSV, or a folder of "
                                            "them): text, prompt/completion, chat, Alpaca, Dolly or preference "
@@ -201,6 +202,7 @@ def finetune(
                           checkpoint_dir=checkpoint_dir, on_save_error=on_save_error, resume=resume, log=log,
                           quiet=quiet)
     out_type = _check_options(full, merged_out, out_type, steps, epochs)
+    im = imatrix_option(imatrix, out_type)
     task_items = None
     if eval_task is not None:
         with file_errors(f"--eval-task {eval_task}"):
@@ -281,7 +283,7 @@ def finetune(
                        evaluate_task=task_accuracy if task_items else None)
     if not world.lead:
         return
-    wrote = _write_outputs(cmd, base, run.param_values(), lora_cfg, model_json, carried, out, merged_out, out_type)
+    wrote = _write_outputs(cmd, base, run.param_values(), lora_cfg, model_json, carried, out, merged_out, out_type, im)
     task = f"; task {task_words(result, 'task_')}" if "task_acc" in result else ""
     cmd.finish(result, out, f"{validation_words(result)}{task}; {wrote}")
 
@@ -300,18 +302,19 @@ def _start_params(cmd: TrainingCommand, base, lora_cfg, seed: int) -> tuple:
 
 
 def _write_outputs(cmd: TrainingCommand, base, trained: dict, lora_cfg, model_json: dict, carried: dict,
-                   out: pathlib.Path, merged_out, out_type) -> str:
+                   out: pathlib.Path, merged_out, out_type, imatrix=None) -> str:
     """Write what the run made (the model with --full; else the adapter, and with --merged-out
-    the merged model, warning where its types lose the fine-tune); the words that say so."""
+    the merged model, warning where its types lose the fine-tune), quantized with the importance
+    matrix `imatrix` where given; the words that say so."""
     if lora_cfg is None:
         save_model(out, model_json, trained, base.tok, name="ggtrain finetune", out_type=out_type or "f32",
-                   extra_kv=carried)
+                   extra_kv=carried, imatrix=imatrix)
         return f"wrote the model {out}"
     pairs = _adapters(lora_cfg, base.cfg, trained, False)
     write_lora(out, base.cfg.arch, lora_cfg.alpha, pairs)
     wrote = f"wrote the adapter {out}"
     if merged_out is not None:
-        merged = write_merged(merged_out, base.file, pairs, lora_cfg.alpha, out_type=out_type, src=out)
+        merged = write_merged(merged_out, base.file, pairs, lora_cfg.alpha, out_type=out_type, src=out, imatrix=imatrix)
         wrote += f" and the merged model {merged_out} ({merged.words()})"
         if merged.warning():
             cmd.say(merged.warning())

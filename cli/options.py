@@ -155,6 +155,13 @@ def opt_out(help: str, panel: str = MODEL):
     return typer.Option(..., "--out", rich_help_panel=panel, show_default=False, help=help)
 
 
+def opt_imatrix(panel: str):
+    return typer.Option(None, "--imatrix", rich_help_panel=panel, show_default=False, metavar="FILE",
+                        help="With --out-type: quantize as llama-quantize --imatrix FILE does, each matrix's "
+                             "scales weighted by its columns' importance (llama-imatrix's file, GGUF or legacy "
+                             ".dat; a matrix without an entry is quantized without, as llama.cpp does).")
+
+
 def warmup_updates(value: float, steps: int) -> int:
     """--warmup in updates: a fraction of the run's steps (< 1) or a count."""
     return int(round(value * steps)) if 0 <= value < 1 else int(value)

@@ -287,10 +287,15 @@ def dequantize(raw: np.ndarray, type_, shape: Sequence[int]) -> np.ndarray:
     return out
 
 
-def quantize(x: np.ndarray, type_) -> np.ndarray:
+def quantize(x: np.ndarray, type_, imatrix: np.ndarray | None = None) -> np.ndarray:
     """Raw bytes (uint8, (..., bytes per row)) of f32 `x` stored as a type in QUANTIZABLE. Big
     arrays are converted a slab of rows per thread (the native call releases the GIL; the
-    K-quants' scale searches cost ~50-100 ns an element on one core)."""
+    K-quants' scale searches cost ~50-100 ns an element on one core).
+
+    imatrix: (x.shape[-1],) f32 importance of each column (llama.cpp's importance matrix
+    values, formats.imatrix; for 3-D x (experts, rows, cols) one row of it per expert), which
+    weights the scale searches of the types ggml weights (the K-quants, Q4_0, Q4_1, Q5_0,
+    Q5_1) as llama.cpp's quantizer does; ValueError when its length is not x's columns."""
     t = ggml_type(type_)
     x = np.ascontiguousarray(x, dtype=np.float32)
     if t not in QUANTIZABLE:
@@ -300,11 +305,20 @@ def quantize(x: np.ndarray, type_) -> np.ndarray:
     cols = x.shape[-1] if x.ndim else 1
     n_rows = x.size // cols if cols else 0
     row_bytes = out.size // n_rows if n_rows else 0
+    if imatrix is not None:
+        imatrix = np.ascontiguousarray(imatrix, dtype=np.float32)
+        if imatrix.ndim == 2 and x.ndim == 3 and imatrix.shape == (x.shape[0], cols):   # one per expert
+            return np.stack([quantize(x[e], t, imatrix[e]) for e in range(x.shape[0])])
+        if x.ndim < 2 or imatrix.shape != (cols,):
+            raise ValueError(f"quantize {t.name}: importance of shape {imatrix.shape} for rows of {x.shape}")
 
     def run(lo: int, hi: int) -> None:     # rows [lo, hi): all of x when it has no rows
-        n = (hi - lo) * cols if n_rows else x.size
-        _check(lib.gt_quantize_row(ffi.cast("void *", out.ctypes.data + lo * row_bytes),
-                                   ffi.cast("float *", x.ctypes.data + lo * cols * 4), int(t), n), f"quantize {t.name}")
+        src, dst = ffi.cast("float *", x.ctypes.data + lo * cols * 4), ffi.cast("void *", out.ctypes.data + lo * row_bytes)
+        if imatrix is not None:
+            rc = lib.gt_quantize_rows_imatrix(dst, src, ffi.cast("float *", imatrix.ctypes.data), int(t), hi - lo, cols)
+        else:
+            rc = lib.gt_quantize_row(dst, src, int(t), (hi - lo) * cols if n_rows else x.size)
+        _check(rc, f"quantize {t.name}")
 
     n_threads = min(_QUANT_THREADS, n_rows, max(1, x.size // _QUANT_SLAB))
     if n_threads <= 1:

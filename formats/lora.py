@@ -152,12 +152,13 @@ class MergeResult:
 
 
 def write_merged(path, base, pairs: dict, alpha: float, scale: float = 1.0, out_type: str | None = None,
-                 src="the adapter", progress=None) -> MergeResult:
+                 src="the adapter", progress=None, imatrix=None) -> MergeResult:
     """Write the llama model `base` (path or GGUFFile) with the adapter pairs {weight name:
     (A, B)} merged in (merged_weight, from the dequantized base, one tensor at a time),
     atomically: the base's keys and other tensors as they are, the merged matrices in their
     base type where it has 8 bits or more (else F16: model_file.merged_type); or everything as
-    the mixture `out_type` (model_file.rewrite_model). Measures how much of the change each
+    the mixture `out_type` (model_file.rewrite_model; quantized with the importance matrix
+    `imatrix`, formats.imatrix, where given). Measures how much of the change each
     written merged tensor keeps (MergeResult.kept). Raises FormatError when the adapter does
     not fit the base."""
     f = base if isinstance(base, GGUFFile) else read_gguf(base)
@@ -178,7 +179,7 @@ def write_merged(path, base, pairs: dict, alpha: float, scale: float = 1.0, out_
         sums[1] += float(np.sum(delta * delta))
 
     replace = {name: (lambda name=name, a=a, b=b, s=s: merged(name, a, b, s)) for name, (a, b, s) in fitted.items()}
-    types = rewrite_model(path, f, replace, out_type, progress=progress, observe=observe)
+    types = rewrite_model(path, f, replace, out_type, progress=progress, observe=observe, imatrix=imatrix)
     return MergeResult(types, tuple(fitted), sums[0] / sums[1] if sums[1] > 0 else None)
 
 

@@ -1,6 +1,6 @@
 """Output types of models as llama.cpp's quantizer names them (layer 5): each `--out-type` is a
 mixture, a llama.cpp file type (general.file_type) whose tensors each get a ggml type by
-llama.cpp's rules (llama_tensor_get_type in src/llama-quant.cpp, no importance matrix):
+llama.cpp's rules (llama_tensor_get_type in src/llama-quant.cpp):
 
 - tensors llama.cpp never quantizes (1-D ones, norms, ...) keep the type they come in;
 - under a quantized mixture, the output projection (the token embedding when it is tied) is
@@ -9,7 +9,10 @@ llama.cpp's rules (llama_tensor_get_type in src/llama-quant.cpp, no importance m
   first and last eighths of the layers and every third one between, Q6_K; ...);
 - a matrix whose rows are not whole blocks of its type falls back to a type of 32-element
   blocks (Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0, Q2_K and Q3_K -> Q4_0), and to F16 where
-  rows are not whole 32-element blocks either.
+  rows are not whole 32-element blocks either;
+- with an importance matrix (formats.imatrix) a few rules change (Q4_0 and Q5_0 give the first
+  eighth of ffn_down Q4_1 and Q5_1), and some mixtures need one: Q2_K_S's Q2_K matrices
+  (llama.cpp's tensor_requires_imatrix; never the output or token embedding).
 
 MIXTURES is the one table: --out-type's choices and help, general.file_type and the interop
 tests read it; a new mixture is a row.
@@ -47,22 +50,26 @@ WHEN = {
 @dataclass(frozen=True)
 class Rule:
     """Tensors of `kind` ("attn_v", "ffn_down", "attn_output") for which `when` (a WHEN key)
-    holds are written as `type`; a kind's first matching rule wins."""
+    holds are written as `type`; a kind's first matching rule wins. with_imatrix: the rule holds
+    only when the model is quantized with an importance matrix."""
 
     kind: str
     when: str
     type: str
+    with_imatrix: bool = False
 
 
 @dataclass(frozen=True)
 class Mixture:
     """One --out-type: llama.cpp's file type `file_type`, the ggml type `base` of its matrices
-    and the rules that give some of them another type."""
+    and the rules that give some of them another type; needs_imatrix: the types whose matrices
+    llama.cpp quantizes only with an importance matrix in this mixture."""
 
     name: str
     file_type: FT
     base: str
     rules: tuple = ()
+    needs_imatrix: tuple = ()
 
     @property
     def quantized(self) -> bool:
@@ -77,12 +84,14 @@ MIXTURES = {m.name: m for m in (
     Mixture("f16", FT.MOSTLY_F16, "f16"),
     Mixture("bf16", FT.MOSTLY_BF16, "bf16"),
     Mixture("q8_0", FT.MOSTLY_Q8_0, "q8_0"),
-    Mixture("q4_0", FT.MOSTLY_Q4_0, "q4_0"),
+    Mixture("q4_0", FT.MOSTLY_Q4_0, "q4_0", (Rule("ffn_down", "first 8th", "q4_1", with_imatrix=True),)),
     Mixture("q4_1", FT.MOSTLY_Q4_1, "q4_1"),
-    Mixture("q5_0", FT.MOSTLY_Q5_0, "q5_0"),
+    Mixture("q5_0", FT.MOSTLY_Q5_0, "q5_0", (Rule("ffn_down", "first 8th", "q5_1", with_imatrix=True),)),
     Mixture("q5_1", FT.MOSTLY_Q5_1, "q5_1"),
     Mixture("q2_k", FT.MOSTLY_Q2_K, "q2_k", (Rule("attn_v", "gqa>=4", "q4_k"), Rule("attn_v", "always", "q3_k"),
                                             Rule("ffn_down", "always", "q3_k"), Rule("attn_output", "always", "q3_k"))),
+    Mixture("q2_k_s", FT.MOSTLY_Q2_K_S, "q2_k", (Rule("attn_v", "gqa>=4", "q4_k"), Rule("ffn_down", "first 8th", "q4_k")),
+            needs_imatrix=("q2_k",)),
     Mixture("q3_k_s", FT.MOSTLY_Q3_K_S, "q3_k"),
     Mixture("q3_k_m", FT.MOSTLY_Q3_K_M, "q3_k", (Rule("attn_v", "first 2", "q5_k"), Rule("attn_v", "always", "q4_k"),
                                                 Rule("ffn_down", "first 16th", "q5_k"),
@@ -159,12 +168,24 @@ def _layer(name: str) -> int:
     return -1
 
 
-def tensor_types(mix: Mixture, tensors: dict, cfg) -> dict:
+def needs_imatrix(mix: Mixture, name: str, t: str) -> bool:
+    """Whether llama.cpp quantizes tensor `name` as type t (its type in mix) only with an
+    importance matrix (tensor_requires_imatrix)."""
+    return t in mix.needs_imatrix and name not in (OUTPUT, TOKEN_EMBD)
+
+
+def llama_order(names) -> list:
+    """names in the order llama.cpp's quantizer walks and writes them: by layer (the tensors of
+    no layer first), by name within one (its weight map's order)."""
+    return sorted(names, key=lambda n: (_layer(n), n))
+
+
+def tensor_types(mix: Mixture, tensors: dict, cfg, imatrix: bool = False) -> dict:
     """{name: ggml type name} of a model written as `mix`. tensors: {name: (numpy-order shape,
     the type it comes in)}, the whole model (the rules count tensors of a kind across it);
-    cfg: its ModelConfig (arch, layers, heads, kv_heads)."""
-    # llama.cpp walks tensors by layer (the others first), by name within one
-    order = sorted(tensors, key=lambda n: (_layer(n), n))
+    cfg: its ModelConfig (arch, layers, heads, kv_heads); imatrix: whether it is quantized
+    with an importance matrix (some rules hold only then)."""
+    order = llama_order(tensors)
     counts = {"attn_v": sum(kind(n) == "attn_v" for n in order), "ffn_down": cfg.layers}
     seen = {"attn_v": 0, "ffn_down": 0}
     tied = OUTPUT not in tensors
@@ -184,7 +205,8 @@ def tensor_types(mix: Mixture, tensors: dict, cfg) -> dict:
             t = "q8_0" if ncols % dtype(t).block or t == "q8_0" else "q6_k"
         elif k in ("attn_v", "ffn_down", "attn_output"):
             i, n = seen.get(k, 0), counts.get(k, 0)
-            t = next((r.type for r in mix.rules if r.kind == k and WHEN[r.when](i, n, cfg)), t)
+            t = next((r.type for r in mix.rules if r.kind == k and (imatrix or not r.with_imatrix)
+                      and WHEN[r.when](i, n, cfg)), t)
             if k == "attn_v" and _is_70b(cfg) and t in ("q3_k", "q4_k"):
                 t = "q5_k"
             if k in seen:

@@ -14,7 +14,8 @@ from ggtrain.core.backend import StoredTensor
 from ggtrain.core.models.config import ModelConfig
 from ggtrain.errors import FormatError
 from ggtrain.formats.gguf import GGUFFile, dequantize, quantize, read_gguf, write_gguf
-from ggtrain.formats.mixture import mixture, tensor_types
+from ggtrain.formats.imatrix import Imatrix
+from ggtrain.formats.mixture import llama_order, mixture, needs_imatrix, quantizable, tensor_types
 from ggtrain.formats.model import config_to_kv, tensor_shapes, validate_model
 from ggtrain.formats.tokenizer import tokenizer_from_gguf
 from ggtrain.native.dtypes import DTYPES, WEIGHT_TYPES, dtype, nbytes as _nbytes
@@ -104,10 +105,37 @@ def check_write_type(out_type: str, what: str = "--out-type") -> str:
     return mixture(out_type, what).name
 
 
-def model_types(out_type: str, tensors: dict, cfg: ModelConfig) -> dict:
+def model_types(out_type: str, tensors: dict, cfg: ModelConfig, imatrix: bool = False) -> dict:
     """{name: type written} of a model written as `out_type` (a mixture of OUT_TYPES, by
-    llama.cpp's rules): tensors {name: (numpy-order shape, the type it comes in)}."""
-    return tensor_types(mixture(out_type), tensors, cfg)
+    llama.cpp's rules, with an importance matrix or without): tensors {name: (numpy-order
+    shape, the type it comes in)}."""
+    return tensor_types(mixture(out_type), tensors, cfg, imatrix)
+
+
+def importances(path, out_type: str, imatrix: Imatrix | None, tensors: dict, types: dict) -> dict:
+    """{name: importance (formats.imatrix) or None} of the tensors written as another type
+    than they come in (tensors {name: (shape, type it comes in)}), as llama.cpp's quantizer
+    weights them. FormatError (nothing is written yet) for a tensor the mixture quantizes only
+    with an importance matrix when there is none or it has no entry for it, an entry of
+    another length, and an imatrix none of whose entries names a matrix of the model."""
+    mix = mixture(out_type)
+    out = {}
+    for name, (shape, stored) in tensors.items():
+        if types[name] == stored:
+            continue
+        v = imatrix.importance(name, tuple(shape)) if imatrix is not None else None
+        if v is None and needs_imatrix(mix, name, types[name]):
+            if imatrix is None:
+                raise FormatError(f"{path}: {mix.name} writes {name} as {types[name].upper()}, which llama.cpp's "
+                                  f"quantizer does only with an importance matrix (--imatrix)")
+            raise FormatError(f"{imatrix.path}: no entry for {name}, which {mix.name} writes as "
+                              f"{types[name].upper()} (only with an importance matrix, as llama.cpp's quantizer)")
+        out[name] = v
+    if imatrix is not None and not any(n in imatrix.values for n, (shape, _) in tensors.items()
+                                       if quantizable(n, tuple(shape))):
+        raise FormatError(f"{imatrix.path}: none of its {len(imatrix.values)} entries names a matrix of "
+                          f"{path}: an importance matrix of another model")
+    return out
 
 
 def default_out_type(base_type: str) -> str:
@@ -144,11 +172,12 @@ def _check_convertible(path, stored: dict, types: dict) -> None:
                               f"{types[name].upper()} (it reads {readable})")
 
 
-def _tensor_spec(path, name: str, shape: tuple, value, t: str, observe=None) -> tuple:
+def _tensor_spec(path, name: str, shape: tuple, value, t: str, observe=None, importance=None) -> tuple:
     """(name, read, TYPE, shape) for write_gguf: `value` (an f32 array, a callable returning
     one, a StoredTensor or a FileTensor) written as type t: stored bytes copied when they
-    already are t, else converted through f32. observe(name, t, f32 values, bytes written), if
-    given, sees a converted tensor as it is written."""
+    already are t, else converted through f32 (quantized with `importance`, formats.imatrix,
+    where given). observe(name, t, f32 values, bytes written), if given, sees a converted
+    tensor as it is written."""
     shape = tuple(shape)
     if isinstance(value, (StoredTensor, FileTensor)):
         if tuple(value.shape) != shape:
@@ -168,27 +197,28 @@ def _tensor_spec(path, name: str, shape: tuple, value, t: str, observe=None) -> 
         a = np.ascontiguousarray(value() if callable(value) else value, dtype=np.float32)
         if a.shape != shape:
             raise FormatError(f"{path}: tensor {name} has shape {a.shape}, expected {shape}")
-        if observe is None:
+        if observe is None and importance is None:
             return a
-        raw = a if t == "f32" else quantize(a, t)
-        observe(name, t, a, raw)
+        raw = a if t == "f32" else quantize(a, t, importance)
+        if observe is not None:
+            observe(name, t, a, raw)
         return raw
     return name, read, t.upper(), shape
 
 
-def _type_kv(types: list, out_type: str | None) -> list:
-    """general.quantization_version (when a block type is written) and general.file_type (the
-    mixture's)."""
+def _type_kv(types: list, out_type: str | None, imatrix: Imatrix | None = None) -> list:
+    """general.quantization_version (when a block type is written), general.file_type (the
+    mixture's) and, quantized with an importance matrix, the keys llama-quantize adds for it."""
     kv = []
     if any(dtype(t).block > 1 for t in types):
         kv.append(("general.quantization_version", QUANTIZATION_VERSION, VT.UINT32))
     if out_type is not None:
         kv.append(("general.file_type", int(mixture(out_type).file_type), VT.UINT32))
-    return kv
+    return kv + (imatrix.kv() if imatrix is not None else [])
 
 
 def save_model(path, config: dict, weights: dict, tokenizer, name: str = "ggtrain",
-               out_type: str = "f32", extra_kv=(), progress=None) -> dict:
+               out_type: str = "f32", extra_kv=(), progress=None, imatrix: Imatrix | None = None) -> dict:
     """Write a clean llama.cpp model (hparams, tokenizer keys, extra_kv (e.g. carried_kv
     of its base), tensors in llama.cpp's order; nothing else, since llama.cpp refuses extra
     tensors), atomically, one tensor at a time. Returns {tensor name: type written}.
@@ -197,7 +227,8 @@ def save_model(path, config: dict, weights: dict, tokenizer, name: str = "ggtrai
     (formats.tokenizer); weights: {tensor name: value} in numpy order, a value being an f32
     array, a zero-argument callable returning one (computed only when that tensor is
     written), a StoredTensor or a FileTensor. out_type: one of OUT_TYPES (formats.mixture),
-    each tensor's type by its rules (model_types). progress: as write_gguf's.
+    each tensor's type by its rules (model_types), quantized with the importance matrix
+    `imatrix` (formats.imatrix) where given. progress: as write_gguf's.
     """
     cfg = ModelConfig(**config)
     out_type = check_write_type(out_type, f"{path}: out_type")
@@ -206,22 +237,30 @@ def save_model(path, config: dict, weights: dict, tokenizer, name: str = "ggtrai
         if weights.get(tname) is None:
             raise FormatError(f"{path}: no weights for tensor {tname}")
     stored = {tname: _stored_type(weights[tname]) for tname in shapes}
-    types = model_types(out_type, {tname: (shape, stored[tname]) for tname, shape in shapes.items()}, cfg)
+    tensors = {tname: (shape, stored[tname]) for tname, shape in shapes.items()}
+    types = model_types(out_type, tensors, cfg, imatrix is not None)
     _check_convertible(path, stored, types)
-    specs = [_tensor_spec(path, tname, shape, weights[tname], types[tname]) for tname, shape in shapes.items()]
-    kv = config_to_kv(cfg, name) + _type_kv(list(types.values()), out_type)
-    write_gguf(path, kv + list(tokenizer.gguf_kv()) + list(extra_kv), specs, progress=progress)
+    imp = importances(path, out_type, imatrix, tensors, types)
+    specs = [_tensor_spec(path, tname, shape, weights[tname], types[tname], importance=imp.get(tname))
+             for tname, shape in shapes.items()]
+    kv = config_to_kv(cfg, name) + _type_kv(list(types.values()), out_type) + list(tokenizer.gguf_kv())
+    kv += list(extra_kv) + (imatrix.kv() if imatrix is not None else [])
+    write_gguf(path, kv, specs, progress=progress)
     return types
 
 
 def rewrite_model(path, base, replace: dict | None = None, out_type: str | None = None,
-                  progress=None, observe=None) -> dict:
+                  progress=None, observe=None, imatrix: Imatrix | None = None) -> dict:
     """Write the model `base` (a path or GGUFFile) again, atomically, with the tensors
     in `replace` ({name: f32 array or callable}, e.g. merged weights) and every tensor as
-    out_type's rules give (model_types) when out_type is given. Without out_type the other
-    tensors keep their bytes, and a replaced tensor is written as merged_type gives. The base's
+    out_type's rules give (model_types) when out_type is given, in the order llama.cpp's
+    quantizer writes them (mixture.llama_order: with the same keys, its file byte for byte).
+    Without out_type the tensors keep their order, the others their bytes, and a replaced tensor
+    is written as merged_type gives. The base's
     key/values are kept (its tokenizer, chat template, ...), general.file_type follows out_type.
-    observe: as _tensor_spec's, for the replaced tensors. Returns {tensor name: type written}.
+    imatrix (formats.imatrix, with out_type only): the importance matrix the tensors are
+    quantized with, as llama-quantize --imatrix (its keys replace the base's). observe: as
+    _tensor_spec's, for the replaced tensors. Returns {tensor name: type written}.
     """
     f = base if isinstance(base, GGUFFile) else read_gguf(base)
     layout = validate_model(f)
@@ -230,18 +269,26 @@ def rewrite_model(path, base, replace: dict | None = None, out_type: str | None 
     if unknown:
         raise FormatError(f"{f.path}: the model has no tensor {unknown[0]!r}")
     stored = {tname: dtype(int(info.type)).name for tname, info in f.tensors.items()}
+    imp = {}
     if out_type is not None:
         out_type = check_write_type(out_type)
-        types = model_types(out_type, {n: (tuple(i.shape), stored[n]) for n, i in f.tensors.items()}, layout.config)
+        types = model_types(out_type, {n: (tuple(i.shape), stored[n]) for n, i in f.tensors.items()}, layout.config,
+                            imatrix is not None)
+        came = {n: (tuple(i.shape), "f32" if n in replace else stored[n]) for n, i in f.tensors.items()}
+        imp = importances(f.path, out_type, imatrix, came, types)
+    elif imatrix is not None:
+        raise FormatError(f"{path}: an importance matrix is for quantizing to an out_type")
     else:
         types = {n: merged_type(stored[n], tuple(i.shape)) if n in replace else stored[n] for n, i in f.tensors.items()}
     _check_convertible(f.path, {n: s for n, s in stored.items() if n not in replace}, types)
-    specs = [_tensor_spec(path, tname, tuple(info.shape), replace.get(tname, FileTensor(f, tname)), types[tname],
-                          observe if tname in replace else None)
-             for tname, info in f.tensors.items()]
+    order = list(f.tensors) if out_type is None else llama_order(f.tensors)
+    specs = [_tensor_spec(path, tname, tuple(f.tensors[tname].shape), replace.get(tname, FileTensor(f, tname)),
+                          types[tname], observe if tname in replace else None, imp.get(tname))
+             for tname in order]
     if out_type is None:    # the base's keys as they are (the writer adds the alignment)
         kv = [(k, v) for k, v in f.kv.items() if k != "general.alignment"]
     else:
-        kv = [(k, v) for k, v in f.kv.items() if k not in _OWN_KEYS] + _type_kv(list(types.values()), out_type)
+        own = _OWN_KEYS + tuple(item[0] for item in (imatrix.kv() if imatrix is not None else ()))
+        kv = [(k, v) for k, v in f.kv.items() if k not in own] + _type_kv(list(types.values()), out_type, imatrix)
     write_gguf(path, kv, specs, alignment=f.alignment, progress=progress)
     return types

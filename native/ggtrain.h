@@ -448,6 +448,13 @@ int gt_bf16_to_f32(float *dst, const uint16_t *src, int64_t n);
  * quantizers do. GT_ERR_UNSUPPORTED for other types. */
 int gt_dequantize_row(float *dst, const void *src, int32_t dtype, int64_t n);
 int gt_quantize_row(void *dst, const float *src, int32_t dtype, int64_t n);
+/* quantize_rows_imatrix (quant_imatrix.c): dst (n_rows rows of n_cols elements of `dtype`) =
+ * src (n_rows x n_cols f32), each row's scale searches weighting column j by imatrix[j]
+ * (n_cols f32, llama.cpp's importance matrix values), as llama.cpp's quantizer does with one:
+ * Q2_K..Q6_K, Q4_0, Q4_1, Q5_0, Q5_1; the other types as quantize_row (ggml does not weight
+ * them). GT_ERR_SHAPE when n_cols is not a whole number of blocks. */
+int gt_quantize_rows_imatrix(void *dst, const float *src, const float *imatrix, int32_t dtype, int64_t n_rows,
+                             int64_t n_cols);
 
 /* scan_strings (strings.c): walks n length-prefixed strings (u64 little-endian
  * length, then the bytes) in data[0..size). Fills bounds[2i], bounds[2i+1]

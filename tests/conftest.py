@@ -60,6 +60,32 @@ def llama():
     return llama_cpp
 
 
+@pytest.fixture(scope="session")
+def small_models(tmp_path_factory):
+    """{name: path} of tests.interop.SMALL_MODELS: random models whose widths cover llama.cpp's
+    quantization mixtures and fallbacks."""
+    from tests.interop import write_small_models
+    return write_small_models(tmp_path_factory.mktemp("mixtures"))
+
+
+@pytest.fixture(scope="session")
+def llama_tools():
+    """{name: path} of llama.cpp's llama-quantize and llama-imatrix, built from the installed
+    llama-cpp-python's sources when not cached yet (tests/llama_tools.py: minutes, once).
+    Without llama-cpp-python, or where they cannot be built, the test skips with the reason,
+    except in CI (CI=true), where it fails with it."""
+    try:
+        import llama_cpp  # noqa: F401
+
+        from tests.llama_tools import llama_tools as build
+        return build()
+    except Exception as e:      # ImportError, ToolBuildError, OSError: said, never swallowed in CI
+        msg = f"llama.cpp's llama-quantize/llama-imatrix are not available: {e}"
+        if os.environ.get("CI") == "true":
+            pytest.fail("CI must run the llama.cpp tool tests: " + msg, pytrace=False)
+        pytest.skip(msg)
+
+
 def write_shakespeare(path, chars: int):
     """The first `chars` characters of tiny shakespeare written to path (a repeated sentence
     of about that length without ../shared); returns path."""

@@ -89,9 +89,10 @@ def random_lora_pairs(rng, weights: dict, layers: int, targets=("attn_q", "attn_
     return pairs
 
 
-def ggml_quantize(llama, x: np.ndarray, type_id: int) -> np.ndarray:
+def ggml_quantize(llama, x: np.ndarray, type_id: int, imatrix: np.ndarray | None = None) -> np.ndarray:
     """The bytes llama-cpp-python's own libggml-base writes for f32 rows x (rows, n) as ggml type
-    type_id without an importance matrix (ggml_quantize_chunk, what llama_model_quantize calls)."""
+    type_id (ggml_quantize_chunk, what llama_model_quantize calls), with the importance of each
+    of the n columns (imatrix, f32) or without one."""
     import ctypes
     import os
 
@@ -103,18 +104,58 @@ def ggml_quantize(llama, x: np.ndarray, type_id: int) -> np.ndarray:
     f.restype = ctypes.c_size_t
     x = np.ascontiguousarray(x, np.float32)
     out = np.zeros(nbytes(x.shape, type_id), np.uint8)
-    assert f(type_id, x.ctypes.data, out.ctypes.data, 0, x.shape[0], x.shape[1], None) == out.size
+    im = None if imatrix is None else np.ascontiguousarray(imatrix, np.float32)
+    assert f(type_id, x.ctypes.data, out.ctypes.data, 0, x.shape[0], x.shape[1],
+             None if im is None else im.ctypes.data) == out.size
     return out
 
 
-def quantize_with_llama_cpp(llama, src, dst, file_type: int, requantize: bool = False) -> None:
+def quantize_with_llama_cpp(llama, src, dst, file_type: int, requantize: bool = False, imatrix: dict | None = None,
+                            expect: int = 0) -> None:
     """llama.cpp's llama_model_quantize of the model src into dst as file_type (an LLAMA_FTYPE),
-    default parameters, 2 threads."""
+    default parameters, 2 threads; with imatrix {tensor name: f32 importance} as its importance
+    matrix (params.imatrix: an array of {name, data, size} ended by a null name, as
+    llama-quantize passes it). expect: its status (1: it refused)."""
+    import ctypes
+
     params = llama.llama_model_quantize_default_params()
     params.ftype = int(file_type)
     params.nthread = 2
     params.allow_requantize = requantize
-    assert llama.llama_model_quantize(str(src).encode(), str(dst).encode(), params) == 0
+    keep = []
+    if imatrix is not None:
+        entries = (llama.llama_model_imatrix_data * (len(imatrix) + 1))()
+        for e, (name, v) in zip(entries, imatrix.items()):
+            v = np.ascontiguousarray(v, np.float32)
+            keep.append(v)
+            e.name = name.encode()
+            e.data = v.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+            e.size = v.size
+        params.imatrix = ctypes.cast(entries, ctypes.POINTER(llama.llama_model_imatrix_data))
+        keep.append(entries)
+    assert llama.llama_model_quantize(str(src).encode(), str(dst).encode(), params) == expect
+
+
+# small random models whose rules and fallbacks cover llama.cpp's mixtures: rows of whole Q*_K
+# blocks, the output untied, 8 layers (Q4_K_M's more-bits layers 0, 3, 6 and 7), GQA 4 (Q2_K's
+# attn_v Q4_K); and SmolLM2's widths (576: the fallbacks, ffn_down's 1536: K-quants), tied, F16
+SMALL_MODELS = {"k256-f32": (dict(dim=256, layers=8, heads=8, kv_heads=2, ff=256, ctx=64), "f32"),
+                "w576-tied-f16": (dict(dim=576, layers=2, heads=9, kv_heads=3, ff=1536, ctx=64, tied=True), "f16")}
+
+
+def write_small_models(folder) -> dict:
+    """{name: path} of SMALL_MODELS written into folder (byte tokenizer, random weights, seed 1)."""
+    from ggtrain.core.models.config import ModelConfig, init_params
+    from ggtrain.formats.model_file import save_model
+    from ggtrain.formats.tokenizer import load_tokenizer
+
+    tok = load_tokenizer("byte", "First Citizen: Before we proceed any further, hear me speak.")
+    models = {}
+    for name, (shape, t) in SMALL_MODELS.items():
+        config = dict(vocab=tok.n_vocab, **shape)
+        models[name] = folder / f"{name}.gguf"
+        save_model(models[name], config, init_params(ModelConfig(**config), seed=1, std=0.02), tok, out_type=t)
+    return models
 
 
 def same_model_files(ours, theirs) -> None:

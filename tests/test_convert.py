@@ -12,6 +12,7 @@ from ggtrain.formats.checkpoint import load_checkpoint
 from ggtrain.formats.gguf import quantize, read_gguf, write_gguf
 from ggtrain.formats.model_file import load_model
 from ggtrain.formats.lora import merge_lora, read_lora, write_lora
+from ggtrain.formats.mixture import OUT_TYPES
 from ggtrain.native.dtypes import nbytes
 
 TEXT = "Tom had a red kite. The kite flew high over the park and Tom laughed. " * 40
@@ -326,9 +327,8 @@ def test_bad_input_is_one_line_and_writes_nothing(gguf_dir, tmp_path):
     cases = [
         ([tmp_path / "missing.gguf", out, "--out-type", "f16"], "missing.gguf: no such file"),
         ([story, out], "is already a model: give --out-type, --adapter or --to checkpoint"),
-        ([story, out, "--out-type", "q5_k"], "--out-type q5_k: not a type ggtrain writes (it writes f32, f16, bf16, "
-                                             "q8_0, q4_0, q4_1, q5_0, q5_1, q2_k, q3_k_s, q3_k_m, q3_k_l, q4_k_s, "
-                                             "q4_k_m, q5_k_s, q5_k_m, q6_k)"),
+        ([story, out, "--out-type", "q5_k"], f"--out-type q5_k: not a type ggtrain writes (it writes "
+                                             f"{', '.join(OUT_TYPES)})"),
         ([story, out, "--to", "weights"], "'weights' is not one of 'model', 'checkpoint'"),   # usage: 2
         ([story, out, "--adapter", other], "blk.0.attn_q.weight: adapter gives (32, 32), the weight is (64, 64)"),
         ([story, out, "--adapter", foreign], "an adapter for architecture 'gpt2'"),

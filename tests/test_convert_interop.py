@@ -7,15 +7,14 @@ import itertools
 import numpy as np
 import pytest
 
-from ggtrain.core.models.config import ModelConfig, init_params
+from ggtrain.errors import FormatError
 from ggtrain.formats.gguf import quantize, read_gguf
 from ggtrain.formats.lora import write_lora
 from ggtrain.formats.mixture import MIXTURES
-from ggtrain.formats.model_file import load_model, rewrite_model, save_model
-from ggtrain.formats.tokenizer import load_tokenizer
+from ggtrain.formats.model_file import load_model, rewrite_model
 from ggtrain.native.dtypes import DTYPES
-from tests.interop import (ggml_quantize, greedy, open_llm, quantize_with_llama_cpp, random_lora_pairs, run_cli,
-                           same_model_files)
+from tests.interop import (SMALL_MODELS, ggml_quantize, greedy, open_llm, quantize_with_llama_cpp,
+                           random_lora_pairs, run_cli, same_model_files)
 
 PROMPT = "Once upon a time, there was a little"
 # where a quantized merged model's greedy run parts from llama.cpp's base + adapter, llama.cpp's
@@ -104,8 +103,10 @@ def test_out_types_are_llama_cpps_quantizations(llama, shared_data, tmp_path, ou
 @pytest.mark.parametrize("name", [n for n, d in DTYPES.items() if d.can_quantize and d.is_block])
 def test_block_quantizers_are_ggmls(llama, name):
     """Every block type ggtrain writes, row by row, gives the bytes of llama-cpp-python's own
-    ggml_quantize_chunk (its reference quantizers, which llama_model_quantize runs without an
-    imatrix): normal, heavy-tailed, one-signed, zero, tiny and mixed-zero rows."""
+    ggml_quantize_chunk: without an importance matrix (its reference quantizers) and with one
+    (its weighted scale searches, as llama_model_quantize runs them given an imatrix: heavy-
+    tailed importances, uniform ones, and a third of the columns of importance 0), on normal,
+    heavy-tailed, one-signed, zero, tiny and mixed-zero rows."""
     rng = np.random.default_rng(5)
     x = rng.standard_normal((8, 1024)).astype(np.float32)
     rows = [x, x ** 3, np.abs(x) + 0.1, -np.abs(x), np.zeros_like(x), x * 1e-9]
@@ -114,38 +115,30 @@ def test_block_quantizers_are_ggmls(llama, name):
     mixed[3] = 0
     mixed[5, 7] = 100
     rows.append(mixed)
+    importances = [None, (rng.random(1024) ** 4 * 10).astype(np.float32), np.ones(1024, np.float32),
+                   np.where(rng.random(1024) < 0.3, 0, rng.random(1024)).astype(np.float32)]
     for i, r in enumerate(rows):
-        ours = quantize(r, name).reshape(-1)
-        theirs = ggml_quantize(llama, r, DTYPES[name].id)
-        assert np.array_equal(ours, theirs), (name, i, np.flatnonzero(ours != theirs)[:8])
+        for k, im in enumerate(importances):
+            ours = quantize(r, name, imatrix=im).reshape(-1)
+            theirs = ggml_quantize(llama, r, DTYPES[name].id, im)
+            assert np.array_equal(ours, theirs), (name, i, k, np.flatnonzero(ours != theirs)[:8])
 
 
-# small random models whose rules and fallbacks cover llama.cpp's mixtures: rows of whole Q*_K
-# blocks, the output untied, 8 layers (Q4_K_M's more-bits layers 0, 3, 6 and 7), GQA 4 (Q2_K's
-# attn_v Q4_K); and SmolLM2's widths (576: the fallbacks, ffn_down's 1536: K-quants), tied, F16
-K_MODEL = dict(dim=256, layers=8, heads=8, kv_heads=2, ff=256, ctx=64)
-WIDTH_576 = dict(dim=576, layers=2, heads=9, kv_heads=3, ff=1536, ctx=64, tied=True)
-
-
-@pytest.fixture(scope="module")
-def small_models(tmp_path_factory):
-    tok = load_tokenizer("byte", "First Citizen: Before we proceed any further, hear me speak.")
-    d = tmp_path_factory.mktemp("mixtures")
-    models = {}
-    for name, shape, t in (("k256-f32", K_MODEL, "f32"), ("w576-tied-f16", WIDTH_576, "f16")):
-        config = dict(vocab=tok.n_vocab, **shape)
-        models[name] = d / f"{name}.gguf"
-        save_model(models[name], config, init_params(ModelConfig(**config), seed=1, std=0.02), tok, out_type=t)
-    return models
-
-
-@pytest.mark.parametrize("model", ["k256-f32", "w576-tied-f16"])
+@pytest.mark.parametrize("model", SMALL_MODELS)
 @pytest.mark.parametrize("out_type", list(MIXTURES))
 def test_mixtures_are_llama_cpps_quantizer(llama, small_models, tmp_path, model, out_type):
     """Every --out-type (a row of formats.mixture.MIXTURES) of a model is llama_model_quantize's
     file of the same input: each tensor's type (the mixture's rules, the output's Q6_K/Q8_0, the
-    fallbacks where rows are not whole blocks) and bytes, and general.file_type; llama.cpp runs it."""
+    fallbacks where rows are not whole blocks) and bytes, and general.file_type; llama.cpp runs it.
+    A mixture llama.cpp writes only with an importance matrix (Q2_K_S) both refuse without one
+    (tests/test_imatrix_interop.py compares it with one)."""
     src, ref, out = small_models[model], tmp_path / "ref.gguf", tmp_path / "ours.gguf"
+    if MIXTURES[out_type].needs_imatrix:
+        quantize_with_llama_cpp(llama, src, ref, MIXTURES[out_type].file_type, expect=1)
+        with pytest.raises(FormatError, match="only with an importance matrix"):
+            rewrite_model(out, src, out_type=out_type)
+        assert not out.exists()
+        return
     quantize_with_llama_cpp(llama, src, ref, MIXTURES[out_type].file_type)
     rewrite_model(out, src, out_type=out_type)
     same_model_files(out, ref)

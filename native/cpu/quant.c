@@ -25,7 +25,7 @@
 #include <float.h>
 #include <math.h>
 
-#include "internal.h"
+#include "quant_k.h"
 #include "simd.h"
 
 #if defined(__x86_64__)
@@ -33,7 +33,6 @@
 #endif
 
 #define QK 32
-#define QK_K 256
 
 static inline uint32_t u32_at(const uint8_t *p) {
     return (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16) | ((uint32_t)p[3] << 24);
@@ -266,12 +265,6 @@ int gt_dequantize_row(float *dst, const void *src, int32_t dtype, int64_t n) {
     return GT_OK;
 }
 
-static inline void put_half(uint8_t *p, float f) {
-    const uint16_t h = gt_f32_to_f16_1(f);
-    p[0] = (uint8_t)(h & 0xff);
-    p[1] = (uint8_t)(h >> 8);
-}
-
 /* ggml's quantize_row_q8_0_ref: d = max|x| / 127, q = round(x / d) (half away
  * from zero). A NaN maps to 0 instead of being undefined behaviour. */
 static void quant_q8_0(uint8_t *b, const float *src, int64_t nb) {
@@ -283,7 +276,7 @@ static void quant_q8_0(uint8_t *b, const float *src, int64_t nb) {
         }
         const float d = amax / 127.0f;
         const float id = d != 0.0f ? 1.0f / d : 0.0f;
-        put_half(b, d);
+        gt_put_half_(b, d);
         int8_t *qs = (int8_t *)(b + 2);
         for (int j = 0; j < QK; j++) {
             const float r = roundf(src[j] * id);
@@ -305,7 +298,7 @@ static void quant_q4_0(uint8_t *b, const float *src, int64_t nb) {
         }
         const float d = max / -8.0f;
         const float id = d != 0.0f ? 1.0f / d : 0.0f;
-        put_half(b, d);
+        gt_put_half_(b, d);
         uint8_t *qs = b + 2;
         for (int j = 0; j < QK / 2; j++) {
             const float t0 = src[j] * id + 8.5f, t1 = src[j + QK / 2] * id + 8.5f;
@@ -327,8 +320,8 @@ static void quant_q4_1(uint8_t *b, const float *src, int64_t nb) {
         }
         const float d = (hi - lo) / 15.0f;
         const float id = d != 0.0f ? 1.0f / d : 0.0f;
-        put_half(b, d);
-        put_half(b + 2, lo);
+        gt_put_half_(b, d);
+        gt_put_half_(b + 2, lo);
         uint8_t *qs = b + 4;
         for (int j = 0; j < QK / 2; j++) {
             const float t0 = (src[j] - lo) * id + 0.5f, t1 = (src[j + QK / 2] - lo) * id + 0.5f;
@@ -341,7 +334,7 @@ static void quant_q4_1(uint8_t *b, const float *src, int64_t nb) {
 
 /* The fifth bits of a 32-value block's levels q (0..31): bit j of the u32 is q[j] >> 4, in
  * Q5_0/Q5_1's qh (little-endian); the low nibbles go to qs as in Q4_0. */
-static void pack_5bit(uint8_t *qh, uint8_t *qs, const int *q) {
+void gt_pack_5bit_(uint8_t *qh, uint8_t *qs, const int *q) {
     uint32_t h = 0;
     for (int j = 0; j < QK / 2; j++) {
         qs[j] = (uint8_t)((q[j] & 0x0f) | ((q[j + QK / 2] & 0x0f) << 4));
@@ -365,12 +358,12 @@ static void quant_q5_0(uint8_t *b, const float *src, int64_t nb) {
         }
         const float d = max / -16.0f;
         const float id = d != 0.0f ? 1.0f / d : 0.0f;
-        put_half(b, d);
+        gt_put_half_(b, d);
         for (int j = 0; j < QK; j++) {
             const float t = src[j] * id + 16.5f;
             q[j] = t >= 31.0f ? 31 : t > 0.0f ? (int)t : 0;
         }
-        pack_5bit(b + 2, b + 6, q);
+        gt_pack_5bit_(b + 2, b + 6, q);
     }
 }
 
@@ -386,21 +379,21 @@ static void quant_q5_1(uint8_t *b, const float *src, int64_t nb) {
         }
         const float d = (hi - lo) / 31.0f;
         const float id = d != 0.0f ? 1.0f / d : 0.0f;
-        put_half(b, d);
-        put_half(b + 2, lo);
+        gt_put_half_(b, d);
+        gt_put_half_(b + 2, lo);
         for (int j = 0; j < QK; j++) {
             /* NOTE: ggml keeps trunc(t) in a uint8 unclamped; t < 32 here, as d >= (hi - lo) / 31 */
             const float t = (src[j] - lo) * id + 0.5f;
             q[j] = t > 0.0f && t < 256.0f ? (uint8_t)(int)t : 0;
         }
-        pack_5bit(b + 4, b + 8, q);
+        gt_pack_5bit_(b + 4, b + 8, q);
     }
 }
 
 static void quant_f32(uint8_t *b, const float *src, int64_t n) { memcpy(b, src, (size_t)n * sizeof(float)); }
 
 static void quant_f16(uint8_t *b, const float *src, int64_t n) {
-    for (int64_t i = 0; i < n; i++) put_half(b + 2 * i, src[i]);
+    for (int64_t i = 0; i < n; i++) gt_put_half_(b + 2 * i, src[i]);
 }
 
 static void quant_bf16(uint8_t *b, const float *src, int64_t n) {

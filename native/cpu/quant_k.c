@@ -8,34 +8,15 @@
  * Byte identity with llama.cpp needs its float arithmetic operation for operation: every
  * product and sum below is written in ggml's order (a * b * c is (a * b) * c), one rounding
  * each (C11 mode: no FMA contraction), the same strict comparisons in the searches, and
- * round_half_even's magic-number rounding (ggml's nearest_int) where ggml uses it.
+ * gt_nearest_int_'s magic-number rounding (ggml's nearest_int) where ggml uses it.
+ *
+ * The writers that weight columns by an importance matrix (quant_imatrix.c) search scales
+ * differently but share the searches' building blocks and each type's last step (the values
+ * rounded against the stored scales, and packed): quant_k.h.
  */
 #include <math.h>
 
-#include "internal.h"
-
-#define QK_K 256
-/* sub-blocks whose largest magnitude is below this are all zeros (ggml's GROUP_MAX_EPS) */
-#define ZERO_GROUP 1e-15f
-
-static inline int imin(int a, int b) { return a < b ? a : b; }
-static inline int imax(int a, int b) { return a > b ? a : b; }
-static inline int clampi(int v, int lo, int hi) { return imax(lo, imin(hi, v)); }
-
-/* f rounded to the nearest integer, ties to even, by adding 1.5 * 2^23 (ggml's nearest_int:
- * the same bits for any input, also outside the |f| < 2^22 it is meant for). */
-static inline int round_half_even(float f) {
-    const float v = f + 12582912.0f;
-    int32_t bits;
-    memcpy(&bits, &v, sizeof bits);
-    return (bits & 0x007fffff) - 0x00400000;
-}
-
-static inline void put_half(uint8_t *p, float f) {
-    const uint16_t h = gt_f32_to_f16_1(f);
-    p[0] = (uint8_t)(h & 0xff);
-    p[1] = (uint8_t)(h >> 8);
-}
+#include "quant_k.h"
 
 /* Four 2-bit values of L (32 apart) in each byte: Q2_K's and Q3_K's low bits, 128 values into
  * 32 bytes, twice. */
@@ -49,9 +30,11 @@ static void pack_2bit(uint8_t *qs, const uint8_t *L) {
  * [0, nmax], min <= 0: start from the range, then try nstep + 1 other scales
  * (rmin + rdelta * is + nmax) / range, each with the least-squares scale and min of the levels
  * it rounds to under `weights`, and keep the least weighted error (absolute with use_mad,
- * else squared). L gets the levels; Laux is scratch of n. (ggml's make_qkx2_quants.) */
-static float fit_scale_min(int n, int nmax, const float *x, const float *weights, uint8_t *L, float *neg_min,
-                           uint8_t *Laux, float rmin, float rdelta, int nstep, int use_mad) {
+ * else squared). L gets the levels; Laux is scratch of n. (ggml's make_qkx2_quants; its
+ * make_qkx3_quants, given weights, differs only in returning early for max < min too, which
+ * cannot happen: min <= x[0] <= max.) */
+float gt_fit_scale_min_(int n, int nmax, const float *x, const float *weights, uint8_t *L, float *neg_min,
+                        uint8_t *Laux, float rmin, float rdelta, int nstep, int use_mad) {
     float min = x[0], max = x[0];
     float sum_w = weights[0];
     float sum_x = sum_w * x[0];
@@ -72,7 +55,7 @@ static float fit_scale_min(int n, int nmax, const float *x, const float *weights
     float scale = 1 / iscale;
     float best_error = 0;
     for (int i = 0; i < n; i++) {
-        L[i] = (uint8_t)clampi(round_half_even(iscale * (x[i] - min)), 0, nmax);
+        L[i] = (uint8_t)gt_clampi_(gt_nearest_int_(iscale * (x[i] - min)), 0, nmax);
         float diff = scale * (float)L[i] + min - x[i];
         diff = use_mad ? fabsf(diff) : diff * diff;
         best_error += weights[i] * diff;
@@ -85,7 +68,7 @@ static float fit_scale_min(int n, int nmax, const float *x, const float *weights
         iscale = (rmin + rdelta * (float)is + (float)nmax) / (max - min);
         float sum_l = 0, sum_l2 = 0, sum_xl = 0;
         for (int i = 0; i < n; i++) {
-            const int l = clampi(round_half_even(iscale * (x[i] - min)), 0, nmax);
+            const int l = gt_clampi_(gt_nearest_int_(iscale * (x[i] - min)), 0, nmax);
             Laux[i] = (uint8_t)l;
             const float w = weights[i];
             sum_l += w * (float)l;
@@ -119,10 +102,10 @@ static float fit_scale_min(int n, int nmax, const float *x, const float *weights
 }
 
 /* The symmetric scale of x (n) as scale * (L - nmax) with L - nmax in [-nmax, nmax - 1],
- * weights x^2: from the element of largest magnitude, then 18 nearby scales
- * -(nmax + 0.1 is) / max, keeping the one of largest (sum w x l)^2 / sum w l^2 (its
+ * weights qw (x^2 where qw is NULL): from the element of largest magnitude, then 18 nearby
+ * scales -(nmax + 0.1 is) / max, keeping the one of largest (sum w x l)^2 / sum w l^2 (its
  * least-squares fit). L gets the levels plus nmax. (ggml's make_qx_quants, rmse_type 1.) */
-static float fit_scale_sym(int n, int nmax, const float *x, int8_t *L) {
+float gt_fit_scale_sym_(int n, int nmax, const float *x, const float *qw, int8_t *L) {
     float max = 0, amax = 0;
     for (int i = 0; i < n; i++) {
         const float ax = fabsf(x[i]);
@@ -131,16 +114,16 @@ static float fit_scale_sym(int n, int nmax, const float *x, int8_t *L) {
             max = x[i];
         }
     }
-    if (amax < ZERO_GROUP) {
+    if (amax < GT_ZERO_GROUP) {
         memset(L, 0, (size_t)n);
         return 0.0f;
     }
     float iscale = (float)-nmax / max;
     float sumlx = 0, suml2 = 0;
     for (int i = 0; i < n; i++) {
-        const int l = clampi(round_half_even(iscale * x[i]), -nmax, nmax - 1);
+        const int l = gt_clampi_(gt_nearest_int_(iscale * x[i]), -nmax, nmax - 1);
         L[i] = (int8_t)(l + nmax);
-        const float w = x[i] * x[i];
+        const float w = qw ? qw[i] : x[i] * x[i];
         sumlx += w * x[i] * (float)l;
         suml2 += w * (float)l * (float)l;
     }
@@ -151,14 +134,14 @@ static float fit_scale_sym(int n, int nmax, const float *x, int8_t *L) {
         iscale = -((float)nmax + 0.1f * (float)is) / max;
         sumlx = suml2 = 0;
         for (int i = 0; i < n; i++) {
-            const int l = clampi(round_half_even(iscale * x[i]), -nmax, nmax - 1);
-            const float w = x[i] * x[i];
+            const int l = gt_clampi_(gt_nearest_int_(iscale * x[i]), -nmax, nmax - 1);
+            const float w = qw ? qw[i] : x[i] * x[i];
             sumlx += w * x[i] * (float)l;
             suml2 += w * (float)l * (float)l;
         }
         if (suml2 > 0 && sumlx * sumlx > best * suml2) {
             for (int i = 0; i < n; i++)
-                L[i] = (int8_t)(nmax + clampi(round_half_even(iscale * x[i]), -nmax, nmax - 1));
+                L[i] = (int8_t)(nmax + gt_clampi_(gt_nearest_int_(iscale * x[i]), -nmax, nmax - 1));
             scale = sumlx / suml2;
             best = scale * sumlx;
         }
@@ -179,14 +162,14 @@ static float fit_scale_q3(int n, int nmax, const float *x, int8_t *L) {
             max = x[i];
         }
     }
-    if (amax < ZERO_GROUP) {
+    if (amax < GT_ZERO_GROUP) {
         memset(L, 0, (size_t)n);
         return 0.0f;
     }
     const float iscale = (float)-nmax / max;
     float sumlx = 0, suml2 = 0;
     for (int i = 0; i < n; i++) {
-        const int l = clampi(round_half_even(iscale * x[i]), -nmax, nmax - 1);
+        const int l = gt_clampi_(gt_nearest_int_(iscale * x[i]), -nmax, nmax - 1);
         L[i] = (int8_t)l;
         const float w = x[i] * x[i];
         sumlx += w * x[i] * (float)l;
@@ -199,7 +182,7 @@ static float fit_scale_q3(int n, int nmax, const float *x, int8_t *L) {
             float slx = sumlx - w * x[i] * (float)L[i];
             if (slx > 0) {
                 float sl2 = suml2 - w * (float)L[i] * (float)L[i];
-                const int new_l = clampi(round_half_even(x[i] * sl2 / slx), -nmax, nmax - 1);
+                const int new_l = gt_clampi_(gt_nearest_int_(x[i] * sl2 / slx), -nmax, nmax - 1);
                 if (new_l != L[i]) {
                     slx += w * x[i] * (float)new_l;
                     sl2 += w * (float)new_l * (float)new_l;
@@ -224,39 +207,44 @@ void gt_quant_q2_k_(uint8_t *b, const float *x, int64_t nb) {
     uint8_t L[QK_K], Laux[16];
     float weights[16], mins[16], scales[16];
     for (int64_t i = 0; i < nb; i++, b += 84, x += QK_K) {
-        uint8_t *sc = b, *qs = b + 16;
+        uint8_t *sc = b;
         float max_scale = 0, max_min = 0;
         for (int j = 0; j < 16; j++) {
             for (int l = 0; l < 16; l++) weights[l] = fabsf(x[16 * j + l]);
-            scales[j] = fit_scale_min(16, 3, x + 16 * j, weights, L + 16 * j, &mins[j], Laux, -0.5f, 0.1f, 15, 1);
+            scales[j] = gt_fit_scale_min_(16, 3, x + 16 * j, weights, L + 16 * j, &mins[j], Laux, -0.5f, 0.1f, 15, 1);
             if (scales[j] > max_scale) max_scale = scales[j];
             if (mins[j] > max_min) max_min = mins[j];
         }
         if (max_scale > 0) {
             const float iscale = 15.0f / max_scale;
-            for (int j = 0; j < 16; j++) sc[j] = (uint8_t)round_half_even(iscale * scales[j]);
-            put_half(b + 80, max_scale / 15.0f);
+            for (int j = 0; j < 16; j++) sc[j] = (uint8_t)gt_nearest_int_(iscale * scales[j]);
+            gt_put_half_(b + 80, max_scale / 15.0f);
         } else {
             memset(sc, 0, 16);
-            put_half(b + 80, 0.0f);
+            gt_put_half_(b + 80, 0.0f);
         }
         if (max_min > 0) {
             const float iscale = 15.0f / max_min;
-            for (int j = 0; j < 16; j++) sc[j] = (uint8_t)(sc[j] | (round_half_even(iscale * mins[j]) << 4));
-            put_half(b + 82, max_min / 15.0f);
+            for (int j = 0; j < 16; j++) sc[j] = (uint8_t)(sc[j] | (gt_nearest_int_(iscale * mins[j]) << 4));
+            gt_put_half_(b + 82, max_min / 15.0f);
         } else {
-            put_half(b + 82, 0.0f);
+            gt_put_half_(b + 82, 0.0f);
         }
-        const float d_all = gt_half_at_(b + 80), dmin_all = gt_half_at_(b + 82);
-        for (int j = 0; j < 16; j++) {
-            const float d = d_all * (float)(sc[j] & 0x0f);
-            if (d == 0) continue;
-            const float dm = dmin_all * (float)(sc[j] >> 4);
-            for (int ii = 0; ii < 16; ii++)
-                L[16 * j + ii] = (uint8_t)clampi(round_half_even((x[16 * j + ii] + dm) / d), 0, 3);
-        }
-        pack_2bit(qs, L);
+        gt_q2_k_finish_(b, L, x);
     }
+}
+
+void gt_q2_k_finish_(uint8_t *b, uint8_t *L, const float *x) {
+    const uint8_t *sc = b;
+    const float d_all = gt_half_at_(b + 80), dmin_all = gt_half_at_(b + 82);
+    for (int j = 0; j < 16; j++) {
+        const float d = d_all * (float)(sc[j] & 0x0f);
+        if (d == 0) continue;
+        const float dm = dmin_all * (float)(sc[j] >> 4);
+        for (int ii = 0; ii < 16; ii++)
+            L[16 * j + ii] = (uint8_t)gt_clampi_(gt_nearest_int_((x[16 * j + ii] + dm) / d), 0, 3);
+    }
+    pack_2bit(b + 16, L);
 }
 
 /* Q3_K: 16 sub-blocks of 16, 3-bit levels (low 2 bits in qs, the high bit in hmask), signed
@@ -265,8 +253,8 @@ void gt_quant_q2_k_(uint8_t *b, const float *x, int64_t nb) {
 void gt_quant_q3_k_(uint8_t *b, const float *x, int64_t nb) {
     int8_t L[QK_K];
     float scales[16];
+    uint8_t ls[16];
     for (int64_t i = 0; i < nb; i++, b += 110, x += QK_K) {
-        uint8_t *hmask = b, *qs = b + 32, *sc = b + 96;
         float max_scale = 0, amax = 0;
         for (int j = 0; j < 16; j++) {
             scales[j] = fit_scale_q3(16, 4, x + 16 * j, L + 16 * j);
@@ -276,50 +264,57 @@ void gt_quant_q3_k_(uint8_t *b, const float *x, int64_t nb) {
                 max_scale = scales[j];
             }
         }
-        memset(sc, 0, 12);
+        memset(ls, 0, sizeof ls);
+        float d = 0.0f;
         if (max_scale != 0) {
             const float iscale = -32.0f / max_scale;
-            for (int j = 0; j < 16; j++) {
-                /* NOTE: ggml keeps the rounded scale in an int8 before clamping it */
-                const int l = clampi((int8_t)round_half_even(iscale * scales[j]), -32, 31) + 32;
-                if (j < 8) sc[j] = (uint8_t)(l & 0x0f);
-                else sc[j - 8] = (uint8_t)(sc[j - 8] | ((l & 0x0f) << 4));
-                sc[8 + j % 4] = (uint8_t)(sc[8 + j % 4] | ((l >> 4) << (2 * (j / 4))));
-            }
-            put_half(b + 108, 1 / iscale);
-        } else {
-            put_half(b + 108, 0.0f);
+            /* NOTE: ggml keeps the rounded scale in an int8 before clamping it */
+            for (int j = 0; j < 16; j++)
+                ls[j] = (uint8_t)(gt_clampi_((int8_t)gt_nearest_int_(iscale * scales[j]), -32, 31) + 32);
+            d = 1 / iscale;
         }
-        const float d_all = gt_half_at_(b + 108);
-        for (int j = 0; j < 16; j++) {
-            const int lo = j < 8 ? (sc[j] & 0x0f) : (sc[j - 8] >> 4);
-            const int s = (lo | (((sc[8 + j % 4] >> (2 * (j / 4))) & 3) << 4)) - 32;
-            const float d = d_all * (float)s;
-            if (d == 0) continue;
-            for (int ii = 0; ii < 16; ii++)
-                L[16 * j + ii] = (int8_t)(clampi(round_half_even(x[16 * j + ii] / d), -4, 3) + 4);
-        }
-        /* the high bit of the first 32 values in bit 0 of hmask[0..31], the next 32 in bit 1, ... */
-        memset(hmask, 0, 32);
-        uint8_t low[QK_K];
-        for (int j = 0; j < QK_K; j++) {
-            int l = L[j];
-            if (l > 3) {
-                hmask[j % 32] = (uint8_t)(hmask[j % 32] | (1 << (j / 32)));
-                l -= 4;
-            }
-            low[j] = (uint8_t)l;
-        }
-        pack_2bit(qs, low);
+        gt_q3_k_finish_(b, L, x, ls, d);
     }
 }
 
+void gt_q3_k_finish_(uint8_t *b, int8_t *L, const float *x, const uint8_t *ls, float d) {
+    uint8_t *hmask = b, *qs = b + 32, *sc = b + 96;
+    memset(sc, 0, 12);
+    for (int j = 0; j < 16; j++) {
+        const int l = ls[j];
+        if (j < 8) sc[j] = (uint8_t)(l & 0x0f);
+        else sc[j - 8] = (uint8_t)(sc[j - 8] | ((l & 0x0f) << 4));
+        sc[8 + j % 4] = (uint8_t)(sc[8 + j % 4] | ((l >> 4) << (2 * (j / 4))));
+    }
+    gt_put_half_(b + 108, d);
+    const float d_all = gt_half_at_(b + 108);
+    for (int j = 0; j < 16; j++) {
+        const int lo = j < 8 ? (sc[j] & 0x0f) : (sc[j - 8] >> 4);
+        const int s = (lo | (((sc[8 + j % 4] >> (2 * (j / 4))) & 3) << 4)) - 32;
+        const float dj = d_all * (float)s;
+        if (dj == 0) continue;
+        for (int ii = 0; ii < 16; ii++)
+            L[16 * j + ii] = (int8_t)(gt_clampi_(gt_nearest_int_(x[16 * j + ii] / dj), -4, 3) + 4);
+    }
+    /* the high bit of the first 32 values in bit 0 of hmask[0..31], the next 32 in bit 1, ... */
+    memset(hmask, 0, 32);
+    uint8_t low[QK_K];
+    for (int j = 0; j < QK_K; j++) {
+        int l = L[j];
+        if (l > 3) {
+            hmask[j % 32] = (uint8_t)(hmask[j % 32] | (1 << (j / 32)));
+            l -= 4;
+        }
+        low[j] = (uint8_t)l;
+    }
+    pack_2bit(qs, low);
+}
+
 /* Q4_K and Q5_K's first half: 8 sub-blocks of 32 fit by squared error weighted by
- * rms(x) + |x|, their scales and mins quantized to 6 bits against the f16 d and dmin (packed
- * in 12 bytes as gt_k4_scale_min_ reads them), then every value rounded to [0, nmax] against
- * the stored scale and min. b: the block (d, dmin, scales[12] first); L: the 256 levels. */
+ * rms(x) + |x|, their scales and mins quantized to 6 bits against the largest of each
+ * (d = max scale / 63, dmin = max min / 63). L: the 256 levels. */
 static void quant_k4_scales(uint8_t *b, uint8_t *L, const float *x, int nmax, float rmin, int nstep) {
-    uint8_t Laux[32];
+    uint8_t Laux[32], ls[8], lm[8];
     float weights[32], mins[8], scales[8];
     float max_scale = 0, max_min = 0;
     for (int j = 0; j < 8; j++) {
@@ -327,106 +322,117 @@ static void quant_k4_scales(uint8_t *b, uint8_t *L, const float *x, int nmax, fl
         for (int l = 0; l < 32; l++) sum_x2 += x[32 * j + l] * x[32 * j + l];
         const float av_x = sqrtf(sum_x2 / 32);
         for (int l = 0; l < 32; l++) weights[l] = av_x + fabsf(x[32 * j + l]);
-        scales[j] = fit_scale_min(32, nmax, x + 32 * j, weights, L + 32 * j, &mins[j], Laux, rmin, 0.1f, nstep, 0);
+        scales[j] = gt_fit_scale_min_(32, nmax, x + 32 * j, weights, L + 32 * j, &mins[j], Laux, rmin, 0.1f, nstep, 0);
         if (scales[j] > max_scale) max_scale = scales[j];
         if (mins[j] > max_min) max_min = mins[j];
     }
     const float inv_scale = max_scale > 0 ? 63.0f / max_scale : 0.0f;
     const float inv_min = max_min > 0 ? 63.0f / max_min : 0.0f;
-    uint8_t *sc = b + 4;
     for (int j = 0; j < 8; j++) {
         /* NOTE: ggml keeps the rounded values in a uint8 before taking the min with 63 */
-        const uint8_t ls = (uint8_t)imin(63, (uint8_t)round_half_even(inv_scale * scales[j]));
-        const uint8_t lm = (uint8_t)imin(63, (uint8_t)round_half_even(inv_min * mins[j]));
+        ls[j] = (uint8_t)gt_imin_(63, (uint8_t)gt_nearest_int_(inv_scale * scales[j]));
+        lm[j] = (uint8_t)gt_imin_(63, (uint8_t)gt_nearest_int_(inv_min * mins[j]));
+    }
+    gt_k4_finish_(b, L, x, nmax, ls, lm, max_scale / 63.0f, max_min / 63.0f);
+}
+
+/* b: the block (d, dmin, scales[12], then Q4_K's qs or Q5_K's qh and qs). The scales and mins
+ * are packed in 12 bytes as gt_k4_scale_min_ reads them; Q4_K puts values l and l + 32 of
+ * each 64 in one byte (low, high nibble); Q5_K the same for the low 4 bits, the fifth bit of
+ * value j + 64 k (+ 32) in bit 2k (2k + 1) of qh[j]. */
+void gt_k4_finish_(uint8_t *b, uint8_t *L, const float *x, int nmax, const uint8_t *ls, const uint8_t *lm,
+                   float d, float dmin) {
+    uint8_t *sc = b + 4;
+    for (int j = 0; j < 8; j++) {
         if (j < 4) {
-            sc[j] = ls;
-            sc[j + 4] = lm;
+            sc[j] = ls[j];
+            sc[j + 4] = lm[j];
         } else {
-            sc[j + 4] = (uint8_t)((ls & 0x0f) | ((lm & 0x0f) << 4));
-            sc[j - 4] = (uint8_t)(sc[j - 4] | ((ls >> 4) << 6));
-            sc[j] = (uint8_t)(sc[j] | ((lm >> 4) << 6));
+            sc[j + 4] = (uint8_t)((ls[j] & 0x0f) | ((lm[j] & 0x0f) << 4));
+            sc[j - 4] = (uint8_t)(sc[j - 4] | ((ls[j] >> 4) << 6));
+            sc[j] = (uint8_t)(sc[j] | ((lm[j] >> 4) << 6));
         }
     }
-    put_half(b, max_scale / 63.0f);
-    put_half(b + 2, max_min / 63.0f);
+    gt_put_half_(b, d);
+    gt_put_half_(b + 2, dmin);
     const float d_all = gt_half_at_(b), dmin_all = gt_half_at_(b + 2);
     for (int j = 0; j < 8; j++) {
         int s, m;
         gt_k4_scale_min_(sc, j, &s, &m);
-        const float d = d_all * (float)s;
-        if (d == 0) continue;
+        const float dj = d_all * (float)s;
+        if (dj == 0) continue;
         const float dm = dmin_all * (float)m;
         for (int ii = 0; ii < 32; ii++)
-            L[32 * j + ii] = (uint8_t)clampi(round_half_even((x[32 * j + ii] + dm) / d), 0, nmax);
+            L[32 * j + ii] = (uint8_t)gt_clampi_(gt_nearest_int_((x[32 * j + ii] + dm) / dj), 0, nmax);
     }
-}
-
-/* Q4_K: 4-bit levels, values l and l + 32 of each 64 in one byte (low, high nibble). */
-void gt_quant_q4_k_(uint8_t *b, const float *x, int64_t nb) {
-    uint8_t L[QK_K];
-    for (int64_t i = 0; i < nb; i++, b += 144, x += QK_K) {
-        quant_k4_scales(b, L, x, 15, -1.0f, 20);
+    if (nmax == 15) {
         uint8_t *q = b + 16;
         for (int j = 0; j < QK_K; j += 64, q += 32)
             for (int l = 0; l < 32; l++) q[l] = (uint8_t)(L[j + l] | (L[j + l + 32] << 4));
+        return;
     }
-}
-
-/* Q5_K: Q4_K's layout for the low 4 bits, the fifth bit of value j + 64 k (+ 32) in bit 2k
- * (2k + 1) of qh[j]. */
-void gt_quant_q5_k_(uint8_t *b, const float *x, int64_t nb) {
-    uint8_t L[QK_K];
-    for (int64_t i = 0; i < nb; i++, b += 176, x += QK_K) {
-        quant_k4_scales(b, L, x, 31, -0.5f, 15);
-        uint8_t *qh = b + 16, *ql = b + 48;
-        memset(qh, 0, 32);
-        for (int n = 0, k = 0; n < QK_K; n += 64, k++, ql += 32) {
-            for (int j = 0; j < 32; j++) {
-                int l1 = L[n + j], l2 = L[n + j + 32];
-                if (l1 > 15) {
-                    l1 -= 16;
-                    qh[j] = (uint8_t)(qh[j] | (1 << (2 * k)));
-                }
-                if (l2 > 15) {
-                    l2 -= 16;
-                    qh[j] = (uint8_t)(qh[j] | (2 << (2 * k)));
-                }
-                ql[j] = (uint8_t)(l1 | (l2 << 4));
+    uint8_t *qh = b + 16, *ql = b + 48;
+    memset(qh, 0, 32);
+    for (int n = 0, k = 0; n < QK_K; n += 64, k++, ql += 32) {
+        for (int j = 0; j < 32; j++) {
+            int l1 = L[n + j], l2 = L[n + j + 32];
+            if (l1 > 15) {
+                l1 -= 16;
+                qh[j] = (uint8_t)(qh[j] | (1 << (2 * k)));
             }
+            if (l2 > 15) {
+                l2 -= 16;
+                qh[j] = (uint8_t)(qh[j] | (2 << (2 * k)));
+            }
+            ql[j] = (uint8_t)(l1 | (l2 << 4));
         }
     }
 }
 
+/* Q4_K: 4-bit levels. */
+void gt_quant_q4_k_(uint8_t *b, const float *x, int64_t nb) {
+    uint8_t L[QK_K];
+    for (int64_t i = 0; i < nb; i++, b += 144, x += QK_K) quant_k4_scales(b, L, x, 15, -1.0f, 20);
+}
+
+/* Q5_K: 5-bit levels. */
+void gt_quant_q5_k_(uint8_t *b, const float *x, int64_t nb) {
+    uint8_t L[QK_K];
+    for (int64_t i = 0; i < nb; i++, b += 176, x += QK_K) quant_k4_scales(b, L, x, 31, -0.5f, 15);
+}
+
 /* Q6_K: 16 sub-blocks of 16, 6-bit levels (low 4 bits in ql, high 2 in qh), signed 8-bit
  * scales against the f16 d. */
-void gt_quant_q6_k_(uint8_t *b, const float *x, int64_t nb) {
+void gt_quant_q6_k_(uint8_t *b, const float *x, int64_t nb) { gt_quant_q6_k_weighted_(b, x, nb, NULL); }
+
+void gt_quant_q6_k_weighted_(uint8_t *b, const float *x, int64_t nb, const float *qw) {
     int8_t L[QK_K];
     float scales[16];
-    for (int64_t i = 0; i < nb; i++, b += 210, x += QK_K) {
+    for (int64_t i = 0; i < nb; i++, b += 210, x += QK_K, qw = qw ? qw + QK_K : NULL) {
         uint8_t *ql = b, *qh = b + 128;
         int8_t *sc = (int8_t *)(b + 192);
         float max_scale = 0, max_abs_scale = 0;
         for (int ib = 0; ib < 16; ib++) {
-            scales[ib] = fit_scale_sym(16, 32, x + 16 * ib, L + 16 * ib);
+            scales[ib] = gt_fit_scale_sym_(16, 32, x + 16 * ib, qw ? qw + 16 * ib : NULL, L + 16 * ib);
             const float a = fabsf(scales[ib]);
             if (a > max_abs_scale) {
                 max_abs_scale = a;
                 max_scale = scales[ib];
             }
         }
-        if (max_abs_scale < ZERO_GROUP) {
+        if (max_abs_scale < GT_ZERO_GROUP) {
             memset(b, 0, 210);
             continue;
         }
         const float iscale = -128.0f / max_scale;
-        put_half(b + 208, 1 / iscale);
-        for (int ib = 0; ib < 16; ib++) sc[ib] = (int8_t)imin(127, round_half_even(iscale * scales[ib]));
+        gt_put_half_(b + 208, 1 / iscale);
+        for (int ib = 0; ib < 16; ib++) sc[ib] = (int8_t)gt_imin_(127, gt_nearest_int_(iscale * scales[ib]));
         const float d_all = gt_half_at_(b + 208);
         for (int j = 0; j < 16; j++) {
             const float d = d_all * (float)sc[j];
             if (d == 0) continue;
             for (int ii = 0; ii < 16; ii++)
-                L[16 * j + ii] = (int8_t)(clampi(round_half_even(x[16 * j + ii] / d), -32, 31) + 32);
+                L[16 * j + ii] = (int8_t)(gt_clampi_(gt_nearest_int_(x[16 * j + ii] / d), -32, 31) + 32);
         }
         for (int j = 0; j < QK_K; j += 128, ql += 64, qh += 32) {
             for (int l = 0; l < 32; l++) {
