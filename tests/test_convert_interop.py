@@ -172,6 +172,7 @@ def test_smollm2_out_types_are_llama_cpps(llama, shared_data, tmp_path, out_type
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("out_type", [t for t in MIXTURES if t not in ("q4_k_m", "q2_k")])
+@pytest.mark.parametrize("out_type", [t for t in MIXTURES if t not in ("q4_k_m", "q2_k")
+                                      and not MIXTURES[t].needs_imatrix])     # q2_k_s: tests/test_imatrix_interop.py
 def test_smollm2_every_out_type_is_llama_cpps(llama, shared_data, tmp_path, out_type):
     _smollm2_matches(llama, shared_data, tmp_path, out_type)
