@@ -80,6 +80,7 @@ def main() -> None:
     from ggtrain.core.backend_cpu import CpuBackend
     from ggtrain.core.models.config import ModelConfig
     from ggtrain.core.models.inference import Decoder
+    from ggtrain.core.numerics import LLAMA
     from ggtrain.core.tasks import score_item, score_items, summarize
     from ggtrain.formats.model_file import open_model
     from ggtrain.formats.tasks import encode_items, read_task
@@ -119,6 +120,12 @@ def main() -> None:
     d_them = max(abs(a - b) for s, o in zip(batched, theirs) for a, b in zip(s.logliks, o))
     print(f"  largest |log-likelihood difference|: batched vs item by item {d_one:.2e}, "
           f"vs llama.cpp {d_them:.2e}")
+    # the same items item by item in llama.cpp's numbers (F16 KV cache, its default): its own scores
+    dec = Decoder(cfg, weights, be, n_ctx=n_ctx, numerics=LLAMA, kv_f16=True)
+    as_llama = [score_item(dec, c, g) for c, g in encoded]
+    d_llama = max(abs(a - b) for s, o in zip(as_llama, theirs) for a, b in zip(s.logliks, o))
+    print(f"  with --numerics llama (item by item) vs llama.cpp: {d_llama:.2e} (the difference above is the "
+          f"exact default's f32 activations against llama.cpp's 8-bit ones)")
     sb, so = summarize(batched), summarize(one)
     print(f"  accuracy batched {sb['acc']:.4f} (norm {sb['acc_norm']:.4f}), item by item {so['acc']:.4f} "
           f"(norm {so['acc_norm']:.4f})")
