@@ -485,4 +485,46 @@ static inline int gt_attention_mask_check(const gt_node *node, const char *op, i
     return GT_OK;
 }
 
+/* causal_conv1d (kind 0: src0 x (B, T, C), src1 w (C, L); dst y (B, T, C)), its input
+ * gradient (kind 1: src0 w, src1 g (B, T, C); dst dx (B, T, C)) and its weight gradient
+ * (kind 2: src0 x, src1 g; dst dw (C, L)); an optional last src seg (B, T) i32 (packed
+ * samples: a window never reaches into another segment). All f32 but seg, all contiguous.
+ * Fills B, T, C, L and *seg (NULL without one). */
+static inline int gt_causal_conv1d_check(const gt_node *node, int kind, const char *op, int64_t dims[4],
+                                         const gt_tensor **seg) {
+    const gt_tensor *d = &node->dst, *w = kind == 1 ? &node->src[0] : &node->src[1];
+    const gt_tensor *x = kind == 1 ? &node->src[1] : &node->src[0];     /* (B, T, C): x, or g */
+    const gt_tensor *g = kind == 0 ? d : &node->src[1];
+    char a[128], b[128];
+    GT_TRY(gt_check_n_src(node, 2, op));
+    if (node->n_src > 3) return GT_FAIL(GT_ERR_INVALID, "%s: expected 2 or 3 inputs, got %d", op, node->n_src);
+    GT_CHECK_F32(d, op, "dst");
+    GT_CHECK_F32(&node->src[0], op, "src0");
+    GT_CHECK_F32(&node->src[1], op, "src1");
+    if (kind == 2) w = d;
+    if (x->ndim != 3 || w->ndim != 2 || w->shape[0] != x->shape[2] || w->shape[1] < 1)
+        return GT_FAIL(GT_ERR_SHAPE, "%s: expected (B, T, C) and a kernel (C, L), got %s and %s", op,
+                       gt_shape_str(x, a, sizeof a), gt_shape_str(w, b, sizeof b));
+    if (!gt_same_shape(g, x))
+        return GT_FAIL(GT_ERR_SHAPE, "%s: expected %s of shape %s, got %s", op, kind == 0 ? "dst" : "g",
+                       gt_shape_str(x, a, sizeof a), gt_shape_str(g, b, sizeof b));
+    if (kind == 1 && !gt_same_shape(d, x))
+        return GT_FAIL(GT_ERR_SHAPE, "%s: expected dst of shape %s, got %s", op, gt_shape_str(x, a, sizeof a),
+                       gt_shape_str(d, b, sizeof b));
+    for (int i = 0; i < 2; i++) GT_TRY(gt_check_contig(&node->src[i], op, i ? "src1" : "src0"));
+    GT_TRY(gt_check_contig(d, op, "dst"));
+    dims[0] = x->shape[0], dims[1] = x->shape[1], dims[2] = x->shape[2], dims[3] = w->shape[1];
+    *seg = NULL;
+    if (node->n_src == 3) {
+        const gt_tensor *m = &node->src[2];
+        GT_TRY(gt_check_i32(m, op, "seg"));
+        GT_TRY(gt_check_contig(m, op, "seg"));
+        if (m->ndim != 2 || m->shape[0] != dims[0] || m->shape[1] != dims[1])
+            return GT_FAIL(GT_ERR_SHAPE, "%s: expected seg (%lld, %lld) (B, T), got %s", op, (long long)dims[0],
+                           (long long)dims[1], gt_shape_str(m, a, sizeof a));
+        *seg = m;
+    }
+    return GT_OK;
+}
+
 #endif

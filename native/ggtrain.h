@@ -401,6 +401,18 @@ int gt_conv2d_weight_bwd_f32_sizes(const struct gt_node *node, int64_t *scratch,
 int gt_conv2d_input_bwd_f32(const struct gt_node *node, const gt_ctx *ctx);
 int gt_conv2d_input_bwd_f32_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
 
+/* causal_conv1d: the causal depthwise convolution over time of LFM2's short-convolution
+ * layers (llama.cpp's ssm_conv over its conv state): src0 x (B, T, C), src1 w (C, L) ->
+ * dst y (B, T, C), y[b, t, c] = sum over k < L of w[c, k] x[b, t - L + 1 + k, c], rows
+ * before 0 zero; optional src2 seg (B, T) i32: terms from another segment are zero too
+ * (packed samples). Summed from 0 in k order, as llama.cpp's CPU does.
+ * causal_conv1d_input_bwd: src0 w, src1 g (B, T, C) [, src2 seg] -> dst dx (B, T, C).
+ * causal_conv1d_weight_bwd: src0 x, src1 g [, src2 seg] -> dst dw (C, L).
+ * All contiguous. */
+int gt_causal_conv1d_fwd_f32(const struct gt_node *node, const gt_ctx *ctx);
+int gt_causal_conv1d_input_bwd_f32(const struct gt_node *node, const gt_ctx *ctx);
+int gt_causal_conv1d_weight_bwd_f32(const struct gt_node *node, const gt_ctx *ctx);
+
 /* max_pool2d over NHWC, window and stride ip[0], no padding (floor):
  * src (N, H, W, C) -> dst (N, H/k, W/k, C). max_pool2d_bwd: src0 x, src1 g ->
  * dst dx; the gradient goes to the first maximum of each window (row-major

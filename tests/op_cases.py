@@ -66,6 +66,20 @@ def _sig(x):
     return 1.0 / (1.0 + np.exp(-x))
 
 
+def _conv1d_input_grad(w, g, seg):
+    """d/dx of sum(causal_conv1d(x, w, seg) * g): the forward's transpose, column by column."""
+    b, t, c = g.shape
+    cols = [refs.causal_conv1d(np.eye(b * t * c)[i].reshape(b, t, c), w, seg) for i in range(b * t * c)]
+    return np.array([np.sum(y * g) for y in cols]).reshape(b, t, c)
+
+
+def _conv1d_weight_grad(x, g, seg, taps):
+    """d/dw of sum(causal_conv1d(x, w, seg) * g): the forward is linear in w."""
+    c = x.shape[2]
+    return np.array([np.sum(refs.causal_conv1d(x, np.eye(c * taps)[i].reshape(c, taps), seg) * g)
+                     for i in range(c * taps)]).reshape(c, taps)
+
+
 CASES: list = []
 
 
@@ -340,6 +354,25 @@ case("im2col", [In((2, 6, 5, 2)), In((3, 2, 3, 3)), In((3,))],
                                                     ops.transpose(ops.reshape(k, (3, 18)))), (2, 6, 5, 3)), b),
      lambda x, k, b: refs.im2col(x, 3, 3, 1, 1) @ k.reshape(3, -1).T + b, name="conv2d",
      ops_covered=("matmul", "reshape", "permute", "add"))
+# causal depthwise convolution over time (LFM2's short convolution, L = 3 as its models have;
+# a kernel longer than the window; packed segments and padding, one segment coming back)
+case("causal_conv1d", [In((2, 7, 5)), In((5, 3))], ops.causal_conv1d, refs.causal_conv1d)
+case("causal_conv1d", [In((1, 3, 33)), In((33, 4))], ops.causal_conv1d, refs.causal_conv1d, name="long-kernel")
+case("causal_conv1d", [In((2, 8, 3)), In((3, 3)), In((2, 8), values=_SEG, grad=False)], ops.causal_conv1d,
+     refs.causal_conv1d, name="seg")
+case("causal_conv1d", [In((1, 5, 4)), In((4, 2)), In((1, 5), values=np.array([[0, 1, 0, 1, 1]], np.int32),
+                                                     grad=False)],
+     ops.causal_conv1d, refs.causal_conv1d, name="seg-interleaved")
+# through a strided view (the B | C | x columns of in_proj's output are views)
+case("causal_conv1d", [In((2, 6, 9)), In((3, 3))],
+     lambda x, w: ops.causal_conv1d(ops.view(x, (2, 6, 3), (54, 9, 1), 6), w),
+     lambda x, w: refs.causal_conv1d(x[..., 6:], w), name="strided", ops_covered=("view", "cont"))
+case("causal_conv1d_input_bwd", [In((5, 3)), In((2, 7, 5)), In((2, 7), ints=(0, 2))],
+     lambda w, g, s: ops.apply("causal_conv1d_input_bwd", [w, g, s]),
+     lambda w, g, s: _conv1d_input_grad(w, g, s), backward=False)
+case("causal_conv1d_weight_bwd", [In((2, 7, 5)), In((2, 7, 5)), In((2, 7), ints=(0, 2))],
+     lambda x, g, s: ops.apply("causal_conv1d_weight_bwd", [x, g, s], w_shape=(5, 3)),
+     lambda x, g, s: _conv1d_weight_grad(x, g, s, 3), backward=False)
 # conv2d: (x shape, kernel shape, bias?, stride, pad, relu, pool); covers 8, 16, 20 and 70
 # output channels (one masked vector, one full, two, five), strides, pools with floor
 _CONV = {"mnist1": ((2, 6, 6, 1), (8, 1, 3, 3), True, 1, 1, True, 2),

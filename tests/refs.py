@@ -739,3 +739,19 @@ def ggml_attention(q, k, v, scale, pos, window=0, scale_q=False, kv_f16=False):
                     acc = fma32(vt[:, c:c + 16], p[c:c + 16], acc)
                 out[i, hh] = ggml_reduce16(acc)
     return out
+
+
+def causal_conv1d(x, w, seg=None):
+    """y[b, t, c] = sum_k w[c, k] x[b, t - L + 1 + k, c] over rows s >= 0 (of t's segment)."""
+    x, w = _f64(x), _f64(w)
+    b, t, c = x.shape
+    taps = w.shape[1]
+    y = np.zeros_like(x)
+    for i in range(t):
+        for k in range(taps):
+            s = i - taps + 1 + k
+            if s < 0:
+                continue
+            keep = np.ones(b) if seg is None else (seg[:, s] == seg[:, i]).astype(np.float64)
+            y[:, i] += keep[:, None] * x[:, s] * w[:, k]
+    return y

@@ -1,8 +1,10 @@
-"""Convolution and pooling, NHWC (layer 3): conv2d (fused bias, relu, pool) and max_pool2d."""
+"""Convolution and pooling (layer 3): conv2d over NHWC (fused bias, relu, pool), max_pool2d, and the
+causal depthwise convolution over time (causal_conv1d, LFM2's short convolution)."""
 from __future__ import annotations
 
 
 from ggtrain.core.tensor import Tensor
+from ggtrain.errors import DTypeError
 from ggtrain.native.host import (ACT8_TYPES, HYPER_BC1, HYPER_BC2, HYPER_BETA1, HYPER_BETA2,  # noqa: F401
                                  HYPER_COUNT, HYPER_EPS, HYPER_LR, HYPER_MAX_NORM, HYPER_MOMENTUM, HYPER_WD)
 from ggtrain.core.ops.registry import OpDef, _f32, _need, apply, register
@@ -168,3 +170,56 @@ register(OpDef("max_pool2d", _infer_pool, "max_pool2d_fwd", contiguous=(0,),
                backward=lambda y, g: [max_pool2d_bwd(y.srcs[0], g, y.params["k"])]))
 register(OpDef("max_pool2d_bwd", _infer_pool, "max_pool2d_bwd", contiguous=(0, 1),
                lower=lambda y: ((y.params["k"],), ())))
+
+
+# ---- causal depthwise convolution over time (LFM2's short convolution) --------------------
+
+
+def causal_conv1d(x: Tensor, w: Tensor, seg: Tensor | None = None) -> Tensor:
+    """y[b, t, c] = sum over k < L of w[c, k] x[b, t - L + 1 + k, c]: each channel convolved
+    over time with its own kernel of L taps, the last tap on the current row, rows before
+    the first zero (llama.cpp's ssm_conv after its conv state, as LFM2 runs it).
+
+    x (B, T, C) f32, w (C, L) f32 (the layout of shortconv.conv.weight), seg (B, T) i32 or
+    None: with packed samples a row sees only the rows of its own segment. Returns (B, T, C).
+    Raises ShapeError / DTypeError for bad shapes or types.
+    """
+    return apply("causal_conv1d", [x, w] + ([seg] if seg is not None else []))
+
+
+def _infer_causal_conv1d(name):
+    def infer(srcs, params):
+        _f32(name, srcs[0], srcs[1])
+        _need(len(srcs) in (2, 3), f"{name}: expected 2 or 3 inputs, got {len(srcs)}")
+        w = srcs[1] if name != "causal_conv1d_input_bwd" else srcs[0]
+        x = srcs[0] if name != "causal_conv1d_input_bwd" else srcs[1]
+        if name == "causal_conv1d_weight_bwd":
+            w = None
+            c, taps = params["w_shape"]
+            _need(srcs[1].shape == x.shape, f"{name}: g {srcs[1].shape} does not match x {x.shape}")
+        else:
+            _need(w.ndim == 2, f"{name}: the kernel must be (C, L), got {w.shape}")
+            c, taps = w.shape
+        _need(x.ndim == 3 and x.shape[2] == c and taps >= 1,
+              f"{name}: expected x (B, T, {c}) for a kernel ({c}, {taps}), got {x.shape}")
+        if len(srcs) == 3:
+            seg = srcs[2]
+            if seg.dtype != "i32":
+                raise DTypeError(f"{name}: segments must be i32, got {seg.dtype}")
+            _need(seg.shape == x.shape[:2], f"{name}: segments {seg.shape} do not match (B, T) of {x.shape}")
+        return ((c, taps) if name == "causal_conv1d_weight_bwd" else x.shape), "f32"
+    return infer
+
+
+def _causal_conv1d_bwd(y, g):
+    x, w = y.srcs[0], y.srcs[1]
+    seg = list(y.srcs[2:])
+    gx = apply("causal_conv1d_input_bwd", [w, g] + seg) if x.requires_grad else None
+    gw = apply("causal_conv1d_weight_bwd", [x, g] + seg, w_shape=w.shape) if w.requires_grad else None
+    return [gx, gw] + [None] * len(seg)
+
+
+register(OpDef("causal_conv1d", _infer_causal_conv1d("causal_conv1d"), "causal_conv1d_fwd", contiguous=(0, 1, 2),
+               backward=_causal_conv1d_bwd, differentiable=(0, 1)))
+for _name in ("causal_conv1d_input_bwd", "causal_conv1d_weight_bwd"):
+    register(OpDef(_name, _infer_causal_conv1d(_name), _name, contiguous=(0, 1, 2)))
