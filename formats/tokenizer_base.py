@@ -429,3 +429,32 @@ class ByteTokenizer(Tokenizer):
 
 
 # ---- SPM (llama.cpp's "llama" vocabularies) through sentencepiece -------------------------
+
+
+def token_pieces(tokens: list[str], attrs: np.ndarray, normal) -> list[bytes]:
+    """What llama.cpp's token_to_piece(special=False) gives for each token: nothing for control,
+    unknown, unused and undefined tokens, a user-defined token's text, a byte token's byte, and
+    normal(text) for a normal token (the vocabulary kind's own decoding)."""
+    pieces = []
+    for text, a in zip(tokens, attrs.tolist()):
+        if a & (ATTR_CONTROL | ATTR_UNKNOWN):
+            pieces.append(b"")
+        elif a & ATTR_USER_DEFINED:
+            pieces.append(text.encode("utf-8"))
+        elif a & ATTR_NORMAL:
+            pieces.append(normal(text))
+        elif a & ATTR_BYTE:
+            pieces.append(_byte_piece(text))
+        else:                        # unused, undefined: nothing
+            pieces.append(b"")
+    return pieces
+
+
+def _byte_piece(text: str) -> bytes:
+    """A byte token's byte: llama.cpp reads text[3:5] with strtol(.., 16) ("<0x0A>" -> 10)."""
+    digits = ""
+    for c in text[3:5]:
+        if c not in "0123456789ABCDEFabcdef":
+            break
+        digits += c
+    return bytes([int(digits, 16) if digits else 0])

@@ -12,10 +12,8 @@ import regex
 
 from ggtrain.errors import ConfigError, FormatError
 from ggtrain.formats.pretokenizer import BPE_PRE, BpePre
-from ggtrain.formats.tokenizer_base import (ATTR_BYTE, ATTR_CONTROL, ATTR_NORMAL, ATTR_UNKNOWN,
-                                            ATTR_USER_DEFINED, BOS_TEXT, CONTROL, EOS_TEXT, K, MIN_BPE_VOCAB,
-                                            NORMAL, Tokenizer, VT, VocabInfo, _check_str, _utf8)
-from ggtrain.formats.tokenizer_spm import _byte_piece
+from ggtrain.formats.tokenizer_base import (BOS_TEXT, CONTROL, EOS_TEXT, K, MIN_BPE_VOCAB,
+                                            NORMAL, Tokenizer, VT, VocabInfo, _check_str, _utf8, token_pieces)
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -198,19 +196,7 @@ class _WordCacheBpe:
 
 def _bpe_pieces(tokens: list[str], attrs: np.ndarray) -> list[bytes]:
     """What llama.cpp's token_to_piece(special=False) gives for each byte-level BPE token."""
-    pieces = []
-    for text, a in zip(tokens, attrs.tolist()):
-        if a & (ATTR_CONTROL | ATTR_UNKNOWN):
-            pieces.append(b"")
-        elif a & ATTR_USER_DEFINED:
-            pieces.append(text.encode("utf-8"))
-        elif a & ATTR_NORMAL:
-            pieces.append(_byte_level_decode(text))
-        elif a & ATTR_BYTE:
-            pieces.append(_byte_piece(text))
-        else:                        # unused, undefined: nothing
-            pieces.append(b"")
-    return pieces
+    return token_pieces(tokens, attrs, _byte_level_decode)
 
 
 # GPT-2's map as a str.translate table onto latin-1; the other latin-1 characters go to a

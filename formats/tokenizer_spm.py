@@ -8,7 +8,7 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from ggtrain.errors import FormatError
-from ggtrain.formats.tokenizer_base import (ATTR_BYTE, ATTR_CONTROL, ATTR_NORMAL, ATTR_UNKNOWN, ATTR_UNUSED,
+from ggtrain.formats.tokenizer_base import (ATTR_BYTE, ATTR_CONTROL, ATTR_UNKNOWN, ATTR_UNUSED, token_pieces,
                                             ATTR_USER_DEFINED, BYTE, CONTROL, K, NORMAL, SPACE, Tokenizer,
                                             UNKNOWN, UNUSED, USER_DEFINED, VT, VocabInfo)
 
@@ -76,30 +76,9 @@ class SpmTokenizer(Tokenizer):
 
 
 def _spm_pieces(tokens: list[str], attrs: np.ndarray) -> list[bytes]:
-    """What llama.cpp's token_to_piece(special=False) gives for each SPM token."""
-    pieces = []
-    for text, a in zip(tokens, attrs.tolist()):
-        if a & (ATTR_CONTROL | ATTR_UNKNOWN):
-            pieces.append(b"")
-        elif a & ATTR_USER_DEFINED:
-            pieces.append(text.encode("utf-8"))
-        elif a & ATTR_NORMAL:
-            pieces.append(text.replace(SPACE, " ").encode("utf-8"))
-        elif a & ATTR_BYTE:
-            pieces.append(_byte_piece(text))
-        else:                        # unused, undefined: nothing
-            pieces.append(b"")
-    return pieces
-
-
-def _byte_piece(text: str) -> bytes:
-    """A byte token's byte: llama.cpp reads text[3:5] with strtol(.., 16) ("<0x0A>" -> 10)."""
-    digits = ""
-    for c in text[3:5]:
-        if c not in "0123456789ABCDEFabcdef":
-            break
-        digits += c
-    return bytes([int(digits, 16) if digits else 0])
+    """What llama.cpp's token_to_piece(special=False) gives for each SPM token (a normal token's
+    U+2581 is a space)."""
+    return token_pieces(tokens, attrs, lambda text: text.replace(SPACE, " ").encode("utf-8"))
 
 
 def _attr_types(attrs: np.ndarray) -> np.ndarray:
