@@ -132,7 +132,8 @@ class ModelConfig:
             if not key.per_layer or not isinstance(value, (tuple, list)):
                 continue
             if len(value) != self.layers:
-                raise ConfigError(f"{self.arch}: {key.field} gives {len(value)} values for {self.layers} layers")
+                raise ConfigError(f"{self.arch}: {key.field} ({self.arch}.{key.key}) gives {len(value)} values "
+                                  f"for {self.layers} layers")
             value = tuple(int(v) for v in value)
             object.__setattr__(self, key.field, value[0] if len(set(value)) == 1 else value)
         taps = fam.all_keys.get("shortconv_l")
