@@ -244,11 +244,13 @@ def shortconv(net: Net, x, layer: int, inp: Inputs, opt: Options, keep: Callable
         state = inp.cache[layer][0]                                                      # (L-1, C)
         n = state.shape[0]
         full = (n + t, c)     # the state's rows, then this step's: zeros around each, added
-        rows = ops.add(ops.view_bwd(state, full, (c, 1), 0), ops.view_bwd(ops.reshape(bx, (t, c)), full, (c, 1), n * c))
+        rows = ops.add(ops.view_bwd(state, full, (c, 1), 0),
+                       ops.view_bwd(ops.reshape(bx, (t, c)), full, (c, 1), n * c))             # (L-1+T, C)
         last = ops.view(rows, (n, c), (c, 1), t * c)
-        inp.writes.append(ops.set_rows(state, last, state.graph.const(np.arange(n, dtype=np.int32), dtype="i32")))
-        conv = ops.view(ops.causal_conv1d(ops.reshape(rows, (1, n + t, c)), w, numerics=net.numerics), (1, t, c),
-                        (t * c, c, 1), n * c)
+        every = state.graph.const(np.arange(n, dtype=np.int32), dtype="i32")
+        inp.writes.append(ops.set_rows(state, last, every))
+        conv = ops.causal_conv1d(ops.reshape(rows, (1, n + t, c)), w, numerics=net.numerics)
+        conv = ops.view(conv, (1, t, c), (t * c, c, 1), n * c)                         # this step's rows
     return linear(net, ops.mul(gate_c, conv), p + "shortconv.out_proj.weight")
 
 
