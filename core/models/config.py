@@ -144,9 +144,10 @@ class ModelConfig:
                 raise ConfigError(f"{self.arch}: {taps.key} must be >= 2, got {self.shortconv_l}")
         for i in range(self.layers):
             kv, attention = self.at("kv_heads", i), fam.layer_kinds(self, i)[0] == "attention"
-            if attention and (kv < 1 or self.heads % kv):
-                raise ConfigError(f"{self.arch}: layer {i} attends with {kv} KV heads, which must be >= 1 and "
-                                  f"divide heads {self.heads}")
+            if attention and kv < 1:
+                raise ConfigError(f"{self.arch}: kv_heads must be >= 1 in an attention layer, got {kv} (layer {i})")
+            if attention and self.heads % kv:
+                raise ConfigError(f"{self.arch}: heads {self.heads} is not a multiple of kv_heads {kv} (layer {i})")
             if not attention and kv:
                 raise ConfigError(f"{self.arch}: layer {i} has no attention but {kv} KV heads")
 
