@@ -44,6 +44,14 @@ def _bpe_text(path: pathlib.Path) -> str:
     return decode(raw, str(path))
 
 
+def _kv_heads(arch: str, layers: int, heads: int, kv_heads: int | None):
+    """The KV heads of a model built from scratch: --kv-heads (default --heads), laid over the
+    layers as the family mixes them (lfm2: attention in some layers only)."""
+    kv = heads if kv_heads is None else kv_heads
+    pattern = FAMILIES[arch].scratch_kv_heads
+    return pattern(layers, kv) if pattern is not None else kv
+
+
 Arch, ARCH = choice("llama", "--arch", values=tuple(sorted(FAMILIES)), panel=MODEL,
                     help="The model family (its graph and GGUF layout).")
 
@@ -120,7 +128,7 @@ def train(
         check_resume_data(ckpt, corpus.fingerprint, resume, data)
     else:
         model_cfg = ModelConfig(**start.model_config) if start else ModelConfig(
-            vocab=tok.n_vocab, dim=dim, layers=layers, heads=heads, kv_heads=heads if kv_heads is None else kv_heads,
+            vocab=tok.n_vocab, dim=dim, layers=layers, heads=heads, kv_heads=_kv_heads(arch, layers, heads, kv_heads),
             ff=ff, ctx=ctx, arch=arch, head_dim=head_dim or 0)
     train_ids, val_ids = split_tokens(corpus.ids, val_split, model_cfg.ctx)
     if ckpt is None:

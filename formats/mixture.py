@@ -151,13 +151,15 @@ def fallback(t: str, ncols: int) -> str:
 
 
 def _n_gqa(cfg) -> int:
-    return cfg.heads // cfg.kv_heads if cfg.kv_heads else 0
+    """llama.cpp's hparams.n_gqa(): layer 0's heads per KV head (0 where it has no attention)."""
+    kv = cfg.at("kv_heads", 0)
+    return cfg.heads // kv if kv else 0
 
 
 def _is_70b(cfg) -> bool:
     """llama.cpp's LLM_TYPE_70B (80 layers of qwen2, or of llama with grouped KV heads), whose
     attn_v it gives Q5_K instead of Q3_K or Q4_K."""
-    return cfg.layers == 80 and (cfg.arch == "qwen2" or (cfg.arch == "llama" and cfg.heads != cfg.kv_heads))
+    return cfg.layers == 80 and (cfg.arch == "qwen2" or (cfg.arch == "llama" and _n_gqa(cfg) != 1))
 
 
 def _layer(name: str) -> int:

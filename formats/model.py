@@ -69,7 +69,10 @@ def config_to_kv(cfg: ModelConfig, name: str = "ggtrain", file_type: int | None 
         if k.field == "head_dim":
             if cfg.dim % cfg.heads == 0 and value == cfg.dim // cfg.heads:
                 continue
-        elif k.unset is not None and value == k.unset:
+        elif k.unset is not None and value == k.unset and not k.required:
+            continue
+        if isinstance(value, tuple):    # a per-layer key, as the converters write one (INT32 items)
+            kv.append((f"{a}.{k.key}", list(value), VT.ARRAY, VT.INT32 if k.type == "u32" else VT.FLOAT32))
             continue
         kv.append((f"{a}.{k.key}", float(value) if k.type == "f32" else int(value), _VALUE_TYPES[k.type]))
         if k.field == "head_dim":       # values are as long as keys (ggtrain's attention)
@@ -115,6 +118,16 @@ def _number(f: GGUFFile, key: str, floating: bool):
     return int(v.value)
 
 
+def _numbers(f: GGUFFile, key: str, floating: bool) -> tuple:
+    """A per-layer key's array (one value a layer; ModelConfig checks the count)."""
+    v = f.kv[key]
+    item = getattr(v, "item_type", None)
+    if (item not in (VT.FLOAT32, VT.FLOAT64)) if floating else (item not in _INT_TYPES):
+        raise FormatError(f"{f.path}: {key} is an array of {getattr(item, 'name', item)}, expected "
+                          f"{'FLOAT32' if floating else 'integers (one a layer)'}")
+    return tuple(float(x) if floating else int(x) for x in v.value)
+
+
 def _pattern(f: GGUFFile, key: str) -> int:
     """A sliding-window pattern given as one bool per layer (True: local), as the n of "every
     n-th layer is global" it repeats; FormatError for another pattern."""
@@ -145,6 +158,8 @@ def config_from_kv(f: GGUFFile) -> dict:
         rest = key[len(a) + 1:]
         if key in by_key and by_key[key].field == "window_pattern" and f.kv[key].type == VT.ARRAY:
             values["window_pattern"] = _pattern(f, key)
+        elif key in by_key and by_key[key].per_layer and f.kv[key].type == VT.ARRAY:
+            values[by_key[key].field] = _numbers(f, key, by_key[key].type == "f32")
         elif key in by_key:
             values[by_key[key].field] = _number(f, key, by_key[key].type == "f32")
         elif rest == _SCALING_TYPE:
@@ -228,9 +243,12 @@ def validate_model(f: GGUFFile) -> ModelLayout:
             raise FormatError(f"{f.path}: missing tensor {name!r} (expected shape {shape} for a {cfg.arch} model "
                               f"with n_layer={cfg.layers}, n_embd={cfg.dim})")
         if tuple(info.shape) != shape:
+            # the family's own counts too (lfm2's shortconv.l_cache sizes its kernels)
+            own = "".join(f", {cfg.arch}.{k.key}={getattr(cfg, k.field)}" for k in cfg.family.keys
+                          if k.required and k.type == "u32")
             raise FormatError(f"{f.path}: tensor {name!r} has shape {info.shape}, expected {shape} "
                               f"(n_vocab={cfg.vocab}, n_embd={cfg.dim}, n_ff={cfg.ff}, n_head={cfg.heads}, "
-                              f"n_head_kv={cfg.kv_heads}, head_dim={cfg.head_dim})")
+                              f"n_head_kv={cfg.kv_heads}, head_dim={cfg.head_dim}{own})")
     extra = [n for n in f.tensors if n not in shapes]
     if extra and CHECKPOINT_KEY in f.kv:
         raise FormatError(f"{f.path}: a ggtrain training checkpoint, not a model (it holds optimizer state); "

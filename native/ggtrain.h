@@ -405,7 +405,8 @@ int gt_conv2d_input_bwd_f32_sizes(const struct gt_node *node, int64_t *scratch, 
  * layers (llama.cpp's ssm_conv over its conv state): src0 x (B, T, C), src1 w (C, L) ->
  * dst y (B, T, C), y[b, t, c] = sum over k < L of w[c, k] x[b, t - L + 1 + k, c], rows
  * before 0 zero; optional src2 seg (B, T) i32: terms from another segment are zero too
- * (packed samples). Summed from 0 in k order, as llama.cpp's CPU does.
+ * (packed samples). Summed from 0 in k order; ip[0] = 1: each tap a fused multiply-add
+ * (llama.cpp's CPU numbers).
  * causal_conv1d_input_bwd: src0 w, src1 g (B, T, C) [, src2 seg] -> dst dx (B, T, C).
  * causal_conv1d_weight_bwd: src0 x, src1 g [, src2 seg] -> dst dw (C, L).
  * All contiguous. */

@@ -12,7 +12,7 @@ ORACLE: what the float64 oracle needs to know of each family, written from llama
 (its src/models/*.cpp), independently of core/models/families/: NEOX rope (halves rather than
 adjacent pairs), the embedding scaled by sqrt(n_embd), post-attention and post-FFN norms, the
 GeGLU gate, q.k scaled by n_embd / n_head at 62 layers (Gemma 3 27B), layers without rope every
-n-th (smollm3). What the tensors say (biases, q/k norms, fused qkv, tied output, rope factors)
+n-th (smollm3), the final norm's tensor where it is not output_norm (lfm2). What the tensors say (biases, q/k norms, fused qkv, tied output, rope factors)
 and the config's multipliers and windows the oracle reads from them.
 """
 from __future__ import annotations
@@ -57,6 +57,10 @@ CASES = {
     "granite": Case(dict(arch="granite", embedding_scale=3.0, residual_scale=0.5, attn_scale=0.2, logit_scale=2.5),
                     dict(arch="granite", kv_heads=1, embedding_scale=12.0, residual_scale=0.22, attn_scale=0.05,
                          logit_scale=8.0)),
+    # lfm2: short-convolution layers (kv_heads 0) beside attention ones with q/k norms; taps
+    # longer than LFM2's 3 in the tiny case (its windows of 5-7 tokens), its own output there
+    "lfm2": Case(dict(arch="lfm2", layers=3, kv_heads=(2, 0, 0), shortconv_l=4),
+                 dict(arch="lfm2", layers=3, kv_heads=(0, 2, 0), tied=True)),
 }
 TINY_CASES = {name: c.tiny for name, c in CASES.items() if c.tiny is not None}
 INTEROP_CASES = {name: c.interop for name, c in CASES.items() if c.interop is not None}
@@ -69,4 +73,5 @@ ORACLE = {
     "phi3": dict(neox=True),
     "smollm3": dict(no_rope_every=4),
     "granite": dict(),
+    "lfm2": dict(neox=True, final_norm="token_embd_norm.weight"),
 }

@@ -7,7 +7,9 @@ frequency factors and linear scaling, q/k/v biases (qwen2), per-head q/k RMSNorm
 causal attention with grouped KV heads and any head size, SwiGLU; gemma3's scaled
 embedding, post-attention and post-FFN norms, GeGLU (tanh gelu), sliding-window local
 layers with their own rope base, and logit soft-capping; granite's embedding, residual,
-attention and logit multipliers. What sets each family apart is its row of
+attention and logit multipliers; LFM2's gated short convolution (in_proj to B | C | x,
+B * x convolved causally over time per channel, times C, out_proj) in the layers that have
+its tensors, and its final norm's name. What sets each family apart is its row of
 tests/family_cases.py's ORACLE (or what its tensors and config say), never its name here.
 """
 import numpy as np
@@ -50,11 +52,33 @@ def rope(x, pos, n_rot, base, neox=False, scale=1.0, factors=None, mscale=1.0):
     return out
 
 
+def ffn(f, p, q_, facts, gelu):
+    """The gated FFN of normed f: SwiGLU, or GeGLU where the family's facts say."""
+    if q_ + "ffn_gate.weight" in p:
+        gate, up = f @ p[q_ + "ffn_gate.weight"].T, f @ p[q_ + "ffn_up.weight"].T
+    else:                                # phi3: gate | up rows of ffn_up
+        gate, up = np.split(f @ p[q_ + "ffn_up.weight"].T, 2, axis=-1)
+    act = gelu(gate) if facts.get("gelu") else gate / (1 + np.exp(-gate))
+    return (act * up) @ p[q_ + "ffn_down.weight"].T
+
+
+def short_conv(a, p, q_):
+    """LFM2's short convolution of normed a (B, T, C): y = C * conv(B * x) with each channel's
+    kernel w[c] (L taps, the last on the current row, zeros before the first row)."""
+    b_gate, c_gate, xs = np.split(a @ p[q_ + "shortconv.in_proj.weight"].T, 3, axis=-1)
+    w = p[q_ + "shortconv.conv.weight"]                           # (C, L)
+    taps = w.shape[1]
+    bx = b_gate * xs
+    padded = np.concatenate([np.zeros((bx.shape[0], taps - 1, bx.shape[2])), bx], axis=1)
+    conv = sum(padded[:, k:k + bx.shape[1]] * w[:, k] for k in range(taps))
+    return (c_gate * conv) @ p[q_ + "shortconv.out_proj.weight"].T
+
+
 def forward(cfg, p, tokens, pos, gelu=gelu_tanh, n_ctx=None):
     p = {k: np.asarray(v, np.float64) for k, v in p.items()}
     b, t = tokens.shape
     facts = ORACLE[getattr(cfg, "arch", "llama")]
-    h, hkv = cfg.heads, cfg.kv_heads
+    h = cfg.heads
     d = getattr(cfg, "head_dim", 0) or cfg.dim // cfg.heads
     factors = p.get("rope_freqs.weight")
     if getattr(cfg, "rope_long", False):    # phi3: long factors past the original context
@@ -72,6 +96,11 @@ def forward(cfg, p, tokens, pos, gelu=gelu_tanh, n_ctx=None):
     causal = np.triu(np.full((t, t), -np.inf), 1)
     for i in range(cfg.layers):
         q_ = f"blk.{i}."
+        hkv = cfg.kv_heads[i] if isinstance(cfg.kv_heads, tuple) else cfg.kv_heads     # per layer (lfm2)
+        if q_ + "shortconv.in_proj.weight" in p:     # lfm2's short-convolution layer
+            x = x + short_conv(rms_norm(x, p[q_ + "attn_norm.weight"], cfg.norm_eps), p, q_)
+            x = x + ffn(rms_norm(x, p[q_ + "ffn_norm.weight"], cfg.norm_eps), p, q_, facts, gelu)
+            continue
         window, pattern = getattr(cfg, "window", 0), getattr(cfg, "window_pattern", 0)
         local = window > 0 and (pattern == 0 or i % pattern < pattern - 1)
         base = cfg.rope_base_swa if local else cfg.rope_base
@@ -111,17 +140,11 @@ def forward(cfg, p, tokens, pos, gelu=gelu_tanh, n_ctx=None):
         if post_norms:
             a = rms_norm(a, p[q_ + "post_attention_norm.weight"], cfg.norm_eps)
         x = x + a * residual
-        f = rms_norm(x, p[q_ + "ffn_norm.weight"], cfg.norm_eps)
-        if q_ + "ffn_gate.weight" in p:
-            gate, up = f @ p[q_ + "ffn_gate.weight"].T, f @ p[q_ + "ffn_up.weight"].T
-        else:                                # phi3: gate | up rows of ffn_up
-            gate, up = np.split(f @ p[q_ + "ffn_up.weight"].T, 2, axis=-1)
-        act = gelu(gate) if facts.get("gelu") else gate / (1 + np.exp(-gate))
-        f = (act * up) @ p[q_ + "ffn_down.weight"].T
+        f = ffn(rms_norm(x, p[q_ + "ffn_norm.weight"], cfg.norm_eps), p, q_, facts, gelu)
         if post_norms:
             f = rms_norm(f, p[q_ + "post_ffw_norm.weight"], cfg.norm_eps)
         x = x + f * residual
-    x = rms_norm(x, p["output_norm.weight"], cfg.norm_eps)
+    x = rms_norm(x, p[facts.get("final_norm", "output_norm.weight")], cfg.norm_eps)
     head = p["token_embd.weight"] if cfg.tied else p["output.weight"]
     logits = x @ head.T / getattr(cfg, "logit_scale", 1.0)
     cap = getattr(cfg, "logit_softcap", 0.0)

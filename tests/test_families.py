@@ -63,7 +63,7 @@ def write_with_gguf_py(path, cfg: ModelConfig, weights: dict, tok) -> None:
     w.add_feed_forward_length(cfg.ff)
     w.add_block_count(cfg.layers)
     w.add_head_count(cfg.heads)
-    w.add_head_count_kv(cfg.kv_heads)
+    w.add_head_count_kv(list(cfg.kv_heads) if isinstance(cfg.kv_heads, tuple) else cfg.kv_heads)
     w.add_layer_norm_rms_eps(cfg.norm_eps)
     w.add_rope_freq_base(cfg.rope_base)
     w.add_rope_dimension_count(cfg.n_rot)
@@ -86,6 +86,8 @@ def write_with_gguf_py(path, cfg: ModelConfig, weights: dict, tok) -> None:
         w.add_logit_scale(cfg.logit_scale)
     if cfg.arch == "phi3":      # the converter writes Phi's window; llama.cpp disables it (so do we)
         w.add_sliding_window(16)
+    if cfg.arch == "lfm2":
+        w.add_shortconv_l_cache(cfg.shortconv_l)
     if cfg.rope_long:
         w.add_rope_scaling_type(gguf.RopeScalingType.LONGROPE)
         w.add_rope_scaling_orig_ctx_len(cfg.rope_orig_ctx)
@@ -191,7 +193,7 @@ def test_family_lora_and_merged_model_equal_llama_cpp(llama, family_model, tmp_p
     assert _their_nll(open_llm(llama, merged), ids)[1] == pytest.approx(lora_nll, abs=nll_atol)
     assert _eval_cli(merged, probe)["nll"] == pytest.approx(lora_nll, abs=nll_atol)
     adapters = lora_adapters(adapter, {n: w.shape for n, w in weights.items()}, 1.0, cfg.arch)
-    assert {n.split(".")[2] for n in adapters} == set(cfg.family.lora_targets)
+    assert {n.split(".", 2)[2][:-len(".weight")] for n in adapters} == set(cfg.family.lora_targets)
     runner = Runner(cfg, weights, CpuBackend(2), length=len(ids) - 1, adapters=adapters)
     np.testing.assert_allclose(runner.logits(np.asarray(ids[:-1], np.int32)[None])[0], lora_logits,
                                rtol=0, atol=logits_atol)

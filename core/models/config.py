@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ggtrain.core.models.families import FAMILIES, NAMES
-from ggtrain.core.models.family import (BLOCK_SHAPES, OUTPUT, OUTPUT_NORM, ROPE_CONSTANTS, ROPE_FACTORS_LONG,
+from ggtrain.core.models.family import (BLOCK_SHAPES, OUTPUT, ROPE_CONSTANTS, ROPE_FACTORS_LONG,
                                         ROPE_FACTORS_SHORT, ROPE_FREQS, STORED_AS, TOKEN_EMBD, Family)
 from ggtrain.errors import ConfigError
 
@@ -46,7 +46,10 @@ class ModelConfig:
     dims. granite's multipliers, as llama.cpp reads them: embedding_scale multiplies the
     embedding, residual_scale what each attention and FFN adds to the residual (0: neither
     is scaled), attn_scale scales q.k (0: the family's scale), logits are divided by
-    logit_scale.
+    logit_scale. kv_heads: one count for every layer, or a tuple of one per layer (a file's
+    array; 0 where a layer has no attention, LFM2's short-convolution layers); at(name, i)
+    reads a per-layer field's value at layer i. shortconv_l: the taps of LFM2's short
+    convolution (shortconv.l_cache; 0: the family's default where it has one).
     """
 
     vocab: int
@@ -75,12 +78,14 @@ class ModelConfig:
     residual_scale: float = 0.0
     attn_scale: float = 0.0
     logit_scale: float = 1.0
+    shortconv_l: int = 0
 
     def __post_init__(self):
         fam = family(self.arch)
-        for name in ("vocab", "dim", "layers", "heads", "kv_heads", "ff", "ctx"):
+        for name in ("vocab", "dim", "layers", "heads", "ff", "ctx"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{self.arch}: {name} must be >= 1, got {getattr(self, name)}")
+        self._per_layer(fam)
         if not self.head_dim:
             if self.dim % self.heads:
                 raise ConfigError(f"{self.arch}: dim {self.dim} is not a multiple of heads {self.heads}")
@@ -89,8 +94,6 @@ class ModelConfig:
             raise ConfigError(f"{self.arch}: head_dim must be >= 1, got {self.head_dim}")
         if not self.rope_dims:
             object.__setattr__(self, "rope_dims", self.head_dim)
-        if self.heads % self.kv_heads:
-            raise ConfigError(f"{self.arch}: heads {self.heads} is not a multiple of kv_heads {self.kv_heads}")
         if self.head_dim % 2 or self.n_rot % 2 or self.n_rot > self.head_dim:
             raise ConfigError(f"{self.arch}: rotary dims {self.n_rot} must be even and <= head dim {self.head_dim}")
         if not self.rope_scale > 0 or not self.rope_base > 0 or not self.norm_eps > 0:
@@ -120,6 +123,39 @@ class ModelConfig:
             raise ConfigError(f"{self.arch}: rope_orig_ctx {self.rope_orig_ctx} must be >= 0, "
                               f"rope_attn_factor {self.rope_attn_factor} > 0")
 
+    def _per_layer(self, fam: Family) -> None:
+        """Per-layer fields as tuples of `layers` ints (one int where every layer agrees, so
+        equal models have equal configs); every attention layer's KV heads divide the heads,
+        and a layer without attention has none."""
+        for key in fam.all_keys.values():
+            value = getattr(self, key.field)
+            if not key.per_layer or not isinstance(value, (tuple, list)):
+                continue
+            if len(value) != self.layers:
+                raise ConfigError(f"{self.arch}: {key.field} ({self.arch}.{key.key}) gives {len(value)} values "
+                                  f"for {self.layers} layers")
+            value = tuple(int(v) for v in value)
+            object.__setattr__(self, key.field, value[0] if len(set(value)) == 1 else value)
+        taps = fam.all_keys.get("shortconv_l")
+        if taps is not None:
+            if self.shortconv_l == 0:
+                object.__setattr__(self, "shortconv_l", taps.unset)
+            if self.shortconv_l < 2:    # llama.cpp keeps l_cache - 1 >= 1 columns of state
+                raise ConfigError(f"{self.arch}: {taps.key} must be >= 2, got {self.shortconv_l}")
+        for i in range(self.layers):
+            kv, attention = self.at("kv_heads", i), fam.layer_kinds(self, i)[0] == "attention"
+            if attention and kv < 1:
+                raise ConfigError(f"{self.arch}: kv_heads must be >= 1 in an attention layer, got {kv} (layer {i})")
+            if attention and self.heads % kv:
+                raise ConfigError(f"{self.arch}: heads {self.heads} is not a multiple of kv_heads {kv} (layer {i})")
+            if not attention and kv:
+                raise ConfigError(f"{self.arch}: layer {i} has no attention but {kv} KV heads")
+
+    def at(self, name: str, layer: int):
+        """A per-layer field's value at `layer` (the field itself where it is one value)."""
+        value = getattr(self, name)
+        return value[layer] if isinstance(value, tuple) else value
+
     @property
     def family(self) -> Family:
         return FAMILIES[self.arch]
@@ -148,7 +184,7 @@ _NEUTRAL = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
 
 def param_shapes(cfg: ModelConfig) -> dict:
     """{tensor name: numpy-order shape}, in llama.cpp's order."""
-    shapes = {TOKEN_EMBD: (cfg.vocab, cfg.dim), OUTPUT_NORM: (cfg.dim,)}
+    shapes = {TOKEN_EMBD: (cfg.vocab, cfg.dim), cfg.family.output_norm: (cfg.dim,)}
     if not cfg.tied:
         shapes[OUTPUT] = (cfg.vocab, cfg.dim)
     if cfg.rope_freqs:
@@ -156,8 +192,8 @@ def param_shapes(cfg: ModelConfig) -> dict:
     if cfg.rope_long:
         shapes[ROPE_FACTORS_LONG] = shapes[ROPE_FACTORS_SHORT] = (cfg.n_rot // 2,)
     for i in range(cfg.layers):
-        for name in cfg.family.block:
-            shapes[f"blk.{i}.{STORED_AS.get(name, name)}"] = BLOCK_SHAPES[name](cfg)
+        for name in cfg.family.block_of(cfg, i):
+            shapes[f"blk.{i}.{STORED_AS.get(name, name)}"] = BLOCK_SHAPES[name](cfg, i)
     return shapes
 
 
@@ -167,9 +203,13 @@ def trainable(name: str) -> bool:
     return name not in ROPE_CONSTANTS
 
 
+# the projections that write into the residual stream
+_RESIDUAL_WRITERS = ("attn_output.weight", "ffn_down.weight", "shortconv.out_proj.weight")
+
+
 def init_params(cfg: ModelConfig, seed: int = 0, std: float = 0.02) -> dict:
     """Initialisation for training from scratch: N(0, std^2) for matrices, with the
-    projections that write into the residual stream (attn_output, ffn_down) scaled by
+    projections that write into the residual stream (attn_output, ffn_down, out_proj) scaled by
     1/sqrt(2 L) as in GPT-2; ones for the RMSNorm weights (and rope factors), zeros for
     biases. {name: float32 array}."""
     rng = np.random.default_rng(seed)
@@ -180,6 +220,6 @@ def init_params(cfg: ModelConfig, seed: int = 0, std: float = 0.02) -> dict:
         elif name.endswith(".bias"):
             out[name] = np.zeros(shape, np.float32)
         else:
-            s = std / math.sqrt(2 * cfg.layers) if name.endswith(("attn_output.weight", "ffn_down.weight")) else std
+            s = std / math.sqrt(2 * cfg.layers) if name.endswith(_RESIDUAL_WRITERS) else std
             out[name] = rng.normal(0.0, s, shape).astype(np.float32)
     return out

@@ -23,6 +23,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable
 
+import numpy as np
+
 from ggtrain.core import ops
 from ggtrain.core.models.config import ModelConfig
 from ggtrain.core.models.family import ROPE_FACTORS_LONG, ROPE_FACTORS_SHORT, ROPE_FREQS
@@ -59,9 +61,12 @@ class Inputs:
     """What a forward pass reads. tokens (B, T) i32; pos (T,) i32, or (B, T) with seg (B, T)
     i32 for packed samples (query i sees key j only when j <= i and seg[., j] == seg[., i];
     pos restarts per sample); rows (M,) i32: only those flat positions of (B*T) go on past
-    the blocks (the ones a loss needs); cache: per layer (k_cache, v_cache) persistent (S,
-    Hkv*D) tensors for incremental decoding (B = 1): this step's keys and values are written
-    at rows pos, and queries attend over cache rows 0..n_kv-1, query i seeing rows <= pos[i]."""
+    the blocks (the ones a loss needs); cache: per layer the persistent tensors of
+    incremental decoding (B = 1) that MIXER_CACHE names: an attention layer's (k_cache,
+    v_cache) (S, Hkv*D), this step's keys and values written at rows pos, queries attending
+    over cache rows 0..n_kv-1, query i seeing rows <= pos[i]; a recurrent layer's state,
+    which the step replaces: the write nodes go in `writes`, which the caller compiles with
+    the logits (nothing the logits read depends on them)."""
 
     tokens: object
     pos: object
@@ -69,6 +74,7 @@ class Inputs:
     rows: object = None
     cache: list | None = None
     n_kv: int = 0
+    writes: list | None = None
 
 
 @dataclass(frozen=True)
@@ -155,7 +161,7 @@ def attention(net: Net, x, layer: int, inp: Inputs, opt: Options, keep: Callable
     fam = cfg.family
     p = f"blk.{layer}."
     local = cfg.local(layer)
-    h, hkv, d = cfg.heads, cfg.kv_heads, cfg.head_dim
+    h, hkv, d = cfg.heads, cfg.at("kv_heads", layer), cfg.head_dim
     if fam.fused_qkv:   # one product, its q | k | v columns read as views
         qkv = linear(net, x, p + "attn_qkv.weight")                                      # (B, T, (H+2Hkv)*D)
         n = qkv.shape[-1]
@@ -218,10 +224,48 @@ def glu(net: Net, x, layer: int):
     return linear(net, act, p + "ffn_down.weight")
 
 
+def shortconv(net: Net, x, layer: int, inp: Inputs, opt: Options, keep: Callable | None):
+    """LFM2's gated short convolution of x (B, T, C): in_proj to B | C | x' (views of one
+    product), B * x' convolved causally over time, each channel with its own L taps
+    (ops.causal_conv1d; packed samples by inp.seg), times C, out_proj. With a cache (one
+    sequence) the convolution's input starts with the state, the L - 1 rows of B * x' before
+    this step, and the step's last L - 1 rows replace it (a write in inp.writes)."""
+    b, t, c = x.shape
+    p = f"blk.{layer}."
+    bcx = linear(net, x, p + "shortconv.in_proj.weight")                                # (B, T, 3C)
+    gate_b, gate_c, xs = (ops.view(bcx, (b, t, c), (3 * t * c, 3 * c, 1), j * c) for j in range(3))
+    bx = ops.mul(gate_b, xs)                                                             # (B, T, C)
+    w = net.params[p + "shortconv.conv.weight"]                                         # (C, L)
+    if inp.cache is None:
+        conv = ops.causal_conv1d(bx, w, seg=inp.seg, numerics=net.numerics)
+    else:
+        if b != 1:
+            raise ConfigError(f"{net.cfg.arch}: a convolution state serves one sequence, got a batch of {b}")
+        state = inp.cache[layer][0]                                                      # (L-1, C)
+        n = state.shape[0]
+        full = (n + t, c)     # the state's rows, then this step's: zeros around each, added
+        rows = ops.add(ops.view_bwd(state, full, (c, 1), 0),
+                       ops.view_bwd(ops.reshape(bx, (t, c)), full, (c, 1), n * c))             # (L-1+T, C)
+        last = ops.view(rows, (n, c), (c, 1), t * c)
+        every = state.graph.const(np.arange(n, dtype=np.int32), dtype="i32")
+        inp.writes.append(ops.set_rows(state, last, every))
+        conv = ops.causal_conv1d(ops.reshape(rows, (1, n + t, c)), w, numerics=net.numerics)
+        conv = ops.view(conv, (1, t, c), (t * c, c, 1), n * c)                         # this step's rows
+    return linear(net, ops.mul(gate_c, conv), p + "shortconv.out_proj.weight")
+
+
 # the mixers and FFNs a family's layer_kinds may name: mixer(net, x, layer, inputs, options,
 # keep) and ffn(net, x, layer), each (B, T, C) -> (B, T, C)
-MIXERS = {"attention": attention}
+MIXERS = {"attention": attention, "shortconv": shortconv}
 FFNS = {"glu": glu}
+# what incremental decoding keeps of each mixer's layer: (cfg, layer, n_ctx) -> the shapes of
+# its persistent tensors (Inputs.cache), and the mixers whose cache is a recurrent state
+# (zeros before the first token; it cannot be cut back to an earlier position)
+MIXER_CACHE = {
+    "attention": lambda cfg, i, n_ctx: [(n_ctx, cfg.at("kv_heads", i) * cfg.head_dim)] * 2,
+    "shortconv": lambda cfg, i, n_ctx: [(cfg.shortconv_l - 1, cfg.dim)],
+}
+RECURRENT = ("shortconv",)
 
 
 def block(net: Net, x, layer: int, inp: Inputs, opt: Options):
@@ -285,7 +329,7 @@ def forward(net: Net, inp: Inputs, opt: Options = Options()):
         x = _last_row(x)
     if inp.rows is not None:
         x = ops.get_rows(ops.reshape(x, (b * t, x.shape[-1])), inp.rows)             # (M, C)
-    x = _norm(net, x, "output_norm.weight")
+    x = _norm(net, x, cfg.family.output_norm)
     return output(net, x) if opt.head else x
 
 

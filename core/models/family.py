@@ -10,7 +10,7 @@ adding a family is adding such a module (and its test rows).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
@@ -19,14 +19,17 @@ import numpy as np
 class Key:
     """One "{arch}." key: the ModelConfig field it sets, the GGUF type llama.cpp reads it as
     ("u32" a count, "f32" a float), and the field's value where a file does not state it, so
-    a writer states it only where it differs (None: stated always). required: a file must
-    state it."""
+    a writer states it only where it differs (None: stated always; a required key is stated
+    always, and unset is then the value a model built from scratch gets). required: a file
+    must state it. per_layer: a file may give one value per layer, an array (llama.cpp's
+    get_key_or_arr); the field then holds a tuple (ModelConfig.at reads layer i's value)."""
 
     field: str
     key: str
     type: str = "u32"
     unset: object = None
     required: bool = False
+    per_layer: bool = False
 
     def __post_init__(self):
         if self.type not in ("u32", "f32"):
@@ -42,34 +45,40 @@ COMMON_KEYS = (
     Key("ff", "feed_forward_length", required=True),
     Key("layers", "block_count", required=True),
     Key("heads", "attention.head_count", required=True),
-    Key("kv_heads", "attention.head_count_kv"),
+    Key("kv_heads", "attention.head_count_kv", per_layer=True),
     Key("rope_dims", "rope.dimension_count"),
     Key("head_dim", "attention.key_length"),
     Key("norm_eps", "attention.layer_norm_rms_epsilon", "f32", required=True),
     Key("rope_base", "rope.freq_base", "f32"),
 )
 
-# block tensor (blk.{i}.<name>) -> numpy-order shape from a ModelConfig c. The one table of
-# shapes: every family lists the names it has.
+# block tensor (blk.{i}.<name>) -> numpy-order shape from a ModelConfig c and the layer i (for
+# the per-layer keys: ModelConfig.at). The one table of shapes: every family lists the names
+# it has.
 BLOCK_SHAPES = {
-    "attn_norm.weight": lambda c: (c.dim,),
-    "attn_q.weight": lambda c: (c.heads * c.head_dim, c.dim),
-    "attn_k.weight": lambda c: (c.kv_heads * c.head_dim, c.dim),
-    "attn_v.weight": lambda c: (c.kv_heads * c.head_dim, c.dim),
-    "attn_q.bias": lambda c: (c.heads * c.head_dim,),
-    "attn_k.bias": lambda c: (c.kv_heads * c.head_dim,),
-    "attn_v.bias": lambda c: (c.kv_heads * c.head_dim,),
-    "attn_q_norm.weight": lambda c: (c.head_dim,),
-    "attn_k_norm.weight": lambda c: (c.head_dim,),
-    "attn_qkv.weight": lambda c: ((c.heads + 2 * c.kv_heads) * c.head_dim, c.dim),   # q | k | v rows
-    "attn_output.weight": lambda c: (c.dim, c.heads * c.head_dim),
-    "post_attention_norm.weight": lambda c: (c.dim,),
-    "ffn_norm.weight": lambda c: (c.dim,),
-    "ffn_gate.weight": lambda c: (c.ff, c.dim),
-    "ffn_down.weight": lambda c: (c.dim, c.ff),
-    "ffn_up.weight": lambda c: (c.ff, c.dim),
-    "ffn_gate_up.weight": lambda c: (2 * c.ff, c.dim),      # gate | up rows, stored as ffn_up
-    "post_ffw_norm.weight": lambda c: (c.dim,),
+    "attn_norm.weight": lambda c, i: (c.dim,),
+    "attn_q.weight": lambda c, i: (c.heads * c.head_dim, c.dim),
+    "attn_k.weight": lambda c, i: (c.at("kv_heads", i) * c.head_dim, c.dim),
+    "attn_v.weight": lambda c, i: (c.at("kv_heads", i) * c.head_dim, c.dim),
+    "attn_q.bias": lambda c, i: (c.heads * c.head_dim,),
+    "attn_k.bias": lambda c, i: (c.at("kv_heads", i) * c.head_dim,),
+    "attn_v.bias": lambda c, i: (c.at("kv_heads", i) * c.head_dim,),
+    "attn_q_norm.weight": lambda c, i: (c.head_dim,),
+    "attn_k_norm.weight": lambda c, i: (c.head_dim,),
+    "attn_qkv.weight": lambda c, i: ((c.heads + 2 * c.at("kv_heads", i)) * c.head_dim, c.dim),   # q | k | v rows
+    "attn_output.weight": lambda c, i: (c.dim, c.heads * c.head_dim),
+    "post_attention_norm.weight": lambda c, i: (c.dim,),
+    "ffn_norm.weight": lambda c, i: (c.dim,),
+    "ffn_gate.weight": lambda c, i: (c.ff, c.dim),
+    "ffn_down.weight": lambda c, i: (c.dim, c.ff),
+    "ffn_up.weight": lambda c, i: (c.ff, c.dim),
+    "ffn_gate_up.weight": lambda c, i: (2 * c.ff, c.dim),      # gate | up rows, stored as ffn_up
+    "post_ffw_norm.weight": lambda c, i: (c.dim,),
+    # LFM2's short convolution: in_proj to B | C | x rows, the depthwise kernel of each channel
+    # (ggml's {l_cache, n_embd}), out_proj
+    "shortconv.in_proj.weight": lambda c, i: (3 * c.dim, c.dim),
+    "shortconv.conv.weight": lambda c, i: (c.dim, c.shortconv_l),
+    "shortconv.out_proj.weight": lambda c, i: (c.dim, c.dim),
 }
 # block tensors stored under another name than their table entry
 STORED_AS = {"ffn_gate_up.weight": "ffn_up.weight"}
@@ -124,8 +133,14 @@ class Family:
     rope_switch: the family reads
     rope.scaling.finetuned = false as "no rope" (granite), which ggtrain refuses.
     mixer, ffn: the layers every block builds, by their names in the decoder's MIXERS and FFNS
-    ("attention", "glu"); layers: (cfg, layer) -> (mixer, ffn) where the kind varies from
-    layer to layer (None: every layer is (mixer, ffn)). layer_kinds(cfg, i) answers for both.
+    ("attention", "shortconv"; "glu"); layers: (cfg, layer) -> (mixer, ffn) where the kind
+    varies from layer to layer (None: every layer is (mixer, ffn)). layer_kinds(cfg, i)
+    answers for both. mixer_tensors: {mixer: the block tensors only its layers have} where
+    layers differ (block lists them all; block_of(cfg, i) gives layer i's).
+    output_norm: the final norm's tensor (LFM2 names it token_embd_norm).
+    scratch_kv_heads: (layers, kv_heads) -> the per-layer KV heads of a model built from
+    scratch with one count given, where the family mixes layers by them (None: that count
+    in every layer).
     """
 
     arch: str
@@ -145,6 +160,9 @@ class Family:
     mixer: str = "attention"
     ffn: str = "glu"
     layers: Callable | None = None
+    mixer_tensors: dict = field(default_factory=dict)
+    output_norm: str = OUTPUT_NORM
+    scratch_kv_heads: Callable | None = None
 
     def __post_init__(self):
         unknown = [n for n in self.block if n not in BLOCK_SHAPES]
@@ -156,10 +174,20 @@ class Family:
             raise ValueError(f"family {self.arch}: LoRA target {bad[0]!r} is not a block weight")
         if self.act not in ACTIVATIONS or self.rope_mode not in ("norm", "neox"):
             raise ValueError(f"family {self.arch}: act {self.act!r}, rope_mode {self.rope_mode!r}")
+        own = [n for names in self.mixer_tensors.values() for n in names if n not in self.block]
+        if own:
+            raise ValueError(f"family {self.arch}: mixer tensor {own[0]!r} is not in its block")
 
     def layer_kinds(self, cfg, layer: int) -> tuple:
         """(mixer, ffn) of block `layer` of a model of this family (config cfg)."""
         return self.layers(cfg, layer) if self.layers is not None else (self.mixer, self.ffn)
+
+    def block_of(self, cfg, layer: int) -> tuple:
+        """The tensor names (BLOCK_SHAPES keys) of block `layer`, in the block's order: all but
+        those of the mixers the layer does not build."""
+        mixer = self.layer_kinds(cfg, layer)[0]
+        others = {n for m, names in self.mixer_tensors.items() if m != mixer for n in names}
+        return tuple(n for n in self.block if n not in others)
 
     @property
     def qkv_bias(self) -> bool:

@@ -15,7 +15,7 @@ from ggtrain.core import ops
 from ggtrain.core.backend import StoredTensor
 from ggtrain.core.graph import Graph, Runtime
 from ggtrain.core.models.config import ModelConfig
-from ggtrain.core.models.decoder import Inputs, Net, Options, forward, output
+from ggtrain.core.models.decoder import MIXER_CACHE, RECURRENT, Inputs, Net, Options, forward, output
 from ggtrain.core.models.lora import Adapter
 from ggtrain.core.models.losses import chunk_weights, chunked_loss, fused_loss_available, loss_chunks
 from ggtrain.core.numerics import EXACT, LLAMA, check_numerics
@@ -139,7 +139,8 @@ class Decoder:
     """Incremental (KV-cached) decoding of one sequence: `feed(ids)` appends tokens and
     returns the logits after the last one; each new token costs one token's work.
 
-    The cache holds n_ctx positions (f32 keys and values per layer). Plans are compiled
+    The cache holds n_ctx positions (f32 keys and values per attention layer; a recurrent
+    layer's state instead: decoder.MIXER_CACHE). Plans are compiled
     on demand, one per count of tokens fed at once, each attending over the whole cache:
     the attention kernels read only the rows each query sees (its position and those
     before), so one plan serves a token at any position (plans per power-of-two span of
@@ -159,14 +160,19 @@ class Decoder:
         self.chunk = chunk
         self.graph = g = Graph()
         self.net, stored = frozen_net(cfg, g, weights, adapters, numerics, kv_f16)
-        kv = cfg.kv_heads * cfg.head_dim
-        self.cache = [(g.state((self.n_ctx, kv), name=f"cache_k.{i}"),
-                       g.state((self.n_ctx, kv), name=f"cache_v.{i}")) for i in range(cfg.layers)]
+        # per layer its mixer's cache (decoder.MIXER_CACHE): keys and values, or a state
+        kinds = [cfg.family.layer_kinds(cfg, i)[0] for i in range(cfg.layers)]
+        self.cache = [tuple(g.state(shape, name=f"cache.{i}.{j}")
+                            for j, shape in enumerate(MIXER_CACHE[kind](cfg, i, self.n_ctx)))
+                      for i, kind in enumerate(kinds)]
+        self.states = [t for kind, c in zip(kinds, self.cache) if kind in RECURRENT for t in c]
         self.runtime = Runtime(g, backend)
         for t, buf in stored.items():
             self.runtime.bind(t, buf)
         self._plans: dict = {}
         self.n_past = 0                      # positions in the cache
+        self._ids: list = []                 # the tokens fed (a recurrent state rewinds by feeding again)
+        self.reset()
 
     def _plan(self, t: int, every: bool = False):
         key = (t, every)
@@ -174,9 +180,10 @@ class Decoder:
             g = self.graph
             tokens = g.input((1, t), "i32", name=f"tokens.{t}")
             pos = g.input((t,), "i32", name=f"pos.{t}")
-            logits = forward(self.net, Inputs(tokens, pos, cache=self.cache, n_kv=self.n_ctx),
+            writes: list = []
+            logits = forward(self.net, Inputs(tokens, pos, cache=self.cache, n_kv=self.n_ctx, writes=writes),
                              Options(last_only=not every, n_ctx=self.n_ctx))
-            self._plans[key] = (self.runtime.compile([logits]), tokens, pos, logits)
+            self._plans[key] = (self.runtime.compile([logits] + writes), tokens, pos, logits)
         return self._plans[key]
 
     def prepare(self) -> None:
@@ -185,14 +192,26 @@ class Decoder:
         self._plan(1)
 
     def reset(self) -> None:
-        """Forget the sequence (the cache rows are overwritten as new tokens come)."""
+        """Forget the sequence (the cache rows are overwritten as new tokens come; recurrent
+        states start again from zeros)."""
         self.n_past = 0
+        self._ids = []
+        for t in self.states:
+            self.runtime.set(t, np.zeros(t.shape, np.float32))
 
     def rewind(self, n: int) -> None:
-        """Keep the first n positions of the sequence (a shared prefix), forget the rest."""
+        """Keep the first n positions of the sequence (a shared prefix), forget the rest. A
+        recurrent state holds no earlier positions: with one, the first n tokens are fed again."""
         if not 0 <= n <= self.n_past:
             raise ConfigError(f"decoder: cannot rewind to {n} of {self.n_past} positions")
+        if self.states and n < self.n_past:
+            ids = self._ids[:n]
+            self.reset()
+            if ids:
+                self.feed(ids)
+            return
         self.n_past = n
+        del self._ids[n:]
 
     def feed(self, ids, every: bool = False) -> np.ndarray:
         """Append token ids (at least one) to the sequence; logits (V,) after the last one,
@@ -215,6 +234,7 @@ class Decoder:
             self.runtime.set(pos, np.arange(self.n_past, self.n_past + part.size, dtype=np.int32))
             self.runtime.run(plan)
             self.n_past += part.size
+            self._ids.extend(part.tolist())
             if every:
                 out.append(plan.read(logits)[0])
         return np.concatenate(out) if every else plan.read(logits)[0, -1]

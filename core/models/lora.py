@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ggtrain.core.models.families import FAMILIES
+from ggtrain.core.models.family import STORED_AS
 from ggtrain.errors import ConfigError
 
 # the block weights an adapter may target in some family, by their llama.cpp names (each
@@ -60,7 +61,9 @@ class LoraConfig:
             raise ConfigError(f"--lora-targets: {missing[0]!r} is not a weight of a {model.arch} model "
                               f"(its targets: {', '.join(own)})")
         chosen = [t for t in own if not self.targets or t in self.targets]
-        return [f"blk.{i}.{t}.weight" for i in range(model.layers) for t in chosen]
+        fam = model.family     # (layers of a hybrid have some of the targets: family.block_of)
+        stored = [{STORED_AS.get(n, n) for n in fam.block_of(model, i)} for i in range(model.layers)]
+        return [f"blk.{i}.{t}.weight" for i in range(model.layers) for t in chosen if t + ".weight" in stored[i]]
 
 
 @dataclass(frozen=True)

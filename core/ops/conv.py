@@ -7,7 +7,8 @@ from ggtrain.core.tensor import Tensor
 from ggtrain.errors import DTypeError
 from ggtrain.native.host import (ACT8_TYPES, HYPER_BC1, HYPER_BC2, HYPER_BETA1, HYPER_BETA2,  # noqa: F401
                                  HYPER_COUNT, HYPER_EPS, HYPER_LR, HYPER_MAX_NORM, HYPER_MOMENTUM, HYPER_WD)
-from ggtrain.core.ops.registry import OpDef, _f32, _need, apply, register
+from ggtrain.core.numerics import EXACT, check_numerics
+from ggtrain.core.ops.registry import OpDef, _f32, _llama, _need, _no_llama_gradient, apply, register
 from ggtrain.core.ops.views import view
 
 
@@ -175,16 +176,17 @@ register(OpDef("max_pool2d_bwd", _infer_pool, "max_pool2d_bwd", contiguous=(0, 1
 # ---- causal depthwise convolution over time (LFM2's short convolution) --------------------
 
 
-def causal_conv1d(x: Tensor, w: Tensor, seg: Tensor | None = None) -> Tensor:
+def causal_conv1d(x: Tensor, w: Tensor, seg: Tensor | None = None, numerics: str = EXACT) -> Tensor:
     """y[b, t, c] = sum over k < L of w[c, k] x[b, t - L + 1 + k, c]: each channel convolved
     over time with its own kernel of L taps, the last tap on the current row, rows before
     the first zero (llama.cpp's ssm_conv after its conv state, as LFM2 runs it).
 
     x (B, T, C) f32, w (C, L) f32 (the layout of shortconv.conv.weight), seg (B, T) i32 or
     None: with packed samples a row sees only the rows of its own segment. Returns (B, T, C).
-    Raises ShapeError / DTypeError for bad shapes or types.
+    numerics LLAMA: llama.cpp's CPU bits (each tap a fused multiply-add; inference only, CPU
+    only, no gradient). Raises ShapeError / DTypeError for bad shapes or types.
     """
-    return apply("causal_conv1d", [x, w] + ([seg] if seg is not None else []))
+    return apply("causal_conv1d", [x, w] + ([seg] if seg is not None else []), numerics=check_numerics(numerics))
 
 
 def _infer_causal_conv1d(name):
@@ -212,6 +214,7 @@ def _infer_causal_conv1d(name):
 
 
 def _causal_conv1d_bwd(y, g):
+    _no_llama_gradient(y, "causal_conv1d")
     x, w = y.srcs[0], y.srcs[1]
     seg = list(y.srcs[2:])
     gx = apply("causal_conv1d_input_bwd", [w, g] + seg) if x.requires_grad else None
@@ -220,6 +223,6 @@ def _causal_conv1d_bwd(y, g):
 
 
 register(OpDef("causal_conv1d", _infer_causal_conv1d("causal_conv1d"), "causal_conv1d_fwd", contiguous=(0, 1, 2),
-               backward=_causal_conv1d_bwd, differentiable=(0, 1)))
+               backward=_causal_conv1d_bwd, differentiable=(0, 1), lower=lambda y: ((_llama(y),), ())))
 for _name in ("causal_conv1d_input_bwd", "causal_conv1d_weight_bwd"):
     register(OpDef(_name, _infer_causal_conv1d(_name), _name, contiguous=(0, 1, 2)))

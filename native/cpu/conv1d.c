@@ -10,8 +10,10 @@ static inline int same_segment(const int32_t *seg, int64_t T, int64_t b, int64_t
 }
 
 /* y[b, t, c] = sum over k < L of w[c, k] x[b, t - L + 1 + k, c], rows before 0 (or in an
- * earlier segment) zero. NOTE: summed from 0.0f in k order, one product at a time, as
- * llama.cpp's ssm_conv does (its numbers bit for bit). Threads split the (b, t) rows. */
+ * earlier segment) zero, summed from 0.0f in k order. NOTE: with ip[0] = 1 (llama.cpp's
+ * numbers) each step is a fused multiply-add, as its ssm_conv loop compiles (C++ contracts
+ * sumf += s * c where the CPU has FMA); else a product then a sum. Threads split the (b, t)
+ * rows. */
 int gt_causal_conv1d_fwd_f32(const gt_node *node, const gt_ctx *ctx) {
     int64_t n[4] = {0, 0, 0, 0};
     const gt_tensor *sg = NULL;
@@ -20,6 +22,7 @@ int gt_causal_conv1d_fwd_f32(const gt_node *node, const gt_ctx *ctx) {
     const float *x = (const float *)node->src[0].data, *w = (const float *)node->src[1].data;
     const int32_t *seg = sg ? (const int32_t *)sg->data : NULL;
     float *y = (float *)node->dst.data;
+    const int llama = node->ip[0] != 0;
     int64_t lo, hi;
     gt_split(B * T, ctx, &lo, &hi);
     for (int64_t r = lo; r < hi; r++) {
@@ -30,7 +33,10 @@ int gt_causal_conv1d_fwd_f32(const gt_node *node, const gt_ctx *ctx) {
             const int64_t s = t - L + 1 + k;
             if (s < 0 || !same_segment(seg, T, b, s, t)) continue;
             const float *xr = x + (b * T + s) * C;
-            for (int64_t c = 0; c < C; c++) yr[c] += xr[c] * w[c * L + k];
+            if (llama)
+                for (int64_t c = 0; c < C; c++) yr[c] = fmaf(xr[c], w[c * L + k], yr[c]);
+            else
+                for (int64_t c = 0; c < C; c++) yr[c] += xr[c] * w[c * L + k];
         }
     }
     return GT_OK;

@@ -64,6 +64,8 @@ static int conv1d_launch(const gt_node *node, int kind, const char *op) {
 
 GTC_LAUNCHER(causal_conv1d_fwd_f32) {
     (void)ctx;
+    if (node->ip[0])
+        return GTC_FAIL(GT_ERR_INVALID, "causal_conv1d: llama.cpp's CPU numbers (ip[0] = 1) are the CPU kernel's");
     return conv1d_launch(node, 0, "causal_conv1d");
 }
 
