@@ -527,4 +527,83 @@ static inline int gt_causal_conv1d_check(const gt_node *node, int kind, const ch
     return GT_OK;
 }
 
+
+/* ---- mixture-of-experts routing and the grouped expert product ------------------------------ */
+
+/* moe_topk (kind 0: src0 logits (..., E) f32; dst ids (..., k) i32, k = ip[0] <= E), moe_weights
+ * (kind 1: src0 logits, src1 ids (..., k) i32; dst (..., k) f32) and moe_weights_bwd (kind 2:
+ * src0 logits, src1 ids, src2 g (..., k) f32; dst (..., E) f32). All contiguous, the leading
+ * dims the same. Fills rows (the product of the leading dims), E and k. */
+static inline int gt_moe_route_check(const gt_node *node, int kind, const char *op, int64_t *rows, int64_t *E,
+                                     int64_t *k) {
+    const gt_tensor *d = &node->dst, *z = &node->src[0];
+    char a[128], b[128], c[128];
+    GT_TRY(gt_check_n_src(node, kind + 1, op));
+    GT_CHECK_F32(z, op, "src0");
+    if (z->ndim < 1) return GT_FAIL(GT_ERR_SHAPE, "%s: logits need a dim of experts", op);
+    *E = z->shape[z->ndim - 1];
+    const gt_tensor *ids = kind == 0 ? d : &node->src[1];
+    GT_TRY(gt_check_i32(ids, op, kind == 0 ? "dst" : "src1 (ids)"));
+    if (ids->ndim != z->ndim)
+        return GT_FAIL(GT_ERR_SHAPE, "%s: ids %s do not match logits %s", op, gt_shape_str(ids, a, sizeof a),
+                       gt_shape_str(z, b, sizeof b));
+    *k = ids->shape[ids->ndim - 1];
+    *rows = 1;
+    for (int i = 0; i < z->ndim - 1; i++) {
+        if (ids->shape[i] != z->shape[i])
+            return GT_FAIL(GT_ERR_SHAPE, "%s: ids %s do not match logits %s", op, gt_shape_str(ids, a, sizeof a),
+                           gt_shape_str(z, b, sizeof b));
+        *rows *= z->shape[i];
+    }
+    if (*k < 1 || *k > *E || (kind == 0 && node->ip[0] != *k))
+        return GT_FAIL(GT_ERR_SHAPE, "%s: expected 1 <= k <= %lld experts (k = %lld, ip[0] = %lld)", op,
+                       (long long)*E, (long long)*k, (long long)node->ip[0]);
+    if (kind >= 1) {
+        const gt_tensor *want = kind == 1 ? ids : z, *g = kind == 2 ? &node->src[2] : d;
+        GT_CHECK_F32(d, op, "dst");
+        if (kind == 2) GT_CHECK_F32(g, op, "src2 (g)");
+        if (!gt_same_shape(g, ids) || !gt_same_shape(d, want))
+            return GT_FAIL(GT_ERR_SHAPE, "%s: expected dst %s, got %s (g %s)", op, gt_shape_str(want, a, sizeof a),
+                           gt_shape_str(d, b, sizeof b), gt_shape_str(g, c, sizeof c));
+    }
+    for (int i = 0; i < node->n_src; i++) GT_TRY(gt_check_contig(&node->src[i], op, "an input"));
+    return gt_check_contig(d, op, "dst");
+}
+
+/* moe_matmul, ggml's mul_mat_id (kind 0: src0 x (N, X, K) f32, src1 w (E, M, K) of type wtype
+ * (blocks of `block` elements along K), src2 ids (N, k) i32; dst y (N, k, M) f32, y[n, s] =
+ * w[ids[n, s]] @ x[n, X == 1 ? 0 : s]), its input gradient (kind 1: src0 w, src1 ids, src2 g
+ * (N, k, M); dst dx (N, X, K)) and its weight gradient (kind 2: src0 x, src1 ids, src2 g; dst
+ * dw (E, M, K) f32). X is 1 or k. All contiguous. dims: N, X, K, E, M, k. */
+static inline int gt_moe_matmul_check(const gt_node *node, int kind, const char *op, int32_t wtype, int block,
+                                      int64_t dims[6]) {
+    const gt_tensor *d = &node->dst;
+    const gt_tensor *w = kind == 0 ? &node->src[1] : kind == 1 ? &node->src[0] : d;
+    const gt_tensor *x = kind == 1 ? d : &node->src[0];
+    const gt_tensor *ids = kind == 0 ? &node->src[2] : &node->src[1];
+    const gt_tensor *y = kind == 0 ? d : &node->src[2];
+    char a[128], b[128], c[128];
+    GT_TRY(gt_check_n_src(node, 3, op));
+    GT_CHECK_F32(x, op, "x");
+    GT_CHECK_F32(y, op, kind == 0 ? "dst" : "g");
+    if (w->dtype != wtype)
+        return GT_FAIL(GT_ERR_DTYPE, "%s: expected the expert weights in %s, got %s", op, gt_type_name(wtype),
+                       gt_type_name(w->dtype));
+    GT_TRY(gt_check_i32(ids, op, "ids"));
+    if (x->ndim != 3 || w->ndim != 3 || ids->ndim != 2 || y->ndim != 3)
+        return GT_FAIL(GT_ERR_SHAPE, "%s: expected x (N, X, K), w (E, M, K), ids (N, k), got %s, %s, %s", op,
+                       gt_shape_str(x, a, sizeof a), gt_shape_str(w, b, sizeof b), gt_shape_str(ids, c, sizeof c));
+    const int64_t N = ids->shape[0], k = ids->shape[1], X = x->shape[1], K = x->shape[2];
+    const int64_t E = w->shape[0], M = w->shape[1];
+    if (x->shape[0] != N || (X != 1 && X != k) || w->shape[2] != K || y->shape[0] != N || y->shape[1] != k ||
+        y->shape[2] != M || k < 1 || k > E || K % block)
+        return GT_FAIL(GT_ERR_SHAPE, "%s: x %s, w %s and ids %s do not fit (N, 1 or k, K), (E, M, K), (N, k <= E), "
+                       "K a multiple of %d", op, gt_shape_str(x, a, sizeof a), gt_shape_str(w, b, sizeof b),
+                       gt_shape_str(ids, c, sizeof c), block);
+    for (int i = 0; i < 3; i++) GT_TRY(gt_check_contig(&node->src[i], op, "an input"));
+    GT_TRY(gt_check_contig(d, op, "dst"));
+    dims[0] = N, dims[1] = X, dims[2] = K, dims[3] = E, dims[4] = M, dims[5] = k;
+    return GT_OK;
+}
+
 #endif

@@ -414,6 +414,81 @@ int gt_causal_conv1d_fwd_f32(const struct gt_node *node, const gt_ctx *ctx);
 int gt_causal_conv1d_input_bwd_f32(const struct gt_node *node, const gt_ctx *ctx);
 int gt_causal_conv1d_weight_bwd_f32(const struct gt_node *node, const gt_ctx *ctx);
 
+/* Mixture-of-experts routing (native/cpu/moe.c; checks.h's gt_moe_route_check):
+ * moe_topk_fwd_i32: src0 logits (..., E) f32 -> dst (..., k) i32, k = ip[0]: each row's k
+ *   largest, largest first (of equal ones the lower index first).
+ * moe_weights_fwd_f32: src0 logits, src1 ids (..., k) i32 -> dst (..., k): softmax(logits)
+ *   at ids, divided by their sum (clamped below at 2^-14) where ip[0] = 1; ip[1] = 1:
+ *   llama.cpp's CPU numbers (ggml_soft_max's exp and sums). wdata: E floats.
+ * moe_weights_bwd_f32: src0 logits, src1 ids, src2 g (..., k) -> dst dlogits (..., E).
+ * An id outside [0, E) is GT_ERR_INVALID. All contiguous. */
+int gt_moe_topk_fwd_i32(const struct gt_node *node, const gt_ctx *ctx);
+int gt_moe_weights_fwd_f32(const struct gt_node *node, const gt_ctx *ctx);
+int gt_moe_weights_fwd_f32_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
+int gt_moe_weights_bwd_f32(const struct gt_node *node, const gt_ctx *ctx);
+int gt_moe_weights_bwd_f32_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
+
+/* The grouped expert product, ggml's mul_mat_id (native/cpu/moe.c; checks.h's
+ * gt_moe_matmul_check): moe_matmul_fwd_f32[_<w>]: src0 x (N, X, K) f32 (X = 1 or k), src1 the
+ * expert weights w (E, M, K) f32 or stored in <w> (whole, contiguous), src2 ids (N, k) i32 ->
+ * dst (N, k, M), y[n, s] = w[ids[n, s]] @ x[n, X == 1 ? 0 : s], each expert's product over
+ * only the tokens routed to it (a stored w through the matmul's row-dot kernel, gt_qdot_rows_,
+ * on the expert's slice). ip[0] = 1: llama.cpp's numbers (f32 and f16 w only).
+ * moe_matmul_input_bwd_f32[_<w>]: src0 w, src1 ids, src2 g (N, k, M) -> dst dx (N, X, K).
+ * moe_matmul_weight_bwd_f32: src0 x, src1 ids, src2 g -> dst dw (E, M, K) (f32 experts).
+ * wdata: the _sizes functions. */
+int gt_moe_matmul_fwd_f32(const struct gt_node *node, const gt_ctx *ctx);
+int gt_moe_matmul_input_bwd_f32(const struct gt_node *node, const gt_ctx *ctx);
+int gt_moe_matmul_weight_bwd_f32(const struct gt_node *node, const gt_ctx *ctx);
+int gt_moe_matmul_fwd_f32_f16(const struct gt_node *node, const gt_ctx *ctx);
+int gt_moe_matmul_fwd_f32_bf16(const struct gt_node *node, const gt_ctx *ctx);
+int gt_moe_matmul_fwd_f32_q4_0(const struct gt_node *node, const gt_ctx *ctx);
+int gt_moe_matmul_fwd_f32_q4_1(const struct gt_node *node, const gt_ctx *ctx);
+int gt_moe_matmul_fwd_f32_q5_0(const struct gt_node *node, const gt_ctx *ctx);
+int gt_moe_matmul_fwd_f32_q5_1(const struct gt_node *node, const gt_ctx *ctx);
+int gt_moe_matmul_fwd_f32_q8_0(const struct gt_node *node, const gt_ctx *ctx);
+int gt_moe_matmul_fwd_f32_q2_k(const struct gt_node *node, const gt_ctx *ctx);
+int gt_moe_matmul_fwd_f32_q3_k(const struct gt_node *node, const gt_ctx *ctx);
+int gt_moe_matmul_fwd_f32_q4_k(const struct gt_node *node, const gt_ctx *ctx);
+int gt_moe_matmul_fwd_f32_q5_k(const struct gt_node *node, const gt_ctx *ctx);
+int gt_moe_matmul_fwd_f32_q6_k(const struct gt_node *node, const gt_ctx *ctx);
+int gt_moe_matmul_input_bwd_f32_f16(const struct gt_node *node, const gt_ctx *ctx);
+int gt_moe_matmul_input_bwd_f32_bf16(const struct gt_node *node, const gt_ctx *ctx);
+int gt_moe_matmul_input_bwd_f32_q4_0(const struct gt_node *node, const gt_ctx *ctx);
+int gt_moe_matmul_input_bwd_f32_q4_1(const struct gt_node *node, const gt_ctx *ctx);
+int gt_moe_matmul_input_bwd_f32_q5_0(const struct gt_node *node, const gt_ctx *ctx);
+int gt_moe_matmul_input_bwd_f32_q5_1(const struct gt_node *node, const gt_ctx *ctx);
+int gt_moe_matmul_input_bwd_f32_q8_0(const struct gt_node *node, const gt_ctx *ctx);
+int gt_moe_matmul_input_bwd_f32_q2_k(const struct gt_node *node, const gt_ctx *ctx);
+int gt_moe_matmul_input_bwd_f32_q3_k(const struct gt_node *node, const gt_ctx *ctx);
+int gt_moe_matmul_input_bwd_f32_q4_k(const struct gt_node *node, const gt_ctx *ctx);
+int gt_moe_matmul_input_bwd_f32_q5_k(const struct gt_node *node, const gt_ctx *ctx);
+int gt_moe_matmul_input_bwd_f32_q6_k(const struct gt_node *node, const gt_ctx *ctx);
+int gt_moe_matmul_fwd_f32_f16_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
+int gt_moe_matmul_fwd_f32_bf16_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
+int gt_moe_matmul_fwd_f32_q4_0_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
+int gt_moe_matmul_fwd_f32_q4_1_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
+int gt_moe_matmul_fwd_f32_q5_0_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
+int gt_moe_matmul_fwd_f32_q5_1_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
+int gt_moe_matmul_fwd_f32_q8_0_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
+int gt_moe_matmul_fwd_f32_q2_k_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
+int gt_moe_matmul_fwd_f32_q3_k_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
+int gt_moe_matmul_fwd_f32_q4_k_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
+int gt_moe_matmul_fwd_f32_q5_k_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
+int gt_moe_matmul_fwd_f32_q6_k_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
+int gt_moe_matmul_input_bwd_f32_f16_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
+int gt_moe_matmul_input_bwd_f32_bf16_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
+int gt_moe_matmul_input_bwd_f32_q4_0_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
+int gt_moe_matmul_input_bwd_f32_q4_1_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
+int gt_moe_matmul_input_bwd_f32_q5_0_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
+int gt_moe_matmul_input_bwd_f32_q5_1_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
+int gt_moe_matmul_input_bwd_f32_q8_0_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
+int gt_moe_matmul_input_bwd_f32_q2_k_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
+int gt_moe_matmul_input_bwd_f32_q3_k_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
+int gt_moe_matmul_input_bwd_f32_q4_k_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
+int gt_moe_matmul_input_bwd_f32_q5_k_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
+int gt_moe_matmul_input_bwd_f32_q6_k_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
+
 /* max_pool2d over NHWC, window and stride ip[0], no padding (floor):
  * src (N, H, W, C) -> dst (N, H/k, W/k, C). max_pool2d_bwd: src0 x, src1 g ->
  * dst dx; the gradient goes to the first maximum of each window (row-major

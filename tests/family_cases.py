@@ -12,7 +12,8 @@ ORACLE: what the float64 oracle needs to know of each family, written from llama
 (its src/models/*.cpp), independently of core/models/families/: NEOX rope (halves rather than
 adjacent pairs), the embedding scaled by sqrt(n_embd), post-attention and post-FFN norms, the
 GeGLU gate, q.k scaled by n_embd / n_head at 62 layers (Gemma 3 27B), layers without rope every
-n-th (smollm3), the final norm's tensor where it is not output_norm (lfm2). What the tensors say (biases, q/k norms, fused qkv, tied output, rope factors)
+n-th (smollm3), the final norm's tensor where it is not output_norm (lfm2), the routed experts'
+gate weights renormalised (qwen3moe). What the tensors say (biases, q/k norms, fused qkv, tied output, rope factors)
 and the config's multipliers and windows the oracle reads from them.
 """
 from __future__ import annotations
@@ -61,6 +62,10 @@ CASES = {
     # longer than LFM2's 3 in the tiny case (its windows of 5-7 tokens), its own output there
     "lfm2": Case(dict(arch="lfm2", layers=3, kv_heads=(2, 0, 0), shortconv_l=4),
                  dict(arch="lfm2", layers=3, kv_heads=(0, 2, 0), tied=True)),
+    # qwen3moe: 8 experts, 2 a token (so some get no token in a window), the gate weights
+    # renormalised; one with expert_feed_forward_length given, one with ff / experts_used
+    "qwen3moe": Case(dict(arch="qwen3moe", head_dim=12, kv_heads=1, experts=8, experts_used=2, expert_ff=20),
+                     dict(arch="qwen3moe", head_dim=32, experts=8, experts_used=2)),
 }
 TINY_CASES = {name: c.tiny for name, c in CASES.items() if c.tiny is not None}
 INTEROP_CASES = {name: c.interop for name, c in CASES.items() if c.interop is not None}
@@ -74,4 +79,5 @@ ORACLE = {
     "smollm3": dict(no_rope_every=4),
     "granite": dict(),
     "lfm2": dict(neox=True, final_norm="token_embd_norm.weight"),
+    "qwen3moe": dict(neox=True, moe_norm=True),
 }

@@ -9,7 +9,8 @@ embedding, post-attention and post-FFN norms, GeGLU (tanh gelu), sliding-window 
 layers with their own rope base, and logit soft-capping; granite's embedding, residual,
 attention and logit multipliers; LFM2's gated short convolution (in_proj to B | C | x,
 B * x convolved causally over time per channel, times C, out_proj) in the layers that have
-its tensors, and its final norm's name. What sets each family apart is its row of
+its tensors, and its final norm's name; routed experts (qwen3moe) where a block has a router.
+What sets each family apart is its row of
 tests/family_cases.py's ORACLE (or what its tensors and config say), never its name here.
 """
 import numpy as np
@@ -52,8 +53,25 @@ def rope(x, pos, n_rot, base, neox=False, scale=1.0, factors=None, mscale=1.0):
     return out
 
 
-def ffn(f, p, q_, facts, gelu):
-    """The gated FFN of normed f: SwiGLU, or GeGLU where the family's facts say."""
+def ffn(f, p, q_, facts, gelu, cfg=None):
+    """The gated FFN of normed f: SwiGLU, or GeGLU where the family's facts say; routed experts
+    where the block has a router (ffn_gate_inp): each token's experts_used experts of largest
+    softmax probability, those probabilities (divided by their sum where the facts say
+    moe_norm) weighting each expert's SwiGLU FFN, summed."""
+    if q_ + "ffn_gate_inp.weight" in p:
+        z = f @ p[q_ + "ffn_gate_inp.weight"].T                       # (..., E)
+        prob = np.exp(z - z.max(-1, keepdims=True))
+        prob /= prob.sum(-1, keepdims=True)
+        top = np.argsort(-prob, axis=-1, kind="stable")[..., :cfg.experts_used]
+        w = np.take_along_axis(prob, top, axis=-1)
+        if facts.get("moe_norm"):
+            w = w / w.sum(-1, keepdims=True)
+        out = np.zeros_like(f)
+        for idx in np.ndindex(f.shape[:-1]):
+            for s, e in enumerate(top[idx]):
+                gate, up = p[q_ + "ffn_gate_exps.weight"][e] @ f[idx], p[q_ + "ffn_up_exps.weight"][e] @ f[idx]
+                out[idx] += w[idx][s] * (p[q_ + "ffn_down_exps.weight"][e] @ (gate / (1 + np.exp(-gate)) * up))
+        return out
     if q_ + "ffn_gate.weight" in p:
         gate, up = f @ p[q_ + "ffn_gate.weight"].T, f @ p[q_ + "ffn_up.weight"].T
     else:                                # phi3: gate | up rows of ffn_up
@@ -140,7 +158,7 @@ def forward(cfg, p, tokens, pos, gelu=gelu_tanh, n_ctx=None):
         if post_norms:
             a = rms_norm(a, p[q_ + "post_attention_norm.weight"], cfg.norm_eps)
         x = x + a * residual
-        f = ffn(rms_norm(x, p[q_ + "ffn_norm.weight"], cfg.norm_eps), p, q_, facts, gelu)
+        f = ffn(rms_norm(x, p[q_ + "ffn_norm.weight"], cfg.norm_eps), p, q_, facts, gelu, cfg)
         if post_norms:
             f = rms_norm(f, p[q_ + "post_ffw_norm.weight"], cfg.norm_eps)
         x = x + f * residual

@@ -80,6 +80,28 @@ def _conv1d_weight_grad(x, g, seg, taps):
                      for i in range(c * taps)]).reshape(c, taps)
 
 
+def _moe_weights_grad(z, ids, g, norm):
+    """d/dz of sum(moe_weights(z, ids) * g), column by column by central differences in float64
+    (the function is smooth in z for fixed ids)."""
+    z = np.asarray(z, np.float64)
+    out, h = np.zeros_like(z), 1e-6
+    for i in np.ndindex(z.shape):
+        e = np.zeros_like(z)
+        e[i] = h
+        out[i] = np.sum((refs.moe_weights(z + e, ids, norm) - refs.moe_weights(z - e, ids, norm)) * g) / (2 * h)
+    return out
+
+
+def _moe_weight_grad(x, ids, g, experts):
+    """dw of sum(moe_matmul(x, w, ids) * g): each routed (n, s) adds the outer product g x."""
+    n, k = ids.shape
+    dw = np.zeros((experts, g.shape[2], x.shape[2]))
+    for i in range(n):
+        for s in range(k):
+            dw[ids[i, s]] += np.outer(g[i, s], x[i, 0 if x.shape[1] == 1 else s])
+    return dw
+
+
 CASES: list = []
 
 
@@ -501,3 +523,37 @@ case("adamw_step", [In((3, 4)), In((3, 4)), In((9,), values=_H_ADAM), In((), 1, 
      lambda p, g, h, n, m, v: _in_place(ops.adamw_step(p, g, h, n, m, v, True)), _adamw_ref, backward=False)
 case("sgd_step", [In((5,)), In((5,)), In((9,), values=_H_SGD), In((), 1, 2), In((5,))],
      lambda p, g, h, n, b: _in_place(ops.sgd_step(p, g, h, n, b, True)), _sgd_ref, backward=False)
+
+# ---- mixture of experts (qwen3moe, olmoe) ----------------------------------------------------------
+# router logits a tenth or more apart (a finite-difference step never changes the selection)
+_ROUTER = _distinct((5, 8)) * 4
+_IDS = np.array([[3, 0], [3, 5], [0, 3], [6, 5], [3, 0]], np.int32)    # experts 1, 2, 4, 7 get no token
+case("moe_topk", [In((5, 8), values=_ROUTER)], lambda z: ops.moe_topk(z, 2), lambda z: refs.moe_topk(z, 2),
+     backward=False)
+case("moe_topk", [In((2, 3, 16))], lambda z: ops.moe_topk(z, 16), lambda z: refs.moe_topk(z, 16), name="all",
+     backward=False)
+for _norm in (True, False):
+    case("moe_weights", [In((5, 8), values=_ROUTER), In((5, 2), values=_IDS)],
+         lambda z, i, n=_norm: ops.moe_weights(z, i, n), lambda z, i, n=_norm: refs.moe_weights(z, i, n),
+         name="norm" if _norm else "raw")
+    # the router as the decoder composes it: the selection from the same logits
+    case("moe_weights", [In((2, 3, 8), values=_distinct((2, 3, 8), seed=3) * 4)],
+         lambda z, n=_norm: ops.moe_weights(z, ops.moe_topk(z, 3), n),
+         lambda z, n=_norm: refs.moe_weights(z, refs.moe_topk(z, 3), n), name="topk-" + ("norm" if _norm else "raw"),
+         ops_covered=("moe_topk",))
+case("moe_weights_bwd", [In((5, 8)), In((5, 2), values=_IDS), In((5, 2))],
+     lambda z, i, g: ops.apply("moe_weights_bwd", [z, i, g], norm=True),
+     lambda z, i, g: _moe_weights_grad(z, i, g, True), backward=False)
+# gate/up (every slot reads the token's row) and down (slot s reads its own row)
+case("moe_matmul", [In((5, 1, 6)), In((8, 7, 6)), In((5, 2), values=_IDS)], ops.moe_matmul, refs.moe_matmul,
+     name="shared-row")
+case("moe_matmul", [In((5, 2, 7)), In((8, 6, 7)), In((5, 2), values=_IDS)], ops.moe_matmul, refs.moe_matmul,
+     name="slot-rows")
+case("moe_matmul", [In((3, 1, 70)), In((4, 33, 70)), In((3, 4), values=np.array([[1, 0, 3, 2]] * 3, np.int32))],
+     ops.moe_matmul, refs.moe_matmul, name="all-experts")
+case("moe_matmul_input_bwd", [In((8, 7, 6)), In((5, 2), values=_IDS), In((5, 2, 7))],
+     lambda w, i, g: ops.apply("moe_matmul_input_bwd", [w, i, g], x_shape=(5, 1, 6)),
+     lambda w, i, g: np.einsum("nsm,nsmk->nk", g, w[i])[:, None], backward=False)
+case("moe_matmul_weight_bwd", [In((5, 2, 7)), In((5, 2), values=_IDS), In((5, 2, 6))],
+     lambda x, i, g: ops.apply("moe_matmul_weight_bwd", [x, i, g], w_shape=(8, 6, 7)),
+     lambda x, i, g: _moe_weight_grad(x, i, g, 8), backward=False)

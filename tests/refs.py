@@ -755,3 +755,32 @@ def causal_conv1d(x, w, seg=None):
             keep = np.ones(b) if seg is None else (seg[:, s] == seg[:, i]).astype(np.float64)
             y[:, i] += keep[:, None] * x[:, s] * w[:, k]
     return y
+
+
+# ---- mixture of experts --------------------------------------------------------------------------
+
+
+def moe_topk(z, k):
+    """The ids of the k largest of each row of z, largest first (a stable sort: of equal values
+    the lower index first)."""
+    return np.argsort(-_f64(z), axis=-1, kind="stable")[..., :k].astype(np.int32)
+
+
+def moe_weights(z, ids, norm):
+    """softmax(z)[ids] over the last dim, divided by its sum over the k (clamped at 2^-14) when norm."""
+    z = _f64(z)
+    p = np.exp(z - z.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    w = np.take_along_axis(p, np.asarray(ids, np.int64), axis=-1)
+    return w / np.maximum(w.sum(-1, keepdims=True), 2.0 ** -14) if norm else w
+
+
+def moe_matmul(x, w, ids):
+    """y[n, s] = w[ids[n, s]] @ x[n, 0 or s] (x (N, 1 or k, K), w (E, M, K), ids (N, k))."""
+    x, w = _f64(x), _f64(w)
+    n, k = ids.shape
+    y = np.zeros((n, k, w.shape[1]))
+    for i in range(n):
+        for s in range(k):
+            y[i, s] = w[ids[i, s]] @ x[i, 0 if x.shape[1] == 1 else s]
+    return y

@@ -88,6 +88,10 @@ def write_with_gguf_py(path, cfg: ModelConfig, weights: dict, tok) -> None:
         w.add_sliding_window(16)
     if cfg.arch == "lfm2":
         w.add_shortconv_l_cache(cfg.shortconv_l)
+    if cfg.experts:       # the converter writes all three (Qwen3MoE's config has moe_intermediate_size)
+        w.add_expert_count(cfg.experts)
+        w.add_expert_used_count(cfg.experts_used)
+        w.add_expert_feed_forward_length(cfg.expert_ff)
     if cfg.rope_long:
         w.add_rope_scaling_type(gguf.RopeScalingType.LONGROPE)
         w.add_rope_scaling_orig_ctx_len(cfg.rope_orig_ctx)

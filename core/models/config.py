@@ -49,7 +49,10 @@ class ModelConfig:
     logit_scale. kv_heads: one count for every layer, or a tuple of one per layer (a file's
     array; 0 where a layer has no attention, LFM2's short-convolution layers); at(name, i)
     reads a per-layer field's value at layer i. shortconv_l: the taps of LFM2's short
-    convolution (shortconv.l_cache; 0: the family's default where it has one).
+    convolution (shortconv.l_cache; 0: the family's default where it has one). experts,
+    experts_used: the routed experts of each block's FFN and how many each token takes
+    (expert_count, expert_used_count); expert_ff: an expert's hidden size
+    (expert_feed_forward_length; 0: ff / experts_used, as llama.cpp reads a file without it).
     """
 
     vocab: int
@@ -79,6 +82,9 @@ class ModelConfig:
     attn_scale: float = 0.0
     logit_scale: float = 1.0
     shortconv_l: int = 0
+    experts: int = 0
+    experts_used: int = 0
+    expert_ff: int = 0
 
     def __post_init__(self):
         fam = family(self.arch)
@@ -142,6 +148,8 @@ class ModelConfig:
                 object.__setattr__(self, "shortconv_l", taps.unset)
             if self.shortconv_l < 2:    # llama.cpp keeps l_cache - 1 >= 1 columns of state
                 raise ConfigError(f"{self.arch}: {taps.key} must be >= 2, got {self.shortconv_l}")
+        if "experts" in fam.all_keys:
+            self._experts(fam)
         for i in range(self.layers):
             kv, attention = self.at("kv_heads", i), fam.layer_kinds(self, i)[0] == "attention"
             if attention and kv < 1:
@@ -150,6 +158,23 @@ class ModelConfig:
                 raise ConfigError(f"{self.arch}: heads {self.heads} is not a multiple of kv_heads {kv} (layer {i})")
             if not attention and kv:
                 raise ConfigError(f"{self.arch}: layer {i} has no attention but {kv} KV heads")
+
+    def _experts(self, fam: Family) -> None:
+        """1 <= experts_used <= experts (naming the keys; 0: the family's default, a model built
+        from scratch), expert_ff resolved."""
+        keys = fam.all_keys
+        for name in ("experts", "experts_used"):
+            if getattr(self, name) == 0:
+                object.__setattr__(self, name, keys[name].unset)
+        n, used = f"{self.arch}.{keys['experts'].key}", f"{self.arch}.{keys['experts_used'].key}"
+        if self.experts < 1 or self.experts_used < 1:
+            raise ConfigError(f"{self.arch}: {n} = {self.experts} and {used} = {self.experts_used} must be >= 1")
+        if self.experts_used > self.experts:
+            raise ConfigError(f"{self.arch}: {used} = {self.experts_used} exceeds {n} = {self.experts}")
+        if not self.expert_ff:
+            object.__setattr__(self, "expert_ff", self.ff // self.experts_used)
+        if self.expert_ff < 1:
+            raise ConfigError(f"{self.arch}: {self.arch}.{keys['expert_ff'].key} must be >= 1, got {self.expert_ff}")
 
     def at(self, name: str, layer: int):
         """A per-layer field's value at `layer` (the field itself where it is one value)."""
@@ -204,12 +229,13 @@ def trainable(name: str) -> bool:
 
 
 # the projections that write into the residual stream
-_RESIDUAL_WRITERS = ("attn_output.weight", "ffn_down.weight", "shortconv.out_proj.weight")
+_RESIDUAL_WRITERS = ("attn_output.weight", "ffn_down.weight", "shortconv.out_proj.weight", "ffn_down_exps.weight")
 
 
 def init_params(cfg: ModelConfig, seed: int = 0, std: float = 0.02) -> dict:
     """Initialisation for training from scratch: N(0, std^2) for matrices, with the
-    projections that write into the residual stream (attn_output, ffn_down, out_proj) scaled by
+    projections that write into the residual stream (attn_output, ffn_down, out_proj, the
+    experts' down) scaled by
     1/sqrt(2 L) as in GPT-2; ones for the RMSNorm weights (and rope factors), zeros for
     biases. {name: float32 array}."""
     rng = np.random.default_rng(seed)

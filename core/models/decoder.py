@@ -7,7 +7,7 @@ The layers a block builds are the family's choice (Family.layer_kinds), looked u
 MIXERS and FFNS, never branches on a family's name: today every mixer is "attention" (q/k/v
 projections, + biases (qwen2), per-head RMSNorm of q and k (qwen3), rope (adjacent pairs or
 NEOX halves, llama 3's frequency factors, linear scaling), grouped KV heads, causal, 1/sqrt(D)
-scale) and every FFN "glu" (SwiGLU or GeGLU); recurrent mixers and expert FFNs are new rows.
+scale) or "shortconv" (LFM2), and every FFN "glu" (SwiGLU or GeGLU) or "moe" (routed experts).
 
 What a graph is built from is explicit: a Net (config, parameter tensors, LoRA adapters and
 the numerics it computes in), an Inputs record (token ids, positions, packed segments, the
@@ -254,10 +254,38 @@ def shortconv(net: Net, x, layer: int, inp: Inputs, opt: Options, keep: Callable
     return linear(net, ops.mul(gate_c, conv), p + "shortconv.out_proj.weight")
 
 
+def moe(net: Net, x, layer: int):
+    """The routed-expert FFN of x (B, T, C), llama.cpp's build_moe_ffn with softmax gating: the
+    router's logits (ffn_gate_inp, one an expert), each token's experts_used largest
+    (ops.moe_topk), their softmax probabilities as gate weights (divided by their sum where the
+    family says: Family.moe_norm); each chosen expert's SwiGLU FFN over only its tokens
+    (ops.moe_matmul on the stacked ffn_gate/up/down_exps), scaled by its weight, the k summed
+    in slot order (as llama.cpp adds its views)."""
+    cfg = net.cfg
+    p = f"blk.{layer}."
+    b, t, c = x.shape
+    k = cfg.experts_used
+    numerics = net.numerics
+    logits = linear(net, x, p + "ffn_gate_inp.weight")                                   # (B, T, E)
+    ids = ops.reshape(ops.moe_topk(logits, k), (b * t, k))
+    weights = ops.reshape(ops.moe_weights(logits, ops.reshape(ids, (b, t, k)), cfg.family.moe_norm, numerics),
+                          (b * t, k, 1))
+    xs = ops.reshape(x, (b * t, 1, c))
+    gate = ops.moe_matmul(xs, net.params[p + "ffn_gate_exps.weight"], ids, numerics)      # (N, k, F)
+    up = ops.moe_matmul(xs, net.params[p + "ffn_up_exps.weight"], ids, numerics)
+    act = ops.swiglu_ggml(gate, up) if net.llama else ops.swiglu(gate, up)
+    down = ops.mul(ops.moe_matmul(act, net.params[p + "ffn_down_exps.weight"], ids, numerics), weights)  # (N, k, C)
+    out = None
+    for s in range(k):
+        part = ops.view(down, (b * t, c), (k * c, 1), s * c)
+        out = part if out is None else ops.add(out, part)
+    return ops.reshape(out if k > 1 else ops.cont(out), (b, t, c))
+
+
 # the mixers and FFNs a family's layer_kinds may name: mixer(net, x, layer, inputs, options,
 # keep) and ffn(net, x, layer), each (B, T, C) -> (B, T, C)
 MIXERS = {"attention": attention, "shortconv": shortconv}
-FFNS = {"glu": glu}
+FFNS = {"glu": glu, "moe": moe}
 # what incremental decoding keeps of each mixer's layer: (cfg, layer, n_ctx) -> the shapes of
 # its persistent tensors (Inputs.cache), and the mixers whose cache is a recurrent state
 # (zeros before the first token; it cannot be cut back to an earlier position)

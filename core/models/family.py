@@ -79,6 +79,13 @@ BLOCK_SHAPES = {
     "shortconv.in_proj.weight": lambda c, i: (3 * c.dim, c.dim),
     "shortconv.conv.weight": lambda c, i: (c.dim, c.shortconv_l),
     "shortconv.out_proj.weight": lambda c, i: (c.dim, c.dim),
+    # routed experts (qwen3moe, olmoe): the router (one logit an expert) and each expert's
+    # gate, up and down matrices stacked, ggml's {n_embd, n_ff_exp, n_expert} and
+    # {n_ff_exp, n_embd, n_expert}
+    "ffn_gate_inp.weight": lambda c, i: (c.experts, c.dim),
+    "ffn_gate_exps.weight": lambda c, i: (c.experts, c.expert_ff, c.dim),
+    "ffn_up_exps.weight": lambda c, i: (c.experts, c.expert_ff, c.dim),
+    "ffn_down_exps.weight": lambda c, i: (c.experts, c.dim, c.expert_ff),
 }
 # block tensors stored under another name than their table entry
 STORED_AS = {"ffn_gate_up.weight": "ffn_up.weight"}
@@ -138,6 +145,8 @@ class Family:
     answers for both. mixer_tensors: {mixer: the block tensors only its layers have} where
     layers differ (block lists them all; block_of(cfg, i) gives layer i's).
     output_norm: the final norm's tensor (LFM2 names it token_embd_norm).
+    moe_norm: the "moe" FFN divides its k gate weights by their sum (llama.cpp's norm_w, which
+    each family's graph fixes: qwen3moe true, olmoe false).
     scratch_kv_heads: (layers, kv_heads) -> the per-layer KV heads of a model built from
     scratch with one count given, where the family mixes layers by them (None: that count
     in every layer).
@@ -163,6 +172,7 @@ class Family:
     mixer_tensors: dict = field(default_factory=dict)
     output_norm: str = OUTPUT_NORM
     scratch_kv_heads: Callable | None = None
+    moe_norm: bool = False
 
     def __post_init__(self):
         unknown = [n for n in self.block if n not in BLOCK_SHAPES]

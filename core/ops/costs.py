@@ -21,12 +21,16 @@ def product_flops(t: Tensor) -> int:
     two), or those inside fused attention (forward: q k^T and p v; backward: q k^T again and
     four more) over the (query, key) pairs its mask lets through; a position or segment mask
     counts as causal, a bound; or conv2d's (forward, and each gradient: the same count); or
+    moe_matmul's (each token's k expert products, and each gradient the same count), or
     linear_cross_entropy's (the logits, and with grad their product with the matrix again;
     every row counted, a bound: the kernel skips ignored rows after the last counted one,
     see row_flops).
     0 for other ops."""
     if t.op == "matmul":
         return 2 * t.size * t.srcs[0].shape[-1]
+    if t.op in ("moe_matmul", "moe_matmul_input_bwd", "moe_matmul_weight_bwd"):   # the routed rows' products
+        y = t.srcs[2] if t.op != "moe_matmul" else t
+        return 2 * y.size * (t.srcs[0].shape[-1] if t.op != "moe_matmul_input_bwd" else t.shape[-1])
     if t.op == "matmul_lora":       # the frozen product and the adapter's
         return 2 * t.size * (t.srcs[0].shape[-1] + t.srcs[2].shape[-1])
     if t.op == "linear_cross_entropy":

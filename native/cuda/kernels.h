@@ -18,6 +18,18 @@
     X(max_pool2d_fwd_f32) X(max_pool2d_bwd_f32) X(im2col_fwd_f32) X(im2col_bwd_f32)           \
     S(attention_fwd_f32) S(attention_bwd_f32)                                                  \
     X(conv2d_fwd_f32) S(conv2d_weight_bwd_f32) S(conv2d_input_bwd_f32)                         \
+    X(moe_topk_fwd_i32) X(moe_weights_fwd_f32) X(moe_weights_bwd_f32)                          \
+    X(moe_matmul_fwd_f32) X(moe_matmul_input_bwd_f32) X(moe_matmul_weight_bwd_f32)             \
+    S(moe_matmul_fwd_f32_f16) S(moe_matmul_fwd_f32_bf16) S(moe_matmul_fwd_f32_q4_0)            \
+    S(moe_matmul_fwd_f32_q4_1) S(moe_matmul_fwd_f32_q5_0) S(moe_matmul_fwd_f32_q5_1)           \
+    S(moe_matmul_fwd_f32_q8_0) S(moe_matmul_fwd_f32_q2_k) S(moe_matmul_fwd_f32_q3_k)           \
+    S(moe_matmul_fwd_f32_q4_k) S(moe_matmul_fwd_f32_q5_k) S(moe_matmul_fwd_f32_q6_k)           \
+    S(moe_matmul_input_bwd_f32_f16) S(moe_matmul_input_bwd_f32_bf16)                           \
+    S(moe_matmul_input_bwd_f32_q4_0) S(moe_matmul_input_bwd_f32_q4_1)                          \
+    S(moe_matmul_input_bwd_f32_q5_0) S(moe_matmul_input_bwd_f32_q5_1)                          \
+    S(moe_matmul_input_bwd_f32_q8_0) S(moe_matmul_input_bwd_f32_q2_k)                          \
+    S(moe_matmul_input_bwd_f32_q3_k) S(moe_matmul_input_bwd_f32_q4_k)                          \
+    S(moe_matmul_input_bwd_f32_q5_k) S(moe_matmul_input_bwd_f32_q6_k)                          \
     X(causal_conv1d_fwd_f32) X(causal_conv1d_input_bwd_f32) X(causal_conv1d_weight_bwd_f32)    \
     S(matmul_fwd_f32)                                                                          \
     S(matmul_fwd_f32_f16) S(matmul_fwd_f32_bf16) S(matmul_fwd_f32_q4_0) S(matmul_fwd_f32_q4_1) \

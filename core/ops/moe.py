@@ -1,0 +1,145 @@
+"""Mixture-of-experts ops (layer 3): the router's top-k selection (moe_topk), the gate weights of
+the selected experts (moe_weights) and the grouped expert product (moe_matmul, ggml's
+mul_mat_id), as llama.cpp's build_moe_ffn computes them."""
+from __future__ import annotations
+
+from ggtrain.core.numerics import EXACT, check_numerics
+from ggtrain.core.ops.registry import (OpDef, _WEIGHT_VARIANTS, _f32, _llama, _need, _no_llama_gradient,
+                                       _weight_suffix, apply, register)
+from ggtrain.core.tensor import Tensor
+from ggtrain.errors import DTypeError
+from ggtrain.native.dtypes import WEIGHT_TYPES
+
+
+# ---- routing ----------------------------------------------------------------------------------
+
+
+def moe_topk(logits: Tensor, k: int) -> Tensor:
+    """The ids of the k largest of logits (..., E) along the last dim, largest first (of equal
+    ones the lower index first): (..., k) i32, llama.cpp's argsort_top_k. No gradient (the
+    selection is piecewise constant)."""
+    return apply("moe_topk", [logits], k=int(k))
+
+
+def _infer_topk(srcs, params):
+    z, k = srcs[0], params["k"]
+    _f32("moe_topk", z)
+    _need(z.ndim >= 1 and 1 <= k <= z.shape[-1], f"moe_topk: k = {k} of logits {z.shape} (1 <= k <= experts)")
+    return z.shape[:-1] + (k,), "i32"
+
+
+register(OpDef("moe_topk", _infer_topk, "moe_topk_fwd", contiguous=(0,), differentiable=(), dtypes=("i32",),
+               lower=lambda y: ((y.params["k"],), ())))
+
+
+def moe_weights(logits: Tensor, ids: Tensor, norm: bool, numerics: str = EXACT) -> Tensor:
+    """The gate weights of the selected experts: softmax(logits)[..., ids] (..., k), divided by
+    their sum over the k (clamped below at 2^-14, as llama.cpp does) when norm. logits (..., E)
+    f32, ids (..., k) i32 (moe_topk's). The gradient flows to the logits through the softmax
+    and the renormalisation; none to ids. numerics LLAMA: llama.cpp's CPU numbers (its
+    soft_max's exp and sums; inference only)."""
+    return apply("moe_weights", [logits, ids], norm=bool(norm), numerics=check_numerics(numerics))
+
+
+def _infer_weights(name):
+    def infer(srcs, params):
+        z, ids = srcs[0], srcs[1]
+        _f32(name, z)
+        if ids.dtype != "i32":
+            raise DTypeError(f"{name}: expert ids must be i32, got {ids.dtype}")
+        _need(z.ndim >= 1 and ids.shape[:-1] == z.shape[:-1] and 1 <= ids.shape[-1] <= z.shape[-1],
+              f"{name}: ids {ids.shape} do not select from logits {z.shape}")
+        if name == "moe_weights_bwd":
+            _f32(name, srcs[2])
+            _need(srcs[2].shape == ids.shape, f"{name}: g {srcs[2].shape} does not match ids {ids.shape}")
+            return z.shape, "f32"
+        return ids.shape, "f32"
+    return infer
+
+
+def _weights_bwd(y, g):
+    _no_llama_gradient(y, "moe_weights")
+    z, ids = y.srcs
+    return [apply("moe_weights_bwd", [z, ids, g], norm=y.params["norm"]), None]
+
+
+register(OpDef("moe_weights", _infer_weights("moe_weights"), "moe_weights_fwd", contiguous=(0, 1),
+               differentiable=(0,), backward=_weights_bwd,
+               lower=lambda y: ((int(y.params["norm"]), _llama(y)), ())))
+register(OpDef("moe_weights_bwd", _infer_weights("moe_weights_bwd"), "moe_weights_bwd", contiguous=(0, 1, 2),
+               lower=lambda y: ((int(y.params["norm"]),), ())))
+
+
+# ---- the grouped expert product -----------------------------------------------------------------
+
+
+def moe_matmul(x: Tensor, w: Tensor, ids: Tensor, numerics: str = EXACT) -> Tensor:
+    """ggml's mul_mat_id: y[n, s] = w[ids[n, s]] @ x[n, 0 or s] (N, k, M), each expert's
+    product over only the tokens routed to it. x (N, X, K) f32 with X = 1 (every slot reads the
+    token's row: the gate and up products) or X = k (slot s reads its own row: the down
+    product); w (E, M, K) the experts' weights (a GGUF file's ffn_*_exps), f32 or frozen in a
+    stored type (f16, bf16, Q4_0 ... Q6_K: each expert's slice through the matmul's row-dot
+    kernel); ids (N, k) i32. Gradients to x (any w) and to an f32 w. numerics LLAMA: llama.cpp's
+    CPU float order (f32 and f16 experts; inference only)."""
+    return apply("moe_matmul", [x, w, ids], numerics=check_numerics(numerics))
+
+
+def _check_experts(op: str, w: Tensor) -> None:
+    """Expert weights (E, M, K): f32, or a whole stored tensor of a weight type, frozen."""
+    _need(w.ndim == 3, f"{op}: expert weights must be (experts, rows, K), got {w.shape}")
+    if w.dtype == "f32":
+        return
+    _need(w.dtype in WEIGHT_TYPES, f"{op}: no kernel reads {w.dtype} tensors ({w!r})", DTypeError)
+    _need(not w.requires_grad, f"{op}: a {w.dtype} weight is frozen storage; train an f32 copy instead ({w!r})",
+          DTypeError)
+    _need(w.offset == 0 and w.root is w and w.is_contiguous(),
+          f"{op}: {w.dtype} expert weights must be a whole stored tensor, got {w!r}")
+
+
+def _infer_moe_matmul(name):
+    def infer(srcs, params):
+        if name == "moe_matmul_input_bwd":
+            w, ids, g = srcs
+            x_shape = params["x_shape"]
+        else:
+            x, w_or_ids = srcs[0], srcs[1]
+            _f32(name, x)
+            x_shape = x.shape
+            w, ids = (srcs[1], srcs[2]) if name == "moe_matmul" else (None, srcs[1])
+            g = srcs[2] if name == "moe_matmul_weight_bwd" else None
+            del w_or_ids
+        w_shape = w.shape if w is not None else params["w_shape"]
+        if w is not None:
+            _check_experts(name, w)
+        if ids.dtype != "i32":
+            raise DTypeError(f"{name}: expert ids must be i32, got {ids.dtype}")
+        _need(len(x_shape) == 3 and len(w_shape) == 3 and ids.ndim == 2 and x_shape[0] == ids.shape[0]
+              and x_shape[1] in (1, ids.shape[1]) and w_shape[2] == x_shape[2] and 1 <= ids.shape[1] <= w_shape[0],
+              f"{name}: x {tuple(x_shape)}, experts {tuple(w_shape)} and ids {ids.shape} do not fit (N, 1 or k, K), "
+              f"(E, M, K), (N, k <= E)")
+        out = (ids.shape[0], ids.shape[1], w_shape[1])
+        if g is not None:
+            _f32(name, g)
+            _need(g.shape == out, f"{name}: g {g.shape} does not match the product {out}")
+        return {"moe_matmul": out, "moe_matmul_input_bwd": tuple(x_shape),
+                "moe_matmul_weight_bwd": tuple(w_shape)}[name], "f32"
+    return infer
+
+
+def _moe_matmul_bwd(y, g):
+    _no_llama_gradient(y, "moe_matmul")
+    x, w, ids = y.srcs
+    gx = apply("moe_matmul_input_bwd", [w, ids, g], x_shape=x.shape) if x.requires_grad else None
+    gw = apply("moe_matmul_weight_bwd", [x, ids, g], w_shape=w.shape) if w.requires_grad else None
+    return [gx, gw, None]
+
+
+register(OpDef("moe_matmul", _infer_moe_matmul("moe_matmul"), "moe_matmul_fwd", contiguous=(0, 1, 2),
+               differentiable=(0, 1), backward=_moe_matmul_bwd, dtypes=_WEIGHT_VARIANTS,
+               suffix=lambda y: _weight_suffix(y.srcs[1]), lower=lambda y: ((_llama(y),), ())))
+register(OpDef("moe_matmul_input_bwd", _infer_moe_matmul("moe_matmul_input_bwd"), "moe_matmul_input_bwd",
+               contiguous=(0, 1, 2), dtypes=_WEIGHT_VARIANTS, suffix=lambda y: _weight_suffix(y.srcs[0])))
+register(OpDef("moe_matmul_weight_bwd", _infer_moe_matmul("moe_matmul_weight_bwd"), "moe_matmul_weight_bwd",
+               contiguous=(0, 1, 2)))
+
+__all__ = ["moe_topk", "moe_weights", "moe_matmul"]
