@@ -41,7 +41,10 @@ def _block(family) -> str:
     out = [] if family.layers is None and family.mixer == "attention" else ["layer kinds per layer"]
     out.append("NEOX rope" if family.rope_mode == "neox" else "rope")
     out += [words(family) if callable(words) else words for has, words in _FEATURES if has(family)]
-    out.append({"silu": "SwiGLU", "gelu": "GeGLU"}[family.act] + (" (fused gate-up)" if family.fused_gate_up else ""))
+    act = {"silu": "SwiGLU", "gelu": "GeGLU"}[family.act] + (" (fused gate-up)" if family.fused_gate_up else "")
+    if family.ffn == "moe":
+        act = f"routed {act} experts (top-k of a softmax router, weights {'' if family.moe_norm else 'not '}renormalised)"
+    out.append(act)
     return ", ".join(out)
 
 

@@ -45,7 +45,7 @@ def open_model(path, backend, file: GGUFFile | None = None) -> tuple:
             raise FormatError(f"{f.path}: tensor {name!r} is stored as {info.type.name}, a type ggtrain "
                               f"cannot compute with (it reads {readable})")
     direct = [n for n, shape in layout.shapes.items()
-              if len(shape) == 2 or dtype(int(f.tensors[n].type)).name == "f32"]
+              if len(shape) >= 2 or dtype(int(f.tensors[n].type)).name == "f32"]
     loaded = f.load_tensors(direct, backend)
     weights = {}
     for name, shape in layout.shapes.items():

@@ -111,6 +111,9 @@ def _infer_moe_matmul(name):
         w_shape = w.shape if w is not None else params["w_shape"]
         if w is not None:
             _check_experts(name, w)
+            _need(params.get("numerics", EXACT) == EXACT or w.dtype in ("f32", "f16"),
+                  f"{name}: llama.cpp's numbers (numerics llama) for {w.dtype} experts are not implemented (f32 "
+                  f"and f16 ones are)", DTypeError)
         if ids.dtype != "i32":
             raise DTypeError(f"{name}: expert ids must be i32, got {ids.dtype}")
         _need(len(x_shape) == 3 and len(w_shape) == 3 and ids.ndim == 2 and x_shape[0] == ids.shape[0]

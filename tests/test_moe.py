@@ -1,0 +1,200 @@
+"""Routed experts beyond the op table and the family table (tests/family_cases.py runs qwen3moe
+against llama.cpp and the float64 oracle): stored expert weights through the matmul's own
+row-dot kernel, a quantized MoE file against llama.cpp, LoRA that keeps the experts frozen,
+a full fine-tune that trains them, bad files refused in one line."""
+import gguf
+import numpy as np
+import pytest
+
+from ggtrain.core import ops
+from ggtrain.core.autograd import backward
+from ggtrain.core.backend_cpu import CpuBackend
+from ggtrain.core.graph import Graph, Runtime
+from ggtrain.core.models.config import ModelConfig
+from ggtrain.errors import ConfigError, DTypeError
+from ggtrain.formats.gguf import dequantize, quantize, read_gguf
+from ggtrain.formats.model_file import load_model, save_model
+from ggtrain.formats.tokenizer import ByteTokenizer
+from tests import refs
+from tests.family_cases import BASE, INTEROP_CASES
+from tests.interop import open_llm, run_cli
+from tests.test_decoder import family_params
+from tests.test_families import TEXT, _eval_cli, _their_nll, write_with_gguf_py
+
+# 8 experts, 2 a token; experts 1 and 6 get no token
+IDS = np.array([[3, 0], [3, 5], [0, 2], [7, 5], [4, 0], [2, 7]], np.int32)
+
+
+def _stored(w, wtype):
+    """(what Graph.param takes for w stored as wtype, the f32 values it then holds)."""
+    if wtype == "f16":
+        return w.astype(np.float16), w.astype(np.float16).astype(np.float32)
+    raw = quantize(w.reshape(-1, w.shape[-1]), wtype)
+    return raw, dequantize(raw, wtype, w.shape)
+
+
+def _run(g, outs, threads=2):
+    rt = Runtime(g, CpuBackend(threads))
+    plan = rt.compile(outs)
+    rt.run(plan)
+    return [plan.read(o) for o in outs]
+
+
+@pytest.mark.parametrize("wtype", ["f16", "q8_0", "q4_0", "q4_k"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_stored_experts_are_each_experts_own_matmul(wtype, threads):
+    """moe_matmul over stored experts gives, for each expert, the bits of ops.matmul of the rows
+    routed to it by that expert's slice stored alone (the same row-dot kernel); and the
+    gradient to x equals the float64 one over the dequantized experts."""
+    rng = np.random.default_rng(0)
+    n, k, e, m, kk = IDS.shape[0], IDS.shape[1], 8, 40, 256
+    x = rng.normal(size=(n, 1, kk)).astype(np.float32)
+    w = rng.normal(size=(e, m, kk)).astype(np.float32)
+    raw, deq = _stored(w, wtype)
+    g = Graph()
+    xt = g.param(x.shape, x)
+    wt = g.param(w.shape, raw, trainable=False, dtype=wtype)
+    ids = g.const(IDS, dtype="i32")
+    y = ops.moe_matmul(xt, wt, ids)
+    gy = rng.normal(size=(n, k, m)).astype(np.float32)
+    loss = ops.sum(ops.mul(y, g.const(gy)))
+    dx = backward(loss, [xt], checkpointing=False)[xt]
+    got, got_dx = _run(g, [y, dx], threads)
+    for ex in range(e):
+        rows = [(i, s) for i in range(n) for s in range(k) if IDS[i, s] == ex]
+        if not rows:
+            continue
+        g2 = Graph()
+        xe = g2.const(np.stack([x[i, 0] for i, _ in rows]))
+        we = g2.param((m, kk), _stored(w[ex], wtype)[0], trainable=False, dtype=wtype)
+        want = _run(g2, [ops.matmul(xe, ops.transpose(we, 0, 1))], threads)[0]
+        np.testing.assert_array_equal(np.stack([got[i, s] for i, s in rows]), want)
+    np.testing.assert_allclose(got, refs.moe_matmul(x, deq, IDS), rtol=1e-4, atol=1e-3)
+    want_dx = np.einsum("nsm,nsmk->nk", gy.astype(np.float64), deq[IDS].astype(np.float64))[:, None]
+    np.testing.assert_allclose(got_dx, want_dx, rtol=1e-4, atol=1e-3)
+
+
+def test_llama_numbers_of_quantized_experts_are_refused_by_name():
+    g = Graph()
+    w = g.param((8, 32, 32), quantize(np.ones((256, 32), np.float32), "q8_0"), trainable=False, dtype="q8_0")
+    x, ids = g.input((3, 1, 32)), g.const(IDS[:3], dtype="i32")
+    with pytest.raises(DTypeError, match="numerics llama.*q8_0 experts are not implemented"):
+        ops.moe_matmul(x, w, ids, numerics="llama")
+
+
+def _model(tmp_path, name="m.gguf", **over):
+    tok = ByteTokenizer()
+    cfg = ModelConfig(vocab=tok.n_vocab, **{**BASE, **INTEROP_CASES["qwen3moe"], **over})
+    weights = family_params(cfg, seed=3, std=0.3)
+    path = tmp_path / name
+    write_with_gguf_py(path, cfg, weights, tok)
+    return path, cfg, weights, tok
+
+
+def test_quantized_moe_file_is_llama_cpps_model(llama, tmp_path):
+    """Our writer's Q8_0 qwen3moe (experts Q8_0, the down experts' rows of 48 in F16, the router
+    F32 as llama.cpp's quantizer keeps it): the stored experts stay stored, and ggtrain eval's
+    NLL is llama.cpp's within what its 8-bit activations move it."""
+    path, cfg, weights, tok = _model(tmp_path)
+    q8 = tmp_path / "q8.gguf"
+    save_model(q8, vars(cfg), weights, tok, out_type="q8_0")
+    types = {n: t.type.name for n, t in read_gguf(q8).tensors.items()}
+    assert types["blk.0.ffn_up_exps.weight"] == "Q8_0" and types["blk.1.ffn_down_exps.weight"] == "F16"
+    assert types["blk.0.ffn_gate_inp.weight"] == "F32"
+    data = tmp_path / "t.txt"
+    data.write_text(TEXT)
+    ids = tok.encode(TEXT, add_bos=tok.add_bos)
+    theirs = _their_nll(open_llm(llama, q8), ids)[1]
+    exact = _their_nll(open_llm(llama, path), ids)[1]
+    ours = _eval_cli(q8, data)["nll"]
+    assert abs(ours - theirs) < 0.02 and abs(theirs - exact) > 1e-4      # quantized, and ours is its model
+
+
+def test_lora_on_quantized_experts_trains_attention_and_router_only(llama, tmp_path):
+    """finetune (LoRA) on a model whose experts are Q8_0: the gradient flows back through the
+    frozen stored experts; the adapter holds the attention's and the router's factors only, and
+    llama.cpp applies it as ggtrain does."""
+    path, cfg, weights, tok = _model(tmp_path)
+    q8 = tmp_path / "q8.gguf"
+    save_model(q8, vars(cfg), weights, tok, out_type="q8_0")
+    data = tmp_path / "t.txt"
+    data.write_text(TEXT * 8)
+    adapter = tmp_path / "a.gguf"
+    r = run_cli("finetune", "--model", q8, "--data", data, "--out", adapter, "--steps", 4, "--ctx", 32, "--batch", 2,
+                "--lr", 3e-2, "--warmup", 0, "--val-split", 0, "--threads", 2, "--quiet")
+    assert r.returncode == 0, r.stderr
+    names = {t for t in read_gguf(adapter).tensors}
+    assert {n.split(".")[2] for n in names} == {"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate_inp"}
+    ids = tok.encode(TEXT, add_bos=tok.add_bos)
+    base = _their_nll(open_llm(llama, q8), ids)[1]
+    theirs = _their_nll(open_llm(llama, q8, lora=adapter), ids)[1]
+    probe = tmp_path / "p.txt"
+    probe.write_text(TEXT)
+    assert abs(theirs - base) > 0.01
+    assert abs(_eval_cli(q8, probe, "--lora", adapter)["nll"] - theirs) < 0.02
+
+
+def test_full_finetune_trains_the_experts_and_router(llama, tmp_path):
+    """finetune --full: every expert a token reached moves (and the router), experts no token
+    reached do not; llama.cpp's NLL of the written model is ggtrain eval's."""
+    path, cfg, weights, tok = _model(tmp_path)
+    data = tmp_path / "t.txt"
+    data.write_text(TEXT * 8)
+    out = tmp_path / "full.gguf"
+    r = run_cli("finetune", "--model", path, "--data", data, "--out", out, "--full", "--steps", 2, "--ctx", 32,
+                "--batch", 2, "--lr", 1e-3, "--warmup", 0, "--val-split", 0, "--threads", 2, "--quiet")
+    assert r.returncode == 0, r.stderr
+    _, trained, _ = load_model(out)
+    for name in ("blk.0.ffn_gate_inp.weight", "blk.1.ffn_down_exps.weight", "blk.0.ffn_up_exps.weight"):
+        assert not np.array_equal(trained[name], weights[name]), name
+    probe = tmp_path / "p.txt"
+    probe.write_text(TEXT)
+    ids = tok.encode(TEXT, add_bos=tok.add_bos)
+    assert _eval_cli(out, probe)["nll"] == pytest.approx(_their_nll(open_llm(llama, out), ids)[1], abs=2e-5)
+
+
+def test_expert_counts_are_checked_by_key():
+    with pytest.raises(ConfigError, match=r"qwen3moe.expert_used_count = 9 exceeds qwen3moe.expert_count = 8"):
+        ModelConfig(vocab=64, arch="qwen3moe", experts=8, experts_used=9)
+    with pytest.raises(ConfigError, match="the family has no experts"):
+        ModelConfig(vocab=64, arch="qwen3", experts=8)
+
+
+def _rewrite(src, dst, key, value):
+    """src with one qwen3moe key's value changed (or dropped: None), through gguf-py."""
+    f = read_gguf(src)
+    w = gguf.GGUFWriter(str(dst), "qwen3moe")
+    for k, v in f.kv.items():
+        if k.startswith(("general.architecture", "GGUF.")):
+            continue
+        if k == key:
+            if value is not None:
+                w.add_uint32(k, value)
+            continue
+        val = v.value.tolist() if isinstance(v.value, np.ndarray) else v.value
+        w.add_key_value(k, val, v.type, sub_type=getattr(v, "item_type", None))
+    for name in f.tensors:
+        w.add_tensor(name, f.tensor_f32(name).reshape(tuple(f.tensors[name].shape)))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
+
+
+@pytest.mark.parametrize("key,value,message", [
+    ("qwen3moe.expert_count", 6, "tensor 'blk.0.ffn_gate_inp.weight' has shape (8, 64), expected (6, 64)"),
+    ("qwen3moe.expert_used_count", 9, "qwen3moe.expert_used_count = 9 exceeds qwen3moe.expert_count = 8"),
+    ("qwen3moe.expert_feed_forward_length", 40, "tensor 'blk.0.ffn_gate_exps.weight' has shape (8, 48, 64), "
+                                                 "expected (8, 40, 64)"),
+    ("qwen3moe.expert_count", None, "expert_count"),
+])
+def test_bad_moe_file_is_one_line_and_writes_nothing(tmp_path, key, value, message):
+    path = _rewrite(_model(tmp_path)[0], tmp_path / "bad.gguf", key, value)
+    data = tmp_path / "t.txt"
+    data.write_text(TEXT * 4)
+    out = tmp_path / "a.gguf"
+    r = run_cli("finetune", "--model", path, "--data", data, "--out", out, "--steps", 1, "--ctx", 16, "--quiet")
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and message in r.stderr, r.stderr
+    assert str(path) in r.stderr and not out.exists()
