@@ -13,7 +13,7 @@ ORACLE: what the float64 oracle needs to know of each family, written from llama
 adjacent pairs), the embedding scaled by sqrt(n_embd), post-attention and post-FFN norms, the
 GeGLU gate, q.k scaled by n_embd / n_head at 62 layers (Gemma 3 27B), layers without rope every
 n-th (smollm3), the final norm's tensor where it is not output_norm (lfm2), the routed experts'
-gate weights renormalised (qwen3moe). What the tensors say (biases, q/k norms, fused qkv, tied output, rope factors)
+gate weights renormalised (qwen3moe), q and k normed over all heads at once (olmoe). What the tensors say (biases, q/k norms, fused qkv, tied output, rope factors)
 and the config's multipliers and windows the oracle reads from them.
 """
 from __future__ import annotations
@@ -66,7 +66,14 @@ CASES = {
     # renormalised; one with expert_feed_forward_length given, one with ff / experts_used
     "qwen3moe": Case(dict(arch="qwen3moe", head_dim=12, kv_heads=1, experts=8, experts_used=2, expert_ff=20),
                      dict(arch="qwen3moe", head_dim=32, experts=8, experts_used=2)),
+    # olmoe: q/k norms over all heads (as many KV heads as heads), weights not renormalised,
+    # experts feed_forward_length wide; 4 of 6 experts a token in the tiny case
+    "olmoe": Case(dict(arch="olmoe", kv_heads=4, experts=6, experts_used=4),
+                  dict(arch="olmoe", kv_heads=4, experts=8, experts_used=2)),
 }
+# `train --arch` options of a family that cannot take the test's grouped KV heads (olmoe: llama.cpp
+# norms k over n_embd)
+SCRATCH_KV_HEADS = {"olmoe": 4}
 TINY_CASES = {name: c.tiny for name, c in CASES.items() if c.tiny is not None}
 INTEROP_CASES = {name: c.interop for name, c in CASES.items() if c.interop is not None}
 
@@ -80,4 +87,5 @@ ORACLE = {
     "granite": dict(),
     "lfm2": dict(neox=True, final_norm="token_embd_norm.weight"),
     "qwen3moe": dict(neox=True, moe_norm=True),
+    "olmoe": dict(neox=True, qk_norm_full=True),
 }

@@ -9,7 +9,8 @@ embedding, post-attention and post-FFN norms, GeGLU (tanh gelu), sliding-window 
 layers with their own rope base, and logit soft-capping; granite's embedding, residual,
 attention and logit multipliers; LFM2's gated short convolution (in_proj to B | C | x,
 B * x convolved causally over time per channel, times C, out_proj) in the layers that have
-its tensors, and its final norm's name; routed experts (qwen3moe) where a block has a router.
+its tensors, and its final norm's name; routed experts (qwen3moe, olmoe) where a block has a
+router; q/k norms over all heads (olmoe).
 What sets each family apart is its row of
 tests/family_cases.py's ORACLE (or what its tensors and config say), never its name here.
 """
@@ -136,10 +137,14 @@ def forward(cfg, p, tokens, pos, gelu=gelu_tanh, n_ctx=None):
             k = qkv[..., h * d:(h + hkv) * d].reshape(b, t, hkv, d)
             v = qkv[..., (h + hkv) * d:].reshape(b, t, hkv, d)
         else:
-            q = proj(a, "attn_q").reshape(b, t, h, d)
-            k = proj(a, "attn_k").reshape(b, t, hkv, d)
+            q, k = proj(a, "attn_q"), proj(a, "attn_k")
+            if facts.get("qk_norm_full"):       # olmoe: q and k normed over all heads at once
+                q = rms_norm(q, p[q_ + "attn_q_norm.weight"], cfg.norm_eps)
+                k = rms_norm(k, p[q_ + "attn_k_norm.weight"], cfg.norm_eps)
+            q = q.reshape(b, t, h, d)
+            k = k.reshape(b, t, hkv, d)
             v = proj(a, "attn_v").reshape(b, t, hkv, d)
-        if q_ + "attn_q_norm.weight" in p:
+        if q_ + "attn_q_norm.weight" in p and not facts.get("qk_norm_full"):
             q = rms_norm(q, p[q_ + "attn_q_norm.weight"], cfg.norm_eps)
             k = rms_norm(k, p[q_ + "attn_k_norm.weight"], cfg.norm_eps)
         no_rope = facts.get("no_rope_every", 0)

@@ -27,7 +27,7 @@ from ggtrain.formats.tokenizer import ByteTokenizer
 from ggtrain.core.numerics import LLAMA
 from tests import np_decoder
 from tests.interop import open_llm, run_cli
-from tests.family_cases import BASE, INTEROP_CASES
+from tests.family_cases import BASE, INTEROP_CASES, SCRATCH_KV_HEADS
 from tests.test_decoder import family_params
 
 CASES = INTEROP_CASES
@@ -88,9 +88,10 @@ def write_with_gguf_py(path, cfg: ModelConfig, weights: dict, tok) -> None:
         w.add_sliding_window(16)
     if cfg.arch == "lfm2":
         w.add_shortconv_l_cache(cfg.shortconv_l)
-    if cfg.experts:       # the converter writes all three (Qwen3MoE's config has moe_intermediate_size)
+    if cfg.experts:
         w.add_expert_count(cfg.experts)
         w.add_expert_used_count(cfg.experts_used)
+    if cfg.expert_ff:     # Qwen3MoE's config has moe_intermediate_size; OLMoE's experts are n_ff wide
         w.add_expert_feed_forward_length(cfg.expert_ff)
     if cfg.rope_long:
         w.add_rope_scaling_type(gguf.RopeScalingType.LONGROPE)
@@ -338,8 +339,8 @@ def test_train_from_scratch_gives_a_model_llama_cpp_runs(llama, arch, tmp_path):
     data.write_text(TEXT * 20)
     out = tmp_path / "m.gguf"
     r = run_cli("train", "--arch", arch, "--data", data, "--out", out, "--dim", 32, "--layers", 2, "--heads", 4,
-                "--kv-heads", 2, "--ff", 64, "--ctx", 256, "--batch", 2, "--steps", 3, "--threads", 2, "--quiet",
-                "--val-split", 0.1)
+                "--kv-heads", SCRATCH_KV_HEADS.get(arch, 2), "--ff", 64, "--ctx", 256, "--batch", 2, "--steps", 3,
+                "--threads", 2, "--quiet", "--val-split", 0.1)
     assert r.returncode == 0, r.stderr
     cfg = validate_model(read_gguf(out)).config
     assert cfg.arch == arch

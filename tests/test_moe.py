@@ -198,3 +198,34 @@ def test_bad_moe_file_is_one_line_and_writes_nothing(tmp_path, key, value, messa
     assert r.returncode == 1 and "Traceback" not in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and message in r.stderr, r.stderr
     assert str(path) in r.stderr and not out.exists()
+
+
+@pytest.mark.parametrize("arch", ["qwen3moe", "olmoe"])
+def test_each_family_weights_its_experts_as_llama_cpp_fixes_it(arch, monkeypatch):
+    """qwen3moe renormalises the k gate weights, olmoe does not (llama.cpp's norm_w, fixed per
+    family): the decoder gives the float64 oracle's logits with its family's choice, and the
+    other choice moves them."""
+    from ggtrain.core.models.inference import Runner
+    from tests import np_decoder
+    from tests.family_cases import ORACLE, TINY, TINY_CASES
+    cfg = ModelConfig(**{**TINY, **TINY_CASES[arch]})
+    weights = family_params(cfg, seed=1, std=0.3)
+    ids = np.random.default_rng(0).integers(0, cfg.vocab, (1, 7))
+    ours = Runner(cfg, weights, CpuBackend(2), length=7).logits(ids.astype(np.int32))
+    want = np_decoder.forward(cfg, weights, ids, np.arange(7))
+    np.testing.assert_allclose(ours, want, rtol=1e-4, atol=1e-4)
+    monkeypatch.setitem(ORACLE, arch, {**ORACLE[arch], "moe_norm": not ORACLE[arch].get("moe_norm")})
+    other = np_decoder.forward(cfg, weights, ids, np.arange(7))
+    assert np.abs(other - want).max() > 1e-2
+
+
+def test_olmoe_needs_as_many_kv_heads_as_heads(tmp_path):
+    """llama.cpp's OLMoE norms q and k over n_embd: `train --arch olmoe` with grouped KV heads is
+    one line naming why, nothing written."""
+    data = tmp_path / "t.txt"
+    data.write_text(TEXT * 4)
+    out = tmp_path / "m.gguf"
+    r = run_cli("train", "--arch", "olmoe", "--data", data, "--out", out, "--dim", 32, "--layers", 1, "--heads", 4,
+                "--kv-heads", 2, "--steps", 1, "--quiet")
+    assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "kv_heads (2) must equal heads (4)" in r.stderr and not out.exists()

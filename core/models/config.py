@@ -100,6 +100,9 @@ class ModelConfig:
             raise ConfigError(f"{self.arch}: head_dim must be >= 1, got {self.head_dim}")
         if not self.rope_dims:
             object.__setattr__(self, "rope_dims", self.head_dim)
+        if fam.qk_norm_full and (self.kv_heads != self.heads or self.heads * self.head_dim != self.dim):
+            raise ConfigError(f"{self.arch}: llama.cpp's q/k norms span n_embd, so kv_heads ({self.kv_heads}) must "
+                              f"equal heads ({self.heads}) and heads x head_dim ({self.head_dim}) the dim ({self.dim})")
         if self.head_dim % 2 or self.n_rot % 2 or self.n_rot > self.head_dim:
             raise ConfigError(f"{self.arch}: rotary dims {self.n_rot} must be even and <= head dim {self.head_dim}")
         if not self.rope_scale > 0 or not self.rope_base > 0 or not self.norm_eps > 0:
@@ -159,6 +162,7 @@ class ModelConfig:
             if not attention and kv:
                 raise ConfigError(f"{self.arch}: layer {i} has no attention but {kv} KV heads")
 
+
     def _experts(self, fam: Family) -> None:
         """1 <= experts_used <= experts (naming the keys; 0: the family's default, a model built
         from scratch), expert_ff resolved."""
@@ -171,6 +175,8 @@ class ModelConfig:
             raise ConfigError(f"{self.arch}: {n} = {self.experts} and {used} = {self.experts_used} must be >= 1")
         if self.experts_used > self.experts:
             raise ConfigError(f"{self.arch}: {used} = {self.experts_used} exceeds {n} = {self.experts}")
+        if "expert_ff" not in keys:     # the experts are feed_forward_length wide
+            return
         if not self.expert_ff:
             object.__setattr__(self, "expert_ff", self.ff // self.experts_used)
         if self.expert_ff < 1:

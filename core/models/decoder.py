@@ -4,10 +4,10 @@ token embedding -> L x [RMSNorm -> mixer -> residual -> RMSNorm -> FFN -> residu
 RMSNorm -> output projection (or the embedding, tied, when there is no output.weight).
 
 The layers a block builds are the family's choice (Family.layer_kinds), looked up by name in
-MIXERS and FFNS, never branches on a family's name: today every mixer is "attention" (q/k/v
-projections, + biases (qwen2), per-head RMSNorm of q and k (qwen3), rope (adjacent pairs or
-NEOX halves, llama 3's frequency factors, linear scaling), grouped KV heads, causal, 1/sqrt(D)
-scale) or "shortconv" (LFM2), and every FFN "glu" (SwiGLU or GeGLU) or "moe" (routed experts).
+MIXERS and FFNS, never branches on a family's name: a mixer is "attention" (q/k/v projections,
++ biases (qwen2), RMSNorm of q and k per head (qwen3) or over all heads (olmoe), rope (adjacent
+pairs or NEOX halves, llama 3's frequency factors, linear scaling), grouped KV heads, causal,
+1/sqrt(D) scale) or "shortconv" (LFM2), an FFN "glu" (SwiGLU or GeGLU) or "moe" (routed experts).
 
 What a graph is built from is explicit: a Net (config, parameter tensors, LoRA adapters and
 the numerics it computes in), an Inputs record (token ids, positions, packed segments, the
@@ -169,8 +169,12 @@ def attention(net: Net, x, layer: int, inp: Inputs, opt: Options, keep: Callable
         k = ops.view(qkv, (b, t, hkv, d), (t * n, n, d, 1), h * d)
         v = ops.view(qkv, (b, t, hkv, d), (t * n, n, d, 1), (h + hkv) * d)
     else:
-        q = ops.reshape(linear(net, x, p + "attn_q.weight"), (b, t, h, d))
-        k = ops.reshape(linear(net, x, p + "attn_k.weight"), (b, t, hkv, d))
+        q, k = linear(net, x, p + "attn_q.weight"), linear(net, x, p + "attn_k.weight")
+        if fam.qk_norm_full:   # RMSNorm over all heads' values at once (olmoe)
+            q = _norm(net, q, p + "attn_q_norm.weight")
+            k = _norm(net, k, p + "attn_k_norm.weight")
+        q = ops.reshape(q, (b, t, h, d))
+        k = ops.reshape(k, (b, t, hkv, d))
         v = ops.reshape(linear(net, x, p + "attn_v.weight"), (b, t, hkv, d))
     if fam.qk_norm:   # RMSNorm over each head's D values
         q = _norm(net, q, p + "attn_q_norm.weight")

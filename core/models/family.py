@@ -65,6 +65,9 @@ BLOCK_SHAPES = {
     "attn_v.bias": lambda c, i: (c.at("kv_heads", i) * c.head_dim,),
     "attn_q_norm.weight": lambda c, i: (c.head_dim,),
     "attn_k_norm.weight": lambda c, i: (c.head_dim,),
+    # q/k norms over all heads at once (olmoe), stored as attn_q_norm / attn_k_norm
+    "attn_q_norm_full.weight": lambda c, i: (c.heads * c.head_dim,),
+    "attn_k_norm_full.weight": lambda c, i: (c.at("kv_heads", i) * c.head_dim,),
     "attn_qkv.weight": lambda c, i: ((c.heads + 2 * c.at("kv_heads", i)) * c.head_dim, c.dim),   # q | k | v rows
     "attn_output.weight": lambda c, i: (c.dim, c.heads * c.head_dim),
     "post_attention_norm.weight": lambda c, i: (c.dim,),
@@ -81,14 +84,16 @@ BLOCK_SHAPES = {
     "shortconv.out_proj.weight": lambda c, i: (c.dim, c.dim),
     # routed experts (qwen3moe, olmoe): the router (one logit an expert) and each expert's
     # gate, up and down matrices stacked, ggml's {n_embd, n_ff_exp, n_expert} and
-    # {n_ff_exp, n_embd, n_expert}
+    # {n_ff_exp, n_embd, n_expert}; n_ff_exp is expert_feed_forward_length where the family
+    # reads it, else feed_forward_length (olmoe)
     "ffn_gate_inp.weight": lambda c, i: (c.experts, c.dim),
-    "ffn_gate_exps.weight": lambda c, i: (c.experts, c.expert_ff, c.dim),
-    "ffn_up_exps.weight": lambda c, i: (c.experts, c.expert_ff, c.dim),
-    "ffn_down_exps.weight": lambda c, i: (c.experts, c.dim, c.expert_ff),
+    "ffn_gate_exps.weight": lambda c, i: (c.experts, c.expert_ff or c.ff, c.dim),
+    "ffn_up_exps.weight": lambda c, i: (c.experts, c.expert_ff or c.ff, c.dim),
+    "ffn_down_exps.weight": lambda c, i: (c.experts, c.dim, c.expert_ff or c.ff),
 }
 # block tensors stored under another name than their table entry
-STORED_AS = {"ffn_gate_up.weight": "ffn_up.weight"}
+STORED_AS = {"ffn_gate_up.weight": "ffn_up.weight", "attn_q_norm_full.weight": "attn_q_norm.weight",
+             "attn_k_norm_full.weight": "attn_k_norm.weight"}
 
 # the llama block: the base every family here starts from. The order is the one tensors are
 # written and initialised in (init_params draws them in it, so a seed gives the same model as
@@ -206,6 +211,12 @@ class Family:
     @property
     def qk_norm(self) -> bool:
         return "attn_q_norm.weight" in self.block
+
+    @property
+    def qk_norm_full(self) -> bool:
+        """q and k normed over all their heads at once (before the heads are split), not head
+        by head."""
+        return "attn_q_norm_full.weight" in self.block
 
     @property
     def fused_qkv(self) -> bool:
