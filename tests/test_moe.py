@@ -229,3 +229,33 @@ def test_olmoe_needs_as_many_kv_heads_as_heads(tmp_path):
                 "--kv-heads", 2, "--steps", 1, "--quiet")
     assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert "kv_heads (2) must equal heads (4)" in r.stderr and not out.exists()
+
+
+@pytest.mark.parametrize("arch", ["qwen3moe", "olmoe"])
+def test_f16_experts_in_llama_cpp_numbers_are_its_own(llama, tmp_path, arch):
+    """An F16 MoE file (our writer's): in llama.cpp's numbers (--numerics llama) the logits are
+    llama.cpp's (F32 KV cache) bit for bit at every position, fed a token at a time and all at
+    once: the experts' products in its mul_mat_id order (x rounded to f16, its f16 vec_dot)."""
+    from ggtrain.core.models.inference import Decoder, Runner
+    from ggtrain.core.numerics import LLAMA
+    from ggtrain.formats.model_file import open_model
+    tok = ByteTokenizer()
+    cfg = ModelConfig(vocab=tok.n_vocab, **{**BASE, **INTEROP_CASES[arch]})
+    path = tmp_path / "f16.gguf"
+    save_model(path, vars(cfg), family_params(cfg, seed=3, std=0.3), tok, out_type="f16")
+    assert read_gguf(path).tensors["blk.0.ffn_down_exps.weight"].type.name == "F16"
+    be = CpuBackend(2)
+    mcfg, weights, _ = open_model(path, be)
+    ids = tok.encode(TEXT[:40], add_bos=True).tolist()
+    llm = open_llm(llama, path)
+    llm.reset()
+    for t in ids:
+        llm.eval([t])
+    one = np.array(llm.scores[:len(ids)], np.float32)
+    llm.reset()
+    llm.eval(ids)
+    batched = np.array(llm.scores[:len(ids)], np.float32)
+    dec = Decoder(ModelConfig(**mcfg), weights, be, n_ctx=256, numerics=LLAMA)
+    np.testing.assert_array_equal(np.concatenate([dec.feed([t], every=True) for t in ids]), one)
+    runner = Runner(ModelConfig(**mcfg), weights, be, length=len(ids), numerics=LLAMA, n_ctx=256)
+    np.testing.assert_array_equal(runner.logits(np.asarray(ids, np.int32)[None])[0, :len(ids)], batched)

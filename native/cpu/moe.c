@@ -4,6 +4,7 @@
  * sums its terms in a fixed order, so every thread count gives the same bits. */
 #include "ggmlnum.h"
 #include "internal.h"
+#include "simd.h"
 
 #define ALIGN 64
 #define GROUP GT_QDOT_MAX_M     /* routed rows a stored weight's row-dot call takes at once */
@@ -169,6 +170,23 @@ static int block_of(int32_t dtype) { return gt_dtype_find_(dtype)->block; }
 
 /* per thread: GROUP gathered x rows and their GROUP products (M each), the row-dot kernels'
  * scratch, and one row of K (an x row rounded to f16, llama's f16 products) */
+/* y[m] = gt_ggml_dot(x, w row m) for m in [m0, m1), f32 rows rb bytes apart: cloned per SIMD
+ * level, so its fmaf are instructions (the same bits at every level: fmaf rounds once) */
+GT_CLONES static void dots_f32(float *y, const float *x, const uint8_t *w, int64_t rb, int64_t K, int64_t m0,
+                               int64_t m1) {
+    for (int64_t m = m0; m < m1; m++) y[m] = gt_ggml_dot(x, (const float *)(w + m * rb), K);
+}
+
+/* the same for f16 rows (x already rounded to f16), each dequantized into buf first */
+GT_CLONES static void dots_f16(float *y, const float *x, const uint8_t *w, int64_t rb, int64_t K, int64_t m0,
+                               int64_t m1, float *buf) {
+    const gt_dequant_fn deq = gt_dequantizer_(GT_F16);
+    for (int64_t m = m0; m < m1; m++) {
+        deq(buf, w + m * rb, K);
+        y[m] = gt_ggml_dot_f16(x, buf, K);
+    }
+}
+
 static int64_t fwd_work(int64_t K, int64_t M) {
     return (GROUP * (K + M) + GT_QDOT_SCRATCH_FLOATS + K) * (int64_t)sizeof(float) + 2 * ALIGN;
 }
@@ -176,8 +194,9 @@ static int64_t fwd_work(int64_t K, int64_t M) {
 static float *aligned(void *p) { return (float *)(((uintptr_t)p + ALIGN - 1) & ~(uintptr_t)(ALIGN - 1)); }
 
 /* y[n, s] = w[e] @ x[n, X == 1 ? 0 : s] for the tokens with ids[n, s] = e, expert by expert.
- * Threads split each expert's M output rows. An f32 w: each element one dot in order (llama,
- * ip[0] = 1: ggml's vec_dot_f32 order, gt_ggml_dot, as its mul_mat_id runs f32 experts); an f16
+ * Threads split each expert's M output rows. An f32 w: each element one dot in ggml's
+ * vec_dot_f32 order (gt_ggml_dot: 64 fma lanes, as its mul_mat_id runs f32 experts; llama's
+ * numbers and exact f32 alike, ip[0] = 1 or 0); an f16
  * w in llama's numbers: x rounded to f16, gt_ggml_dot_f16; any other stored w: the routed rows
  * gathered GROUP at a time into the matmul's row-dot kernel (gt_qdot_rows_) over the expert's
  * slice of w. A stored w other than f16 in llama's numbers is GT_ERR_UNSUPPORTED. */
@@ -215,23 +234,10 @@ static int moe_matmul(const gt_node *node, const gt_ctx *ctx, int32_t wtype) {
                 const float *xrow = x + (n * X + (X == 1 ? 0 : s)) * K;
                 float *yrow = y + q[r] * M;
                 if (wtype == GT_F32) {
-                    for (int64_t m = m0; m < m1; m++) {
-                        const float *wm = (const float *)(we + m * rb);
-                        if (llama) {
-                            yrow[m] = gt_ggml_dot(xrow, wm, K);
-                        } else {
-                            float acc = 0.0f;
-                            for (int64_t c = 0; c < K; c++) acc += xrow[c] * wm[c];
-                            yrow[m] = acc;
-                        }
-                    }
+                    dots_f32(yrow, xrow, we, rb, K, m0, m1);
                 } else if (llama) {         /* f16 */
                     gt_round_f16_(xr, xrow, K);
-                    const gt_dequant_fn deq = gt_dequantizer_(GT_F16);
-                    for (int64_t m = m0; m < m1; m++) {
-                        deq(xs, we + m * rb, K);
-                        yrow[m] = gt_ggml_dot_f16(xr, xs, K);
-                    }
+                    dots_f16(yrow, xr, we, rb, K, m0, m1, xs);
                 } else {
                     memcpy(xs + r * K, xrow, (size_t)K * sizeof(float));
                 }
@@ -301,7 +307,8 @@ static int moe_matmul_input_bwd_sizes(const gt_node *node, int64_t *scratch, int
 }
 
 /* dw[e, m] = sum over the (n, s) with ids[n, s] = e, in order, of g[n, s, m] x[n, X == 1 ? 0 :
- * s]; rows of experts no token chose are 0. Threads split the E M rows. */
+ * s]; rows of experts no token chose are 0. Threads split the E M rows (the same terms in the
+ * same order at every thread count). */
 int gt_moe_matmul_weight_bwd_f32(const gt_node *node, const gt_ctx *ctx) {
     static const char *op = "moe_matmul_weight_bwd";
     int64_t dm[6];
@@ -313,15 +320,19 @@ int gt_moe_matmul_weight_bwd_f32(const gt_node *node, const gt_ctx *ctx) {
     GT_TRY(check_ids(ids, N * k, E, op));
     int64_t lo, hi;
     gt_split(E * M, ctx, &lo, &hi);
-    for (int64_t row = lo; row < hi; row++) {
-        const int64_t e = row / M, m = row % M;
-        float *dr = dw + row * K;
-        for (int64_t c = 0; c < K; c++) dr[c] = 0.0f;
+    for (int64_t i = lo * K; i < hi * K; i++) dw[i] = 0.0f;
+    /* this thread's rows, expert by expert: one pass over the ids an expert */
+    for (int64_t e = lo / M; e < E && e * M < hi; e++) {
+        const int64_t r0 = e * M > lo ? e * M : lo, r1 = (e + 1) * M < hi ? (e + 1) * M : hi;
         for (int64_t i = 0; i < N * k; i++) {
             if (ids[i] != e) continue;
             const int64_t n = i / k, s = i % k;
-            const float *xr = x + (n * X + (X == 1 ? 0 : s)) * K, gm = g[i * M + m];
-            for (int64_t c = 0; c < K; c++) dr[c] += gm * xr[c];
+            const float *xr = x + (n * X + (X == 1 ? 0 : s)) * K, *gi = g + i * M;
+            for (int64_t row = r0; row < r1; row++) {
+                float *dr = dw + row * K;
+                const float gm = gi[row - e * M];
+                for (int64_t c = 0; c < K; c++) dr[c] += gm * xr[c];
+            }
         }
     }
     return GT_OK;

@@ -1,8 +1,10 @@
 /* moe.cu: mixture-of-experts routing and the grouped expert product (ggml's mul_mat_id) and
  * their gradients, as native/cpu/moe.c computes them: one thread a row (routing) or an output
- * element (the products), its terms summed in the CPU's order. A stored expert tensor is first
- * decoded whole into the node's work memory (as matmul.cu does a stored weight). llama.cpp's
- * CPU numbers (ip flags) are the CPU kernels'. Expert ids come from moe_topk (in range). */
+ * element (the products), its terms summed in the CPU's order, except the forward product's
+ * dot (the CPU's in ggml's 64 lanes, this one in order: f32 rounding apart). A stored expert
+ * tensor is first decoded whole into the node's work memory (as matmul.cu does a stored
+ * weight). llama.cpp's CPU numbers (ip flags) are the CPU kernels'. Expert ids come from
+ * moe_topk (in range). */
 #include "common.cuh"
 #include "kernels.h"
 #include "quant.cuh"
