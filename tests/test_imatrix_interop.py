@@ -14,7 +14,8 @@ from ggtrain.formats.imatrix import read_imatrix
 from ggtrain.formats.mixture import MIXTURES
 from ggtrain.formats.model_file import rewrite_model
 from tests.conftest import write_shakespeare
-from tests.interop import SMALL_MODELS, open_llm, quantize_with_llama_cpp, run_cli, same_model_files
+from tests.interop import SMALL_MODELS, imatrix_with_llama_cpp, open_llm, quantize_with_llama_cpp, run_cli, \
+    same_model_files
 from tests.test_imatrix import model_entries, write_imatrix_gguf
 
 # the types the issue names, as llama-quantize calls them
@@ -131,10 +132,30 @@ def test_smollm2_every_type_with_imatrix_is_llama_quantizes(llama, llama_tools, 
 # (which round q, k, v and the attention weights to f16), and the tools here are built for AVX2
 # while llama-cpp-python's library (which --numerics llama reproduces bit for bit) is an AVX-512
 # build: their f32 dot products (attention's, an F32 weight's) add in other orders. So the
-# sums are compared with llama-imatrix -fa off -ctk f32 -ctv f32, to a tolerance: on the random
-# F32 model within 2.6e-6 (exact) and 1.2e-6 (llama numerics, whose layer-0 q/k/v sums are its
-# own bit for bit), measured; 1e-5 asserted.
+# tool's sums are compared with llama-imatrix -fa off -ctk f32 -ctv f32, to a tolerance: on the
+# random F32 model within 2.6e-6 (exact) and 1.2e-6 (llama numerics, whose layer-0 q/k/v sums
+# are its own bit for bit), measured; 1e-5 asserted. Its collector run on llama-cpp-python's
+# library (tests.interop.imatrix_with_llama_cpp) gives our --numerics llama sums bit for bit.
 IMATRIX_RTOL = 1e-5
+
+
+@pytest.mark.parametrize("model, cache", [("k256-f32", "f32"), ("k256-f32", "f16"), (SMOLLM2, "f16"),
+                                          (SMOLLM2, "f32")])
+def test_imatrix_in_llama_numbers_is_llama_cpps_bit_for_bit(llama, small_models, shared_data, imatrix_files, tmp_path,
+                                                            model, cache):
+    """llama-imatrix's collector on llama-cpp-python's own library (no flash attention, the KV
+    cache F16 or F32): `ggtrain imatrix --numerics llama --cache-type` gives its sums and counts
+    bit for bit, on the random F32 model and on SmolLM2's Q4_1 (8-bit activations: a single
+    rounding apart would move whole columns) alike."""
+    _, text, _ = imatrix_files
+    path, ctx = (small_models[model], 64) if model in small_models else (shared_data / "models" / model, 128)
+    theirs, counts = imatrix_with_llama_cpp(llama, path, text.read_text(), ctx, 4, kv_f32=cache == "f32")
+    ours = read_imatrix(_ours(path, text, tmp_path / "ours.gguf", ctx, "--numerics", "llama", "--cache-type", cache))
+    assert set(counts.values()) == {4 * ctx}
+    sums, _, _ = _entries(ours.path)
+    assert sorted(theirs) == sorted(ours.values)
+    for name, s in theirs.items():
+        np.testing.assert_array_equal(sums[name + ".in_sum2"].astype(np.float32), s, err_msg=name)
 
 
 def _their_imatrix(tools, model, text, out, ctx, *extra):
