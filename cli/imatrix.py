@@ -6,6 +6,10 @@ As llama-imatrix: the whole text tokenized (BOS first where the vocabulary asks 
 tokens as text), cut into chunks of --ctx tokens (at least two chunks' worth), each chunk's
 first token replaced by BOS where the vocabulary asks for one, each run from an empty context;
 the sums cover the block matrices (not the token embedding or the output matrix).
+
+NOTE: llama-imatrix decodes in micro-batches of 512 tokens and skips a product of fewer than 16
+rows, so a chunk longer than 1024 tokens whose length is 1..15 past a multiple of 512 loses its
+last rows there; every row is summed here (not emulated).
 """
 from __future__ import annotations
 
