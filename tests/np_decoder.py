@@ -78,8 +78,26 @@ def short_conv(a, p, q_):
     return (c_gate * conv) @ p[q_ + "shortconv.out_proj.weight"].T
 
 
-def forward(cfg, p, tokens, pos, gelu=gelu_tanh, n_ctx=None):
+class _Tapped(np.ndarray):
+    """A weight matrix whose products x @ W.T append x to its list `inputs` (taps)."""
+
+    def __array_finalize__(self, obj):
+        self.inputs = getattr(obj, "inputs", None)
+
+    def __rmatmul__(self, x):
+        self.inputs.append(np.asarray(x))
+        return np.asarray(x) @ np.asarray(self)
+
+
+def forward(cfg, p, tokens, pos, gelu=gelu_tanh, n_ctx=None, taps=None):
+    """Logits (B, T, V). taps: a dict that gets {weight name: [the input of each of its
+    products]} for the block matrices (blk.*, 2-D, not a convolution's kernel)."""
     p = {k: np.asarray(v, np.float64) for k, v in p.items()}
+    if taps is not None:
+        for k, v in p.items():
+            if k.startswith("blk.") and v.ndim == 2 and not k.endswith("conv.weight"):
+                p[k] = v.view(_Tapped)
+                p[k].inputs = taps.setdefault(k, [])
     b, t = tokens.shape
     facts = ORACLE[getattr(cfg, "arch", "llama")]
     h = cfg.heads

@@ -39,13 +39,16 @@ class Net:
     (weights f32, or frozen in their stored types); lora: {weight name: lora.Adapter} added to
     those weights (see `linear`); numerics: core/numerics.py (EXACT, or LLAMA: llama.cpp's CPU
     numbers, inference only); kv_f16 (LLAMA only): attention rounds as llama.cpp's F16 KV cache
-    (its default) does."""
+    (its default) does. taps: where given, `linear` records there {weight name: the tensor it
+    multiplies} for every weight of the blocks ("blk.*"), the activations whose squares
+    llama-imatrix sums (core/models/importance.py)."""
 
     cfg: ModelConfig
     params: dict
     lora: dict = field(default_factory=dict)
     numerics: str = EXACT
     kv_f16: bool = False
+    taps: dict | None = None
 
     def __post_init__(self):
         check_numerics(self.numerics)
@@ -110,6 +113,8 @@ def linear(net: Net, x, name: str):
     or f16 one (and the adapter's factors) takes its float order (ops.matmul_ggml), and the
     adapter's scale goes on B (A x), as llama.cpp's graph applies it. (bf16 weights multiply
     exactly: llama.cpp's bf16 products are not emulated.)"""
+    if net.taps is not None and name.startswith("blk."):
+        net.taps[name] = x
     w = net.params[name]
     ad = net.lora.get(name)
     if net.llama:
