@@ -161,7 +161,7 @@ def forward(cfg, p, tokens, pos, gelu=gelu_tanh, n_ctx=None, taps=None):
             q = proj(a, "attn_q").reshape(b, t, h, d_i)
             if i < n_layers - shared:
                 k = proj(a, "attn_k").reshape(b, t, hkv, d_i)
-                v = proj(a, "attn_v" if q_ + "attn_v.weight" in p else "attn_k").reshape(b, t, hkv, d_i)
+                v = proj(a, "attn_v").reshape(b, t, hkv, d_i) if q_ + "attn_v.weight" in p else k   # gemma4: V = K
         if q_ + "attn_q_norm.weight" in p:
             q = rms_norm(q, p[q_ + "attn_q_norm.weight"], cfg.norm_eps)
             if i < n_layers - shared:
