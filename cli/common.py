@@ -20,6 +20,8 @@ from ggtrain.core import distributed
 from ggtrain.core.backend import Backend
 from ggtrain.core.backend_cpu import CpuBackend, default_threads
 from ggtrain.core.backend_cuda import CudaBackend, unavailable_reason
+from ggtrain.core.models.inference import llama_numerics_available
+from ggtrain.core.numerics import LLAMA
 from ggtrain.errors import ConfigError, FormatError
 from ggtrain.formats.corpus import TokenFile, corpus_tokens, default_cache_dir
 from ggtrain.formats.imatrix import read_imatrix
@@ -103,6 +105,17 @@ def make_backend(backend: str = "cpu", threads: int | None = None) -> Backend:
     if threads is not None and threads < 1:
         raise ConfigError(f"--threads must be >= 1, got {threads}")
     return CpuBackend(threads or default_threads())
+
+
+def numerics_for(numerics: str, be: Backend, old: str | None = None) -> str:
+    """--numerics for backend be: llama where it has llama.cpp's kernels, else a ConfigError;
+    a replaced flag (old) is said in a warning."""
+    if old is not None:
+        typer.echo(f"warning: {old} is replaced by --numerics {numerics}", err=True)
+    if numerics == LLAMA and not llama_numerics_available(be):
+        raise ConfigError(f"--numerics {LLAMA}: the {be.name} backend computes exact f32 only (llama.cpp's CPU "
+                          f"numbers are the CPU backend's)")
+    return numerics
 
 
 def start_world() -> distributed.World:

@@ -17,13 +17,13 @@ import time
 import numpy as np
 import typer
 
-from ggtrain.cli.common import file_errors, make_backend, option_named, progress_bar
-from ggtrain.cli.options import BACKEND, RUNTIME, SAMPLING, THREADS, Backend, choice
+from ggtrain.cli.common import file_errors, make_backend, numerics_for, option_named, progress_bar
+from ggtrain.cli.options import BACKEND, CACHE_TYPE, SAMPLING, THREADS, Backend, CacheType, opt_numerics
 from ggtrain.cli.tasks import run_task, task_words
 from ggtrain.cli.main import app
 from ggtrain.core.models.config import ModelConfig
-from ggtrain.core.models.inference import Decoder, Runner, generate, llama_numerics_available
-from ggtrain.core.numerics import EXACT, LLAMA, NUMERICS
+from ggtrain.core.models.inference import Decoder, Runner, generate
+from ggtrain.core.numerics import EXACT, LLAMA
 from ggtrain.core.models.families import NAMES
 from ggtrain.core.sampling import Sampler
 from ggtrain.errors import ConfigError
@@ -37,27 +37,12 @@ from ggtrain.formats.tasks import read_task
 
 # the context generate reserves when it runs until end of generation (-n -1) and no --ctx is given
 UNTIL_EOG_CTX = 4096
-Numerics, NUMERICS_OPTION = choice(
-    EXACT, "--numerics", values=NUMERICS, panel=RUNTIME,
-    help=f"{EXACT}: f32 as training computes (the default of generate and eval). {LLAMA}: llama.cpp's CPU "
-         "build bit for bit (its logits, so its greedy text and perplexity; CPU only): ~20% faster for generate, "
-         "2-3x slower for eval over whole windows.")
-CacheType, CACHE_TYPE = choice("f16", "--cache-type", values=("f16", "f32"), panel=RUNTIME,
-                               help="The KV cache --numerics llama assumes: f16 (llama.cpp's default) or f32.")
+Numerics, NUMERICS_OPTION = opt_numerics(
+    "the default of generate and eval", "its logits, so its greedy text and perplexity; CPU only): ~20% faster for "
+    "generate, 2-3x slower for eval over whole windows")
 # the flags --numerics replaced, kept one release (each says what replaces it)
 OLD_EXACT = typer.Option(False, "--exact", hidden=True)
 OLD_INT8 = typer.Option(False, "--int8", hidden=True)
-
-
-def _numerics(numerics: str, be, old: str | None = None) -> str:
-    """--numerics for backend be: llama where it has llama.cpp's kernels, else a ConfigError;
-    a replaced flag (old) is said in a warning."""
-    if old is not None:
-        typer.echo(f"warning: {old} is replaced by --numerics {numerics}", err=True)
-    if numerics == LLAMA and not llama_numerics_available(be):
-        raise ConfigError(f"--numerics {LLAMA}: the {be.name} backend computes exact f32 only (llama.cpp's CPU "
-                          f"numbers are the CPU backend's)")
-    return numerics
 
 
 def _open(model, lora, lora_scale, backend):
@@ -118,7 +103,7 @@ def generate_cmd(
     sampler = Sampler(temp=temp, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty,
                       seed=seed)
     be = make_backend(backend, threads)
-    numerics = _numerics(EXACT if exact else numerics, be, "--exact" if exact else None)
+    numerics = numerics_for(EXACT if exact else numerics, be, "--exact" if exact else None)
     cfg, weights, tok, adapters = _open(model, lora, lora_scale, be)
     if chat:
         messages = ([{"role": "system", "content": system}] if system is not None else []) + \
@@ -203,7 +188,7 @@ def eval_cmd(
     if limit < 0:
         raise ConfigError(f"--limit must be >= 0, got {limit}")
     be = make_backend(backend, threads)
-    numerics = _numerics(LLAMA if int8 else numerics, be, "--int8" if int8 else None)
+    numerics = numerics_for(LLAMA if int8 else numerics, be, "--int8" if int8 else None)
     f16 = cache_type == "f16"
     cfg, weights, tok, adapters = _open(model, lora, lora_scale, be)
     if task is not None:

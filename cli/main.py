@@ -65,6 +65,7 @@ def _register() -> None:
     from ggtrain.cli import mnist  # noqa: F401  (ggtrain mnist train|eval)
     from ggtrain.cli import generate  # noqa: F401  (ggtrain generate, ggtrain eval)
     from ggtrain.cli import convert  # noqa: F401  (ggtrain convert-checkpoint)
+    from ggtrain.cli import imatrix  # noqa: F401  (ggtrain imatrix)
     from ggtrain.cli import info  # noqa: F401  (ggtrain info)
     from ggtrain.cli import tokenize  # noqa: F401  (ggtrain tokenize)
     from ggtrain.cli import plot  # noqa: F401  (ggtrain plot)

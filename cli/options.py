@@ -16,6 +16,7 @@ import typer
 
 from ggtrain.cli.common import BACKENDS
 from ggtrain.cli.config import load_config
+from ggtrain.core.numerics import EXACT, LLAMA, NUMERICS
 from ggtrain.core.optim import OPTIMIZERS
 
 # help panels, in the order a command's help shows them
@@ -111,6 +112,20 @@ CONFIG = typer.Option(None, "--config", is_eager=True, callback=load_config, ric
                       show_default=False,
                       help="Options from a TOML file (keys: the long options) or a run's --log; the command line "
                            "overrides them.")
+
+
+# ---- the commands that run a model (generate, eval, imatrix) --------------------------------
+
+def opt_numerics(default_words: str, llama_words: str):
+    """--numerics (its Enum type, the option): default_words say whose default exact is,
+    llama_words what llama.cpp's numbers give the command and cost."""
+    return choice(EXACT, "--numerics", values=NUMERICS, panel=RUNTIME,
+                  help=f"{EXACT}: f32 as training computes ({default_words}). {LLAMA}: llama.cpp's CPU build bit "
+                       f"for bit ({llama_words}.")
+
+
+CacheType, CACHE_TYPE = choice("f16", "--cache-type", values=("f16", "f32"), panel=RUNTIME,
+                               help="The KV cache --numerics llama assumes: f16 (llama.cpp's default) or f32.")
 
 
 def opt_epochs(words: str):

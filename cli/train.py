@@ -44,12 +44,13 @@ def _bpe_text(path: pathlib.Path) -> str:
     return decode(raw, str(path))
 
 
-def _kv_heads(arch: str, layers: int, heads: int, kv_heads: int | None):
-    """The KV heads of a model built from scratch: --kv-heads (default --heads), laid over the
-    layers as the family mixes them (lfm2: attention in some layers only)."""
+def _scratch(arch: str, layers: int, heads: int, kv_heads: int | None, ctx: int) -> dict:
+    """The KV heads of a model built from scratch (--kv-heads, default --heads) and what else
+    its family lays over the layers (lfm2: attention in some layers only; gemma4: its local
+    layers)."""
     kv = heads if kv_heads is None else kv_heads
-    pattern = FAMILIES[arch].scratch_kv_heads
-    return pattern(layers, kv) if pattern is not None else kv
+    scratch = FAMILIES[arch].scratch
+    return dict(dict(kv_heads=kv), **(scratch(layers, kv, ctx) if scratch is not None else {}))
 
 
 Arch, ARCH = choice("llama", "--arch", values=tuple(sorted(FAMILIES)), panel=MODEL,
@@ -128,8 +129,8 @@ def train(
         check_resume_data(ckpt, corpus.fingerprint, resume, data)
     else:
         model_cfg = ModelConfig(**start.model_config) if start else ModelConfig(
-            vocab=tok.n_vocab, dim=dim, layers=layers, heads=heads, kv_heads=_kv_heads(arch, layers, heads, kv_heads),
-            ff=ff, ctx=ctx, arch=arch, head_dim=head_dim or 0)
+            vocab=tok.n_vocab, dim=dim, layers=layers, heads=heads, ff=ff, ctx=ctx, arch=arch, head_dim=head_dim or 0,
+            **_scratch(arch, layers, heads, kv_heads, ctx))
     train_ids, val_ids = split_tokens(corpus.ids, val_split, model_cfg.ctx)
     if ckpt is None:
         per_epoch = TokenWindows(train_ids, model_cfg.ctx, batch * world.size, seed).windows_per_epoch

@@ -27,11 +27,12 @@ from gguf import GGUFValueType as VT
 
 from ggtrain.core.models.family import TOKEN_EMBD
 from ggtrain.errors import FormatError
-from ggtrain.formats.gguf import read_gguf
+from ggtrain.formats.gguf import read_gguf, write_gguf
 from ggtrain.native.dtypes import dtype
 
 SUMS, COUNTS = ".in_sum2", ".counts"
-META_KEYS = ("imatrix.datasets", "imatrix.chunk_count", "imatrix.chunk_size")
+KV_DATASETS, KV_CHUNK_COUNT, KV_CHUNK_SIZE = "imatrix.datasets", "imatrix.chunk_count", "imatrix.chunk_size"
+META_KEYS = (KV_DATASETS, KV_CHUNK_COUNT, KV_CHUNK_SIZE)
 # the keys llama-quantize adds to a model quantized with an imatrix (as kv overrides: strings cut to 127 bytes)
 KV_FILE, KV_DATASET = "quantize.imatrix.file", "quantize.imatrix.dataset"
 KV_ENTRIES, KV_CHUNKS = "quantize.imatrix.entries_count", "quantize.imatrix.chunks_count"
@@ -107,7 +108,7 @@ def _read_gguf(path: str) -> Imatrix:
     if missing:
         raise FormatError(f"{path}: not an importance matrix of llama-imatrix (no key {missing[0]}; "
                           f"it writes {', '.join(META_KEYS)})")
-    datasets = f.value("imatrix.datasets")
+    datasets = f.value(KV_DATASETS)
     if not isinstance(datasets, list) or not all(isinstance(d, str) for d in datasets):
         datasets = []
     for key in META_KEYS[1:]:
@@ -135,7 +136,7 @@ def _read_gguf(path: str) -> Imatrix:
         per = sums.reshape(counts.size, -1)
         safe = np.where(n > 0, n, np.float32(1))[:, None]
         values[name] = np.where(n[:, None] > 0, per / safe, np.float32(1)).astype(np.float32).reshape(-1)
-    return Imatrix(path, values, tuple(datasets), int(f.value("imatrix.chunk_count")))
+    return Imatrix(path, values, tuple(datasets), int(f.value(KV_CHUNK_COUNT)))
 
 
 def _read_legacy(path: str) -> Imatrix:
@@ -172,3 +173,17 @@ def _read_legacy(path: str) -> Imatrix:
             if 0 < n <= len(data) - pos:
                 datasets = (take(n, "the dataset name").split(b"\0", 1)[0].decode(errors="replace"),)
     return Imatrix(path, values, datasets, chunk_count)
+
+
+def write_imatrix(path, sums: dict, count: int, datasets=(), chunk_count: int = 0, chunk_size: int = 0) -> None:
+    """Write llama-imatrix's GGUF file, atomically: sums {weight name: (n_cols,) f32 sum of
+    squared inputs} as W.in_sum2 and `count` (the tokens summed) as W.counts (1,), in name order
+    (ggml's (n_cols, 1) and (1, 1) without their trailing 1, as gguf stores them), with
+    general.type "imatrix" and its three keys."""
+    kv = [("general.type", "imatrix"), (KV_DATASETS, [str(d) for d in datasets], VT.ARRAY, VT.STRING),
+          (KV_CHUNK_COUNT, int(chunk_count), VT.UINT32), (KV_CHUNK_SIZE, int(chunk_size), VT.UINT32)]
+    tensors = []
+    for name in sorted(sums):
+        tensors.append((name + SUMS, np.asarray(sums[name], np.float32).reshape(-1)))
+        tensors.append((name + COUNTS, np.full((1,), count, np.float32)))
+    write_gguf(path, kv, tensors)

@@ -112,7 +112,7 @@ OUT_TYPES = tuple(MIXTURES)     # --out-type's choices, in the table's order
 FALLBACK = {"q2_k": "q4_0", "q3_k": "q4_0", "q4_k": "q5_0", "q5_k": "q5_1", "q6_k": "q8_0"}
 # name fragments of 2-D tensors llama.cpp never quantizes (tensor_allows_quantization)
 _NEVER = ("_norm.weight", "ffn_gate_inp.weight", "ssm_conv1d", "shortconv.conv.weight", "position_embd.weight",
-          "token_types.weight", "attn_rel_b.weight")
+          "token_types.weight", "attn_rel_b.weight", "per_layer_model_proj")
 
 
 def mixture(name: str, what: str = "--out-type") -> Mixture:
@@ -132,7 +132,7 @@ def kind(name: str) -> str | None:
     """The kind the rules name a tensor by (llama.cpp's tensor_get_category), or None."""
     if name == OUTPUT:
         return "output"
-    if name == TOKEN_EMBD:
+    if name in (TOKEN_EMBD, "per_layer_token_embd.weight"):   # gemma4's per-layer table is one too
         return "token_embd"
     for k, frag in (("attn_v", "attn_qkv.weight"), ("attn_v", "attn_v.weight"), ("attn_output", "attn_output.weight"),
                     ("ffn_up", "ffn_up"), ("ffn_gate", "ffn_gate"), ("ffn_down", "ffn_down")):

@@ -33,12 +33,14 @@ __all__ = ["CHECKPOINT_KEY", "FILE_TYPES", "OUTPUT", "OUTPUT_NORM", "ROPE_FREQS"
 
 VT = GGUFValueType
 _INT_TYPES = (VT.UINT8, VT.INT8, VT.UINT16, VT.INT16, VT.UINT32, VT.INT32, VT.UINT64, VT.INT64)
-_VALUE_TYPES = {"u32": VT.UINT32, "f32": VT.FLOAT32}     # a family.Key's type as GGUF's
+_VALUE_TYPES = {"u32": VT.UINT32, "f32": VT.FLOAT32, "bool": VT.BOOL}     # a family.Key's type as GGUF's
+_ITEM_TYPES = {"u32": VT.INT32, "f32": VT.FLOAT32, "bool": VT.BOOL}      # a per-layer key's items
 
 # "{arch}." keys besides the family's own that change nothing the decoder computes, or that
 # are checked by hand below
 _SCALING_TYPE, _SCALING_FACTOR, _SCALE_LINEAR = "rope.scaling.type", "rope.scaling.factor", "rope.scale_linear"
 _VALUE_LENGTH = "attention.value_length"
+_VALUE_LENGTHS = {_VALUE_LENGTH: "head_dim", "attention.value_length_swa": "head_dim_swa"}   # = the key lengths
 _EXPERTS = ("expert_count", "expert_used_count")
 _ROPE_FINETUNED = "rope.scaling.finetuned"
 _HARMLESS = ("rope.scaling.original_context_length",   # read by YaRN only (refused below)
@@ -71,12 +73,16 @@ def config_to_kv(cfg: ModelConfig, name: str = "ggtrain", file_type: int | None 
                 continue
         elif k.unset is not None and value == k.unset and not k.required:
             continue
+        if k.type == "bool" and k.per_layer:    # flags, one a layer always (llama.cpp reads an array)
+            value = tuple(cfg.at(k.field, i) for i in range(cfg.layers))
         if isinstance(value, tuple):    # a per-layer key, as the converters write one (INT32 items)
-            kv.append((f"{a}.{k.key}", list(value), VT.ARRAY, VT.INT32 if k.type == "u32" else VT.FLOAT32))
+            cast = {"u32": int, "f32": float, "bool": bool}[k.type]
+            kv.append((f"{a}.{k.key}", [cast(x) for x in value], VT.ARRAY, _ITEM_TYPES[k.type]))
             continue
-        kv.append((f"{a}.{k.key}", float(value) if k.type == "f32" else int(value), _VALUE_TYPES[k.type]))
-        if k.field == "head_dim":       # values are as long as keys (ggtrain's attention)
-            kv.append((f"{a}.{_VALUE_LENGTH}", value, VT.UINT32))
+        kv.append((f"{a}.{k.key}", {"u32": int, "f32": float, "bool": bool}[k.type](value), _VALUE_TYPES[k.type]))
+        value_length = next((key for key, field in _VALUE_LENGTHS.items() if field == k.field), None)
+        if value_length is not None:    # values are as long as keys (ggtrain's attention)
+            kv.append((f"{a}.{value_length}", value, VT.UINT32))
     if cfg.rope_long:
         kv.append((f"{a}.{_SCALING_TYPE}", "longrope", VT.STRING))
     if cfg.rope_scale != 1.0:
@@ -106,9 +112,13 @@ def check_architecture(f: GGUFFile) -> Family:
     return fam
 
 
-def _number(f: GGUFFile, key: str, floating: bool):
+def _number(f: GGUFFile, key: str, type_: str):
     v = f.kv[key]
-    if floating:
+    if type_ == "bool":
+        if v.type != VT.BOOL:
+            raise FormatError(f"{f.path}: {key} has type {v.type.name}, expected BOOL")
+        return int(v.value)
+    if type_ == "f32":
         if v.type not in (VT.FLOAT32, VT.FLOAT64):
             raise FormatError(f"{f.path}: {key} has type {v.type.name}, expected FLOAT32")
         # the shortest decimal that is this float32 (1e-05, not 9.999999747378752e-06)
@@ -118,13 +128,15 @@ def _number(f: GGUFFile, key: str, floating: bool):
     return int(v.value)
 
 
-def _numbers(f: GGUFFile, key: str, floating: bool) -> tuple:
+def _numbers(f: GGUFFile, key: str, type_: str) -> tuple:
     """A per-layer key's array (one value a layer; ModelConfig checks the count)."""
     v = f.kv[key]
     item = getattr(v, "item_type", None)
-    if (item not in (VT.FLOAT32, VT.FLOAT64)) if floating else (item not in _INT_TYPES):
+    floating = type_ == "f32"
+    allowed = (VT.FLOAT32, VT.FLOAT64) if floating else _INT_TYPES + ((VT.BOOL,) if type_ == "bool" else ())
+    if item not in allowed:
         raise FormatError(f"{f.path}: {key} is an array of {getattr(item, 'name', item)}, expected "
-                          f"{'FLOAT32' if floating else 'integers (one a layer)'}")
+                          f"{'FLOAT32' if floating else 'BOOL' if type_ == 'bool' else 'integers (one a layer)'}")
     return tuple(float(x) if floating else int(x) for x in v.value)
 
 
@@ -152,6 +164,7 @@ def config_from_kv(f: GGUFFile) -> dict:
     by_key = {f"{a}.{k.key}": k for k in fam.all_keys.values()}
     values = {"arch": a}
     scaling, factor = "linear", None     # llama.cpp's default type when a factor is given
+    lengths = {}                         # the value lengths stated
     for key in f.kv:
         if not key.startswith(a + "."):
             continue
@@ -159,9 +172,9 @@ def config_from_kv(f: GGUFFile) -> dict:
         if key in by_key and by_key[key].field == "window_pattern" and f.kv[key].type == VT.ARRAY:
             values["window_pattern"] = _pattern(f, key)
         elif key in by_key and by_key[key].per_layer and f.kv[key].type == VT.ARRAY:
-            values[by_key[key].field] = _numbers(f, key, by_key[key].type == "f32")
+            values[by_key[key].field] = _numbers(f, key, by_key[key].type)
         elif key in by_key:
-            values[by_key[key].field] = _number(f, key, by_key[key].type == "f32")
+            values[by_key[key].field] = _number(f, key, by_key[key].type)
         elif rest == _SCALING_TYPE:
             v = f.kv[key]
             scaling = str(v.value) if v.type == VT.STRING else None
@@ -170,13 +183,13 @@ def config_from_kv(f: GGUFFile) -> dict:
                 raise FormatError(f"{f.path}: {key} = {v.value!r}: a rope scaling ggtrain does not implement "
                                   f"for {a} (it applies {', '.join(applied)})")
         elif rest in (_SCALING_FACTOR, _SCALE_LINEAR):
-            factor = _number(f, key, True)
+            factor = _number(f, key, "f32")
         elif rest in _EXPERTS:
-            if _number(f, key, False) > 0:
+            if _number(f, key, "u32") > 0:
                 raise FormatError(f"{f.path}: {key} = {f.kv[key].value}: a mixture-of-experts model, which "
                                   f"ggtrain does not compute (dense {NAMES} only)")
-        elif rest == _VALUE_LENGTH:
-            values["_value_length"] = _number(f, key, False)
+        elif rest in _VALUE_LENGTHS and _VALUE_LENGTHS[rest] in fam.all_keys:
+            lengths[rest] = _number(f, key, "u32")
         elif rest == _ROPE_FINETUNED and fam.rope_switch and not f.kv[key].value:
             raise FormatError(f"{f.path}: {key} = false: {a} without rope, which ggtrain does not compute")
         elif rest not in _HARMLESS and rest not in fam.ignored_keys:
@@ -191,7 +204,6 @@ def config_from_kv(f: GGUFFile) -> dict:
             raise FormatError(f"{f.path}: a rope scaling factor {factor:g} with {a}.{_SCALING_TYPE} {scaling!r}: "
                               f"ggtrain applies a factor with linear scaling only")
         values["rope_scale"] = factor
-    value_length = values.pop("_value_length", None)
     if "vocab" not in values:
         tokens = f.kv.get(Keys.Tokenizer.LIST)
         if tokens is not None and tokens.type == VT.ARRAY:
@@ -206,9 +218,11 @@ def config_from_kv(f: GGUFFile) -> dict:
         cfg = ModelConfig(**values)
     except ConfigError as exc:
         raise FormatError(f"{f.path}: {exc}") from None
-    if value_length is not None and value_length != cfg.head_dim:
-        raise FormatError(f"{f.path}: {a}.{_VALUE_LENGTH} {value_length} differs from the key head size "
-                          f"{cfg.head_dim}: ggtrain's attention needs them equal")
+    for key, length in lengths.items():
+        head = getattr(cfg, _VALUE_LENGTHS[key]) or cfg.head_dim
+        if length != head:
+            raise FormatError(f"{f.path}: {a}.{key} {length} differs from the key head size {head}: "
+                              f"ggtrain's attention needs them equal")
     return values
 
 
@@ -231,9 +245,14 @@ def validate_model(f: GGUFFile) -> ModelLayout:
     family does not have)."""
     values = config_from_kv(f)
     fam = FAMILIES[values["arch"]]
+    own = dict(tied=OUTPUT not in f.tensors, rope_freqs=fam.rope_freqs and ROPE_FREQS in f.tensors,
+               rope_long=fam.long_rope and ROPE_FACTORS_LONG in f.tensors)
+    if fam.v_from_k:    # the layers (of those with keys of their own) without attn_v
+        computing = values["layers"] - values.get("shared_kv", 0)
+        own["v_from_k"] = tuple(i < computing and f"blk.{i}.attn_v.weight" not in f.tensors
+                                for i in range(values["layers"]))
     try:
-        cfg = ModelConfig(**values, tied=OUTPUT not in f.tensors, rope_freqs=fam.rope_freqs and ROPE_FREQS in f.tensors,
-                          rope_long=fam.long_rope and ROPE_FACTORS_LONG in f.tensors)
+        cfg = ModelConfig(**values, **own)
     except ConfigError as exc:
         raise FormatError(f"{f.path}: {exc}") from None
     shapes = tensor_shapes(cfg)

@@ -62,6 +62,22 @@ CASES = {
     # longer than LFM2's 3 in the tiny case (its windows of 5-7 tokens), its own output there
     "lfm2": Case(dict(arch="lfm2", layers=3, kv_heads=(2, 0, 0), shortconv_l=4),
                  dict(arch="lfm2", layers=3, kv_heads=(0, 2, 0), tied=True)),
+    # gemma4: local layers (flags) with their own head size, rotated dims, base and KV heads;
+    # global layers with rope factors (zero frequency past half of them, as proportional rope);
+    # a global layer without attn_v (V from K); the last two layers attend over layers 1 and 2's
+    # keys and values
+    "gemma4": Case(dict(arch="gemma4", layers=5, head_dim=16, head_dim_swa=8, rope_dims_swa=4, kv_heads=(2, 2, 1, 2, 1),
+                        swa_layers=(1, 1, 0, 1, 0), window=3, rope_base_swa=100.0, rope_freqs=True,
+                        v_from_k=(0, 0, 1, 0, 0), shared_kv=2, logit_softcap=3.0, tied=True),
+                   dict(arch="gemma4", layers=5, head_dim=32, head_dim_swa=16, rope_dims_swa=8, kv_heads=(2, 2, 1, 2, 1),
+                        swa_layers=(1, 1, 0, 1, 0), window=8, rope_base=1e6, rope_base_swa=10000.0,
+                        rope_freqs=True, v_from_k=(0, 0, 1, 0, 0), shared_kv=2, logit_softcap=30.0, tied=True)),
+    # gemma4's E-models: per-layer embeddings, the KV-sharing layers' FFNs twice as wide
+    "gemma4-e": Case(dict(arch="gemma4", layers=4, head_dim=8, kv_heads=1, swa_layers=(1, 0, 1, 0), window=3,
+                          rope_freqs=True, shared_kv=2, per_layer_dim=4, ff=(48, 48, 96, 96)),
+                     dict(arch="gemma4", layers=4, head_dim=16, head_dim_swa=16, kv_heads=1, swa_layers=(1, 0, 1, 0),
+                          window=8, rope_freqs=True, shared_kv=2, per_layer_dim=8, ff=(96, 96, 192, 192),
+                          logit_softcap=30.0)),
     # qwen3moe: 8 experts, 2 a token (so some get no token in a window), the gate weights
     # renormalised; one with expert_feed_forward_length given, one with ff / experts_used
     "qwen3moe": Case(dict(arch="qwen3moe", head_dim=12, kv_heads=1, experts=8, experts_used=2, expert_ff=20),
@@ -86,6 +102,8 @@ ORACLE = {
     "smollm3": dict(no_rope_every=4),
     "granite": dict(),
     "lfm2": dict(neox=True, final_norm="token_embd_norm.weight"),
+    "gemma4": dict(neox=True, embed_scale=True, post_norms=True, gelu=True, v_norm=True, unit_scale=True,
+                   global_rope_freqs=True),
     "qwen3moe": dict(neox=True, moe_norm=True),
     "olmoe": dict(neox=True, qk_norm_full=True),
 }

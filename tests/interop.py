@@ -110,6 +110,86 @@ def ggml_quantize(llama, x: np.ndarray, type_id: int, imatrix: np.ndarray | None
     return out
 
 
+def imatrix_with_llama_cpp(llama, model, text: str, ctx: int, chunks: int, kv_f32: bool) -> tuple:
+    """llama-imatrix's sums computed by llama-cpp-python's own library (the build whose numbers
+    --numerics llama follows): its collector as tools/imatrix/imatrix.cpp writes it, an eval
+    callback (cb_eval) that takes the f32 input of every MUL_MAT of a blk.* weight with at least
+    16 rows and adds x[j] * x[j] row after row into f32 sums, counting the rows; the text
+    tokenized by llama.cpp (BOS where the vocabulary asks, no special tokens), `chunks` chunks of
+    ctx tokens each starting with BOS where it asks, each decoded from an empty memory with every
+    position's logits asked for, without flash attention, the KV cache F32 (kv_f32) or F16.
+    Returns ({weight name: (n,) f32 sums}, {weight name: rows counted})."""
+    import ctypes
+    import os
+
+    base = ctypes.CDLL(os.path.join(os.path.dirname(llama.__file__), "lib", "libggml-base.so"))
+    base.ggml_op_name.restype = ctypes.c_char_p
+    base.ggml_op_name.argtypes = [ctypes.c_int]
+
+    class Tensor(ctypes.Structure):     # struct ggml_tensor of ggml.h
+        pass
+    Tensor._fields_ = [("type", ctypes.c_int), ("buffer", ctypes.c_void_p), ("ne", ctypes.c_int64 * 4),
+                       ("nb", ctypes.c_size_t * 4), ("op", ctypes.c_int), ("op_params", ctypes.c_int32 * 16),
+                       ("flags", ctypes.c_int32), ("src", ctypes.POINTER(Tensor) * 10),
+                       ("view_src", ctypes.POINTER(Tensor)), ("view_offs", ctypes.c_size_t), ("data", ctypes.c_void_p),
+                       ("name", ctypes.c_char * 64), ("extra", ctypes.c_void_p), ("padding", ctypes.c_char * 8)]
+    sums, counts = {}, {}
+
+    def weight_name(t) -> str:      # "CPU#blk.0.attn_q.weight#0" -> "blk.0.attn_q.weight"
+        name = t.name.decode()
+        return name.split("#")[1] if "#" in name else name
+
+    @llama.ggml_backend_sched_eval_callback
+    def collect(ptr, ask, _):
+        t = ctypes.cast(ptr, ctypes.POINTER(Tensor)).contents
+        if base.ggml_op_name(t.op) != b"MUL_MAT":
+            return not ask
+        w, x = t.src[0].contents, t.src[1].contents
+        name = weight_name(w)
+        if ask:
+            return x.ne[1] >= 16 and x.type == 0 and name.startswith("blk.")
+        acc = sums.setdefault(name, np.zeros(x.ne[0], np.float32))
+        for i3 in range(x.ne[3]):
+            for i2 in range(x.ne[2]):
+                for r in range(x.ne[1]):
+                    at = x.data + r * x.nb[1] + i2 * x.nb[2] + i3 * x.nb[3]
+                    row = np.ctypeslib.as_array((ctypes.c_float * x.ne[0]).from_address(at))
+                    acc += row * row
+        counts[name] = counts.get(name, 0) + x.ne[1] * x.ne[2] * x.ne[3]
+        return True
+
+    mp = llama.llama_model_default_params()
+    m = llama.llama_model_load_from_file(str(model).encode(), mp)
+    cp = llama.llama_context_default_params()
+    cp.n_ctx, cp.n_batch, cp.n_ubatch, cp.n_seq_max = max(256, ctx), ctx, ctx, 1
+    cp.n_threads = cp.n_threads_batch = 2
+    cp.flash_attn_type = llama.LLAMA_FLASH_ATTN_TYPE_DISABLED
+    cp.type_k = cp.type_v = llama.GGML_TYPE_F32 if kv_f32 else llama.GGML_TYPE_F16
+    cp.cb_eval = collect
+    c = llama.llama_init_from_model(m, cp)
+    vocab = llama.llama_model_get_vocab(m)
+    data = text.encode()
+    ids = (llama.llama_token * (len(data) + 8))()
+    n = llama.llama_tokenize(vocab, data, len(data), ids, len(ids), True, False)
+    assert 0 <= n and n >= chunks * ctx, n
+    batch = llama.llama_batch_init(ctx, 0, 1)
+    try:
+        for i in range(chunks):
+            llama.llama_memory_clear(llama.llama_get_memory(c), True)
+            batch.n_tokens = ctx
+            for k in range(ctx):
+                bos = k == 0 and llama.llama_vocab_get_add_bos(vocab)
+                batch.token[k] = llama.llama_vocab_bos(vocab) if bos else ids[i * ctx + k]
+                batch.pos[k], batch.n_seq_id[k], batch.logits[k] = k, 1, True
+                batch.seq_id[k][0] = 0
+            assert llama.llama_decode(c, batch) == 0
+    finally:
+        llama.llama_batch_free(batch)
+        llama.llama_free(c)
+        llama.llama_model_free(m)
+    return sums, counts
+
+
 def quantize_with_llama_cpp(llama, src, dst, file_type: int, requantize: bool = False, imatrix: dict | None = None,
                             expect: int = 0) -> None:
     """llama.cpp's llama_model_quantize of the model src into dst as file_type (an LLAMA_FTYPE),

@@ -9,9 +9,12 @@ embedding, post-attention and post-FFN norms, GeGLU (tanh gelu), sliding-window 
 layers with their own rope base, and logit soft-capping; granite's embedding, residual,
 attention and logit multipliers; LFM2's gated short convolution (in_proj to B | C | x,
 B * x convolved causally over time per channel, times C, out_proj) in the layers that have
-its tensors, and its final norm's name; routed experts (qwen3moe, olmoe) where a block has a
-router; q/k norms over all heads (olmoe).
-What sets each family apart is its row of
+its tensors, and its final norm's name; Gemma 4's per-layer local flags with their own head
+size, rotated dims and base, rope factors on the global layers only, unscaled q.k, values
+RMS-normed without a weight (the keys' projection where a layer has no attn_v), the last
+layers attending over an earlier layer's keys and values, the per-layer embeddings, the
+block's output scale; routed experts (qwen3moe, olmoe) where a block has a router; q/k norms
+over all heads (olmoe). What sets each family apart is its row of
 tests/family_cases.py's ORACLE (or what its tensors and config say), never its name here.
 """
 import numpy as np
@@ -93,8 +96,26 @@ def short_conv(a, p, q_):
     return (c_gate * conv) @ p[q_ + "shortconv.out_proj.weight"].T
 
 
-def forward(cfg, p, tokens, pos, gelu=gelu_tanh, n_ctx=None):
+class _Tapped(np.ndarray):
+    """A weight matrix whose products x @ W.T append x to its list `inputs` (taps)."""
+
+    def __array_finalize__(self, obj):
+        self.inputs = getattr(obj, "inputs", None)
+
+    def __rmatmul__(self, x):
+        self.inputs.append(np.asarray(x))
+        return np.asarray(x) @ np.asarray(self)
+
+
+def forward(cfg, p, tokens, pos, gelu=gelu_tanh, n_ctx=None, taps=None):
+    """Logits (B, T, V). taps: a dict that gets {weight name: [the input of each of its
+    products]} for the block matrices (blk.*, 2-D, not a convolution's kernel)."""
     p = {k: np.asarray(v, np.float64) for k, v in p.items()}
+    if taps is not None:
+        for k, v in p.items():
+            if k.startswith("blk.") and v.ndim == 2 and not k.endswith("conv.weight"):
+                p[k] = v.view(_Tapped)
+                p[k].inputs = taps.setdefault(k, [])
     b, t = tokens.shape
     facts = ORACLE[getattr(cfg, "arch", "llama")]
     h = cfg.heads
@@ -113,6 +134,16 @@ def forward(cfg, p, tokens, pos, gelu=gelu_tanh, n_ctx=None):
     if getattr(cfg, "embedding_scale", 0.0):
         x = x * cfg.embedding_scale
     causal = np.triu(np.full((t, t), -np.inf), 1)
+    swa = getattr(cfg, "swa_layers", ())
+    n_pl = getattr(cfg, "per_layer_dim", 0)
+    if n_pl:                                                      # gemma4's per-layer embeddings
+        L = cfg.layers
+        pe = p["per_layer_token_embd.weight"][tokens].reshape(b, t, L, n_pl) * np.sqrt(n_pl)
+        pr = (x @ p["per_layer_model_proj.weight"].T / np.sqrt(cfg.dim)).reshape(b, t, L, n_pl)
+        per_layer = (rms_norm(pr, p["per_layer_proj_norm.weight"], cfg.norm_eps) + pe) / np.sqrt(2)
+    n_layers = cfg.layers
+    shared = getattr(cfg, "shared_kv", 0)
+    kv_of = {}                                                    # layer -> its (k, v) after norm and rope
     for i in range(cfg.layers):
         q_ = f"blk.{i}."
         hkv = cfg.kv_heads[i] if isinstance(cfg.kv_heads, tuple) else cfg.kv_heads     # per layer (lfm2)
@@ -121,9 +152,17 @@ def forward(cfg, p, tokens, pos, gelu=gelu_tanh, n_ctx=None):
             x = x + ffn(rms_norm(x, p[q_ + "ffn_norm.weight"], cfg.norm_eps), p, q_, facts, gelu)
             continue
         window, pattern = getattr(cfg, "window", 0), getattr(cfg, "window_pattern", 0)
-        local = window > 0 and (pattern == 0 or i % pattern < pattern - 1)
+        if swa != ():                                             # gemma4: a flag a layer
+            flag = swa[i] if isinstance(swa, tuple) else swa
+            local = window > 0 and bool(flag)
+        else:
+            local = window > 0 and (pattern == 0 or i % pattern < pattern - 1)
         base = cfg.rope_base_swa if local else cfg.rope_base
         rot_i = dict(rot, scale=1.0) if local else rot
+        if local and facts.get("global_rope_freqs"):
+            rot_i = dict(rot_i, factors=None)
+        d_i = (getattr(cfg, "head_dim_swa", 0) or d) if local else d
+        n_rot = (getattr(cfg, "rope_dims_swa", 0) or cfg.n_rot) if local else cfg.n_rot
         mask = causal + np.where(np.arange(t)[:, None] - np.arange(t)[None, :] >= window, -np.inf, 0) \
             if local else causal
 
@@ -137,28 +176,39 @@ def forward(cfg, p, tokens, pos, gelu=gelu_tanh, n_ctx=None):
             k = qkv[..., h * d:(h + hkv) * d].reshape(b, t, hkv, d)
             v = qkv[..., (h + hkv) * d:].reshape(b, t, hkv, d)
         else:
-            q, k = proj(a, "attn_q"), proj(a, "attn_k")
-            if facts.get("qk_norm_full"):       # olmoe: q and k normed over all heads at once
-                q = rms_norm(q, p[q_ + "attn_q_norm.weight"], cfg.norm_eps)
-                k = rms_norm(k, p[q_ + "attn_k_norm.weight"], cfg.norm_eps)
-            q = q.reshape(b, t, h, d)
-            k = k.reshape(b, t, hkv, d)
-            v = proj(a, "attn_v").reshape(b, t, hkv, d)
+            full = facts.get("qk_norm_full")             # olmoe: q and k normed over all heads at once
+            qp = proj(a, "attn_q")
+            q = (rms_norm(qp, p[q_ + "attn_q_norm.weight"], cfg.norm_eps) if full else qp).reshape(b, t, h, d_i)
+            if i < n_layers - shared:
+                kp = proj(a, "attn_k")
+                k = (rms_norm(kp, p[q_ + "attn_k_norm.weight"], cfg.norm_eps) if full else kp).reshape(b, t, hkv, d_i)
+                v = proj(a, "attn_v").reshape(b, t, hkv, d_i) if q_ + "attn_v.weight" in p else \
+                    kp.reshape(b, t, hkv, d_i)                                           # gemma4: V = K
         if q_ + "attn_q_norm.weight" in p and not facts.get("qk_norm_full"):
             q = rms_norm(q, p[q_ + "attn_q_norm.weight"], cfg.norm_eps)
-            k = rms_norm(k, p[q_ + "attn_k_norm.weight"], cfg.norm_eps)
+            if i < n_layers - shared:
+                k = rms_norm(k, p[q_ + "attn_k_norm.weight"], cfg.norm_eps)
+        if facts.get("v_norm") and i < n_layers - shared:
+            v = rms_norm(v, 1.0, cfg.norm_eps)
         no_rope = facts.get("no_rope_every", 0)
         if not (no_rope and (i + 1) % no_rope == 0):           # smollm3: every 4th layer has no rope
-            q = rope(q, pos, cfg.n_rot, base, **rot_i)
-            k = rope(k, pos, cfg.n_rot, base, **rot_i)
+            q = rope(q, pos, n_rot, base, **rot_i)
+            if i < n_layers - shared:
+                k = rope(k, pos, n_rot, base, **rot_i)
+        if i < n_layers - shared:
+            kv_of[local] = (k, v)                                 # the last layer of each kind's
+        else:                                                     # gemma4: an earlier layer's
+            k, v = kv_of[local]
         k = np.repeat(k, h // hkv, axis=2)                      # q head j uses kv head j // G
         v = np.repeat(v, h // hkv, axis=2)
         at_62 = facts.get("scale_62") and cfg.layers == 62
-        scale = getattr(cfg, "attn_scale", 0.0) or 1 / np.sqrt(cfg.dim // h if at_62 else d)
+        scale = getattr(cfg, "attn_scale", 0.0) or 1 / np.sqrt(cfg.dim // h if at_62 else d_i)
+        if facts.get("unit_scale"):                               # gemma4: q.k unscaled
+            scale = 1.0
         s = np.einsum("bqhd,bkhd->bhqk", q, k) * scale + mask
         s = np.exp(s - s.max(-1, keepdims=True))
         s /= s.sum(-1, keepdims=True)
-        o = np.einsum("bhqk,bkhd->bqhd", s, v).reshape(b, t, h * d)
+        o = np.einsum("bhqk,bkhd->bqhd", s, v).reshape(b, t, h * d_i)
         a = o @ p[q_ + "attn_output.weight"].T
         if post_norms:
             a = rms_norm(a, p[q_ + "post_attention_norm.weight"], cfg.norm_eps)
@@ -167,6 +217,11 @@ def forward(cfg, p, tokens, pos, gelu=gelu_tanh, n_ctx=None):
         if post_norms:
             f = rms_norm(f, p[q_ + "post_ffw_norm.weight"], cfg.norm_eps)
         x = x + f * residual
+        if n_pl:
+            g = gelu(x @ p[q_ + "inp_gate.weight"].T) * per_layer[:, :, i]
+            x = x + rms_norm(g @ p[q_ + "proj.weight"].T, p[q_ + "post_norm.weight"], cfg.norm_eps)
+        if q_ + "layer_output_scale.weight" in p:
+            x = x * p[q_ + "layer_output_scale.weight"]
     x = rms_norm(x, p[facts.get("final_norm", "output_norm.weight")], cfg.norm_eps)
     head = p["token_embd.weight"] if cfg.tied else p["output.weight"]
     logits = x @ head.T / getattr(cfg, "logit_scale", 1.0)

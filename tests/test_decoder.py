@@ -29,7 +29,7 @@ def family_params(cfg, seed=0, std=0.1):
             init[name] = np.geomspace(1.0, 8.0, v.size).astype(np.float32)
         elif name == "rope_factors_short.weight":
             init[name] = np.geomspace(1.0, 1.5, v.size).astype(np.float32)
-        elif name.endswith("norm.weight"):
+        elif name.endswith(("norm.weight", "layer_output_scale.weight")):
             init[name] = (1 + rng.normal(0, 0.2, v.shape)).astype(np.float32)
         elif name.endswith(".bias"):
             init[name] = rng.normal(0, 0.3, v.shape).astype(np.float32)
@@ -99,7 +99,7 @@ def test_gradients_match_finite_differences_of_numpy_twin(kw):
             assert got.reshape(-1)[i] == pytest.approx((lp - lm) / 2e-6, rel=2e-3, abs=2e-5), f"{name}[{i}]"
 
 
-@pytest.mark.parametrize("kw", [{}, TINY_CASES["qwen3"]], ids=["llama", "qwen3"])
+@pytest.mark.parametrize("kw", [{}, TINY_CASES["qwen3"], TINY_CASES["gemma4-e"]], ids=["llama", "qwen3", "gemma4-e"])
 def test_checkpointed_training_equals_plain_and_lowers_loss(kw):
     cfg = ModelConfig(**{**TINY, **kw})
     b, t = 4, 16

@@ -60,14 +60,14 @@ def write_with_gguf_py(path, cfg: ModelConfig, weights: dict, tok) -> None:
     w.add_name("tiny")     # llama.cpp gives names with "phi3" special tokens our byte vocabulary lacks
     w.add_context_length(cfg.ctx)
     w.add_embedding_length(cfg.dim)
-    w.add_feed_forward_length(cfg.ff)
+    w.add_feed_forward_length(list(cfg.ff) if isinstance(cfg.ff, tuple) else cfg.ff)
     w.add_block_count(cfg.layers)
     w.add_head_count(cfg.heads)
     w.add_head_count_kv(list(cfg.kv_heads) if isinstance(cfg.kv_heads, tuple) else cfg.kv_heads)
     w.add_layer_norm_rms_eps(cfg.norm_eps)
     w.add_rope_freq_base(cfg.rope_base)
     w.add_rope_dimension_count(cfg.n_rot)
-    if cfg.head_dim != cfg.dim // cfg.heads:
+    if cfg.head_dim != cfg.dim // cfg.heads and cfg.arch != "gemma4":
         w.add_key_length(cfg.head_dim)
         w.add_value_length(cfg.head_dim)
     if cfg.rope_scale != 1.0:
@@ -75,7 +75,8 @@ def write_with_gguf_py(path, cfg: ModelConfig, weights: dict, tok) -> None:
         w.add_rope_scaling_factor(cfg.rope_scale)
     if cfg.window:
         w.add_sliding_window(cfg.window)
-        w.add_sliding_window_pattern([cfg.local(i) for i in range(cfg.layers)])
+        flags = cfg.swa_layers if isinstance(cfg.swa_layers, tuple) and cfg.swa_layers else None   # gemma4's as given
+        w.add_sliding_window_pattern([bool(x) for x in flags] if flags else [cfg.local(i) for i in range(cfg.layers)])
         w.add_rope_freq_base_swa(cfg.rope_base_swa)
     if cfg.logit_softcap:
         w.add_final_logit_softcapping(cfg.logit_softcap)
@@ -93,6 +94,14 @@ def write_with_gguf_py(path, cfg: ModelConfig, weights: dict, tok) -> None:
         w.add_expert_used_count(cfg.experts_used)
     if cfg.expert_ff:     # Qwen3MoE's config has moe_intermediate_size; OLMoE's experts are n_ff wide
         w.add_expert_feed_forward_length(cfg.expert_ff)
+    if cfg.arch == "gemma4":    # as its converter: the local layers' heads, the layers sharing KV
+        w.add_key_length(cfg.head_dim)
+        w.add_value_length(cfg.head_dim)
+        w.add_key_length_swa(cfg.head_dim_swa)
+        w.add_value_length_swa(cfg.head_dim_swa)
+        w.add_rope_dimension_count_swa(cfg.rope_dims_swa or cfg.n_rot)
+        w.add_shared_kv_layers(cfg.shared_kv)
+        w.add_embedding_length_per_layer_input(cfg.per_layer_dim)
     if cfg.rope_long:
         w.add_rope_scaling_type(gguf.RopeScalingType.LONGROPE)
         w.add_rope_scaling_orig_ctx_len(cfg.rope_orig_ctx)

@@ -17,8 +17,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from ggtrain.core.models.families import FAMILIES, NAMES
-from ggtrain.core.models.family import (BLOCK_SHAPES, OUTPUT, ROPE_CONSTANTS, ROPE_FACTORS_LONG,
-                                        ROPE_FACTORS_SHORT, ROPE_FREQS, STORED_AS, TOKEN_EMBD, Family)
+from ggtrain.core.models.family import (BLOCK_SHAPES, OUTPUT, PER_LAYER_MODEL_PROJ, PER_LAYER_PROJ_NORM,
+                                        PER_LAYER_TOKEN_EMBD, ROPE_CONSTANTS, ROPE_FACTORS_LONG, ROPE_FACTORS_SHORT,
+                                        ROPE_FREQS, STORED_AS, TOKEN_EMBD, Family)
 from ggtrain.errors import ConfigError
 
 
@@ -49,8 +50,15 @@ class ModelConfig:
     logit_scale. kv_heads: one count for every layer, or a tuple of one per layer (a file's
     array; 0 where a layer has no attention, LFM2's short-convolution layers); at(name, i)
     reads a per-layer field's value at layer i. shortconv_l: the taps of LFM2's short
-    convolution (shortconv.l_cache; 0: the family's default where it has one). experts,
-    experts_used: the routed experts of each block's FFN and how many each token takes
+    convolution (shortconv.l_cache; 0: the family's default where it has one).
+    Gemma 4's: head_dim_swa and rope_dims_swa, the head size and rotated dims of the local
+    layers (0: those of the global ones); swa_layers, one flag a layer (a file's array: local
+    or global), where the layers are not every-n-th global (() : by window_pattern); shared_kv:
+    the last shared_kv layers compute no K and V but attend over those of the last earlier
+    layer of their kind (kv_source); v_from_k: per layer (or for all), the layer has no attn_v
+    and its values are its keys' projection (the tensors say it, as `tied`); per_layer_dim:
+    the width of the per-layer embeddings of Gemma 4's E-models (0: none). ff may be per layer.
+    experts, experts_used: the routed experts of each block's FFN and how many each token takes
     (expert_count, expert_used_count); expert_ff: an expert's hidden size
     (expert_feed_forward_length; 0: ff / experts_used, as llama.cpp reads a file without it).
     """
@@ -82,15 +90,25 @@ class ModelConfig:
     attn_scale: float = 0.0
     logit_scale: float = 1.0
     shortconv_l: int = 0
+    head_dim_swa: int = 0
+    rope_dims_swa: int = 0
+    swa_layers: object = ()
+    shared_kv: int = 0
+    v_from_k: object = False
+    per_layer_dim: int = 0
     experts: int = 0
     experts_used: int = 0
     expert_ff: int = 0
 
     def __post_init__(self):
         fam = family(self.arch)
+        for f in dataclasses.fields(self):     # lists (a config read back from JSON) as tuples
+            if isinstance(getattr(self, f.name), list):
+                object.__setattr__(self, f.name, tuple(getattr(self, f.name)))
         for name in ("vocab", "dim", "layers", "heads", "ff", "ctx"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{self.arch}: {name} must be >= 1, got {getattr(self, name)}")
+            value = getattr(self, name)
+            if (min(value) if isinstance(value, (tuple, list)) else value) < 1:
+                raise ConfigError(f"{self.arch}: {name} must be >= 1, got {value}")
         self._per_layer(fam)
         if not self.head_dim:
             if self.dim % self.heads:
@@ -131,6 +149,32 @@ class ModelConfig:
         if self.rope_orig_ctx < 0 or not self.rope_attn_factor > 0:
             raise ConfigError(f"{self.arch}: rope_orig_ctx {self.rope_orig_ctx} must be >= 0, "
                               f"rope_attn_factor {self.rope_attn_factor} > 0")
+        self._local_heads(fam)
+
+    def _local_heads(self, fam: Family) -> None:
+        """The local layers' head size and rotated dims, the layers whose K and V are another's
+        (shared_kv) and those whose V is their K's projection (v_from_k), checked."""
+        own = fam.all_keys
+        for name, value in (("head_dim_swa", self.head_dim), ("rope_dims_swa", self.n_rot)):
+            if name in own and not getattr(self, name):     # stated always: the global layers' value
+                object.__setattr__(self, name, value)
+        d, rot = self.head_dim_swa or self.head_dim, self.rope_dims_swa or self.n_rot
+        if d % 2 or rot % 2 or rot > d:
+            raise ConfigError(f"{self.arch}: rotary dims {rot} of the local layers must be even and <= their "
+                              f"head dim {d}")
+        for i in range(self.layers - self.shared_kv, self.layers):
+            if not any(self.local(j) == self.local(i) for j in range(self.layers - self.shared_kv)):
+                raise ConfigError(f"{self.arch}: layer {i} shares the keys and values of an earlier "
+                                  f"{'local' if self.local(i) else 'global'} layer, and there is none "
+                                  f"(shared_kv {self.shared_kv} of {self.layers} layers)")
+        v = self.v_from_k
+        if isinstance(v, (tuple, list)):
+            if len(v) != self.layers:
+                raise ConfigError(f"{self.arch}: v_from_k gives {len(v)} flags for {self.layers} layers")
+            v = tuple(bool(x) for x in v)
+            object.__setattr__(self, "v_from_k", v[0] if len(set(v)) == 1 else v)
+        if self.v_from_k and not fam.v_from_k:
+            raise ConfigError(f"{self.arch}: the family's layers all have attn_v (no v_from_k)")
 
     def _per_layer(self, fam: Family) -> None:
         """Per-layer fields as tuples of `layers` ints (one int where every layer agrees, so
@@ -151,6 +195,11 @@ class ModelConfig:
                 object.__setattr__(self, "shortconv_l", taps.unset)
             if self.shortconv_l < 2:    # llama.cpp keeps l_cache - 1 >= 1 columns of state
                 raise ConfigError(f"{self.arch}: {taps.key} must be >= 2, got {self.shortconv_l}")
+        if self.head_dim_swa < 0 or self.rope_dims_swa < 0 or self.per_layer_dim < 0 \
+                or not 0 <= self.shared_kv <= self.layers:
+            raise ConfigError(f"{self.arch}: head_dim_swa {self.head_dim_swa}, rope_dims_swa {self.rope_dims_swa} "
+                              f"per_layer_dim {self.per_layer_dim} must be >= 0, shared_kv {self.shared_kv} within "
+                              f"0..{self.layers}")
         if "experts" in fam.all_keys:
             self._experts(fam)
         for i in range(self.layers):
@@ -162,6 +211,22 @@ class ModelConfig:
             if not attention and kv:
                 raise ConfigError(f"{self.arch}: layer {i} has no attention but {kv} KV heads")
 
+    def head(self, layer: int) -> int:
+        """The head size of `layer` (a local layer's may differ: head_dim_swa)."""
+        return self.head_dim_swa if self.head_dim_swa and self.local(layer) else self.head_dim
+
+    def rot(self, layer: int) -> int:
+        """The rotated dims of `layer` (a local layer's may differ: rope_dims_swa)."""
+        return self.rope_dims_swa if self.rope_dims_swa and self.local(layer) else self.n_rot
+
+    def kv_source(self, layer: int) -> int:
+        """The layer whose keys and values `layer` attends over: itself, or for the last
+        shared_kv layers the last layer before them of its kind (llama.cpp's reuse: the local
+        one before the last, the global one last)."""
+        first = self.layers - self.shared_kv
+        if layer < first:
+            return layer
+        return next(j for j in range(first - 1, -1, -1) if self.local(j) == self.local(layer))
 
     def _experts(self, fam: Family) -> None:
         """1 <= experts_used <= experts (naming the keys; 0: the family's default, a model built
@@ -178,7 +243,7 @@ class ModelConfig:
         if "expert_ff" not in keys:     # the experts are feed_forward_length wide
             return
         if not self.expert_ff:
-            object.__setattr__(self, "expert_ff", self.ff // self.experts_used)
+            object.__setattr__(self, "expert_ff", self.at("ff", 0) // self.experts_used)
         if self.expert_ff < 1:
             raise ConfigError(f"{self.arch}: {self.arch}.{keys['expert_ff'].key} must be >= 1, got {self.expert_ff}")
 
@@ -197,7 +262,9 @@ class ModelConfig:
 
     def local(self, layer: int) -> bool:
         """Whether a layer attends through the sliding window (llama.cpp's SWA pattern:
-        every window_pattern-th layer is global)."""
+        swa_layers' flag, or every window_pattern-th layer is global)."""
+        if self.swa_layers != ():
+            return self.window > 0 and bool(self.at("swa_layers", layer))
         n = self.window_pattern
         return self.window > 0 and (n == 0 or layer % n < n - 1)
 
@@ -222,6 +289,10 @@ def param_shapes(cfg: ModelConfig) -> dict:
         shapes[ROPE_FREQS] = (cfg.n_rot // 2,)
     if cfg.rope_long:
         shapes[ROPE_FACTORS_LONG] = shapes[ROPE_FACTORS_SHORT] = (cfg.n_rot // 2,)
+    if cfg.per_layer_dim:
+        lp = cfg.layers * cfg.per_layer_dim
+        shapes.update({PER_LAYER_TOKEN_EMBD: (cfg.vocab, lp), PER_LAYER_MODEL_PROJ: (lp, cfg.dim),
+                       PER_LAYER_PROJ_NORM: (cfg.per_layer_dim,)})
     for i in range(cfg.layers):
         for name in cfg.family.block_of(cfg, i):
             shapes[f"blk.{i}.{STORED_AS.get(name, name)}"] = BLOCK_SHAPES[name](cfg, i)
@@ -241,13 +312,13 @@ _RESIDUAL_WRITERS = ("attn_output.weight", "ffn_down.weight", "shortconv.out_pro
 def init_params(cfg: ModelConfig, seed: int = 0, std: float = 0.02) -> dict:
     """Initialisation for training from scratch: N(0, std^2) for matrices, with the
     projections that write into the residual stream (attn_output, ffn_down, out_proj, the
-    experts' down) scaled by
-    1/sqrt(2 L) as in GPT-2; ones for the RMSNorm weights (and rope factors), zeros for
+    experts' down) scaled by 1/sqrt(2 L) as in GPT-2; ones for the RMSNorm weights (and rope
+    factors, and gemma4's block output scales), zeros for
     biases. {name: float32 array}."""
     rng = np.random.default_rng(seed)
     out = {}
     for name, shape in param_shapes(cfg).items():
-        if name.endswith("norm.weight") or name in ROPE_CONSTANTS:
+        if name.endswith(("norm.weight", "layer_output_scale.weight")) or name in ROPE_CONSTANTS:
             out[name] = np.ones(shape, np.float32)
         elif name.endswith(".bias"):
             out[name] = np.zeros(shape, np.float32)

@@ -27,7 +27,8 @@ import numpy as np
 
 from ggtrain.core import ops
 from ggtrain.core.models.config import ModelConfig
-from ggtrain.core.models.family import ROPE_FACTORS_LONG, ROPE_FACTORS_SHORT, ROPE_FREQS
+from ggtrain.core.models.family import (PER_LAYER_MODEL_PROJ, PER_LAYER_PROJ_NORM, PER_LAYER_TOKEN_EMBD,
+                                        ROPE_FACTORS_LONG, ROPE_FACTORS_SHORT, ROPE_FREQS)
 from ggtrain.core.numerics import EXACT, LLAMA, check_numerics
 from ggtrain.errors import ConfigError
 
@@ -38,13 +39,16 @@ class Net:
     (weights f32, or frozen in their stored types); lora: {weight name: lora.Adapter} added to
     those weights (see `linear`); numerics: core/numerics.py (EXACT, or LLAMA: llama.cpp's CPU
     numbers, inference only); kv_f16 (LLAMA only): attention rounds as llama.cpp's F16 KV cache
-    (its default) does."""
+    (its default) does. taps: where given, `linear` records there {weight name: the tensor it
+    multiplies} for every weight of the blocks ("blk.*"), the activations whose squares
+    llama-imatrix sums (core/models/importance.py)."""
 
     cfg: ModelConfig
     params: dict
     lora: dict = field(default_factory=dict)
     numerics: str = EXACT
     kv_f16: bool = False
+    taps: dict | None = None
 
     def __post_init__(self):
         check_numerics(self.numerics)
@@ -66,7 +70,9 @@ class Inputs:
     v_cache) (S, Hkv*D), this step's keys and values written at rows pos, queries attending
     over cache rows 0..n_kv-1, query i seeing rows <= pos[i]; a recurrent layer's state,
     which the step replaces: the write nodes go in `writes`, which the caller compiles with
-    the logits (nothing the logits read depends on them)."""
+    the logits (nothing the logits read depends on them). kv: filled by the attention layers
+    as the graph is built, {layer: its keys and values} (the cache after this step's writes),
+    for the layers that attend over an earlier layer's (ModelConfig.kv_source)."""
 
     tokens: object
     pos: object
@@ -75,6 +81,7 @@ class Inputs:
     cache: list | None = None
     n_kv: int = 0
     writes: list | None = None
+    kv: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -106,6 +113,8 @@ def linear(net: Net, x, name: str):
     or f16 one (and the adapter's factors) takes its float order (ops.matmul_ggml), and the
     adapter's scale goes on B (A x), as llama.cpp's graph applies it. (bf16 weights multiply
     exactly: llama.cpp's bf16 products are not emulated.)"""
+    if net.taps is not None and name.startswith("blk."):
+        net.taps[name] = x
     w = net.params[name]
     ad = net.lora.get(name)
     if net.llama:
@@ -154,14 +163,16 @@ def _rope_factors(net: Net, n_ctx: int):
 def attention(net: Net, x, layer: int, inp: Inputs, opt: Options, keep: Callable | None):
     """Self-attention of x (B, T, C), causal, over the window (inp.seg: packed samples) or
     the KV cache (inp.cache). keep: called with the fused attention node (Graph.keep under
-    checkpointing). A sliding-window layer has its window, its rope base and no rope scaling;
-    a NoPE layer no rope."""
+    checkpointing). A sliding-window layer has its window, its head size, rotated dims and
+    rope base, and no rope scaling; a NoPE layer no rope. A layer sharing an earlier layer's
+    keys and values (ModelConfig.kv_source) projects only q and attends over those (inp.kv)."""
     cfg = net.cfg
     b, t, c = x.shape
     fam = cfg.family
     p = f"blk.{layer}."
     local = cfg.local(layer)
-    h, hkv, d = cfg.heads, cfg.at("kv_heads", layer), cfg.head_dim
+    h, hkv, d = cfg.heads, cfg.at("kv_heads", layer), cfg.head(layer)
+    source = cfg.kv_source(layer)
     if fam.fused_qkv:   # one product, its q | k | v columns read as views
         qkv = linear(net, x, p + "attn_qkv.weight")                                      # (B, T, (H+2Hkv)*D)
         n = qkv.shape[-1]
@@ -169,29 +180,36 @@ def attention(net: Net, x, layer: int, inp: Inputs, opt: Options, keep: Callable
         k = ops.view(qkv, (b, t, hkv, d), (t * n, n, d, 1), h * d)
         v = ops.view(qkv, (b, t, hkv, d), (t * n, n, d, 1), (h + hkv) * d)
     else:
-        q, k = linear(net, x, p + "attn_q.weight"), linear(net, x, p + "attn_k.weight")
-        if fam.qk_norm_full:   # RMSNorm over all heads' values at once (olmoe)
-            q = _norm(net, q, p + "attn_q_norm.weight")
-            k = _norm(net, k, p + "attn_k_norm.weight")
-        q = ops.reshape(q, (b, t, h, d))
-        k = ops.reshape(k, (b, t, hkv, d))
-        v = ops.reshape(linear(net, x, p + "attn_v.weight"), (b, t, hkv, d))
+        q = linear(net, x, p + "attn_q.weight")       # normed over all heads at once where the family says
+        q = ops.reshape(_norm(net, q, p + "attn_q_norm.weight") if fam.qk_norm_full else q, (b, t, h, d))
+        if source == layer:
+            kp = linear(net, x, p + "attn_k.weight")
+            k = ops.reshape(_norm(net, kp, p + "attn_k_norm.weight") if fam.qk_norm_full else kp, (b, t, hkv, d))
+            v = ops.reshape(kp, (b, t, hkv, d)) if cfg.at("v_from_k", layer) else \
+                ops.reshape(linear(net, x, p + "attn_v.weight"), (b, t, hkv, d))
     if fam.qk_norm:   # RMSNorm over each head's D values
         q = _norm(net, q, p + "attn_q_norm.weight")
-        k = _norm(net, k, p + "attn_k_norm.weight")
+        if source == layer:
+            k = _norm(net, k, p + "attn_k_norm.weight")
+    if fam.v_norm and source == layer:
+        v = ops.rms_norm(v, cfg.norm_eps, numerics=net.numerics)
     nope = fam.no_rope_every and (layer + 1) % fam.no_rope_every == 0      # smollm3's NoPE layers
     if not nope:
-        rope = dict(n_dims=cfg.n_rot, freq_base=cfg.rope_base_swa if local else cfg.rope_base, mode=fam.rope_mode,
-                    freq_scale=1.0 if local else 1.0 / cfg.rope_scale,
-                    factors=_rope_factors(net, opt.n_ctx or t), attn_factor=cfg.rope_attn_factor,
-                    numerics=net.numerics)
+        factors = None if local and fam.global_rope_freqs else _rope_factors(net, opt.n_ctx or t)
+        rope = dict(n_dims=cfg.rot(layer), freq_base=cfg.rope_base_swa if local else cfg.rope_base,
+                    mode=fam.rope_mode, freq_scale=1.0 if local else 1.0 / cfg.rope_scale, factors=factors,
+                    attn_factor=cfg.rope_attn_factor, numerics=net.numerics)
         q = ops.rope(q, inp.pos, **rope)
-        k = ops.rope(k, inp.pos, **rope)
+        if source == layer:
+            k = ops.rope(k, inp.pos, **rope)
     scale = fam.attention_scale(cfg)
     window = cfg.window if local else 0
     # llama.cpp's numbers (no segment mask there: packed windows are training's)
     llama = dict(numerics=LLAMA, scale_q=fam.scale_q, kv_f16=net.kv_f16) if net.llama and inp.seg is None else {}
     if inp.cache is None:
+        if source == layer:
+            inp.kv[layer] = (k, v)
+        k, v = inp.kv[source]
         out = ops.attention(q, k, v, scale, causal=inp.seg is None, seg=inp.seg, window=window,   # (B, T, H, D)
                             **llama)
         if keep is not None:
@@ -199,9 +217,11 @@ def attention(net: Net, x, layer: int, inp: Inputs, opt: Options, keep: Callable
     else:
         if b != 1:
             raise ConfigError(f"{cfg.arch}: a KV cache serves one sequence, got a batch of {b}")
-        kv = inp.cache[layer]
-        cache_k = ops.set_rows(kv[0], ops.reshape(k, (t, hkv * d)), inp.pos)            # (S, Hkv*D)
-        cache_v = ops.set_rows(kv[1], ops.reshape(v, (t, hkv * d)), inp.pos)
+        if source == layer:
+            kv = inp.cache[layer]
+            inp.kv[layer] = (ops.set_rows(kv[0], ops.reshape(k, (t, hkv * d)), inp.pos),            # (S, Hkv*D)
+                             ops.set_rows(kv[1], ops.reshape(v, (t, hkv * d)), inp.pos))
+        cache_k, cache_v = inp.kv[source]
         k = ops.view(cache_k, (1, inp.n_kv, hkv, d))                                    # rows 0..n_kv-1
         v = ops.view(cache_v, (1, inp.n_kv, hkv, d))
         out = ops.attention(q, k, v, scale, pos=inp.pos, window=window, **llama)
@@ -294,15 +314,40 @@ FFNS = {"glu": glu, "moe": moe}
 # its persistent tensors (Inputs.cache), and the mixers whose cache is a recurrent state
 # (zeros before the first token; it cannot be cut back to an earlier position)
 MIXER_CACHE = {
-    "attention": lambda cfg, i, n_ctx: [(n_ctx, cfg.at("kv_heads", i) * cfg.head_dim)] * 2,
+    "attention": lambda cfg, i, n_ctx: [(n_ctx, cfg.at("kv_heads", i) * cfg.head(i))] * 2 if cfg.kv_source(i) == i else [],
     "shortconv": lambda cfg, i, n_ctx: [(cfg.shortconv_l - 1, cfg.dim)],
 }
 RECURRENT = ("shortconv",)
 
 
-def block(net: Net, x, layer: int, inp: Inputs, opt: Options):
+def per_layer_inputs(net: Net, x, tokens):
+    """Gemma 4's per-layer embeddings (B, T, L*P) of tokens (B, T), x their scaled token
+    embeddings (B, T, C): per_layer_token_embd's rows times sqrt(P), plus the projection of x
+    times 1/sqrt(C) RMS-normed per layer (per_layer_proj_norm), the sum times 1/sqrt(2)."""
+    cfg = net.cfg
+    b, t = tokens.shape
+    lp, p = cfg.layers * cfg.per_layer_dim, cfg.per_layer_dim
+    rows = ops.scale(ops.get_rows(net.params[PER_LAYER_TOKEN_EMBD], tokens), math.sqrt(p))        # (B, T, L*P)
+    proj = ops.scale(linear(net, x, PER_LAYER_MODEL_PROJ), 1.0 / math.sqrt(cfg.dim))
+    proj = _norm(net, ops.reshape(proj, (b, t, cfg.layers, p)), PER_LAYER_PROJ_NORM)
+    return ops.scale(ops.add(ops.reshape(proj, (b, t, lp)), rows), 1.0 / math.sqrt(2.0))
+
+
+def _per_layer(net: Net, x, layer: int, pl):
+    """What layer `layer` adds to x (B, T, C) from its per-layer embeddings (its P columns of
+    pl, (B, T, L*P)): post_norm(proj(gelu(inp_gate x) * them))."""
+    b, t, _ = x.shape
+    p, lp = net.cfg.per_layer_dim, net.cfg.layers * net.cfg.per_layer_dim
+    mine = ops.view(pl, (b, t, p), (t * lp, lp, 1), layer * p)
+    gate = linear(net, x, f"blk.{layer}.inp_gate.weight")
+    act = ops.geglu_f16(gate, mine) if net.llama else ops.geglu(gate, mine)
+    return _norm(net, linear(net, act, f"blk.{layer}.proj.weight"), f"blk.{layer}.post_norm.weight")
+
+
+def block(net: Net, x, layer: int, inp: Inputs, opt: Options, pl=None):
     """One block on the residual stream x (B, T, C): the family's mixer and FFN, each after
-    an RMSNorm, each (post-normed and scaled where the family says) added to x."""
+    an RMSNorm, each (post-normed and scaled where the family says) added to x; then what
+    the layer's per-layer embeddings add (pl: per_layer_inputs) and its output scale."""
     cfg, fam = net.cfg, net.cfg.family
     p = f"blk.{layer}."
     mixer, ffn = fam.layer_kinds(cfg, layer)
@@ -327,6 +372,13 @@ def block(net: Net, x, layer: int, inp: Inputs, opt: Options):
     if cfg.residual_scale:
         f = ops.scale(f, cfg.residual_scale)
     x = ops.add(x, f)
+    if pl is not None:
+        if opt.last_only and t > 1 and layer == cfg.layers - 1:
+            pl = _last_row(pl)
+        x = ops.add(x, _per_layer(net, x, layer, pl))
+    out_scale = net.params.get(p + "layer_output_scale.weight")
+    if out_scale is not None:      # gemma4: the block's output times a learned scalar
+        x = ops.mul(x, out_scale)
     if graph is not None:
         graph.checkpoint(x)
     return x
@@ -355,8 +407,9 @@ def forward(net: Net, inp: Inputs, opt: Options = Options()):
         x = ops.scale(x, math.sqrt(cfg.dim))
     if cfg.embedding_scale:
         x = ops.scale(x, cfg.embedding_scale)
+    pl = per_layer_inputs(net, x, inp.tokens) if cfg.per_layer_dim else None
     for i in range(cfg.layers):
-        x = block(net, x, i, inp, opt)
+        x = block(net, x, i, inp, opt, pl)
     if opt.last_only and t > 1 and not cfg.layers:
         x = _last_row(x)
     if inp.rows is not None:

@@ -18,7 +18,7 @@ import numpy as np
 @dataclass(frozen=True)
 class Key:
     """One "{arch}." key: the ModelConfig field it sets, the GGUF type llama.cpp reads it as
-    ("u32" a count, "f32" a float), and the field's value where a file does not state it, so
+    ("u32" a count, "f32" a float, "bool" a flag: written as one a layer where per_layer), and the field's value where a file does not state it, so
     a writer states it only where it differs (None: stated always; a required key is stated
     always, and unset is then the value a model built from scratch gets). required: a file
     must state it. per_layer: a file may give one value per layer, an array (llama.cpp's
@@ -32,8 +32,8 @@ class Key:
     per_layer: bool = False
 
     def __post_init__(self):
-        if self.type not in ("u32", "f32"):
-            raise ValueError(f"key {self.key}: type {self.type!r} (u32 or f32)")
+        if self.type not in ("u32", "f32", "bool"):
+            raise ValueError(f"key {self.key}: type {self.type!r} (u32, f32 or bool)")
 
 
 # the keys every family's files hold, in the order they are written (the head size is stated
@@ -42,7 +42,7 @@ COMMON_KEYS = (
     Key("vocab", "vocab_size"),
     Key("ctx", "context_length", required=True),
     Key("dim", "embedding_length", required=True),
-    Key("ff", "feed_forward_length", required=True),
+    Key("ff", "feed_forward_length", required=True, per_layer=True),
     Key("layers", "block_count", required=True),
     Key("heads", "attention.head_count", required=True),
     Key("kv_heads", "attention.head_count_kv", per_layer=True),
@@ -53,30 +53,35 @@ COMMON_KEYS = (
 )
 
 # block tensor (blk.{i}.<name>) -> numpy-order shape from a ModelConfig c and the layer i (for
-# the per-layer keys: ModelConfig.at). The one table of shapes: every family lists the names
+# the per-layer keys: ModelConfig.at; the layer's head size: ModelConfig.head). The one table of shapes: every family lists the names
 # it has.
 BLOCK_SHAPES = {
     "attn_norm.weight": lambda c, i: (c.dim,),
-    "attn_q.weight": lambda c, i: (c.heads * c.head_dim, c.dim),
-    "attn_k.weight": lambda c, i: (c.at("kv_heads", i) * c.head_dim, c.dim),
-    "attn_v.weight": lambda c, i: (c.at("kv_heads", i) * c.head_dim, c.dim),
-    "attn_q.bias": lambda c, i: (c.heads * c.head_dim,),
-    "attn_k.bias": lambda c, i: (c.at("kv_heads", i) * c.head_dim,),
-    "attn_v.bias": lambda c, i: (c.at("kv_heads", i) * c.head_dim,),
-    "attn_q_norm.weight": lambda c, i: (c.head_dim,),
-    "attn_k_norm.weight": lambda c, i: (c.head_dim,),
+    "attn_q.weight": lambda c, i: (c.heads * c.head(i), c.dim),
+    "attn_k.weight": lambda c, i: (c.at("kv_heads", i) * c.head(i), c.dim),
+    "attn_v.weight": lambda c, i: (c.at("kv_heads", i) * c.head(i), c.dim),
+    "attn_q.bias": lambda c, i: (c.heads * c.head(i),),
+    "attn_k.bias": lambda c, i: (c.at("kv_heads", i) * c.head(i),),
+    "attn_v.bias": lambda c, i: (c.at("kv_heads", i) * c.head(i),),
+    "attn_q_norm.weight": lambda c, i: (c.head(i),),
+    "attn_k_norm.weight": lambda c, i: (c.head(i),),
     # q/k norms over all heads at once (olmoe), stored as attn_q_norm / attn_k_norm
-    "attn_q_norm_full.weight": lambda c, i: (c.heads * c.head_dim,),
-    "attn_k_norm_full.weight": lambda c, i: (c.at("kv_heads", i) * c.head_dim,),
-    "attn_qkv.weight": lambda c, i: ((c.heads + 2 * c.at("kv_heads", i)) * c.head_dim, c.dim),   # q | k | v rows
-    "attn_output.weight": lambda c, i: (c.dim, c.heads * c.head_dim),
+    "attn_q_norm_full.weight": lambda c, i: (c.heads * c.head(i),),
+    "attn_k_norm_full.weight": lambda c, i: (c.at("kv_heads", i) * c.head(i),),
+    "attn_qkv.weight": lambda c, i: ((c.heads + 2 * c.at("kv_heads", i)) * c.head(i), c.dim),   # q | k | v rows
+    "attn_output.weight": lambda c, i: (c.dim, c.heads * c.head(i)),
     "post_attention_norm.weight": lambda c, i: (c.dim,),
     "ffn_norm.weight": lambda c, i: (c.dim,),
-    "ffn_gate.weight": lambda c, i: (c.ff, c.dim),
-    "ffn_down.weight": lambda c, i: (c.dim, c.ff),
-    "ffn_up.weight": lambda c, i: (c.ff, c.dim),
-    "ffn_gate_up.weight": lambda c, i: (2 * c.ff, c.dim),      # gate | up rows, stored as ffn_up
+    "ffn_gate.weight": lambda c, i: (c.at("ff", i), c.dim),
+    "ffn_down.weight": lambda c, i: (c.dim, c.at("ff", i)),
+    "ffn_up.weight": lambda c, i: (c.at("ff", i), c.dim),
+    "ffn_gate_up.weight": lambda c, i: (2 * c.at("ff", i), c.dim),      # gate | up rows, stored as ffn_up
     "post_ffw_norm.weight": lambda c, i: (c.dim,),
+    "layer_output_scale.weight": lambda c, i: (1,),            # gemma4: the block's output times it
+    # gemma4's per-layer embeddings (E-models): the block's gate to P, back to C, its norm
+    "inp_gate.weight": lambda c, i: (c.per_layer_dim, c.dim),
+    "proj.weight": lambda c, i: (c.dim, c.per_layer_dim),
+    "post_norm.weight": lambda c, i: (c.dim,),
     # LFM2's short convolution: in_proj to B | C | x rows, the depthwise kernel of each channel
     # (ggml's {l_cache, n_embd}), out_proj
     "shortconv.in_proj.weight": lambda c, i: (3 * c.dim, c.dim),
@@ -87,9 +92,9 @@ BLOCK_SHAPES = {
     # {n_ff_exp, n_embd, n_expert}; n_ff_exp is expert_feed_forward_length where the family
     # reads it, else feed_forward_length (olmoe)
     "ffn_gate_inp.weight": lambda c, i: (c.experts, c.dim),
-    "ffn_gate_exps.weight": lambda c, i: (c.experts, c.expert_ff or c.ff, c.dim),
-    "ffn_up_exps.weight": lambda c, i: (c.experts, c.expert_ff or c.ff, c.dim),
-    "ffn_down_exps.weight": lambda c, i: (c.experts, c.dim, c.expert_ff or c.ff),
+    "ffn_gate_exps.weight": lambda c, i: (c.experts, c.expert_ff or c.at("ff", i), c.dim),
+    "ffn_up_exps.weight": lambda c, i: (c.experts, c.expert_ff or c.at("ff", i), c.dim),
+    "ffn_down_exps.weight": lambda c, i: (c.experts, c.dim, c.expert_ff or c.at("ff", i)),
 }
 # block tensors stored under another name than their table entry
 STORED_AS = {"ffn_gate_up.weight": "ffn_up.weight", "attn_q_norm_full.weight": "attn_q_norm.weight",
@@ -124,6 +129,16 @@ def head_scale(cfg) -> float:
     return recip_sqrt_f32(cfg.head_dim)
 
 
+# the block tensors of per-layer embeddings (gemma4's E-models: ModelConfig.per_layer_dim)
+PER_LAYER_BLOCK = ("inp_gate.weight", "proj.weight", "post_norm.weight")
+# the model's tensors of them: the embedding (V, L*P), the projection of the scaled token
+# embedding to every layer's (L*P, C) and its norm (P,)
+PER_LAYER_TOKEN_EMBD, PER_LAYER_MODEL_PROJ, PER_LAYER_PROJ_NORM = (
+    "per_layer_token_embd.weight", "per_layer_model_proj.weight", "per_layer_proj_norm.weight")
+# what a layer that attends over another layer's keys and values lacks
+_KV_TENSORS = ("attn_k.weight", "attn_v.weight", "attn_k.bias", "attn_v.bias", "attn_k_norm.weight")
+
+
 @dataclass(frozen=True)
 class Family:
     """One architecture: its GGUF name, block tensors and graph options.
@@ -152,9 +167,14 @@ class Family:
     output_norm: the final norm's tensor (LFM2 names it token_embd_norm).
     moe_norm: the "moe" FFN divides its k gate weights by their sum (llama.cpp's norm_w, which
     each family's graph fixes: qwen3moe true, olmoe false).
-    scratch_kv_heads: (layers, kv_heads) -> the per-layer KV heads of a model built from
-    scratch with one count given, where the family mixes layers by them (None: that count
-    in every layer).
+    scratch: (layers, kv_heads, ctx) -> the ModelConfig fields a model built from scratch takes
+    beyond the common ones (lfm2: per-layer KV heads, by which it mixes its layers; gemma4:
+    its local layers and window), or None.
+    v_from_k: a layer may lack attn_v, its values then the keys' projection (before the k
+    norm and rope; ModelConfig.v_from_k says which). v_norm: the values are RMS-normed per
+    head, unweighted. global_rope_freqs: rope_freqs' factors rotate the global layers only
+    (Gemma 4's proportional rope), the local ones rotate plainly. Layers that share an
+    earlier layer's keys and values (ModelConfig.shared_kv) have no K/V tensors.
     """
 
     arch: str
@@ -176,7 +196,10 @@ class Family:
     layers: Callable | None = None
     mixer_tensors: dict = field(default_factory=dict)
     output_norm: str = OUTPUT_NORM
-    scratch_kv_heads: Callable | None = None
+    scratch: Callable | None = None
+    v_from_k: bool = False
+    v_norm: bool = False
+    global_rope_freqs: bool = False
     moe_norm: bool = False
 
     def __post_init__(self):
@@ -202,6 +225,12 @@ class Family:
         those of the mixers the layer does not build."""
         mixer = self.layer_kinds(cfg, layer)[0]
         others = {n for m, names in self.mixer_tensors.items() if m != mixer for n in names}
+        if not cfg.per_layer_dim:
+            others |= set(PER_LAYER_BLOCK)
+        if cfg.kv_source(layer) != layer:
+            others |= set(_KV_TENSORS)
+        elif cfg.at("v_from_k", layer):
+            others.add("attn_v.weight")
         return tuple(n for n in self.block if n not in others)
 
     @property

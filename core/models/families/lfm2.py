@@ -25,12 +25,12 @@ def _layers(cfg, layer: int) -> tuple:
     return ("attention" if cfg.at("kv_heads", layer) else "shortconv", "glu")
 
 
-def _scratch_kv_heads(layers: int, kv_heads: int) -> tuple:
-    return tuple(kv_heads if i > 0 and (layers - 1 - i) % 3 == 0 else 0 for i in range(layers))
+def _scratch(layers: int, kv_heads: int, ctx: int) -> dict:
+    return dict(kv_heads=tuple(kv_heads if i > 0 and (layers - 1 - i) % 3 == 0 else 0 for i in range(layers)))
 
 
 FAMILY = Family(arch="lfm2", rope_mode="neox", block=("attn_norm.weight",) + _ATTENTION + _SHORTCONV + _FFN,
                 layers=_layers, mixer_tensors={"attention": _ATTENTION, "shortconv": _SHORTCONV},
-                output_norm="token_embd_norm.weight", scratch_kv_heads=_scratch_kv_heads,
+                output_norm="token_embd_norm.weight", scratch=_scratch,
                 lora_targets=LLAMA_TARGETS + ("shortconv.in_proj", "shortconv.out_proj"),
                 keys=(Key("shortconv_l", "shortconv.l_cache", unset=3, required=True),))
