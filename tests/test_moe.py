@@ -259,3 +259,20 @@ def test_f16_experts_in_llama_cpp_numbers_are_its_own(llama, tmp_path, arch):
     np.testing.assert_array_equal(np.concatenate([dec.feed([t], every=True) for t in ids]), one)
     runner = Runner(ModelConfig(**mcfg), weights, be, length=len(ids), numerics=LLAMA, n_ctx=256)
     np.testing.assert_array_equal(runner.logits(np.asarray(ids, np.int32)[None])[0, :len(ids)], batched)
+
+
+def test_olmoe_without_its_output_matrix_is_refused(tmp_path):
+    """llama.cpp's OLMoE requires output.weight: a file without it (a tied output) is one line
+    naming it, as llama.cpp could not load what ggtrain would write from it."""
+    tok = ByteTokenizer()
+    cfg = ModelConfig(vocab=tok.n_vocab, **{**BASE, **INTEROP_CASES["olmoe"]})
+    weights = family_params(cfg, seed=3, std=0.3)
+    del weights["output.weight"]
+    object.__setattr__(cfg, "tied", True)
+    path = tmp_path / "tied.gguf"
+    write_with_gguf_py(path, cfg, weights, tok)
+    data = tmp_path / "t.txt"
+    data.write_text(TEXT)
+    r = run_cli("eval", "--model", path, "--data", data)
+    assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "olmoe needs output.weight" in r.stderr and str(path) in r.stderr

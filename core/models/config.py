@@ -118,6 +118,9 @@ class ModelConfig:
             raise ConfigError(f"{self.arch}: head_dim must be >= 1, got {self.head_dim}")
         if not self.rope_dims:
             object.__setattr__(self, "rope_dims", self.head_dim)
+        if self.tied and not fam.may_tie:
+            raise ConfigError(f"{self.arch}: llama.cpp's {self.arch} needs output.weight (its output is never the "
+                              f"token embedding)")
         if fam.qk_norm_full and (self.kv_heads != self.heads or self.heads * self.head_dim != self.dim):
             raise ConfigError(f"{self.arch}: llama.cpp's q/k norms span n_embd, so kv_heads ({self.kv_heads}) must "
                               f"equal heads ({self.heads}) and heads x head_dim ({self.head_dim}) the dim ({self.dim})")

@@ -167,6 +167,8 @@ class Family:
     output_norm: the final norm's tensor (LFM2 names it token_embd_norm).
     moe_norm: the "moe" FFN divides its k gate weights by their sum (llama.cpp's norm_w, which
     each family's graph fixes: qwen3moe true, olmoe false).
+    may_tie: a file may leave out output.weight, the output then the token embedding (llama.cpp
+    requires it of olmoe).
     scratch: (layers, kv_heads, ctx) -> the ModelConfig fields a model built from scratch takes
     beyond the common ones (lfm2: per-layer KV heads, by which it mixes its layers; gemma4:
     its local layers and window), or None.
@@ -201,6 +203,7 @@ class Family:
     v_norm: bool = False
     global_rope_freqs: bool = False
     moe_norm: bool = False
+    may_tie: bool = True
 
     def __post_init__(self):
         unknown = [n for n in self.block if n not in BLOCK_SHAPES]
