@@ -44,7 +44,8 @@ def _block(family) -> str:
     out += [words(family) if callable(words) else words for has, words in _FEATURES if has(family)]
     act = {"silu": "SwiGLU", "gelu": "GeGLU"}[family.act] + (" (fused gate-up)" if family.fused_gate_up else "")
     if family.ffn == "moe":
-        act = f"routed {act} experts (top-k of a softmax router, weights {'' if family.moe_norm else 'not '}renormalised)"
+        norm = "renormalised" if family.moe_norm else "not renormalised"
+        act = f"routed {act} experts (top-k of a softmax router, weights {norm})"
     out.append(act)
     return ", ".join(out)
 

@@ -13,8 +13,9 @@ ORACLE: what the float64 oracle needs to know of each family, written from llama
 adjacent pairs), the embedding scaled by sqrt(n_embd), post-attention and post-FFN norms, the
 GeGLU gate, q.k scaled by n_embd / n_head at 62 layers (Gemma 3 27B), layers without rope every
 n-th (smollm3), the final norm's tensor where it is not output_norm (lfm2), the routed experts'
-gate weights renormalised (qwen3moe), q and k normed over all heads at once (olmoe). What the tensors say (biases, q/k norms, fused qkv, tied output, rope factors)
-and the config's multipliers and windows the oracle reads from them.
+gate weights renormalised (qwen3moe), q and k normed over all heads at once (olmoe). What the
+tensors say (biases, q/k norms, fused qkv, tied output, rope factors) and the config's
+multipliers and windows the oracle reads from them.
 """
 from __future__ import annotations
 
