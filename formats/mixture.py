@@ -134,7 +134,8 @@ def kind(name: str) -> str | None:
         return "output"
     if name in (TOKEN_EMBD, "per_layer_token_embd.weight"):   # gemma4's per-layer table is one too
         return "token_embd"
-    for k, frag in (("attn_v", "attn_qkv.weight"), ("attn_v", "attn_v.weight"), ("attn_output", "attn_output.weight"),
+    for k, frag in (("attn_v", "attn_qkv.weight"), ("attn_v", "attn_v.weight"), ("attn_k", "attn_k.weight"),
+                    ("attn_output", "attn_output.weight"),
                     ("ffn_up", "ffn_up"), ("ffn_gate", "ffn_gate"), ("ffn_down", "ffn_down")):
         if frag in name:
             return k
@@ -182,6 +183,11 @@ def llama_order(names) -> list:
     return sorted(names, key=lambda n: (_layer(n), n))
 
 
+# the mixtures whose attn_output llama.cpp writes as Q5_K in a model of exactly 8 experts (its
+# attn_v and attn_k then Q8_0, in every mixture)
+_EXPERTS8_ATTN_OUTPUT_Q5_K = ("q2_k", "q3_k_s", "q3_k_m", "q4_k_s", "q4_k_m")
+
+
 def tensor_types(mix: Mixture, tensors: dict, cfg, imatrix: bool = False) -> dict:
     """{name: ggml type name} of a model written as `mix`. tensors: {name: (numpy-order shape,
     the type it comes in)}, the whole model (the rules count tensors of a kind across it);
@@ -191,6 +197,7 @@ def tensor_types(mix: Mixture, tensors: dict, cfg, imatrix: bool = False) -> dic
     counts = {"attn_v": sum(kind(n) == "attn_v" for n in order), "ffn_down": cfg.layers}
     seen = {"attn_v": 0, "ffn_down": 0}
     tied = OUTPUT not in tensors
+    experts8 = getattr(cfg, "experts", 0) == 8
     out = {}
     for name in order:
         shape, stored = tensors[name]
@@ -205,12 +212,20 @@ def tensor_types(mix: Mixture, tensors: dict, cfg, imatrix: bool = False) -> dic
         ncols = int(shape[-1])
         if k == "output" or (tied and k == "token_embd"):
             t = "q8_0" if ncols % dtype(t).block or t == "q8_0" else "q6_k"
+        elif k == "attn_output" and experts8:     # llama.cpp's rule for 8-expert models (Mixtral)
+            t = "q5_k" if mix.name in _EXPERTS8_ATTN_OUTPUT_Q5_K else t
+        elif k == "attn_k" and experts8:
+            t = "q8_0"
         elif k in ("attn_v", "ffn_down", "attn_output"):
             i, n = seen.get(k, 0), counts.get(k, 0)
+            if k == "ffn_down" and getattr(cfg, "experts", 0) > 1:    # llama.cpp reads the layer from the name
+                i, n = int(name.split(".")[1]), cfg.layers
             t = next((r.type for r in mix.rules if r.kind == k and (imatrix or not r.with_imatrix)
                       and WHEN[r.when](i, n, cfg)), t)
             if k == "attn_v" and _is_70b(cfg) and t in ("q3_k", "q4_k"):
                 t = "q5_k"
+            if k == "attn_v" and experts8:
+                t = "q8_0"
             if k in seen:
                 seen[k] += 1
         out[name] = fallback(t, ncols)

@@ -87,6 +87,11 @@ CASES = {
     # experts feed_forward_length wide; 4 of 6 experts a token in the tiny case
     "olmoe": Case(dict(arch="olmoe", kv_heads=4, experts=6, experts_used=4),
                   dict(arch="olmoe", kv_heads=4, experts=8, experts_used=2)),
+    # gemma4's MoE models (26B-A4B): experts beside every block's dense FFN, some unused
+    "gemma4-moe": Case(dict(arch="gemma4", layers=2, head_dim=8, kv_heads=2, swa_layers=(1, 0), window=3,
+                            rope_freqs=True, experts=6, experts_used=2, expert_ff=12),
+                       dict(arch="gemma4", layers=2, head_dim=16, kv_heads=2, swa_layers=(1, 0), window=8,
+                            rope_freqs=True, experts=8, experts_used=2, expert_ff=32, logit_softcap=30.0)),
 }
 # `train --arch` options of a family that cannot take the test's grouped KV heads (olmoe: llama.cpp
 # norms k over n_embd)

@@ -84,6 +84,30 @@ def ffn(f, p, q_, facts, gelu, cfg=None):
     return (act * up) @ p[q_ + "ffn_down.weight"].T
 
 
+def gemma4_experts(x, p, q_, facts, gelu, cfg):
+    """Gemma 4's FFN with experts of the residual stream x: its dense GeGLU FFN of ffn_norm(x)
+    normed by post_ffw_norm_1, plus the experts of pre_ffw_norm_2(x) routed by softmax over the
+    router's logits of x / rms(x) / sqrt(C) * ffn_gate_inp.scale (the k weights summing to 1),
+    each a GeGLU FFN times its down scale, normed by post_ffw_norm_2."""
+    eps = cfg.norm_eps
+    f = rms_norm(x, p[q_ + "ffn_norm.weight"], eps)
+    gate, up = f @ p[q_ + "ffn_gate.weight"].T, f @ p[q_ + "ffn_up.weight"].T
+    dense = rms_norm((gelu(gate) * up) @ p[q_ + "ffn_down.weight"].T, p[q_ + "post_ffw_norm_1.weight"], eps)
+    h = rms_norm(x, p[q_ + "pre_ffw_norm_2.weight"], eps)
+    z = (rms_norm(x, 1.0, eps) / np.sqrt(cfg.dim) * p[q_ + "ffn_gate_inp.scale"]) @ p[q_ + "ffn_gate_inp.weight"].T
+    prob = np.exp(z - z.max(-1, keepdims=True))
+    prob /= prob.sum(-1, keepdims=True)
+    top = np.argsort(-prob, axis=-1, kind="stable")[..., :cfg.experts_used]
+    w = np.take_along_axis(prob, top, axis=-1)
+    w = w / w.sum(-1, keepdims=True)
+    out = np.zeros_like(h)
+    for idx in np.ndindex(h.shape[:-1]):
+        for s, e in enumerate(top[idx]):
+            g, u = np.split(p[q_ + "ffn_gate_up_exps.weight"][e] @ h[idx], 2)      # gate | up rows
+            out[idx] += w[idx][s] * p[q_ + "ffn_down_exps.scale"][e] * (p[q_ + "ffn_down_exps.weight"][e] @ (gelu(g) * u))
+    return dense + rms_norm(out, p[q_ + "post_ffw_norm_2.weight"], eps)
+
+
 def short_conv(a, p, q_):
     """LFM2's short convolution of normed a (B, T, C): y = C * conv(B * x) with each channel's
     kernel w[c] (L taps, the last on the current row, zeros before the first row)."""
@@ -213,7 +237,10 @@ def forward(cfg, p, tokens, pos, gelu=gelu_tanh, n_ctx=None, taps=None):
         if post_norms:
             a = rms_norm(a, p[q_ + "post_attention_norm.weight"], cfg.norm_eps)
         x = x + a * residual
-        f = ffn(rms_norm(x, p[q_ + "ffn_norm.weight"], cfg.norm_eps), p, q_, facts, gelu, cfg)
+        if q_ + "pre_ffw_norm_2.weight" in p:          # gemma4: experts beside the dense FFN
+            f = gemma4_experts(x, p, q_, facts, gelu, cfg)
+        else:
+            f = ffn(rms_norm(x, p[q_ + "ffn_norm.weight"], cfg.norm_eps), p, q_, facts, gelu, cfg)
         if post_norms:
             f = rms_norm(f, p[q_ + "post_ffw_norm.weight"], cfg.norm_eps)
         x = x + f * residual

@@ -29,7 +29,7 @@ def family_params(cfg, seed=0, std=0.1):
             init[name] = np.geomspace(1.0, 8.0, v.size).astype(np.float32)
         elif name == "rope_factors_short.weight":
             init[name] = np.geomspace(1.0, 1.5, v.size).astype(np.float32)
-        elif name.endswith(("norm.weight", "layer_output_scale.weight")):
+        elif name.endswith(("norm.weight", "layer_output_scale.weight", ".scale")):
             init[name] = (1 + rng.normal(0, 0.2, v.shape)).astype(np.float32)
         elif name.endswith(".bias"):
             init[name] = rng.normal(0, 0.3, v.shape).astype(np.float32)

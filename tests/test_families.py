@@ -50,7 +50,7 @@ def _gguf_py_names(arch: str, layers: int) -> set:
     for t in gguf.MODEL_TENSORS[a]:
         for i in range(layers):
             base = gguf.TENSOR_NAMES[t].format(bid=i)
-            names |= {base + ".weight", base + ".bias"}
+            names |= {base + ".weight", base + ".bias", base + ".scale"}
     return names
 
 

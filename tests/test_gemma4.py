@@ -142,20 +142,28 @@ def test_bad_gemma4_file_is_one_line_and_writes_nothing(tmp_path, damage, messag
     assert str(path) in r.stderr and not out.exists()
 
 
-@pytest.mark.parametrize("out_type", ["q4_k_m", "q2_k", "q8_0"])
-def test_gemma4_e_mixtures_are_llama_cpps_quantizer(llama, tmp_path, out_type):
-    """An E-model's quantized file is llama_model_quantize's byte for byte: per_layer_token_embd
-    typed as the token embedding, per_layer_model_proj kept as it is, the V-from-K and
-    KV-sharing layers counted as llama.cpp counts attn_v."""
+_E_MODEL = dict(arch="gemma4", dim=256, layers=8, heads=4, kv_heads=(2, 2, 1, 2, 2, 1, 2, 1), head_dim=64,
+                swa_layers=(1, 1, 0, 1, 1, 0, 1, 0), window=16, rope_freqs=True, shared_kv=2, per_layer_dim=256,
+                ff=(256,) * 6 + (512, 512), ctx=64, tied=True, v_from_k=(0, 0, 1, 0, 0, 1, 0, 0))
+# 8 experts: llama.cpp's rules for 8-expert models (attn_v and attn_k Q8_0, attn_output Q5_K)
+_MOE_MODEL = dict(arch="gemma4", dim=256, layers=4, heads=4, kv_heads=2, head_dim=64, swa_layers=(1, 0, 1, 0),
+                  window=16, rope_freqs=True, experts=8, experts_used=2, expert_ff=256, ff=256, ctx=64, tied=True)
+
+
+@pytest.mark.parametrize("model,out_type", [("e", "q4_k_m"), ("e", "q2_k"), ("e", "q8_0"), ("moe", "q4_k_m"),
+                                            ("moe", "q3_k_m")])
+def test_gemma4_mixtures_are_llama_cpps_quantizer(llama, tmp_path, model, out_type):
+    """A quantized Gemma 4 file is llama_model_quantize's byte for byte: an E-model's
+    per_layer_token_embd typed as the token embedding, per_layer_model_proj kept as it is, the
+    V-from-K and KV-sharing layers counted as llama.cpp counts attn_v; a MoE model's two
+    ffn_down kinds a layer ranked by the layer in their names, its 8 experts' rules."""
     from ggtrain.core.models.config import init_params
     from ggtrain.formats.mixture import MIXTURES
     from ggtrain.formats.model_file import rewrite_model
     from tests.interop import quantize_with_llama_cpp, same_model_files
 
     tok = ByteTokenizer()
-    cfg = dict(arch="gemma4", vocab=tok.n_vocab, dim=256, layers=8, heads=4, kv_heads=(2, 2, 1, 2, 2, 1, 2, 1),
-               head_dim=64, swa_layers=(1, 1, 0, 1, 1, 0, 1, 0), window=16, rope_freqs=True, shared_kv=2,
-               per_layer_dim=256, ff=(256,) * 6 + (512, 512), ctx=64, tied=True, v_from_k=(0, 0, 1, 0, 0, 1, 0, 0))
+    cfg = dict(vocab=tok.n_vocab, **(_E_MODEL if model == "e" else _MOE_MODEL))
     src, ref, ours = tmp_path / "src.gguf", tmp_path / "ref.gguf", tmp_path / "ours.gguf"
     save_model(src, cfg, init_params(ModelConfig(**cfg), seed=1, std=0.02), tok, out_type="f32")
     quantize_with_llama_cpp(llama, src, ref, MIXTURES[out_type].file_type)

@@ -276,3 +276,23 @@ def test_olmoe_without_its_output_matrix_is_refused(tmp_path):
     r = run_cli("eval", "--model", path, "--data", data)
     assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert "olmoe needs output.weight" in r.stderr and str(path) in r.stderr
+
+
+@pytest.mark.parametrize("out_type", ["q4_k_m", "q2_k", "q3_k_s"])
+def test_eight_expert_mixtures_are_llama_cpps_quantizer(llama, tmp_path, out_type):
+    """A qwen3moe model of exactly 8 experts quantized as llama_model_quantize does, byte for
+    byte: its rules for 8-expert models (attn_v, attn_k Q8_0; attn_output Q5_K) and the
+    experts' ffn_down ranked by the layer in their names."""
+    from ggtrain.core.models.config import init_params
+    from ggtrain.formats.mixture import MIXTURES
+    from ggtrain.formats.model_file import rewrite_model
+    from tests.interop import quantize_with_llama_cpp, same_model_files
+
+    tok = ByteTokenizer()
+    cfg = dict(arch="qwen3moe", vocab=tok.n_vocab, dim=256, layers=8, heads=4, kv_heads=2, head_dim=64, experts=8,
+               experts_used=2, expert_ff=256, ff=512, ctx=64)
+    src, ref, ours = tmp_path / "src.gguf", tmp_path / "ref.gguf", tmp_path / "ours.gguf"
+    save_model(src, cfg, init_params(ModelConfig(**cfg), seed=1, std=0.02), tok, out_type="f32")
+    quantize_with_llama_cpp(llama, src, ref, MIXTURES[out_type].file_type)
+    rewrite_model(ours, src, out_type=out_type)
+    same_model_files(ours, ref)

@@ -203,7 +203,7 @@ class ModelConfig:
             raise ConfigError(f"{self.arch}: head_dim_swa {self.head_dim_swa}, rope_dims_swa {self.rope_dims_swa} "
                               f"per_layer_dim {self.per_layer_dim} must be >= 0, shared_kv {self.shared_kv} within "
                               f"0..{self.layers}")
-        if "experts" in fam.all_keys:
+        if "experts" in fam.all_keys and (self.experts or fam.all_keys["experts"].unset):   # gemma4: 0 dense
             self._experts(fam)
         for i in range(self.layers):
             kv, attention = self.at("kv_heads", i), fam.layer_kinds(self, i)[0] == "attention"
@@ -321,7 +321,7 @@ def init_params(cfg: ModelConfig, seed: int = 0, std: float = 0.02) -> dict:
     rng = np.random.default_rng(seed)
     out = {}
     for name, shape in param_shapes(cfg).items():
-        if name.endswith(("norm.weight", "layer_output_scale.weight")) or name in ROPE_CONSTANTS:
+        if name.endswith(("norm.weight", "layer_output_scale.weight", ".scale")) or name in ROPE_CONSTANTS:
             out[name] = np.ones(shape, np.float32)
         elif name.endswith(".bias"):
             out[name] = np.zeros(shape, np.float32)

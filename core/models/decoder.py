@@ -228,7 +228,7 @@ def attention(net: Net, x, layer: int, inp: Inputs, opt: Options, keep: Callable
     return linear(net, ops.reshape(out, (b, t, h * d)), p + "attn_output.weight")
 
 
-def glu(net: Net, x, layer: int):
+def glu(net: Net, x, layer: int, resid=None):
     """The gated FFN of x (B, T, C): down(act(gate x) * up x), act silu (SwiGLU) or gelu's
     tanh form (GeGLU) as the family says; gate and up from one product where the family
     fuses them (stored as ffn_up: gate | up rows)."""
@@ -278,27 +278,46 @@ def shortconv(net: Net, x, layer: int, inp: Inputs, opt: Options, keep: Callable
     return linear(net, ops.mul(gate_c, conv), p + "shortconv.out_proj.weight")
 
 
-def moe(net: Net, x, layer: int):
-    """The routed-expert FFN of x (B, T, C), llama.cpp's build_moe_ffn with softmax gating: the
-    router's logits (ffn_gate_inp, one an expert), each token's experts_used largest
-    (ops.moe_topk), their softmax probabilities as gate weights (divided by their sum where the
-    family says: Family.moe_norm); each chosen expert's SwiGLU FFN over only its tokens
-    (ops.moe_matmul on the stacked ffn_gate/up/down_exps), scaled by its weight, the k summed
-    in slot order (as llama.cpp adds its views)."""
+def moe(net: Net, x, layer: int, resid=None):
+    """The routed-expert FFN of x (B, T, C), llama.cpp's build_moe_ffn with softmax gating,
+    routed by the router's logits of x (ffn_gate_inp, one an expert): see `experts`."""
+    return experts(net, x, layer, linear(net, x, f"blk.{layer}.ffn_gate_inp.weight"))
+
+
+def experts(net: Net, x, layer: int, logits):
+    """Routed experts of x (B, T, C) by router logits (B, T, E): each token's experts_used
+    largest (ops.moe_topk), their softmax probabilities as gate weights (divided by their sum
+    where the family says: Family.moe_norm); each chosen expert's gated FFN (SwiGLU or GeGLU, as
+    the family's act) over only its tokens (ops.moe_matmul on the stacked ffn_gate/up/down_exps,
+    or gate | up rows of one ffn_gate_up_exps),
+    times its ffn_down_exps.scale where the block has one (Gemma 4), times its weight, the k
+    summed in slot order (as llama.cpp adds its views)."""
     cfg = net.cfg
     p = f"blk.{layer}."
     b, t, c = x.shape
     k = cfg.experts_used
     numerics = net.numerics
-    logits = linear(net, x, p + "ffn_gate_inp.weight")                                   # (B, T, E)
     ids = ops.reshape(ops.moe_topk(logits, k), (b * t, k))
     weights = ops.reshape(ops.moe_weights(logits, ops.reshape(ids, (b, t, k)), cfg.family.moe_norm, numerics),
                           (b * t, k, 1))
     xs = ops.reshape(x, (b * t, 1, c))
-    gate = ops.moe_matmul(xs, net.params[p + "ffn_gate_exps.weight"], ids, numerics)      # (N, k, F)
-    up = ops.moe_matmul(xs, net.params[p + "ffn_up_exps.weight"], ids, numerics)
-    act = ops.swiglu_ggml(gate, up) if net.llama else ops.swiglu(gate, up)
-    down = ops.mul(ops.moe_matmul(act, net.params[p + "ffn_down_exps.weight"], ids, numerics), weights)  # (N, k, C)
+    fused = net.params.get(p + "ffn_gate_up_exps.weight")
+    if fused is not None:     # gate | up rows of each expert (gemma4), one product, read as views
+        gu = ops.moe_matmul(xs, fused, ids, numerics)                                        # (N, k, 2F)
+        f = gu.shape[-1] // 2
+        gate, up = (ops.view(gu, (b * t, k, f), (k * 2 * f, 2 * f, 1), j * f) for j in (0, 1))
+    else:
+        gate = ops.moe_matmul(xs, net.params[p + "ffn_gate_exps.weight"], ids, numerics)  # (N, k, F)
+        up = ops.moe_matmul(xs, net.params[p + "ffn_up_exps.weight"], ids, numerics)
+    if cfg.family.act == "gelu":
+        act = ops.geglu_f16(gate, up) if net.llama else ops.geglu(gate, up)
+    else:
+        act = ops.swiglu_ggml(gate, up) if net.llama else ops.swiglu(gate, up)
+    down = ops.moe_matmul(act, net.params[p + "ffn_down_exps.weight"], ids, numerics)    # (N, k, C)
+    scale = net.params.get(p + "ffn_down_exps.scale")
+    if scale is not None:       # each expert's output times its scalar
+        down = ops.mul(down, ops.reshape(ops.get_rows(ops.reshape(scale, (cfg.experts, 1)), ids), (b * t, k, 1)))
+    down = ops.mul(down, weights)
     out = None
     for s in range(k):
         part = ops.view(down, (b * t, c), (k * c, 1), s * c)
@@ -306,10 +325,25 @@ def moe(net: Net, x, layer: int):
     return ops.reshape(out if k > 1 else ops.cont(out), (b, t, c))
 
 
+def glu_moe(net: Net, x, layer: int, resid):
+    """Gemma 4's FFN with experts: its dense GeGLU FFN of x (the ffn_norm of the residual
+    stream resid), normed by post_ffw_norm_1, plus routed experts of pre_ffw_norm_2(resid),
+    routed by ffn_gate_inp's logits of resid RMS-normed (no weight), times 1/sqrt(n_embd) and
+    ffn_gate_inp.scale, normed by post_ffw_norm_2."""
+    cfg = net.cfg
+    p = f"blk.{layer}."
+    dense = _norm(net, glu(net, x, layer), p + "post_ffw_norm_1.weight")
+    route = ops.scale(ops.rms_norm(resid, cfg.norm_eps, numerics=net.numerics), 1.0 / math.sqrt(cfg.dim))
+    logits = linear(net, ops.mul(route, net.params[p + "ffn_gate_inp.scale"]), p + "ffn_gate_inp.weight")
+    routed = experts(net, _norm(net, resid, p + "pre_ffw_norm_2.weight"), layer, logits)
+    return ops.add(dense, _norm(net, routed, p + "post_ffw_norm_2.weight"))
+
+
 # the mixers and FFNs a family's layer_kinds may name: mixer(net, x, layer, inputs, options,
-# keep) and ffn(net, x, layer), each (B, T, C) -> (B, T, C)
+# keep) and ffn(net, x, layer, resid) (x the ffn_norm of the residual stream resid), each
+# (B, T, C) -> (B, T, C)
 MIXERS = {"attention": attention, "shortconv": shortconv}
-FFNS = {"glu": glu, "moe": moe}
+FFNS = {"glu": glu, "moe": moe, "glu_moe": glu_moe}
 # what incremental decoding keeps of each mixer's layer: (cfg, layer, n_ctx) -> the shapes of
 # its persistent tensors (Inputs.cache), and the mixers whose cache is a recurrent state
 # (zeros before the first token; it cannot be cut back to an earlier position)
@@ -366,7 +400,7 @@ def block(net: Net, x, layer: int, inp: Inputs, opt: Options, pl=None):
     x = ops.add(x, a)
     if keep is not None:
         keep(x)
-    f = FFNS[ffn](net, _norm(net, x, p + "ffn_norm.weight"), layer)
+    f = FFNS[ffn](net, _norm(net, x, p + "ffn_norm.weight"), layer, x)
     if fam.post_norms:
         f = _norm(net, f, p + "post_ffw_norm.weight")
     if cfg.residual_scale:

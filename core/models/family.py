@@ -95,6 +95,14 @@ BLOCK_SHAPES = {
     "ffn_gate_exps.weight": lambda c, i: (c.experts, c.expert_ff or c.at("ff", i), c.dim),
     "ffn_up_exps.weight": lambda c, i: (c.experts, c.expert_ff or c.at("ff", i), c.dim),
     "ffn_down_exps.weight": lambda c, i: (c.experts, c.dim, c.expert_ff or c.at("ff", i)),
+    # gemma4's experts: their gate and up stacked in one matrix, each expert's output scale, the router input's scale, the norms of its
+    # dense FFN's output (post_ffw_norm_1), of the experts' input and output (pre/post_ffw_norm_2)
+    "ffn_down_exps.scale": lambda c, i: (c.experts,),
+    "ffn_gate_up_exps.weight": lambda c, i: (c.experts, 2 * c.expert_ff, c.dim),     # gate | up rows
+    "ffn_gate_inp.scale": lambda c, i: (c.dim,),
+    "pre_ffw_norm_2.weight": lambda c, i: (c.dim,),
+    "post_ffw_norm_1.weight": lambda c, i: (c.dim,),
+    "post_ffw_norm_2.weight": lambda c, i: (c.dim,),
 }
 # block tensors stored under another name than their table entry
 STORED_AS = {"ffn_gate_up.weight": "ffn_up.weight", "attn_q_norm_full.weight": "attn_q_norm.weight",
@@ -162,7 +170,7 @@ class Family:
     mixer, ffn: the layers every block builds, by their names in the decoder's MIXERS and FFNS
     ("attention", "shortconv"; "glu"); layers: (cfg, layer) -> (mixer, ffn) where the kind
     varies from layer to layer (None: every layer is (mixer, ffn)). layer_kinds(cfg, i)
-    answers for both. mixer_tensors: {mixer: the block tensors only its layers have} where
+    answers for both. kind_tensors: {mixer or FFN: the block tensors only its layers have} where
     layers differ (block lists them all; block_of(cfg, i) gives layer i's).
     output_norm: the final norm's tensor (LFM2 names it token_embd_norm).
     moe_norm: the "moe" FFN divides its k gate weights by their sum (llama.cpp's norm_w, which
@@ -196,7 +204,7 @@ class Family:
     mixer: str = "attention"
     ffn: str = "glu"
     layers: Callable | None = None
-    mixer_tensors: dict = field(default_factory=dict)
+    kind_tensors: dict = field(default_factory=dict)
     output_norm: str = OUTPUT_NORM
     scratch: Callable | None = None
     v_from_k: bool = False
@@ -215,7 +223,7 @@ class Family:
             raise ValueError(f"family {self.arch}: LoRA target {bad[0]!r} is not a block weight")
         if self.act not in ACTIVATIONS or self.rope_mode not in ("norm", "neox"):
             raise ValueError(f"family {self.arch}: act {self.act!r}, rope_mode {self.rope_mode!r}")
-        own = [n for names in self.mixer_tensors.values() for n in names if n not in self.block]
+        own = [n for names in self.kind_tensors.values() for n in names if n not in self.block]
         if own:
             raise ValueError(f"family {self.arch}: mixer tensor {own[0]!r} is not in its block")
 
@@ -225,9 +233,9 @@ class Family:
 
     def block_of(self, cfg, layer: int) -> tuple:
         """The tensor names (BLOCK_SHAPES keys) of block `layer`, in the block's order: all but
-        those of the mixers the layer does not build."""
-        mixer = self.layer_kinds(cfg, layer)[0]
-        others = {n for m, names in self.mixer_tensors.items() if m != mixer for n in names}
+        those of the kinds (mixers, FFNs) the layer does not build."""
+        kinds = self.layer_kinds(cfg, layer)
+        others = {n for m, names in self.kind_tensors.items() if m not in kinds for n in names}
         if not cfg.per_layer_dim:
             others |= set(PER_LAYER_BLOCK)
         if cfg.kv_source(layer) != layer:

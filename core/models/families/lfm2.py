@@ -30,7 +30,7 @@ def _scratch(layers: int, kv_heads: int, ctx: int) -> dict:
 
 
 FAMILY = Family(arch="lfm2", rope_mode="neox", block=("attn_norm.weight",) + _ATTENTION + _SHORTCONV + _FFN,
-                layers=_layers, mixer_tensors={"attention": _ATTENTION, "shortconv": _SHORTCONV},
+                layers=_layers, kind_tensors={"attention": _ATTENTION, "shortconv": _SHORTCONV},
                 output_norm="token_embd_norm.weight", scratch=_scratch,
                 lora_targets=LLAMA_TARGETS + ("shortconv.in_proj", "shortconv.out_proj"),
                 keys=(Key("shortconv_l", "shortconv.l_cache", unset=3, required=True),))
