@@ -19,6 +19,7 @@
     S(attention_fwd_f32) S(attention_bwd_f32)                                                  \
     X(conv2d_fwd_f32) S(conv2d_weight_bwd_f32) S(conv2d_input_bwd_f32)                         \
     X(causal_conv1d_fwd_f32) X(causal_conv1d_input_bwd_f32) X(causal_conv1d_weight_bwd_f32)    \
+    S(delta_rule_fwd_f32) S(delta_rule_bwd_f32)                                                \
     S(matmul_fwd_f32)                                                                          \
     S(matmul_fwd_f32_f16) S(matmul_fwd_f32_bf16) S(matmul_fwd_f32_q4_0) S(matmul_fwd_f32_q4_1) \
     S(matmul_fwd_f32_q5_0) S(matmul_fwd_f32_q5_1) S(matmul_fwd_f32_q8_0)                       \
