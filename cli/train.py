@@ -52,6 +52,16 @@ def _kv_heads(arch: str, layers: int, heads: int, kv_heads: int | None):
     return pattern(layers, kv) if pattern is not None else kv
 
 
+def _scratch_fields(arch: str, layers: int, dim: int, heads: int, kv_heads: int | None, head_dim: int | None) -> dict:
+    """The family's own fields of a model built from scratch: its required keys' unset values,
+    then what Family.scratch derives from the sizes given."""
+    fam = FAMILIES[arch]
+    out = {k.field: k.unset for k in fam.keys if k.required and k.unset is not None}
+    if fam.scratch is not None:
+        out.update(fam.scratch(layers, dim, heads, heads if kv_heads is None else kv_heads, head_dim or dim // heads))
+    return out
+
+
 Arch, ARCH = choice("llama", "--arch", values=tuple(sorted(FAMILIES)), panel=MODEL,
                     help="The model family (its graph and GGUF layout).")
 
@@ -129,7 +139,8 @@ def train(
     else:
         model_cfg = ModelConfig(**start.model_config) if start else ModelConfig(
             vocab=tok.n_vocab, dim=dim, layers=layers, heads=heads, kv_heads=_kv_heads(arch, layers, heads, kv_heads),
-            ff=ff, ctx=ctx, arch=arch, head_dim=head_dim or 0)
+            ff=ff, ctx=ctx, arch=arch, head_dim=head_dim or 0,
+            **_scratch_fields(arch, layers, dim, heads, kv_heads, head_dim))
     train_ids, val_ids = split_tokens(corpus.ids, val_split, model_cfg.ctx)
     if ckpt is None:
         per_epoch = TokenWindows(train_ids, model_cfg.ctx, batch * world.size, seed).windows_per_epoch

@@ -158,7 +158,7 @@ def config_from_kv(f: GGUFFile) -> dict:
         rest = key[len(a) + 1:]
         if key in by_key and by_key[key].field == "window_pattern" and f.kv[key].type == VT.ARRAY:
             values["window_pattern"] = _pattern(f, key)
-        elif key in by_key and by_key[key].per_layer and f.kv[key].type == VT.ARRAY:
+        elif key in by_key and (by_key[key].per_layer or by_key[key].array) and f.kv[key].type == VT.ARRAY:
             values[by_key[key].field] = _numbers(f, key, by_key[key].type == "f32")
         elif key in by_key:
             values[by_key[key].field] = _number(f, key, by_key[key].type == "f32")

@@ -61,6 +61,12 @@ CASES = {
     # longer than LFM2's 3 in the tiny case (its windows of 5-7 tokens), its own output there
     "lfm2": Case(dict(arch="lfm2", layers=3, kv_heads=(2, 0, 0), shortconv_l=4),
                  dict(arch="lfm2", layers=3, kv_heads=(0, 2, 0), tied=True)),
+    # qwen35: DeltaNet layers 0, 2 and gated attention in 1, 3 (interval 2); V heads sharing K
+    # heads (4 over 2), partial rotation by rope sections covering the rotated pairs
+    "qwen35": Case(dict(arch="qwen35", layers=4, head_dim=8, rope_dims=4, ssm_conv=4, ssm_state=8, ssm_groups=2,
+                        ssm_heads=4, ssm_inner=32, attn_interval=2, rope_sections=(1, 1, 0, 0)),
+                   dict(arch="qwen35", layers=4, head_dim=16, rope_dims=8, ssm_conv=4, ssm_state=16, ssm_groups=1,
+                        ssm_heads=2, ssm_inner=32, attn_interval=2, rope_sections=(2, 1, 1, 0), tied=True)),
 }
 TINY_CASES = {name: c.tiny for name, c in CASES.items() if c.tiny is not None}
 INTEROP_CASES = {name: c.interop for name, c in CASES.items() if c.interop is not None}
@@ -74,4 +80,6 @@ ORACLE = {
     "smollm3": dict(no_rope_every=4),
     "granite": dict(),
     "lfm2": dict(neox=True, final_norm="token_embd_norm.weight"),
+    # (its delta rule, sigmoid and softplus are exact f32, not llama.cpp's float order)
+    "qwen35": dict(neox=True, ffn_norm="post_attention_norm.weight", llama_bits=False),
 }

@@ -22,7 +22,9 @@ class Key:
     a writer states it only where it differs (None: stated always; a required key is stated
     always, and unset is then the value a model built from scratch gets). required: a file
     must state it. per_layer: a file may give one value per layer, an array (llama.cpp's
-    get_key_or_arr); the field then holds a tuple (ModelConfig.at reads layer i's value)."""
+    get_key_or_arr); the field then holds a tuple (ModelConfig.at reads layer i's value).
+    array: the key is an array of values that are not per layer (a tuple; ModelConfig checks
+    its length)."""
 
     field: str
     key: str
@@ -30,6 +32,7 @@ class Key:
     unset: object = None
     required: bool = False
     per_layer: bool = False
+    array: bool = False
 
     def __post_init__(self):
         if self.type not in ("u32", "f32"):
@@ -79,9 +82,24 @@ BLOCK_SHAPES = {
     "shortconv.in_proj.weight": lambda c, i: (3 * c.dim, c.dim),
     "shortconv.conv.weight": lambda c, i: (c.dim, c.shortconv_l),
     "shortconv.out_proj.weight": lambda c, i: (c.dim, c.dim),
+    # Qwen3.5's gated attention: q | gate rows per head (2D rows a head), stored as attn_q
+    "attn_q_gate.weight": lambda c, i: (2 * c.heads * c.head_dim, c.dim),
+    # Qwen3.5's gated DeltaNet: q | k | v rows (K heads of ssm_state for q and k, V heads for
+    # v) into the causal convolution (ggml's {conv_kernel, channels}), the output gate z, beta
+    # and alpha (one a V head), the decay's bias and -exp(A_log), the gated norm, out
+    "ssm_qkv.weight": lambda c, i: (c.ssm_channels, c.dim),
+    "attn_gate.weight": lambda c, i: (c.ssm_heads * c.ssm_state, c.dim),
+    "ssm_conv1d.weight": lambda c, i: (c.ssm_channels, c.ssm_conv),
+    "ssm_dt.bias": lambda c, i: (c.ssm_heads,),
+    "ssm_a": lambda c, i: (c.ssm_heads,),
+    "ssm_beta.weight": lambda c, i: (c.ssm_heads, c.dim),
+    "ssm_alpha.weight": lambda c, i: (c.ssm_heads, c.dim),
+    "ssm_norm.weight": lambda c, i: (c.ssm_state,),
+    "ssm_out.weight": lambda c, i: (c.dim, c.ssm_heads * c.ssm_state),
 }
 # block tensors stored under another name than their table entry
-STORED_AS = {"ffn_gate_up.weight": "ffn_up.weight"}
+STORED_AS = {"ffn_gate_up.weight": "ffn_up.weight", "attn_q_gate.weight": "attn_q.weight",
+             "ssm_qkv.weight": "attn_qkv.weight"}
 
 # the llama block: the base every family here starts from. The order is the one tensors are
 # written and initialised in (init_params draws them in it, so a seed gives the same model as
@@ -137,10 +155,13 @@ class Family:
     varies from layer to layer (None: every layer is (mixer, ffn)). layer_kinds(cfg, i)
     answers for both. mixer_tensors: {mixer: the block tensors only its layers have} where
     layers differ (block lists them all; block_of(cfg, i) gives layer i's).
-    output_norm: the final norm's tensor (LFM2 names it token_embd_norm).
+    output_norm: the final norm's tensor (LFM2 names it token_embd_norm). ffn_norm: the norm
+    before the FFN (Qwen3.5 stores it as post_attention_norm).
     scratch_kv_heads: (layers, kv_heads) -> the per-layer KV heads of a model built from
     scratch with one count given, where the family mixes layers by them (None: that count
     in every layer).
+    scratch: (layers, dim, heads, kv_heads, head_dim) -> the family's own fields of a model built from
+    scratch that no key's unset value gives (None: none).
     """
 
     arch: str
@@ -162,7 +183,9 @@ class Family:
     layers: Callable | None = None
     mixer_tensors: dict = field(default_factory=dict)
     output_norm: str = OUTPUT_NORM
+    ffn_norm: str = "ffn_norm.weight"
     scratch_kv_heads: Callable | None = None
+    scratch: Callable | None = None
 
     def __post_init__(self):
         unknown = [n for n in self.block if n not in BLOCK_SHAPES]
@@ -209,7 +232,13 @@ class Family:
 
     @property
     def post_norms(self) -> bool:
-        return "post_attention_norm.weight" in self.block
+        """Norms after the mixer and after the FFN (gemma3's post_attention_norm, post_ffw_norm)."""
+        return "post_ffw_norm.weight" in self.block
+
+    @property
+    def q_gate(self) -> bool:
+        """attn_q gives q | gate per head and sigmoid(gate) scales the attention's output."""
+        return "attn_q_gate.weight" in self.block
 
     @property
     def all_keys(self) -> dict:
