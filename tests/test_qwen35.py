@@ -2,6 +2,8 @@
 float64 oracle): its files as our writer writes them, read by gguf-py; packed samples through
 the convolution and the delta rule; the decoder's recurrent state against whole windows; the
 delta rule fed in pieces from a carried state; bad files refused in one line."""
+import json
+
 import gguf
 import numpy as np
 import pytest
@@ -13,13 +15,15 @@ from ggtrain.core.models.config import ModelConfig, param_shapes
 from ggtrain.core.models.decoder import Inputs, Net, forward
 from ggtrain.core.models.inference import Decoder, Runner
 from ggtrain.errors import ConfigError
+from ggtrain.formats.gguf import read_gguf
+from ggtrain.formats.model import validate_model
 from ggtrain.formats.model_file import save_model
 from ggtrain.formats.tokenizer import ByteTokenizer
 from tests import np_decoder, refs
 from tests.family_cases import BASE, INTEROP_CASES, TINY, TINY_CASES
-from tests.interop import run_cli
+from tests.interop import open_llm, run_cli
 from tests.test_decoder import family_params
-from tests.test_families import TEXT, write_with_gguf_py
+from tests.test_families import NLL_ATOL, TEXT, _their_nll, write_with_gguf_py
 
 
 def _tiny():
@@ -152,3 +156,50 @@ def test_bad_qwen35_file_is_one_line_and_writes_nothing(tmp_path, damage, messag
     assert r.returncode == 1 and "Traceback" not in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and message in r.stderr, r.stderr
     assert str(path) in r.stderr and not out.exists()
+
+
+def _with_recurrent_layers(tmp_path, pattern):
+    """The interop case's file (gguf-py) with attention.recurrent_layers = pattern in place of
+    full_attention_interval, as the converter writes models whose config lists layer types."""
+    tok = ByteTokenizer()
+    cfg = ModelConfig(vocab=tok.n_vocab, **{**BASE, **INTEROP_CASES["qwen35"]})
+    weights = family_params(cfg, seed=3, std=0.3)
+    write_with_gguf_py(tmp_path / "src.gguf", cfg, weights, tok)
+    f = read_gguf(tmp_path / "src.gguf")
+    path = tmp_path / "rec.gguf"
+    w = gguf.GGUFWriter(str(path), "qwen35")
+    for key, v in f.kv.items():
+        if key.startswith(("general.architecture", "GGUF.")) or key == "qwen35.full_attention_interval":
+            continue
+        value = v.value.tolist() if isinstance(v.value, np.ndarray) else v.value
+        w.add_key_value(key, value, v.type, sub_type=getattr(v, "item_type", None))
+    w.add_array("qwen35.attention.recurrent_layers", list(pattern))
+    for name, arr in weights.items():
+        w.add_tensor(name, arr)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path, cfg, tok
+
+
+def test_recurrent_layers_array_gives_the_layer_kinds(llama, tmp_path):
+    """attention.recurrent_layers (one bool a layer, llama.cpp reads it before
+    full_attention_interval) in place of the interval: the same model, and llama.cpp's NLL."""
+    path, cfg, tok = _with_recurrent_layers(tmp_path, [True, False, True, False])
+    assert validate_model(read_gguf(path)).config == cfg
+    data = tmp_path / "t.txt"
+    data.write_text(TEXT)
+    r = run_cli("eval", "--model", path, "--data", data, "--json", "--threads", 2)
+    assert r.returncode == 0, r.stderr
+    ids = tok.encode(TEXT, add_bos=tok.add_bos)
+    assert json.loads(r.stdout)["nll"] == pytest.approx(_their_nll(open_llm(llama, path), ids)[1], abs=NLL_ATOL)
+
+
+def test_recurrent_layers_not_every_nth_attending_are_refused(tmp_path):
+    path, _, _ = _with_recurrent_layers(tmp_path, [True, True, False, False])
+    data = tmp_path / "t.txt"
+    data.write_text(TEXT)
+    r = run_cli("eval", "--model", path, "--data", data)
+    assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "qwen35.attention.recurrent_layers = [True, True, False, False]" in r.stderr, r.stderr

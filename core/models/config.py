@@ -172,6 +172,8 @@ class ModelConfig:
         of K heads); the rope sections rotate text as NEOX (IMROPE gives pair j the position of
         section j % 3 while j < 3 x its size: every pair must be in one of the first three)."""
         if "ssm_state" in fam.all_keys:
+            if self.attn_interval == 0:      # a file without full_attention_interval: llama.cpp's 4
+                object.__setattr__(self, "attn_interval", fam.all_keys["attn_interval"].unset)
             if min(self.ssm_conv, self.ssm_state, self.ssm_groups, self.ssm_heads, self.attn_interval) < 1:
                 raise ConfigError(f"{self.arch}: ssm conv_kernel {self.ssm_conv}, state_size {self.ssm_state}, "
                                   f"group_count {self.ssm_groups}, time_step_rank {self.ssm_heads} and "

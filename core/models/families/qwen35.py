@@ -1,7 +1,8 @@
 """qwen35 (Qwen3.5 dense, 0.8B to 27B): llama.cpp's LLM_ARCH_QWEN35.
 
-A hybrid: every full_attention_interval-th layer (4 in the released models) attends, the rest
-are gated DeltaNet layers (decoder.deltanet: a causal convolution over q | k | v, L2-normed q
+A hybrid: every full_attention_interval-th layer (4 where a file does not say, as in the
+released models; attention.recurrent_layers, one bool a layer, where it says so instead) attends,
+the rest are gated DeltaNet layers (decoder.deltanet: a causal convolution over q | k | v, L2-normed q
 and k, the gated delta rule, a gated RMSNorm). The attention is gated: attn_q gives q | gate
 per head and sigmoid(gate) scales the attention's output; q and k are RMS-normed per head,
 then rotated by the multi-section rope (IMROPE), which turns text positions as NEOX over
@@ -43,5 +44,5 @@ FAMILY = Family(arch="qwen35", rope_mode="neox", block=("attn_norm.weight",) + _
                       Key("ssm_state", "ssm.state_size", required=True),
                       Key("ssm_heads", "ssm.time_step_rank", required=True),
                       Key("ssm_groups", "ssm.group_count", required=True),
-                      Key("attn_interval", "full_attention_interval", unset=4, required=True),
+                      Key("attn_interval", "full_attention_interval", unset=4),
                       Key("rope_sections", "rope.dimension_sections", required=True, array=True)))
