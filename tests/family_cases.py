@@ -65,8 +65,8 @@ CASES = {
     # heads (4 over 2), partial rotation by rope sections covering the rotated pairs
     "qwen35": Case(dict(arch="qwen35", layers=4, head_dim=8, rope_dims=4, ssm_conv=4, ssm_state=8, ssm_groups=2,
                         ssm_heads=4, ssm_inner=32, attn_interval=2, rope_sections=(1, 1, 0, 0)),
-                   dict(arch="qwen35", layers=4, head_dim=16, rope_dims=8, ssm_conv=4, ssm_state=16, ssm_groups=1,
-                        ssm_heads=2, ssm_inner=32, attn_interval=2, rope_sections=(2, 1, 1, 0), tied=True)),
+                   dict(arch="qwen35", layers=4, head_dim=16, rope_dims=8, ssm_conv=4, ssm_state=8, ssm_groups=2,
+                        ssm_heads=4, ssm_inner=32, attn_interval=2, rope_sections=(2, 1, 1, 0), tied=True)),
 }
 TINY_CASES = {name: c.tiny for name, c in CASES.items() if c.tiny is not None}
 INTEROP_CASES = {name: c.interop for name, c in CASES.items() if c.interop is not None}

@@ -43,7 +43,7 @@ def test_our_file_is_qwen35_as_gguf_py_reads_it(tmp_path):
     def value(key):
         return int(r.fields[f"qwen35.{key}"].parts[-1][0])
     assert (value("ssm.conv_kernel"), value("ssm.state_size"), value("ssm.group_count"), value("ssm.time_step_rank"),
-            value("ssm.inner_size"), value("full_attention_interval")) == (4, 16, 1, 2, 32, 2)
+            value("ssm.inner_size"), value("full_attention_interval")) == (4, 8, 2, 4, 32, 2)
     sec = r.fields["qwen35.rope.dimension_sections"]
     assert sec.types == [gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.INT32]
     assert [int(sec.parts[i][0]) for i in sec.data] == [2, 1, 1, 0]
@@ -145,7 +145,7 @@ def _bad_file(tmp_path, damage: str):
 @pytest.mark.parametrize("damage,message", [
     ("no-ssm-a", "missing tensor 'blk.2.ssm_a'"),
     ("no-conv", "missing tensor 'blk.0.ssm_conv1d.weight'"),
-    ("inner", "ssm.inner_size 48 must be time_step_rank 2 x state_size 16"),
+    ("inner", "ssm.inner_size 48 must be time_step_rank 4 x state_size 8"),
 ])
 def test_bad_qwen35_file_is_one_line_and_writes_nothing(tmp_path, damage, message):
     path = _bad_file(tmp_path, damage)
