@@ -31,6 +31,7 @@ _FEATURES = (
     (lambda f: f.qkv_bias, "q/k/v biases"),
     (lambda f: f.qk_norm, "q/k norms"),
     (lambda f: f.qk_norm_full, "q/k norms over all heads"),
+    (lambda f: f.q_gate, "gated attention"),
     (lambda f: f.window_pattern, "sliding-window layers"),
     (lambda f: f.post_norms, "post-norms"),
     (lambda f: f.embed_scale, "scaled embedding"),

@@ -44,13 +44,19 @@ def _bpe_text(path: pathlib.Path) -> str:
     return decode(raw, str(path))
 
 
-def _scratch(arch: str, layers: int, heads: int, kv_heads: int | None, ctx: int) -> dict:
-    """The KV heads of a model built from scratch (--kv-heads, default --heads) and what else
-    its family lays over the layers (lfm2: attention in some layers only; gemma4: its local
-    layers)."""
+def _scratch(arch: str, layers: int, dim: int, heads: int, kv_heads: int | None, head_dim: int | None,
+             ctx: int) -> dict:
+    """The family's fields of a model built from scratch: the KV heads (--kv-heads, default
+    --heads), its required keys' unset values, then what Family.scratch lays over the layers from
+    the sizes given (lfm2: attention in some layers only; gemma4: its local layers; qwen35: its
+    DeltaNet's sizes)."""
+    fam = FAMILIES[arch]
     kv = heads if kv_heads is None else kv_heads
-    scratch = FAMILIES[arch].scratch
-    return dict(dict(kv_heads=kv), **(scratch(layers, kv, ctx) if scratch is not None else {}))
+    out = dict(kv_heads=kv, **{k.field: k.unset for k in fam.keys if k.required and k.unset is not None})
+    if fam.scratch is not None:
+        out.update(fam.scratch(dict(layers=layers, dim=dim, heads=heads, kv_heads=kv,
+                                    head_dim=head_dim or dim // heads, ctx=ctx)))
+    return out
 
 
 Arch, ARCH = choice("llama", "--arch", values=tuple(sorted(FAMILIES)), panel=MODEL,
@@ -130,7 +136,7 @@ def train(
     else:
         model_cfg = ModelConfig(**start.model_config) if start else ModelConfig(
             vocab=tok.n_vocab, dim=dim, layers=layers, heads=heads, ff=ff, ctx=ctx, arch=arch, head_dim=head_dim or 0,
-            **_scratch(arch, layers, heads, kv_heads, ctx))
+            **_scratch(arch, layers, dim, heads, kv_heads, head_dim, ctx))
     train_ids, val_ids = split_tokens(corpus.ids, val_split, model_cfg.ctx)
     if ckpt is None:
         per_epoch = TokenWindows(train_ids, model_cfg.ctx, batch * world.size, seed).windows_per_epoch

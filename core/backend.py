@@ -166,7 +166,7 @@ def fill_tensor(ffi, desc, ref: TensorRef) -> None:
 
 def fill_node(ffi, node, call: KernelCall, fn, keep: list) -> None:
     """A gt_node of `ffi` for call, its kernel fn (NULL for None); keep: what must outlive it."""
-    if len(call.srcs) > 6 or len(call.ip) > 8 or len(call.fp) > 8:
+    if len(call.srcs) > len(node.src) or len(call.ip) > len(node.ip) or len(call.fp) > len(node.fp):
         raise ShapeError(f"{call.kernel}: too many inputs or parameters")
     node.fn = ffi.NULL if fn is None else fn
     node.n_src = len(call.srcs)

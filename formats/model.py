@@ -41,6 +41,7 @@ _ITEM_TYPES = {"u32": VT.INT32, "f32": VT.FLOAT32, "bool": VT.BOOL}      # a per
 _SCALING_TYPE, _SCALING_FACTOR, _SCALE_LINEAR = "rope.scaling.type", "rope.scaling.factor", "rope.scale_linear"
 _VALUE_LENGTH = "attention.value_length"
 _VALUE_LENGTHS = {_VALUE_LENGTH: "head_dim", "attention.value_length_swa": "head_dim_swa"}   # = the key lengths
+_RECURRENT_LAYERS = "attention.recurrent_layers"     # qwen35: one bool a layer, True where recurrent
 _EXPERTS = ("expert_count", "expert_used_count")
 _ROPE_FINETUNED = "rope.scaling.finetuned"
 _HARMLESS = ("rope.scaling.original_context_length",   # read by YaRN only (refused below)
@@ -151,6 +152,18 @@ def _pattern(f: GGUFFile, key: str) -> int:
                       f"every n-th layer global, the rest local)")
 
 
+def _interval(f: GGUFFile, key: str) -> int:
+    """Recurrent layers given as one bool per layer (True: recurrent, qwen35's
+    attention.recurrent_layers), as the n of "every n-th layer attends"; FormatError for
+    another pattern."""
+    recurrent = [bool(x) for x in f.kv[key].value]
+    for n in range(1, len(recurrent) + 1):
+        if recurrent == [(i + 1) % n != 0 for i in range(len(recurrent))]:
+            return n
+    raise FormatError(f"{f.path}: {key} = {recurrent}: a layout of recurrent layers ggtrain does not apply (it "
+                      f"applies every n-th layer attending, the rest recurrent)")
+
+
 def config_from_kv(f: GGUFFile) -> dict:
     """ModelConfig keyword arguments from the keys of model file f (architecture checked),
     without `tied` and `rope_freqs` (the tensors say those).
@@ -165,16 +178,19 @@ def config_from_kv(f: GGUFFile) -> dict:
     values = {"arch": a}
     scaling, factor = "linear", None     # llama.cpp's default type when a factor is given
     lengths = {}                         # the value lengths stated
+    recurrent = None
     for key in f.kv:
         if not key.startswith(a + "."):
             continue
         rest = key[len(a) + 1:]
         if key in by_key and by_key[key].field == "window_pattern" and f.kv[key].type == VT.ARRAY:
             values["window_pattern"] = _pattern(f, key)
-        elif key in by_key and by_key[key].per_layer and f.kv[key].type == VT.ARRAY:
+        elif key in by_key and (by_key[key].per_layer or by_key[key].array) and f.kv[key].type == VT.ARRAY:
             values[by_key[key].field] = _numbers(f, key, by_key[key].type)
         elif key in by_key:
             values[by_key[key].field] = _number(f, key, by_key[key].type)
+        elif rest == _RECURRENT_LAYERS and "attn_interval" in fam.all_keys and f.kv[key].type == VT.ARRAY:
+            recurrent = _interval(f, key)    # llama.cpp reads it before full_attention_interval
         elif rest == _SCALING_TYPE:
             v = f.kv[key]
             scaling = str(v.value) if v.type == VT.STRING else None
@@ -195,6 +211,8 @@ def config_from_kv(f: GGUFFile) -> dict:
         elif rest not in _HARMLESS and rest not in fam.ignored_keys:
             raise FormatError(f"{f.path}: key {key!r} is not applied by ggtrain's {a} decoder, so the "
                               f"model would be computed wrongly (it reads {', '.join(sorted(by_key))})")
+    if recurrent is not None:
+        values["attn_interval"] = recurrent
     missing = [f"{a}.{k.key}" for k in fam.all_keys.values() if k.required and k.field not in values]
     if missing:
         raise FormatError(f"{f.path}: {a} key {missing[0]!r} is missing"

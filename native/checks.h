@@ -606,4 +606,87 @@ static inline int gt_moe_matmul_check(const gt_node *node, int kind, const char 
     return GT_OK;
 }
 
+/* delta_rule (kind 0): src0 q (B, T, Hk, Dk), src1 k (like q), src2 v (B, T, Hv, Dv), src3 g
+ * (B, T, Hv), src4 beta (B, T, Hv), then seg (B, T) i32 when ip[0], then the initial state s0
+ * (B, Hv, Dv, Dk) when ip[1]; dst o (B, T, Hv, Dv), or with a state (B, T*Hv*Dv + Hv*Dv*Dk): o,
+ * then the last state. delta_rule_bwd (kind 1): src0..4 as the forward's, src5 go (B, T, Hv,
+ * Dv), then seg when ip[0]; dst (B, T, W), W = 2 Hk Dk + Hv Dv + 2 Hv: dq | dk | dv | dg | dbeta.
+ * Hv a multiple of Hk (V head h reads K head h % Hk, as llama.cpp's repeat). All f32 but seg,
+ * all contiguous. Fills dims {B, T, Hk, Hv, Dk, Dv}, *seg and *s0 (NULL when absent). */
+static inline int gt_delta_rule_check(const gt_node *node, int kind, const char *op, int64_t dims[6],
+                                      const gt_tensor **seg, const gt_tensor **s0) {
+    const int has_seg = node->ip[0] != 0, has_state = kind == 0 && node->ip[1] != 0;
+    const int n = 5 + (kind == 1) + has_seg + has_state;
+    char a[128], b[128];
+    if (node->n_src != n) return GT_FAIL(GT_ERR_INVALID, "%s: expected %d inputs, got %d", op, n, node->n_src);
+    const gt_tensor *q = &node->src[0], *k = &node->src[1], *v = &node->src[2], *d = &node->dst;
+    GT_CHECK_F32(d, op, "dst");
+    for (int i = 0; i < 5 + (kind == 1); i++) {
+        GT_CHECK_F32(&node->src[i], op, "an input");
+        GT_TRY(gt_check_contig(&node->src[i], op, "every input"));
+    }
+    GT_TRY(gt_check_contig(d, op, "dst"));
+    if (q->ndim != 4 || v->ndim != 4 || !gt_same_shape(q, k) || v->shape[0] != q->shape[0] ||
+        v->shape[1] != q->shape[1] || q->shape[2] < 1 || v->shape[2] % q->shape[2] != 0)
+        return GT_FAIL(GT_ERR_SHAPE, "%s: expected q, k (B, T, Hk, Dk) and v (B, T, Hv, Dv) with Hv a multiple of Hk, "
+                       "got q %s, v %s", op, gt_shape_str(q, a, sizeof a), gt_shape_str(v, b, sizeof b));
+    const int64_t B = q->shape[0], T = q->shape[1], Hk = q->shape[2], Dk = q->shape[3], Hv = v->shape[2],
+                  Dv = v->shape[3];
+    for (int i = 3; i < 5; i++) {
+        const gt_tensor *t = &node->src[i];
+        if (t->ndim != 3 || t->shape[0] != B || t->shape[1] != T || t->shape[2] != Hv)
+            return GT_FAIL(GT_ERR_SHAPE, "%s: expected %s (%lld, %lld, %lld), got %s", op, i == 3 ? "g" : "beta",
+                           (long long)B, (long long)T, (long long)Hv, gt_shape_str(t, a, sizeof a));
+    }
+    if (kind == 1 && !gt_same_shape(&node->src[5], v))
+        return GT_FAIL(GT_ERR_SHAPE, "%s: expected go of v's shape %s, got %s", op, gt_shape_str(v, a, sizeof a),
+                       gt_shape_str(&node->src[5], b, sizeof b));
+    const int64_t want = kind == 1 ? 2 * Hk * Dk + Hv * Dv + 2 * Hv : has_state ? T * Hv * Dv + Hv * Dv * Dk : 0;
+    if (kind == 0 && !has_state ? !gt_same_shape(d, v)
+                                : (d->ndim != (kind == 1 ? 3 : 2) || d->shape[0] != B ||
+                                   (kind == 1 && d->shape[1] != T) || d->shape[d->ndim - 1] != want))
+        return GT_FAIL(GT_ERR_SHAPE, "%s: dst %s does not fit q %s, v %s", op, gt_shape_str(d, a, sizeof a),
+                       gt_shape_str(q, b, sizeof b), gt_shape_str(v, b, sizeof b));
+    dims[0] = B, dims[1] = T, dims[2] = Hk, dims[3] = Hv, dims[4] = Dk, dims[5] = Dv;
+    *seg = NULL;
+    *s0 = NULL;
+    int at = 5 + (kind == 1);
+    if (has_seg) {
+        const gt_tensor *m = &node->src[at++];
+        GT_TRY(gt_check_i32(m, op, "seg"));
+        GT_TRY(gt_check_contig(m, op, "seg"));
+        if (m->ndim != 2 || m->shape[0] != B || m->shape[1] != T)
+            return GT_FAIL(GT_ERR_SHAPE, "%s: expected seg (%lld, %lld) (B, T), got %s", op, (long long)B,
+                           (long long)T, gt_shape_str(m, a, sizeof a));
+        *seg = m;
+    }
+    if (has_state) {
+        const gt_tensor *s = &node->src[at];
+        GT_CHECK_F32(s, op, "s0");
+        GT_TRY(gt_check_contig(s, op, "s0"));
+        if (s->ndim != 4 || s->shape[0] != B || s->shape[1] != Hv || s->shape[2] != Dv || s->shape[3] != Dk)
+            return GT_FAIL(GT_ERR_SHAPE, "%s: expected s0 (%lld, %lld, %lld, %lld) (B, Hv, Dv, Dk), got %s", op,
+                           (long long)B, (long long)Hv, (long long)Dv, (long long)Dk, gt_shape_str(s, a, sizeof a));
+        *s0 = s;
+    }
+    return GT_OK;
+}
+
+/* Enough of delta_rule's shapes to size its memory (before any data): q (B, T, Hk, Dk), v
+ * (B, T, Hv, Dv). */
+static inline int gt_delta_rule_dims(const gt_node *node, const char *op) {
+    if (node->n_src < 5 || node->src[0].ndim != 4 || node->src[2].ndim != 4)
+        return GT_FAIL(GT_ERR_SHAPE, "%s: expected q (B, T, Hk, Dk) and v (B, T, Hv, Dv) among 5 or more inputs", op);
+    return GT_OK;
+}
+
+/* Whether row t of sample b starts a sample (the state resets): the first row, or a row whose
+ * segment differs from the row before it (packed samples). */
+GT_HD static inline int gt_dr_reset(const int32_t *seg, int64_t T, int64_t b, int64_t t) {
+    return t == 0 || (seg != NULL && seg[b * T + t] != seg[b * T + t - 1]);
+}
+
+/* delta_rule_bwd's checkpoint interval (rows between the states it keeps while recomputing). */
+#define GT_DR_CHUNK 32
+
 #endif

@@ -489,6 +489,19 @@ int gt_moe_matmul_input_bwd_f32_q4_k_sizes(const struct gt_node *node, int64_t *
 int gt_moe_matmul_input_bwd_f32_q5_k_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
 int gt_moe_matmul_input_bwd_f32_q6_k_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
 
+/* delta_rule: the gated delta rule over time (Qwen3.5's gated DeltaNet layers, llama.cpp's
+ * gated_delta_net): src0 q, src1 k (B, T, Hk, Dk), src2 v (B, T, Hv, Dv), src3 g, src4 beta
+ * (B, T, Hv) [, seg (B, T) i32 when ip[0]] [, s0 (B, Hv, Dv, Dk) when ip[1]] -> dst o (B, T, Hv,
+ * Dv) [with the last state after o: (B, T*Hv*Dv + Hv*Dv*Dk)]. Per V head h (K head h % Hk),
+ * S (Dk, Dv) from 0 (or s0; back to 0 where seg changes): S = e^g S; S += k (beta (v - S^T
+ * k))^T; o = S^T q / sqrt(Dk) (deltarule.h). delta_rule_bwd: src0..4 as the forward's, src5 go
+ * [, seg] -> dst (B, T, 2 Hk Dk + Hv Dv + 2 Hv): dq | dk | dv | dg | dbeta. All contiguous;
+ * work: the _sizes functions. */
+int gt_delta_rule_fwd_f32(const struct gt_node *node, const gt_ctx *ctx);
+int gt_delta_rule_fwd_f32_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
+int gt_delta_rule_bwd_f32(const struct gt_node *node, const gt_ctx *ctx);
+int gt_delta_rule_bwd_f32_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
+
 /* max_pool2d over NHWC, window and stride ip[0], no padding (floor):
  * src (N, H, W, C) -> dst (N, H/k, W/k, C). max_pool2d_bwd: src0 x, src1 g ->
  * dst dx; the gradient goes to the first maximum of each window (row-major

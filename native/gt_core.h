@@ -80,7 +80,7 @@ typedef struct gt_node {
     int32_t n_src;
     int32_t pad_;
     gt_tensor dst;
-    gt_tensor src[6];
+    gt_tensor src[8];        /* up to 8 inputs (delta_rule_bwd: 7) */
     int64_t ip[8];           /* integer parameters, meaning per kernel */
     float fp[8];             /* float parameters, meaning per kernel */
     void *scratch;

@@ -92,6 +92,12 @@ CASES = {
                             rope_freqs=True, experts=6, experts_used=2, expert_ff=12),
                        dict(arch="gemma4", layers=2, head_dim=16, kv_heads=2, swa_layers=(1, 0), window=8,
                             rope_freqs=True, experts=8, experts_used=2, expert_ff=32, logit_softcap=30.0)),
+    # qwen35: DeltaNet layers 0, 2 and gated attention in 1, 3 (interval 2); V heads sharing K
+    # heads (4 over 2), partial rotation by rope sections covering the rotated pairs
+    "qwen35": Case(dict(arch="qwen35", layers=4, head_dim=8, rope_dims=4, ssm_conv=4, ssm_state=8, ssm_groups=2,
+                        ssm_heads=4, ssm_inner=32, attn_interval=2, rope_sections=(1, 1, 0, 0)),
+                   dict(arch="qwen35", layers=4, head_dim=16, rope_dims=8, ssm_conv=4, ssm_state=8, ssm_groups=2,
+                        ssm_heads=4, ssm_inner=32, attn_interval=2, rope_sections=(2, 1, 1, 0), tied=True)),
 }
 # `train --arch` options of a family that cannot take the test's grouped KV heads (olmoe: llama.cpp
 # norms k over n_embd)
@@ -112,4 +118,6 @@ ORACLE = {
                    global_rope_freqs=True),
     "qwen3moe": dict(neox=True, moe_norm=True),
     "olmoe": dict(neox=True, qk_norm_full=True),
+    # (its delta rule, sigmoid and softplus are exact f32, not llama.cpp's float order)
+    "qwen35": dict(neox=True, ffn_norm="post_attention_norm.weight", llama_bits=False),
 }

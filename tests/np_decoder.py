@@ -19,6 +19,7 @@ tests/family_cases.py's ORACLE (or what its tensors and config say), never its n
 """
 import numpy as np
 
+from tests import refs
 from tests.family_cases import ORACLE
 
 
@@ -131,13 +132,37 @@ class _Tapped(np.ndarray):
         return np.asarray(x) @ np.asarray(self)
 
 
+def deltanet(a, p, q_, cfg):
+    """Qwen3.5's gated DeltaNet of normed a (B, T, C) in float64: causal conv of q | k | v then
+    silu, L2 norms (eps inside the root), the delta rule (tests/refs.py), the gated norm."""
+    hk, hv, d = cfg.ssm_groups, cfg.ssm_heads, cfg.ssm_state
+    b, t, _ = a.shape
+    mixed = a @ p[q_ + "attn_qkv.weight"].T
+    w = p[q_ + "ssm_conv1d.weight"]
+    taps = w.shape[1]
+    padded = np.concatenate([np.zeros((b, taps - 1, mixed.shape[2])), mixed], axis=1)
+    conv = sum(padded[:, k:k + t] * w[:, k] for k in range(taps))
+    conv = conv / (1 + np.exp(-conv))
+    q = conv[..., :hk * d].reshape(b, t, hk, d)
+    k = conv[..., hk * d:2 * hk * d].reshape(b, t, hk, d)
+    v = conv[..., 2 * hk * d:].reshape(b, t, hv, d)
+    q = q / np.sqrt((q * q).sum(-1, keepdims=True) + cfg.norm_eps)
+    k = k / np.sqrt((k * k).sum(-1, keepdims=True) + cfg.norm_eps)
+    beta = 1 / (1 + np.exp(-(a @ p[q_ + "ssm_beta.weight"].T)))
+    g = np.logaddexp(0, a @ p[q_ + "ssm_alpha.weight"].T + p[q_ + "ssm_dt.bias"]) * p[q_ + "ssm_a"]
+    o = refs.delta_rule(q, k, v, g, beta)
+    z = (a @ p[q_ + "attn_gate.weight"].T).reshape(b, t, hv, d)
+    o = rms_norm(o, p[q_ + "ssm_norm.weight"], cfg.norm_eps) * z / (1 + np.exp(-z))
+    return o.reshape(b, t, hv * d) @ p[q_ + "ssm_out.weight"].T
+
+
 def forward(cfg, p, tokens, pos, gelu=gelu_tanh, n_ctx=None, taps=None):
     """Logits (B, T, V). taps: a dict that gets {weight name: [the input of each of its
     products]} for the block matrices (blk.*, 2-D, not a convolution's kernel)."""
     p = {k: np.asarray(v, np.float64) for k, v in p.items()}
     if taps is not None:
         for k, v in p.items():
-            if k.startswith("blk.") and v.ndim == 2 and not k.endswith("conv.weight"):
+            if k.startswith("blk.") and v.ndim == 2 and not k.endswith(("conv.weight", "conv1d.weight")):
                 p[k] = v.view(_Tapped)
                 p[k].inputs = taps.setdefault(k, [])
     b, t = tokens.shape
@@ -175,6 +200,11 @@ def forward(cfg, p, tokens, pos, gelu=gelu_tanh, n_ctx=None, taps=None):
             x = x + short_conv(rms_norm(x, p[q_ + "attn_norm.weight"], cfg.norm_eps), p, q_)
             x = x + ffn(rms_norm(x, p[q_ + "ffn_norm.weight"], cfg.norm_eps), p, q_, facts, gelu)
             continue
+        ffn_norm = q_ + facts.get("ffn_norm", "ffn_norm.weight")
+        if q_ + "ssm_conv1d.weight" in p:            # qwen35's gated DeltaNet layer
+            x = x + deltanet(rms_norm(x, p[q_ + "attn_norm.weight"], cfg.norm_eps), p, q_, cfg)
+            x = x + ffn(rms_norm(x, p[ffn_norm], cfg.norm_eps), p, q_, facts, gelu)
+            continue
         window, pattern = getattr(cfg, "window", 0), getattr(cfg, "window_pattern", 0)
         if swa != ():                                             # gemma4: a flag a layer
             flag = swa[i] if isinstance(swa, tuple) else swa
@@ -199,6 +229,11 @@ def forward(cfg, p, tokens, pos, gelu=gelu_tanh, n_ctx=None, taps=None):
             q = qkv[..., :h * d].reshape(b, t, h, d)
             k = qkv[..., h * d:(h + hkv) * d].reshape(b, t, hkv, d)
             v = qkv[..., (h + hkv) * d:].reshape(b, t, hkv, d)
+        elif p[q_ + "attn_q.weight"].shape[0] == 2 * h * d:    # qwen35: q | gate rows per head
+            qg = proj(a, "attn_q").reshape(b, t, h, 2 * d)
+            q, gate = qg[..., :d], qg[..., d:]
+            k = proj(a, "attn_k").reshape(b, t, hkv, d)
+            v = proj(a, "attn_v").reshape(b, t, hkv, d)
         else:
             full = facts.get("qk_norm_full")             # olmoe: q and k normed over all heads at once
             qp = proj(a, "attn_q")
@@ -232,7 +267,10 @@ def forward(cfg, p, tokens, pos, gelu=gelu_tanh, n_ctx=None, taps=None):
         s = np.einsum("bqhd,bkhd->bhqk", q, k) * scale + mask
         s = np.exp(s - s.max(-1, keepdims=True))
         s /= s.sum(-1, keepdims=True)
-        o = np.einsum("bhqk,bkhd->bqhd", s, v).reshape(b, t, h * d_i)
+        o = np.einsum("bhqk,bkhd->bqhd", s, v)
+        if p[q_ + "attn_q.weight"].shape[0] == 2 * h * d_i if q_ + "attn_q.weight" in p else False:
+            o = o / (1 + np.exp(-gate))                         # qwen35's gated attention
+        o = o.reshape(b, t, h * d_i)
         a = o @ p[q_ + "attn_output.weight"].T
         if post_norms:
             a = rms_norm(a, p[q_ + "post_attention_norm.weight"], cfg.norm_eps)
@@ -240,7 +278,7 @@ def forward(cfg, p, tokens, pos, gelu=gelu_tanh, n_ctx=None, taps=None):
         if q_ + "pre_ffw_norm_2.weight" in p:          # gemma4: experts beside the dense FFN
             f = gemma4_experts(x, p, q_, facts, gelu, cfg)
         else:
-            f = ffn(rms_norm(x, p[q_ + "ffn_norm.weight"], cfg.norm_eps), p, q_, facts, gelu, cfg)
+            f = ffn(rms_norm(x, p[ffn_norm], cfg.norm_eps), p, q_, facts, gelu, cfg)
         if post_norms:
             f = rms_norm(f, p[q_ + "post_ffw_norm.weight"], cfg.norm_eps)
         x = x + f * residual

@@ -389,6 +389,27 @@ case("causal_conv1d", [In((1, 5, 4)), In((4, 2)), In((1, 5), values=np.array([[0
 case("causal_conv1d", [In((2, 6, 9)), In((3, 3))],
      lambda x, w: ops.causal_conv1d(ops.view(x, (2, 6, 3), (54, 9, 1), 6), w),
      lambda x, w: refs.causal_conv1d(x[..., 6:], w), name="strided", ops_covered=("view", "cont"))
+# the gated delta rule (Qwen3.5's gated DeltaNet): V heads sharing a K head, Dv != Dk;
+# packed samples (the state restarts where the segment changes); a window longer than the
+# backward's checkpoint interval (GT_DR_CHUNK = 32); from a carried state (generation)
+_DR = dict(ops_covered=("delta_rule_bwd", "view"))
+case("delta_rule", [In((2, 5, 1, 3)), In((2, 5, 1, 3)), In((2, 5, 2, 4)), In((2, 5, 2), -1.0, -0.05),
+                    In((2, 5, 2), 0.1, 0.9)], ops.delta_rule, refs.delta_rule, **_DR)
+case("delta_rule", [In((2, 8, 2, 3)), In((2, 8, 2, 3)), In((2, 8, 2, 3)), In((2, 8, 2), -1.0, -0.05),
+                    In((2, 8, 2), 0.1, 0.9), In((2, 8), values=_SEG, grad=False)],
+     ops.delta_rule, refs.delta_rule, name="seg", **_DR)
+case("delta_rule", [In((1, 70, 1, 2)), In((1, 70, 1, 2)), In((1, 70, 1, 2)), In((1, 70, 1), -0.3, -0.01),
+                    In((1, 70, 1), 0.1, 0.9)], ops.delta_rule, refs.delta_rule, name="long", **_DR)
+case("delta_rule", [In((2, 4, 1, 3)), In((2, 4, 1, 3)), In((2, 4, 2, 3)), In((2, 4, 2), -1.0, -0.05),
+                    In((2, 4, 2), 0.1, 0.9), In((2, 2, 3, 3))],
+     lambda q, k, v, g, b, s: ops.delta_rule_state(q, k, v, g, b, s)[0],
+     lambda q, k, v, g, b, s: refs.delta_rule(q, k, v, g, b, s0=s)[0], name="state-o", backward=False,
+     ops_covered=("view",))
+case("delta_rule", [In((2, 4, 1, 3)), In((2, 4, 1, 3)), In((2, 4, 2, 3)), In((2, 4, 2), -1.0, -0.05),
+                    In((2, 4, 2), 0.1, 0.9), In((2, 2, 3, 3))],
+     lambda q, k, v, g, b, s: ops.delta_rule_state(q, k, v, g, b, s)[1],
+     lambda q, k, v, g, b, s: refs.delta_rule(q, k, v, g, b, s0=s)[1], name="state-last", backward=False,
+     ops_covered=("view",))
 case("causal_conv1d_input_bwd", [In((5, 3)), In((2, 7, 5)), In((2, 7), ints=(0, 2))],
      lambda w, g, s: ops.apply("causal_conv1d_input_bwd", [w, g, s]),
      lambda w, g, s: _conv1d_input_grad(w, g, s), backward=False)

@@ -784,3 +784,24 @@ def moe_matmul(x, w, ids):
         for s in range(k):
             y[i, s] = w[ids[i, s]] @ x[i, 0 if x.shape[1] == 1 else s]
     return y
+def delta_rule(q, k, v, g, beta, seg=None, s0=None):
+    """The gated delta rule in float64: per V head h (K head h % Hk) a state S (Dk, Dv) from 0
+    (or s0 (B, Hv, Dv, Dk), S = s0[b, h].T), back to 0 where seg changes; S = e^g S;
+    S += k (beta (v - S^T k))^T; o = S^T q / sqrt(Dk). Returns o, or (o, last state) with s0."""
+    q, k, v, g, beta = (_f64(a) for a in (q, k, v, g, beta))
+    b, t, hk, dk = q.shape
+    hv, dv = v.shape[2], v.shape[3]
+    o = np.zeros_like(v)
+    last = np.zeros((b, hv, dv, dk))
+    for bi in range(b):
+        for h in range(hv):
+            s = np.zeros((dk, dv)) if s0 is None else _f64(s0)[bi, h].T.copy()
+            for i in range(t):
+                if (i == 0 and s0 is None) or (seg is not None and i > 0 and seg[bi, i] != seg[bi, i - 1]):
+                    s = np.zeros((dk, dv))
+                kk = k[bi, i, h % hk]
+                s = np.exp(g[bi, i, h]) * s
+                s = s + np.outer(kk, beta[bi, i, h] * (v[bi, i, h] - s.T @ kk))
+                o[bi, i, h] = s.T @ q[bi, i, h % hk] / np.sqrt(dk)
+            last[bi, h] = s.T
+    return o if s0 is None else (o, last)

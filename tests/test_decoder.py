@@ -33,6 +33,8 @@ def family_params(cfg, seed=0, std=0.1):
             init[name] = (1 + rng.normal(0, 0.2, v.shape)).astype(np.float32)
         elif name.endswith(".bias"):
             init[name] = rng.normal(0, 0.3, v.shape).astype(np.float32)
+        elif name.endswith(".ssm_a"):      # -exp(A_log): decays of several rates
+            init[name] = -np.exp(rng.normal(0, 0.5, v.shape)).astype(np.float32)
     return init
 
 

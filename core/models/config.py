@@ -61,6 +61,11 @@ class ModelConfig:
     experts, experts_used: the routed experts of each block's FFN and how many each token takes
     (expert_count, expert_used_count); expert_ff: an expert's hidden size
     (expert_feed_forward_length; 0: ff / experts_used, as llama.cpp reads a file without it).
+    Qwen3.5's gated DeltaNet (ssm.*): ssm_conv the taps of its convolution, ssm_state the
+    size of a K and V head, ssm_groups the K heads, ssm_heads the V heads (time_step_rank),
+    ssm_inner = ssm_heads * ssm_state; attn_interval: every n-th layer attends (the rest are
+    DeltaNet layers); rope_sections: the multi-section rope's four section sizes (in rotated
+    pairs), which text positions turn as NEOX when they cover every pair.
     """
 
     vocab: int
@@ -99,6 +104,13 @@ class ModelConfig:
     experts: int = 0
     experts_used: int = 0
     expert_ff: int = 0
+    ssm_conv: int = 0
+    ssm_state: int = 0
+    ssm_groups: int = 0
+    ssm_heads: int = 0
+    ssm_inner: int = 0
+    attn_interval: int = 0
+    rope_sections: tuple = ()
 
     def __post_init__(self):
         fam = family(self.arch)
@@ -149,6 +161,7 @@ class ModelConfig:
             if name not in own and getattr(self, name) != neutral:
                 raise ConfigError(f"{self.arch}: the family has no {name} (it reads "
                                   f"{', '.join(k.field for k in fam.keys) or 'only the common keys'})")
+        self._recurrent(fam)
         if self.rope_orig_ctx < 0 or not self.rope_attn_factor > 0:
             raise ConfigError(f"{self.arch}: rope_orig_ctx {self.rope_orig_ctx} must be >= 0, "
                               f"rope_attn_factor {self.rope_attn_factor} > 0")
@@ -211,7 +224,7 @@ class ModelConfig:
                 raise ConfigError(f"{self.arch}: kv_heads must be >= 1 in an attention layer, got {kv} (layer {i})")
             if attention and self.heads % kv:
                 raise ConfigError(f"{self.arch}: heads {self.heads} is not a multiple of kv_heads {kv} (layer {i})")
-            if not attention and kv:
+            if not attention and kv and isinstance(self.kv_heads, tuple):
                 raise ConfigError(f"{self.arch}: layer {i} has no attention but {kv} KV heads")
 
     def head(self, layer: int) -> int:
@@ -249,6 +262,39 @@ class ModelConfig:
             object.__setattr__(self, "expert_ff", self.at("ff", 0) // self.experts_used)
         if self.expert_ff < 1:
             raise ConfigError(f"{self.arch}: {self.arch}.{keys['expert_ff'].key} must be >= 1, got {self.expert_ff}")
+
+    def _recurrent(self, fam: Family) -> None:
+        """The gated DeltaNet's sizes agree (inner = V heads x head size, V heads a multiple
+        of K heads); the rope sections rotate text as NEOX (IMROPE gives pair j the position of
+        section j % 3 while j < 3 x its size: every pair must be in one of the first three)."""
+        if "ssm_state" in fam.all_keys:
+            if self.attn_interval == 0:      # a file without full_attention_interval: llama.cpp's 4
+                object.__setattr__(self, "attn_interval", fam.all_keys["attn_interval"].unset)
+            if min(self.ssm_conv, self.ssm_state, self.ssm_groups, self.ssm_heads, self.attn_interval) < 1:
+                raise ConfigError(f"{self.arch}: ssm conv_kernel {self.ssm_conv}, state_size {self.ssm_state}, "
+                                  f"group_count {self.ssm_groups}, time_step_rank {self.ssm_heads} and "
+                                  f"full_attention_interval {self.attn_interval} must be >= 1")
+            if self.attn_interval > self.layers:     # llama.cpp's KV cache needs an attention layer
+                raise ConfigError(f"{self.arch}: full_attention_interval {self.attn_interval} leaves none of the "
+                                  f"{self.layers} layers attending (llama.cpp needs one)")
+            if self.ssm_inner != self.ssm_heads * self.ssm_state or self.ssm_heads % self.ssm_groups:
+                raise ConfigError(f"{self.arch}: ssm.inner_size {self.ssm_inner} must be time_step_rank "
+                                  f"{self.ssm_heads} x state_size {self.ssm_state}, and time_step_rank a multiple "
+                                  f"of group_count {self.ssm_groups}")
+        if "rope_sections" in fam.all_keys:
+            sec = tuple(int(v) for v in self.rope_sections)
+            object.__setattr__(self, "rope_sections", sec)
+            covered = len(sec) == 4 and all(v >= 0 for v in sec) and all(
+                j < 3 * sec[j % 3] for j in range(self.n_rot // 2))
+            if not covered:
+                raise ConfigError(f"{self.arch}: rope.dimension_sections {list(sec)} must be 4 sizes whose first "
+                                  f"three cover the {self.n_rot // 2} rotated pairs (text positions; ggtrain "
+                                  f"rotates them as NEOX)")
+
+    @property
+    def ssm_channels(self) -> int:
+        """The DeltaNet convolution's channels: q and k (K heads) and v (V heads)."""
+        return (2 * self.ssm_groups + self.ssm_heads) * self.ssm_state
 
     def at(self, name: str, layer: int):
         """A per-layer field's value at `layer` (the field itself where it is one value)."""
@@ -309,7 +355,10 @@ def trainable(name: str) -> bool:
 
 
 # the projections that write into the residual stream
-_RESIDUAL_WRITERS = ("attn_output.weight", "ffn_down.weight", "shortconv.out_proj.weight", "ffn_down_exps.weight")
+_RESIDUAL_WRITERS = ("attn_output.weight", "ffn_down.weight", "shortconv.out_proj.weight", "ffn_down_exps.weight",
+                     "ssm_out.weight")
+# tensors that start at a constant (ssm_a: -exp(A_log) at A_log = 0, a decay of e^-softplus)
+_CONSTANT_INIT = {"ssm_a": -1.0}
 
 
 def init_params(cfg: ModelConfig, seed: int = 0, std: float = 0.02) -> dict:
@@ -321,7 +370,9 @@ def init_params(cfg: ModelConfig, seed: int = 0, std: float = 0.02) -> dict:
     rng = np.random.default_rng(seed)
     out = {}
     for name, shape in param_shapes(cfg).items():
-        if name.endswith(("norm.weight", "layer_output_scale.weight", ".scale")) or name in ROPE_CONSTANTS:
+        if name.rsplit(".", 1)[-1] in _CONSTANT_INIT:
+            out[name] = np.full(shape, _CONSTANT_INIT[name.rsplit(".", 1)[-1]], np.float32)
+        elif name.endswith(("norm.weight", "layer_output_scale.weight", ".scale")) or name in ROPE_CONSTANTS:
             out[name] = np.ones(shape, np.float32)
         elif name.endswith(".bias"):
             out[name] = np.zeros(shape, np.float32)

@@ -7,7 +7,9 @@ The layers a block builds are the family's choice (Family.layer_kinds), looked u
 MIXERS and FFNS, never branches on a family's name: a mixer is "attention" (q/k/v projections,
 + biases (qwen2), RMSNorm of q and k per head (qwen3) or over all heads (olmoe), rope (adjacent
 pairs or NEOX halves, llama 3's frequency factors, linear scaling), grouped KV heads, causal,
-1/sqrt(D) scale) or "shortconv" (LFM2), an FFN "glu" (SwiGLU or GeGLU) or "moe" (routed experts).
+1/sqrt(D) scale, Qwen3.5's output gate), "shortconv" (LFM2) or "deltanet" (Qwen3.5's gated
+DeltaNet), the last two recurrent; an FFN "glu" (SwiGLU or GeGLU), "moe" (routed experts) or
+"glu_moe" (Gemma 4's dense FFN beside routed experts).
 
 What a graph is built from is explicit: a Net (config, parameter tensors, LoRA adapters and
 the numerics it computes in), an Inputs record (token ids, positions, packed segments, the
@@ -173,7 +175,14 @@ def attention(net: Net, x, layer: int, inp: Inputs, opt: Options, keep: Callable
     local = cfg.local(layer)
     h, hkv, d = cfg.heads, cfg.at("kv_heads", layer), cfg.head(layer)
     source = cfg.kv_source(layer)
-    if fam.fused_qkv:   # one product, its q | k | v columns read as views
+    gate = None
+    if fam.q_gate:      # Qwen3.5: q | gate per head from attn_q; k, v their own
+        qg = linear(net, x, p + "attn_q.weight")                                          # (B, T, H*2D)
+        q = ops.view(qg, (b, t, h, d), (t * 2 * h * d, 2 * h * d, 2 * d, 1))
+        gate = ops.view(qg, (b, t, h, d), (t * 2 * h * d, 2 * h * d, 2 * d, 1), d)
+        k = ops.reshape(linear(net, x, p + "attn_k.weight"), (b, t, hkv, d))
+        v = ops.reshape(linear(net, x, p + "attn_v.weight"), (b, t, hkv, d))
+    elif fam.fused_qkv:   # one product, its q | k | v columns read as views
         qkv = linear(net, x, p + "attn_qkv.weight")                                      # (B, T, (H+2Hkv)*D)
         n = qkv.shape[-1]
         q = ops.view(qkv, (b, t, h, d), (t * n, n, d, 1))
@@ -225,6 +234,8 @@ def attention(net: Net, x, layer: int, inp: Inputs, opt: Options, keep: Callable
         k = ops.view(cache_k, (1, inp.n_kv, hkv, d))                                    # rows 0..n_kv-1
         v = ops.view(cache_v, (1, inp.n_kv, hkv, d))
         out = ops.attention(q, k, v, scale, pos=inp.pos, window=window, **llama)
+    if gate is not None:    # the output gated head by head: sigmoid(gate) (B, T, H, D)
+        out = ops.mul(ops.reshape(out, (b, t, h, d)), ops.sigmoid(gate))
     return linear(net, ops.reshape(out, (b, t, h * d)), p + "attn_output.weight")
 
 
@@ -265,16 +276,7 @@ def shortconv(net: Net, x, layer: int, inp: Inputs, opt: Options, keep: Callable
     else:
         if b != 1:
             raise ConfigError(f"{net.cfg.arch}: a convolution state serves one sequence, got a batch of {b}")
-        state = inp.cache[layer][0]                                                      # (L-1, C)
-        n = state.shape[0]
-        full = (n + t, c)     # the state's rows, then this step's: zeros around each, added
-        rows = ops.add(ops.view_bwd(state, full, (c, 1), 0),
-                       ops.view_bwd(ops.reshape(bx, (t, c)), full, (c, 1), n * c))             # (L-1+T, C)
-        last = ops.view(rows, (n, c), (c, 1), t * c)
-        every = state.graph.const(np.arange(n, dtype=np.int32), dtype="i32")
-        inp.writes.append(ops.set_rows(state, last, every))
-        conv = ops.causal_conv1d(ops.reshape(rows, (1, n + t, c)), w, numerics=net.numerics)
-        conv = ops.view(conv, (1, t, c), (t * c, c, 1), n * c)                         # this step's rows
+        conv = _conv_over_state(inp, layer, bx, w, net.numerics)
     return linear(net, ops.mul(gate_c, conv), p + "shortconv.out_proj.weight")
 
 
@@ -339,10 +341,72 @@ def glu_moe(net: Net, x, layer: int, resid):
     return ops.add(dense, _norm(net, routed, p + "post_ffw_norm_2.weight"))
 
 
+def _conv_over_state(inp: Inputs, layer: int, x, w, numerics: str):
+    """causal_conv1d of x (1, T, C) after the L - 1 rows before this step (the layer's state
+    inp.cache[layer][0], (L-1, C)); the step's last L - 1 rows replace the state (a write in
+    inp.writes). Returns this step's rows (1, T, C)."""
+    state = inp.cache[layer][0]
+    n, c = state.shape
+    t = x.shape[1]
+    full = (n + t, c)     # the state's rows, then this step's: zeros around each, added
+    rows = ops.add(ops.view_bwd(state, full, (c, 1), 0), ops.view_bwd(ops.reshape(x, (t, c)), full, (c, 1), n * c))
+    last = ops.view(rows, (n, c), (c, 1), t * c)
+    inp.writes.append(ops.set_rows(state, last, state.graph.const(np.arange(n, dtype=np.int32), dtype="i32")))
+    conv = ops.causal_conv1d(ops.reshape(rows, (1, n + t, c)), w, numerics=numerics)
+    return ops.view(conv, (1, t, c), (t * c, c, 1), n * c)
+
+
+def deltanet(net: Net, x, layer: int, inp: Inputs, opt: Options, keep: Callable | None):
+    """Qwen3.5's gated DeltaNet of x (B, T, C), as llama.cpp's qwen35 graph: attn_qkv to q | k
+    | v (K heads of ssm_state for q and k, V heads for v), convolved causally over time with
+    each channel's ssm_conv1d taps then silu; q and k L2-normalised per head (llama.cpp's
+    rms_norm(x, eps / n) / sqrt(n)); beta = sigmoid(ssm_beta x), the log decay g =
+    softplus(ssm_alpha x + ssm_dt.bias) * ssm_a (ssm_a = -exp(A_log)); the delta rule
+    (ops.delta_rule: V head h reads K head h % K heads, o = S^T q / sqrt(ssm_state)); each V
+    head's o RMS-normed times ssm_norm times silu(z), z = attn_gate x; ssm_out. Packed samples
+    (inp.seg) restart the convolution and the state. With a cache (one sequence): the
+    convolution's last L - 1 input rows and the state S (decoder.MIXER_CACHE), both replaced
+    by the step's (writes in inp.writes)."""
+    cfg = net.cfg
+    b, t, _ = x.shape
+    p = f"blk.{layer}."
+    hk, hv, d = cfg.ssm_groups, cfg.ssm_heads, cfg.ssm_state
+    ch = cfg.ssm_channels
+    qkv = linear(net, x, p + "attn_qkv.weight")                                          # (B, T, ch)
+    z = linear(net, x, p + "attn_gate.weight")                                           # (B, T, Hv*D)
+    beta = ops.sigmoid(linear(net, x, p + "ssm_beta.weight"))                            # (B, T, Hv)
+    alpha = ops.add(linear(net, x, p + "ssm_alpha.weight"), net.params[p + "ssm_dt.bias"])
+    g = ops.mul(ops.softplus(alpha), net.params[p + "ssm_a"])                            # (B, T, Hv)
+    w = net.params[p + "ssm_conv1d.weight"]                                              # (ch, L)
+    if inp.cache is None:
+        conv = ops.causal_conv1d(qkv, w, seg=inp.seg, numerics=net.numerics)
+    else:
+        if b != 1:
+            raise ConfigError(f"{cfg.arch}: a recurrent state serves one sequence, got a batch of {b}")
+        conv = _conv_over_state(inp, layer, qkv, w, net.numerics)
+    conv = ops.silu(conv)
+    rows = (t * ch, ch, d, 1)
+    # L2 norms as llama.cpp writes them (the eps inside the root: sum of squares + eps)
+    l2 = (lambda y: ops.scale(ops.rms_norm(ops.cont(y), cfg.norm_eps / d, numerics=net.numerics),
+                              float(np.float32(1.0) / np.sqrt(np.float32(d)))))
+    q = l2(ops.view(conv, (b, t, hk, d), rows, 0))
+    k = l2(ops.view(conv, (b, t, hk, d), rows, hk * d))
+    v = ops.cont(ops.view(conv, (b, t, hv, d), rows, 2 * hk * d))
+    if inp.cache is None:
+        o = ops.delta_rule(q, k, v, g, beta, seg=inp.seg)                                # (B, T, Hv, D)
+    else:
+        state = inp.cache[layer][1]                                                      # (Hv*D, D)
+        o, last = ops.delta_rule_state(q, k, v, g, beta, ops.reshape(state, (1, hv, d, d)))
+        every = state.graph.const(np.arange(hv * d, dtype=np.int32), dtype="i32")
+        inp.writes.append(ops.set_rows(state, ops.reshape(ops.cont(last), (hv * d, d)), every))
+    o = ops.mul(_norm(net, o, p + "ssm_norm.weight"), ops.silu(ops.reshape(z, (b, t, hv, d))))
+    return linear(net, ops.reshape(o, (b, t, hv * d)), p + "ssm_out.weight")
+
+
 # the mixers and FFNs a family's layer_kinds may name: mixer(net, x, layer, inputs, options,
 # keep) and ffn(net, x, layer, resid) (x the ffn_norm of the residual stream resid), each
 # (B, T, C) -> (B, T, C)
-MIXERS = {"attention": attention, "shortconv": shortconv}
+MIXERS = {"attention": attention, "shortconv": shortconv, "deltanet": deltanet}
 FFNS = {"glu": glu, "moe": moe, "glu_moe": glu_moe}
 # what incremental decoding keeps of each mixer's layer: (cfg, layer, n_ctx) -> the shapes of
 # its persistent tensors (Inputs.cache), and the mixers whose cache is a recurrent state
@@ -350,8 +414,10 @@ FFNS = {"glu": glu, "moe": moe, "glu_moe": glu_moe}
 MIXER_CACHE = {
     "attention": lambda cfg, i, n_ctx: [(n_ctx, cfg.at("kv_heads", i) * cfg.head(i))] * 2 if cfg.kv_source(i) == i else [],
     "shortconv": lambda cfg, i, n_ctx: [(cfg.shortconv_l - 1, cfg.dim)],
+    "deltanet": lambda cfg, i, n_ctx: [(cfg.ssm_conv - 1, cfg.ssm_channels),
+                                       (cfg.ssm_heads * cfg.ssm_state, cfg.ssm_state)],
 }
-RECURRENT = ("shortconv",)
+RECURRENT = ("shortconv", "deltanet")
 
 
 def per_layer_inputs(net: Net, x, tokens):
@@ -400,7 +466,7 @@ def block(net: Net, x, layer: int, inp: Inputs, opt: Options, pl=None):
     x = ops.add(x, a)
     if keep is not None:
         keep(x)
-    f = FFNS[ffn](net, _norm(net, x, p + "ffn_norm.weight"), layer, x)
+    f = FFNS[ffn](net, _norm(net, x, p + fam.ffn_norm), layer, x)
     if fam.post_norms:
         f = _norm(net, f, p + "post_ffw_norm.weight")
     if cfg.residual_scale:

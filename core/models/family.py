@@ -22,7 +22,9 @@ class Key:
     a writer states it only where it differs (None: stated always; a required key is stated
     always, and unset is then the value a model built from scratch gets). required: a file
     must state it. per_layer: a file may give one value per layer, an array (llama.cpp's
-    get_key_or_arr); the field then holds a tuple (ModelConfig.at reads layer i's value)."""
+    get_key_or_arr); the field then holds a tuple (ModelConfig.at reads layer i's value).
+    array: the key is an array of values that are not per layer (a tuple; ModelConfig checks
+    its length)."""
 
     field: str
     key: str
@@ -30,6 +32,7 @@ class Key:
     unset: object = None
     required: bool = False
     per_layer: bool = False
+    array: bool = False
 
     def __post_init__(self):
         if self.type not in ("u32", "f32", "bool"):
@@ -103,10 +106,25 @@ BLOCK_SHAPES = {
     "pre_ffw_norm_2.weight": lambda c, i: (c.dim,),
     "post_ffw_norm_1.weight": lambda c, i: (c.dim,),
     "post_ffw_norm_2.weight": lambda c, i: (c.dim,),
+    # Qwen3.5's gated attention: q | gate rows per head (2D rows a head), stored as attn_q
+    "attn_q_gate.weight": lambda c, i: (2 * c.heads * c.head(i), c.dim),
+    # Qwen3.5's gated DeltaNet: q | k | v rows (K heads of ssm_state for q and k, V heads for
+    # v) into the causal convolution (ggml's {conv_kernel, channels}), the output gate z, beta
+    # and alpha (one a V head), the decay's bias and -exp(A_log), the gated norm, out
+    "ssm_qkv.weight": lambda c, i: (c.ssm_channels, c.dim),
+    "attn_gate.weight": lambda c, i: (c.ssm_heads * c.ssm_state, c.dim),
+    "ssm_conv1d.weight": lambda c, i: (c.ssm_channels, c.ssm_conv),
+    "ssm_dt.bias": lambda c, i: (c.ssm_heads,),
+    "ssm_a": lambda c, i: (c.ssm_heads,),
+    "ssm_beta.weight": lambda c, i: (c.ssm_heads, c.dim),
+    "ssm_alpha.weight": lambda c, i: (c.ssm_heads, c.dim),
+    "ssm_norm.weight": lambda c, i: (c.ssm_state,),
+    "ssm_out.weight": lambda c, i: (c.dim, c.ssm_heads * c.ssm_state),
 }
 # block tensors stored under another name than their table entry
 STORED_AS = {"ffn_gate_up.weight": "ffn_up.weight", "attn_q_norm_full.weight": "attn_q_norm.weight",
-             "attn_k_norm_full.weight": "attn_k_norm.weight"}
+             "attn_k_norm_full.weight": "attn_k_norm.weight", "attn_q_gate.weight": "attn_q.weight",
+             "ssm_qkv.weight": "attn_qkv.weight"}
 
 # the llama block: the base every family here starts from. The order is the one tensors are
 # written and initialised in (init_params draws them in it, so a seed gives the same model as
@@ -172,14 +190,16 @@ class Family:
     varies from layer to layer (None: every layer is (mixer, ffn)). layer_kinds(cfg, i)
     answers for both. kind_tensors: {mixer or FFN: the block tensors only its layers have} where
     layers differ (block lists them all; block_of(cfg, i) gives layer i's).
-    output_norm: the final norm's tensor (LFM2 names it token_embd_norm).
+    output_norm: the final norm's tensor (LFM2 names it token_embd_norm). ffn_norm: the norm
+    before the FFN (Qwen3.5 stores it as post_attention_norm).
     moe_norm: the "moe" FFN divides its k gate weights by their sum (llama.cpp's norm_w, which
     each family's graph fixes: qwen3moe true, olmoe false).
     may_tie: a file may leave out output.weight, the output then the token embedding (llama.cpp
     requires it of olmoe).
-    scratch: (layers, kv_heads, ctx) -> the ModelConfig fields a model built from scratch takes
-    beyond the common ones (lfm2: per-layer KV heads, by which it mixes its layers; gemma4:
-    its local layers and window), or None.
+    scratch: (sizes) -> the ModelConfig fields a model built from scratch takes beyond the
+    common ones and its required keys' unset values, from the sizes given (a dict: layers, dim,
+    heads, kv_heads, head_dim, ctx): lfm2's per-layer KV heads, by which it mixes its layers;
+    gemma4's local layers and window; qwen35's DeltaNet sizes. None: nothing more.
     v_from_k: a layer may lack attn_v, its values then the keys' projection (before the k
     norm and rope; ModelConfig.v_from_k says which). v_norm: the values are RMS-normed per
     head, unweighted. global_rope_freqs: rope_freqs' factors rotate the global layers only
@@ -212,6 +232,7 @@ class Family:
     global_rope_freqs: bool = False
     moe_norm: bool = False
     may_tie: bool = True
+    ffn_norm: str = "ffn_norm.weight"
 
     def __post_init__(self):
         unknown = [n for n in self.block if n not in BLOCK_SHAPES]
@@ -270,7 +291,13 @@ class Family:
 
     @property
     def post_norms(self) -> bool:
-        return "post_attention_norm.weight" in self.block
+        """Norms after the mixer and after the FFN (gemma3's post_attention_norm, post_ffw_norm)."""
+        return "post_ffw_norm.weight" in self.block
+
+    @property
+    def q_gate(self) -> bool:
+        """attn_q gives q | gate per head and sigmoid(gate) scales the attention's output."""
+        return "attn_q_gate.weight" in self.block
 
     @property
     def all_keys(self) -> dict:

@@ -17,7 +17,8 @@ work) is asked of the backend when a graph is compiled, never computed here.
 Shapes are numpy order everywhere: x: (B, T, C) means batch, time, channels.
 
 The ops live in one module per kind (registry: the machinery; views, elementwise, matmul, norm,
-attention, rope, conv, moe, optim_steps; costs: the FLOPs of a node), registered as those modules are
+attention, rope, conv, moe, recurrent, optim_steps; costs: the FLOPs of a node), registered as those
+modules are
 imported here, in that order; callers use this package's names (`ops.add`, `ops.OPS`, ...).
 """
 from ggtrain.core.ops.registry import *  # noqa: F401,F403
@@ -30,6 +31,7 @@ from ggtrain.core.ops.attention import *  # noqa: F401,F403
 from ggtrain.core.ops.rope import *  # noqa: F401,F403
 from ggtrain.core.ops.conv import *  # noqa: F401,F403
 from ggtrain.core.ops.moe import *  # noqa: F401,F403
+from ggtrain.core.ops.recurrent import *  # noqa: F401,F403
 from ggtrain.core.ops.costs import *  # noqa: F401,F403
 from ggtrain.core.ops.optim_steps import *  # noqa: F401,F403
 # the core's facts the ops' callers read through ops (the optimizer's hyper-vector layout, the

@@ -205,6 +205,11 @@ def softplus(x: Tensor) -> Tensor:
     return apply("softplus", [x])
 
 
+def sigmoid(x: Tensor) -> Tensor:
+    """1 / (1 + e^-x) as exp(-softplus(-x)) (a composite: overflow-free both ways). (f32)"""
+    return exp(scale(softplus(scale(x, -1.0)), -1.0))
+
+
 def log1mexp(x: Tensor) -> Tensor:
     """log(1 - e^x) for x < 0 (log(1 - p) of a log-probability x), accurate near 0; -inf at
     0. Its gradient -e^x / (1 - e^x) = -exp(x - y) from the output. (f32)"""

@@ -31,6 +31,7 @@
     S(moe_matmul_input_bwd_f32_q3_k) S(moe_matmul_input_bwd_f32_q4_k)                          \
     S(moe_matmul_input_bwd_f32_q5_k) S(moe_matmul_input_bwd_f32_q6_k)                          \
     X(causal_conv1d_fwd_f32) X(causal_conv1d_input_bwd_f32) X(causal_conv1d_weight_bwd_f32)    \
+    S(delta_rule_fwd_f32) S(delta_rule_bwd_f32)                                                \
     S(matmul_fwd_f32)                                                                          \
     S(matmul_fwd_f32_f16) S(matmul_fwd_f32_bf16) S(matmul_fwd_f32_q4_0) S(matmul_fwd_f32_q4_1) \
     S(matmul_fwd_f32_q5_0) S(matmul_fwd_f32_q5_1) S(matmul_fwd_f32_q8_0)                       \

@@ -43,12 +43,13 @@ def _unit_scale(cfg) -> float:
     return 1.0
 
 
-def _scratch(layers: int, kv_heads: int, ctx: int) -> dict:
+def _scratch(sizes: dict) -> dict:
     """A model built from scratch: Gemma 4's five local layers to a global one, the last
     global; a window of a quarter of the context; plain rope factors (ones) for the global
     layers, which llama.cpp requires."""
-    return dict(swa_layers=tuple(int((layers - 1 - i) % 6 != 0) for i in range(layers)), window=max(1, ctx // 4),
-                rope_freqs=True)
+    layers = sizes["layers"]
+    return dict(swa_layers=tuple(int((layers - 1 - i) % 6 != 0) for i in range(layers)),
+                window=max(1, sizes["ctx"] // 4), rope_freqs=True)
 
 
 FAMILY = Family(arch="gemma4", block=_BLOCK, rope_mode="neox", act="gelu", embed_scale=True, rope_freqs=True,

@@ -25,7 +25,8 @@ def _layers(cfg, layer: int) -> tuple:
     return ("attention" if cfg.at("kv_heads", layer) else "shortconv", "glu")
 
 
-def _scratch(layers: int, kv_heads: int, ctx: int) -> dict:
+def _scratch(sizes: dict) -> dict:
+    layers, kv_heads = sizes["layers"], sizes["kv_heads"]
     return dict(kv_heads=tuple(kv_heads if i > 0 and (layers - 1 - i) % 3 == 0 else 0 for i in range(layers)))
 
 
