@@ -32,7 +32,11 @@ _FEATURES = (
     (lambda f: f.qk_norm, "q/k norms"),
     (lambda f: f.qk_norm_full, "q/k norms over all heads"),
     (lambda f: f.q_gate, "gated attention"),
-    (lambda f: f.window_pattern, "sliding-window layers"),
+    (lambda f: f.window_pattern or "swa_layers" in f.all_keys, "sliding-window layers"),
+    (lambda f: f.v_from_k, "V from K where attn_v is absent"),
+    (lambda f: f.v_norm, "V norms"),
+    (lambda f: "shared_kv" in f.all_keys, "KV shared by the last layers"),
+    (lambda f: "per_layer_dim" in f.all_keys, "per-layer embeddings"),
     (lambda f: f.post_norms, "post-norms"),
     (lambda f: f.embed_scale, "scaled embedding"),
 )
@@ -44,9 +48,11 @@ def _block(family) -> str:
     out.append("NEOX rope" if family.rope_mode == "neox" else "rope")
     out += [words(family) if callable(words) else words for has, words in _FEATURES if has(family)]
     act = {"silu": "SwiGLU", "gelu": "GeGLU"}[family.act] + (" (fused gate-up)" if family.fused_gate_up else "")
+    norm = "renormalised" if family.moe_norm else "not renormalised"
     if family.ffn == "moe":
-        norm = "renormalised" if family.moe_norm else "not renormalised"
         act = f"routed {act} experts (top-k of a softmax router, weights {norm})"
+    elif "glu_moe" in family.kind_tensors:     # experts beside the dense FFN where the file has them
+        act = f"{act}, with routed {act} experts beside it where expert_count > 0 (weights {norm})"
     out.append(act)
     return ", ".join(out)
 

@@ -1,4 +1,4 @@
-"""gemma4 (Gemma 4 text models: the dense 31B shape and the E2B/E4B layouts): llama.cpp's
+"""gemma4 (Gemma 4 text models: 31B, E2B/E4B, 26B-A4B): llama.cpp's
 LLM_ARCH_GEMMA4.
 
 Gemma 3's block (scaled embedding, q/k norms, post-attention and post-FFN norms, GeGLU,
