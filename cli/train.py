@@ -17,7 +17,7 @@ from ggtrain.cli.options import (BACKEND, CHECKPOINT_DIR, CHECKPOINTING, CONFIG,
 from ggtrain.core.data import TokenWindows, eval_windows, split_tokens
 from ggtrain.core.distributed import Shard
 from ggtrain.core.models.config import ModelConfig, init_params
-from ggtrain.core.models.families import FAMILIES
+from ggtrain.core.models.families import FAMILIES, NAMES
 from ggtrain.core.train import TextConfig, TextRun
 from ggtrain.errors import ConfigError
 from ggtrain.formats.checkpoint import Checkpoint, save_checkpoint
@@ -59,8 +59,8 @@ def _scratch(arch: str, layers: int, dim: int, heads: int, kv_heads: int | None,
     return out
 
 
-Arch, ARCH = choice("llama", "--arch", values=tuple(sorted(FAMILIES)), panel=MODEL,
-                    help="The model family (its graph and GGUF layout).")
+Arch, ARCH = choice("llama", "--arch", values=tuple(sorted(FAMILIES)), panel=MODEL, metavar="NAME",
+                    help=f"The model family (its graph and GGUF layout): {NAMES}.")
 
 
 @app.command("train", rich_help_panel="Train")
