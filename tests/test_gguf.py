@@ -649,7 +649,7 @@ def test_family_round_trip(tmp_path, arch, extra):
     (dict(extra="blk.0.attn_q.bias"), "tensor 'blk.0.attn_q.bias' is not part of a llama model"),
     (dict(extra="blk.0.ffn_gate_exps.weight"), "a mixture-of-experts model"),
     (dict(arch="gpt2"), f"architecture 'gpt2' is not supported (ggtrain computes {', '.join(sorted(FAMILIES))})"),
-    (dict(arch="qwen3moe"), "architecture 'qwen3moe' is not supported"),
+    (dict(arch="falcon"), "architecture 'falcon' is not supported"),
     (dict(skip_key="llama.block_count"), "'llama.block_count' is missing"),
     (dict(add_kv=[("llama.rope.scaling.type", "yarn", VT.STRING)]),
      "llama.rope.scaling.type = 'yarn': a rope scaling ggtrain does not implement for llama (it applies none, linear)"),
