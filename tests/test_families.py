@@ -128,6 +128,44 @@ def write_with_gguf_py(path, cfg: ModelConfig, weights: dict, tok) -> None:
     w.close()
 
 
+def check_packed_pair(cfg, weights) -> None:
+    """Two samples packed in one row (positions restarting, segments by sample): each one's
+    logits are those of the sample alone by the float64 oracle (the recurrent and attention
+    layers' packed-sample tests of each family)."""
+    from ggtrain.core.graph import Graph, Runtime
+    from ggtrain.core.models.decoder import Inputs, Net, forward
+
+    rng = np.random.default_rng(5)
+    a, b = rng.integers(0, cfg.vocab, 4), rng.integers(0, cfg.vocab, 5)
+    g = Graph()
+    params = {k: g.param(v.shape, v, name=k, trainable=False) for k, v in weights.items()}
+    tokens, pos, seg = (g.input((1, 9), "i32", name=n) for n in ("tokens", "pos", "seg"))
+    logits = forward(Net(cfg, params), Inputs(tokens, pos, seg=seg))
+    rt = Runtime(g, CpuBackend(2))
+    rt.set(tokens, np.concatenate([a, b])[None].astype(np.int32))
+    rt.set(pos, np.array([[0, 1, 2, 3, 0, 1, 2, 3, 4]], np.int32))
+    rt.set(seg, np.array([[0] * 4 + [1] * 5], np.int32))
+    plan = rt.compile([logits])
+    rt.run(plan)
+    got = plan.read(logits)[0]
+    for ids, rows in ((a, slice(0, 4)), (b, slice(4, 9))):
+        want = np_decoder.forward(cfg, weights, ids[None], np.arange(len(ids)))[0]
+        np.testing.assert_allclose(got[rows], want, rtol=1e-4, atol=1e-5)
+
+
+def check_finetune_refuses(tmp_path, path, message: str) -> str:
+    """`finetune` on a bad model file: one line naming the file and `message`, exit 1, no output.
+    Returns that line."""
+    data = tmp_path / "t.txt"
+    data.write_text(TEXT * 4)
+    out = tmp_path / "a.gguf"
+    r = run_cli("finetune", "--model", path, "--data", data, "--out", out, "--steps", 1, "--ctx", 16, "--quiet")
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and message in r.stderr, r.stderr
+    assert str(path) in r.stderr and not out.exists()
+    return r.stderr
+
+
 @pytest.fixture(scope="module", params=list(CASES))
 def family_model(request, tmp_path_factory):
     """(path, ModelConfig, f32 weights, tokenizer) of a tiny model of one family, by gguf-py."""

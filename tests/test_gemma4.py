@@ -8,18 +8,14 @@ import numpy as np
 import pytest
 
 from ggtrain.core.backend_cpu import CpuBackend
-from ggtrain.core.graph import Graph, Runtime
 from ggtrain.core.models.config import ModelConfig, param_shapes
-from ggtrain.core.models.decoder import Inputs, Net, forward
 from ggtrain.core.models.inference import Decoder, Runner
 from ggtrain.errors import ConfigError
 from ggtrain.formats.model_file import save_model
 from ggtrain.formats.tokenizer import ByteTokenizer
-from tests import np_decoder
 from tests.family_cases import BASE, INTEROP_CASES, TINY, TINY_CASES
-from tests.interop import run_cli
 from tests.test_decoder import family_params
-from tests.test_families import TEXT, write_with_gguf_py
+from tests.test_families import check_finetune_refuses, check_packed_pair, write_with_gguf_py
 
 
 def _field(r, key):
@@ -65,22 +61,7 @@ def test_packed_samples_see_only_themselves_through_shared_kv(case):
     float64 oracle), through local, global and KV-sharing layers and per-layer embeddings."""
     cfg = ModelConfig(**{**TINY, **TINY_CASES[case]})
     weights = family_params(cfg, seed=2, std=0.1)
-    rng = np.random.default_rng(5)
-    a, b = rng.integers(0, cfg.vocab, 4), rng.integers(0, cfg.vocab, 5)
-    g = Graph()
-    params = {k: g.param(v.shape, v, name=k, trainable=False) for k, v in weights.items()}
-    tokens, pos, seg = (g.input((1, 9), "i32", name=n) for n in ("tokens", "pos", "seg"))
-    logits = forward(Net(cfg, params), Inputs(tokens, pos, seg=seg))
-    rt = Runtime(g, CpuBackend(2))
-    rt.set(tokens, np.concatenate([a, b])[None].astype(np.int32))
-    rt.set(pos, np.array([[0, 1, 2, 3, 0, 1, 2, 3, 4]], np.int32))
-    rt.set(seg, np.array([[0] * 4 + [1] * 5], np.int32))
-    plan = rt.compile([logits])
-    rt.run(plan)
-    got = plan.read(logits)[0]
-    for ids, rows in ((a, slice(0, 4)), (b, slice(4, 9))):
-        want = np_decoder.forward(cfg, weights, ids[None], np.arange(len(ids)))[0]
-        np.testing.assert_allclose(got[rows], want, rtol=1e-4, atol=1e-5)
+    check_packed_pair(cfg, weights)
 
 
 @pytest.mark.parametrize("case", ["gemma4", "gemma4-e"])
@@ -133,13 +114,7 @@ def _bad_file(tmp_path, damage: str):
 ])
 def test_bad_gemma4_file_is_one_line_and_writes_nothing(tmp_path, damage, message):
     path = _bad_file(tmp_path, damage)
-    data = tmp_path / "t.txt"
-    data.write_text(TEXT * 4)
-    out = tmp_path / "a.gguf"
-    r = run_cli("finetune", "--model", path, "--data", data, "--out", out, "--steps", 1, "--ctx", 16, "--quiet")
-    assert r.returncode == 1 and "Traceback" not in r.stderr
-    assert len(r.stderr.strip().splitlines()) == 1 and message in r.stderr, r.stderr
-    assert str(path) in r.stderr and not out.exists()
+    check_finetune_refuses(tmp_path, path, message)
 
 
 _E_MODEL = dict(arch="gemma4", dim=256, layers=8, heads=4, kv_heads=(2, 2, 1, 2, 2, 1, 2, 1), head_dim=64,
