@@ -185,7 +185,7 @@ class Family:
     Post-attention / post-FFN norms and q/k norms are there when the block has their tensors.
     rope_switch: the family reads
     rope.scaling.finetuned = false as "no rope" (granite), which ggtrain refuses.
-    mixer, ffn: the layers every block builds, by their names in the decoder's MIXERS and FFNS
+    mixer, ffn: the layers every block builds, by their names in mixers.MIXERS and ffns.FFNS
     ("attention", "shortconv"; "glu"); layers: (cfg, layer) -> (mixer, ffn) where the kind
     varies from layer to layer (None: every layer is (mixer, ffn)). layer_kinds(cfg, i)
     answers for both. kind_tensors: {mixer or FFN: the block tensors only its layers have} where

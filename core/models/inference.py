@@ -140,7 +140,7 @@ class Decoder:
     returns the logits after the last one; each new token costs one token's work.
 
     The cache holds n_ctx positions (f32 keys and values per attention layer; a recurrent
-    layer's state instead: decoder.MIXER_CACHE). Plans are compiled
+    layer's state instead: mixers.MIXER_CACHE). Plans are compiled
     on demand, one per count of tokens fed at once, each attending over the whole cache:
     the attention kernels read only the rows each query sees (its position and those
     before), so one plan serves a token at any position (plans per power-of-two span of
@@ -160,7 +160,7 @@ class Decoder:
         self.chunk = chunk
         self.graph = g = Graph()
         self.net, stored = frozen_net(cfg, g, weights, adapters, numerics, kv_f16)
-        # per layer its mixer's cache (decoder.MIXER_CACHE): keys and values, or a state
+        # per layer its mixer's cache (mixers.MIXER_CACHE): keys and values, or a state
         kinds = [cfg.family.layer_kinds(cfg, i)[0] for i in range(cfg.layers)]
         self.cache = [tuple(g.state(shape, name=f"cache.{i}.{j}")
                             for j, shape in enumerate(MIXER_CACHE[kind](cfg, i, self.n_ctx)))

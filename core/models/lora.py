@@ -68,7 +68,7 @@ class LoraConfig:
 
 @dataclass(frozen=True)
 class Adapter:
-    """One weight's adapter in a graph (decoder.linear): factor tensors a (r, n_in) and b
+    """One weight's adapter in a graph (net.linear): factor tensors a (r, n_in) and b
     (n_out, r), scale (user scale * alpha / r); dropout: (p, seed tensor, salt) drops the
     adapter's input out in training (ops.dropout), None for none; fused: the backend sums the
     adapter's product onto the frozen one's in one op (ops.matmul_lora)."""

@@ -3,7 +3,7 @@ rows when the logits would be large, or fused with the output projection), and p
 weighted NLL sums for preference objectives (core/preference.py).
 
 Each takes the normed hidden states the output projection reads (decoder.forward with
-Options(head=False)) and a decoder.Net, so the logits are made a chunk at a time or not at all.
+Options(head=False)) and a net.Net, so the logits are made a chunk at a time or not at all.
 """
 from __future__ import annotations
 

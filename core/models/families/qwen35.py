@@ -2,7 +2,7 @@
 
 A hybrid: every full_attention_interval-th layer (4 where a file does not say, as in the
 released models; attention.recurrent_layers, one bool a layer, where it says so instead) attends,
-the rest are gated DeltaNet layers (decoder.deltanet: a causal convolution over q | k | v, L2-normed q
+the rest are gated DeltaNet layers (mixers.deltanet: a causal convolution over q | k | v, L2-normed q
 and k, the gated delta rule, a gated RMSNorm). The attention is gated: attn_q gives q | gate
 per head and sigmoid(gate) scales the attention's output; q and k are RMS-normed per head,
 then rotated by the multi-section rope (IMROPE), which turns text positions as NEOX over

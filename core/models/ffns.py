@@ -1,0 +1,96 @@
+"""The FFNs a block's layer may take (layer 4), by the name Family.layer_kinds gives: "glu"
+(SwiGLU or GeGLU), "moe" (routed experts) or "glu_moe" (Gemma 4's dense FFN beside routed
+experts). Each is ffn(net, x, layer, resid): x the ffn_norm of the residual stream resid,
+(B, T, C) -> (B, T, C).
+"""
+from __future__ import annotations
+
+import math
+
+from ggtrain.core import ops
+from ggtrain.core.models.net import Net, linear, norm
+
+
+def glu(net: Net, x, layer: int, resid=None):
+    """The gated FFN of x (B, T, C): down(act(gate x) * up x), act silu (SwiGLU) or gelu's
+    tanh form (GeGLU) as the family says; gate and up from one product where the family
+    fuses them (stored as ffn_up: gate | up rows)."""
+    p = f"blk.{layer}."
+    if net.cfg.family.fused_gate_up:   # one product, gate | up columns
+        gu = linear(net, x, p + "ffn_up.weight")                                          # (B, T, 2F)
+        b, t, f2 = gu.shape
+        gate = ops.view(gu, (b, t, f2 // 2), (t * f2, f2, 1))
+        up = ops.view(gu, (b, t, f2 // 2), (t * f2, f2, 1), f2 // 2)
+    else:
+        gate = linear(net, x, p + "ffn_gate.weight")
+        up = linear(net, x, p + "ffn_up.weight")
+    if net.cfg.family.act != "gelu":
+        act = ops.swiglu_ggml(gate, up) if net.llama else ops.swiglu(gate, up)
+    else:       # (llama.cpp's f16-table gelu with its 8-bit products: its numbers)
+        act = ops.geglu_f16(gate, up) if net.llama else ops.geglu(gate, up)
+    return linear(net, act, p + "ffn_down.weight")
+
+
+def moe(net: Net, x, layer: int, resid=None):
+    """The routed-expert FFN of x (B, T, C), llama.cpp's build_moe_ffn with softmax gating,
+    routed by the router's logits of x (ffn_gate_inp, one an expert): see `experts`."""
+    return experts(net, x, layer, linear(net, x, f"blk.{layer}.ffn_gate_inp.weight"))
+
+
+def experts(net: Net, x, layer: int, logits):
+    """Routed experts of x (B, T, C) by router logits (B, T, E): each token's experts_used
+    largest (ops.moe_topk), their softmax probabilities as gate weights (divided by their sum
+    where the family says: Family.moe_norm); each chosen expert's gated FFN (SwiGLU or GeGLU, as
+    the family's act) over only its tokens (ops.moe_matmul on the stacked ffn_gate/up/down_exps,
+    or gate | up rows of one ffn_gate_up_exps),
+    times its ffn_down_exps.scale where the block has one (Gemma 4), times its weight, the k
+    summed in slot order (as llama.cpp adds its views)."""
+    cfg = net.cfg
+    p = f"blk.{layer}."
+    b, t, c = x.shape
+    k = cfg.experts_used
+    numerics = net.numerics
+    ids = ops.reshape(ops.moe_topk(logits, k), (b * t, k))
+    weights = ops.reshape(ops.moe_weights(logits, ops.reshape(ids, (b, t, k)), cfg.family.moe_norm, numerics),
+                          (b * t, k, 1))
+    xs = ops.reshape(x, (b * t, 1, c))
+    fused = net.params.get(p + "ffn_gate_up_exps.weight")
+    if fused is not None:     # gate | up rows of each expert (gemma4), one product, read as views
+        gu = ops.moe_matmul(xs, fused, ids, numerics)                                        # (N, k, 2F)
+        f = gu.shape[-1] // 2
+        gate, up = (ops.view(gu, (b * t, k, f), (k * 2 * f, 2 * f, 1), j * f) for j in (0, 1))
+    else:
+        gate = ops.moe_matmul(xs, net.params[p + "ffn_gate_exps.weight"], ids, numerics)  # (N, k, F)
+        up = ops.moe_matmul(xs, net.params[p + "ffn_up_exps.weight"], ids, numerics)
+    if cfg.family.act == "gelu":
+        act = ops.geglu_f16(gate, up) if net.llama else ops.geglu(gate, up)
+    else:
+        act = ops.swiglu_ggml(gate, up) if net.llama else ops.swiglu(gate, up)
+    down = ops.moe_matmul(act, net.params[p + "ffn_down_exps.weight"], ids, numerics)    # (N, k, C)
+    scale = net.params.get(p + "ffn_down_exps.scale")
+    if scale is not None:       # each expert's output times its scalar
+        down = ops.mul(down, ops.reshape(ops.get_rows(ops.reshape(scale, (cfg.experts, 1)), ids), (b * t, k, 1)))
+    down = ops.mul(down, weights)
+    out = None
+    for s in range(k):
+        part = ops.view(down, (b * t, c), (k * c, 1), s * c)
+        out = part if out is None else ops.add(out, part)
+    return ops.reshape(out if k > 1 else ops.cont(out), (b, t, c))
+
+
+def glu_moe(net: Net, x, layer: int, resid):
+    """Gemma 4's FFN with experts: its dense GeGLU FFN of x (the ffn_norm of the residual
+    stream resid), normed by post_ffw_norm_1, plus routed experts of pre_ffw_norm_2(resid),
+    routed by ffn_gate_inp's logits of resid RMS-normed (no weight), times 1/sqrt(n_embd) and
+    ffn_gate_inp.scale, normed by post_ffw_norm_2."""
+    cfg = net.cfg
+    p = f"blk.{layer}."
+    dense = norm(net, glu(net, x, layer), p + "post_ffw_norm_1.weight")
+    route = ops.scale(ops.rms_norm(resid, cfg.norm_eps, numerics=net.numerics), 1.0 / math.sqrt(cfg.dim))
+    logits = linear(net, ops.mul(route, net.params[p + "ffn_gate_inp.scale"]), p + "ffn_gate_inp.weight")
+    routed = experts(net, norm(net, resid, p + "pre_ffw_norm_2.weight"), layer, logits)
+    return ops.add(dense, norm(net, routed, p + "post_ffw_norm_2.weight"))
+
+
+# the FFNs a family's layer_kinds may name
+FFNS = {"glu": glu, "moe": moe, "glu_moe": glu_moe}
