@@ -453,14 +453,15 @@ static inline int gt_attention_ggml_check(const gt_node *node, const char *op, i
 }
 
 /* attention's mask: ip[0] 0 none, 1 causal, 2 by position (src[im] pos (T_q,) i32), 3 by
- * segment (src[im] seg (B, T) i32, T_q == T_k), both contiguous; window ip[1] >= 0 (0: none;
- * only with a mask). After gt_attention_qkv_check. */
+ * segment (src[im] seg (B, T) i32, T_q == T_k), 4 by segment and parent (seg, then src[im + 1]
+ * parent (B, T) i32: the segment whose keys each row also sees), all contiguous; window
+ * ip[1] >= 0 (0: none; only with a mask). After gt_attention_qkv_check. */
 static inline int gt_attention_mask_check(const gt_node *node, const char *op, int im) {
     const int64_t mode = node->ip[0], window = node->ip[1];
     const int64_t B = node->src[0].shape[0], Tq = node->src[0].shape[1], Tk = node->src[1].shape[1];
     char a[128], b[128];
-    if (mode < 0 || mode > 3)
-        return GT_FAIL(GT_ERR_INVALID, "%s: expected mask ip[0] 0, 1, 2 or 3, got %lld", op, (long long)mode);
+    if (mode < 0 || mode > 4)
+        return GT_FAIL(GT_ERR_INVALID, "%s: expected mask ip[0] 0, 1, 2, 3 or 4, got %lld", op, (long long)mode);
     if (window < 0 || (window > 0 && mode == 0))
         return GT_FAIL(GT_ERR_INVALID, "%s: expected window ip[1] >= 0 (0: none; only with a mask), got %lld", op,
                        (long long)window);
@@ -479,9 +480,19 @@ static inline int gt_attention_mask_check(const gt_node *node, const char *op, i
     if (Tq != Tk)
         return GT_FAIL(GT_ERR_SHAPE, "%s: the segment mask needs T_q == T_k, got %lld and %lld", op, (long long)Tq,
                        (long long)Tk);
-    if (m->ndim != 2 || m->shape[0] != B || m->shape[1] != Tk)
-        return GT_FAIL(GT_ERR_SHAPE, "%s: expected seg (%lld, %lld) (B, T), got %s for q %s", op, (long long)B,
-                       (long long)Tk, gt_shape_str(m, a, sizeof a), gt_shape_str(&node->src[0], b, sizeof b));
+    for (int i = 0; i < (mode == 4 ? 2 : 1); i++) {
+        const char *name = i ? "parent" : "seg";
+        if (i) {
+            GT_TRY(gt_check_n_src(node, im + 2, op));
+            m = &node->src[im + 1];
+            GT_TRY(gt_check_i32(m, op, name));
+            GT_TRY(gt_check_contig(m, op, name));
+        }
+        if (m->ndim != 2 || m->shape[0] != B || m->shape[1] != Tk)
+            return GT_FAIL(GT_ERR_SHAPE, "%s: expected %s (%lld, %lld) (B, T), got %s for q %s", op, name,
+                           (long long)B, (long long)Tk, gt_shape_str(m, a, sizeof a),
+                           gt_shape_str(&node->src[0], b, sizeof b));
+    }
     return GT_OK;
 }
 

@@ -281,6 +281,13 @@ case("attention", _att_in(1, 5, 2, 2, 4) + [In((1, 5), values=np.array([[0, 1, 0
      lambda q, k, v, s: ops.attention(q, k, v, 1.1, seg=s),
      lambda q, k, v, s: refs.attention(q, k, v, 1.1, seg=s)[0], name="seg-interleaved")
 # a KV cache of 6 positions read at positions 3, 0, 5, 2
+# the tree mask: a prefix (segment 0) and two continuations (1, 2) that see it; padding (-1)
+_TREE_SEG = np.array([[0, 0, 1, 1, 2, 2, 2, -1], [0, 0, 0, 1, 2, 3, 3, 1]], np.int32)
+_TREE_PAR = np.array([[0, 0, 0, 0, 0, 0, 0, -1], [0, 0, 0, 0, 0, 1, 2, 3]], np.int32)
+case("attention", _att_in(2, 8, 2, 1, 4) + [In((2, 8), values=_TREE_SEG, grad=False),
+                                            In((2, 8), values=_TREE_PAR, grad=False)],
+     lambda q, k, v, s, p: ops.attention(q, k, v, 0.6, seg=s, parent=p),
+     lambda q, k, v, s, p: refs.attention(q, k, v, 0.6, seg=s, parent=p)[0], name="tree")
 case("attention", _att_in(1, 4, 2, 1, 4, tk=6) + [In((4,), values=np.array([3, 0, 5, 2], np.int32), grad=False)],
      lambda q, k, v, p: ops.attention(q, k, v, 0.8, pos=p),
      lambda q, k, v, p: refs.attention(q, k, v, 0.8, pos=p)[0], name="pos")

@@ -164,11 +164,15 @@ def _causal_mask(tq, tk):
     return np.arange(tk)[None, :] <= np.arange(tq)[:, None] + (tk - tq)
 
 
-def seg_mask(seg):
-    """(B, T, T) bool from seg (B, T): query i sees key j iff j <= i and seg[j] == seg[i]."""
+def seg_mask(seg, parent=None):
+    """(B, T, T) bool from seg (B, T): query i sees key j iff j <= i and seg[j] == seg[i],
+    or (tree mask, parent (B, T)) seg[j] == parent[i]."""
     seg = np.asarray(seg)
     t = seg.shape[-1]
-    return _causal_mask(t, t)[None] & (seg[:, None, :] == seg[:, :, None])
+    same = seg[:, None, :] == seg[:, :, None]
+    if parent is not None:
+        same = same | (seg[:, None, :] == np.asarray(parent)[:, :, None])
+    return _causal_mask(t, t)[None] & same
 
 
 def softmax(x, scale=1.0, causal=False, pos=None, seg=None):
@@ -200,13 +204,13 @@ def softmax_bwd(y, g, scale=1.0):
     return scale * y * (g - np.sum(g * y, axis=-1, keepdims=True))
 
 
-def attention_mask(tq, tk, b, causal=False, pos=None, seg=None, window=0):
+def attention_mask(tq, tk, b, causal=False, pos=None, seg=None, window=0, parent=None):
     """(B, 1, Tq, Tk) bool: which keys each query row sees (at most one mask given); with
     window w > 0 only keys less than w back from the query's own (i - j < w, by position
     with pos; with causal the query's own key is i + Tk - Tq)."""
     keys = np.arange(tk)[None, :]
     if seg is not None:
-        m = seg_mask(seg)[:, None]
+        m = seg_mask(seg, parent)[:, None]
         if window:
             m = m & (np.arange(tq)[:, None] - keys < window)
         return m
@@ -242,23 +246,23 @@ def _attention_probs(q, k, scale, mask):
     return p, lse
 
 
-def attention(q, k, v, scale, causal=False, pos=None, seg=None, window=0):
+def attention(q, k, v, scale, causal=False, pos=None, seg=None, window=0, parent=None):
     """(O (B, Tq, H, D), LSE (B, H, Tq)) of softmax(scale q k^T + mask) v per head, for
     q (B, Tq, H, D), k and v (B, Tk, Hkv, D)."""
     b, tq, h, _ = np.shape(q)
-    mask = attention_mask(tq, np.shape(k)[1], b, causal, pos, seg, window)
+    mask = attention_mask(tq, np.shape(k)[1], b, causal, pos, seg, window, parent)
     p, lse = _attention_probs(q, k, scale, mask)
     vv = np.repeat(_f64(v), h // np.shape(v)[2], axis=2)
     return np.einsum("bhij,bjhd->bihd", p, vv), lse
 
 
-def attention_bwd(q, k, v, g_o, scale, causal=False, pos=None, seg=None, g_lse=None, window=0):
+def attention_bwd(q, k, v, g_o, scale, causal=False, pos=None, seg=None, g_lse=None, window=0, parent=None):
     """(dq, dk, dv) of attention for upstream gradients g_o of O and g_lse of LSE."""
     q, k, v, g_o = _f64(q), _f64(k), _f64(v), _f64(g_o)
     b, tq, h, _ = q.shape
     hkv = k.shape[2]
     g = h // hkv
-    mask = attention_mask(tq, k.shape[1], b, causal, pos, seg, window)
+    mask = attention_mask(tq, k.shape[1], b, causal, pos, seg, window, parent)
     p, _ = _attention_probs(q, k, scale, mask)                    # (B, H, Tq, Tk)
     kk, vv = np.repeat(k, g, axis=2), np.repeat(v, g, axis=2)
     dp = np.einsum("bihd,bjhd->bhij", g_o, vv)

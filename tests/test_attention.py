@@ -23,7 +23,7 @@ from ggtrain.native import lib
 
 from tests import refs
 
-MODES = {"none": 0, "causal": 1, "pos": 2, "seg": 3}
+MODES = {"none": 0, "causal": 1, "pos": 2, "seg": 3, "tree": 4}
 
 
 def _f32(rng, *shape):
@@ -31,7 +31,7 @@ def _f32(rng, *shape):
 
 
 def _mask_input(mode, b, tq, tk, rng):
-    """The mask's extra input (pos or seg) and the reference's keyword, for a mode."""
+    """The mask's extra input (pos, seg, or (seg, parent)) and the reference's keywords, for a mode."""
     if mode == "pos":
         pos = rng.integers(-1, tk + 1, tq).astype(np.int32)   # -1 sees nothing, >= tk sees all
         return pos, {"pos": pos}
@@ -46,14 +46,35 @@ def _mask_input(mode, b, tq, tk, rng):
         if b > 1:
             seg[-1] = rng.integers(0, 3, tq)      # interleaved values: the key-by-key path
         return seg, {"seg": seg}
+    if mode == "tree":
+        seg, par = np.full((b, tq), -1, np.int32), np.full((b, tq), -1, np.int32)
+        for i in range(b):   # packed items: a prefix, then continuations that see it; padding
+            t, s = 0, 0
+            while t < tq:
+                n = int(rng.integers(1, max(2, tq // 3)))
+                if t + n >= tq:
+                    break
+                seg[i, t:t + n] = par[i, t:t + n] = s
+                prefix, s, t = s, s + 1, t + n
+                for _ in range(int(rng.integers(1, 5))):
+                    n = min(int(rng.integers(1, max(2, tq // 6))), tq - t)
+                    seg[i, t:t + n], par[i, t:t + n] = s, prefix
+                    s, t = s + 1, t + n
+        if b > 1:     # interleaved values and parents: the key-by-key path
+            seg[-1], par[-1] = rng.integers(0, 4, tq), rng.integers(0, 4, tq)
+        return (seg, par), {"seg": seg, "parent": par}
     return None, {"causal": mode == "causal"}
+
+
+def _extras(extra):
+    return [] if extra is None else list(extra) if isinstance(extra, tuple) else [extra]
 
 
 def fwd(q, k, v, mode, scale, extra=None, n_threads=1, window=0, **kw):
     """(O, LSE, the whole dst) of gt_attention_fwd_f32, into a NaN-filled dst."""
     b, tq, h, d = q.shape
     dst = np.full(q.size + b * h * tq, np.nan, np.float32)
-    srcs = [q, k, v] + ([extra] if extra is not None else [])
+    srcs = [q, k, v] + _extras(extra)
     run_kernel("attention_fwd_f32", dst, srcs, ip=(MODES[mode], window), fp=(scale,), n_threads=n_threads, **kw)
     return dst[:q.size].reshape(q.shape), dst[q.size:].reshape(b, h, tq), dst
 
@@ -61,7 +82,7 @@ def fwd(q, k, v, mode, scale, extra=None, n_threads=1, window=0, **kw):
 def bwd(q, k, v, y, g, mode, scale, extra=None, n_threads=1, window=0, **kw):
     """(dq, dk, dv) of gt_attention_bwd_f32 for g = dO, or all of y's gradient (flat)."""
     dst = np.full(q.size + 2 * k.size, np.nan, np.float32)
-    srcs = [q, k, v, y, g] + ([extra] if extra is not None else [])
+    srcs = [q, k, v, y, g] + _extras(extra)
     run_kernel("attention_bwd_f32", dst, srcs, ip=(MODES[mode], window), fp=(scale,), n_threads=n_threads, **kw)
     return (dst[:q.size].reshape(q.shape), dst[q.size:q.size + k.size].reshape(k.shape),
             dst[q.size + k.size:].reshape(k.shape))
@@ -82,6 +103,8 @@ SHAPES = [
     (1, 257, 257, 4, 1, 32, "causal"),
     (2, 65, 65, 2, 2, 64, "seg"),
     (2, 257, 257, 2, 1, 16, "seg"),
+    (2, 70, 70, 8, 2, 32, "tree"),
+    (3, 257, 257, 2, 1, 16, "tree"),
     (1, 7, 33, 4, 4, 8, "pos"),
     (1, 33, 257, 3, 1, 32, "pos"),
     (2, 33, 7, 2, 1, 8, "none"),
@@ -140,7 +163,8 @@ def test_quarters_no_row_sees_are_skipped(mode, window):
 
 
 @pytest.mark.parametrize("shape", [(2, 257, 257, 4, 2, 32, "causal"), (2, 130, 130, 3, 1, 40, "seg"),
-                                   (1, 9, 200, 2, 2, 16, "pos")], ids=lambda s: s[-1])
+                                   (1, 9, 200, 2, 2, 16, "pos"), (2, 200, 200, 4, 2, 32, "tree")],
+                         ids=lambda s: s[-1])
 def test_threads_bit_identical(shape):
     b, tq, tk, h, hkv, d, mode = shape
     rng = np.random.default_rng(5)
@@ -258,7 +282,10 @@ def test_bad_inputs_are_clear_errors():
         ([q, _f32(rng, 1, 4, 3, 8), _f32(rng, 1, 4, 3, 8)], 1, n, ShapeError, "H_kv dividing"),
         ([q, k, _f32(rng, 1, 5, 2, 8)], 1, n, ShapeError, "expected v of k's shape"),
         ([q, k, k], 1, n + 1, ShapeError, "O and LSE"),
-        ([q, k, k], 4, n, NativeError, "mask ip[0]"),
+        ([q, k, k], 5, n, NativeError, "mask ip[0]"),
+        ([q, k, k, np.zeros((1, 4), np.int32)], 4, n, NativeError, "expected 5 inputs"),
+        ([q, k, k, np.zeros((1, 4), np.int32), np.zeros((1, 5), np.int32)], 4, n, ShapeError,
+         "expected parent (1, 4)"),
         ([q, k, k], 3, n, NativeError, "expected 4 inputs"),
         ([q, k, k, np.zeros((1, 5), np.int32)], 3, n, ShapeError, "expected seg (1, 4)"),
         ([q, k, k, np.zeros(3, np.int32)], 2, n, ShapeError, "expected pos (4,)"),
@@ -284,6 +311,10 @@ def test_bad_inputs_are_clear_errors():
         ops.attention(tq, tk, tk, 1.0, seg=g.input((1, 5), "i32"))
     with pytest.raises(DTypeError, match="positions must be i32"):
         ops.attention(tq, tk, tk, 1.0, pos=g.input((4,)))
+    with pytest.raises(ValueError, match="goes with seg"):
+        ops.attention(tq, tk, tk, 1.0, causal=True, parent=g.input((1, 4), "i32"))
+    with pytest.raises(ValueError, match=r"window \(3\) shorter than the rows \(4\)"):
+        ops.attention(tq, tk, tk, 1.0, seg=g.input((1, 4), "i32"), parent=g.input((1, 4), "i32"), window=3)
     with pytest.raises(ShapeError, match="Hkv dividing H"):
         ops.attention(tq, g.input((1, 4, 3, 8)), g.input((1, 4, 3, 8)), 1.0)
 
@@ -291,11 +322,11 @@ def test_bad_inputs_are_clear_errors():
 # ---- against the unfused composition ---------------------------------------------------------
 
 
-def unfused_attention(q, k, v, scale, causal=False, pos=None, seg=None, with_lse=False, window=0):
+def unfused_attention(q, k, v, scale, causal=False, pos=None, seg=None, with_lse=False, window=0, parent=None):
     """ops.attention's O from matmul, softmax and permutes: the (B, H, Tq, Tk) scores and
     probabilities made whole, q, v and the output copied by permutes (grouped heads as one
     batched product per KV head). What llama.py ran before the fused op (no windows)."""
-    assert not with_lse and not window
+    assert not with_lse and not window and parent is None
     b, tq, h, d = q.shape
     tk, hkv = k.shape[1], k.shape[2]
     g = h // hkv

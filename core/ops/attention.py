@@ -11,13 +11,17 @@ from ggtrain.core.ops.registry import OpDef, _f32, _llama, _need, _no_llama_grad
 from ggtrain.core.ops.views import cont, view
 from ggtrain.core.ops.norm import _SOFTMAX_MASKS
 
+# attention's masks: softmax's, and the tree mask (segments with a parent each row also sees)
+_MASKS = {**_SOFTMAX_MASKS, "tree": 4}
+_MASK_INPUTS = {"none": 0, "causal": 0, "pos": 1, "seg": 1, "tree": 2}
+
 
 # ---- attention (fused) --------------------------------------------------------------
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool = False, pos: Tensor | None = None,
               seg: Tensor | None = None, with_lse: bool = False, window: int = 0, numerics: str = EXACT,
-              scale_q: bool = False, kv_f16: bool = False):
+              scale_q: bool = False, kv_f16: bool = False, parent: Tensor | None = None):
     """softmax(scale * q k^T + mask) v for each query head, fused (gt_attention_fwd_f32):
     no (Tq, Tk) tensor is made, here or in the backward.
 
@@ -25,7 +29,11 @@ def attention(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool = Fals
     head h // (H / Hkv)), read in place through their strides (a copy only when D is not
     the unit-stride dim). Masks as softmax's: causal, pos (Tq,) i32, or seg (B, T) i32;
     window w > 0 (with a mask): each query sees only the w keys ending at its own (query i
-    sees key j when i - j < w; by position with pos), llama.cpp's sliding window.
+    sees key j when i - j < w; by position with pos), llama.cpp's sliding window. With seg,
+    parent (B, T) i32 makes the tree mask: row i sees key j <= i when seg[., j] is seg[., i]
+    or parent[., i] (a shared prefix: each continuation's rows see the prefix's keys and their
+    own; a prefix row's parent is its own segment); segment values other than -2**31. The
+    window counts rows, so with a tree mask it must be 0 or at least T (then it is none).
     Returns O (B, Tq, H, D), or (O, LSE (B, H, Tq)) with with_lse: each row's log-sum-exp
     over the keys it sees (-inf, and O = 0, for a row that sees none). Both are views of
     one node, which is all the backward keeps (besides q, k, v).
@@ -38,13 +46,21 @@ def attention(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool = Fals
     """
     if int(bool(causal)) + (pos is not None) + (seg is not None) > 1:
         raise ValueError("attention: give one of causal, pos and seg")
+    if parent is not None and seg is None:
+        raise ValueError("attention: a parent (tree mask) goes with seg")
     qkv = [x if x.ndim == 4 and (x.strides[-1] == 1 or x.shape[-1] == 1) else cont(x) for x in (q, k, v)]
     mask = "pos" if pos is not None else "seg" if seg is not None else "causal" if causal else "none"
     extra = [pos] if pos is not None else [seg] if seg is not None else []
+    if parent is not None:
+        mask, extra = "tree", [seg, parent]
+        if window and window < q.shape[1]:
+            raise ValueError(f"attention: a window ({window}) shorter than the rows ({q.shape[1]}) with a tree "
+                             "mask (it counts rows, not positions)")
+        window = 0
     if window and mask == "none":
         raise ValueError("attention: a window needs a mask (causal, pos or seg)")
     llama = check_numerics(numerics) == LLAMA
-    if (llama and mask == "seg") or ((scale_q or kv_f16) and not llama):
+    if (llama and mask in ("seg", "tree")) or ((scale_q or kv_f16) and not llama):
         raise ValueError("attention: llama numerics take no segment mask; scale_q and kv_f16 need llama numerics")
     y = apply("attention", qkv + extra, scale=float(scale), mask=mask, window=int(window), numerics=numerics,
               scale_q=bool(scale_q), kv_f16=bool(kv_f16))
@@ -58,8 +74,7 @@ def _infer_attention(name):
         q, k, v = srcs[:3]
         _f32(name, q, k, v)
         mask = params["mask"]
-        n_in = (3 if name == "attention" else 5) + (mask in ("pos", "seg"))
-        _need(mask in _SOFTMAX_MASKS and len(srcs) == n_in, f"{name}: mask {mask!r} with {len(srcs)} inputs",
+        _need(mask in _MASKS and len(srcs) == (3 if name == "attention" else 5) + _MASK_INPUTS[mask], f"{name}: mask {mask!r} with {len(srcs)} inputs",
               ValueError)
         _need(q.ndim == 4 and k.ndim == 4 and v.shape == k.shape and k.shape[0] == q.shape[0]
               and k.shape[3] == q.shape[3] and k.shape[2] >= 1 and q.shape[2] % k.shape[2] == 0,
@@ -69,12 +84,11 @@ def _infer_attention(name):
             _need(x.strides[-1] == 1 or x.shape[-1] == 1, f"{name}: {x!r} needs unit stride along D")
         b, tq, h, d = q.shape
         tk = k.shape[1]
-        if mask in ("pos", "seg"):
-            m = srcs[-1]
+        for m in srcs[len(srcs) - _MASK_INPUTS[mask]:]:
             if m.dtype != "i32":
                 raise DTypeError(f"{name}: {'positions' if mask == 'pos' else 'segments'} must be i32, got {m.dtype}")
             _need(mask != "pos" or m.shape == (tq,), f"{name}: positions {m.shape} do not match Tq of q {q.shape}")
-            _need(mask != "seg" or (tq == tk and m.shape == (b, tq)),
+            _need(mask == "pos" or (tq == tk and m.shape == (b, tq)),
                   f"{name}: segments {m.shape} need q and k of one length T and shape (B, T) = {(b, tq)}")
         _need(mask != "causal" or tq <= tk, f"{name}: causal mask needs Tq <= Tk, got q {q.shape} and k {k.shape}")
         n_out = q.size + b * h * tq    # O, then LSE
@@ -103,11 +117,11 @@ def _attention_bwd(y, g):
             view(grads, v.shape, offset=q.size + k.size)] + [None] * len(extra)
 
 
-_attention_lower = lambda y: ((_SOFTMAX_MASKS[y.params["mask"]], y.params["window"],  # noqa: E731
+_attention_lower = lambda y: ((_MASKS[y.params["mask"]], y.params["window"],  # noqa: E731
                                _llama(y), int(y.params.get("scale_q", False)),
                                int(y.params.get("kv_f16", False))),
                               (y.params["scale"],))
 register(OpDef("attention", _infer_attention("attention"), "attention_fwd", backward=_attention_bwd,
-               lower=_attention_lower, contiguous=(3,), differentiable=(0, 1, 2)))
+               lower=_attention_lower, contiguous=(3, 4), differentiable=(0, 1, 2)))
 register(OpDef("attention_bwd", _infer_attention("attention_bwd"), "attention_bwd", lower=_attention_lower,
-               contiguous=(3, 5)))
+               contiguous=(3, 5, 6)))

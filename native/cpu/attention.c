@@ -66,7 +66,9 @@
 #define LANES GT_LANES
 #define ALIGN 64
 
-enum { MASK_NONE = 0, MASK_CAUSAL = 1, MASK_POS = 2, MASK_SEG = 3 };
+enum { MASK_NONE = 0, MASK_CAUSAL = 1, MASK_POS = 2, MASK_SEG = 3, MASK_TREE = 4 };
+/* rows.ex of a row that sees every key of its interval (no segment value is this) */
+#define SEE_ALL INT32_MIN
 
 /* Shapes and strides of one call. q (B, Tq, H, D), k and v (B, Tk, Hkv, D): strides of
  * b, t, h in elements (d has stride 1). */
@@ -78,7 +80,8 @@ typedef struct att {
     int64_t window;                 /* > 0: a query sees at most this many keys back (sliding window) */
     int pack_q, pack_k, pack_v, pack_g;   /* copy blocks of these rows before their products (crowded) */
     float scale;
-    const int32_t *pos, *seg;       /* mode MASK_POS: (Tq,); MASK_SEG: (B, Tk) */
+    const int32_t *pos, *seg;       /* mode MASK_POS: (Tq,); MASK_SEG, MASK_TREE: (B, Tk) */
+    const int32_t *par;             /* mode MASK_TREE: (B, Tq), the segment each row sees besides its own */
 } att;
 
 static int64_t align_up(int64_t n) { return (n + ALIGN - 1) / ALIGN * ALIGN; }
@@ -108,36 +111,40 @@ static int check_qkv(const gt_node *node, const char *op, int data, att *A) {
     return GT_OK;
 }
 
-/* The mask: ip[0] (0 none, 1 causal, 2 by position, 3 by segment) and its input src[im]. */
+/* The mask: ip[0] (0 none, 1 causal, 2 by position, 3 by segment, 4 by segment and parent) and its
+ * inputs src[im] (and src[im + 1]). */
 static int check_mask(const gt_node *node, const char *op, int im, att *A) {
     GT_TRY(gt_attention_mask_check(node, op, im));
     A->mode = (int)node->ip[0];
     A->window = node->ip[1];
     A->scale = node->fp[0];
     A->pos = A->mode == MASK_POS ? node->src[im].data : NULL;
-    A->seg = A->mode == MASK_SEG ? node->src[im].data : NULL;
+    A->seg = A->mode >= MASK_SEG ? node->src[im].data : NULL;
+    A->par = A->mode == MASK_TREE ? node->src[im + 1].data : NULL;
     return GT_OK;
 }
 
 /* ---- which keys each query row sees -------------------------------------------------- */
 
 /* Rows of the mask, (B, Tq) each: row r of batch b sees keys in [lo, hi] (none when
- * hi < lo); ex != 0: every key of the interval, else (segment mask, the value seen
- * before an earlier run of another) only the keys with seg[key] == seg[r]. */
+ * hi < lo); ex == SEE_ALL: every key of the interval, else (segment masks) only the keys
+ * with seg[key] == seg[r] or seg[key] == ex[r]: ex[r] is the segment the row also sees (the
+ * tree mask's parent: a shared prefix), or seg[r] itself. */
 typedef struct rows {
     int32_t *lo, *hi, *ex;
 } rows;
 
 /* Fill the rows of batches [b0, b1). Segment mask: a row's interval starts at the
  * first key with its segment value; for packed samples (contiguous runs) that is its
- * run's start and the interval is exact. */
+ * run's start and the interval is exact. Tree mask: a row whose parent is another segment
+ * starts at that segment's first key (at most its own row), and its keys are tested. */
 static void fill_rows(const att *A, rows R, int64_t b0, int64_t b1) {
     const int64_t Tq = A->Tq, Tk = A->Tk;
     for (int64_t b = b0; b < b1; b++) {
         int32_t *lo = R.lo + b * Tq, *hi = R.hi + b * Tq, *ex = R.ex + b * Tq;
-        if (A->mode == MASK_SEG) {
-            const int32_t *sg = A->seg + b * Tk;
-            int32_t first = 0, exact = 1;
+        if (A->mode >= MASK_SEG) {
+            const int32_t *sg = A->seg + b * Tk, *par = A->par ? A->par + b * Tq : NULL;
+            int32_t first = 0, exact = 1, pval = 0, pfirst = -1;
             for (int64_t r = 0; r < Tq; r++) {
                 if (r == 0 || sg[r] != sg[r - 1]) {   /* a new run: is its value seen earlier? */
                     first = (int32_t)r;
@@ -149,10 +156,24 @@ static void fill_rows(const att *A, rows R, int64_t b0, int64_t b1) {
                             break;
                         }
                 }
-                lo[r] = first;
-                if (A->window > 0 && r - A->window + 1 > first) lo[r] = (int32_t)(r - A->window + 1);
+                int32_t l = first, see = exact ? SEE_ALL : sg[r];
+                if (par && par[r] != sg[r]) {
+                    if (pfirst < 0 || par[r] != pval) {     /* the parent's first key (before r) */
+                        pval = par[r];
+                        pfirst = (int32_t)r;
+                        for (int64_t j = 0; j < r; j++)
+                            if (sg[j] == pval) {
+                                pfirst = (int32_t)j;
+                                break;
+                            }
+                    }
+                    l = pfirst < l ? pfirst : l;
+                    see = pval;
+                }
+                lo[r] = l;
+                if (A->window > 0 && r - A->window + 1 > l) lo[r] = (int32_t)(r - A->window + 1);
                 hi[r] = (int32_t)r;
-                ex[r] = exact;
+                ex[r] = see;
             }
             continue;
         }
@@ -166,7 +187,7 @@ static void fill_rows(const att *A, rows R, int64_t b0, int64_t b1) {
             h = h < -1 ? -1 : h > Tk - 1 ? Tk - 1 : h;
             lo[r] = (int32_t)(l < Tk ? l : Tk);
             hi[r] = (int32_t)h;
-            ex[r] = 1;
+            ex[r] = SEE_ALL;
         }
     }
 }
@@ -179,7 +200,7 @@ static int classify(const int32_t *lo, const int32_t *hi, const int32_t *ex, int
     for (int64_t r = 0; r < n; r++) {
         const int64_t l = lo[r], h = hi[r];
         if (h >= l && h >= c0 && l <= c1) any = 1;
-        if (!(l <= c0 && h >= c1 && ex[r])) full = 0;
+        if (!(l <= c0 && h >= c1 && ex[r] == SEE_ALL)) full = 0;
     }
     return !any ? BLOCK_SKIP : full ? BLOCK_FULL : BLOCK_PARTIAL;
 }
@@ -273,13 +294,14 @@ GT_CLONES static void block_mask_max(float *restrict cmax, float *restrict s, in
         int64_t i = 0;
         for (; i + LANES <= n; i += LANES)
             for (int k = 0; k < LANES; k++) {
-                const int vis = (key >= lo[i + k]) & (key <= hi[i + k]) & ((ex[i + k] != 0) | (segc == sq[i + k]));
+                const int vis = (key >= lo[i + k]) & (key <= hi[i + k]) &
+                                ((ex[i + k] == SEE_ALL) | (segc == sq[i + k]) | (segc == ex[i + k]));
                 const float x = vis ? sc[i + k] : -INFINITY;
                 sc[i + k] = x;
                 cmax[i + k] = x > cmax[i + k] ? x : cmax[i + k];
             }
         for (; i < n; i++) {
-            const int vis = (key >= lo[i]) & (key <= hi[i]) & ((ex[i] != 0) | (segc == sq[i]));
+            const int vis = (key >= lo[i]) & (key <= hi[i]) & ((ex[i] == SEE_ALL) | (segc == sq[i]) | (segc == ex[i]));
             const float x = vis ? sc[i] : -INFINITY;
             sc[i] = x;
             cmax[i] = x > cmax[i] ? x : cmax[i];
@@ -389,7 +411,7 @@ probs_grad_1(float *restrict sc, float *restrict dc, int64_t i, float scale, int
     const float e = gt_expf_(sc[i] - lse[i]);
     float p = e;
     if (partial) {
-        const int vis = (key >= lo[i]) & (key <= hi[i]) & ((ex[i] != 0) | (segc == sq[i]));
+        const int vis = (key >= lo[i]) & (key <= hi[i]) & ((ex[i] == SEE_ALL) | (segc == sq[i]) | (segc == ex[i]));
         p = vis ? e : 0.0f;
     }
     sc[i] = p;
@@ -414,7 +436,7 @@ probs_grad_body(float *restrict s, float *restrict dp, int64_t ld, int64_t nc, i
                 float p = e;
                 if (PARTIAL) {
                     const int vis = (key >= lo[i + k]) & (key <= hi[i + k]) &
-                                    ((ex[i + k] != 0) | (segc == sq[i + k]));
+                                    ((ex[i + k] == SEE_ALL) | (segc == sq[i + k]) | (segc == ex[i + k]));
                     p = vis ? e : 0.0f;
                 }
                 sc[i + k] = p;
@@ -444,8 +466,9 @@ block_probs_grad_512(float *restrict s, float *restrict dp, int64_t ld, int64_t 
                 const __mmask16 vis =
                     _mm512_cmpge_epi32_mask(vkey, _mm512_loadu_si512(lo + i)) &
                     _mm512_cmple_epi32_mask(vkey, _mm512_loadu_si512(hi + i)) &
-                    (_mm512_cmpneq_epi32_mask(_mm512_loadu_si512(ex + i), _mm512_setzero_si512()) |
-                     _mm512_cmpeq_epi32_mask(vseg, _mm512_loadu_si512(sq + i)));
+                    (_mm512_cmpeq_epi32_mask(_mm512_loadu_si512(ex + i), _mm512_set1_epi32(SEE_ALL)) |
+                     _mm512_cmpeq_epi32_mask(vseg, _mm512_loadu_si512(sq + i)) |
+                     _mm512_cmpeq_epi32_mask(vseg, _mm512_loadu_si512(ex + i)));
                 p = _mm512_maskz_mov_ps(vis, p);
             }
             _mm512_storeu_ps(sc + i, p);
@@ -847,7 +870,7 @@ int gt_attention_fwd_f32(const gt_node *node, const gt_ctx *ctx) {
                        (long long)(no + nl), gt_shape_str(d, a, sizeof a));
     }
     GT_TRY(gt_attention_ggml_check(node, op, 1));
-    if (node->ip[2] && A.mode == MASK_SEG)
+    if (node->ip[2] && A.mode >= MASK_SEG)
         return GT_FAIL(GT_ERR_INVALID, "%s: llama.cpp's order (ip[2]) takes no segment mask", op);
     GT_TRY(check_scratch(node, op, scratch_layout(&A, 0, NULL, NULL)));
     GT_TRY(check_work(ctx, op,

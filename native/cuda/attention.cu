@@ -43,6 +43,7 @@
 struct att {
     gt_tensor q, k, v;
     const int32_t *m;          /* pos (Tq,) or seg (B, T), or NULL */
+    const int32_t *par;        /* the tree mask's (mask 4) parent (B, T): a segment each row also sees */
     int64_t B, Tq, Tk, H, Hkv, D, window;
     int mask;
     float scale;
@@ -59,9 +60,9 @@ struct grads {
 /* Key j is seen by query row i of batch b. */
 __device__ inline bool seen(const att &a, int64_t b, int64_t i, int64_t j) {
     int64_t hi = a.Tk - 1, lo = 0;
-    if (a.mask == 3) {
+    if (a.mask >= 3) {
         const int32_t *sg = a.m + b * a.Tk;
-        if (j > i || sg[j] != sg[i]) return false;
+        if (j > i || (sg[j] != sg[i] && !(a.mask == 4 && sg[j] == a.par[b * a.Tq + i]))) return false;
         hi = i;
     } else if (a.mask == 1) {
         hi = i + (a.Tk - a.Tq);
@@ -83,23 +84,24 @@ __device__ inline const float *g_row(const grads &G, int64_t b, int64_t i, int64
 /* ---- the tiled kernels -------------------------------------------------------------------------- */
 
 /* What query row i of batch b sees, as seen() says it: the keys j of [lo, hi] with
- * seg[b, j] == sg (sg and every key's segment are 0 but under the segment mask); none when
- * hi < lo, as for rows past Tq. */
+ * seg[b, j] == sg or == sp, its parent (sg, sp and every key's segment are 0 but under the
+ * segment masks; sp == sg except under the tree mask); none when hi < lo, as for rows past Tq. */
 struct att_span {
-    int32_t lo, hi, sg;
+    int32_t lo, hi, sg, sp;
 };
 
 __device__ inline att_span att_row_span(const att &a, int64_t b, int64_t i) {
-    att_span s = {0, -1, 0};
+    att_span s = {0, -1, 0, 0};
     if (i >= a.Tq) return s;
     int64_t hi = a.Tk - 1;
     if (a.mask == 1) {
         hi = i + (a.Tk - a.Tq);
     } else if (a.mask == 2) {
         hi = a.m[i];
-    } else if (a.mask == 3) {
+    } else if (a.mask >= 3) {
         hi = i;
         s.sg = a.m[b * a.Tk + i];
+        s.sp = a.mask == 4 ? a.par[b * a.Tq + i] : s.sg;
     }
     /* the window counts back from the unclamped hi (a position past the keys sees fewer) */
     const int64_t lo = a.window > 0 && a.window <= hi ? hi - a.window + 1 : 0;
@@ -110,18 +112,18 @@ __device__ inline att_span att_row_span(const att &a, int64_t b, int64_t i) {
 
 /* Key j's segment for att_span's test: seg[b, j] under the segment mask, else 0. */
 __device__ inline int32_t att_key_seg(const att &a, int64_t b, int64_t j) {
-    return a.mask == 3 && j < a.Tk ? a.m[b * a.Tk + j] : 0;
+    return a.mask >= 3 && j < a.Tk ? a.m[b * a.Tk + j] : 0;
 }
 
 __device__ inline bool att_sees(const att_span &s, int64_t j, int32_t sg) {
-    return j >= s.lo && j <= s.hi && sg == s.sg;
+    return j >= s.lo && j <= s.hi && (sg == s.sg || sg == s.sp);
 }
 
 /* The keys [*lo, *hi] that query rows i0..i1 may see: a bound (causal and segment masks and
  * the window), exact or wider; each tile in it still votes on the exact mask. */
 __device__ inline void att_key_range(const att &a, int64_t i0, int64_t i1, int64_t *lo, int64_t *hi) {
     int64_t l = 0, h = a.Tk - 1;
-    if (a.mask == 1 || a.mask == 3) {
+    if (a.mask == 1 || a.mask >= 3) {
         const int64_t own = a.mask == 1 ? a.Tk - a.Tq : 0;   /* row i's own key is i + own */
         h = i1 + own;
         if (a.window > 0 && a.window < a.Tk) l = i0 + own - a.window + 1;
@@ -133,7 +135,7 @@ __device__ inline void att_key_range(const att &a, int64_t i0, int64_t i1, int64
 /* The query rows [*lo, *hi] that may see a key of j0..j1, as att_key_range. */
 __device__ inline void att_query_range(const att &a, int64_t j0, int64_t j1, int64_t *lo, int64_t *hi) {
     int64_t l = 0, h = a.Tq - 1;
-    if (a.mask == 1 || a.mask == 3) {
+    if (a.mask == 1 || a.mask >= 3) {
         const int64_t own = a.mask == 1 ? a.Tk - a.Tq : 0;
         l = j0 - own;
         if (a.window > 0 && a.window < a.Tk) h = j1 - own + a.window - 1;
@@ -640,6 +642,7 @@ static int setup(const gt_node *node, att *a, int mask_src, const char *op) {
     a->window = node->ip[1];
     a->scale = node->fp[0];
     a->m = a->mask >= 2 ? (const int32_t *)node->src[mask_src].data : NULL;
+    a->par = a->mask == 4 ? (const int32_t *)node->src[mask_src + 1].data : NULL;
     return GT_OK;
 }
 
