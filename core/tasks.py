@@ -8,11 +8,15 @@ Items come as token ids: for each choice (context ids, continuation ids, length)
 context starts with BOS where the vocabulary adds one. Two ways to score them, equal to float
 rounding:
 
-- score_items: many choices in one plan, as training packs samples: each choice's context and
-  continuation is a sample of a packed row (positions restart, it attends only to itself), the
-  rows of a batch go through the decoder at once, and the log-likelihood of each continuation is
-  the sum of its positions' log-probabilities (losses.sequence_nll with a selection matrix, the
-  logits never held whole). One plan serves every batch of a task.
+- score_items: many items in one plan, as training packs samples: an item's shared prefix (the
+  tokens all its choices start with, up to the shortest context) once, then each choice's
+  remaining tokens, each a segment of a packed row that sees itself and the prefix (attention's
+  tree mask; positions go on from the prefix's). The rows of a batch go through the decoder at
+  once, and the log-likelihood of each continuation is the sum of its positions'
+  log-probabilities (losses.sequence_nll with a selection matrix, the logits never held whole).
+  One plan serves every batch of a task. Where the model has recurrent layers (a state cannot
+  branch) or a sliding window shorter than a row (it counts rows), and for an item longer than a
+  row, each choice is a whole sample of its own instead.
 - score_item: one item through the KV-cached decoder: the tokens its choices share (the context,
   or Winogrande's sentence start) fed once, each choice continuing from there. llama.cpp's
   numerics take this way (their float order depends on a product's row count, so a choice must be
@@ -35,6 +39,8 @@ from ggtrain.errors import ConfigError
 # tokens a batch of packed choices holds (rows x row length): big enough for the products to run
 # at GEMM speed, small enough that a task's plan holds little memory
 BATCH_TOKENS = 4096
+# the shortest row a batch packs items into (fewer positions left over at a row's end than in short rows)
+ROW_MIN = 64
 
 
 @dataclass(frozen=True)
@@ -60,17 +66,24 @@ def _log_softmax(logits: np.ndarray) -> np.ndarray:
     return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
 
 
+def _shared_prefix(choices: list) -> tuple:
+    """(each choice's context + continuation ids (i32), the length of the longest prefix they
+    all share, up to the shortest context)."""
+    seqs = [np.concatenate([c, t]).astype(np.int32) for c, t, _ in choices]
+    shared = min(len(c) for c, _, _ in choices)
+    for s in seqs[1:]:
+        same = np.flatnonzero(s[:shared] != seqs[0][:shared])
+        shared = int(same[0]) if same.size else shared
+    return seqs, shared
+
+
 def score_item(decoder, choices: list, gold: int) -> Scored:
     """Score one item: choices [(context ids, continuation ids, norm_len)], each id list
     non-empty. The longest token prefix every choice's context + continuation shares (up to
     its shortest context) is fed once; each choice continues from it.
     Raises ConfigError when a choice does not fit the decoder's context."""
     check_fits(choices, decoder.n_ctx)
-    seqs = [np.concatenate([c, t]).astype(np.int32) for c, t, _ in choices]
-    shared = min(len(c) for c, _, _ in choices)
-    for s in seqs[1:]:
-        same = np.flatnonzero(s[:shared] != seqs[0][:shared])
-        shared = int(same[0]) if same.size else shared
+    seqs, shared = _shared_prefix(choices)
     decoder.reset()
     last = decoder.feed(seqs[0][:shared]) if shared else None    # logits after position shared - 1
     logliks, counts = [], []
@@ -108,46 +121,90 @@ def check_fits(choices: list, n_ctx: int) -> None:
 
 @dataclass
 class _Batch:
-    """Packed choices: tokens, pos, seg (rows, length) i32; loss rows (flat positions of the
-    continuations' predictions) with their targets; owner (item, choice) of each sample."""
+    """Packed items: tokens, pos, seg, parent (rows, length) i32 (parent: the segment a
+    position's row also sees, its own but in a choice after a shared prefix; padding -1); loss
+    rows (flat positions of the continuations' predictions) with their targets; owner (item,
+    choice) of each sample; segments: how many segment values are taken."""
     tokens: np.ndarray
     pos: np.ndarray
     seg: np.ndarray
+    parent: np.ndarray
     rows: list
     targets: list
     samples: list      # per sample: (item, choice, first loss row, loss row count)
+    segments: int = 0
 
 
-def _pack(encoded: list, length: int, n_rows: int) -> list:
+def _item_size(choices: list, tree: bool, length: int) -> tuple:
+    """(the positions an item takes packed, its shared prefix's length: 0 when its choices are
+    packed whole, as without a tree mask or where the tree would not fit a row of `length`)."""
+    seqs, shared = _shared_prefix(choices) if tree else ([np.concatenate([c, t]) for c, t, _ in choices], 0)
+    whole = sum(len(s) - 1 for s in seqs)
+    size = whole - (len(seqs) - 1) * shared
+    return (size, shared) if shared and size <= length else (whole, 0)
+
+
+def _pack(encoded: list, length: int, n_rows: int, tree: bool = False) -> list:
     """The choices of encoded items [(choices, gold)] packed into batches of n_rows rows of
-    `length` positions, in order: a sample takes its context and continuation but the last
-    token, and predicts the continuation from its context's last position on."""
+    `length` positions, in order. A choice takes its context and continuation but the last
+    token and predicts the continuation from its context's last position on. With tree, an
+    item's shared prefix (_item_size) is one segment, and each choice's rest a segment whose
+    parent is the prefix, all in one row; else (and for an item whose tree does not fit a row)
+    each choice is a segment of its own."""
     batches, batch, row, at = [], None, n_rows, length
 
-    def new_batch():
-        return _Batch(np.zeros((n_rows, length), np.int32), np.zeros((n_rows, length), np.int32),
-                      np.full((n_rows, length), -1, np.int32), [], [], [])
+    def room(n: int) -> tuple:
+        """(batch, row, start) of n free positions: this row's, or the next row's."""
+        nonlocal batch, row, at
+        if at + n > length:
+            row, at = row + 1, 0
+            if row >= n_rows:
+                batch = _Batch(*(np.zeros((n_rows, length), np.int32) for _ in range(2)),
+                               *(np.full((n_rows, length), -1, np.int32) for _ in range(2)), [], [], [])
+                batches.append(batch)
+                row = 0
+        start, at = at, at + n
+        return batch, row, start
+
+    def segment(b: _Batch, r: int, start: int, ids, first_pos: int, parent: int | None) -> int:
+        """Write ids at row r from start, positions from first_pos; the new segment's value."""
+        n = len(ids)
+        value = b.segments
+        b.segments += 1
+        b.tokens[r, start:start + n] = ids
+        b.pos[r, start:start + n] = np.arange(first_pos, first_pos + n)
+        b.seg[r, start:start + n] = value
+        b.parent[r, start:start + n] = value if parent is None else parent
+        return value
 
     for i, (choices, _) in enumerate(encoded):
-        for j, (c, t, _) in enumerate(choices):
-            s = np.concatenate([c, t]).astype(np.int32)
-            n = len(s) - 1
-            if at + n > length:           # the next row (of this batch or a new one)
-                row, at = row + 1, 0
-                if row >= n_rows:
-                    batch = new_batch()
-                    batches.append(batch)
-                    row = 0
-            batch.tokens[row, at:at + n] = s[:-1]
-            batch.pos[row, at:at + n] = np.arange(n)
-            batch.seg[row, at:at + n] = len(batch.samples)
-            first = len(batch.rows)
-            lo = at + len(c) - 1                       # predicts t[0]
-            batch.rows.extend(range(row * length + lo, row * length + lo + len(t)))
-            batch.targets.extend(int(x) for x in t)
-            batch.samples.append((i, j, first, len(t)))
-            at += n
+        size, shared = _item_size(choices, tree, length)
+        seqs = [np.concatenate([c, t]).astype(np.int32) for c, t, _ in choices]
+        if shared:     # the prefix at [p0, p0 + shared), then each choice's rest
+            b, r, p0 = room(size)
+            prefix = segment(b, r, p0, seqs[0][:shared], 0, None)
+            at_rest = p0 + shared
+        for j, ((c, t, _), s) in enumerate(zip(choices, seqs)):
+            if shared:
+                n = len(s) - 1 - shared
+                if n:
+                    segment(b, r, at_rest, s[shared:-1], shared, prefix)
+                # position p of the choice's sequence is at the prefix's p0 + p, or past it here
+                where = [p0 + p if p < shared else at_rest + p - shared for p in range(len(c) - 1, len(s) - 1)]
+                at_rest += n
+            else:
+                b, r, start = room(len(s) - 1)
+                segment(b, r, start, s[:-1], 0, None)
+                where = [start + p for p in range(len(c) - 1, len(s) - 1)]
+            b.samples.append((i, j, len(b.rows), len(t)))
+            b.rows.extend(r * length + w for w in where)
+            b.targets.extend(int(x) for x in t)
     return batches
+
+
+def _tree_fits(cfg: ModelConfig) -> bool:
+    """Whether every layer of the model attends (a recurrent layer's state cannot branch)."""
+    return all(cfg.family.layer_kinds(cfg, i)[0] == "attention" for i in range(cfg.layers))
 
 
 def score_items(cfg: ModelConfig, weights: dict, backend, encoded: list, adapters: dict | None = None,
@@ -165,9 +222,14 @@ def score_items(cfg: ModelConfig, weights: dict, backend, encoded: list, adapter
         except ConfigError as exc:
             raise ConfigError(f"item {i}: {exc}") from None
         longest = max([longest] + [len(c) + len(t) - 1 for c, t, _ in choices])
-    length = min(n_ctx, max(64, -(-longest // 32) * 32))
+    tree = _tree_fits(cfg)
+    if tree:      # rows long enough for the trees that fit the context
+        sizes = [_item_size(choices, True, n_ctx)[0] for choices, _ in encoded]
+        longest = max([longest] + [n for n in sizes if n <= n_ctx])
+    length = min(n_ctx, max(ROW_MIN, -(-longest // 32) * 32))
+    tree = tree and (not any(cfg.local(i) for i in range(cfg.layers)) or cfg.window >= length)
     n_rows = max(1, BATCH_TOKENS // length)
-    batches = _pack(encoded, length, n_rows)
+    batches = _pack(encoded, length, n_rows, tree)
     if not batches:
         return []
     n_loss = max(len(b.rows) for b in batches)
@@ -175,10 +237,12 @@ def score_items(cfg: ModelConfig, weights: dict, backend, encoded: list, adapter
     g = Graph()
     net, stored = frozen_net(cfg, g, weights, adapters)
     tokens, pos, seg = (g.input((n_rows, length), "i32", name=name) for name in ("tokens", "pos", "seg"))
+    par = g.input((n_rows, length), "i32", name="parent") if tree else None
     rows = g.input((n_loss,), "i32", name="loss_rows")
     targets = g.input((n_loss,), "i32", name="row_targets")
     select = g.input((n_seq, n_loss), name="select")
-    hidden = forward(net, Inputs(tokens, pos, seg=seg, rows=rows), Options(head=False, n_ctx=n_ctx))
+    hidden = forward(net, Inputs(tokens, pos, seg=seg, parent=par, rows=rows),
+                     Options(head=False, n_ctx=n_ctx))
     fused = fused_loss_available(net, backend)
     nll = sequence_nll(net, hidden, targets, select, 1 if fused else loss_chunks(cfg, n_loss), fused=fused)
     rt = Runtime(g, backend)
@@ -196,6 +260,8 @@ def score_items(cfg: ModelConfig, weights: dict, backend, encoded: list, adapter
             sel[k, first:first + count] = 1.0
         for t, v in ((tokens, b.tokens), (pos, b.pos), (seg, b.seg), (rows, r), (targets, tgt), (select, sel)):
             rt.set(t, v)
+        if tree:
+            rt.set(par, b.parent)
         rt.run(plan)
         sums = plan.read(nll)
         for k, (i, j, _, _) in enumerate(b.samples):

@@ -176,3 +176,48 @@ def test_bad_eval_task_options_are_one_line(files, shared_data, args, message):
     args = [str(files["jsonl"]) if a == "TASK" else a for a in args]
     r = run_cli("eval", "--model", shared_data / "gguf" / "stories260K.gguf", *args, "--quiet")
     assert r.returncode == 1 and message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def _random_items(rng, vocab: int, n: int) -> list:
+    """n items of 2-4 choices: a shared context (with BOS 1), continuations of 1-5 tokens;
+    some items' choices differ inside their contexts (the shared prefix stops there)."""
+    items = []
+    for i in range(n):
+        ctx = [1] + list(rng.integers(2, vocab, int(rng.integers(2, 9))))
+        choices = []
+        for _ in range(int(rng.integers(2, 5))):
+            c = list(ctx)
+            if i % 3 == 2:
+                c[-1] = int(rng.integers(2, vocab))
+            t = rng.integers(2, vocab, int(rng.integers(1, 6)))
+            choices.append((np.array(c, np.int32), t.astype(np.int32), len(t)))
+        items.append((choices, int(rng.integers(0, len(choices)))))
+    return items
+
+
+@pytest.mark.parametrize("case, tree", [("llama3", True), ("qwen3", True), ("gemma3", False), ("lfm2", False)])
+def test_tree_packed_scores_equal_item_by_item(monkeypatch, case, tree):
+    """score_items with the tree mask (each item's shared prefix once, its choices seeing it:
+    llama, qwen3) or, where the model has a window shorter than a row (gemma3's local layers)
+    or recurrent layers (lfm2), each choice whole, gives score_item's log-likelihoods; the
+    tree packs fewer positions than the choices whole."""
+    from ggtrain.core import tasks
+    from ggtrain.core.models.config import init_params
+    from tests.family_cases import CASES, TINY
+    cfg = ModelConfig(**{**TINY, **CASES[case].tiny, "ctx": 64})
+    weights = init_params(cfg, seed=3, std=0.3)
+    items = _random_items(np.random.default_rng(7), cfg.vocab, 12)
+    monkeypatch.setattr(tasks, "BATCH_TOKENS", 128)     # rows of 64, two a batch: items straddle batches
+    packed = []
+    real_pack = tasks._pack
+    monkeypatch.setattr(tasks, "_pack", lambda *a: packed.append(real_pack(*a)) or packed[-1])
+    many = tasks.score_items(cfg, weights, CpuBackend(2), items, n_ctx=64)
+    assert len(packed[0]) > 1
+    whole = sum(len(c) + len(t) - 1 for choices, _ in items for c, t, _ in choices)
+    taken = sum(int((b.seg >= 0).sum()) for b in packed[0])
+    assert (taken < whole) == tree, (taken, whole)
+    assert any((b.parent != b.seg).any() for b in packed[0]) == tree
+    decoder = Decoder(cfg, weights, CpuBackend(2), n_ctx=64)
+    for (choices, gold), got in zip(items, many):
+        want = score_item(decoder, choices, gold)
+        np.testing.assert_allclose(got.logliks, want.logliks, rtol=0, atol=2e-4)

@@ -89,7 +89,7 @@ def attention(net: Net, x, layer: int, inp: Inputs, opt: Options, keep: Callable
             inp.kv[layer] = (k, v)
         k, v = inp.kv[source]
         out = ops.attention(q, k, v, scale, causal=inp.seg is None, seg=inp.seg, window=window,   # (B, T, H, D)
-                            **llama)
+                            parent=inp.parent, **llama)
         if keep is not None:
             keep(out.root)
     else:
@@ -116,6 +116,7 @@ def shortconv(net: Net, x, layer: int, inp: Inputs, opt: Options, keep: Callable
     this step, and the step's last L - 1 rows replace it (a write in inp.writes)."""
     b, t, c = x.shape
     p = f"blk.{layer}."
+    _no_tree(net, inp, "short convolution")
     bcx = linear(net, x, p + "shortconv.in_proj.weight")                                # (B, T, 3C)
     gate_b, gate_c, xs = (ops.view(bcx, (b, t, c), (3 * t * c, 3 * c, 1), j * c) for j in range(3))
     bx = ops.mul(gate_b, xs)                                                             # (B, T, C)
@@ -127,6 +128,13 @@ def shortconv(net: Net, x, layer: int, inp: Inputs, opt: Options, keep: Callable
             raise ConfigError(f"{net.cfg.arch}: a convolution state serves one sequence, got a batch of {b}")
         conv = _conv_over_state(inp, layer, bx, w, net.numerics)
     return linear(net, ops.mul(gate_c, conv), p + "shortconv.out_proj.weight")
+
+
+def _no_tree(net: Net, inp: Inputs, what: str):
+    """ConfigError for a tree mask (Inputs.parent): a recurrent layer cannot continue a prefix
+    in several branches at once."""
+    if inp.parent is not None:
+        raise ConfigError(f"{net.cfg.arch}: a {what} layer takes packed samples, not a tree of them (Inputs.parent)")
 
 
 def _conv_over_state(inp: Inputs, layer: int, x, w, numerics: str):
@@ -160,6 +168,7 @@ def deltanet(net: Net, x, layer: int, inp: Inputs, opt: Options, keep: Callable 
     p = f"blk.{layer}."
     hk, hv, d = cfg.ssm_groups, cfg.ssm_heads, cfg.ssm_state
     ch = cfg.ssm_channels
+    _no_tree(net, inp, "DeltaNet")
     qkv = linear(net, x, p + "attn_qkv.weight")                                          # (B, T, ch)
     z = linear(net, x, p + "attn_gate.weight")                                           # (B, T, Hv*D)
     beta = ops.sigmoid(linear(net, x, p + "ssm_beta.weight"))                            # (B, T, Hv)

@@ -43,7 +43,9 @@ class Net:
 class Inputs:
     """What a forward pass reads. tokens (B, T) i32; pos (T,) i32, or (B, T) with seg (B, T)
     i32 for packed samples (query i sees key j only when j <= i and seg[., j] == seg[., i];
-    pos restarts per sample); rows (M,) i32: only those flat positions of (B*T) go on past
+    pos restarts per sample), and with seg parent (B, T) i32: the tree mask of attention
+    (ops.attention: row i also sees the keys of segment parent[., i] before it, a shared prefix;
+    attention layers only); rows (M,) i32: only those flat positions of (B*T) go on past
     the blocks (the ones a loss needs); cache: per layer the persistent tensors of
     incremental decoding (B = 1) that MIXER_CACHE names: an attention layer's (k_cache,
     v_cache) (S, Hkv*D), this step's keys and values written at rows pos, queries attending
@@ -56,6 +58,7 @@ class Inputs:
     tokens: object
     pos: object
     seg: object = None
+    parent: object = None
     rows: object = None
     cache: list | None = None
     n_kv: int = 0
