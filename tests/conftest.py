@@ -86,6 +86,31 @@ def llama_tools():
         pytest.skip(msg)
 
 
+# blocks of SmolLM2 kept by smollm2_blocks: a sixth of its 30, its every layer position in
+# llama.cpp's mixture rules' thirds (use_more_bits over 5 layers) still met
+SMOLLM2_BLOCKS = 5
+
+
+@pytest.fixture(scope="session")
+def smollm2_blocks(tmp_path_factory):
+    """SmolLM2-135M-Instruct (Q4_1, Q8_0 embedding) cut to its first SMOLLM2_BLOCKS blocks: its
+    real tensors byte for byte and every key but the block count, a file llama.cpp runs. The
+    slow every-type quantizer comparisons run on it (a sixth of the work of the whole model,
+    whose two most used types stay compared whole)."""
+    if not SHARED_DATA.is_dir():
+        pytest.skip(f"real data folder {SHARED_DATA} is absent (it lives in ../shared beside the repo)")
+    from ggtrain.formats.gguf import GGUFValueType, read_gguf, write_gguf
+    src = read_gguf(SHARED_DATA / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf")
+    key = f"{src.value('general.architecture')}.block_count"
+    kv = [(k, SMOLLM2_BLOCKS, GGUFValueType.UINT32) if k == key else (k, v)
+          for k, v in src.kv.items() if k != "general.alignment"]
+    keep = [n for n in src.tensors if not n.startswith("blk.") or int(n.split(".")[1]) < SMOLLM2_BLOCKS]
+    out = tmp_path_factory.mktemp("smollm2") / f"SmolLM2-135M-Instruct-{SMOLLM2_BLOCKS}blk.Q4_1.gguf"
+    write_gguf(out, kv, [(n, (lambda n=n: src.read_tensor(n)), src.tensors[n].type, src.tensors[n].shape)
+                         for n in keep], alignment=src.alignment)
+    return out
+
+
 def write_shakespeare(path, chars: int):
     """The first `chars` characters of tiny shakespeare written to path (a repeated sentence
     of about that length without ../shared); returns path."""

@@ -147,11 +147,10 @@ def test_mixtures_are_llama_cpps_quantizer(llama, small_models, tmp_path, model,
     assert np.isfinite(np.asarray(m.scores[:4])).all()
 
 
-def _smollm2_matches(llama, shared_data, tmp_path, out_type):
+def _smollm2_matches(llama, src, tmp_path, out_type):
     """convert-checkpoint SmolLM2 (Q4_1, Q8_0 embedding) --out-type: llama.cpp's requantization
     (--allow-requantize) byte for byte; the summary says it requantizes where a quantized tensor
     changes type; llama.cpp's greedy run on ours is the one on its own file."""
-    src = shared_data / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
     ref, out = tmp_path / "ref.gguf", tmp_path / "ours.gguf"
     quantize_with_llama_cpp(llama, src, ref, MIXTURES[out_type].file_type, requantize=True)
     r = run_cli("convert-checkpoint", src, out, "--out-type", out_type)
@@ -168,11 +167,12 @@ def _smollm2_matches(llama, shared_data, tmp_path, out_type):
 
 @pytest.mark.parametrize("out_type", ["q4_k_m", "q2_k"])
 def test_smollm2_out_types_are_llama_cpps(llama, shared_data, tmp_path, out_type):
-    _smollm2_matches(llama, shared_data, tmp_path, out_type)
+    _smollm2_matches(llama, shared_data / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf", tmp_path, out_type)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("out_type", [t for t in MIXTURES if t not in ("q4_k_m", "q2_k")
                                       and not MIXTURES[t].needs_imatrix])     # q2_k_s: tests/test_imatrix_interop.py
-def test_smollm2_every_out_type_is_llama_cpps(llama, shared_data, tmp_path, out_type):
-    _smollm2_matches(llama, shared_data, tmp_path, out_type)
+def test_smollm2_every_out_type_is_llama_cpps(llama, smollm2_blocks, tmp_path, out_type):
+    """Every other type on SmolLM2's first blocks (conftest.smollm2_blocks): its real tensors."""
+    _smollm2_matches(llama, smollm2_blocks, tmp_path, out_type)

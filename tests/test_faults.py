@@ -119,7 +119,7 @@ def test_remove_stale_temporaries_keeps_live_and_foreign_ones(tmp_path):
     dead = tmp_path / f".m.gguf.{_host()}-{_dead_pid()}.12345678.tmp"
     mine = tmp_path / f".m.gguf.{_host()}-{os.getpid()}.12345678.tmp"
     elsewhere = tmp_path / f".m.gguf.00000000-{_dead_pid()}.12345678.tmp"   # another machine's, recent
-    old_elsewhere = tmp_path / f".n.gguf.00000000-1.12345678.tmp"
+    old_elsewhere = tmp_path / ".n.gguf.00000000-1.12345678.tmp"
     for p in (dead, mine, elsewhere, old_elsewhere):
         p.write_bytes(b"x")
     old = os.path.getmtime(old_elsewhere) - 2 * 24 * 3600

@@ -105,8 +105,7 @@ def test_legacy_imatrix_is_llama_quantizes(llama_tools, imatrix_files, small_mod
     _same_as_llama_quantize(llama_tools, model, im, "q4_k_m", tmp_path)
 
 
-def _smollm2(llama, tools, imatrix_files, shared_data, tmp_path, out_type):
-    model = shared_data / "models" / SMOLLM2
+def _smollm2(llama, tools, imatrix_files, model, tmp_path, out_type):
     im = _imatrix(tools, imatrix_files, model, "gguf", 128)
     out = _same_as_llama_quantize(tools, model, im, out_type, tmp_path)
     m = open_llm(llama, out, n_ctx=32)
@@ -116,14 +115,15 @@ def _smollm2(llama, tools, imatrix_files, shared_data, tmp_path, out_type):
 
 @pytest.mark.parametrize("out_type", ["q4_k_m", "q2_k"])
 def test_smollm2_with_imatrix_is_llama_quantizes(llama, llama_tools, imatrix_files, shared_data, tmp_path, out_type):
-    _smollm2(llama, llama_tools, imatrix_files, shared_data, tmp_path, out_type)
+    _smollm2(llama, llama_tools, imatrix_files, shared_data / "models" / SMOLLM2, tmp_path, out_type)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("out_type", [t for t in TOOL_TYPES if t not in ("q4_k_m", "q2_k")])
-def test_smollm2_every_type_with_imatrix_is_llama_quantizes(llama, llama_tools, imatrix_files, shared_data, tmp_path,
-                                                            out_type):
-    _smollm2(llama, llama_tools, imatrix_files, shared_data, tmp_path, out_type)
+def test_smollm2_every_type_with_imatrix_is_llama_quantizes(llama, llama_tools, imatrix_files, smollm2_blocks,
+                                                            tmp_path, out_type):
+    """Every other type on SmolLM2's first blocks (conftest.smollm2_blocks): its real tensors."""
+    _smollm2(llama, llama_tools, imatrix_files, smollm2_blocks, tmp_path, out_type)
 
 
 # ---- ggtrain imatrix against llama-imatrix ---------------------------------------------------
