@@ -49,8 +49,11 @@ def _block(family) -> str:
     out += [words(family) if callable(words) else words for has, words in _FEATURES if has(family)]
     act = {"silu": "SwiGLU", "gelu": "GeGLU"}[family.act] + (" (fused gate-up)" if family.fused_gate_up else "")
     norm = "renormalised" if family.moe_norm else "not renormalised"
+    routed = f"routed {act} experts (top-k of a softmax router, weights {norm})"
     if family.ffn == "moe":
-        act = f"routed {act} experts (top-k of a softmax router, weights {norm})"
+        act = routed
+    elif family.ffn == "moe_shared":
+        act = f"{routed} plus a shared {act} expert gated by a sigmoid"
     elif "glu_moe" in family.kind_tensors:     # experts beside the dense FFN where the file has them
         act = f"{act}, with routed {act} experts beside it where expert_count > 0 (weights {norm})"
     out.append(act)

@@ -13,8 +13,8 @@ its tensors, and its final norm's name; Gemma 4's per-layer local flags with the
 size, rotated dims and base, rope factors on the global layers only, unscaled q.k, values
 RMS-normed without a weight (the keys' projection where a layer has no attn_v), the last
 layers attending over an earlier layer's keys and values, the per-layer embeddings, the
-block's output scale; routed experts (qwen3moe, olmoe) where a block has a router; q/k norms
-over all heads (olmoe). What sets each family apart is its row of
+block's output scale; routed experts (qwen3moe, olmoe) where a block has a router, with a
+gated shared expert (qwen35moe); q/k norms over all heads (olmoe). What sets each family apart is its row of
 tests/family_cases.py's ORACLE (or what its tensors and config say), never its name here.
 """
 import numpy as np
@@ -62,7 +62,8 @@ def ffn(f, p, q_, facts, gelu, cfg=None):
     """The gated FFN of normed f: SwiGLU, or GeGLU where the family's facts say; routed experts
     where the block has a router (ffn_gate_inp): each token's experts_used experts of largest
     softmax probability, those probabilities (divided by their sum where the facts say
-    moe_norm) weighting each expert's SwiGLU FFN, summed."""
+    moe_norm) weighting each expert's SwiGLU FFN, summed; plus a shared expert's SwiGLU FFN times
+    sigmoid of its gate vector's product where the block has one (ffn_gate_inp_shexp)."""
     if q_ + "ffn_gate_inp.weight" in p:
         z = f @ p[q_ + "ffn_gate_inp.weight"].T                       # (..., E)
         prob = np.exp(z - z.max(-1, keepdims=True))
@@ -76,6 +77,10 @@ def ffn(f, p, q_, facts, gelu, cfg=None):
             for s, e in enumerate(top[idx]):
                 gate, up = p[q_ + "ffn_gate_exps.weight"][e] @ f[idx], p[q_ + "ffn_up_exps.weight"][e] @ f[idx]
                 out[idx] += w[idx][s] * (p[q_ + "ffn_down_exps.weight"][e] @ (gate / (1 + np.exp(-gate)) * up))
+        if q_ + "ffn_gate_inp_shexp.weight" in p:     # qwen35moe: the shared expert, gated by a sigmoid
+            gate, up = f @ p[q_ + "ffn_gate_shexp.weight"].T, f @ p[q_ + "ffn_up_shexp.weight"].T
+            shared = (gate / (1 + np.exp(-gate)) * up) @ p[q_ + "ffn_down_shexp.weight"].T
+            out += shared / (1 + np.exp(-(f @ p[q_ + "ffn_gate_inp_shexp.weight"])))[..., None]
         return out
     if q_ + "ffn_gate.weight" in p:
         gate, up = f @ p[q_ + "ffn_gate.weight"].T, f @ p[q_ + "ffn_up.weight"].T
@@ -203,7 +208,7 @@ def forward(cfg, p, tokens, pos, gelu=gelu_tanh, n_ctx=None, taps=None):
         ffn_norm = q_ + facts.get("ffn_norm", "ffn_norm.weight")
         if q_ + "ssm_conv1d.weight" in p:            # qwen35's gated DeltaNet layer
             x = x + deltanet(rms_norm(x, p[q_ + "attn_norm.weight"], cfg.norm_eps), p, q_, cfg)
-            x = x + ffn(rms_norm(x, p[ffn_norm], cfg.norm_eps), p, q_, facts, gelu)
+            x = x + ffn(rms_norm(x, p[ffn_norm], cfg.norm_eps), p, q_, facts, gelu, cfg)
             continue
         window, pattern = getattr(cfg, "window", 0), getattr(cfg, "window_pattern", 0)
         if swa != ():                                             # gemma4: a flag a layer

@@ -82,9 +82,9 @@ def test_llama_numbers_of_quantized_experts_are_refused_by_name():
         ops.moe_matmul(x, w, ids, numerics="llama")
 
 
-def _model(tmp_path, name="m.gguf", **over):
+def _model(tmp_path, name="m.gguf", case="qwen3moe", **over):
     tok = ByteTokenizer()
-    cfg = ModelConfig(vocab=tok.n_vocab, **{**BASE, **INTEROP_CASES["qwen3moe"], **over})
+    cfg = ModelConfig(vocab=tok.n_vocab, **{**BASE, **INTEROP_CASES[case], **over})
     weights = family_params(cfg, seed=3, std=0.3)
     path = tmp_path / name
     write_with_gguf_py(path, cfg, weights, tok)
@@ -161,9 +161,9 @@ def test_expert_counts_are_checked_by_key():
 
 
 def _rewrite(src, dst, key, value):
-    """src with one qwen3moe key's value changed (or dropped: None), through gguf-py."""
+    """src with one key's value changed (or dropped: None), through gguf-py."""
     f = read_gguf(src)
-    w = gguf.GGUFWriter(str(dst), "qwen3moe")
+    w = gguf.GGUFWriter(str(dst), f.kv["general.architecture"].value)
     for k, v in f.kv.items():
         if k.startswith(("general.architecture", "GGUF.")):
             continue
@@ -188,9 +188,14 @@ def _rewrite(src, dst, key, value):
     ("qwen3moe.expert_feed_forward_length", 40, "tensor 'blk.0.ffn_gate_exps.weight' has shape (8, 48, 64), "
                                                  "expected (8, 40, 64)"),
     ("qwen3moe.expert_count", None, "expert_count"),
+    ("qwen35moe.expert_count", 6, "tensor 'blk.0.ffn_gate_inp.weight' has shape (8, 64), expected (6, 64)"),
+    ("qwen35moe.expert_shared_feed_forward_length", 40, "tensor 'blk.0.ffn_gate_shexp.weight' has shape (96, 64), "
+                                                         "expected (40, 64)"),
 ])
 def test_bad_moe_file_is_one_line_and_writes_nothing(tmp_path, key, value, message):
-    path = _rewrite(_model(tmp_path)[0], tmp_path / "bad.gguf", key, value)
+    """A file whose expert keys do not match its tensors (or lack one): one line naming the key
+    or the tensor, exit 1, nothing written."""
+    path = _rewrite(_model(tmp_path, case=key.split(".")[0])[0], tmp_path / "bad.gguf", key, value)
     data = tmp_path / "t.txt"
     data.write_text(TEXT * 4)
     out = tmp_path / "a.gguf"

@@ -60,7 +60,9 @@ class ModelConfig:
     the width of the per-layer embeddings of Gemma 4's E-models (0: none). ff may be per layer.
     experts, experts_used: the routed experts of each block's FFN and how many each token takes
     (expert_count, expert_used_count); expert_ff: an expert's hidden size
-    (expert_feed_forward_length; 0: ff / experts_used, as llama.cpp reads a file without it).
+    (expert_feed_forward_length; 0: ff / experts_used, as llama.cpp reads a file without it);
+    shexp_ff: the shared expert's hidden size (expert_shared_feed_forward_length; 0: ff, as
+    llama.cpp reads a file without it).
     Qwen3.5's gated DeltaNet (ssm.*): ssm_conv the taps of its convolution, ssm_state the
     size of a K and V head, ssm_groups the K heads, ssm_heads the V heads (time_step_rank),
     ssm_inner = ssm_heads * ssm_state; attn_interval: every n-th layer attends (the rest are
@@ -104,6 +106,7 @@ class ModelConfig:
     experts: int = 0
     experts_used: int = 0
     expert_ff: int = 0
+    shexp_ff: int = 0
     ssm_conv: int = 0
     ssm_state: int = 0
     ssm_groups: int = 0
@@ -246,7 +249,7 @@ class ModelConfig:
 
     def _experts(self, fam: Family) -> None:
         """1 <= experts_used <= experts (naming the keys; 0: the family's default, a model built
-        from scratch), expert_ff resolved."""
+        from scratch), expert_ff and shexp_ff resolved."""
         keys = fam.all_keys
         for name in ("experts", "experts_used"):
             if getattr(self, name) == 0:
@@ -256,6 +259,8 @@ class ModelConfig:
             raise ConfigError(f"{self.arch}: {n} = {self.experts} and {used} = {self.experts_used} must be >= 1")
         if self.experts_used > self.experts:
             raise ConfigError(f"{self.arch}: {used} = {self.experts_used} exceeds {n} = {self.experts}")
+        if "shexp_ff" in keys and not self.shexp_ff:      # the shared expert: feed_forward_length wide
+            object.__setattr__(self, "shexp_ff", self.at("ff", 0))
         if "expert_ff" not in keys:     # the experts are feed_forward_length wide
             return
         if not self.expert_ff:

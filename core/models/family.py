@@ -98,6 +98,12 @@ BLOCK_SHAPES = {
     "ffn_gate_exps.weight": lambda c, i: (c.experts, c.expert_ff or c.at("ff", i), c.dim),
     "ffn_up_exps.weight": lambda c, i: (c.experts, c.expert_ff or c.at("ff", i), c.dim),
     "ffn_down_exps.weight": lambda c, i: (c.experts, c.dim, c.expert_ff or c.at("ff", i)),
+    # the shared expert beside the routed ones (qwen35moe): its gate (one logit a token, ggml's
+    # {n_embd}) and its SwiGLU FFN, expert_shared_feed_forward_length wide
+    "ffn_gate_inp_shexp.weight": lambda c, i: (c.dim,),
+    "ffn_gate_shexp.weight": lambda c, i: (c.shexp_ff, c.dim),
+    "ffn_up_shexp.weight": lambda c, i: (c.shexp_ff, c.dim),
+    "ffn_down_shexp.weight": lambda c, i: (c.dim, c.shexp_ff),
     # gemma4's experts: their gate and up stacked in one matrix, each expert's output scale, the router input's scale, the norms of its
     # dense FFN's output (post_ffw_norm_1), of the experts' input and output (pre/post_ffw_norm_2)
     "ffn_down_exps.scale": lambda c, i: (c.experts,),

@@ -1,6 +1,7 @@
 """The FFNs a block's layer may take (layer 4), by the name Family.layer_kinds gives: "glu"
-(SwiGLU or GeGLU), "moe" (routed experts) or "glu_moe" (Gemma 4's dense FFN beside routed
-experts). Each is ffn(net, x, layer, resid): x the ffn_norm of the residual stream resid,
+(SwiGLU or GeGLU), "moe" (routed experts), "moe_shared" (routed experts plus a gated shared
+expert: Qwen3.5-MoE) or "glu_moe" (Gemma 4's dense FFN beside routed experts). Each is
+ffn(net, x, layer, resid): x the ffn_norm of the residual stream resid,
 (B, T, C) -> (B, T, C).
 """
 from __future__ import annotations
@@ -24,11 +25,15 @@ def glu(net: Net, x, layer: int, resid=None):
     else:
         gate = linear(net, x, p + "ffn_gate.weight")
         up = linear(net, x, p + "ffn_up.weight")
+    return linear(net, _act(net, gate, up), p + "ffn_down.weight")
+
+
+def _act(net: Net, gate, up):
+    """act(gate) * up, act the family's: silu (SwiGLU) or gelu's tanh form (GeGLU; in llama.cpp's
+    numbers its f16-table gelu)."""
     if net.cfg.family.act != "gelu":
-        act = ops.swiglu_ggml(gate, up) if net.llama else ops.swiglu(gate, up)
-    else:       # (llama.cpp's f16-table gelu with its 8-bit products: its numbers)
-        act = ops.geglu_f16(gate, up) if net.llama else ops.geglu(gate, up)
-    return linear(net, act, p + "ffn_down.weight")
+        return ops.swiglu_ggml(gate, up) if net.llama else ops.swiglu(gate, up)
+    return ops.geglu_f16(gate, up) if net.llama else ops.geglu(gate, up)
 
 
 def moe(net: Net, x, layer: int, resid=None):
@@ -62,11 +67,7 @@ def experts(net: Net, x, layer: int, logits):
     else:
         gate = ops.moe_matmul(xs, net.params[p + "ffn_gate_exps.weight"], ids, numerics)  # (N, k, F)
         up = ops.moe_matmul(xs, net.params[p + "ffn_up_exps.weight"], ids, numerics)
-    if cfg.family.act == "gelu":
-        act = ops.geglu_f16(gate, up) if net.llama else ops.geglu(gate, up)
-    else:
-        act = ops.swiglu_ggml(gate, up) if net.llama else ops.swiglu(gate, up)
-    down = ops.moe_matmul(act, net.params[p + "ffn_down_exps.weight"], ids, numerics)    # (N, k, C)
+    down = ops.moe_matmul(_act(net, gate, up), net.params[p + "ffn_down_exps.weight"], ids, numerics)  # (N, k, C)
     scale = net.params.get(p + "ffn_down_exps.scale")
     if scale is not None:       # each expert's output times its scalar
         down = ops.mul(down, ops.reshape(ops.get_rows(ops.reshape(scale, (cfg.experts, 1)), ids), (b * t, k, 1)))
@@ -76,6 +77,17 @@ def experts(net: Net, x, layer: int, logits):
         part = ops.view(down, (b * t, c), (k * c, 1), s * c)
         out = part if out is None else ops.add(out, part)
     return ops.reshape(out if k > 1 else ops.cont(out), (b, t, c))
+
+
+def moe_shared(net: Net, x, layer: int, resid=None):
+    """Routed experts of x (B, T, C) (`moe`) plus the shared expert, as llama.cpp's qwen35moe
+    graph: a gated FFN of x (ffn_gate_shexp, ffn_up_shexp, ffn_down_shexp) times
+    sigmoid(ffn_gate_inp_shexp . x), one gate a token."""
+    p = f"blk.{layer}."
+    gate, up = linear(net, x, p + "ffn_gate_shexp.weight"), linear(net, x, p + "ffn_up_shexp.weight")
+    shared = linear(net, _act(net, gate, up), p + "ffn_down_shexp.weight")
+    weight = ops.sigmoid(linear(net, x, p + "ffn_gate_inp_shexp.weight"))                # (B, T, 1)
+    return ops.add(moe(net, x, layer), ops.mul(shared, weight))
 
 
 def glu_moe(net: Net, x, layer: int, resid):
@@ -93,4 +105,4 @@ def glu_moe(net: Net, x, layer: int, resid):
 
 
 # the FFNs a family's layer_kinds may name
-FFNS = {"glu": glu, "moe": moe, "glu_moe": glu_moe}
+FFNS = {"glu": glu, "moe": moe, "moe_shared": moe_shared, "glu_moe": glu_moe}
