@@ -89,8 +89,11 @@ def write_with_gguf_py(path, cfg: ModelConfig, weights: dict, tok) -> None:
         w.add_logit_scale(cfg.logit_scale)
     if cfg.arch == "phi3":      # the converter writes Phi's window; llama.cpp disables it (so do we)
         w.add_sliding_window(16)
-    if cfg.arch == "lfm2":
+    if cfg.arch in ("lfm2", "lfm2moe"):
         w.add_shortconv_l_cache(cfg.shortconv_l)
+    if cfg.arch == "lfm2moe":     # as its converter: num_dense_layers, sigmoid gating
+        w.add_leading_dense_block_count(cfg.dense_lead)
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType(cfg.expert_gating))
     if cfg.experts:
         w.add_expert_count(cfg.experts)
         w.add_expert_used_count(cfg.experts_used)

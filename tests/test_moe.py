@@ -191,6 +191,10 @@ def _rewrite(src, dst, key, value):
     ("qwen35moe.expert_count", 6, "tensor 'blk.0.ffn_gate_inp.weight' has shape (8, 64), expected (6, 64)"),
     ("qwen35moe.expert_shared_feed_forward_length", 40, "tensor 'blk.0.ffn_gate_shexp.weight' has shape (96, 64), "
                                                          "expected (40, 64)"),
+    ("lfm2moe.expert_count", 6, "tensor 'blk.1.ffn_gate_inp.weight' has shape (8, 64), expected (6, 64)"),
+    ("lfm2moe.leading_dense_block_count", 2, "missing tensor 'blk.1.ffn_gate.weight'"),
+    ("lfm2moe.expert_gating_func", 3, "lfm2moe.expert_gating_func = 3: a gating ggtrain does not compute"),
+    ("lfm2moe.expert_gating_func", None, "lfm2moe key 'lfm2moe.expert_gating_func' is missing"),
 ])
 def test_bad_moe_file_is_one_line_and_writes_nothing(tmp_path, key, value, message):
     """A file whose expert keys do not match its tensors (or lack one): one line naming the key
@@ -222,6 +226,27 @@ def test_each_family_weights_its_experts_as_llama_cpp_fixes_it(arch, monkeypatch
     monkeypatch.setitem(ORACLE, arch, {**ORACLE[arch], "moe_norm": not ORACLE[arch].get("moe_norm")})
     other = np_decoder.forward(cfg, weights, ids, np.arange(7))
     assert np.abs(other - want).max() > 1e-2
+
+
+def test_lfm2moe_selection_bias_and_sigmoid_gating_move_the_model():
+    """The interop case's lfm2moe (tests/test_families.py checks it against llama.cpp): its
+    selection bias changes which experts tokens take, and the decoder gives the float64
+    oracle's logits, which move without the bias or with softmax gating (so llama.cpp's
+    agreement tests both); the bias is never trained."""
+    from ggtrain.core.models.config import trainable
+    from ggtrain.core.models.inference import Runner
+    from tests import np_decoder
+    cfg = ModelConfig(vocab=ByteTokenizer().n_vocab, **{**BASE, **INTEROP_CASES["lfm2moe"]})
+    weights = family_params(cfg, seed=3, std=0.3)
+    ids = np.random.default_rng(0).integers(0, cfg.vocab, (1, 24))
+    ours = Runner(cfg, weights, CpuBackend(2), length=24).logits(ids.astype(np.int32))
+    want = np_decoder.forward(cfg, weights, ids, np.arange(24))
+    np.testing.assert_allclose(ours, want, rtol=1e-4, atol=1e-4)
+    unbiased = {k: np.zeros_like(v) if k.endswith("exp_probs_b.bias") else v for k, v in weights.items()}
+    assert np.abs(np_decoder.forward(cfg, unbiased, ids, np.arange(24)) - want).max() > 1e-2
+    softmax = ModelConfig(**{**vars(cfg), "expert_gating": 1})
+    assert np.abs(np_decoder.forward(softmax, weights, ids, np.arange(24)) - want).max() > 1e-2
+    assert not trainable("blk.1.exp_probs_b.bias") and trainable("blk.1.ffn_gate_inp.weight")
 
 
 def test_olmoe_needs_as_many_kv_heads_as_heads(tmp_path):

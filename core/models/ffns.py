@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 
 from ggtrain.core import ops
+from ggtrain.core.models.family import SELECTION_BIAS
 from ggtrain.core.models.net import Net, linear, norm
 
 
@@ -45,7 +46,9 @@ def moe(net: Net, x, layer: int, resid=None):
 def experts(net: Net, x, layer: int, logits):
     """Routed experts of x (B, T, C) by router logits (B, T, E): each token's experts_used
     largest (ops.moe_topk), their softmax probabilities as gate weights (divided by their sum
-    where the family says: Family.moe_norm); each chosen expert's gated FFN (SwiGLU or GeGLU, as
+    where the family says: Family.moe_norm), or with sigmoid gating (ModelConfig.gating: the
+    file's expert_gating_func) their sigmoids, the selection by the sigmoids plus the block's
+    exp_probs_b.bias where it has one; each chosen expert's gated FFN (SwiGLU or GeGLU, as
     the family's act) over only its tokens (ops.moe_matmul on the stacked ffn_gate/up/down_exps,
     or gate | up rows of one ffn_gate_up_exps),
     times its ffn_down_exps.scale where the block has one (Gemma 4), times its weight, the k
@@ -55,9 +58,9 @@ def experts(net: Net, x, layer: int, logits):
     b, t, c = x.shape
     k = cfg.experts_used
     numerics = net.numerics
-    ids = ops.reshape(ops.moe_topk(logits, k), (b * t, k))
-    weights = ops.reshape(ops.moe_weights(logits, ops.reshape(ids, (b, t, k)), cfg.family.moe_norm, numerics),
-                          (b * t, k, 1))
+    ids = ops.reshape(ops.moe_topk(logits, k, cfg.gating, net.params.get(p + SELECTION_BIAS)), (b * t, k))
+    weights = ops.moe_weights(logits, ops.reshape(ids, (b, t, k)), cfg.family.moe_norm, numerics, cfg.gating)
+    weights = ops.reshape(weights, (b * t, k, 1))
     xs = ops.reshape(x, (b * t, 1, c))
     fused = net.params.get(p + "ffn_gate_up_exps.weight")
     if fused is not None:     # gate | up rows of each expert (gemma4), one product, read as views
