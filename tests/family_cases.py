@@ -98,12 +98,13 @@ CASES = {
                         ssm_heads=4, ssm_inner=32, attn_interval=2, rope_sections=(1, 1, 0, 0)),
                    dict(arch="qwen35", layers=4, head_dim=16, rope_dims=8, ssm_conv=4, ssm_state=8, ssm_groups=2,
                         ssm_heads=4, ssm_inner=32, attn_interval=2, rope_sections=(2, 1, 1, 0), tied=True)),
-    # qwen35moe: qwen35's layers (DeltaNet 0, 2; attention 1, 3) with 6 experts, 2 a token, and
-    # the shared expert, each of its own width (the tiny case); ff / experts_used and ff wide
+    # qwen35moe: qwen35's layers (DeltaNet 0, 2; attention 1, 3; two layers against llama.cpp)
+    # with 6 experts, 2 a token, and the shared expert, each of its own width (the tiny case);
+    # ff / experts_used and ff wide
     "qwen35moe": Case(dict(arch="qwen35moe", layers=4, head_dim=8, rope_dims=4, ssm_conv=4, ssm_state=8,
                            ssm_groups=2, ssm_heads=4, ssm_inner=32, attn_interval=2, rope_sections=(1, 1, 0, 0),
                            experts=6, experts_used=2, expert_ff=12, shexp_ff=20),
-                      dict(arch="qwen35moe", layers=4, head_dim=16, rope_dims=8, ssm_conv=4, ssm_state=8,
+                      dict(arch="qwen35moe", layers=2, head_dim=16, rope_dims=8, ssm_conv=4, ssm_state=8,
                            ssm_groups=2, ssm_heads=4, ssm_inner=32, attn_interval=2, rope_sections=(2, 1, 1, 0),
                            experts=8, experts_used=2, tied=True)),
     # lfm2moe: lfm2's layers, the first dense, the rest 6 (8) experts, 2 a token, by sigmoid
