@@ -49,10 +49,19 @@ def _block(family) -> str:
     out += [words(family) if callable(words) else words for has, words in _FEATURES if has(family)]
     act = {"silu": "SwiGLU", "gelu": "GeGLU"}[family.act] + (" (fused gate-up)" if family.fused_gate_up else "")
     norm = "renormalised" if family.moe_norm else "not renormalised"
+    router = "a softmax router"
+    if "expert_gating" in family.all_keys:     # the file names the gating (lfm2moe)
+        router = "expert_gating_func's sigmoid or softmax scores" + (
+            " plus a selection bias" if "exp_probs_b.bias" in family.block else "")
+    routed = f"routed {act} experts (top-k of {router}, weights {norm})"
     if family.ffn == "moe":
-        act = f"routed {act} experts (top-k of a softmax router, weights {norm})"
+        act = routed
+    elif family.ffn == "moe_shared":
+        act = f"{routed} plus a shared {act} expert gated by a sigmoid"
     elif "glu_moe" in family.kind_tensors:     # experts beside the dense FFN where the file has them
         act = f"{act}, with routed {act} experts beside it where expert_count > 0 (weights {norm})"
+    elif "moe" in family.kind_tensors:         # dense FFNs in the leading layers, experts in the rest
+        act = f"{act} in the first leading_dense_block_count layers, {routed} in the rest"
     out.append(act)
     return ", ".join(out)
 

@@ -541,7 +541,8 @@ static inline int gt_causal_conv1d_check(const gt_node *node, int kind, const ch
 
 /* ---- mixture-of-experts routing and the grouped expert product ------------------------------ */
 
-/* moe_topk (kind 0: src0 logits (..., E) f32; dst ids (..., k) i32, k = ip[0] <= E), moe_weights
+/* moe_topk (kind 0: src0 logits (..., E) f32 [, src1 a selection bias (E,) f32 where ip[1] = 1,
+ * sigmoid gating]; dst ids (..., k) i32, k = ip[0] <= E), moe_weights
  * (kind 1: src0 logits, src1 ids (..., k) i32; dst (..., k) f32) and moe_weights_bwd (kind 2:
  * src0 logits, src1 ids, src2 g (..., k) f32; dst (..., E) f32). All contiguous, the leading
  * dims the same. Fills rows (the product of the leading dims), E and k. */
@@ -553,6 +554,14 @@ static inline int gt_moe_route_check(const gt_node *node, int kind, const char *
     GT_CHECK_F32(z, op, "src0");
     if (z->ndim < 1) return GT_FAIL(GT_ERR_SHAPE, "%s: logits need a dim of experts", op);
     *E = z->shape[z->ndim - 1];
+    if (kind == 0 && node->n_src > 1) {     /* moe_topk's selection bias (E,), sigmoid gating only */
+        const gt_tensor *bias = &node->src[1];
+        GT_CHECK_F32(bias, op, "src1 (bias)");
+        if (bias->ndim != 1 || bias->shape[0] != *E || !node->ip[1])
+            return GT_FAIL(GT_ERR_SHAPE, "%s: a selection bias must be (%lld,) with sigmoid gating, got %s "
+                           "(ip[1] = %lld)", op, (long long)*E, gt_shape_str(bias, a, sizeof a),
+                           (long long)node->ip[1]);
+    }
     const gt_tensor *ids = kind == 0 ? d : &node->src[1];
     GT_TRY(gt_check_i32(ids, op, kind == 0 ? "dst" : "src1 (ids)"));
     if (ids->ndim != z->ndim)

@@ -415,12 +415,16 @@ int gt_causal_conv1d_input_bwd_f32(const struct gt_node *node, const gt_ctx *ctx
 int gt_causal_conv1d_weight_bwd_f32(const struct gt_node *node, const gt_ctx *ctx);
 
 /* Mixture-of-experts routing (native/cpu/moe.c; checks.h's gt_moe_route_check):
- * moe_topk_fwd_i32: src0 logits (..., E) f32 -> dst (..., k) i32, k = ip[0]: each row's k
- *   largest, largest first (of equal ones the lower index first).
+ * moe_topk_fwd_i32: src0 logits (..., E) f32 [, src1 a selection bias (E,) f32] -> dst
+ *   (..., k) i32, k = ip[0]: each row's k largest, largest first (of equal ones the lower
+ *   index first), by the logits (ip[1] = 0: softmax gating) or by sigmoid(logits) plus the
+ *   bias (ip[1] = 1: sigmoid gating).
  * moe_weights_fwd_f32: src0 logits, src1 ids (..., k) i32 -> dst (..., k): softmax(logits)
- *   at ids, divided by their sum (clamped below at 2^-14) where ip[0] = 1; ip[1] = 1:
- *   llama.cpp's CPU numbers (ggml_soft_max's exp and sums). wdata: E floats.
- * moe_weights_bwd_f32: src0 logits, src1 ids, src2 g (..., k) -> dst dlogits (..., E).
+ *   (ip[2] = 0) or sigmoid(logits) (ip[2] = 1) at ids, divided by their sum (clamped below at
+ *   2^-14) where ip[0] = 1; ip[1] = 1: llama.cpp's CPU numbers (ggml_soft_max's exp and sums,
+ *   ggml_sigmoid's). wdata: E floats.
+ * moe_weights_bwd_f32: src0 logits, src1 ids, src2 g (..., k) -> dst dlogits (..., E); ip[0]
+ *   norm, ip[1] sigmoid gating.
  * An id outside [0, E) is GT_ERR_INVALID. All contiguous. */
 int gt_moe_topk_fwd_i32(const struct gt_node *node, const gt_ctx *ctx);
 int gt_moe_weights_fwd_f32(const struct gt_node *node, const gt_ctx *ctx);

@@ -13,7 +13,7 @@ ORACLE: what the float64 oracle needs to know of each family, written from llama
 adjacent pairs), the embedding scaled by sqrt(n_embd), post-attention and post-FFN norms, the
 GeGLU gate, q.k scaled by n_embd / n_head at 62 layers (Gemma 3 27B), layers without rope every
 n-th (smollm3), the final norm's tensor where it is not output_norm (lfm2), the routed experts'
-gate weights renormalised (qwen3moe), q and k normed over all heads at once (olmoe). What the
+gate weights renormalised (qwen3moe, qwen35moe, lfm2moe), q and k normed over all heads at once (olmoe). What the
 tensors say (biases, q/k norms, fused qkv, tied output, rope factors) and the config's
 multipliers and windows the oracle reads from them.
 """
@@ -98,6 +98,21 @@ CASES = {
                         ssm_heads=4, ssm_inner=32, attn_interval=2, rope_sections=(1, 1, 0, 0)),
                    dict(arch="qwen35", layers=4, head_dim=16, rope_dims=8, ssm_conv=4, ssm_state=8, ssm_groups=2,
                         ssm_heads=4, ssm_inner=32, attn_interval=2, rope_sections=(2, 1, 1, 0), tied=True)),
+    # qwen35moe: qwen35's layers (DeltaNet 0, 2; attention 1, 3; two layers against llama.cpp)
+    # with 6 experts, 2 a token, and the shared expert, each of its own width (the tiny case);
+    # ff / experts_used and ff wide
+    "qwen35moe": Case(dict(arch="qwen35moe", layers=4, head_dim=8, rope_dims=4, ssm_conv=4, ssm_state=8,
+                           ssm_groups=2, ssm_heads=4, ssm_inner=32, attn_interval=2, rope_sections=(1, 1, 0, 0),
+                           experts=6, experts_used=2, expert_ff=12, shexp_ff=20),
+                      dict(arch="qwen35moe", layers=2, head_dim=16, rope_dims=8, ssm_conv=4, ssm_state=8,
+                           ssm_groups=2, ssm_heads=4, ssm_inner=32, attn_interval=2, rope_sections=(2, 1, 1, 0),
+                           experts=8, experts_used=2, tied=True)),
+    # lfm2moe: lfm2's layers, the first dense, the rest 6 (8) experts, 2 a token, by sigmoid
+    # scores with a selection bias; a convolution layer and an attention layer of each FFN kind
+    "lfm2moe": Case(dict(arch="lfm2moe", layers=4, kv_heads=(0, 2, 0, 2), dense_lead=1, experts=6, experts_used=2,
+                         expert_ff=12, expert_gating=2),
+                    dict(arch="lfm2moe", layers=3, kv_heads=(0, 2, 2), dense_lead=1, experts=8, experts_used=2,
+                         expert_ff=32, expert_gating=2, tied=True)),
 }
 # `train --arch` options of a family that cannot take the test's grouped KV heads (olmoe: llama.cpp
 # norms k over n_embd)
@@ -120,4 +135,6 @@ ORACLE = {
     "olmoe": dict(neox=True, qk_norm_full=True),
     # (its delta rule, sigmoid and softplus are exact f32, not llama.cpp's float order)
     "qwen35": dict(neox=True, ffn_norm="post_attention_norm.weight", llama_bits=False),
+    "qwen35moe": dict(neox=True, ffn_norm="post_attention_norm.weight", llama_bits=False, moe_norm=True),
+    "lfm2moe": dict(neox=True, final_norm="token_embd_norm.weight", moe_norm=True),
 }

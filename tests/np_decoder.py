@@ -13,7 +13,8 @@ its tensors, and its final norm's name; Gemma 4's per-layer local flags with the
 size, rotated dims and base, rope factors on the global layers only, unscaled q.k, values
 RMS-normed without a weight (the keys' projection where a layer has no attn_v), the last
 layers attending over an earlier layer's keys and values, the per-layer embeddings, the
-block's output scale; routed experts (qwen3moe, olmoe) where a block has a router; q/k norms
+block's output scale; routed experts (qwen3moe, olmoe) where a block has a router, with a
+gated shared expert (qwen35moe), with sigmoid gating and a selection bias (lfm2moe); q/k norms
 over all heads (olmoe). What sets each family apart is its row of
 tests/family_cases.py's ORACLE (or what its tensors and config say), never its name here.
 """
@@ -61,13 +62,19 @@ def rope(x, pos, n_rot, base, neox=False, scale=1.0, factors=None, mscale=1.0):
 def ffn(f, p, q_, facts, gelu, cfg=None):
     """The gated FFN of normed f: SwiGLU, or GeGLU where the family's facts say; routed experts
     where the block has a router (ffn_gate_inp): each token's experts_used experts of largest
-    softmax probability, those probabilities (divided by their sum where the facts say
-    moe_norm) weighting each expert's SwiGLU FFN, summed."""
+    softmax probability (sigmoid where the file's expert_gating_func is 2, plus the selection
+    bias exp_probs_b where the block has one), those probabilities (divided by their sum where the facts say
+    moe_norm) weighting each expert's SwiGLU FFN, summed; plus a shared expert's SwiGLU FFN times
+    sigmoid of its gate vector's product where the block has one (ffn_gate_inp_shexp)."""
     if q_ + "ffn_gate_inp.weight" in p:
         z = f @ p[q_ + "ffn_gate_inp.weight"].T                       # (..., E)
-        prob = np.exp(z - z.max(-1, keepdims=True))
-        prob /= prob.sum(-1, keepdims=True)
-        top = np.argsort(-prob, axis=-1, kind="stable")[..., :cfg.experts_used]
+        if getattr(cfg, "expert_gating", 0) == 2:                     # sigmoid gating (lfm2moe)
+            prob = 1 / (1 + np.exp(-z))
+        else:
+            prob = np.exp(z - z.max(-1, keepdims=True))
+            prob /= prob.sum(-1, keepdims=True)
+        score = prob + p.get(q_ + "exp_probs_b.bias", 0.0)             # the selection bias (lfm2moe)
+        top = np.argsort(-score, axis=-1, kind="stable")[..., :cfg.experts_used]
         w = np.take_along_axis(prob, top, axis=-1)
         if facts.get("moe_norm"):
             w = w / w.sum(-1, keepdims=True)
@@ -76,6 +83,10 @@ def ffn(f, p, q_, facts, gelu, cfg=None):
             for s, e in enumerate(top[idx]):
                 gate, up = p[q_ + "ffn_gate_exps.weight"][e] @ f[idx], p[q_ + "ffn_up_exps.weight"][e] @ f[idx]
                 out[idx] += w[idx][s] * (p[q_ + "ffn_down_exps.weight"][e] @ (gate / (1 + np.exp(-gate)) * up))
+        if q_ + "ffn_gate_inp_shexp.weight" in p:     # qwen35moe: the shared expert, gated by a sigmoid
+            gate, up = f @ p[q_ + "ffn_gate_shexp.weight"].T, f @ p[q_ + "ffn_up_shexp.weight"].T
+            shared = (gate / (1 + np.exp(-gate)) * up) @ p[q_ + "ffn_down_shexp.weight"].T
+            out += shared / (1 + np.exp(-(f @ p[q_ + "ffn_gate_inp_shexp.weight"])))[..., None]
         return out
     if q_ + "ffn_gate.weight" in p:
         gate, up = f @ p[q_ + "ffn_gate.weight"].T, f @ p[q_ + "ffn_up.weight"].T
@@ -198,12 +209,12 @@ def forward(cfg, p, tokens, pos, gelu=gelu_tanh, n_ctx=None, taps=None):
         hkv = cfg.kv_heads[i] if isinstance(cfg.kv_heads, tuple) else cfg.kv_heads     # per layer (lfm2)
         if q_ + "shortconv.in_proj.weight" in p:     # lfm2's short-convolution layer
             x = x + short_conv(rms_norm(x, p[q_ + "attn_norm.weight"], cfg.norm_eps), p, q_)
-            x = x + ffn(rms_norm(x, p[q_ + "ffn_norm.weight"], cfg.norm_eps), p, q_, facts, gelu)
+            x = x + ffn(rms_norm(x, p[q_ + "ffn_norm.weight"], cfg.norm_eps), p, q_, facts, gelu, cfg)
             continue
         ffn_norm = q_ + facts.get("ffn_norm", "ffn_norm.weight")
         if q_ + "ssm_conv1d.weight" in p:            # qwen35's gated DeltaNet layer
             x = x + deltanet(rms_norm(x, p[q_ + "attn_norm.weight"], cfg.norm_eps), p, q_, cfg)
-            x = x + ffn(rms_norm(x, p[ffn_norm], cfg.norm_eps), p, q_, facts, gelu)
+            x = x + ffn(rms_norm(x, p[ffn_norm], cfg.norm_eps), p, q_, facts, gelu, cfg)
             continue
         window, pattern = getattr(cfg, "window", 0), getattr(cfg, "window_pattern", 0)
         if swa != ():                                             # gemma4: a flag a layer

@@ -80,7 +80,7 @@ def _conv1d_weight_grad(x, g, seg, taps):
                      for i in range(c * taps)]).reshape(c, taps)
 
 
-def _moe_weights_grad(z, ids, g, norm):
+def _moe_weights_grad(z, ids, g, norm, gating="softmax"):
     """d/dz of sum(moe_weights(z, ids) * g), column by column by central differences in float64
     (the function is smooth in z for fixed ids)."""
     z = np.asarray(z, np.float64)
@@ -88,7 +88,8 @@ def _moe_weights_grad(z, ids, g, norm):
     for i in np.ndindex(z.shape):
         e = np.zeros_like(z)
         e[i] = h
-        out[i] = np.sum((refs.moe_weights(z + e, ids, norm) - refs.moe_weights(z - e, ids, norm)) * g) / (2 * h)
+        diff = refs.moe_weights(z + e, ids, norm, gating) - refs.moe_weights(z - e, ids, norm, gating)
+        out[i] = np.sum(diff * g) / (2 * h)
     return out
 
 
@@ -552,7 +553,7 @@ case("adamw_step", [In((3, 4)), In((3, 4)), In((9,), values=_H_ADAM), In((), 1, 
 case("sgd_step", [In((5,)), In((5,)), In((9,), values=_H_SGD), In((), 1, 2), In((5,))],
      lambda p, g, h, n, b: _in_place(ops.sgd_step(p, g, h, n, b, True)), _sgd_ref, backward=False)
 
-# ---- mixture of experts (qwen3moe, olmoe) ----------------------------------------------------------
+# ---- mixture of experts (qwen3moe, olmoe, lfm2moe) -------------------------------------------------
 # router logits a tenth or more apart (a finite-difference step never changes the selection)
 _ROUTER = _distinct((5, 8)) * 4
 _IDS = np.array([[3, 0], [3, 5], [0, 3], [6, 5], [3, 0]], np.int32)    # experts 1, 2, 4, 7 get no token
@@ -560,10 +561,19 @@ case("moe_topk", [In((5, 8), values=_ROUTER)], lambda z: ops.moe_topk(z, 2), lam
      backward=False)
 case("moe_topk", [In((2, 3, 16))], lambda z: ops.moe_topk(z, 16), lambda z: refs.moe_topk(z, 16), name="all",
      backward=False)
+# lfm2moe's selection: sigmoid scores plus a bias that reorders them (rows 0, 2 and 3 take
+# other experts than by the logits alone)
+_BIAS = np.array([0.3, -0.2, 0.25, -0.1, 0.05, 0.35, -0.3, 0.15])
+case("moe_topk", [In((5, 8), values=_ROUTER), In((8,), values=_BIAS)],
+     lambda z, b: ops.moe_topk(z, 2, "sigmoid", b), lambda z, b: refs.moe_topk(z, 2, "sigmoid", b),
+     name="sigmoid-bias", backward=False)
 for _norm in (True, False):
     case("moe_weights", [In((5, 8), values=_ROUTER), In((5, 2), values=_IDS)],
          lambda z, i, n=_norm: ops.moe_weights(z, i, n), lambda z, i, n=_norm: refs.moe_weights(z, i, n),
          name="norm" if _norm else "raw")
+    case("moe_weights", [In((5, 8), values=_ROUTER), In((5, 2), values=_IDS)],
+         lambda z, i, n=_norm: ops.moe_weights(z, i, n, gating="sigmoid"),
+         lambda z, i, n=_norm: refs.moe_weights(z, i, n, "sigmoid"), name="sigmoid-" + ("norm" if _norm else "raw"))
     # the router as the decoder composes it: the selection from the same logits
     case("moe_weights", [In((2, 3, 8), values=_distinct((2, 3, 8), seed=3) * 4)],
          lambda z, n=_norm: ops.moe_weights(z, ops.moe_topk(z, 3), n),
@@ -572,6 +582,9 @@ for _norm in (True, False):
 case("moe_weights_bwd", [In((5, 8)), In((5, 2), values=_IDS), In((5, 2))],
      lambda z, i, g: ops.apply("moe_weights_bwd", [z, i, g], norm=True),
      lambda z, i, g: _moe_weights_grad(z, i, g, True), backward=False)
+case("moe_weights_bwd", [In((5, 8)), In((5, 2), values=_IDS), In((5, 2))],
+     lambda z, i, g: ops.apply("moe_weights_bwd", [z, i, g], norm=True, gating="sigmoid"),
+     lambda z, i, g: _moe_weights_grad(z, i, g, True, "sigmoid"), backward=False, name="sigmoid")
 # gate/up (every slot reads the token's row) and down (slot s reads its own row)
 case("moe_matmul", [In((5, 1, 6)), In((8, 7, 6)), In((5, 2), values=_IDS)], ops.moe_matmul, refs.moe_matmul,
      name="shared-row")

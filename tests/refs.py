@@ -764,17 +764,22 @@ def causal_conv1d(x, w, seg=None):
 # ---- mixture of experts --------------------------------------------------------------------------
 
 
-def moe_topk(z, k):
-    """The ids of the k largest of each row of z, largest first (a stable sort: of equal values
-    the lower index first)."""
-    return np.argsort(-_f64(z), axis=-1, kind="stable")[..., :k].astype(np.int32)
+def moe_topk(z, k, gating="softmax", bias=None):
+    """The ids of the k largest of each row of z (sigmoid gating: of sigmoid(z) plus bias),
+    largest first (a stable sort: of equal values the lower index first)."""
+    score = _f64(z) if gating == "softmax" else 1 / (1 + np.exp(-_f64(z))) + (0.0 if bias is None else _f64(bias))
+    return np.argsort(-score, axis=-1, kind="stable")[..., :k].astype(np.int32)
 
 
-def moe_weights(z, ids, norm):
-    """softmax(z)[ids] over the last dim, divided by its sum over the k (clamped at 2^-14) when norm."""
+def moe_weights(z, ids, norm, gating="softmax"):
+    """softmax(z)[ids] (or sigmoid(z)[ids]) over the last dim, divided by its sum over the k
+    (clamped at 2^-14) when norm."""
     z = _f64(z)
-    p = np.exp(z - z.max(-1, keepdims=True))
-    p /= p.sum(-1, keepdims=True)
+    if gating == "sigmoid":
+        p = 1 / (1 + np.exp(-z))
+    else:
+        p = np.exp(z - z.max(-1, keepdims=True))
+        p /= p.sum(-1, keepdims=True)
     w = np.take_along_axis(p, np.asarray(ids, np.int64), axis=-1)
     return w / np.maximum(w.sum(-1, keepdims=True), 2.0 ** -14) if norm else w
 

@@ -89,13 +89,18 @@ def write_with_gguf_py(path, cfg: ModelConfig, weights: dict, tok) -> None:
         w.add_logit_scale(cfg.logit_scale)
     if cfg.arch == "phi3":      # the converter writes Phi's window; llama.cpp disables it (so do we)
         w.add_sliding_window(16)
-    if cfg.arch == "lfm2":
+    if cfg.arch in ("lfm2", "lfm2moe"):
         w.add_shortconv_l_cache(cfg.shortconv_l)
+    if cfg.arch == "lfm2moe":     # as its converter: num_dense_layers, sigmoid gating
+        w.add_leading_dense_block_count(cfg.dense_lead)
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType(cfg.expert_gating))
     if cfg.experts:
         w.add_expert_count(cfg.experts)
         w.add_expert_used_count(cfg.experts_used)
     if cfg.expert_ff:     # Qwen3MoE's config has moe_intermediate_size; OLMoE's experts are n_ff wide
         w.add_expert_feed_forward_length(cfg.expert_ff)
+    if cfg.shexp_ff:      # Qwen3.5-MoE's shared_expert_intermediate_size
+        w.add_expert_shared_feed_forward_length(cfg.shexp_ff)
     if cfg.arch == "gemma4":    # as its converter: the local layers' heads, the layers sharing KV
         w.add_key_length(cfg.head_dim)
         w.add_value_length(cfg.head_dim)
@@ -104,7 +109,7 @@ def write_with_gguf_py(path, cfg: ModelConfig, weights: dict, tok) -> None:
         w.add_rope_dimension_count_swa(cfg.rope_dims_swa or cfg.n_rot)
         w.add_shared_kv_layers(cfg.shared_kv)
         w.add_embedding_length_per_layer_input(cfg.per_layer_dim)
-    if cfg.arch == "qwen35":
+    if cfg.arch in ("qwen35", "qwen35moe"):
         w.add_ssm_conv_kernel(cfg.ssm_conv)
         w.add_ssm_inner_size(cfg.ssm_inner)
         w.add_ssm_state_size(cfg.ssm_state)

@@ -82,9 +82,9 @@ def test_llama_numbers_of_quantized_experts_are_refused_by_name():
         ops.moe_matmul(x, w, ids, numerics="llama")
 
 
-def _model(tmp_path, name="m.gguf", **over):
+def _model(tmp_path, name="m.gguf", case="qwen3moe", **over):
     tok = ByteTokenizer()
-    cfg = ModelConfig(vocab=tok.n_vocab, **{**BASE, **INTEROP_CASES["qwen3moe"], **over})
+    cfg = ModelConfig(vocab=tok.n_vocab, **{**BASE, **INTEROP_CASES[case], **over})
     weights = family_params(cfg, seed=3, std=0.3)
     path = tmp_path / name
     write_with_gguf_py(path, cfg, weights, tok)
@@ -161,9 +161,9 @@ def test_expert_counts_are_checked_by_key():
 
 
 def _rewrite(src, dst, key, value):
-    """src with one qwen3moe key's value changed (or dropped: None), through gguf-py."""
+    """src with one key's value changed (or dropped: None), through gguf-py."""
     f = read_gguf(src)
-    w = gguf.GGUFWriter(str(dst), "qwen3moe")
+    w = gguf.GGUFWriter(str(dst), f.kv["general.architecture"].value)
     for k, v in f.kv.items():
         if k.startswith(("general.architecture", "GGUF.")):
             continue
@@ -188,9 +188,18 @@ def _rewrite(src, dst, key, value):
     ("qwen3moe.expert_feed_forward_length", 40, "tensor 'blk.0.ffn_gate_exps.weight' has shape (8, 48, 64), "
                                                  "expected (8, 40, 64)"),
     ("qwen3moe.expert_count", None, "expert_count"),
+    ("qwen35moe.expert_count", 6, "tensor 'blk.0.ffn_gate_inp.weight' has shape (8, 64), expected (6, 64)"),
+    ("qwen35moe.expert_shared_feed_forward_length", 40, "tensor 'blk.0.ffn_gate_shexp.weight' has shape (96, 64), "
+                                                         "expected (40, 64)"),
+    ("lfm2moe.expert_count", 6, "tensor 'blk.1.ffn_gate_inp.weight' has shape (8, 64), expected (6, 64)"),
+    ("lfm2moe.leading_dense_block_count", 2, "missing tensor 'blk.1.ffn_gate.weight'"),
+    ("lfm2moe.expert_gating_func", 3, "lfm2moe.expert_gating_func = 3: a gating ggtrain does not compute"),
+    ("lfm2moe.expert_gating_func", None, "lfm2moe key 'lfm2moe.expert_gating_func' is missing"),
 ])
 def test_bad_moe_file_is_one_line_and_writes_nothing(tmp_path, key, value, message):
-    path = _rewrite(_model(tmp_path)[0], tmp_path / "bad.gguf", key, value)
+    """A file whose expert keys do not match its tensors (or lack one): one line naming the key
+    or the tensor, exit 1, nothing written."""
+    path = _rewrite(_model(tmp_path, case=key.split(".")[0])[0], tmp_path / "bad.gguf", key, value)
     data = tmp_path / "t.txt"
     data.write_text(TEXT * 4)
     out = tmp_path / "a.gguf"
@@ -217,6 +226,27 @@ def test_each_family_weights_its_experts_as_llama_cpp_fixes_it(arch, monkeypatch
     monkeypatch.setitem(ORACLE, arch, {**ORACLE[arch], "moe_norm": not ORACLE[arch].get("moe_norm")})
     other = np_decoder.forward(cfg, weights, ids, np.arange(7))
     assert np.abs(other - want).max() > 1e-2
+
+
+def test_lfm2moe_selection_bias_and_sigmoid_gating_move_the_model():
+    """The interop case's lfm2moe (tests/test_families.py checks it against llama.cpp): its
+    selection bias changes which experts tokens take, and the decoder gives the float64
+    oracle's logits, which move without the bias or with softmax gating (so llama.cpp's
+    agreement tests both); the bias is never trained."""
+    from ggtrain.core.models.config import trainable
+    from ggtrain.core.models.inference import Runner
+    from tests import np_decoder
+    cfg = ModelConfig(vocab=ByteTokenizer().n_vocab, **{**BASE, **INTEROP_CASES["lfm2moe"]})
+    weights = family_params(cfg, seed=3, std=0.3)
+    ids = np.random.default_rng(0).integers(0, cfg.vocab, (1, 24))
+    ours = Runner(cfg, weights, CpuBackend(2), length=24).logits(ids.astype(np.int32))
+    want = np_decoder.forward(cfg, weights, ids, np.arange(24))
+    np.testing.assert_allclose(ours, want, rtol=1e-4, atol=1e-4)
+    unbiased = {k: np.zeros_like(v) if k.endswith("exp_probs_b.bias") else v for k, v in weights.items()}
+    assert np.abs(np_decoder.forward(cfg, unbiased, ids, np.arange(24)) - want).max() > 1e-2
+    softmax = ModelConfig(**{**vars(cfg), "expert_gating": 1})
+    assert np.abs(np_decoder.forward(softmax, weights, ids, np.arange(24)) - want).max() > 1e-2
+    assert not trainable("blk.1.exp_probs_b.bias") and trainable("blk.1.ffn_gate_inp.weight")
 
 
 def test_olmoe_needs_as_many_kv_heads_as_heads(tmp_path):

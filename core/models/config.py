@@ -17,9 +17,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from ggtrain.core.models.families import FAMILIES, NAMES
-from ggtrain.core.models.family import (BLOCK_SHAPES, OUTPUT, PER_LAYER_MODEL_PROJ, PER_LAYER_PROJ_NORM,
-                                        PER_LAYER_TOKEN_EMBD, ROPE_CONSTANTS, ROPE_FACTORS_LONG, ROPE_FACTORS_SHORT,
-                                        ROPE_FREQS, STORED_AS, TOKEN_EMBD, Family)
+from ggtrain.core.models.family import (BLOCK_SHAPES, EXPERT_GATINGS, OUTPUT, PER_LAYER_MODEL_PROJ,
+                                        PER_LAYER_PROJ_NORM, PER_LAYER_TOKEN_EMBD, ROPE_CONSTANTS, ROPE_FACTORS_LONG,
+                                        ROPE_FACTORS_SHORT, ROPE_FREQS, SELECTION_BIAS, STORED_AS, TOKEN_EMBD, Family)
 from ggtrain.errors import ConfigError
 
 
@@ -60,7 +60,11 @@ class ModelConfig:
     the width of the per-layer embeddings of Gemma 4's E-models (0: none). ff may be per layer.
     experts, experts_used: the routed experts of each block's FFN and how many each token takes
     (expert_count, expert_used_count); expert_ff: an expert's hidden size
-    (expert_feed_forward_length; 0: ff / experts_used, as llama.cpp reads a file without it).
+    (expert_feed_forward_length; 0: ff / experts_used, as llama.cpp reads a file without it);
+    shexp_ff: the shared expert's hidden size (expert_shared_feed_forward_length; 0: ff, as
+    llama.cpp reads a file without it). dense_lead: the first dense_lead layers have a dense FFN,
+    the rest routed experts (leading_dense_block_count); expert_gating: the router's gating
+    function (expert_gating_func: family.EXPERT_GATINGS; 0: the family fixes softmax).
     Qwen3.5's gated DeltaNet (ssm.*): ssm_conv the taps of its convolution, ssm_state the
     size of a K and V head, ssm_groups the K heads, ssm_heads the V heads (time_step_rank),
     ssm_inner = ssm_heads * ssm_state; attn_interval: every n-th layer attends (the rest are
@@ -104,6 +108,9 @@ class ModelConfig:
     experts: int = 0
     experts_used: int = 0
     expert_ff: int = 0
+    shexp_ff: int = 0
+    dense_lead: int = 0
+    expert_gating: int = 0
     ssm_conv: int = 0
     ssm_state: int = 0
     ssm_groups: int = 0
@@ -246,7 +253,7 @@ class ModelConfig:
 
     def _experts(self, fam: Family) -> None:
         """1 <= experts_used <= experts (naming the keys; 0: the family's default, a model built
-        from scratch), expert_ff resolved."""
+        from scratch), expert_ff and shexp_ff resolved."""
         keys = fam.all_keys
         for name in ("experts", "experts_used"):
             if getattr(self, name) == 0:
@@ -256,6 +263,15 @@ class ModelConfig:
             raise ConfigError(f"{self.arch}: {n} = {self.experts} and {used} = {self.experts_used} must be >= 1")
         if self.experts_used > self.experts:
             raise ConfigError(f"{self.arch}: {used} = {self.experts_used} exceeds {n} = {self.experts}")
+        if "expert_gating" in keys and self.expert_gating not in EXPERT_GATINGS:
+            raise ConfigError(f"{self.arch}: {self.arch}.{keys['expert_gating'].key} = {self.expert_gating}: a gating "
+                              f"ggtrain does not compute (it computes "
+                              f"{', '.join(f'{k} {v}' for k, v in EXPERT_GATINGS.items())})")
+        if not 0 <= self.dense_lead <= self.layers:
+            raise ConfigError(f"{self.arch}: {self.arch}.leading_dense_block_count = {self.dense_lead} must be "
+                              f"within 0..{self.layers} (block_count)")
+        if "shexp_ff" in keys and not self.shexp_ff:      # the shared expert: feed_forward_length wide
+            object.__setattr__(self, "shexp_ff", self.at("ff", 0))
         if "expert_ff" not in keys:     # the experts are feed_forward_length wide
             return
         if not self.expert_ff:
@@ -290,6 +306,11 @@ class ModelConfig:
                 raise ConfigError(f"{self.arch}: rope.dimension_sections {list(sec)} must be 4 sizes whose first "
                                   f"three cover the {self.n_rot // 2} rotated pairs (text positions; ggtrain "
                                   f"rotates them as NEOX)")
+
+    @property
+    def gating(self) -> str:
+        """The router's gating function, by the moe ops' name (core/ops/moe.py GATINGS)."""
+        return EXPERT_GATINGS.get(self.expert_gating, "softmax")
 
     @property
     def ssm_channels(self) -> int:
@@ -350,8 +371,9 @@ def param_shapes(cfg: ModelConfig) -> dict:
 
 def trainable(name: str) -> bool:
     """Whether training changes a parameter: all but the rope frequency factors (constants
-    of the position encoding, not weights)."""
-    return name not in ROPE_CONSTANTS
+    of the position encoding, not weights) and the experts' selection biases (load-balancing
+    buffers, which no gradient reaches)."""
+    return name not in ROPE_CONSTANTS and not name.endswith(SELECTION_BIAS)
 
 
 # the projections that write into the residual stream

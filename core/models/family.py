@@ -98,6 +98,15 @@ BLOCK_SHAPES = {
     "ffn_gate_exps.weight": lambda c, i: (c.experts, c.expert_ff or c.at("ff", i), c.dim),
     "ffn_up_exps.weight": lambda c, i: (c.experts, c.expert_ff or c.at("ff", i), c.dim),
     "ffn_down_exps.weight": lambda c, i: (c.experts, c.dim, c.expert_ff or c.at("ff", i)),
+    # the shared expert beside the routed ones (qwen35moe): its gate (one logit a token, ggml's
+    # {n_embd}) and its SwiGLU FFN, expert_shared_feed_forward_length wide
+    "ffn_gate_inp_shexp.weight": lambda c, i: (c.dim,),
+    # the experts' selection bias (lfm2moe: llama.cpp's exp_probs_b), added to the router's
+    # scores for the top-k only
+    "exp_probs_b.bias": lambda c, i: (c.experts,),
+    "ffn_gate_shexp.weight": lambda c, i: (c.shexp_ff, c.dim),
+    "ffn_up_shexp.weight": lambda c, i: (c.shexp_ff, c.dim),
+    "ffn_down_shexp.weight": lambda c, i: (c.dim, c.shexp_ff),
     # gemma4's experts: their gate and up stacked in one matrix, each expert's output scale, the router input's scale, the norms of its
     # dense FFN's output (post_ffw_norm_1), of the experts' input and output (pre/post_ffw_norm_2)
     "ffn_down_exps.scale": lambda c, i: (c.experts,),
@@ -141,7 +150,12 @@ ROPE_CONSTANTS = (ROPE_FREQS, ROPE_FACTORS_LONG, ROPE_FACTORS_SHORT)   # positio
 
 # rope scaling types (the {arch}.rope.scaling.type key) the decoder applies
 ROPE_SCALING = ("none", "linear")
-ACTIVATIONS = ("silu", "gelu")    # the FFN gate: SwiGLU, or GeGLU with gelu's tanh approximation
+ACTIVATIONS = ("silu", "gelu")
+# the router's gating functions a file may name (the {arch}.expert_gating_func key: llama.cpp's
+# LLAMA_EXPERT_GATING_FUNC_TYPE values) and the moe ops' names for them
+EXPERT_GATINGS = {1: "softmax", 2: "sigmoid"}
+# the experts' selection bias: a load-balancing buffer (set outside gradient descent), never trained
+SELECTION_BIAS = "exp_probs_b.bias"    # the FFN gate: SwiGLU, or GeGLU with gelu's tanh approximation
 
 
 def recip_sqrt_f32(n: int) -> float:

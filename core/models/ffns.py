@@ -1,6 +1,7 @@
 """The FFNs a block's layer may take (layer 4), by the name Family.layer_kinds gives: "glu"
-(SwiGLU or GeGLU), "moe" (routed experts) or "glu_moe" (Gemma 4's dense FFN beside routed
-experts). Each is ffn(net, x, layer, resid): x the ffn_norm of the residual stream resid,
+(SwiGLU or GeGLU), "moe" (routed experts), "moe_shared" (routed experts plus a gated shared
+expert: Qwen3.5-MoE) or "glu_moe" (Gemma 4's dense FFN beside routed experts). Each is
+ffn(net, x, layer, resid): x the ffn_norm of the residual stream resid,
 (B, T, C) -> (B, T, C).
 """
 from __future__ import annotations
@@ -8,6 +9,7 @@ from __future__ import annotations
 import math
 
 from ggtrain.core import ops
+from ggtrain.core.models.family import SELECTION_BIAS
 from ggtrain.core.models.net import Net, linear, norm
 
 
@@ -24,11 +26,15 @@ def glu(net: Net, x, layer: int, resid=None):
     else:
         gate = linear(net, x, p + "ffn_gate.weight")
         up = linear(net, x, p + "ffn_up.weight")
+    return linear(net, _act(net, gate, up), p + "ffn_down.weight")
+
+
+def _act(net: Net, gate, up):
+    """act(gate) * up, act the family's: silu (SwiGLU) or gelu's tanh form (GeGLU; in llama.cpp's
+    numbers its f16-table gelu)."""
     if net.cfg.family.act != "gelu":
-        act = ops.swiglu_ggml(gate, up) if net.llama else ops.swiglu(gate, up)
-    else:       # (llama.cpp's f16-table gelu with its 8-bit products: its numbers)
-        act = ops.geglu_f16(gate, up) if net.llama else ops.geglu(gate, up)
-    return linear(net, act, p + "ffn_down.weight")
+        return ops.swiglu_ggml(gate, up) if net.llama else ops.swiglu(gate, up)
+    return ops.geglu_f16(gate, up) if net.llama else ops.geglu(gate, up)
 
 
 def moe(net: Net, x, layer: int, resid=None):
@@ -40,7 +46,9 @@ def moe(net: Net, x, layer: int, resid=None):
 def experts(net: Net, x, layer: int, logits):
     """Routed experts of x (B, T, C) by router logits (B, T, E): each token's experts_used
     largest (ops.moe_topk), their softmax probabilities as gate weights (divided by their sum
-    where the family says: Family.moe_norm); each chosen expert's gated FFN (SwiGLU or GeGLU, as
+    where the family says: Family.moe_norm), or with sigmoid gating (ModelConfig.gating: the
+    file's expert_gating_func) their sigmoids, the selection by the sigmoids plus the block's
+    exp_probs_b.bias where it has one; each chosen expert's gated FFN (SwiGLU or GeGLU, as
     the family's act) over only its tokens (ops.moe_matmul on the stacked ffn_gate/up/down_exps,
     or gate | up rows of one ffn_gate_up_exps),
     times its ffn_down_exps.scale where the block has one (Gemma 4), times its weight, the k
@@ -50,9 +58,9 @@ def experts(net: Net, x, layer: int, logits):
     b, t, c = x.shape
     k = cfg.experts_used
     numerics = net.numerics
-    ids = ops.reshape(ops.moe_topk(logits, k), (b * t, k))
-    weights = ops.reshape(ops.moe_weights(logits, ops.reshape(ids, (b, t, k)), cfg.family.moe_norm, numerics),
-                          (b * t, k, 1))
+    ids = ops.reshape(ops.moe_topk(logits, k, cfg.gating, net.params.get(p + SELECTION_BIAS)), (b * t, k))
+    weights = ops.moe_weights(logits, ops.reshape(ids, (b, t, k)), cfg.family.moe_norm, numerics, cfg.gating)
+    weights = ops.reshape(weights, (b * t, k, 1))
     xs = ops.reshape(x, (b * t, 1, c))
     fused = net.params.get(p + "ffn_gate_up_exps.weight")
     if fused is not None:     # gate | up rows of each expert (gemma4), one product, read as views
@@ -62,11 +70,7 @@ def experts(net: Net, x, layer: int, logits):
     else:
         gate = ops.moe_matmul(xs, net.params[p + "ffn_gate_exps.weight"], ids, numerics)  # (N, k, F)
         up = ops.moe_matmul(xs, net.params[p + "ffn_up_exps.weight"], ids, numerics)
-    if cfg.family.act == "gelu":
-        act = ops.geglu_f16(gate, up) if net.llama else ops.geglu(gate, up)
-    else:
-        act = ops.swiglu_ggml(gate, up) if net.llama else ops.swiglu(gate, up)
-    down = ops.moe_matmul(act, net.params[p + "ffn_down_exps.weight"], ids, numerics)    # (N, k, C)
+    down = ops.moe_matmul(_act(net, gate, up), net.params[p + "ffn_down_exps.weight"], ids, numerics)  # (N, k, C)
     scale = net.params.get(p + "ffn_down_exps.scale")
     if scale is not None:       # each expert's output times its scalar
         down = ops.mul(down, ops.reshape(ops.get_rows(ops.reshape(scale, (cfg.experts, 1)), ids), (b * t, k, 1)))
@@ -76,6 +80,17 @@ def experts(net: Net, x, layer: int, logits):
         part = ops.view(down, (b * t, c), (k * c, 1), s * c)
         out = part if out is None else ops.add(out, part)
     return ops.reshape(out if k > 1 else ops.cont(out), (b, t, c))
+
+
+def moe_shared(net: Net, x, layer: int, resid=None):
+    """Routed experts of x (B, T, C) (`moe`) plus the shared expert, as llama.cpp's qwen35moe
+    graph: a gated FFN of x (ffn_gate_shexp, ffn_up_shexp, ffn_down_shexp) times
+    sigmoid(ffn_gate_inp_shexp . x), one gate a token."""
+    p = f"blk.{layer}."
+    gate, up = linear(net, x, p + "ffn_gate_shexp.weight"), linear(net, x, p + "ffn_up_shexp.weight")
+    shared = linear(net, _act(net, gate, up), p + "ffn_down_shexp.weight")
+    weight = ops.sigmoid(linear(net, x, p + "ffn_gate_inp_shexp.weight"))                # (B, T, 1)
+    return ops.add(moe(net, x, layer), ops.mul(shared, weight))
 
 
 def glu_moe(net: Net, x, layer: int, resid):
@@ -93,4 +108,4 @@ def glu_moe(net: Net, x, layer: int, resid):
 
 
 # the FFNs a family's layer_kinds may name
-FFNS = {"glu": glu, "moe": moe, "glu_moe": glu_moe}
+FFNS = {"glu": glu, "moe": moe, "moe_shared": moe_shared, "glu_moe": glu_moe}

@@ -82,7 +82,7 @@ class Options:
 
 
 def linear(net: Net, x, name: str):
-    """x @ W.T for the weight `name`, plus its LoRA update where net.lora has one, plus the
+    """x @ W.T for the weight `name` (a 1-D weight: one row), plus its LoRA update where net.lora has one, plus the
     bias "<name without .weight>.bias" where net.params has one (after the LoRA update, as
     llama.cpp adds it).
 
@@ -98,6 +98,8 @@ def linear(net: Net, x, name: str):
     if net.taps is not None and name.startswith("blk."):
         net.taps[name] = x
     w = net.params[name]
+    if w.ndim == 1:     # one output (ggml's mul_mat of an {n_embd} weight: qwen35moe's shared-expert gate)
+        w = ops.reshape(w, (1, w.shape[0]))
     ad = net.lora.get(name)
     if net.llama:
         if w.dtype in ops.ACT8_TYPES:

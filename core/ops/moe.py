@@ -14,31 +14,51 @@ from ggtrain.native.dtypes import WEIGHT_TYPES
 # ---- routing ----------------------------------------------------------------------------------
 
 
-def moe_topk(logits: Tensor, k: int) -> Tensor:
-    """The ids of the k largest of logits (..., E) along the last dim, largest first (of equal
-    ones the lower index first): (..., k) i32, llama.cpp's argsort_top_k. No gradient (the
-    selection is piecewise constant)."""
-    return apply("moe_topk", [logits], k=int(k))
+# the router's gating functions (llama.cpp's expert_gating_func: 1 softmax, 2 sigmoid), by the
+# flag the kernels take
+GATINGS = ("softmax", "sigmoid")
+
+
+def _gating(op: str, gating: str) -> str:
+    _need(gating in GATINGS, f"{op}: gating {gating!r} (one of {', '.join(GATINGS)})")
+    return gating
+
+
+def moe_topk(logits: Tensor, k: int, gating: str = "softmax", bias: Tensor | None = None) -> Tensor:
+    """The ids of the k experts of largest score in logits (..., E) along the last dim, largest
+    first (of equal ones the lower index first): (..., k) i32, llama.cpp's argsort_top_k of its
+    selection probabilities. The score: the logit (softmax gating, which keeps the order), or
+    sigmoid(logit) plus bias (E,) f32 where given (sigmoid gating: llama.cpp's exp_probs_b,
+    which moves the selection, not the weights), in llama.cpp's f32. No gradient (the selection
+    is piecewise constant)."""
+    _gating("moe_topk", gating)
+    _need(bias is None or gating == "sigmoid", "moe_topk: a selection bias with sigmoid gating only")
+    return apply("moe_topk", [logits] + ([bias] if bias is not None else []), k=int(k), gating=gating)
 
 
 def _infer_topk(srcs, params):
     z, k = srcs[0], params["k"]
     _f32("moe_topk", z)
     _need(z.ndim >= 1 and 1 <= k <= z.shape[-1], f"moe_topk: k = {k} of logits {z.shape} (1 <= k <= experts)")
+    if len(srcs) > 1:
+        _f32("moe_topk", srcs[1])
+        _need(srcs[1].shape == z.shape[-1:], f"moe_topk: bias {srcs[1].shape} for logits {z.shape} (one an expert)")
     return z.shape[:-1] + (k,), "i32"
 
 
-register(OpDef("moe_topk", _infer_topk, "moe_topk_fwd", contiguous=(0,), differentiable=(), dtypes=("i32",),
-               lower=lambda y: ((y.params["k"],), ())))
+register(OpDef("moe_topk", _infer_topk, "moe_topk_fwd", contiguous=(0, 1), differentiable=(), dtypes=("i32",),
+               lower=lambda y: ((y.params["k"], GATINGS.index(y.params["gating"])), ())))
 
 
-def moe_weights(logits: Tensor, ids: Tensor, norm: bool, numerics: str = EXACT) -> Tensor:
-    """The gate weights of the selected experts: softmax(logits)[..., ids] (..., k), divided by
-    their sum over the k (clamped below at 2^-14, as llama.cpp does) when norm. logits (..., E)
-    f32, ids (..., k) i32 (moe_topk's). The gradient flows to the logits through the softmax
-    and the renormalisation; none to ids. numerics LLAMA: llama.cpp's CPU numbers (its
-    soft_max's exp and sums; inference only)."""
-    return apply("moe_weights", [logits, ids], norm=bool(norm), numerics=check_numerics(numerics))
+def moe_weights(logits: Tensor, ids: Tensor, norm: bool, numerics: str = EXACT, gating: str = "softmax") -> Tensor:
+    """The gate weights of the selected experts: softmax(logits)[..., ids] (..., k), or
+    sigmoid(logits)[..., ids] (gating "sigmoid"), divided by their sum over the k (clamped below
+    at 2^-14, as llama.cpp does) when norm. logits (..., E) f32, ids (..., k) i32 (moe_topk's).
+    The gradient flows to the logits through the softmax or sigmoid and the renormalisation;
+    none to ids. numerics LLAMA: llama.cpp's CPU numbers (its soft_max's exp and sums, its
+    sigmoid; inference only)."""
+    return apply("moe_weights", [logits, ids], norm=bool(norm), numerics=check_numerics(numerics),
+                 gating=_gating("moe_weights", gating))
 
 
 def _infer_weights(name):
@@ -60,14 +80,14 @@ def _infer_weights(name):
 def _weights_bwd(y, g):
     _no_llama_gradient(y, "moe_weights")
     z, ids = y.srcs
-    return [apply("moe_weights_bwd", [z, ids, g], norm=y.params["norm"]), None]
+    return [apply("moe_weights_bwd", [z, ids, g], norm=y.params["norm"], gating=y.params["gating"]), None]
 
 
 register(OpDef("moe_weights", _infer_weights("moe_weights"), "moe_weights_fwd", contiguous=(0, 1),
                differentiable=(0,), backward=_weights_bwd,
-               lower=lambda y: ((int(y.params["norm"]), _llama(y)), ())))
+               lower=lambda y: ((int(y.params["norm"]), _llama(y), GATINGS.index(y.params["gating"])), ())))
 register(OpDef("moe_weights_bwd", _infer_weights("moe_weights_bwd"), "moe_weights_bwd", contiguous=(0, 1, 2),
-               lower=lambda y: ((int(y.params["norm"]),), ())))
+               lower=lambda y: ((int(y.params["norm"]), GATINGS.index(y.params.get("gating", "softmax"))), ())))
 
 
 # ---- the grouped expert product -----------------------------------------------------------------
@@ -145,4 +165,4 @@ register(OpDef("moe_matmul_input_bwd", _infer_moe_matmul("moe_matmul_input_bwd")
 register(OpDef("moe_matmul_weight_bwd", _infer_moe_matmul("moe_matmul_weight_bwd"), "moe_matmul_weight_bwd",
                contiguous=(0, 1, 2)))
 
-__all__ = ["moe_topk", "moe_weights", "moe_matmul"]
+__all__ = ["GATINGS", "moe_topk", "moe_weights", "moe_matmul"]

@@ -11,12 +11,23 @@
 
 /* ---- routing ---------------------------------------------------------------------------------- */
 
-/* ids[r] = the k largest logits of row r, largest first (llama.cpp's argsort_top_k, descending;
- * of equal logits the lower index first). */
+/* The score moe_topk ranks expert e of a row by: its logit z (softmax gating, ip[1] = 0: the
+ * softmax keeps the order), or sigmoid(z) plus the selection bias b[e] where the node has one
+ * (src1; sigmoid gating, ip[1] = 1), in llama.cpp's f32 (1.f / (1.f + expf(-z)), then + b). */
+static float topk_score(float z, const float *bias, int64_t e, int sigmoid) {
+    if (!sigmoid) return z;
+    const float p = 1.0f / (1.0f + expf(-z));
+    return bias ? p + bias[e] : p;
+}
+
+/* ids[r] = the k experts of largest score in row r (topk_score), largest first (llama.cpp's
+ * argsort_top_k, descending; of equal scores the lower index first). */
 int gt_moe_topk_fwd_i32(const gt_node *node, const gt_ctx *ctx) {
     int64_t rows, E, k;
     GT_TRY(gt_moe_route_check(node, 0, "moe_topk", &rows, &E, &k));
     const float *z = (const float *)node->src[0].data;
+    const float *bias = node->n_src > 1 ? (const float *)node->src[1].data : NULL;
+    const int sigmoid = node->ip[1] != 0;
     int32_t *ids = (int32_t *)node->dst.data;
     int64_t lo, hi;
     gt_split(rows, ctx, &lo, &hi);
@@ -25,10 +36,15 @@ int gt_moe_topk_fwd_i32(const gt_node *node, const gt_ctx *ctx) {
         int32_t *out = ids + r * k;
         for (int64_t s = 0; s < k; s++) {
             int64_t best = -1;
+            float top = 0.0f;
             for (int64_t e = 0; e < E; e++) {
                 int taken = 0;
                 for (int64_t t = 0; t < s; t++) taken |= out[t] == e;
-                if (!taken && (best < 0 || zr[e] > zr[best])) best = e;
+                const float v = topk_score(zr[e], bias, e, sigmoid);
+                if (!taken && (best < 0 || v > top)) {
+                    best = e;
+                    top = v;
+                }
             }
             out[s] = (int32_t)best;
         }
@@ -65,6 +81,13 @@ static void softmax_row(float *p, const float *zr, int64_t E, int llama) {
     for (e = 0; e < E; e++) p[e] = (float)((double)p[e] / sum);
 }
 
+/* p = sigmoid(zr) over E (into p): llama: ggml_sigmoid's 1.f / (1.f + expf(-z)); else in
+ * double, rounded once. */
+static void sigmoid_row(float *p, const float *zr, int64_t E, int llama) {
+    for (int64_t e = 0; e < E; e++)
+        p[e] = llama ? 1.0f / (1.0f + expf(-zr[e])) : (float)(1.0 / (1.0 + exp(-(double)zr[e])));
+}
+
 /* The smallest sum of gate weights a renormalisation divides by (llama.cpp clamps it to the
  * smallest normal f16). */
 #define MOE_MIN_SUM 6.103515625e-5f
@@ -76,9 +99,10 @@ static int check_ids(const int32_t *ids, int64_t n, int64_t E, const char *op) {
     return GT_OK;
 }
 
-/* w[r, s] = softmax(z[r])[ids[r, s]], divided by their sum over s (clamped below at
- * MOE_MIN_SUM) where ip[0] = 1. ip[1] = 1: llama.cpp's numbers (softmax_row; the sum of the k
- * in double, rounded to float). wdata: E floats. */
+/* w[r, s] = p(z[r])[ids[r, s]], divided by their sum over s (clamped below at MOE_MIN_SUM)
+ * where ip[0] = 1; p softmax (ip[2] = 0) or sigmoid (ip[2] = 1). ip[1] = 1: llama.cpp's
+ * numbers (softmax_row, sigmoid_row; the sum of the k in double, rounded to float). wdata: E
+ * floats. */
 int gt_moe_weights_fwd_f32(const gt_node *node, const gt_ctx *ctx) {
     static const char *op = "moe_weights";
     int64_t rows, E, k;
@@ -88,12 +112,15 @@ int gt_moe_weights_fwd_f32(const gt_node *node, const gt_ctx *ctx) {
     const float *z = (const float *)node->src[0].data;
     const int32_t *ids = (const int32_t *)node->src[1].data;
     float *w = (float *)node->dst.data, *p = (float *)ctx->wdata;
-    const int norm = node->ip[0] != 0, llama = node->ip[1] != 0;
+    const int norm = node->ip[0] != 0, llama = node->ip[1] != 0, sigmoid = node->ip[2] != 0;
     int64_t lo, hi;
     gt_split(rows, ctx, &lo, &hi);
     GT_TRY(check_ids(ids + lo * k, (hi - lo) * k, E, op));
     for (int64_t r = lo; r < hi; r++) {
-        softmax_row(p, z + r * E, E, llama);
+        if (sigmoid)
+            sigmoid_row(p, z + r * E, E, llama);
+        else
+            softmax_row(p, z + r * E, E, llama);
         float *wr = w + r * k;
         double sum = 0.0;
         for (int64_t s = 0; s < k; s++) {
@@ -115,10 +142,11 @@ int gt_moe_weights_fwd_f32_sizes(const gt_node *node, int64_t *scratch, int64_t 
     return GT_OK;
 }
 
-/* dz[r] of moe_weights' g[r]: with p = softmax(z[r]) and the selected q_s = p[ids[r, s]],
- * dq_s = g_s (ip[0] = 0), or (g_s - sum_t g_t w_t) / S with S = sum_t q_t (ip[0] = 1; g_s / S
- * where S is clamped); then dz_e = p_e (dq_e - sum_s q_s dq_s), dq zero off the selected
- * experts (the selection itself is piecewise constant). wdata: E floats. */
+/* dz[r] of moe_weights' g[r]: with p = softmax(z[r]) or sigmoid(z[r]) (ip[1] = 1) and the
+ * selected q_s = p[ids[r, s]], dq_s = g_s (ip[0] = 0), or (g_s - sum_t g_t w_t) / S with
+ * S = sum_t q_t (ip[0] = 1; g_s / S where S is clamped); then dz_e = p_e (dq_e - sum_s q_s
+ * dq_s) (softmax) or dq_e p_e (1 - p_e) (sigmoid), dq zero off the selected experts (the
+ * selection itself is piecewise constant). wdata: E floats. */
 int gt_moe_weights_bwd_f32(const gt_node *node, const gt_ctx *ctx) {
     static const char *op = "moe_weights_bwd";
     int64_t rows, E, k;
@@ -128,12 +156,15 @@ int gt_moe_weights_bwd_f32(const gt_node *node, const gt_ctx *ctx) {
     const float *z = (const float *)node->src[0].data, *g = (const float *)node->src[2].data;
     const int32_t *ids = (const int32_t *)node->src[1].data;
     float *dz = (float *)node->dst.data, *p = (float *)ctx->wdata;
-    const int norm = node->ip[0] != 0;
+    const int norm = node->ip[0] != 0, sigmoid = node->ip[1] != 0;
     int64_t lo, hi;
     gt_split(rows, ctx, &lo, &hi);
     GT_TRY(check_ids(ids + lo * k, (hi - lo) * k, E, op));
     for (int64_t r = lo; r < hi; r++) {
-        softmax_row(p, z + r * E, E, 0);
+        if (sigmoid)
+            sigmoid_row(p, z + r * E, E, 0);
+        else
+            softmax_row(p, z + r * E, E, 0);
         const int32_t *ir = ids + r * k;
         const float *gr = g + r * k;
         double S = 0.0, gw = 0.0;
@@ -149,7 +180,9 @@ int gt_moe_weights_bwd_f32(const gt_node *node, const gt_ctx *ctx) {
             dr[ir[s]] = (float)dq;
             dot += (double)p[ir[s]] * dq;
         }
-        for (int64_t e = 0; e < E; e++) dr[e] = (float)((double)p[e] * ((double)dr[e] - dot));
+        for (int64_t e = 0; e < E; e++)
+            dr[e] = sigmoid ? (float)((double)dr[e] * (double)p[e] * (1.0 - (double)p[e]))
+                            : (float)((double)p[e] * ((double)dr[e] - dot));
     }
     return GT_OK;
 }

@@ -11,16 +11,30 @@
 
 #define MOE_MIN_SUM 6.103515625e-5f
 
-__global__ void moe_topk(int32_t *ids, const float *z, int64_t rows, int64_t E, int64_t k) {
+/* the score an expert is ranked by: its logit (softmax gating), or sigmoid(z) in f32 plus the
+ * selection bias where there is one (sigmoid gating), as the CPU's topk_score */
+__device__ inline float moe_topk_score(float z, const float *bias, int64_t e, bool sigmoid) {
+    if (!sigmoid) return z;
+    const float p = 1.0f / (1.0f + expf(-z));
+    return bias ? p + bias[e] : p;
+}
+
+__global__ void moe_topk(int32_t *ids, const float *z, const float *bias, int64_t rows, int64_t E, int64_t k,
+                         bool sigmoid) {
     GTC_FOR(r, rows) {
         const float *zr = z + r * E;
         int32_t *out = ids + r * k;
         for (int64_t s = 0; s < k; s++) {
             int64_t best = -1;
+            float top = 0.0f;
             for (int64_t e = 0; e < E; e++) {
                 bool taken = false;
                 for (int64_t t = 0; t < s; t++) taken |= out[t] == e;
-                if (!taken && (best < 0 || zr[e] > zr[best])) best = e;
+                const float v = moe_topk_score(zr[e], bias, e, sigmoid);
+                if (!taken && (best < 0 || v > top)) {
+                    best = e;
+                    top = v;
+                }
             }
             out[s] = (int32_t)best;
         }
@@ -37,20 +51,23 @@ __device__ inline void moe_softmax_sums(const float *zr, int64_t E, float *max, 
     *sum = s;
 }
 
-__device__ inline float moe_p(const float *zr, int64_t e, float max, double sum) {
+/* expert e's gate probability: softmax (from the row's max and sum) or sigmoid (in double,
+ * rounded once, as the CPU's sigmoid_row) */
+__device__ inline float moe_p(const float *zr, int64_t e, float max, double sum, bool sigmoid) {
+    if (sigmoid) return (float)(1.0 / (1.0 + exp(-(double)zr[e])));
     return (float)((double)gt_expf_(zr[e] - max) / sum);
 }
 
 __global__ void moe_weights(float *w, const float *z, const int32_t *ids, int64_t rows, int64_t E, int64_t k,
-                            bool norm) {
+                            bool norm, bool sigmoid) {
     GTC_FOR(r, rows) {
         const float *zr = z + r * E;
-        float max;
-        double sum, wsum = 0.0;
-        moe_softmax_sums(zr, E, &max, &sum);
+        float max = 0.0f;
+        double sum = 1.0, wsum = 0.0;
+        if (!sigmoid) moe_softmax_sums(zr, E, &max, &sum);
         float *wr = w + r * k;
         for (int64_t s = 0; s < k; s++) {
-            wr[s] = moe_p(zr, ids[r * k + s], max, sum);
+            wr[s] = moe_p(zr, ids[r * k + s], max, sum, sigmoid);
             wsum += (double)wr[s];
         }
         if (!norm) continue;
@@ -61,25 +78,28 @@ __global__ void moe_weights(float *w, const float *z, const int32_t *ids, int64_
 }
 
 __global__ void moe_weights_bwd(float *dz, const float *z, const int32_t *ids, const float *g, int64_t rows,
-                                int64_t E, int64_t k, bool norm) {
+                                int64_t E, int64_t k, bool norm, bool sigmoid) {
     GTC_FOR(r, rows) {
         const float *zr = z + r * E, *gr = g + r * k;
         const int32_t *ir = ids + r * k;
-        float max;
-        double sum, S = 0.0, gw = 0.0, dot = 0.0;
-        moe_softmax_sums(zr, E, &max, &sum);
-        for (int64_t s = 0; s < k; s++) S += (double)moe_p(zr, ir[s], max, sum);
+        float max = 0.0f;
+        double sum = 1.0, S = 0.0, gw = 0.0, dot = 0.0;
+        if (!sigmoid) moe_softmax_sums(zr, E, &max, &sum);
+        for (int64_t s = 0; s < k; s++) S += (double)moe_p(zr, ir[s], max, sum, sigmoid);
         const bool clamped = norm && (float)S < MOE_MIN_SUM;
         if (clamped) S = MOE_MIN_SUM;
-        for (int64_t s = 0; s < k; s++) gw += (double)gr[s] * (double)moe_p(zr, ir[s], max, sum) / S;
+        for (int64_t s = 0; s < k; s++) gw += (double)gr[s] * (double)moe_p(zr, ir[s], max, sum, sigmoid) / S;
         float *dr = dz + r * E;
         for (int64_t e = 0; e < E; e++) dr[e] = 0.0f;
         for (int64_t s = 0; s < k; s++) {
             const double dq = !norm ? gr[s] : clamped ? gr[s] / S : (gr[s] - gw) / S;
             dr[ir[s]] = (float)dq;
-            dot += (double)moe_p(zr, ir[s], max, sum) * dq;
+            dot += (double)moe_p(zr, ir[s], max, sum, sigmoid) * dq;
         }
-        for (int64_t e = 0; e < E; e++) dr[e] = (float)((double)moe_p(zr, e, max, sum) * ((double)dr[e] - dot));
+        for (int64_t e = 0; e < E; e++) {
+            const double p = (double)moe_p(zr, e, max, sum, sigmoid);
+            dr[e] = sigmoid ? (float)((double)dr[e] * p * (1.0 - p)) : (float)(p * ((double)dr[e] - dot));
+        }
     }
 }
 
@@ -93,13 +113,16 @@ static int route_launch(const gt_node *node, int kind, const char *op) {
     const int32_t *ids = kind ? (const int32_t *)node->src[1].data : nullptr;
     const unsigned nb = gtc_blocks(rows);
     if (kind == 0)
-        moe_topk<<<nb, GTC_THREADS, 0, gtc_stream_()>>>((int32_t *)node->dst.data, z, rows, E, k);
+        moe_topk<<<nb, GTC_THREADS, 0, gtc_stream_()>>>((int32_t *)node->dst.data, z,
+                                                        node->n_src > 1 ? (const float *)node->src[1].data : nullptr,
+                                                        rows, E, k, node->ip[1] != 0);
     else if (kind == 1)
-        moe_weights<<<nb, GTC_THREADS, 0, gtc_stream_()>>>((float *)node->dst.data, z, ids, rows, E, k, node->ip[0]);
+        moe_weights<<<nb, GTC_THREADS, 0, gtc_stream_()>>>((float *)node->dst.data, z, ids, rows, E, k,
+                                                           node->ip[0] != 0, node->ip[2] != 0);
     else
         moe_weights_bwd<<<nb, GTC_THREADS, 0, gtc_stream_()>>>((float *)node->dst.data, z, ids,
                                                                (const float *)node->src[2].data, rows, E, k,
-                                                               node->ip[0]);
+                                                               node->ip[0] != 0, node->ip[1] != 0);
     return GTC_LAUNCHED(op);
 }
 
