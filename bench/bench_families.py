@@ -14,7 +14,8 @@ Both sides: rank 16, alpha 32, the same targets (Qwen3-MoE: the attention's q, k
 router is no nn.Linear in transformers 5, so PEFT cannot adapt it; Qwen3.5: q (with its gate),
 k, v, o, the DeltaNet's qkv, z and out projections and the FFN), AdamW (lr 2e-4, decay 0.01,
 clip 1.0), random token windows (ctx x batch), 2 threads (torch.set_num_threads; ours
---threads). Each side runs in its own process that stays up (its peak RSS is its ru_maxrss),
+--threads). Each side runs in its own process that stays up (its peak RSS is its VmHWM: not
+ru_maxrss, which keeps the bench's own RSS at the fork across the exec),
 and the two alternate step by step, as in bench_llama, so a busy moment of a shared machine
 hits both: 2 warm-up steps, then the best of --steps (the median beside it). Ours runs as `ggtrain finetune` would (TextRun with gradient
 checkpointing, the adapters fused into the frozen products); theirs without checkpointing,
@@ -84,8 +85,14 @@ TARGETS = {
 }
 LABELS = {"qwen3moe": "Qwen3-MoE 512d/4L, 16 experts top 2", "qwen35": "Qwen3.5 512d/4L (3 DeltaNet + 1 attn)"}
 
-_THEIRS = r"""
-import json, resource, sys, time
+# both sides' peak RSS: this process's VmHWM (KiB)
+_PEAK_RSS = r"""
+def _HWM():
+    return int(next(x for x in open("/proc/self/status") if x.startswith("VmHWM:")).split()[1])
+"""
+
+_THEIRS = _PEAK_RSS + r"""
+import json, sys, time
 a = json.loads(sys.argv[1])
 import numpy as np, torch
 torch.set_num_threads(a["threads"])
@@ -115,7 +122,7 @@ model.train()
 print("ready", flush=True)
 for line in sys.stdin:    # one timed step per command: the index of its window (or "peak": peak RSS)
     if line.strip() == "peak":
-        print(json.dumps({"peak_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+        print(json.dumps({"peak_kib": _HWM(),
                           "adapter_params": sum(p.numel() for p in params)}), flush=True)
         continue
     w = windows[int(line)]
@@ -129,8 +136,8 @@ for line in sys.stdin:    # one timed step per command: the index of its window 
     print(json.dumps({"time": time.perf_counter() - t, "loss": float(loss.detach())}), flush=True)
 """
 
-_OURS = r"""
-import json, resource, sys, time
+_OURS = _PEAK_RSS + r"""
+import json, sys, time
 import numpy as np
 from ggtrain.core.backend_cpu import CpuBackend
 from ggtrain.core.models.config import ModelConfig
@@ -150,7 +157,7 @@ run = TextRun(model, init, TextConfig(steps=10**6, batch=windows.shape[1], lr=a[
 print("ready", flush=True)
 for line in sys.stdin:    # as theirs
     if line.strip() == "peak":
-        print(json.dumps({"peak_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+        print(json.dumps({"peak_kib": _HWM(),
                           "adapter_params": int(sum(v.size for v in init.values())),
                           "flop_per_token": run.flop_per_token()}), flush=True)
         continue
@@ -162,10 +169,12 @@ for line in sys.stdin:    # as theirs
 
 
 def _torch_python() -> pathlib.Path:
-    """bench/.venv-torch's python, completed with transformers and peft."""
+    """bench/.venv-torch's python, completed with transformers (a version with both families:
+    5.24 has them) and peft."""
     py = ensure_torch()
-    if subprocess.run([str(py), "-c", "import transformers, peft"], capture_output=True).returncode:
-        subprocess.run([str(py), "-m", "pip", "install", "-q", "transformers", "peft"], check=True)
+    probe = [str(py), "-c", "import peft; from transformers import Qwen3MoeForCausalLM, Qwen3_5ForCausalLM"]
+    if subprocess.run(probe, capture_output=True).returncode:
+        subprocess.run([str(py), "-m", "pip", "install", "-q", "-U", "transformers", "peft"], check=True)
     return py
 
 
