@@ -15,12 +15,13 @@ router is no nn.Linear in transformers 5, so PEFT cannot adapt it; Qwen3.5: q (w
 k, v, o, the DeltaNet's qkv, z and out projections and the FFN), AdamW (lr 2e-4, decay 0.01,
 clip 1.0), random token windows (ctx x batch), 2 threads (torch.set_num_threads; ours
 --threads). Each side runs in its own process that stays up (its peak RSS is its VmHWM: not
-ru_maxrss, which keeps the bench's own RSS at the fork across the exec),
-and the two alternate step by step, as in bench_llama, so a busy moment of a shared machine
-hits both: 2 warm-up steps, then the best of --steps (the median beside it). Ours runs as `ggtrain finetune` would (TextRun with gradient
-checkpointing, the adapters fused into the frozen products); theirs without checkpointing,
-transformers' eager attention and its PyTorch DeltaNet (the chunked gated delta rule; no
-flash-linear-attention kernels on a CPU), its MoE block as transformers 5 writes it.
+ru_maxrss, which keeps the bench's own RSS at the fork across the exec), and the two alternate
+step by step, as in bench_llama, so a busy moment of a shared machine hits both: 2 warm-up
+steps, then the best of --steps (the median beside it). Ours runs as `ggtrain finetune` would
+(TextRun with gradient checkpointing, the adapters fused into the frozen products); theirs
+without checkpointing, with transformers' eager attention, its PyTorch DeltaNet (the chunked
+gated delta rule; no flash-linear-attention kernels on a CPU) and its MoE block as transformers
+5 writes it.
 
 % of the FP32 peak (bench/peak.py, measured in the same sitting) counts the FLOPs the step
 needs, not what either side does: per token 2 x the active parameters forward and 2 x them for
@@ -28,8 +29,8 @@ the gradient with respect to the inputs (the frozen weights get no weight gradie
 6 x is 4 x here), plus 6 x the adapters' parameters; active parameters are the matrices a token
 is multiplied by: every 2-D weight but the embedding table, and of the experts' stacked 3-D
 weights the routed share (experts_used / experts). Attention's scores and the DeltaNet's
-recurrence are not counted, so the figure is a floor. Our graph's own count (recomputation,
-attention, the DeltaNet) is printed beside it.
+recurrence are not counted, so the figure is a floor. Our graph's own count of the update's
+products is printed beside it.
 
     python bench/bench_families.py [--steps 6] [--threads 2] [--ctx 256] [--batch 4] [--only qwen3moe|qwen35]
 """
