@@ -84,14 +84,26 @@ def _measured(cmd: list) -> tuple:
     return out, err, os.waitstatus_to_exitcode(status), usage.ru_maxrss / 1024
 
 
-def flop_per_token(model) -> float:
-    """2 x the elements of the matrices a token is multiplied by: every 2-D tensor but the
-    embedding table, which counts only when it is also the output projection (tied)."""
+def active_params(model) -> float:
+    """The elements of the matrices a token is multiplied by: every 2-D tensor but the
+    embedding table, which counts only when it is also the output projection (tied), and of
+    the experts' stacked 3-D tensors the share a token is routed to (expert_used_count of
+    expert_count)."""
     from gguf import GGUFReader
 
-    tensors = {t.name: int(t.n_elements) for t in GGUFReader(str(model)).tensors if len(t.shape) == 2}
+    reader = GGUFReader(str(model))
+    used = {f.name.rsplit(".", 1)[1]: int(f.contents()) for f in reader.fields.values()
+            if f.name.endswith((".expert_count", ".expert_used_count"))}
+    tensors = {t.name: int(t.n_elements) for t in reader.tensors if len(t.shape) == 2}
+    experts = sum(int(t.n_elements) for t in reader.tensors if len(t.shape) == 3 and "_exps." in t.name)
     embd = tensors.pop("token_embd.weight", 0)
-    return 2.0 * (sum(tensors.values()) + (0 if "output.weight" in tensors else embd))
+    routed = experts * used["expert_used_count"] / used["expert_count"] if experts else 0
+    return sum(tensors.values()) + (0 if "output.weight" in tensors else embd) + routed
+
+
+def flop_per_token(model) -> float:
+    """2 x the active parameters (active_params): a token's products in generation."""
+    return 2.0 * active_params(model)
 
 
 def ours(model, prompt, n, threads, ctx, exact=False, f32_cache=False) -> dict:

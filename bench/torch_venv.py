@@ -25,14 +25,15 @@ class TorchProcess:
     """A PyTorch script running in the venv that stays up: it sets up, prints "ready", then
     answers each command line it reads on stdin with one JSON line (timed work, measured
     there). So the benches alternate with it step by step or epoch by epoch. Its stderr is
-    the bench's own (a failure prints its traceback there)."""
+    the bench's own (a failure prints its traceback there). python: another interpreter to run
+    the script with (sys.executable: ggtrain's side of a bench in its own process, alike)."""
 
-    def __init__(self, script: str, args: dict, threads: int):
+    def __init__(self, script: str, args: dict, threads: int, python=None):
         env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
-        self.proc = subprocess.Popen([str(ensure_torch()), "-c", script, json.dumps(args)],
+        self.proc = subprocess.Popen([str(python or ensure_torch()), "-c", script, json.dumps(args)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         if self.proc.stdout.readline().strip() != "ready":
-            raise SystemExit("the PyTorch side failed to start (its error is above)")
+            raise SystemExit("the side's process failed to start (its error is above)")
 
     def ask(self, command: str) -> dict:
         """Send one command; its JSON answer."""
@@ -40,7 +41,7 @@ class TorchProcess:
         self.proc.stdin.flush()
         line = self.proc.stdout.readline()
         if not line:
-            raise SystemExit(f"the PyTorch side failed on {command!r} (its error is above)")
+            raise SystemExit(f"the side's process failed on {command!r} (its error is above)")
         return json.loads(line)
 
     def close(self) -> None:
