@@ -102,6 +102,11 @@ int gt_silu_bwd_f32(const struct gt_node *node, const gt_ctx *ctx);
  * give the bits of silu then mul, and of those ops' backward kernels. */
 int gt_swiglu_fwd_f32(const struct gt_node *node, const gt_ctx *ctx);
 int gt_swiglu_bwd_f32(const struct gt_node *node, const gt_ctx *ctx);
+/* swiglu_oai: gpt-oss's clamped gate (ggml_swiglu_oai): x = min(src0, fp[1]), y = src1 clamped
+ * to +-fp[1], dst = x sigmoid(fp[0] x) (y + 1); fp[0] = alpha, fp[1] = limit. swiglu_oai_bwd:
+ * as swiglu_bwd, dst = [dg | du], zero where a side was clamped. */
+int gt_swiglu_oai_fwd_f32(const struct gt_node *node, const gt_ctx *ctx);
+int gt_swiglu_oai_bwd_f32(const struct gt_node *node, const gt_ctx *ctx);
 /* geglu: dst = gelu_tanh(src0) * src1 (Gemma's FFN gate; gelu's tanh approximation,
  * x/2 (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))), one shape, contiguous. geglu_bwd: as
  * swiglu_bwd, dst = [dg | du]. */

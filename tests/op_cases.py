@@ -128,6 +128,11 @@ case("relu", [In((9, 7))], lambda x: ops.relu(ops.transpose(x)), lambda x: np.ma
 case("silu", [In((3, 33), -4, 4)], ops.silu, lambda x: x * _sig(x))
 case("swiglu", [In((3, 33), -4, 4), In((3, 33))], ops.swiglu, lambda g, u: g * _sig(g) * u)
 case("geglu", [In((3, 33), -4, 4), In((3, 33))], ops.geglu, lambda g, u: refs.gelu_tanh(g) * u)
+# gpt-oss's clamped gate: both clamps reached (|x| up to 9 > limit 7; a smaller limit for the
+# backward's zeros), away from the kinks (finite differences across them would disagree)
+case("swiglu_oai", [In((3, 33), -9, 9), In((3, 33), -9, 9)], ops.swiglu_oai, refs.swiglu_oai)
+case("swiglu_oai", [In((2, 40), -3, 3), In((2, 40), -3, 3)], lambda g, u: ops.swiglu_oai(g, u, 0.9, 1.5),
+     lambda g, u: refs.swiglu_oai(g, u, 0.9, 1.5), name="limit-1.5")
 case("geglu", [In((2, 20), -12, 12), In((2, 20))], ops.geglu, lambda g, u: refs.gelu_tanh(g) * u, name="tails",
      grad_atol=2e-4)
 # llama.cpp's table gelu (inference only): within an f16 rounding of the f16 table's value
@@ -157,6 +162,9 @@ case("silu_bwd", [In((3, 7), -4, 4), In((3, 7))], ops.silu_bwd,
 case("swiglu_bwd", [In((2, 37), -4, 4), In((2, 37)), In((2, 37))],
      lambda g, u, dy: ops.apply("swiglu_bwd", [g, u, dy]),
      lambda g, u, dy: np.stack([dy * u * _sig(g) * (1 + g * (1 - _sig(g))), dy * g * _sig(g)]), backward=False)
+case("swiglu_oai_bwd", [In((2, 37), -9, 9), In((2, 37), -9, 9), In((2, 37))],
+     lambda g, u, dy: ops.apply("swiglu_oai_bwd", [g, u, dy], alpha=1.702, limit=7.0),
+     lambda g, u, dy: np.stack(refs.swiglu_oai_grads(g, u, dy)), backward=False)
 case("geglu_bwd", [In((2, 37), -5, 5), In((2, 37)), In((2, 37))],
      lambda g, u, dy: ops.apply("geglu_bwd", [g, u, dy]),
      lambda g, u, dy: np.stack([dy * u * refs.gelu_tanh_grad(g), dy * refs.gelu_tanh(g)]), backward=False)

@@ -805,3 +805,19 @@ def delta_rule(q, k, v, g, beta, seg=None, s0=None):
                 o[bi, i, h] = s.T @ q[bi, i, h % hk] / np.sqrt(dk)
             last[bi, h] = s.T
     return o if s0 is None else (o, last)
+
+
+def swiglu_oai(g, u, alpha=1.702, limit=7.0):
+    """ggml's swiglu_oai: x = min(g, limit), y = clip(u, -limit, limit); x sigmoid(alpha x) (y + 1)."""
+    x, y = np.minimum(_f64(g), limit), np.clip(_f64(u), -limit, limit)
+    return x / (1.0 + np.exp(-alpha * x)) * (y + 1.0)
+
+
+def swiglu_oai_grads(g, u, dy, alpha=1.702, limit=7.0):
+    """(dg, du) of sum(swiglu_oai(g, u) * dy): zero through a clamped side."""
+    g, u, dy = _f64(g), _f64(u), _f64(dy)
+    x, y = np.minimum(g, limit), np.clip(u, -limit, limit)
+    s = 1.0 / (1.0 + np.exp(-alpha * x))
+    dg = np.where(g < limit, dy * (y + 1.0) * (s + alpha * x * s * (1.0 - s)), 0.0)
+    du = np.where(np.abs(u) <= limit, dy * x * s, 0.0)
+    return dg, du
