@@ -72,14 +72,21 @@ def write_with_gguf_py(path, cfg: ModelConfig, weights: dict, tok) -> None:
     if cfg.head_dim != cfg.dim // cfg.heads and cfg.arch != "gemma4":
         w.add_key_length(cfg.head_dim)
         w.add_value_length(cfg.head_dim)
-    if cfg.rope_scale != 1.0:
+    if cfg.rope_scale != 1.0 and cfg.rope_yarn:     # as gpt-oss's converter (the betas llama.cpp does not read)
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(cfg.rope_scale)
+        w.add_rope_scaling_orig_ctx_len(cfg.rope_orig_ctx)
+        w.add_rope_scaling_yarn_beta_fast(32.0)
+        w.add_rope_scaling_yarn_beta_slow(1.0)
+    elif cfg.rope_scale != 1.0:
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(cfg.rope_scale)
     if cfg.window:
         w.add_sliding_window(cfg.window)
         flags = cfg.swa_layers if isinstance(cfg.swa_layers, tuple) and cfg.swa_layers else None   # gemma4's as given
         w.add_sliding_window_pattern([bool(x) for x in flags] if flags else [cfg.local(i) for i in range(cfg.layers)])
-        w.add_rope_freq_base_swa(cfg.rope_base_swa)
+        if not cfg.family.swa_rope_global:      # (gpt-oss's converter writes none: the global base)
+            w.add_rope_freq_base_swa(cfg.rope_base_swa)
     if cfg.logit_softcap:
         w.add_final_logit_softcapping(cfg.logit_softcap)
     if cfg.arch == "granite":

@@ -41,7 +41,8 @@ def experts(net: Net, x, layer: int, logits):
     """Routed experts of x (B, T, C) by router logits (B, T, E): each token's experts_used
     largest (ops.moe_topk), their softmax probabilities as gate weights (divided by their sum
     where the family says: Family.moe_norm); each chosen expert's gated FFN (SwiGLU or GeGLU, as
-    the family's act) over only its tokens (ops.moe_matmul on the stacked ffn_gate/up/down_exps,
+    the family's act; gpt-oss's clamped swiglu_oai) over only its tokens, each product plus the
+    expert's bias where the block has them (gpt-oss) (ops.moe_matmul on the stacked ffn_gate/up/down_exps,
     or gate | up rows of one ffn_gate_up_exps),
     times its ffn_down_exps.scale where the block has one (Gemma 4), times its weight, the k
     summed in slot order (as llama.cpp adds its views)."""
@@ -60,13 +61,18 @@ def experts(net: Net, x, layer: int, logits):
         f = gu.shape[-1] // 2
         gate, up = (ops.view(gu, (b * t, k, f), (k * 2 * f, 2 * f, 1), j * f) for j in (0, 1))
     else:
-        gate = ops.moe_matmul(xs, net.params[p + "ffn_gate_exps.weight"], ids, numerics)  # (N, k, F)
-        up = ops.moe_matmul(xs, net.params[p + "ffn_up_exps.weight"], ids, numerics)
-    if cfg.family.act == "gelu":
+        gate = _bias(net, ops.moe_matmul(xs, net.params[p + "ffn_gate_exps.weight"], ids, numerics),  # (N, k, F)
+                     p + "ffn_gate_exps.bias", ids)
+        up = _bias(net, ops.moe_matmul(xs, net.params[p + "ffn_up_exps.weight"], ids, numerics),
+                   p + "ffn_up_exps.bias", ids)
+    if cfg.family.act == "swiglu_oai":
+        act = ops.swiglu_oai(gate, up)
+    elif cfg.family.act == "gelu":
         act = ops.geglu_f16(gate, up) if net.llama else ops.geglu(gate, up)
     else:
         act = ops.swiglu_ggml(gate, up) if net.llama else ops.swiglu(gate, up)
-    down = ops.moe_matmul(act, net.params[p + "ffn_down_exps.weight"], ids, numerics)    # (N, k, C)
+    down = _bias(net, ops.moe_matmul(act, net.params[p + "ffn_down_exps.weight"], ids, numerics),  # (N, k, C)
+                 p + "ffn_down_exps.bias", ids)
     scale = net.params.get(p + "ffn_down_exps.scale")
     if scale is not None:       # each expert's output times its scalar
         down = ops.mul(down, ops.reshape(ops.get_rows(ops.reshape(scale, (cfg.experts, 1)), ids), (b * t, k, 1)))
@@ -76,6 +82,13 @@ def experts(net: Net, x, layer: int, logits):
         part = ops.view(down, (b * t, c), (k * c, 1), s * c)
         out = part if out is None else ops.add(out, part)
     return ops.reshape(out if k > 1 else ops.cont(out), (b, t, c))
+
+
+def _bias(net: Net, y, name: str, ids):
+    """y (N, k, F) plus each chosen expert's bias row (name: (E, F), gpt-oss) where the block
+    has one (llama.cpp's ggml_add_id)."""
+    bias = net.params.get(name)
+    return y if bias is None else ops.add(y, ops.get_rows(bias, ids))
 
 
 def glu_moe(net: Net, x, layer: int, resid):
