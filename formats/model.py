@@ -44,7 +44,8 @@ _VALUE_LENGTHS = {_VALUE_LENGTH: "head_dim", "attention.value_length_swa": "head
 _RECURRENT_LAYERS = "attention.recurrent_layers"     # qwen35: one bool a layer, True where recurrent
 _EXPERTS = ("expert_count", "expert_used_count")
 _ROPE_FINETUNED = "rope.scaling.finetuned"
-_HARMLESS = ("rope.scaling.original_context_length",   # read by YaRN only (refused below)
+_HARMLESS = ("rope.scaling.original_context_length",   # read by YaRN only (refused below; a family
+                                                       # that computes YaRN reads it as its key)
              _ROPE_FINETUNED)                          # a note of the converter's (granite: see its check)
 
 # the key that marks a ggtrain training checkpoint (formats/checkpoint.py)
