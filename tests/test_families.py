@@ -56,8 +56,9 @@ def _gguf_py_names(arch: str, layers: int) -> set:
     return names
 
 
-def write_with_gguf_py(path, cfg: ModelConfig, weights: dict, tok) -> None:
-    """A model file as llama.cpp's converters write it, through gguf-py's GGUFWriter."""
+def write_with_gguf_py(path, cfg: ModelConfig, weights: dict, tok, f16: tuple = ()) -> None:
+    """A model file as llama.cpp's converters write it, through gguf-py's GGUFWriter (the
+    tensors whose names end with one of f16 stored as F16, the rest F32)."""
     w = gguf.GGUFWriter(str(path), cfg.arch)
     w.add_name("tiny")     # llama.cpp gives names with "phi3" special tokens our byte vocabulary lacks
     w.add_context_length(cfg.ctx)
@@ -128,7 +129,7 @@ def write_with_gguf_py(path, cfg: ModelConfig, weights: dict, tok) -> None:
         value = value.tolist() if isinstance(value, np.ndarray) else value
         w.add_key_value(key, value, vt, sub_type=sub[0] if sub else None)
     for name, v in weights.items():
-        w.add_tensor(name, np.ascontiguousarray(v, np.float32))
+        w.add_tensor(name, np.ascontiguousarray(v, np.float16 if f16 and name.endswith(f16) else np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -1,7 +1,8 @@
 """gpt-oss beyond the family table (tests/family_cases.py runs it against llama.cpp and the float64
 oracle): its files as our writer writes them (YaRN, the window, biases and sinks), read by
 gguf-py and back; packed samples through sinks and windows; the KV-cached decoder against whole
-windows; YaRN refused where a family does not compute it; bad files refused in one line."""
+windows; YaRN refused where a family does not compute it; bad files refused in one line; F16
+experts against llama.cpp."""
 import gguf
 import numpy as np
 import pytest
@@ -16,7 +17,9 @@ from ggtrain.formats.model_file import save_model
 from ggtrain.formats.tokenizer import ByteTokenizer
 from tests.family_cases import BASE, INTEROP_CASES, TINY, TINY_CASES
 from tests.test_decoder import family_params
-from tests.test_families import check_finetune_refuses, check_packed_pair, write_with_gguf_py
+from tests.interop import open_llm
+from tests.test_families import (TEXT, _eval_cli, _their_nll, check_finetune_refuses, check_packed_pair,
+                                 write_with_gguf_py)
 
 
 def _tiny():
@@ -80,3 +83,23 @@ def test_bad_gpt_oss_file_is_one_line_and_writes_nothing(tmp_path, drop, message
     path = tmp_path / "bad.gguf"
     write_with_gguf_py(path, cfg, weights, tok)
     check_finetune_refuses(tmp_path, path, message)
+
+
+def test_f16_experts_give_llama_cpps_nll(llama, tmp_path):
+    """The experts' stacked matrices stored as F16 (as a converter writes them unquantized):
+    `ggtrain eval --numerics llama` (llama.cpp's CPU products: the experts' inputs rounded to
+    F16 against F16 weights; an F32 KV cache as the oracle's) gives llama.cpp's NLL. (Exact
+    numbers sit ~1e-4 away: that rounding of llama.cpp's.)"""
+    tok = ByteTokenizer()
+    cfg = ModelConfig(vocab=tok.n_vocab, **{**BASE, **INTEROP_CASES["gpt-oss"]})
+    path = tmp_path / "f16.gguf"
+    write_with_gguf_py(path, cfg, family_params(cfg, seed=3, std=0.3), tok, f16=("_exps.weight",))
+    r = gguf.GGUFReader(str(path))
+    assert {t.name for t in r.tensors if t.tensor_type == gguf.GGMLQuantizationType.F16} == \
+        {f"blk.{i}.ffn_{m}_exps.weight" for i in range(cfg.layers) for m in ("gate", "up", "down")}
+    data = tmp_path / "t.txt"
+    data.write_text(TEXT)
+    ids = tok.encode(TEXT, add_bos=tok.add_bos)
+    theirs = _their_nll(open_llm(llama, path), ids)[1]
+    ours = _eval_cli(path, data, "--numerics", "llama", "--cache-type", "f32")
+    assert ours["nll"] == pytest.approx(theirs, abs=2e-5)
