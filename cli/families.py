@@ -17,7 +17,9 @@ END = "<!-- families end -->"
 
 def _models(family) -> str:
     """The models a family's module names: its docstring's first line, "arch (MODELS): ..."."""
-    doc = sys.modules[f"ggtrain.core.models.families.{family.arch}"].__doc__ or ""
+    # its module: named after the architecture, but for the names Python cannot take (gpt-oss)
+    module = sys.modules[f"ggtrain.core.models.families.{family.arch.replace('-', '_')}"]
+    doc = module.__doc__ or ""
     first = doc.strip().splitlines()[0] if doc.strip() else ""
     return first.split("(", 1)[1].split(")", 1)[0] if "(" in first else ""
 
@@ -32,6 +34,9 @@ _FEATURES = (
     (lambda f: f.qk_norm, "q/k norms"),
     (lambda f: f.qk_norm_full, "q/k norms over all heads"),
     (lambda f: f.q_gate, "gated attention"),
+    (lambda f: f.sinks, "attention sinks"),
+    (lambda f: "attn_output.bias" in f.block, "output bias"),
+    (lambda f: f.yarn, "YaRN rope scaling"),
     (lambda f: f.window_pattern or "swa_layers" in f.all_keys, "sliding-window layers"),
     (lambda f: f.v_from_k, "V from K where attn_v is absent"),
     (lambda f: f.v_norm, "V norms"),
@@ -47,7 +52,7 @@ def _block(family) -> str:
     out = [] if family.layers is None and family.mixer == "attention" else ["layer kinds per layer"]
     out.append("NEOX rope" if family.rope_mode == "neox" else "rope")
     out += [words(family) if callable(words) else words for has, words in _FEATURES if has(family)]
-    act = {"silu": "SwiGLU", "gelu": "GeGLU"}[family.act] + (" (fused gate-up)" if family.fused_gate_up else "")
+    act = {"silu": "SwiGLU", "gelu": "GeGLU", "swiglu_oai": "clamped SwiGLU (biased)"}[family.act] + (" (fused gate-up)" if family.fused_gate_up else "")
     norm = "renormalised" if family.moe_norm else "not renormalised"
     router = "a softmax router"
     if "expert_gating" in family.all_keys:     # the file names the gating (lfm2moe)

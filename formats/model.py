@@ -44,7 +44,8 @@ _VALUE_LENGTHS = {_VALUE_LENGTH: "head_dim", "attention.value_length_swa": "head
 _RECURRENT_LAYERS = "attention.recurrent_layers"     # qwen35: one bool a layer, True where recurrent
 _EXPERTS = ("expert_count", "expert_used_count")
 _ROPE_FINETUNED = "rope.scaling.finetuned"
-_HARMLESS = ("rope.scaling.original_context_length",   # read by YaRN only (refused below)
+_HARMLESS = ("rope.scaling.original_context_length",   # read by YaRN only (refused below; a family
+                                                       # that computes YaRN reads it as its key)
              _ROPE_FINETUNED)                          # a note of the converter's (granite: see its check)
 
 # the key that marks a ggtrain training checkpoint (formats/checkpoint.py)
@@ -87,7 +88,7 @@ def config_to_kv(cfg: ModelConfig, name: str = "ggtrain", file_type: int | None 
     if cfg.rope_long:
         kv.append((f"{a}.{_SCALING_TYPE}", "longrope", VT.STRING))
     if cfg.rope_scale != 1.0:
-        kv.append((f"{a}.{_SCALING_TYPE}", "linear", VT.STRING))
+        kv.append((f"{a}.{_SCALING_TYPE}", "yarn" if cfg.rope_yarn else "linear", VT.STRING))
         kv.append((f"{a}.{_SCALING_FACTOR}", float(cfg.rope_scale), VT.FLOAT32))
     if file_type is not None:
         kv.append((Keys.General.FILE_TYPE, int(file_type), VT.UINT32))
@@ -194,7 +195,7 @@ def config_from_kv(f: GGUFFile) -> dict:
         elif rest == _SCALING_TYPE:
             v = f.kv[key]
             scaling = str(v.value) if v.type == VT.STRING else None
-            applied = ROPE_SCALING + (("longrope",) if fam.long_rope else ())
+            applied = ROPE_SCALING + (("longrope",) if fam.long_rope else ()) + (("yarn",) if fam.yarn else ())
             if scaling not in applied:
                 raise FormatError(f"{f.path}: {key} = {v.value!r}: a rope scaling ggtrain does not implement "
                                   f"for {a} (it applies {', '.join(applied)})")
@@ -217,7 +218,10 @@ def config_from_kv(f: GGUFFile) -> dict:
     if missing:
         raise FormatError(f"{f.path}: {a} key {missing[0]!r} is missing"
                           + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
-    if factor not in (None, 0.0, 1.0):
+    if scaling == "yarn" and factor not in (None, 0.0, 1.0):     # YaRN's factor (llama.cpp: ext_factor 1)
+        values["rope_yarn"] = True
+        values["rope_scale"] = factor
+    elif factor not in (None, 0.0, 1.0):
         if scaling != "linear":    # llama.cpp would scale the frequencies as well as the rest
             raise FormatError(f"{f.path}: a rope scaling factor {factor:g} with {a}.{_SCALING_TYPE} {scaling!r}: "
                               f"ggtrain applies a factor with linear scaling only")

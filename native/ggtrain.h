@@ -102,6 +102,11 @@ int gt_silu_bwd_f32(const struct gt_node *node, const gt_ctx *ctx);
  * give the bits of silu then mul, and of those ops' backward kernels. */
 int gt_swiglu_fwd_f32(const struct gt_node *node, const gt_ctx *ctx);
 int gt_swiglu_bwd_f32(const struct gt_node *node, const gt_ctx *ctx);
+/* swiglu_oai: gpt-oss's clamped gate (ggml_swiglu_oai): x = min(src0, fp[1]), y = src1 clamped
+ * to +-fp[1], dst = x sigmoid(fp[0] x) (y + 1); fp[0] = alpha, fp[1] = limit. swiglu_oai_bwd:
+ * as swiglu_bwd, dst = [dg | du], zero where a side was clamped. */
+int gt_swiglu_oai_fwd_f32(const struct gt_node *node, const gt_ctx *ctx);
+int gt_swiglu_oai_bwd_f32(const struct gt_node *node, const gt_ctx *ctx);
 /* geglu: dst = gelu_tanh(src0) * src1 (Gemma's FFN gate; gelu's tanh approximation,
  * x/2 (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))), one shape, contiguous. geglu_bwd: as
  * swiglu_bwd, dst = [dg | du]. */
@@ -361,7 +366,10 @@ int gt_cross_entropy_bwd_f32(const struct gt_node *node, const gt_ctx *ctx);
  * attn_factor (> 0, 1 for none: the rotated pairs are scaled by it, llama.cpp's mscale).
  * theta_i = freq_scale * pos * freq_base^(-2i/n_dims) / factors[i] rotates the
  * pair i, (x0, x1) -> (x0 cos - x1 sin, x0 sin + x1 cos); theta, cos, sin computed
- * in double. rope_bwd rotates by -theta (src0 = g). */
+ * in double. fp[3] = YaRN's ext_factor (0: none), fp[4], fp[5] its correction dims (low,
+ * high): pair i's freq_scale becomes freq_scale (1 - m) + m with m = fp[3] (1 - clamp((i -
+ * low) / max(0.001, high - low), 0, 1)), attn_factor times 1 + 0.1 ln(1 / freq_scale)
+ * (ggml's rope_yarn). rope_bwd rotates by -theta (src0 = g). */
 int gt_rope_fwd_f32(const struct gt_node *node, const gt_ctx *ctx);
 int gt_rope_bwd_f32(const struct gt_node *node, const gt_ctx *ctx);
 

@@ -113,6 +113,14 @@ CASES = {
                          expert_ff=12, expert_gating=2),
                     dict(arch="lfm2moe", layers=3, kv_heads=(0, 2, 2), dense_lead=1, experts=8, experts_used=2,
                          expert_ff=32, expert_gating=2, tied=True)),
+    # gpt-oss: sinks, biases everywhere, 6 experts 2 a token (biased router, softmax over the
+    # chosen), the clamped SwiGLU, layers 0 and 2 local (window shorter than the text) rotating
+    # with the global YaRN (factor 4 over 8 original positions: pair 0 kept, the rest scaled;
+    # factor 32 over 64 in the interop case, its ramp over pairs 0-2 of 8)
+    "gpt-oss": Case(dict(arch="gpt-oss", layers=3, head_dim=8, kv_heads=2, experts=6, experts_used=2, expert_ff=12,
+                         window=3, rope_scale=4.0, rope_yarn=True, rope_orig_ctx=8, rope_base=1000.0),
+                    dict(arch="gpt-oss", layers=3, head_dim=16, experts=8, experts_used=2, expert_ff=32, window=8,
+                         rope_scale=32.0, rope_yarn=True, rope_orig_ctx=64, rope_base=150000.0)),
 }
 # `train --arch` options of a family that cannot take the test's grouped KV heads (olmoe: llama.cpp
 # norms k over n_embd)
@@ -133,6 +141,10 @@ ORACLE = {
                    global_rope_freqs=True),
     "qwen3moe": dict(neox=True, moe_norm=True),
     "olmoe": dict(neox=True, qk_norm_full=True),
+    # (its sinks, clamped SwiGLU, gating and expert biases are exact f32 ops, not llama.cpp's
+    # float order: its logits ~6e-5 apart)
+    "gpt-oss": dict(neox=True, ffn_norm="post_attention_norm.weight", moe_norm=True, swiglu_oai=True,
+                    swa_rope_global=True, llama_bits=False),
     # (its delta rule, sigmoid and softplus are exact f32, not llama.cpp's float order)
     "qwen35": dict(neox=True, ffn_norm="post_attention_norm.weight", llama_bits=False),
     "qwen35moe": dict(neox=True, ffn_norm="post_attention_norm.weight", llama_bits=False, moe_norm=True),

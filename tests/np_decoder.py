@@ -40,11 +40,18 @@ def rms_norm(x, w, eps):
     return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * w
 
 
-def rope(x, pos, n_rot, base, neox=False, scale=1.0, factors=None, mscale=1.0):
-    # x (B, T, H, D); pair i < n_rot/2 turns by pos / scale * base^(-2i/n_rot) / factors[i]
+def rope(x, pos, n_rot, base, neox=False, scale=1.0, factors=None, mscale=1.0, yarn_ctx=0):
+    # x (B, T, H, D); pair i < n_rot/2 turns by pos / scale * base^(-2i/n_rot) / factors[i];
+    # YaRN over yarn_ctx original positions (> 0): pair i's 1 / scale mixed with 1 by the ramp
+    # between the correction dims (1 below, 0 above), the magnitude times 1 + 0.1 ln scale
     out = x.copy()
     i = np.arange(n_rot // 2)
     freq = base ** (-2.0 * i / n_rot) / scale
+    if yarn_ctx and scale != 1.0:
+        low, high = refs.yarn_corr_dims(n_rot, yarn_ctx, base)
+        mix = 1 - np.clip((i - low) / max(0.001, high - low), 0, 1)
+        freq = base ** (-2.0 * i / n_rot) * ((1 - mix) / scale + mix)
+        mscale = mscale * (1 + 0.1 * np.log(scale))
     if factors is not None:
         freq = freq / factors
     theta = pos[:, None] * freq                                   # (T, n_rot/2)
@@ -64,10 +71,15 @@ def ffn(f, p, q_, facts, gelu, cfg=None):
     where the block has a router (ffn_gate_inp): each token's experts_used experts of largest
     softmax probability (sigmoid where the file's expert_gating_func is 2, plus the selection
     bias exp_probs_b where the block has one), those probabilities (divided by their sum where the facts say
-    moe_norm) weighting each expert's SwiGLU FFN, summed; plus a shared expert's SwiGLU FFN times
-    sigmoid of its gate vector's product where the block has one (ffn_gate_inp_shexp)."""
+    moe_norm) weighting each expert's SwiGLU FFN (gpt-oss's clamped one where the facts say
+    swiglu_oai), summed; the router's and the experts' biases where the block has them; plus a
+    shared expert's SwiGLU FFN times sigmoid of its gate vector's product where the block has one
+    (ffn_gate_inp_shexp)."""
+    def bias(name, e=None):
+        b = p.get(q_ + name)
+        return 0.0 if b is None else b if e is None else b[e]
     if q_ + "ffn_gate_inp.weight" in p:
-        z = f @ p[q_ + "ffn_gate_inp.weight"].T                       # (..., E)
+        z = f @ p[q_ + "ffn_gate_inp.weight"].T + bias("ffn_gate_inp.bias")       # (..., E)
         if getattr(cfg, "expert_gating", 0) == 2:                     # sigmoid gating (lfm2moe)
             prob = 1 / (1 + np.exp(-z))
         else:
@@ -81,8 +93,14 @@ def ffn(f, p, q_, facts, gelu, cfg=None):
         out = np.zeros_like(f)
         for idx in np.ndindex(f.shape[:-1]):
             for s, e in enumerate(top[idx]):
-                gate, up = p[q_ + "ffn_gate_exps.weight"][e] @ f[idx], p[q_ + "ffn_up_exps.weight"][e] @ f[idx]
-                out[idx] += w[idx][s] * (p[q_ + "ffn_down_exps.weight"][e] @ (gate / (1 + np.exp(-gate)) * up))
+                gate = p[q_ + "ffn_gate_exps.weight"][e] @ f[idx] + bias("ffn_gate_exps.bias", e)
+                up = p[q_ + "ffn_up_exps.weight"][e] @ f[idx] + bias("ffn_up_exps.bias", e)
+                if facts.get("swiglu_oai"):      # gate clamped above at 7, up to +-7, alpha 1.702
+                    g7, u7 = np.minimum(gate, 7.0), np.clip(up, -7.0, 7.0)
+                    act = g7 / (1 + np.exp(-1.702 * g7)) * (u7 + 1)
+                else:
+                    act = gate / (1 + np.exp(-gate)) * up
+                out[idx] += w[idx][s] * (p[q_ + "ffn_down_exps.weight"][e] @ act + bias("ffn_down_exps.bias", e))
         if q_ + "ffn_gate_inp_shexp.weight" in p:     # qwen35moe: the shared expert, gated by a sigmoid
             gate, up = f @ p[q_ + "ffn_gate_shexp.weight"].T, f @ p[q_ + "ffn_up_shexp.weight"].T
             shared = (gate / (1 + np.exp(-gate)) * up) @ p[q_ + "ffn_down_shexp.weight"].T
@@ -185,7 +203,8 @@ def forward(cfg, p, tokens, pos, gelu=gelu_tanh, n_ctx=None, taps=None):
         long = (n_ctx or t) > (cfg.rope_orig_ctx or cfg.ctx)
         factors = p["rope_factors_long.weight" if long else "rope_factors_short.weight"]
     rot = dict(neox=facts.get("neox", False), scale=getattr(cfg, "rope_scale", 1.0), factors=factors,
-               mscale=getattr(cfg, "rope_attn_factor", 1.0))
+               mscale=getattr(cfg, "rope_attn_factor", 1.0),
+               yarn_ctx=(cfg.rope_orig_ctx or cfg.ctx) if getattr(cfg, "rope_yarn", False) else 0)
     post_norms = facts.get("post_norms", False)
     x = p["token_embd.weight"][tokens]
     if facts.get("embed_scale"):
@@ -222,8 +241,9 @@ def forward(cfg, p, tokens, pos, gelu=gelu_tanh, n_ctx=None, taps=None):
             local = window > 0 and bool(flag)
         else:
             local = window > 0 and (pattern == 0 or i % pattern < pattern - 1)
-        base = cfg.rope_base_swa if local else cfg.rope_base
-        rot_i = dict(rot, scale=1.0) if local else rot
+        plain = local and not facts.get("swa_rope_global")    # gpt-oss: local layers rotate as global ones
+        base = cfg.rope_base_swa if plain else cfg.rope_base
+        rot_i = dict(rot, scale=1.0) if plain else rot
         if local and facts.get("global_rope_freqs"):
             rot_i = dict(rot_i, factors=None)
         d_i = (getattr(cfg, "head_dim_swa", 0) or d) if local else d
@@ -276,13 +296,16 @@ def forward(cfg, p, tokens, pos, gelu=gelu_tanh, n_ctx=None, taps=None):
         if facts.get("unit_scale"):                               # gemma4: q.k unscaled
             scale = 1.0
         s = np.einsum("bqhd,bkhd->bhqk", q, k) * scale + mask
-        s = np.exp(s - s.max(-1, keepdims=True))
-        s /= s.sum(-1, keepdims=True)
+        sink = p.get(q_ + "attn_sinks.weight")                    # gpt-oss: a logit a head, no value
+        top = s.max(-1, keepdims=True) if sink is None else np.maximum(s.max(-1, keepdims=True),
+                                                                       sink[None, :, None, None])
+        s = np.exp(s - top)
+        s /= s.sum(-1, keepdims=True) + (0.0 if sink is None else np.exp(sink[None, :, None, None] - top))
         o = np.einsum("bhqk,bkhd->bqhd", s, v)
         if p[q_ + "attn_q.weight"].shape[0] == 2 * h * d_i if q_ + "attn_q.weight" in p else False:
             o = o / (1 + np.exp(-gate))                         # qwen35's gated attention
         o = o.reshape(b, t, h * d_i)
-        a = o @ p[q_ + "attn_output.weight"].T
+        a = o @ p[q_ + "attn_output.weight"].T + p.get(q_ + "attn_output.bias", 0.0)
         if post_norms:
             a = rms_norm(a, p[q_ + "post_attention_norm.weight"], cfg.norm_eps)
         x = x + a * residual

@@ -129,6 +129,11 @@ case("relu", [In((9, 7))], lambda x: ops.relu(ops.transpose(x)), lambda x: np.ma
 case("silu", [In((3, 33), -4, 4)], ops.silu, lambda x: x * _sig(x))
 case("swiglu", [In((3, 33), -4, 4), In((3, 33))], ops.swiglu, lambda g, u: g * _sig(g) * u)
 case("geglu", [In((3, 33), -4, 4), In((3, 33))], ops.geglu, lambda g, u: refs.gelu_tanh(g) * u)
+# gpt-oss's clamped gate: both clamps reached (|x| up to 9 > limit 7; a smaller limit for the
+# backward's zeros), away from the kinks (finite differences across them would disagree)
+case("swiglu_oai", [In((3, 33), -9, 9), In((3, 33), -9, 9)], ops.swiglu_oai, refs.swiglu_oai)
+case("swiglu_oai", [In((2, 40), -3, 3), In((2, 40), -3, 3)], lambda g, u: ops.swiglu_oai(g, u, 0.9, 1.5),
+     lambda g, u: refs.swiglu_oai(g, u, 0.9, 1.5), name="limit-1.5")
 case("geglu", [In((2, 20), -12, 12), In((2, 20))], ops.geglu, lambda g, u: refs.gelu_tanh(g) * u, name="tails",
      grad_atol=2e-4)
 # llama.cpp's table gelu (inference only): within an f16 rounding of the f16 table's value
@@ -158,6 +163,9 @@ case("silu_bwd", [In((3, 7), -4, 4), In((3, 7))], ops.silu_bwd,
 case("swiglu_bwd", [In((2, 37), -4, 4), In((2, 37)), In((2, 37))],
      lambda g, u, dy: ops.apply("swiglu_bwd", [g, u, dy]),
      lambda g, u, dy: np.stack([dy * u * _sig(g) * (1 + g * (1 - _sig(g))), dy * g * _sig(g)]), backward=False)
+case("swiglu_oai_bwd", [In((2, 37), -9, 9), In((2, 37), -9, 9), In((2, 37))],
+     lambda g, u, dy: ops.apply("swiglu_oai_bwd", [g, u, dy], alpha=1.702, limit=7.0),
+     lambda g, u, dy: np.stack(refs.swiglu_oai_grads(g, u, dy)), backward=False)
 case("geglu_bwd", [In((2, 37), -5, 5), In((2, 37)), In((2, 37))],
      lambda g, u, dy: ops.apply("geglu_bwd", [g, u, dy]),
      lambda g, u, dy: np.stack([dy * u * refs.gelu_tanh_grad(g), dy * refs.gelu_tanh(g)]), backward=False)
@@ -292,6 +300,19 @@ case("attention", _att_in(2, 8, 2, 1, 4) + [In((2, 8), values=_TREE_SEG, grad=Fa
 case("attention", _att_in(1, 4, 2, 1, 4, tk=6) + [In((4,), values=np.array([3, 0, 5, 2], np.int32), grad=False)],
      lambda q, k, v, p: ops.attention(q, k, v, 0.8, pos=p),
      lambda q, k, v, p: refs.attention(q, k, v, 0.8, pos=p)[0], name="pos")
+# gpt-oss's sinks (a composite over O and LSE): against softmax with the sink column itself,
+# gradients to q, k, v through LSE and to the sinks; sinks around the rows' LSE (both shares
+# matter), with a window (a key sees few keys: the sink weighs more) and at a KV cache's positions
+case("attention", _att_in(2, 6, 4, 2, 4) + [In((4,), -1, 2)],
+     lambda q, k, v, s: ops.attention_sinks(*ops.attention(q, k, v, 0.6, causal=True, with_lse=True), s),
+     lambda q, k, v, s: refs.attention_sinks(q, k, v, 0.6, s, causal=True), name="sinks")
+case("attention", _att_in(1, 9, 2, 1, 4) + [In((2,), 0, 2)],
+     lambda q, k, v, s: ops.attention_sinks(*ops.attention(q, k, v, 0.9, causal=True, window=3, with_lse=True), s),
+     lambda q, k, v, s: refs.attention_sinks(q, k, v, 0.9, s, causal=True, window=3), name="sinks-window")
+case("attention", _att_in(1, 3, 2, 2, 4, tk=5) + [In((3,), values=np.array([4, 0, 2], np.int32), grad=False),
+                                                  In((2,), -1, 1)],
+     lambda q, k, v, p, s: ops.attention_sinks(*ops.attention(q, k, v, 0.8, pos=p, with_lse=True), s),
+     lambda q, k, v, p, s: refs.attention_sinks(q, k, v, 0.8, s, pos=p), name="sinks-pos")
 # the log-sum-exp, alone and with O: gradients through LSE (the kernel's dLSE path)
 case("attention", _att_in(1, 5, 2, 1, 4), lambda q, k, v: ops.attention(q, k, v, 0.8, causal=True, with_lse=True)[1],
      lambda q, k, v: refs.attention(q, k, v, 0.8, causal=True)[1], name="lse")
@@ -364,6 +385,22 @@ case("rope", [In((2, 5, 3, 12)), In((5,), values=np.array([3, 1, 2, 7, 60])), In
 case("rope", [In((2, 5, 3, 10)), In((5,), values=np.array([3, 1, 2, 7, 2000])), In((5,), values=_FACTORS, grad=False)],
      lambda x, p, f: ops.rope(x, p, 10, 500000.0, "norm", 1.0, f),
      lambda x, p, f: refs.rope(x, p, 10, 500000.0, "norm", 1.0, f), name="factors")
+# YaRN (gpt-oss's rope scaling, ggml's rope_yarn): the correction dims as ggml computes them in
+# f32 (ops.yarn_corr_dims) against refs' float64 ones; 32 dims, base 150000, factor 32 over 4096
+# original positions put the ramp mid-way (low 4, high 9 of 16 pairs)
+_YARN = dict(ext_factor=1.0, corr_dims=ops.yarn_corr_dims(32, 4096, 150000.0))
+_YARN_REF = dict(ext_factor=1.0, corr_dims=refs.yarn_corr_dims(32, 4096, 150000.0))
+case("rope", [In((2, 5, 3, 32)), In((5,), values=np.array([0, 1, 2, 7, 3000]))],
+     lambda x, p: ops.rope(x, p, 32, 150000.0, "neox", 1 / 32, **_YARN),
+     lambda x, p: refs.rope(x, p, 32, 150000.0, "neox", 1 / 32, **_YARN_REF), name="yarn")
+case("rope", [In((1, 4, 2, 12)), In((1, 4), values=np.array([[3, 1, 40, 9]]), grad=False),
+              In((5,), values=_FACTORS, grad=False)],
+     lambda x, p, f: ops.rope(x, p, 10, 10000.0, "norm", 0.25, f, 1.1, ext_factor=0.5, corr_dims=(1.0, 3.0)),
+     lambda x, p, f: refs.rope(x, p, 10, 10000.0, "norm", 0.25, f, 1.1, ext_factor=0.5, corr_dims=(1.0, 3.0)),
+     name="yarn-partial-factors")
+case("rope_bwd", [In((2, 5, 3, 32)), In((5,), ints=(0, 64))],
+     lambda g, p: ops.rope_bwd(g, p, 32, 150000.0, "neox", 1 / 32, **_YARN),
+     lambda g, p: refs.rope_bwd(g, p, 32, 150000.0, "neox", 1 / 32, **_YARN_REF), name="yarn", backward=False)
 case("rope_bwd", [In((2, 5, 3, 12)), In((5,), ints=(0, 64)), In((5,), values=_FACTORS, grad=False)],
      lambda g, p, f: ops.rope_bwd(g, p, 10, 10000.0, "neox", 0.5, f),
      lambda g, p, f: refs.rope_bwd(g, p, 10, 10000.0, "neox", 0.5, f), name="neox-factors", backward=False)

@@ -371,11 +371,29 @@ def gelu_tanh_grad(x):
     return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * k * (1.0 + 3 * 0.044715 * x * x)
 
 
-def _rope_angles(pos, n_dims, base, freq_scale=1.0, factors=None):
-    """(..., T, n_dims/2) angles freq_scale * pos[..., t] * base^(-2i/n_dims) / factors[i] for
-    pos (T,) or (..., T)."""
+def yarn_corr_dims(n_dims, n_ctx_orig, base, beta_fast=32.0, beta_slow=1.0):
+    """YaRN's correction dims (ggml_rope_yarn_corr_dims) in float64: the pair that turns beta
+    times over n_ctx_orig positions, n_dims ln(n_ctx_orig / (2 pi beta)) / (2 ln base), low
+    floored, high ceiled, clamped to 0..n_dims - 1."""
+    def dim(beta):
+        return n_dims * np.log(n_ctx_orig / (beta * 2 * np.pi)) / (2 * np.log(base))
+    return max(0.0, np.floor(dim(beta_fast))), min(n_dims - 1.0, np.ceil(dim(beta_slow)))
+
+
+def _yarn_scale(n_dims, freq_scale, ext_factor, corr_dims):
+    """Each pair's share of freq_scale under YaRN: freq_scale (1 - m) + m, m = ext_factor times
+    the ramp (1 below corr_dims' low, 0 above high, linear between)."""
     i = np.arange(n_dims // 2, dtype=np.float64)
-    freq = freq_scale * base ** (-2.0 * i / n_dims)
+    low, high = corr_dims
+    mix = (1 - np.clip((i - low) / max(0.001, high - low), 0, 1)) * ext_factor
+    return freq_scale * (1 - mix) + mix
+
+
+def _rope_angles(pos, n_dims, base, freq_scale=1.0, factors=None, ext_factor=0.0, corr_dims=(0.0, 0.0)):
+    """(..., T, n_dims/2) angles freq_scale * pos[..., t] * base^(-2i/n_dims) / factors[i] for
+    pos (T,) or (..., T) (freq_scale per pair under YaRN: _yarn_scale)."""
+    i = np.arange(n_dims // 2, dtype=np.float64)
+    freq = _yarn_scale(n_dims, freq_scale, ext_factor, corr_dims) * base ** (-2.0 * i / n_dims)
     if factors is not None:
         freq = freq / _f64(factors)
     return np.asarray(pos, dtype=np.float64)[..., None] * freq
@@ -405,17 +423,25 @@ def _scaled(y, x, n_dims, m):
     return y
 
 
-def rope(x, pos, n_dims, base, mode="norm", freq_scale=1.0, factors=None, attn_factor=1.0):
+def _yarn_mscale(attn_factor, freq_scale, ext_factor):
+    return attn_factor * (1 + 0.1 * np.log(1 / freq_scale)) if ext_factor else attn_factor
+
+
+def rope(x, pos, n_dims, base, mode="norm", freq_scale=1.0, factors=None, attn_factor=1.0, ext_factor=0.0,
+         corr_dims=(0.0, 0.0)):
     """llama.cpp rope (mode "norm" or "neox") on x (..., T, H, D) at positions pos (T,) or
-    (..., T) (one per row), the rotated dims scaled by attn_factor; dims >= n_dims unchanged."""
-    y = _rotate(x, _rope_angles(pos, n_dims, base, freq_scale, factors), n_dims, mode)
-    return _scaled(y, x, n_dims, attn_factor)
+    (..., T) (one per row), the rotated dims scaled by attn_factor; dims >= n_dims unchanged.
+    YaRN (ext_factor > 0, ggml's rope_yarn): each pair's angle theta_interp (1 - m) +
+    theta_extrap m (_yarn_scale), attn_factor times 1 + 0.1 ln(1 / freq_scale)."""
+    theta = _rope_angles(pos, n_dims, base, freq_scale, factors, ext_factor, corr_dims)
+    return _scaled(_rotate(x, theta, n_dims, mode), x, n_dims, _yarn_mscale(attn_factor, freq_scale, ext_factor))
 
 
-def rope_bwd(g, pos, n_dims, base, mode="norm", freq_scale=1.0, factors=None, attn_factor=1.0):
+def rope_bwd(g, pos, n_dims, base, mode="norm", freq_scale=1.0, factors=None, attn_factor=1.0, ext_factor=0.0,
+             corr_dims=(0.0, 0.0)):
     """dx of rope: g rotated by -theta (and scaled alike)."""
-    y = _rotate(g, -_rope_angles(pos, n_dims, base, freq_scale, factors), n_dims, mode)
-    return _scaled(y, g, n_dims, attn_factor)
+    theta = _rope_angles(pos, n_dims, base, freq_scale, factors, ext_factor, corr_dims)
+    return _scaled(_rotate(g, -theta, n_dims, mode), g, n_dims, _yarn_mscale(attn_factor, freq_scale, ext_factor))
 
 
 def get_rows(table, idx):
@@ -575,7 +601,7 @@ def _libm():
     import ctypes
     import ctypes.util
     m = ctypes.CDLL(ctypes.util.find_library("m"))
-    for name, n in (("powf", 2), ("cosf", 1), ("sinf", 1), ("expf", 1)):
+    for name, n in (("powf", 2), ("cosf", 1), ("sinf", 1), ("expf", 1), ("logf", 1)):
         f = getattr(m, name)
         f.restype = ctypes.c_float
         f.argtypes = [ctypes.c_float] * n
@@ -648,21 +674,33 @@ def ggml_swiglu(g, u):
     return (g / (_F32(1) + e) * u).astype(_F32)
 
 
-def ggml_rope(x, pos, n_dims, base, mode="norm", freq_scale=1.0, factors=None, attn_factor=1.0):
-    """ggml_rope_ext (no YaRN) of x (T, H, D) at pos (T,): theta *= powf(base, -2 / n_dims) pair
+def ggml_rope(x, pos, n_dims, base, mode="norm", freq_scale=1.0, factors=None, attn_factor=1.0, ext_factor=0.0,
+              corr_dims=(0.0, 0.0)):
+    """ggml_rope_ext of x (T, H, D) at pos (T,): theta *= powf(base, -2 / n_dims) pair
     after pair from (float)pos, cosf / sinf of freq_scale * theta / factor, times attn_factor;
-    pairs (fma(x0, c, -(x1 s)), fma(x0, s, x1 c))."""
+    pairs (fma(x0, c, -(x1 s)), fma(x0, s, x1 c)). YaRN (ext_factor != 0, rope_yarn): the angle
+    theta_interp (1 - m) + theta_extrap m with m = ext_factor * rope_yarn_ramp, attn_factor
+    times 1 + 0.1 logf(1 / freq_scale), all in f32."""
     m = _libm()
     x = np.asarray(x, _F32)
     out = x.copy()
     half = n_dims // 2
     ts = _F32(m.powf(_F32(base), _F32(-2.0) / _F32(n_dims)))
+    low, high = _F32(corr_dims[0]), _F32(corr_dims[1])
+    mscale = _F32(attn_factor)
+    if ext_factor:
+        mscale = _F32(mscale * _F32(_F32(1.0) + _F32(0.1) * _F32(m.logf(_F32(1.0) / _F32(freq_scale)))))
     for t, p in enumerate(pos):
         th, c, s = _F32(p), np.empty(half, _F32), np.empty(half, _F32)
         for i in range(half):
-            ti = _F32(_F32(freq_scale) * (th / _F32(factors[i]) if factors is not None else th))
-            c[i] = _F32(m.cosf(ti)) * _F32(attn_factor)
-            s[i] = _F32(m.sinf(ti)) * _F32(attn_factor)
+            te = _F32(th / _F32(factors[i])) if factors is not None else th
+            ti = _F32(_F32(freq_scale) * te)
+            if ext_factor:
+                y = _F32((_F32(i) - low) / max(_F32(0.001), _F32(high - low)))
+                mix = _F32(_F32(1 - min(_F32(1), max(_F32(0), y))) * _F32(ext_factor))
+                ti = _F32(_F32(ti * _F32(1 - mix)) + _F32(te * mix))
+            c[i] = _F32(m.cosf(ti)) * mscale
+            s[i] = _F32(m.sinf(ti)) * mscale
             th = _F32(th * ts)
         i0, i1 = (np.arange(half), np.arange(half) + half) if mode == "neox" else \
             (2 * np.arange(half), 2 * np.arange(half) + 1)
@@ -814,3 +852,34 @@ def delta_rule(q, k, v, g, beta, seg=None, s0=None):
                 o[bi, i, h] = s.T @ q[bi, i, h % hk] / np.sqrt(dk)
             last[bi, h] = s.T
     return o if s0 is None else (o, last)
+
+
+def swiglu_oai(g, u, alpha=1.702, limit=7.0):
+    """ggml's swiglu_oai: x = min(g, limit), y = clip(u, -limit, limit); x sigmoid(alpha x) (y + 1)."""
+    x, y = np.minimum(_f64(g), limit), np.clip(_f64(u), -limit, limit)
+    return x / (1.0 + np.exp(-alpha * x)) * (y + 1.0)
+
+
+def swiglu_oai_grads(g, u, dy, alpha=1.702, limit=7.0):
+    """(dg, du) of sum(swiglu_oai(g, u) * dy): zero through a clamped side."""
+    g, u, dy = _f64(g), _f64(u), _f64(dy)
+    x, y = np.minimum(g, limit), np.clip(u, -limit, limit)
+    s = 1.0 / (1.0 + np.exp(-alpha * x))
+    dg = np.where(g < limit, dy * (y + 1.0) * (s + alpha * x * s * (1.0 - s)), 0.0)
+    du = np.where(np.abs(u) <= limit, dy * x * s, 0.0)
+    return dg, du
+
+
+def attention_sinks(q, k, v, scale, sinks, causal=False, pos=None, seg=None, window=0):
+    """O (B, Tq, H, D) of attention whose softmax has one more logit a head, sinks[h], with no
+    value: the probabilities exp(z_j) / (sum_j' exp(z_j') + exp(sink)) over the keys seen."""
+    q, k, v = _f64(q), _f64(k), _f64(v)
+    b, tq, h, _ = q.shape
+    g = h // k.shape[2]
+    z = np.einsum("bihd,bjhd->bhij", q, np.repeat(k, g, axis=2)) * scale
+    z = np.where(attention_mask(tq, k.shape[1], b, causal, pos, seg, window), z, -np.inf)
+    s = _f64(sinks)[None, :, None, None]
+    top = np.maximum(z.max(-1, keepdims=True), s)
+    e = np.exp(z - top)
+    p = e / (e.sum(-1, keepdims=True) + np.exp(s - top))
+    return np.einsum("bhij,bjhd->bihd", p, np.repeat(v, g, axis=2))

@@ -56,8 +56,9 @@ def _gguf_py_names(arch: str, layers: int) -> set:
     return names
 
 
-def write_with_gguf_py(path, cfg: ModelConfig, weights: dict, tok) -> None:
-    """A model file as llama.cpp's converters write it, through gguf-py's GGUFWriter."""
+def write_with_gguf_py(path, cfg: ModelConfig, weights: dict, tok, f16: tuple = ()) -> None:
+    """A model file as llama.cpp's converters write it, through gguf-py's GGUFWriter (the
+    tensors whose names end with one of f16 stored as F16, the rest F32)."""
     w = gguf.GGUFWriter(str(path), cfg.arch)
     w.add_name("tiny")     # llama.cpp gives names with "phi3" special tokens our byte vocabulary lacks
     w.add_context_length(cfg.ctx)
@@ -72,14 +73,21 @@ def write_with_gguf_py(path, cfg: ModelConfig, weights: dict, tok) -> None:
     if cfg.head_dim != cfg.dim // cfg.heads and cfg.arch != "gemma4":
         w.add_key_length(cfg.head_dim)
         w.add_value_length(cfg.head_dim)
-    if cfg.rope_scale != 1.0:
+    if cfg.rope_scale != 1.0 and cfg.rope_yarn:     # as gpt-oss's converter (the betas llama.cpp does not read)
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(cfg.rope_scale)
+        w.add_rope_scaling_orig_ctx_len(cfg.rope_orig_ctx)
+        w.add_rope_scaling_yarn_beta_fast(32.0)
+        w.add_rope_scaling_yarn_beta_slow(1.0)
+    elif cfg.rope_scale != 1.0:
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(cfg.rope_scale)
     if cfg.window:
         w.add_sliding_window(cfg.window)
         flags = cfg.swa_layers if isinstance(cfg.swa_layers, tuple) and cfg.swa_layers else None   # gemma4's as given
         w.add_sliding_window_pattern([bool(x) for x in flags] if flags else [cfg.local(i) for i in range(cfg.layers)])
-        w.add_rope_freq_base_swa(cfg.rope_base_swa)
+        if not cfg.family.swa_rope_global:      # (gpt-oss's converter writes none: the global base)
+            w.add_rope_freq_base_swa(cfg.rope_base_swa)
     if cfg.logit_softcap:
         w.add_final_logit_softcapping(cfg.logit_softcap)
     if cfg.arch == "granite":
@@ -126,7 +134,7 @@ def write_with_gguf_py(path, cfg: ModelConfig, weights: dict, tok) -> None:
         value = value.tolist() if isinstance(value, np.ndarray) else value
         w.add_key_value(key, value, vt, sub_type=sub[0] if sub else None)
     for name, v in weights.items():
-        w.add_tensor(name, np.ascontiguousarray(v, np.float32))
+        w.add_tensor(name, np.ascontiguousarray(v, np.float16 if f16 and name.endswith(f16) else np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

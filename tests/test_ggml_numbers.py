@@ -18,12 +18,31 @@ from tests import refs
 ROPE_MODES = {"norm": 0, "neox": 2}
 
 
-def _rope(x, pos, n_dims, base, mode, freq_scale=1.0, factors=None, attn_factor=1.0, ggml=1, n_threads=1):
+def _rope(x, pos, n_dims, base, mode, freq_scale=1.0, factors=None, attn_factor=1.0, ggml=1, n_threads=1,
+          yarn=(0.0, 0.0, 0.0)):
     dst = np.full_like(x, np.nan)
     srcs = [x, np.asarray(pos, np.int32)] + ([factors] if factors is not None else [])
-    run_kernel("rope_fwd_f32", dst, srcs, ip=(n_dims, ROPE_MODES[mode], ggml), fp=(base, freq_scale, attn_factor),
-               n_threads=n_threads)
+    run_kernel("rope_fwd_f32", dst, srcs, ip=(n_dims, ROPE_MODES[mode], ggml),
+               fp=(base, freq_scale, attn_factor) + tuple(yarn), n_threads=n_threads)
     return dst
+
+
+@pytest.mark.parametrize("mode", ["norm", "neox"])
+def test_rope_yarn_takes_llama_cpp_angles(mode):
+    """YaRN (gpt-oss: factor 32 over 4096 original positions) in llama.cpp's f32 expressions
+    (rope_yarn and its ramp), bit for bit; the exact-angle kernel within float rounding."""
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((1, 5, 2, 64)).astype(np.float32)
+    pos = np.array([0, 1, 9, 333, 4095], np.int32)
+    corr = ops.yarn_corr_dims(64, 4096, 150000.0)
+    yarn = (1.0,) + corr
+    got = _rope(x, pos, 64, 150000.0, mode, 1 / 32, None, 0.9, yarn=yarn)
+    want = refs.ggml_rope(x[0], pos, 64, 150000.0, mode, 1 / 32, None, 0.9, 1.0, corr)
+    np.testing.assert_array_equal(got[0], want)
+    plain = _rope(x, pos, 64, 150000.0, mode, 1 / 32, None, 0.9)
+    assert np.abs(plain - got).max() > 0.1     # YaRN changes the rotation
+    exact = _rope(x, pos, 64, 150000.0, mode, 1 / 32, None, 0.9, ggml=0, yarn=yarn)
+    np.testing.assert_allclose(exact, got, atol=2e-3)
 
 
 @pytest.mark.parametrize("mode", ["norm", "neox"])

@@ -44,7 +44,8 @@ class ModelConfig:
     base of local layers; logit_softcap: > 0, logits become c tanh(logits / c).
     rope_long: the model carries rope_factors_long/short (phi3's longrope), the long ones
     for runs of a context beyond rope_orig_ctx (0: ctx); rope_attn_factor scales the rotated
-    dims. granite's multipliers, as llama.cpp reads them: embedding_scale multiplies the
+    dims. rope_yarn: rope_scale is YaRN's factor (rope.scaling.type "yarn", gpt-oss) over
+    rope_orig_ctx original positions (0: ctx), not a linear scaling. granite's multipliers, as llama.cpp reads them: embedding_scale multiplies the
     embedding, residual_scale what each attention and FFN adds to the residual (0: neither
     is scaled), attn_scale scales q.k (0: the family's scale), logits are divided by
     logit_scale. kv_heads: one count for every layer, or a tuple of one per layer (a file's
@@ -94,6 +95,7 @@ class ModelConfig:
     rope_long: bool = False
     rope_orig_ctx: int = 0
     rope_attn_factor: float = 1.0
+    rope_yarn: bool = False
     embedding_scale: float = 0.0
     residual_scale: float = 0.0
     attn_scale: float = 0.0
@@ -154,6 +156,8 @@ class ModelConfig:
         if self.window < 0 or self.window_pattern < 0 or self.logit_softcap < 0 or not self.rope_base_swa > 0:
             raise ConfigError(f"{self.arch}: window {self.window}, window_pattern {self.window_pattern}, "
                               f"logit_softcap {self.logit_softcap} must be >= 0, rope_base_swa > 0")
+        if self.rope_yarn and not fam.yarn:
+            raise ConfigError(f"{self.arch}: the family has no YaRN rope scaling")
         if self.rope_long and not fam.long_rope:
             raise ConfigError(f"{self.arch}: the family has no long-context rope factors")
         if not (self.embedding_scale >= 0 and self.residual_scale >= 0 and self.attn_scale >= 0

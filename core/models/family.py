@@ -73,6 +73,9 @@ BLOCK_SHAPES = {
     "attn_k_norm_full.weight": lambda c, i: (c.at("kv_heads", i) * c.head(i),),
     "attn_qkv.weight": lambda c, i: ((c.heads + 2 * c.at("kv_heads", i)) * c.head(i), c.dim),   # q | k | v rows
     "attn_output.weight": lambda c, i: (c.dim, c.heads * c.head(i)),
+    "attn_output.bias": lambda c, i: (c.dim,),
+    # gpt-oss's attention sinks: one learned logit a head in each softmax's denominator
+    "attn_sinks.weight": lambda c, i: (c.heads,),
     "post_attention_norm.weight": lambda c, i: (c.dim,),
     "ffn_norm.weight": lambda c, i: (c.dim,),
     "ffn_gate.weight": lambda c, i: (c.at("ff", i), c.dim),
@@ -107,6 +110,12 @@ BLOCK_SHAPES = {
     "ffn_gate_shexp.weight": lambda c, i: (c.shexp_ff, c.dim),
     "ffn_up_shexp.weight": lambda c, i: (c.shexp_ff, c.dim),
     "ffn_down_shexp.weight": lambda c, i: (c.dim, c.shexp_ff),
+    # gpt-oss's biases of the router and of each expert's gate, up and down (ggml's {n_ff_exp,
+    # n_expert}, {n_embd, n_expert}: a row an expert)
+    "ffn_gate_inp.bias": lambda c, i: (c.experts,),
+    "ffn_gate_exps.bias": lambda c, i: (c.experts, c.expert_ff or c.at("ff", i)),
+    "ffn_up_exps.bias": lambda c, i: (c.experts, c.expert_ff or c.at("ff", i)),
+    "ffn_down_exps.bias": lambda c, i: (c.experts, c.dim),
     # gemma4's experts: their gate and up stacked in one matrix, each expert's output scale, the router input's scale, the norms of its
     # dense FFN's output (post_ffw_norm_1), of the experts' input and output (pre/post_ffw_norm_2)
     "ffn_down_exps.scale": lambda c, i: (c.experts,),
@@ -150,12 +159,14 @@ ROPE_CONSTANTS = (ROPE_FREQS, ROPE_FACTORS_LONG, ROPE_FACTORS_SHORT)   # positio
 
 # rope scaling types (the {arch}.rope.scaling.type key) the decoder applies
 ROPE_SCALING = ("none", "linear")
-ACTIVATIONS = ("silu", "gelu")
+# the FFN gate: SwiGLU, GeGLU with gelu's tanh approximation, or gpt-oss's clamped SwiGLU
+# (ops.swiglu_oai, llama.cpp's alpha 1.702 and limit 7)
+ACTIVATIONS = ("silu", "gelu", "swiglu_oai")
 # the router's gating functions a file may name (the {arch}.expert_gating_func key: llama.cpp's
 # LLAMA_EXPERT_GATING_FUNC_TYPE values) and the moe ops' names for them
 EXPERT_GATINGS = {1: "softmax", 2: "sigmoid"}
 # the experts' selection bias: a load-balancing buffer (set outside gradient descent), never trained
-SELECTION_BIAS = "exp_probs_b.bias"    # the FFN gate: SwiGLU, or GeGLU with gelu's tanh approximation
+SELECTION_BIAS = "exp_probs_b.bias"
 
 
 def recip_sqrt_f32(n: int) -> float:
@@ -197,6 +208,11 @@ class Family:
     multiplies q by it (after rope) rather than q.k (the same value, rounded elsewhere: llama
     numerics follow it).
     Post-attention / post-FFN norms and q/k norms are there when the block has their tensors.
+    yarn: files may state the rope scaling "yarn" (ModelConfig.rope_yarn; gpt-oss).
+    swa_rope_global: the local (sliding-window) layers rotate as the global ones, with the
+    same base and scaling (gpt-oss: llama.cpp sets its SWA base and scale to the trained ones).
+    Attention sinks (a logit a head in the softmax's denominator) where the block has
+    attn_sinks.
     rope_switch: the family reads
     rope.scaling.finetuned = false as "no rope" (granite), which ggtrain refuses.
     mixer, ffn: the layers every block builds, by their names in mixers.MIXERS and ffns.FFNS
@@ -247,6 +263,8 @@ class Family:
     moe_norm: bool = False
     may_tie: bool = True
     ffn_norm: str = "ffn_norm.weight"
+    yarn: bool = False
+    swa_rope_global: bool = False
 
     def __post_init__(self):
         unknown = [n for n in self.block if n not in BLOCK_SHAPES]
@@ -307,6 +325,11 @@ class Family:
     def post_norms(self) -> bool:
         """Norms after the mixer and after the FFN (gemma3's post_attention_norm, post_ffw_norm)."""
         return "post_ffw_norm.weight" in self.block
+
+    @property
+    def sinks(self) -> bool:
+        """Each head's softmax has a learned sink logit in its denominator (attn_sinks)."""
+        return "attn_sinks.weight" in self.block
 
     @property
     def q_gate(self) -> bool:

@@ -30,8 +30,10 @@ def glu(net: Net, x, layer: int, resid=None):
 
 
 def _act(net: Net, gate, up):
-    """act(gate) * up, act the family's: silu (SwiGLU) or gelu's tanh form (GeGLU; in llama.cpp's
-    numbers its f16-table gelu)."""
+    """act(gate) * up, act the family's: silu (SwiGLU), gelu's tanh form (GeGLU; in llama.cpp's
+    numbers its f16-table gelu) or gpt-oss's clamped SwiGLU (ops.swiglu_oai)."""
+    if net.cfg.family.act == "swiglu_oai":
+        return ops.swiglu_oai(gate, up)
     if net.cfg.family.act != "gelu":
         return ops.swiglu_ggml(gate, up) if net.llama else ops.swiglu(gate, up)
     return ops.geglu_f16(gate, up) if net.llama else ops.geglu(gate, up)
@@ -49,7 +51,8 @@ def experts(net: Net, x, layer: int, logits):
     where the family says: Family.moe_norm), or with sigmoid gating (ModelConfig.gating: the
     file's expert_gating_func) their sigmoids, the selection by the sigmoids plus the block's
     exp_probs_b.bias where it has one; each chosen expert's gated FFN (SwiGLU or GeGLU, as
-    the family's act) over only its tokens (ops.moe_matmul on the stacked ffn_gate/up/down_exps,
+    the family's act; gpt-oss's clamped swiglu_oai) over only its tokens, each product plus the
+    expert's bias where the block has them (gpt-oss) (ops.moe_matmul on the stacked ffn_gate/up/down_exps,
     or gate | up rows of one ffn_gate_up_exps),
     times its ffn_down_exps.scale where the block has one (Gemma 4), times its weight, the k
     summed in slot order (as llama.cpp adds its views)."""
@@ -68,9 +71,12 @@ def experts(net: Net, x, layer: int, logits):
         f = gu.shape[-1] // 2
         gate, up = (ops.view(gu, (b * t, k, f), (k * 2 * f, 2 * f, 1), j * f) for j in (0, 1))
     else:
-        gate = ops.moe_matmul(xs, net.params[p + "ffn_gate_exps.weight"], ids, numerics)  # (N, k, F)
-        up = ops.moe_matmul(xs, net.params[p + "ffn_up_exps.weight"], ids, numerics)
-    down = ops.moe_matmul(_act(net, gate, up), net.params[p + "ffn_down_exps.weight"], ids, numerics)  # (N, k, C)
+        gate = _bias(net, ops.moe_matmul(xs, net.params[p + "ffn_gate_exps.weight"], ids, numerics),  # (N, k, F)
+                     p + "ffn_gate_exps.bias", ids)
+        up = _bias(net, ops.moe_matmul(xs, net.params[p + "ffn_up_exps.weight"], ids, numerics),
+                   p + "ffn_up_exps.bias", ids)
+    down = _bias(net, ops.moe_matmul(_act(net, gate, up), net.params[p + "ffn_down_exps.weight"], ids, numerics),
+                 p + "ffn_down_exps.bias", ids)                                                # (N, k, C)
     scale = net.params.get(p + "ffn_down_exps.scale")
     if scale is not None:       # each expert's output times its scalar
         down = ops.mul(down, ops.reshape(ops.get_rows(ops.reshape(scale, (cfg.experts, 1)), ids), (b * t, k, 1)))
@@ -91,6 +97,13 @@ def moe_shared(net: Net, x, layer: int, resid=None):
     shared = linear(net, _act(net, gate, up), p + "ffn_down_shexp.weight")
     weight = ops.sigmoid(linear(net, x, p + "ffn_gate_inp_shexp.weight"))                # (B, T, 1)
     return ops.add(moe(net, x, layer), ops.mul(shared, weight))
+
+
+def _bias(net: Net, y, name: str, ids):
+    """y (N, k, F) plus each chosen expert's bias row (name: (E, F), gpt-oss) where the block
+    has one (llama.cpp's ggml_add_id)."""
+    bias = net.params.get(name)
+    return y if bias is None else ops.add(y, ops.get_rows(bias, ids))
 
 
 def glu_moe(net: Net, x, layer: int, resid):

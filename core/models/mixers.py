@@ -31,6 +31,20 @@ def _rope_factors(net: Net, n_ctx: int):
 
 
 
+def _yarn(cfg, n_dims: int, base: float) -> dict:
+    """The rope options of YaRN as llama.cpp sets them (llama_context): ext_factor 1, ggml's
+    correction dims for beta_fast 32 and beta_slow 1 (llama.cpp's defaults; it reads no key
+    for them) over rope_orig_ctx positions (0: ctx), and its attention factor, in f32:
+    (0.1 ln s + 1) / (1 + 0.1 ln s) of the factor s (one, to rounding) times rope_attn_factor
+    (the rope kernel multiplies by 1 + 0.1 ln s again, as ggml's rope_yarn)."""
+    f = np.float32
+    s = f(cfg.rope_scale)
+    m = f(f(0.1) * np.log(s) + f(1.0)) if s > 1 else f(1.0)
+    m = f(m * f(f(1.0) / f(f(1.0) + f(0.1) * np.log(s))))
+    return dict(ext_factor=1.0, corr_dims=ops.yarn_corr_dims(n_dims, cfg.rope_orig_ctx or cfg.ctx, base),
+                attn_factor=float(f(m * f(cfg.rope_attn_factor))))
+
+
 def attention(net: Net, x, layer: int, inp: Inputs, opt: Options, keep: Callable | None):
     """Self-attention of x (B, T, C), causal, over the window (inp.seg: packed samples) or
     the KV cache (inp.cache). keep: called with the fused attention node (Graph.keep under
@@ -74,14 +88,18 @@ def attention(net: Net, x, layer: int, inp: Inputs, opt: Options, keep: Callable
     nope = fam.no_rope_every and (layer + 1) % fam.no_rope_every == 0      # smollm3's NoPE layers
     if not nope:
         factors = None if local and fam.global_rope_freqs else _rope_factors(net, opt.n_ctx or t)
-        rope = dict(n_dims=cfg.rot(layer), freq_base=cfg.rope_base_swa if local else cfg.rope_base,
-                    mode=fam.rope_mode, freq_scale=1.0 if local else 1.0 / cfg.rope_scale, factors=factors,
+        plain = local and not fam.swa_rope_global       # a local layer's own base, no scaling
+        rope = dict(n_dims=cfg.rot(layer), freq_base=cfg.rope_base_swa if plain else cfg.rope_base,
+                    mode=fam.rope_mode, freq_scale=1.0 if plain else 1.0 / cfg.rope_scale, factors=factors,
                     attn_factor=cfg.rope_attn_factor, numerics=net.numerics)
+        if cfg.rope_yarn:
+            rope.update(_yarn(cfg, rope["n_dims"], rope["freq_base"]))
         q = ops.rope(q, inp.pos, **rope)
         if source == layer:
             k = ops.rope(k, inp.pos, **rope)
     scale = fam.attention_scale(cfg)
     window = cfg.window if local else 0
+    sinks = net.params.get(p + "attn_sinks.weight") if fam.sinks else None
     # llama.cpp's numbers (no segment mask there: packed windows are training's)
     llama = dict(numerics=LLAMA, scale_q=fam.scale_q, kv_f16=net.kv_f16) if net.llama and inp.seg is None else {}
     if inp.cache is None:
@@ -89,9 +107,9 @@ def attention(net: Net, x, layer: int, inp: Inputs, opt: Options, keep: Callable
             inp.kv[layer] = (k, v)
         k, v = inp.kv[source]
         out = ops.attention(q, k, v, scale, causal=inp.seg is None, seg=inp.seg, window=window,   # (B, T, H, D)
-                            parent=inp.parent, **llama)
+                            parent=inp.parent, with_lse=sinks is not None, **llama)
         if keep is not None:
-            keep(out.root)
+            keep((out[0] if sinks is not None else out).root)
     else:
         if b != 1:
             raise ConfigError(f"{cfg.arch}: a KV cache serves one sequence, got a batch of {b}")
@@ -102,7 +120,9 @@ def attention(net: Net, x, layer: int, inp: Inputs, opt: Options, keep: Callable
         cache_k, cache_v = inp.kv[source]
         k = ops.view(cache_k, (1, inp.n_kv, hkv, d))                                    # rows 0..n_kv-1
         v = ops.view(cache_v, (1, inp.n_kv, hkv, d))
-        out = ops.attention(q, k, v, scale, pos=inp.pos, window=window, **llama)
+        out = ops.attention(q, k, v, scale, pos=inp.pos, window=window, with_lse=sinks is not None, **llama)
+    if sinks is not None:
+        out = ops.attention_sinks(*out, sinks)
     if gate is not None:    # the output gated head by head: sigmoid(gate) (B, T, H, D)
         out = ops.mul(ops.reshape(out, (b, t, h, d)), ops.sigmoid(gate))
     return linear(net, ops.reshape(out, (b, t, h * d)), p + "attn_output.weight")

@@ -8,7 +8,8 @@ from ggtrain.errors import DTypeError
 from ggtrain.native.host import (ACT8_TYPES, HYPER_BC1, HYPER_BC2, HYPER_BETA1, HYPER_BETA2,  # noqa: F401
                                  HYPER_COUNT, HYPER_EPS, HYPER_LR, HYPER_MAX_NORM, HYPER_MOMENTUM, HYPER_WD)
 from ggtrain.core.ops.registry import OpDef, _f32, _llama, _need, _no_llama_gradient, apply, register
-from ggtrain.core.ops.views import cont, view
+from ggtrain.core.ops.views import cont, permute, reshape, view
+from ggtrain.core.ops.elementwise import mul, sigmoid, sub
 from ggtrain.core.ops.norm import _SOFTMAX_MASKS
 
 # attention's masks: softmax's, and the tree mask (segments with a parent each row also sees)
@@ -125,3 +126,16 @@ register(OpDef("attention", _infer_attention("attention"), "attention_fwd", back
                lower=_attention_lower, contiguous=(3, 4), differentiable=(0, 1, 2)))
 register(OpDef("attention_bwd", _infer_attention("attention_bwd"), "attention_bwd", lower=_attention_lower,
                contiguous=(3, 5, 6)))
+
+
+def attention_sinks(o: Tensor, lse: Tensor, sinks: Tensor) -> Tensor:
+    """Attention with a sink logit a head (gpt-oss's attn_sinks), from the sink-free attention's
+    O (B, T, H, D) and LSE (B, H, T) (attention(..., with_lse=True)) and sinks (H,): softmax
+    over a row's keys and its head's sink, which adds no value, is O times the keys' share
+    exp(LSE) / (exp(LSE) + exp(sink)) = sigmoid(LSE - sink). A composite: its gradient reaches
+    q, k, v through LSE (the attention backward's dLSE) and the sinks through the sigmoid."""
+    b, h, t = lse.shape
+    _need(o.shape[:3] == (b, t, h) and sinks.shape == (h,),
+          f"attention_sinks: O {o.shape}, LSE {lse.shape} and sinks {sinks.shape} do not match")
+    share = sigmoid(sub(lse, reshape(sinks, (1, h, 1))))                                # (B, H, T)
+    return mul(o, reshape(cont(permute(share, (0, 2, 1))), (b, t, h, 1)))

@@ -254,6 +254,26 @@ register(OpDef("geglu", _infer_same("geglu"), "geglu_fwd", backward=_glu_bwd("ge
 register(OpDef("geglu_bwd", _infer_glu_bwd("geglu_bwd"), "geglu_bwd", contiguous=(0, 1, 2)))
 
 
+def swiglu_oai(g: Tensor, u: Tensor, alpha: float = 1.702, limit: float = 7.0) -> Tensor:
+    """gpt-oss's clamped SwiGLU, as ggml_swiglu_oai: x = min(g, limit), y = clip(u, -limit,
+    limit), x sigmoid(alpha x) (y + 1) (llama.cpp's alpha 1.702 and limit 7 by default). No
+    gradient flows through a clamped side. (f32, g and u of one shape)"""
+    return apply("swiglu_oai", [g, u], alpha=float(alpha), limit=float(limit))
+
+
+def _swiglu_oai_bwd(y, gy):
+    g, u = y.srcs
+    both = apply("swiglu_oai_bwd", [g, u, gy], **y.params)   # [dg | du]
+    return [view(both, g.shape), view(both, g.shape, offset=g.size)]
+
+
+_swiglu_oai_lower = lambda y: ((), (y.params["alpha"], y.params["limit"]))  # noqa: E731
+register(OpDef("swiglu_oai", _infer_same("swiglu_oai"), "swiglu_oai_fwd", backward=_swiglu_oai_bwd,
+               lower=_swiglu_oai_lower, contiguous=(0, 1)))
+register(OpDef("swiglu_oai_bwd", _infer_glu_bwd("swiglu_oai_bwd"), "swiglu_oai_bwd", lower=_swiglu_oai_lower,
+               contiguous=(0, 1, 2)))
+
+
 def geglu_f16(g: Tensor, u: Tensor) -> Tensor:
     """llama.cpp's CPU geglu: gelu_tanh of g rounded to f16, the result rounded to f16 (its
     table), times u; 0 for g <= -10, g * u for g >= 10. Inference only (llama.cpp's numbers

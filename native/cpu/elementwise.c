@@ -354,6 +354,37 @@ static int glu_bwd(const gt_node *node, const gt_ctx *ctx, glu_bwd_row_fn fn, co
 }
 
 int gt_swiglu_fwd_f32(const gt_node *n, const gt_ctx *c) { return glu_fwd(n, c, swiglu_row, "swiglu"); }
+
+/* ---- swiglu_oai: gpt-oss's clamped gate, as ggml_swiglu_oai ----------------------------------
+ * x = min(g, limit), y = clamp(u, -limit, limit): x sigmoid(alpha x) (y + 1). The backward
+ * passes no gradient through a clamped side (g > limit; |u| > limit), and
+ * d/dx x s(alpha x) = s + alpha x s (1 - s). fp[0] = alpha, fp[1] = limit. */
+static int swiglu_oai(const gt_node *node, const gt_ctx *ctx, int bwd) {
+    const char *op = bwd ? "swiglu_oai_bwd" : "swiglu_oai";
+    GT_TRY(glu_check(node, bwd ? 3 : 2, op));
+    const float alpha = node->fp[0], limit = node->fp[1];
+    const int64_t n = gt_numel(&node->src[0]);
+    const float *g = node->src[0].data, *u = node->src[1].data;
+    const float *dy = bwd ? (const float *)node->src[2].data : NULL;
+    float *d = node->dst.data;
+    int64_t lo, hi;
+    gt_split(n, ctx, &lo, &hi);
+    for (int64_t i = lo; i < hi; i++) {
+        const float x = g[i] < limit ? g[i] : limit;
+        const float y = u[i] < -limit ? -limit : u[i] > limit ? limit : u[i];
+        const float s = 1.0f / (1.0f + gt_expf_(-alpha * x)), glu = x * s;
+        if (!bwd) {
+            d[i] = glu * (y + 1.0f);
+            continue;
+        }
+        d[i] = g[i] < limit ? dy[i] * (y + 1.0f) * (s + alpha * glu * (1.0f - s)) : 0.0f;
+        d[n + i] = u[i] >= -limit && u[i] <= limit ? dy[i] * glu : 0.0f;
+    }
+    return GT_OK;
+}
+
+int gt_swiglu_oai_fwd_f32(const gt_node *n, const gt_ctx *c) { return swiglu_oai(n, c, 0); }
+int gt_swiglu_oai_bwd_f32(const gt_node *n, const gt_ctx *c) { return swiglu_oai(n, c, 1); }
 int gt_swiglu_bwd_f32(const gt_node *n, const gt_ctx *c) { return glu_bwd(n, c, swiglu_bwd_row, "swiglu_bwd"); }
 int gt_geglu_fwd_f32(const gt_node *n, const gt_ctx *c) { return glu_fwd(n, c, geglu_row, "geglu"); }
 int gt_geglu_bwd_f32(const gt_node *n, const gt_ctx *c) { return glu_bwd(n, c, geglu_bwd_row, "geglu_bwd"); }

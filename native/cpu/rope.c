@@ -52,6 +52,13 @@ GT_CLONES static void rotate_halves(float *restrict d, const float *restrict x, 
     }
 }
 
+/* YaRN's ramp of pair i between the correction dims (ggml's rope_yarn_ramp, in f32): 1 below
+ * low (the pair keeps its frequency), 0 above high (divided by the scaling factor) */
+static float yarn_ramp(float low, float high, int64_t i) {
+    const float y = ((float)i - low) / fmaxf(0.001f, high - low);
+    return 1.0f - fminf(1.0f, fmaxf(0.0f, y));
+}
+
 static int rope(const gt_node *node, const gt_ctx *ctx, const char *op, double sign) {
     const gt_tensor *d = &node->dst, *x = &node->src[0], *p = &node->src[1];
     int per_row = 0;
@@ -59,7 +66,9 @@ static int rope(const gt_node *node, const gt_ctx *ctx, const char *op, double s
     const int64_t D = x->shape[x->ndim - 1], H = x->shape[x->ndim - 2], T = x->shape[x->ndim - 3];
     const int64_t B = gt_numel(x) / (T * H * D > 0 ? T * H * D : 1);
     const int64_t n_dims = node->ip[0], mode = node->ip[1], ggml = node->ip[2];
-    const float base = node->fp[0], fscale = node->fp[1], mscale = node->fp[2];
+    const float base = node->fp[0], fscale = node->fp[1], ext = node->fp[3], low = node->fp[4], high = node->fp[5];
+    /* YaRN (ext > 0): ggml's rope_yarn, its magnitude correction in f32 as ggml computes it */
+    const float mscale = ext != 0.0f ? node->fp[2] * (1.0f + 0.1f * logf(1.0f / fscale)) : node->fp[2];
     const gt_tensor *ff = node->n_src == 3 ? &node->src[2] : NULL;
     if (gt_numel(x) == 0) return GT_OK;
 
@@ -85,7 +94,12 @@ static int rope(const gt_node *node, const gt_ctx *ctx, const char *op, double s
             for (int64_t i0 = 0; i0 < half; i0 += CHUNK) {
                 const int64_t ni = half - i0 < CHUNK ? half - i0 : CHUNK;
                 for (int64_t i = 0; i < ni; i++) {
-                    const float ti = fscale * (fac ? th / fac[(i0 + i) * fs] : th);
+                    const float te = fac ? th / fac[(i0 + i) * fs] : th;
+                    float ti = fscale * te;
+                    if (ext != 0.0f) {
+                        const float mix = yarn_ramp(low, high, i0 + i) * ext;
+                        ti = ti * (1 - mix) + te * mix;
+                    }
                     cs[i] = cosf(ti) * mscale;
                     sn[i] = sinf(ti) * mscale;
                     th *= ts;
@@ -104,7 +118,9 @@ static int rope(const gt_node *node, const gt_ctx *ctx, const char *op, double s
     for (int64_t i0 = 0; i0 < half; i0 += CHUNK) {
         const int64_t ni = half - i0 < CHUNK ? half - i0 : CHUNK;
         for (int64_t i = 0; i < ni; i++) {
-            freq[i] = (double)fscale * pow((double)base, -2.0 * (double)(i0 + i) / (double)n_dims);
+            /* the pair's share of freq_scale: all of it without YaRN, else mixed with 1 by the ramp */
+            const double mix = ext != 0.0f ? (double)yarn_ramp(low, high, i0 + i) * ext : 0.0;
+            freq[i] = ((double)fscale * (1.0 - mix) + mix) * pow((double)base, -2.0 * (double)(i0 + i) / (double)n_dims);
             if (ff) freq[i] /= (double)((const float *)ff->data)[(i0 + i) * ff->strides[0]];
         }
         int have = 0;
@@ -153,7 +169,10 @@ static int rope(const gt_node *node, const gt_ctx *ctx, const char *op, double s
  * rounded to float. ggml computes theta in float (theta *= powf(base, -2/n_dims)
  * per pair), whose angle error grows with the position (about 1e-4 rad at
  * position 2048); this kernel matches a float64 reference to float rounding
- * at any position. ip[2] = 1 (forward only): llama.cpp's CPU numbers instead, bit for
+ * at any position. YaRN (fp[3] = ext_factor > 0, fp[4], fp[5] = its correction dims low,
+ * high): pair i's freq_scale becomes freq_scale (1 - m) + m, m = ext_factor * ramp(i) (1
+ * below low, 0 above high, linear between), and attn_factor is multiplied by
+ * 1 + 0.1 ln(1 / freq_scale) (ggml's rope_yarn). ip[2] = 1 (forward only): llama.cpp's CPU numbers instead, bit for
  * bit: its f32 angles (with libm's powf, cosf, sinf) and its fma'd rotation (inference in
  * llama.cpp's numerics: the decoder's act8 mode). */
 int gt_rope_fwd_f32(const gt_node *node, const gt_ctx *ctx) { return rope(node, ctx, "rope", 1.0); }

@@ -203,6 +203,45 @@ GTC_LAUNCHER(swiglu_bwd_f32) { (void)ctx; return launch_gate<false>(node, true, 
 GTC_LAUNCHER(geglu_fwd_f32) { (void)ctx; return launch_gate<true>(node, false, "geglu"); }
 GTC_LAUNCHER(geglu_bwd_f32) { (void)ctx; return launch_gate<true>(node, true, "geglu_bwd"); }
 
+/* swiglu_oai (gpt-oss's clamped gate), the CPU kernel's expressions; fp[0] alpha, fp[1] limit;
+ * the backward's dst = [dg | du] */
+__global__ void swiglu_oai(float *d, const float *g, const float *u, const float *dy, int64_t n, float alpha,
+                           float limit) {
+    GTC_FOR(i, n) {
+        const float x = g[i] < limit ? g[i] : limit;
+        const float y = u[i] < -limit ? -limit : u[i] > limit ? limit : u[i];
+        const float s = 1.0f / (1.0f + gt_expf_(-alpha * x)), glu = x * s;
+        if (!dy) {
+            d[i] = glu * (y + 1.0f);
+            continue;
+        }
+        d[i] = g[i] < limit ? dy[i] * (y + 1.0f) * (s + alpha * glu * (1.0f - s)) : 0.0f;
+        d[n + i] = u[i] >= -limit && u[i] <= limit ? dy[i] * glu : 0.0f;
+    }
+}
+
+static int launch_swiglu_oai(const gt_node *node, bool backward, const char *op) {
+    GTC_TRY(gtc_check_n_src_(node, backward ? 3 : 2, backward ? 3 : 2, op));
+    const gt_tensor *d = &node->dst;
+    GTC_F32(d, op, "dst");
+    for (int i = 0; i < node->n_src; i++) {
+        GTC_F32(&node->src[i], op, "input");
+        GTC_TRY(gtc_check_contig_(&node->src[i], op, "input"));
+        GTC_TRY(gtc_check_same_shape_(&node->src[i], &node->src[0], op, "input", "src0"));
+    }
+    GTC_TRY(gtc_check_contig_(d, op, "dst"));
+    const int64_t n = gtc_numel(node->src[0]);
+    if (gtc_numel(*d) != (backward ? 2 * n : n)) return GTC_FAIL(GT_ERR_SHAPE, "%s: dst has the wrong size", op);
+    if (n == 0) return GT_OK;
+    swiglu_oai<<<gtc_blocks(n), GTC_THREADS, 0, gtc_stream_()>>>(
+        (float *)d->data, (const float *)node->src[0].data, (const float *)node->src[1].data,
+        backward ? (const float *)node->src[2].data : NULL, n, node->fp[0], node->fp[1]);
+    return GTC_LAUNCHED(op);
+}
+
+GTC_LAUNCHER(swiglu_oai_fwd_f32) { (void)ctx; return launch_swiglu_oai(node, false, "swiglu_oai"); }
+GTC_LAUNCHER(swiglu_oai_bwd_f32) { (void)ctx; return launch_swiglu_oai(node, true, "swiglu_oai_bwd"); }
+
 /* ---- dropout: the CPU's hash (native/elementmath.h), bit for bit ------------------------------ */
 
 __global__ void dropout(float *d, const float *x, const int32_t *seed, uint32_t salt, uint32_t thr, float s,

@@ -10,6 +10,7 @@
     X(softplus_fwd_f32) X(log1mexp_fwd_f32) X(exp_fwd_f32) X(log_fwd_f32) X(sqrt_fwd_f32)     \
     X(sqr_fwd_f32) X(relu_bwd_f32) X(silu_bwd_f32)                                             \
     X(swiglu_fwd_f32) X(swiglu_bwd_f32) X(geglu_fwd_f32) X(geglu_bwd_f32) X(dropout_fwd_f32)  \
+    X(swiglu_oai_fwd_f32) X(swiglu_oai_bwd_f32)                                                \
     S(sum_fwd_f32) S(sumsq_fwd_f32) X(sum_rows_fwd_f32) X(repeat_fwd_f32) X(repeat_bwd_f32)   \
     X(rms_norm_fwd_f32) X(rms_norm_bwd_f32) X(softmax_fwd_f32) X(softmax_bwd_f32)             \
     S(cross_entropy_fwd_f32) S(cross_entropy_bwd_f32) X(rope_fwd_f32) X(rope_bwd_f32)         \

@@ -440,7 +440,7 @@ GTC_SIZES(cross_entropy_bwd_f32) {
 
 __global__ void rope(float *d, const float *x, const int32_t *pos, int per_row, int64_t pstride, const float *factors,
                      int64_t fstride, int64_t rows, int64_t T, int64_t H, int64_t D, int64_t n_dims, int mode,
-                     double base, double fscale, double mscale, double sign) {
+                     double base, double fscale, double mscale, double sign, float ext, float low, float high) {
     const int64_t half = n_dims / 2;
     GTC_FOR(k, rows * T * H * (D - half)) {
         /* k enumerates (row, t, h) and, per head, half pairs then the D - n_dims passed through */
@@ -449,7 +449,13 @@ __global__ void rope(float *d, const float *x, const int32_t *pos, int per_row, 
         const int64_t off = ((b * T + t) * H + h) * D;
         if (q < half) {
             const int64_t p = per_row ? pos[b * T + t] : pos[t * pstride];
-            double freq = fscale * pow(base, -2.0 * (double)q / (double)n_dims);
+            /* YaRN: the pair's share of freq_scale, mixed with 1 by the ramp (the CPU's expressions) */
+            double mix = 0.0;
+            if (ext != 0.0f) {
+                const float y = ((float)q - low) / fmaxf(0.001f, high - low);
+                mix = (double)(1.0f - fminf(1.0f, fmaxf(0.0f, y))) * ext;
+            }
+            double freq = (fscale * (1.0 - mix) + mix) * pow(base, -2.0 * (double)q / (double)n_dims);
             if (factors) freq /= (double)factors[q * fstride];
             const double th = (double)p * freq;
             const float c = (float)(mscale * cos(th)), s = (float)(mscale * sign * sin(th));
@@ -474,7 +480,8 @@ static int launch_rope(const gt_node *node, double sign, const char *op) {
     const int64_t rows = T * H * D > 0 ? gtc_numel(*x) / (T * H * D) : 0;
     const int64_t n_dims = node->ip[0];
     const int mode = (int)node->ip[1];
-    const float base = node->fp[0], fscale = node->fp[1], mscale = node->fp[2];
+    const float base = node->fp[0], fscale = node->fp[1], ext = node->fp[3];
+    const float mscale = ext != 0.0f ? node->fp[2] * (1.0f + 0.1f * logf(1.0f / fscale)) : node->fp[2];
     const float *factors = NULL;
     int64_t fstride = 1;
     if (node->n_src == 3) {
@@ -487,7 +494,7 @@ static int launch_rope(const gt_node *node, double sign, const char *op) {
                                                             (const int32_t *)p->data, per_row ? 1 : 0,
                                                             per_row ? 1 : p->strides[0], factors,
                                                             fstride, rows, T, H, D, n_dims, mode, base, fscale,
-                                                            mscale, sign);
+                                                            mscale, sign, ext, node->fp[4], node->fp[5]);
     return GTC_LAUNCHED(op);
 }
 
