@@ -118,13 +118,13 @@ static inline int gt_check_n_src(const gt_node *node, int n, const char *op) {
 #define GT_WEIGHT_TYPES(X)                                                                    \
     X(f16, GT_F16) X(bf16, GT_BF16) X(q4_0, GT_Q4_0) X(q4_1, GT_Q4_1) X(q5_0, GT_Q5_0)         \
     X(q5_1, GT_Q5_1) X(q8_0, GT_Q8_0) X(q2_k, GT_Q2_K) X(q3_k, GT_Q3_K) X(q4_k, GT_Q4_K)      \
-    X(q5_k, GT_Q5_K) X(q6_k, GT_Q6_K)
+    X(q5_k, GT_Q5_K) X(q6_k, GT_Q6_K) X(mxfp4, GT_MXFP4)
 
 /* The weight types whose products with activations quantized to 8 bits (llama.cpp's
  * numerics, generation and evaluation) have a CPU kernel, matmul_q8_fwd_f32_<name>. */
 #define GT_ACT8_TYPES(X)                                                                      \
     X(q4_0, GT_Q4_0) X(q4_1, GT_Q4_1) X(q5_0, GT_Q5_0) X(q5_1, GT_Q5_1) X(q8_0, GT_Q8_0) X(q4_k, GT_Q4_K) \
-    X(q5_k, GT_Q5_K) X(q6_k, GT_Q6_K)
+    X(q5_k, GT_Q5_K) X(q6_k, GT_Q6_K) X(mxfp4, GT_MXFP4)
 
 /* A dtype's name in messages: f32, i32 or one of GT_WEIGHT_TYPES. */
 static inline const char *gt_type_name(int32_t dtype) {

@@ -178,6 +178,7 @@ int gt_matmul_fwd_f32_q3_k(const struct gt_node *node, const gt_ctx *ctx);
 int gt_matmul_fwd_f32_q4_k(const struct gt_node *node, const gt_ctx *ctx);
 int gt_matmul_fwd_f32_q5_k(const struct gt_node *node, const gt_ctx *ctx);
 int gt_matmul_fwd_f32_q6_k(const struct gt_node *node, const gt_ctx *ctx);
+int gt_matmul_fwd_f32_mxfp4(const struct gt_node *node, const gt_ctx *ctx);
 int gt_matmul_fwd_f32_f16_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
 int gt_matmul_fwd_f32_bf16_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
 int gt_matmul_fwd_f32_q4_0_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
@@ -190,6 +191,7 @@ int gt_matmul_fwd_f32_q3_k_sizes(const struct gt_node *node, int64_t *scratch, i
 int gt_matmul_fwd_f32_q4_k_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
 int gt_matmul_fwd_f32_q5_k_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
 int gt_matmul_fwd_f32_q6_k_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
+int gt_matmul_fwd_f32_mxfp4_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
 int gt_get_rows_fwd_f32_f16(const struct gt_node *node, const gt_ctx *ctx);
 int gt_get_rows_fwd_f32_bf16(const struct gt_node *node, const gt_ctx *ctx);
 int gt_get_rows_fwd_f32_q4_0(const struct gt_node *node, const gt_ctx *ctx);
@@ -202,6 +204,7 @@ int gt_get_rows_fwd_f32_q3_k(const struct gt_node *node, const gt_ctx *ctx);
 int gt_get_rows_fwd_f32_q4_k(const struct gt_node *node, const gt_ctx *ctx);
 int gt_get_rows_fwd_f32_q5_k(const struct gt_node *node, const gt_ctx *ctx);
 int gt_get_rows_fwd_f32_q6_k(const struct gt_node *node, const gt_ctx *ctx);
+int gt_get_rows_fwd_f32_mxfp4(const struct gt_node *node, const gt_ctx *ctx);
 
 /* matmul_lora_fwd_f32[_<w>]: a frozen product plus a rank-r adapter's, in one pass over dst:
  * dst (..., M, N) = src0 @ src1 (as gt_matmul_fwd_f32[_<w>]) + src2 @ src3, src2 H (..., M, R)
@@ -223,6 +226,7 @@ int gt_matmul_lora_fwd_f32_q3_k(const struct gt_node *node, const gt_ctx *ctx);
 int gt_matmul_lora_fwd_f32_q4_k(const struct gt_node *node, const gt_ctx *ctx);
 int gt_matmul_lora_fwd_f32_q5_k(const struct gt_node *node, const gt_ctx *ctx);
 int gt_matmul_lora_fwd_f32_q6_k(const struct gt_node *node, const gt_ctx *ctx);
+int gt_matmul_lora_fwd_f32_mxfp4(const struct gt_node *node, const gt_ctx *ctx);
 int gt_matmul_lora_fwd_f32_f16_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
 int gt_matmul_lora_fwd_f32_bf16_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
 int gt_matmul_lora_fwd_f32_q4_0_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
@@ -235,8 +239,9 @@ int gt_matmul_lora_fwd_f32_q3_k_sizes(const struct gt_node *node, int64_t *scrat
 int gt_matmul_lora_fwd_f32_q4_k_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
 int gt_matmul_lora_fwd_f32_q5_k_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
 int gt_matmul_lora_fwd_f32_q6_k_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
+int gt_matmul_lora_fwd_f32_mxfp4_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
 
-/* matmul_q8_fwd_f32_<w> for w in GT_ACT8_TYPES (q4_0, q4_1, q5_0, q5_1, q8_0, q4_k, q5_k, q6_k): dst = src0 @ src1 as
+/* matmul_q8_fwd_f32_<w> for w in GT_ACT8_TYPES (q4_0, q4_1, q5_0, q5_1, q8_0, q4_k, q5_k, q6_k, mxfp4): dst = src0 @ src1 as
  * matmul_fwd_f32_<w> with src1 the view W^T only, each row of src0 first quantized to 8 bits
  * in blocks of 32 (256 for the K-quants) as llama.cpp quantizes activations, the blocks
  * multiplied in integers (qdot8.c and qdot8k.c give the order; the same bits at every SIMD
@@ -251,6 +256,7 @@ int gt_matmul_q8_fwd_f32_q8_0(const struct gt_node *node, const gt_ctx *ctx);
 int gt_matmul_q8_fwd_f32_q4_k(const struct gt_node *node, const gt_ctx *ctx);
 int gt_matmul_q8_fwd_f32_q5_k(const struct gt_node *node, const gt_ctx *ctx);
 int gt_matmul_q8_fwd_f32_q6_k(const struct gt_node *node, const gt_ctx *ctx);
+int gt_matmul_q8_fwd_f32_mxfp4(const struct gt_node *node, const gt_ctx *ctx);
 int gt_matmul_q8_fwd_f32_q4_0_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
 int gt_matmul_q8_fwd_f32_q4_1_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
 int gt_matmul_q8_fwd_f32_q5_0_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
@@ -259,6 +265,7 @@ int gt_matmul_q8_fwd_f32_q8_0_sizes(const struct gt_node *node, int64_t *scratch
 int gt_matmul_q8_fwd_f32_q4_k_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
 int gt_matmul_q8_fwd_f32_q5_k_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
 int gt_matmul_q8_fwd_f32_q6_k_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
+int gt_matmul_q8_fwd_f32_mxfp4_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
 
 /* matmul_ggml_fwd_f32[_f16]: dst (..., M, N) = src0 (..., M, K) @ src1, src1 the view W^T of
  * a weight W (N, K) in f32 (rows contiguous) or stored in f16, in llama.cpp's CPU float order
@@ -290,6 +297,7 @@ int gt_linear_cross_entropy_fwd_f32_q3_k(const struct gt_node *node, const gt_ct
 int gt_linear_cross_entropy_fwd_f32_q4_k(const struct gt_node *node, const gt_ctx *ctx);
 int gt_linear_cross_entropy_fwd_f32_q5_k(const struct gt_node *node, const gt_ctx *ctx);
 int gt_linear_cross_entropy_fwd_f32_q6_k(const struct gt_node *node, const gt_ctx *ctx);
+int gt_linear_cross_entropy_fwd_f32_mxfp4(const struct gt_node *node, const gt_ctx *ctx);
 int gt_linear_cross_entropy_fwd_f32_f16_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
 int gt_linear_cross_entropy_fwd_f32_bf16_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
 int gt_linear_cross_entropy_fwd_f32_q4_0_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
@@ -302,6 +310,7 @@ int gt_linear_cross_entropy_fwd_f32_q3_k_sizes(const struct gt_node *node, int64
 int gt_linear_cross_entropy_fwd_f32_q4_k_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
 int gt_linear_cross_entropy_fwd_f32_q5_k_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
 int gt_linear_cross_entropy_fwd_f32_q6_k_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
+int gt_linear_cross_entropy_fwd_f32_mxfp4_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
 
 /* rms_norm: dst = src / sqrt(mean(src^2, last dim) + fp[0]); src contiguous.
  * rms_norm_bwd: src0 = x, src1 = g, dst = dx (eps fp[0]); no weight (the weight
@@ -464,6 +473,7 @@ int gt_moe_matmul_fwd_f32_q3_k(const struct gt_node *node, const gt_ctx *ctx);
 int gt_moe_matmul_fwd_f32_q4_k(const struct gt_node *node, const gt_ctx *ctx);
 int gt_moe_matmul_fwd_f32_q5_k(const struct gt_node *node, const gt_ctx *ctx);
 int gt_moe_matmul_fwd_f32_q6_k(const struct gt_node *node, const gt_ctx *ctx);
+int gt_moe_matmul_fwd_f32_mxfp4(const struct gt_node *node, const gt_ctx *ctx);
 int gt_moe_matmul_input_bwd_f32_f16(const struct gt_node *node, const gt_ctx *ctx);
 int gt_moe_matmul_input_bwd_f32_bf16(const struct gt_node *node, const gt_ctx *ctx);
 int gt_moe_matmul_input_bwd_f32_q4_0(const struct gt_node *node, const gt_ctx *ctx);
@@ -476,6 +486,7 @@ int gt_moe_matmul_input_bwd_f32_q3_k(const struct gt_node *node, const gt_ctx *c
 int gt_moe_matmul_input_bwd_f32_q4_k(const struct gt_node *node, const gt_ctx *ctx);
 int gt_moe_matmul_input_bwd_f32_q5_k(const struct gt_node *node, const gt_ctx *ctx);
 int gt_moe_matmul_input_bwd_f32_q6_k(const struct gt_node *node, const gt_ctx *ctx);
+int gt_moe_matmul_input_bwd_f32_mxfp4(const struct gt_node *node, const gt_ctx *ctx);
 int gt_moe_matmul_fwd_f32_f16_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
 int gt_moe_matmul_fwd_f32_bf16_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
 int gt_moe_matmul_fwd_f32_q4_0_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
@@ -488,6 +499,7 @@ int gt_moe_matmul_fwd_f32_q3_k_sizes(const struct gt_node *node, int64_t *scratc
 int gt_moe_matmul_fwd_f32_q4_k_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
 int gt_moe_matmul_fwd_f32_q5_k_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
 int gt_moe_matmul_fwd_f32_q6_k_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
+int gt_moe_matmul_fwd_f32_mxfp4_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
 int gt_moe_matmul_input_bwd_f32_f16_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
 int gt_moe_matmul_input_bwd_f32_bf16_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
 int gt_moe_matmul_input_bwd_f32_q4_0_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
@@ -500,6 +512,7 @@ int gt_moe_matmul_input_bwd_f32_q3_k_sizes(const struct gt_node *node, int64_t *
 int gt_moe_matmul_input_bwd_f32_q4_k_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
 int gt_moe_matmul_input_bwd_f32_q5_k_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
 int gt_moe_matmul_input_bwd_f32_q6_k_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
+int gt_moe_matmul_input_bwd_f32_mxfp4_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
 
 /* delta_rule: the gated delta rule over time (Qwen3.5's gated DeltaNet layers, llama.cpp's
  * gated_delta_net): src0 q, src1 k (B, T, Hk, Dk), src2 v (B, T, Hv, Dv), src3 g, src4 beta

@@ -34,9 +34,21 @@ def act8_quantize(x):
     s = (d * q.sum(-1).astype(np.float32)).astype(np.float32)
     return q, d.astype(np.float16).astype(np.float32), s.astype(np.float16).astype(np.float32)
 
+# MXFP4's E2M1 codes' values, doubled (the OCP microscaling spec's FP4: sign, 2 exponent bits of bias 1, 1 mantissa bit)
+_E2M1_X2 = [int(np.ldexp(1 + (c & 1) / 2, ((c >> 1) & 3) - 1) * 2) if c & 6 else (c & 1) for c in range(8)]
+MXFP4_VALUES = np.array(_E2M1_X2 + [-v for v in _E2M1_X2], np.int32)
+
+
 def weight_blocks(raw, wtype, R, C):
-    """(q (R, C/32, 32) int, d, m (R, C/32)) of a stored q4_0 / q4_1 / q5_0 / q5_1 / q8_0 matrix."""
+    """(q (R, C/32, 32) int, d, m (R, C/32)) of a stored q4_0 / q4_1 / q5_0 / q5_1 / q8_0 / mxfp4
+    matrix (mxfp4: q the doubled E2M1 values, d the E8M0 scale halved, 2^(e - 128))."""
     nb = C // 32
+    if wtype == "mxfp4":
+        b = np.frombuffer(raw, np.uint8).reshape(R, nb, 17)
+        qs = b[..., 1:]
+        q = MXFP4_VALUES[np.concatenate([qs & 15, qs >> 4], -1)]
+        d = np.ldexp(1.0, b[..., 0].astype(np.int32) - 128).astype(np.float32)
+        return q, d, np.zeros_like(d)
     bb = {"q4_0": 18, "q4_1": 20, "q5_0": 22, "q5_1": 24, "q8_0": 34}[wtype]
     b = np.frombuffer(raw, np.uint8).reshape(R, nb, bb)
     d = b[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
@@ -54,7 +66,7 @@ def weight_blocks(raw, wtype, R, C):
 
 
 def weight_blocks_f64(raw, wtype, R, C):
-    """The stored q4_0 / q4_1 / q8_0 matrix (R, C) in float64: d * q (+ m)."""
+    """The stored q4_0 / q4_1 / q8_0 / mxfp4 matrix (R, C) in float64: d * q (+ m)."""
     q, d, m = weight_blocks(raw, wtype, R, C)
     return (q * d[..., None].astype(np.float64) + m[..., None]).reshape(R, C)
 

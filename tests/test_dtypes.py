@@ -61,7 +61,7 @@ def test_flags_match_the_converters(name):
 
 def test_weight_types_are_the_readable_ones():
     assert set(WEIGHT_TYPES) == {"f32", "f16", "bf16", "q4_0", "q4_1", "q5_0", "q5_1", "q8_0",
-                                 "q2_k", "q3_k", "q4_k", "q5_k", "q6_k"}
+                                 "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "mxfp4"}
 
 
 def test_hyper_layout_comes_from_the_header():

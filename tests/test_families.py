@@ -56,9 +56,10 @@ def _gguf_py_names(arch: str, layers: int) -> set:
     return names
 
 
-def write_with_gguf_py(path, cfg: ModelConfig, weights: dict, tok, f16: tuple = ()) -> None:
-    """A model file as llama.cpp's converters write it, through gguf-py's GGUFWriter (the
-    tensors whose names end with one of f16 stored as F16, the rest F32)."""
+def write_with_gguf_py(path, cfg: ModelConfig, weights: dict, tok, f16: tuple = (), types: dict | None = None) -> None:
+    """A model file as llama.cpp's converters write it, through gguf-py's GGUFWriter: the
+    tensors whose names end with one of f16 stored as F16; types: the tensors stored in another
+    ggml type (name -> GGMLQuantizationType), by gguf-py's quantizer; the rest F32."""
     w = gguf.GGUFWriter(str(path), cfg.arch)
     w.add_name("tiny")     # llama.cpp gives names with "phi3" special tokens our byte vocabulary lacks
     w.add_context_length(cfg.ctx)
@@ -134,7 +135,11 @@ def write_with_gguf_py(path, cfg: ModelConfig, weights: dict, tok, f16: tuple = 
         value = value.tolist() if isinstance(value, np.ndarray) else value
         w.add_key_value(key, value, vt, sub_type=sub[0] if sub else None)
     for name, v in weights.items():
-        w.add_tensor(name, np.ascontiguousarray(v, np.float16 if f16 and name.endswith(f16) else np.float32))
+        v = np.ascontiguousarray(v, np.float32)
+        if types and name in types:
+            w.add_tensor(name, gguf.quants.quantize(v, types[name]), raw_dtype=types[name])
+        else:
+            w.add_tensor(name, v.astype(np.float16) if f16 and name.endswith(f16) else v)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

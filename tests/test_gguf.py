@@ -67,10 +67,11 @@ def _same_bits(a: np.ndarray, b: np.ndarray) -> bool:
 # ---- native dequantize / quantize against gguf.quants ---------------------------
 
 def _random_blocks(t, n_blocks, rng):
-    """Random bytes, with the f16 scales of half the blocks made ordinary numbers."""
+    """Random bytes, with the f16 scales of half the blocks made ordinary numbers (MXFP4's
+    scale is one E8M0 byte: every byte is one)."""
     block, size = GGML_QUANT_SIZES[t]
     raw = rng.integers(0, 256, (n_blocks, size), dtype=np.uint8)
-    if block > 1:
+    if block > 1 and t != T.MXFP4:
         sane = rng.uniform(-2, 2, (n_blocks // 2, size // 2)).astype(np.float16).view(np.uint8)
         raw[: n_blocks // 2] = sane.reshape(n_blocks // 2, -1)[:, :size]
         # put ordinary scales where each format keeps them (the whole block is then finite)

@@ -40,7 +40,7 @@ def _run(g, outs, threads=2):
     return [plan.read(o) for o in outs]
 
 
-@pytest.mark.parametrize("wtype", ["f16", "q8_0", "q4_0", "q4_k"])
+@pytest.mark.parametrize("wtype", ["f16", "q8_0", "q4_0", "q4_k", "mxfp4"])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_stored_experts_are_each_experts_own_matmul(wtype, threads):
     """moe_matmul over stored experts gives, for each expert, the bits of ops.matmul of the rows
@@ -76,9 +76,9 @@ def test_stored_experts_are_each_experts_own_matmul(wtype, threads):
 
 def test_llama_numbers_of_quantized_experts_are_refused_by_name():
     g = Graph()
-    w = g.param((8, 32, 32), quantize(np.ones((256, 32), np.float32), "q8_0"), trainable=False, dtype="q8_0")
-    x, ids = g.input((3, 1, 32)), g.const(IDS[:3], dtype="i32")
-    with pytest.raises(DTypeError, match="numerics llama.*q8_0 experts are not implemented"):
+    w = g.param((8, 32, 256), quantize(np.ones((256, 256), np.float32), "q4_k"), trainable=False, dtype="q4_k")
+    x, ids = g.input((3, 1, 256)), g.const(IDS[:3], dtype="i32")
+    with pytest.raises(DTypeError, match="numerics llama.*q4_k experts are not implemented"):
         ops.moe_matmul(x, w, ids, numerics="llama")
 
 

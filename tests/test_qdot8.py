@@ -33,10 +33,10 @@ def q8(x, raw, w, R, C, n_threads=1):
 
 
 def test_the_library_has_the_types_the_op_names():
-    assert ops.ACT8_TYPES == ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k")
+    assert ops.ACT8_TYPES == ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k", "mxfp4")
 
 
-@pytest.mark.parametrize("w", ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0"])
+@pytest.mark.parametrize("w", ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "mxfp4"])
 @pytest.mark.parametrize("M,K,N", [(1, 32, 1), (1, 96, 40), (3, 256, 17), (5, 64, 33), (33, 128, 9)])
 def test_products_equal_the_float64_reference_of_quantize_then_dot(w, M, K, N):
     """Every row: within float rounding of the float64 sum of the integer block products
@@ -57,7 +57,7 @@ def test_products_equal_the_float64_reference_of_quantize_then_dot(w, M, K, N):
         np.testing.assert_array_equal(q8(x, raw, w, N, K, n), got)
 
 
-@pytest.mark.parametrize("w", ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0"])
+@pytest.mark.parametrize("w", ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "mxfp4"])
 @pytest.mark.parametrize("N", [21, 44])
 def test_plain_c_and_simd_give_the_same_bits(w, N):
     """The AVX2 path (maddubs, level 1), its VNNI form (level 2, where the CPU has it) and

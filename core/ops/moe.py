@@ -8,7 +8,8 @@ from ggtrain.core.ops.registry import (OpDef, _WEIGHT_VARIANTS, _f32, _llama, _n
                                        _weight_suffix, apply, register)
 from ggtrain.core.tensor import Tensor
 from ggtrain.errors import DTypeError
-from ggtrain.native.dtypes import WEIGHT_TYPES
+from ggtrain.native.dtypes import WEIGHT_TYPES, dtype
+from ggtrain.native.host import ACT8_TYPES
 
 
 # ---- routing ----------------------------------------------------------------------------------
@@ -98,10 +99,16 @@ def moe_matmul(x: Tensor, w: Tensor, ids: Tensor, numerics: str = EXACT) -> Tens
     product over only the tokens routed to it. x (N, X, K) f32 with X = 1 (every slot reads the
     token's row: the gate and up products) or X = k (slot s reads its own row: the down
     product); w (E, M, K) the experts' weights (a GGUF file's ffn_*_exps), f32 or frozen in a
-    stored type (f16, bf16, Q4_0 ... Q6_K: each expert's slice through the matmul's row-dot
+    stored type (f16, bf16, Q4_0 ... Q6_K, MXFP4: each expert's slice through the matmul's row-dot
     kernel); ids (N, k) i32. Gradients to x (any w) and to an f32 w. numerics LLAMA: llama.cpp's
-    CPU float order (f32 and f16 experts; inference only)."""
+    CPU numbers (f32, f16 and the 32-element block types' experts, these with the activations in
+    8 bits as its mul_mat_id multiplies them; inference only)."""
     return apply("moe_matmul", [x, w, ids], numerics=check_numerics(numerics))
+
+
+# the expert types moe_matmul has llama.cpp's numbers for: f32, f16, and the 32-element blocks
+# whose products with 8-bit activations have a kernel (native/cpu/moe.c)
+_LLAMA_EXPERT_TYPES = ("f32", "f16") + tuple(w for w in ACT8_TYPES if dtype(w).block == 32)
 
 
 def _check_experts(op: str, w: Tensor) -> None:
@@ -131,9 +138,9 @@ def _infer_moe_matmul(name):
         w_shape = w.shape if w is not None else params["w_shape"]
         if w is not None:
             _check_experts(name, w)
-            _need(params.get("numerics", EXACT) == EXACT or w.dtype in ("f32", "f16"),
-                  f"{name}: llama.cpp's numbers (numerics llama) for {w.dtype} experts are not implemented (f32 "
-                  f"and f16 ones are)", DTypeError)
+            _need(params.get("numerics", EXACT) == EXACT or w.dtype in _LLAMA_EXPERT_TYPES,
+                  f"{name}: llama.cpp's numbers (numerics llama) for {w.dtype} experts are not implemented "
+                  f"({', '.join(_LLAMA_EXPERT_TYPES)} ones are)", DTypeError)
         if ids.dtype != "i32":
             raise DTypeError(f"{name}: expert ids must be i32, got {ids.dtype}")
         _need(len(x_shape) == 3 and len(w_shape) == 3 and ids.ndim == 2 and x_shape[0] == ids.shape[0]

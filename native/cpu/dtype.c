@@ -8,6 +8,7 @@
  * the others can be parsed from and copied between GGUF files, nothing more.
  */
 #include "internal.h"
+#include "../mxfp4.h"
 
 enum {
     F = GT_DTYPE_FLOAT, I = GT_DTYPE_INT, B = GT_DTYPE_BLOCK,
@@ -46,7 +47,7 @@ static const gt_dtype_traits TABLE[] = {
     {"bf16", GT_BF16, 1, 2, F | D | Q},
     {"tq1_0", 34, 256, 54, B},
     {"tq2_0", 35, 256, 66, B},
-    {"mxfp4", 39, 32, 17, B},
+    {"mxfp4", GT_MXFP4, GT_MXFP4_BLOCK, GT_MXFP4_BLOCK_BYTES, B | D | Q},
     {"nvfp4", 40, 64, 36, B},
     {"q1_0", 41, 128, 18, B},
 };

@@ -220,6 +220,9 @@ GT_CLONES static void dots_f16(float *y, const float *x, const uint8_t *w, int64
     }
 }
 
+/* (llama's numbers: a routed row's K / 32 blocks of 8-bit activations take the room of its K floats) */
+_Static_assert(sizeof(gt_act8) <= 32 * sizeof(float), "gt_act8 outgrows the f32 rows it replaces");
+
 static int64_t fwd_work(int64_t K, int64_t M) {
     return (GROUP * (K + M) + GT_QDOT_SCRATCH_FLOATS + K) * (int64_t)sizeof(float) + 2 * ALIGN;
 }
@@ -232,7 +235,11 @@ static float *aligned(void *p) { return (float *)(((uintptr_t)p + ALIGN - 1) & ~
  * numbers and exact f32 alike, ip[0] = 1 or 0); an f16
  * w in llama's numbers: x rounded to f16, gt_ggml_dot_f16; any other stored w: the routed rows
  * gathered GROUP at a time into the matmul's row-dot kernel (gt_qdot_rows_) over the expert's
- * slice of w. A stored w other than f16 in llama's numbers is GT_ERR_UNSUPPORTED. */
+ * slice of w, or in llama's numbers, for the 32-element types of GT_ACT8_TYPES, quantized to 8
+ * bits as llama.cpp's mul_mat_id quantizes them (gt_act8_quantize_) into the 8-bit row-dot
+ * kernel (gt_qdot8_rows_ over an expert's M rows: its vec_dot, or the repacked GEMV's chain,
+ * which llama.cpp's mul_mat_id runs a routed row at a time). Another stored w (the K-quants) in
+ * llama's numbers is GT_ERR_UNSUPPORTED. */
 static int moe_matmul(const gt_node *node, const gt_ctx *ctx, int32_t wtype) {
     static const char *op = "moe_matmul";
     int64_t dm[6];
@@ -243,7 +250,8 @@ static int moe_matmul(const gt_node *node, const gt_ctx *ctx, int32_t wtype) {
     const int32_t *ids = (const int32_t *)node->src[2].data;
     float *y = (float *)node->dst.data;
     const int llama = node->ip[0] != 0;
-    if (llama && wtype != GT_F32 && wtype != GT_F16)
+    const int act8 = llama && wtype != GT_F32 && wtype != GT_F16;
+    if (act8 && !(gt_act8_supports_(wtype) && block_of(wtype) == 32))
         return GT_FAIL(GT_ERR_UNSUPPORTED, "%s: llama.cpp's numbers for %s expert weights are not implemented", op,
                        gt_type_name(wtype));
     GT_TRY(check_ids(ids, N * k, E, op));
@@ -268,6 +276,8 @@ static int moe_matmul(const gt_node *node, const gt_ctx *ctx, int32_t wtype) {
                 float *yrow = y + q[r] * M;
                 if (wtype == GT_F32) {
                     dots_f32(yrow, xrow, we, rb, K, m0, m1);
+                } else if (act8) {          /* x's row in 8 bits, in the room of GROUP f32 rows */
+                    gt_act8_quantize_((gt_act8 *)xs + r * (K / 32), xrow, K);
                 } else if (llama) {         /* f16 */
                     gt_round_f16_(xr, xrow, K);
                     dots_f16(yrow, xr, we, rb, K, m0, m1, xs);
@@ -275,8 +285,9 @@ static int moe_matmul(const gt_node *node, const gt_ctx *ctx, int32_t wtype) {
                     memcpy(xs + r * K, xrow, (size_t)K * sizeof(float));
                 }
             }
-            if (wtype != GT_F32 && !llama) {
-                gt_qdot_rows_(ys, M, xs, K, nq, we, rb, wtype, K, m0, m1, scratch);
+            if (act8 || (wtype != GT_F32 && !llama)) {
+                if (act8) gt_qdot8_rows_(ys, M, (const gt_act8 *)xs, K / 32, nq, we, rb, wtype, K, M, m0, m1);
+                else gt_qdot_rows_(ys, M, xs, K, nq, we, rb, wtype, K, m0, m1, scratch);
                 for (int r = 0; r < nq; r++) memcpy(y + q[r] * M + m0, ys + r * M + m0, (size_t)(m1 - m0) * sizeof(float));
             }
             nq = 0;

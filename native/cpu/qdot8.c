@@ -16,15 +16,21 @@
  *     acc[l] = fma(f16(w.d) * x.d, (float)lane l, acc[l])      (acc = +0 at the start),
  *     summs = fma(f16(w.m), x.s, summs)                         (Q4_1, Q5_1),
  *   then y = ((acc0 + acc4) + (acc2 + acc6)) + ((acc1 + acc5) + (acc3 + acc7)) + summs;
- *   Q4_0 with W's rows a multiple of 8 (llama.cpp repacks it, ggml_gemv_q4_0_8x8_q8_0): one
- *   chain, y = +0, then per block y = fma((float)(sum of the block's 32 products),
- *   f16(w.d) * x.d, y).
+ *   MXFP4 when W's rows are not a multiple of 8 (vec_dot_mxfp4_q8_0): the lanes as above (w_q
+ *     the doubled E2M1 value, w.d its halved E8M0 scale, native/mxfp4.h), in two accumulators,
+ *     acc for the even blocks and acc' for the odd ones of each pair (2i, 2i + 1), then
+ *     y = hsum(acc + acc') in the order above, and for an odd last block
+ *     y = fma(w.d * x.d, (float)(sum of its 32 products), y);
+ *   Q4_0 and MXFP4 with W's rows a multiple of 8 (llama.cpp repacks them,
+ *   ggml_gemv_q4_0_8x8_q8_0, ggml_gemv_mxfp4_8x8_q8_0): one chain, y = +0, then per block
+ *   y = fma((float)(sum of the block's 32 products), w.d * x.d, y).
  * The plain C path and the AVX2 one (and its VNNI forms, the same integers) give the same
  * bits for any split of W's rows between threads.
  */
 #include <math.h>
 #include <string.h>
 
+#include "../mxfp4.h"
 #include "act8.h"
 
 /* ---- activations -------------------------------------------------------------------- */
@@ -93,7 +99,9 @@ void gt_act8_quantize_(gt_act8 *y, const float *x, int64_t K) {
 
 /* ---- the weight blocks ---------------------------------------------------------------- */
 
-enum kind { K_Q4_0, K_Q4_1, K_Q5_0, K_Q5_1, K_Q8_0, N_KINDS };
+enum kind { K_Q4_0, K_Q4_1, K_Q5_0, K_Q5_1, K_Q8_0, K_MXFP4, N_KINDS };
+
+static const int8_t MXFP4_VALUES[16] = GT_MXFP4_VALUES;
 
 static int kind_of(int32_t dtype) {
     switch (dtype) {
@@ -102,6 +110,7 @@ static int kind_of(int32_t dtype) {
     case GT_Q5_0: return K_Q5_0;
     case GT_Q5_1: return K_Q5_1;
     case GT_Q8_0: return K_Q8_0;
+    case GT_MXFP4: return K_MXFP4;
     default: return -1;
     }
 }
@@ -117,6 +126,11 @@ int gt_act8_supports_(int32_t dtype) {
     return 0;
 }
 
+/* the block's scale: its f16 d (MXFP4: the halved E8M0 scale) */
+static inline float wscale(int kind, const uint8_t *b) {
+    return kind == K_MXFP4 ? gt_e8m0_half(b[0]) : gt_half_at_(b);
+}
+
 /* element i of a block as an integer (Q5: the low nibble, bit i of qh above it) */
 static inline int32_t wq(int kind, const uint8_t *b, int i) {
     const uint32_t qh = (uint32_t)b[kind == K_Q5_1 ? 4 : 2] | (uint32_t)b[kind == K_Q5_1 ? 5 : 3] << 8 |
@@ -126,6 +140,7 @@ static inline int32_t wq(int kind, const uint8_t *b, int i) {
     case K_Q4_1: return i < 16 ? b[4 + i] & 15 : b[4 + i - 16] >> 4;
     case K_Q5_0: return ((i < 16 ? b[6 + i] & 15 : b[6 + i - 16] >> 4) | (int32_t)((qh >> i) & 1) << 4) - 16;
     case K_Q5_1: return (i < 16 ? b[8 + i] & 15 : b[8 + i - 16] >> 4) | (int32_t)((qh >> i) & 1) << 4;
+    case K_MXFP4: return MXFP4_VALUES[i < 16 ? b[1 + i] & 15 : b[1 + i - 16] >> 4];
     default: return (int8_t)b[2 + i];
     }
 }
@@ -137,10 +152,11 @@ static void rows_plain(float *y, int64_t ldy, const gt_act8 *x, int64_t ldx, int
     for (int64_t n = n0; n < n1; n++)
         for (int r = 0; r < m; r++) {
             const gt_act8 *xr = x + r * ldx;
-            float acc[8] = {0}, summs = 0.0f, one = 0.0f;
+            float acc[2][8] = {{0}}, summs = 0.0f, one = 0.0f, tail_d = 0.0f;
+            int32_t tail = 0;
             for (int64_t b = 0; b < nb; b++) {
                 const uint8_t *wb = w + n * row_bytes + b * block_bytes;
-                const float dd = gt_half_at_(wb) * xr[b].d;
+                const float dd = wscale(kind, wb) * xr[b].d;
                 int32_t lane[8], all = 0;
                 for (int l = 0; l < 8; l++) {
                     int32_t s = 0;
@@ -152,10 +168,21 @@ static void rows_plain(float *y, int64_t ldy, const gt_act8 *x, int64_t ldx, int
                     one = fmaf((float)all, dd, one);
                     continue;
                 }
-                for (int l = 0; l < 8; l++) acc[l] = fmaf(dd, (float)lane[l], acc[l]);
+                if (kind == K_MXFP4 && b == nb - 1 && nb % 2) {     /* the odd last block */
+                    tail = all;
+                    tail_d = dd;
+                    continue;
+                }
+                float *a = acc[kind == K_MXFP4 ? b % 2 : 0];
+                for (int l = 0; l < 8; l++) a[l] = fmaf(dd, (float)lane[l], a[l]);
                 if (HAS_MIN(kind)) summs = fmaf(gt_half_at_(wb + 2), xr[b].s, summs);
             }
-            y[r * ldy + n] = chain ? one : gt_hsum8_(acc) + summs;
+            if (kind == K_MXFP4 && !chain) {
+                for (int l = 0; l < 8; l++) acc[0][l] += acc[1][l];
+                y[r * ldy + n] = nb % 2 ? fmaf(tail_d, (float)tail, gt_hsum8_(acc[0])) : gt_hsum8_(acc[0]);
+                continue;
+            }
+            y[r * ldy + n] = chain ? one : gt_hsum8_(acc[0]) + summs;
         }
 }
 
@@ -170,7 +197,13 @@ enum { DOT_MADD, DOT_VNNI, DOT_VNNI512 };
 /* The block's 32 weights as signed bytes (Q4_1, Q5_1: unsigned), element i in byte i. */
 static inline __attribute__((always_inline, target(T8))) __m256i wbytes(int kind, const uint8_t *b) {
     if (kind == K_Q8_0) return _mm256_loadu_si256((const __m256i *)(b + 2));
-    static const int qs_at[N_KINDS] = {2, 4, 6, 8, 0};
+    if (kind == K_MXFP4) {     /* each nibble looked up in the values */
+        const __m128i raw = _mm_loadu_si128((const __m128i *)(b + 1)), m4 = _mm_set1_epi8(15);
+        const __m128i lut = _mm_loadu_si128((const __m128i *)MXFP4_VALUES);
+        return _mm256_set_m128i(_mm_shuffle_epi8(lut, _mm_and_si128(_mm_srli_epi16(raw, 4), m4)),
+                                _mm_shuffle_epi8(lut, _mm_and_si128(raw, m4)));
+    }
+    static const int qs_at[N_KINDS] = {2, 4, 6, 8, 0, 1};
     const __m128i raw = _mm_loadu_si128((const __m128i *)(b + qs_at[kind]));
     const __m128i m4 = _mm_set1_epi8(15);
     __m256i v = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), m4), _mm_and_si128(raw, m4));
@@ -197,12 +230,15 @@ static inline __attribute__((always_inline, target(T8))) __m256i wbytes(int kind
     static inline __attribute__((always_inline, target(TARGET))) void NAME(                                     \
         float *y, int64_t ldy, const gt_act8 *x, int64_t ldx, const uint8_t *w, int64_t row_bytes, int kind,     \
         int chain, int block_bytes, int64_t nb, int NW, int MM) {                                                \
-        __m256 acc[2][4];                                                                                        \
-        float summs[2][4];                                                                                       \
+        __m256 acc[2][4], acc2[2][4];  /* acc2: MXFP4's odd blocks */                                            \
+        float summs[2][4], tail_d[2][4];                                                                         \
+        int32_t tail[2][4];                                                                                      \
+        const int pair = kind == K_MXFP4 && !chain;  /* vec_dot_mxfp4_q8_0's block pairs and odd last block */  \
         for (int j = 0; j < NW; j++)                                                                             \
             for (int r = 0; r < MM; r++) {                                                                       \
-                acc[j][r] = _mm256_setzero_ps();                                                                 \
-                summs[j][r] = 0.0f;                                                                              \
+                acc[j][r] = acc2[j][r] = _mm256_setzero_ps();                                                    \
+                summs[j][r] = tail_d[j][r] = 0.0f;                                                               \
+                tail[j][r] = 0;                                                                                  \
             }                                                                                                    \
         for (int64_t b = 0; b < nb; b++) {                                                                       \
             gt_prefetch_ahead_(w, row_bytes, NW, b, block_bytes, 0);                                             \
@@ -210,24 +246,39 @@ static inline __attribute__((always_inline, target(T8))) __m256i wbytes(int kind
                 const uint8_t *wb = w + j * row_bytes + b * block_bytes;                                         \
                 const __m256i wv = WBYTES(kind, wb);                                                             \
                 const __m256i u = HAS_MIN(kind) ? wv : _mm256_sign_epi8(wv, wv);                                 \
-                const float dw = gt_half_at_f16c_(wb);                                      \
-                const float mw = HAS_MIN(kind) ? gt_half_at_f16c_(wb + 2) : 0.0f;               \
+                const float dw = kind == K_MXFP4 ? gt_e8m0_half(wb[0]) : gt_half_at_f16c_(wb);                  \
+                const float mw = HAS_MIN(kind) ? gt_half_at_f16c_(wb + 2) : 0.0f;                                \
                 _Pragma("GCC unroll 4") for (int r = 0; r < MM; r++) {                                           \
                     const gt_act8 *xb = x + r * ldx + b;                                                         \
                     const __m256i xv = _mm256_loadu_si256((const __m256i *)xb->q);                               \
                     const __m256i lanes = DPB(u, HAS_MIN(kind) ? xv : _mm256_sign_epi8(xv, wv));                 \
                     if (chain) {                                                                                 \
-                        summs[j][r] = fmaf((float)gt_hsum_i32_(lanes), dw * xb->d, summs[j][r]);                     \
+                        summs[j][r] = fmaf((float)gt_hsum_i32_(lanes), dw * xb->d, summs[j][r]);                 \
                         continue;                                                                                \
                     }                                                                                            \
-                    acc[j][r] = _mm256_fmadd_ps(_mm256_set1_ps(dw * xb->d), _mm256_cvtepi32_ps(lanes), acc[j][r]); \
+                    if (pair && b == nb - 1 && nb % 2) {                                                         \
+                        tail[j][r] = gt_hsum_i32_(lanes);                                                        \
+                        tail_d[j][r] = dw * xb->d;                                                               \
+                        continue;                                                                                \
+                    }                                                                                            \
+                    const __m256 t = _mm256_cvtepi32_ps(lanes), dd = _mm256_set1_ps(dw * xb->d);                 \
+                    if (pair && b % 2) acc2[j][r] = _mm256_fmadd_ps(dd, t, acc2[j][r]);                          \
+                    else acc[j][r] = _mm256_fmadd_ps(dd, t, acc[j][r]);                                          \
                     if (HAS_MIN(kind)) summs[j][r] = fmaf(mw, xb->s, summs[j][r]);                               \
                 }                                                                                                \
             }                                                                                                    \
         }                                                                                                        \
         for (int j = 0; j < NW; j++)                                                                             \
-            for (int r = 0; r < MM; r++)                                                                         \
-                y[r * ldy + j] = chain ? summs[j][r] : gt_hsum8_256_(acc[j][r]) + summs[j][r];                       \
+            for (int r = 0; r < MM; r++) {                                                                       \
+                if (chain) {                                                                                     \
+                    y[r * ldy + j] = summs[j][r];                                                                \
+                } else if (pair) {                                                                               \
+                    const float h = gt_hsum8_256_(_mm256_add_ps(acc[j][r], acc2[j][r]));                         \
+                    y[r * ldy + j] = nb % 2 ? fmaf(tail_d[j][r], (float)tail[j][r], h) : h;                      \
+                } else {                                                                                         \
+                    y[r * ldy + j] = gt_hsum8_256_(acc[j][r]) + summs[j][r];                                     \
+                }                                                                                                \
+            }                                                                                                    \
     }
 
 #define DPB_MADD(u, v) _mm256_madd_epi16(_mm256_maddubs_epi16((u), (v)), _mm256_set1_epi16(1))
@@ -257,7 +308,7 @@ BODY8(body8_vnni512, T8_VNNI512, DPB_VNNI512)
     }
 #define ROWS8_KINDS(BODY, TARGET)                                                                       \
     ROWS8_FN(BODY, TARGET, K_Q4_0) ROWS8_FN(BODY, TARGET, K_Q4_1) ROWS8_FN(BODY, TARGET, K_Q5_0)         \
-    ROWS8_FN(BODY, TARGET, K_Q5_1) ROWS8_FN(BODY, TARGET, K_Q8_0)
+    ROWS8_FN(BODY, TARGET, K_Q5_1) ROWS8_FN(BODY, TARGET, K_Q8_0) ROWS8_FN(BODY, TARGET, K_MXFP4)
 ROWS8_KINDS(body8_madd, T8)
 ROWS8_KINDS(body8_vnni, T8_VNNI)
 ROWS8_KINDS(body8_vnni512, T8_VNNI512)
@@ -334,7 +385,8 @@ static const chain8_fn CHAIN8S[3] = {chain8_madd, chain8_vnni, chain8_vnni512};
 typedef void (*rows8_fn)(float *y, int64_t ldy, const gt_act8 *x, int64_t ldx, const uint8_t *w, int64_t row_bytes,
                          int chain, int block_bytes, int64_t nb, int mm, int nw);
 #define ROWS8_ROW(BODY) \
-    {rows8_##BODY##_K_Q4_0, rows8_##BODY##_K_Q4_1, rows8_##BODY##_K_Q5_0, rows8_##BODY##_K_Q5_1, rows8_##BODY##_K_Q8_0}
+    {rows8_##BODY##_K_Q4_0, rows8_##BODY##_K_Q4_1, rows8_##BODY##_K_Q5_0, rows8_##BODY##_K_Q5_1, rows8_##BODY##_K_Q8_0, \
+     rows8_##BODY##_K_MXFP4}
 static const rows8_fn ROWS8[3][N_KINDS] = {ROWS8_ROW(body8_madd), ROWS8_ROW(body8_vnni), ROWS8_ROW(body8_vnni512)};
 
 /* the CPU's byte dot: AVX-VNNI, else AVX512-VNNI (with VL), else maddubs + madd */
@@ -351,7 +403,7 @@ static int dot_level(void) {
 void gt_qdot8_rows_(float *y, int64_t ldy, const gt_act8 *x, int64_t ldx, int m, const uint8_t *w,
                     int64_t row_bytes, int32_t dtype, int64_t K, int64_t N, int64_t n0, int64_t n1) {
     const int kind = kind_of(dtype);
-    const int chain = kind == K_Q4_0 && N % 8 == 0;
+    const int chain = (kind == K_Q4_0 || kind == K_MXFP4) && N % 8 == 0;
     const int block_bytes = gt_dtype_find_(dtype)->block_bytes;
     const int64_t nb = K / 32;
 #if defined(__x86_64__)
@@ -361,7 +413,7 @@ void gt_qdot8_rows_(float *y, int64_t ldy, const gt_act8 *x, int64_t ldx, int m,
         for (int r0 = 0; r0 < m; r0 += 4) {
             const int g = m - r0 < 4 ? m - r0 : 4;
             int64_t n = n0;
-            if (chain)
+            if (chain && kind == K_Q4_0)     /* (MXFP4's chain: the same bits, a row at a time below) */
                 for (; n + 8 <= n1; n += 8)
                     CHAIN8S[dot](y + r0 * ldy + n, ldy, x + r0 * ldx, ldx, w + n * row_bytes, row_bytes, block_bytes,
                                  nb, g);

@@ -1,6 +1,6 @@
 /* quant.c: ggml block formats. Dequantize any of F32, F16, BF16, Q4_0, Q4_1,
- * Q5_0, Q5_1, Q8_0, Q2_K..Q6_K to f32, and quantize f32 to F16, BF16, Q8_0,
- * Q4_0, Q4_1, Q5_0 and Q5_1 the way ggml's reference quantizer does (round to nearest, no
+ * Q5_0, Q5_1, Q8_0, Q2_K..Q6_K, MXFP4 to f32, and quantize f32 to F16, BF16, Q8_0,
+ * Q4_0, Q4_1, Q5_0, Q5_1 and MXFP4 the way ggml's reference quantizer does (round to nearest, no
  * importance matrix), and to Q2_K..Q6_K by quant_k.c's writers. The per-block dequantizers are shared with the kernels that read
  * frozen weights (gt_dequantizer_). Which types each direction supports is in
  * the dtype table's flags (dtype.c); a test checks the two agree.
@@ -17,6 +17,7 @@
  *   Q4_K (256, 144 B): half d, dmin; u8 scales[12]; u8 qs[128]
  *   Q5_K (256, 176 B): half d, dmin; u8 scales[12]; u8 qh[32]; u8 qs[128]
  *   Q6_K (256, 210 B): u8 ql[128]; u8 qh[64]; i8 scales[16]; half d
+ *   MXFP4 (32, 17 B): u8 e (E8M0); u8 qs[16]      x = value(q) * 2^(e - 128)  (native/mxfp4.h)
  *
  * The arithmetic is written in the same order as ggml's reference code (and
  * gguf-py's numpy port), one rounding per operation (C11 mode: no FMA
@@ -25,6 +26,7 @@
 #include <float.h>
 #include <math.h>
 
+#include "../mxfp4.h"
 #include "quant_k.h"
 #include "simd.h"
 
@@ -194,6 +196,18 @@ GT_CLONES static void dequant_q6_k(float *y, const uint8_t *b, int64_t nb) {
     }
 }
 
+/* ggml's dequantize_row_mxfp4: the doubled E2M1 value times the halved scale (exact). */
+GT_CLONES static void dequant_mxfp4(float *y, const uint8_t *b, int64_t nb) {
+    for (int64_t i = 0; i < nb; i++, b += GT_MXFP4_BLOCK_BYTES, y += GT_MXFP4_BLOCK) {
+        const float d = gt_e8m0_half(b[0]);
+        const uint8_t *qs = b + 1;
+        for (int j = 0; j < GT_MXFP4_BLOCK / 2; j++) {
+            y[j] = (float)gt_mxfp4_value(qs[j] & 0x0f) * d;
+            y[j + GT_MXFP4_BLOCK / 2] = (float)gt_mxfp4_value(qs[j] >> 4) * d;
+        }
+    }
+}
+
 static void dequant_f32(float *y, const uint8_t *b, int64_t n) { memcpy(y, b, (size_t)n * sizeof(float)); }
 
 static void dequant_f16(float *y, const uint8_t *b, int64_t n) {
@@ -239,6 +253,7 @@ gt_dequant_fn gt_dequantizer_(int32_t dtype) {
     case GT_Q4_K: return dequant_q4_k;
     case GT_Q5_K: return dequant_q5_k;
     case GT_Q6_K: return dequant_q6_k;
+    case GT_MXFP4: return dequant_mxfp4;
     default: return NULL;
     }
 }
@@ -390,6 +405,39 @@ static void quant_q5_1(uint8_t *b, const float *src, int64_t nb) {
     }
 }
 
+/* ggml's quantize_row_mxfp4_ref: amax = max |x|, e = floor(log2(amax)) - 2 + 127 (0 for an all-zero
+ * block: the largest magnitude, 6 = 12 / 2, then covers amax), and each element the first code of
+ * least |value * d - x| (d = 2^(e - 128)). NOTE: ggml casts a negative or over-255 exponent (amax
+ * below 2^-125 or at least 2^129) to uint8 undefined; here through int, as x86 does; a NaN x
+ * gets code 0. */
+static void quant_mxfp4(uint8_t *b, const float *src, int64_t nb) {
+    static const int8_t values[16] = GT_MXFP4_VALUES;
+    for (int64_t i = 0; i < nb; i++, b += GT_MXFP4_BLOCK_BYTES, src += GT_MXFP4_BLOCK) {
+        float amax = 0.0f;
+        for (int j = 0; j < GT_MXFP4_BLOCK; j++)
+            if (amax < fabsf(src[j])) amax = fabsf(src[j]);
+        const uint8_t e = amax > 0.0f ? (uint8_t)(int)(floorf(log2f(amax)) - 2 + 127) : 0;
+        const float d = gt_e8m0_half(e);
+        b[0] = e;
+        for (int j = 0; j < GT_MXFP4_BLOCK / 2; j++) {
+            int q[2];
+            for (int h = 0; h < 2; h++) {
+                const float x = src[j + h * GT_MXFP4_BLOCK / 2];
+                float best = fabsf((float)values[0] * d - x);
+                q[h] = 0;
+                for (int c = 1; c < 16; c++) {
+                    const float err = fabsf((float)values[c] * d - x);
+                    if (err < best) {
+                        best = err;
+                        q[h] = c;
+                    }
+                }
+            }
+            b[1 + j] = (uint8_t)(q[0] | (q[1] << 4));
+        }
+    }
+}
+
 static void quant_f32(uint8_t *b, const float *src, int64_t n) { memcpy(b, src, (size_t)n * sizeof(float)); }
 
 static void quant_f16(uint8_t *b, const float *src, int64_t n) {
@@ -421,6 +469,7 @@ int gt_quantize_row(void *dst, const float *src, int32_t dtype, int64_t n) {
     case GT_Q4_K: fn = gt_quant_q4_k_; break;
     case GT_Q5_K: fn = gt_quant_q5_k_; break;
     case GT_Q6_K: fn = gt_quant_q6_k_; break;
+    case GT_MXFP4: fn = quant_mxfp4; break;
     default: break;
     }
     if (!t) return GT_FAIL(GT_ERR_UNSUPPORTED, "quantize: unknown ggml type %d", (int)dtype);

@@ -13,7 +13,7 @@
  *       sigma2 the mean x^2 of the whole row, and no rounding against the f16 scale after it.
  *
  * Every sum and product is in ggml's order, as quant_k.c's top comment says; the types ggml
- * does not weight (F32, F16, BF16, Q8_0) are written as gt_quantize_row writes them.
+ * does not weight (F32, F16, BF16, Q8_0, MXFP4) are written as gt_quantize_row writes them.
  */
 #include <math.h>
 

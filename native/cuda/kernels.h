@@ -24,36 +24,36 @@
     S(moe_matmul_fwd_f32_f16) S(moe_matmul_fwd_f32_bf16) S(moe_matmul_fwd_f32_q4_0)            \
     S(moe_matmul_fwd_f32_q4_1) S(moe_matmul_fwd_f32_q5_0) S(moe_matmul_fwd_f32_q5_1)           \
     S(moe_matmul_fwd_f32_q8_0) S(moe_matmul_fwd_f32_q2_k) S(moe_matmul_fwd_f32_q3_k)           \
-    S(moe_matmul_fwd_f32_q4_k) S(moe_matmul_fwd_f32_q5_k) S(moe_matmul_fwd_f32_q6_k)           \
+    S(moe_matmul_fwd_f32_q4_k) S(moe_matmul_fwd_f32_q5_k) S(moe_matmul_fwd_f32_q6_k) S(moe_matmul_fwd_f32_mxfp4)           \
     S(moe_matmul_input_bwd_f32_f16) S(moe_matmul_input_bwd_f32_bf16)                           \
     S(moe_matmul_input_bwd_f32_q4_0) S(moe_matmul_input_bwd_f32_q4_1)                          \
     S(moe_matmul_input_bwd_f32_q5_0) S(moe_matmul_input_bwd_f32_q5_1)                          \
     S(moe_matmul_input_bwd_f32_q8_0) S(moe_matmul_input_bwd_f32_q2_k)                          \
     S(moe_matmul_input_bwd_f32_q3_k) S(moe_matmul_input_bwd_f32_q4_k)                          \
-    S(moe_matmul_input_bwd_f32_q5_k) S(moe_matmul_input_bwd_f32_q6_k)                          \
+    S(moe_matmul_input_bwd_f32_q5_k) S(moe_matmul_input_bwd_f32_q6_k) S(moe_matmul_input_bwd_f32_mxfp4)                          \
     X(causal_conv1d_fwd_f32) X(causal_conv1d_input_bwd_f32) X(causal_conv1d_weight_bwd_f32)    \
     S(delta_rule_fwd_f32) S(delta_rule_bwd_f32)                                                \
     S(matmul_fwd_f32)                                                                          \
     S(matmul_fwd_f32_f16) S(matmul_fwd_f32_bf16) S(matmul_fwd_f32_q4_0) S(matmul_fwd_f32_q4_1) \
     S(matmul_fwd_f32_q5_0) S(matmul_fwd_f32_q5_1) S(matmul_fwd_f32_q8_0)                       \
     S(matmul_fwd_f32_q2_k) S(matmul_fwd_f32_q3_k) S(matmul_fwd_f32_q4_k)                       \
-    S(matmul_fwd_f32_q5_k) S(matmul_fwd_f32_q6_k)                                              \
+    S(matmul_fwd_f32_q5_k) S(matmul_fwd_f32_q6_k) S(matmul_fwd_f32_mxfp4)                                              \
     X(get_rows_fwd_f32_f16) X(get_rows_fwd_f32_bf16) X(get_rows_fwd_f32_q4_0)                  \
     X(get_rows_fwd_f32_q4_1) X(get_rows_fwd_f32_q5_0) X(get_rows_fwd_f32_q5_1)                 \
     X(get_rows_fwd_f32_q8_0) X(get_rows_fwd_f32_q2_k) X(get_rows_fwd_f32_q3_k)                 \
-    X(get_rows_fwd_f32_q4_k) X(get_rows_fwd_f32_q5_k) X(get_rows_fwd_f32_q6_k)                 \
+    X(get_rows_fwd_f32_q4_k) X(get_rows_fwd_f32_q5_k) X(get_rows_fwd_f32_q6_k) X(get_rows_fwd_f32_mxfp4)                 \
     S(linear_cross_entropy_fwd_f32) S(linear_cross_entropy_fwd_f32_f16)                        \
     S(linear_cross_entropy_fwd_f32_bf16) S(linear_cross_entropy_fwd_f32_q4_0)                  \
     S(linear_cross_entropy_fwd_f32_q4_1) S(linear_cross_entropy_fwd_f32_q5_0)                  \
     S(linear_cross_entropy_fwd_f32_q5_1) S(linear_cross_entropy_fwd_f32_q8_0)                  \
     S(linear_cross_entropy_fwd_f32_q2_k) S(linear_cross_entropy_fwd_f32_q3_k)                  \
     S(linear_cross_entropy_fwd_f32_q4_k) S(linear_cross_entropy_fwd_f32_q5_k)                  \
-    S(linear_cross_entropy_fwd_f32_q6_k)                                                       \
+    S(linear_cross_entropy_fwd_f32_q6_k) S(linear_cross_entropy_fwd_f32_mxfp4)                                                       \
     S(matmul_lora_fwd_f32) S(matmul_lora_fwd_f32_f16) S(matmul_lora_fwd_f32_bf16) \
     S(matmul_lora_fwd_f32_q4_0) S(matmul_lora_fwd_f32_q4_1) S(matmul_lora_fwd_f32_q5_0) \
     S(matmul_lora_fwd_f32_q5_1) S(matmul_lora_fwd_f32_q8_0) S(matmul_lora_fwd_f32_q2_k) \
     S(matmul_lora_fwd_f32_q3_k) S(matmul_lora_fwd_f32_q4_k) S(matmul_lora_fwd_f32_q5_k) \
-    S(matmul_lora_fwd_f32_q6_k)
+    S(matmul_lora_fwd_f32_q6_k) S(matmul_lora_fwd_f32_mxfp4)
 
 #define GTC_DECLARE_K(name) extern "C" int gtc_k_##name(const gt_node *node, const gt_ctx *ctx);
 #define GTC_DECLARE_S(name) GTC_DECLARE_K(name) \

@@ -1,10 +1,11 @@
 /* quant.cuh: ggml's block formats decoded to f32, one block at a time, on the device and
  * (gtc_dequantize_row_host) on the host, the same code. Layouts as ggml's block_<type>
- * structs, little-endian; every scale is f16. */
+ * structs, little-endian; every scale is f16 but MXFP4's (E8M0, native/mxfp4.h). */
 #ifndef GTC_QUANT_CUH
 #define GTC_QUANT_CUH
 
 #include "common.cuh"
+#include "../mxfp4.h"
 
 __host__ __device__ inline uint16_t gtc_u16(const uint8_t *p) { return (uint16_t)(p[0] | (p[1] << 8)); }
 __host__ __device__ inline uint32_t gtc_u32(const uint8_t *p) {
@@ -17,6 +18,7 @@ __host__ __device__ inline int gtc_block_elems(int32_t t) {
     case GT_F32: case GT_F16: case GT_BF16: return 1;
     case GT_Q4_0: case GT_Q4_1: case GT_Q5_0: case GT_Q5_1: case GT_Q8_0: return 32;
     case GT_Q2_K: case GT_Q3_K: case GT_Q4_K: case GT_Q5_K: case GT_Q6_K: return 256;
+    case GT_MXFP4: return GT_MXFP4_BLOCK;
     default: return 0;
     }
 }
@@ -34,6 +36,7 @@ __host__ __device__ inline int gtc_block_bytes(int32_t t) {
     case GT_Q4_K: return 144;
     case GT_Q5_K: return 176;
     case GT_Q6_K: return 210;
+    case GT_MXFP4: return GT_MXFP4_BLOCK_BYTES;
     default: return 0;
     }
 }
@@ -212,6 +215,14 @@ __host__ __device__ inline void gtc_decode_block(int32_t t, const uint8_t *b, fl
             ql += 64;
             qh += 32;
             sc += 8;
+        }
+        return;
+    }
+    case GT_MXFP4: {  /* e (E8M0), qs[16] */
+        const float d = gt_e8m0_half(b[0]);
+        for (int j = 0; j < GT_MXFP4_BLOCK / 2; j++) {
+            y[j] = (float)gt_mxfp4_value(b[1 + j] & 0xF) * d;
+            y[j + GT_MXFP4_BLOCK / 2] = (float)gt_mxfp4_value(b[1 + j] >> 4) * d;
         }
         return;
     }
