@@ -10,7 +10,7 @@ import math
 
 from ggtrain.core import ops
 from ggtrain.core.models.family import SELECTION_BIAS
-from ggtrain.core.models.net import Net, linear, norm
+from ggtrain.core.models.net import Net, linear, norm, tap
 
 
 def glu(net: Net, x, layer: int, resid=None):
@@ -64,13 +64,18 @@ def experts(net: Net, x, layer: int, logits):
     xs = ops.reshape(x, (b * t, 1, c))
     fused = net.params.get(p + "ffn_gate_up_exps.weight")
     if fused is not None:     # gate | up rows of each expert (gemma4), one product, read as views
+        tap(net, p + "ffn_gate_up_exps.weight", xs, ids)
         gu = ops.moe_matmul(xs, fused, ids, numerics)                                        # (N, k, 2F)
         f = gu.shape[-1] // 2
         gate, up = (ops.view(gu, (b * t, k, f), (k * 2 * f, 2 * f, 1), j * f) for j in (0, 1))
     else:
+        for name in ("ffn_gate_exps.weight", "ffn_up_exps.weight"):
+            tap(net, p + name, xs, ids)
         gate = ops.moe_matmul(xs, net.params[p + "ffn_gate_exps.weight"], ids, numerics)  # (N, k, F)
         up = ops.moe_matmul(xs, net.params[p + "ffn_up_exps.weight"], ids, numerics)
-    down = ops.moe_matmul(_act(net, gate, up), net.params[p + "ffn_down_exps.weight"], ids, numerics)  # (N, k, C)
+    act = _act(net, gate, up)
+    tap(net, p + "ffn_down_exps.weight", act, ids)
+    down = ops.moe_matmul(act, net.params[p + "ffn_down_exps.weight"], ids, numerics)    # (N, k, C)
     scale = net.params.get(p + "ffn_down_exps.scale")
     if scale is not None:       # each expert's output times its scalar
         down = ops.mul(down, ops.reshape(ops.get_rows(ops.reshape(scale, (cfg.experts, 1)), ids), (b * t, k, 1)))
