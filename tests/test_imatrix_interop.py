@@ -276,15 +276,21 @@ def moe_model(tmp_path_factory):
     return path
 
 
-def test_expert_imatrix_in_llama_numbers_is_llama_cpps_bit_for_bit(llama, moe_model, imatrix_files, tmp_path):
+@pytest.fixture(scope="module")
+def moe_imatrix(moe_model, imatrix_files):
+    """`ggtrain imatrix --numerics llama --cache-type f32` of the qwen3moe model, 4 chunks of 64 tokens."""
+    _, text, _ = imatrix_files
+    return _ours(moe_model, text, moe_model.with_name("im-ours.gguf"), 64, "--numerics", "llama", "--cache-type", "f32")
+
+
+def test_expert_imatrix_in_llama_numbers_is_llama_cpps_bit_for_bit(llama, moe_model, moe_imatrix, imatrix_files):
     """qwen3moe's stacked experts: llama-imatrix's collector of MUL_MAT_ID on llama-cpp-python's
     library (each routed row into its expert's sums, per expert counts) gives our --numerics
     llama sums and counts bit for bit, in_sum2 (n_expert, n_cols) and counts (n_expert, 1) per
     expert tensor, every expert reached; the dense matrices (the router among them) as before."""
     _, text, _ = imatrix_files
     theirs, counts = imatrix_with_llama_cpp(llama, moe_model, text.read_text(), 64, 4, kv_f32=True)
-    sums, _, layout = _entries(_ours(moe_model, text, tmp_path / "ours.gguf", 64, "--numerics", "llama",
-                                     "--cache-type", "f32"))
+    sums, _, layout = _entries(moe_imatrix)
     shapes = {name: shape for name, _, shape in layout}
     experts = [f"blk.{i}.{t}.weight" for i in range(MOE["layers"]) for t in EXPERT_TENSORS]
     assert set(experts) <= set(theirs) and sorted(theirs) == sorted(n[:-len(".counts")] for n in shapes
@@ -299,7 +305,7 @@ def test_expert_imatrix_in_llama_numbers_is_llama_cpps_bit_for_bit(llama, moe_mo
     assert counts["blk.0.ffn_gate_inp.weight"] == 4 * 64
 
 
-def test_expert_imatrix_is_llama_imatrixs(llama_tools, imatrix_files, moe_model, tmp_path):
+def test_expert_imatrix_is_llama_imatrixs(llama_tools, imatrix_files, moe_model, moe_imatrix, tmp_path):
     """ggtrain imatrix of the qwen3moe model: llama-imatrix's own file (without flash attention,
     F32 KV cache): the same tensors, types and shapes ((n_expert, n_cols) sums and (n_expert, 1)
     counts of the experts), the same keys, every count (per expert) equal, every sum within
@@ -310,7 +316,7 @@ def test_expert_imatrix_is_llama_imatrixs(llama_tools, imatrix_files, moe_model,
     _, text, _ = imatrix_files
     theirs = _their_imatrix(llama_tools, moe_model, text, tmp_path / "theirs.gguf", 64, "-fa", "off", "-ctk", "f32",
                             "-ctv", "f32")
-    ours = _ours(moe_model, text, tmp_path / "im-ours.gguf", 64, "--numerics", "llama", "--cache-type", "f32")
+    ours = moe_imatrix
     (a, a_keys, a_layout), (b, b_keys, b_layout) = _entries(ours), _entries(theirs)
     assert a_layout == b_layout and a_keys == b_keys
     assert ("blk.1.ffn_down_exps.weight.in_sum2", "F32", [256, 8]) in b_layout
