@@ -60,6 +60,8 @@ def experts(net: Net, x, layer: int, logits):
     k = cfg.experts_used
     numerics = net.numerics
     ids = ops.reshape(ops.moe_topk(logits, k, cfg.gating, net.params.get(p + SELECTION_BIAS)), (b * t, k))
+    if net.aux is not None:
+        net.aux.append(load_balance_loss(ops.reshape(logits, (b * t, logits.shape[-1])), ids))
     weights = ops.moe_weights(logits, ops.reshape(ids, (b, t, k)), cfg.family.moe_norm, numerics, cfg.gating)
     weights = ops.reshape(weights, (b * t, k, 1))
     xs = ops.reshape(x, (b * t, 1, c))
@@ -78,6 +80,21 @@ def experts(net: Net, x, layer: int, logits):
         part = ops.view(down, (b * t, c), (k * c, 1), s * c)
         out = part if out is None else ops.add(out, part)
     return ops.reshape(out if k > 1 else ops.cont(out), (b, t, c))
+
+
+def load_balance_loss(logits, ids):
+    """The Switch Transformer's load-balancing loss of one routed layer: E * sum_e f_e P_e,
+    f_e the share of the N * k routed slots that go to expert e (ids (N, k), no gradient),
+    P_e the mean over the N tokens of softmax(logits (N, E))[e] (every expert's probability,
+    before the top-k). 1 when the routing is uniform, E / k at worst (every token's k
+    experts the same k, with all their probability); its gradient pushes the router's
+    probability away from the experts that take more than their share. Computed as
+    E / (N^2 k) * sum over the slots of S[ids] with S_e = sum_n softmax(logits)[n, e]."""
+    n, e = logits.shape
+    k = ids.shape[1]
+    p = ops.softmax(logits)                                                          # (N, E)
+    s = ops.sum_rows(ops.cont(ops.transpose(p, 0, 1)))                               # (E, 1)
+    return ops.scale(ops.sum(ops.get_rows(s, ids)), e / (n * n * k))
 
 
 def expert_product(net: Net, x, name: str, ids, scale: str | None = None):

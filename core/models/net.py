@@ -21,7 +21,9 @@ class Net:
     (its default) does. taps: where given, the products record there {weight name: (the
     tensor it multiplies, None or the expert ids that route its rows)} for every weight of the
     blocks ("blk.*"; `tap`), the activations whose squares llama-imatrix sums
-    (core/models/importance.py)."""
+    (core/models/importance.py). aux: where given, the routed-expert layers append there
+    their load-balancing loss (ffns.load_balance_loss), a scalar each, for training.
+    """
 
     cfg: ModelConfig
     params: dict
@@ -29,6 +31,7 @@ class Net:
     numerics: str = EXACT
     kv_f16: bool = False
     taps: dict | None = None
+    aux: list | None = None
 
     def __post_init__(self):
         check_numerics(self.numerics)
