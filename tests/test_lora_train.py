@@ -54,13 +54,13 @@ def _expert_case(name):
     return cfg, LoraConfig(rank=2, alpha=3.0, targets=("attn_q",) + cfg.family.expert_targets)
 
 
-@pytest.mark.parametrize("arch", ["llama", "phi3", "qwen3moe", "gemma4-moe"])
+@pytest.mark.parametrize("arch", ["llama", "phi3", "qwen3moe", "gemma4-moe", "qwen35moe", "lfm2moe"])
 def test_every_target_gets_the_finite_difference_gradient(arch):
     """Every target's A and B gradients against float64 finite differences of the numpy twin
-    with the merged weights; phi3: the fused qkv and gate|up weights; qwen3moe and gemma4's
-    MoE: the stacked experts' per-expert factors (--lora-targets naming them), gemma4's
-    ffn_gate_up_exps and its down scale included."""
-    cfg, lora = _expert_case(arch) if arch in ("qwen3moe", "gemma4-moe") else (dataclasses.replace(CFG, arch=arch),
+    with the merged weights; phi3: the fused qkv and gate|up weights; qwen3moe, gemma4's MoE,
+    qwen35moe and lfm2moe: the stacked experts' per-expert factors (--lora-targets naming
+    them), gemma4's ffn_gate_up_exps and its down scale, lfm2moe's sigmoid routing included."""
+    cfg, lora = _expert_case(arch) if arch not in ("llama", "phi3") else (dataclasses.replace(CFG, arch=arch),
                                                                                LORA)
     weights = init_params(cfg, seed=1, std=0.3)
     factors = _factors(weights, 2, cfg, lora)
