@@ -158,7 +158,8 @@ def finetune(
     lora_rank: int = typer.Option(16, "--lora-rank", rich_help_panel=LORA, help="Rank r of each adapter."),
     lora_alpha: float = typer.Option(32.0, "--lora-alpha", rich_help_panel=LORA, help="Adapters scaled by alpha / r."),
     lora_targets: str = typer.Option("all", "--lora-targets", rich_help_panel=LORA,
-                                     help=f"Weights to adapt, comma-separated, or all (of {', '.join(TARGETS)}). "
+                                     help=f"Weights to adapt, comma-separated, or all (the family's defaults; of "
+                                          f"{', '.join(TARGETS)}: the *_exps experts only when named). "
                                           "Also --lora-modules."),
     lora_dropout: float = typer.Option(0.0, "--lora-dropout", rich_help_panel=LORA, help="Dropout of their input."),
     method: Method = METHOD,

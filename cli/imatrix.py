@@ -5,7 +5,8 @@ llama.cpp's llama-imatrix computes (core/models/importance.py), written in its G
 As llama-imatrix: the whole text tokenized (BOS first where the vocabulary asks for one, special
 tokens as text), cut into chunks of --ctx tokens (at least two chunks' worth), each chunk's
 first token replaced by BOS where the vocabulary asks for one, each run from an empty context;
-the sums cover the block matrices (not the token embedding or the output matrix).
+the sums cover the block matrices (not the token embedding or the output matrix) and the
+routed experts' stacked matrices, per expert.
 
 NOTE: llama-imatrix decodes in micro-batches of 512 tokens and skips a product of fewer than 16
 rows, so a chunk longer than 1024 tokens whose length is 1..15 past a multiple of 512 loses its
@@ -87,9 +88,9 @@ def imatrix_cmd(
                           f"of --ctx {ctx})")
     windows = chunk_windows(ids, ctx, chunks, tok.bos_id if tok.add_bos else None)
     bar = progress_bar(quiet, total=len(windows), unit="chunk", desc=f"imatrix of {model.name}", leave=False)
-    sums, count = importance_sums(cfg, weights, be, windows, numerics=numerics, kv_f16=cache_type == "f16",
+    sums, counts = importance_sums(cfg, weights, be, windows, numerics=numerics, kv_f16=cache_type == "f16",
                                   progress=None if bar is None else lambda i: bar.update(1))
     if bar is not None:
         bar.close()
-    write_imatrix(out, sums, count, datasets=[str(data)], chunk_count=len(windows), chunk_size=ctx)
+    write_imatrix(out, sums, counts, datasets=[str(data)], chunk_count=len(windows), chunk_size=ctx)
     typer.echo(f"wrote {out}: the importance of {len(sums)} matrices over {len(windows)} chunks of {ctx} tokens")

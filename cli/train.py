@@ -11,7 +11,7 @@ from ggtrain.cli.loop import TrainingCommand, check_length, check_resume_data, c
 from ggtrain.cli.main import app
 from ggtrain.cli.options import (BACKEND, CHECKPOINT_DIR, CHECKPOINTING, CONFIG, DATA, EARLY_STOP_PATIENCE, EVAL_EVERY,
                                  GRAD_ACC, GRAD_CLIP, LOG, LR_MIN, MIN_DELTA, MODEL, MOMENTUM, ON_SAVE_ERROR,
-                                 OPTIMIZER, QUIET, SAVE_EVERY, STEPS, THREADS, TOKEN_CACHE, Backend, OnSaveError,
+                                 OPTIMIZATION, OPTIMIZER, QUIET, SAVE_EVERY, STEPS, THREADS, TOKEN_CACHE, Backend, OnSaveError,
                                  Optimizer, choice, opt_batch, opt_epochs, opt_lr, opt_resume, opt_seed,
                                  opt_val_split, opt_warmup, opt_weight_decay, warmup_updates)
 from ggtrain.core.data import TokenWindows, eval_windows, split_tokens
@@ -95,6 +95,9 @@ def train(
     optimizer: Optimizer = OPTIMIZER,
     momentum: float = MOMENTUM,
     grad_clip: float = GRAD_CLIP,
+    moe_aux_loss: float = typer.Option(0.0, "--moe-aux-loss", rich_help_panel=OPTIMIZATION,
+                                       help="Routed-expert families: plus this times the routers' load-balancing loss "
+                                            "(Switch Transformer's E * sum f_e P_e, 1 when balanced; e.g. 0.01)."),
     eval_every: int = EVAL_EVERY,
     early_stop_patience: int = EARLY_STOP_PATIENCE,
     min_delta: float = MIN_DELTA,
@@ -148,7 +151,7 @@ def train(
                                warmup=warmup_updates(warmup, n_steps), weight_decay=weight_decay, grad_clip=grad_clip,
                                checkpointing=checkpointing, eval_every=eval_every, seed=seed, world=world.size,
                                optimizer=optimizer, momentum=momentum, early_stop_patience=early_stop_patience,
-                               min_delta=min_delta)
+                               min_delta=min_delta, moe_aux_loss=moe_aux_loss)
     init = source.state["params"] if source else init_params(model_cfg, train_cfg.seed)
     run = TextRun(model_cfg, init, train_cfg, cmd.backend, world=world)
     # every process draws the global batches and trains on its rows of them

@@ -292,8 +292,11 @@ class TextConfig:
     momentum: float = 0.0       # SGD
     early_stop_patience: int = 0
     min_delta: float = 0.0
+    moe_aux_loss: float = 0.0   # the routed layers' load-balancing loss's weight (ffns.load_balance_loss)
 
     def __post_init__(self):
+        if not self.moe_aux_loss >= 0:
+            raise ConfigError(f"--moe-aux-loss must be >= 0, got {self.moe_aux_loss}")
         if self.world < 1:
             raise ConfigError(f"world must be >= 1 processes, got {self.world}")
         check_early_stop(self.early_stop_patience, self.min_delta)
@@ -320,6 +323,14 @@ class TextConfig:
             raise ConfigError(f"the run's global batch of {self.global_batch} windows ({self.batch} on "
                               f"each of {self.world} processes) cannot be split over {world} processes")
         return dataclasses.replace(self, batch=self.global_batch // world, world=world)
+
+
+def _sum(terms: list) -> Tensor:
+    """The sum of scalar tensors, in order."""
+    out = terms[0]
+    for t in terms[1:]:
+        out = ops.add(out, t)
+    return out
 
 
 def _frozen_product(t: Tensor) -> bool:
@@ -421,6 +432,13 @@ class TextRun(Run):
             self.pair_loss = PairLoss(g, preference, pairs, loss_rows)
 
         inputs = Inputs(self.tokens, self.pos, seg=self.seg, rows=rows)
+        if config.moe_aux_loss:
+            if not model.experts:
+                raise ConfigError(f"--moe-aux-loss: a {model.arch} model has no routed experts to balance")
+            if lora is not None or preference is not None:
+                raise ConfigError("--moe-aux-loss balances a router trained whole on text (train), not under LoRA or "
+                                  "a preference objective")
+            net = dataclasses.replace(net, aux=[])
 
         def objective(net_, grad, train=True):
             opt = Options(checkpoint=g if train and config.checkpointing else None, head=False, n_ctx=self.ctx)
@@ -432,6 +450,8 @@ class TextRun(Run):
 
         self.loss, self.outputs = objective(net, lora is not None)
         self.eval_loss, self.eval_outputs = self.loss, self.outputs
+        if net.aux:     # trained on the NLL plus the weighted mean of the layers' balance losses; evaluated on the NLL
+            self.loss = ops.add(self.loss, ops.scale(_sum(net.aux), config.moe_aux_loss / len(net.aux)))
         if self.dropout_seed is not None:   # evaluation without dropout: the same weights, no masks
             still = {w: dataclasses.replace(ad, dropout=None) for w, ad in adapters.items()}
             self.eval_loss, self.eval_outputs = objective(dataclasses.replace(net, lora=still), False, train=False)

@@ -4,7 +4,8 @@ importance each weight matrix is quantized with.
 llama-imatrix sums, for every matrix product x @ W^T of the model's blocks, the squares of
 the activations x entering it per column, over the tokens of its chunks. Its file (GGUF):
 for each weight W, `W.in_sum2` (F32, (n_matrices, n_cols): the sums) and `W.counts` (F32,
-(n_matrices, 1): the tokens summed), with the keys imatrix.datasets (strings),
+(n_matrices, 1): the tokens summed; a 3-D expert tensor's per expert, over the tokens routed
+to it), with the keys imatrix.datasets (strings),
 imatrix.chunk_count and imatrix.chunk_size (u32). The legacy .dat file it wrote before: i32
 n_entries, then per entry i32 name length, the name, i32 ncall, i32 n_values, n_values f32
 (means times ncall), then optionally i32 chunk count, i32 length and the dataset's name.
@@ -175,15 +176,20 @@ def _read_legacy(path: str) -> Imatrix:
     return Imatrix(path, values, datasets, chunk_count)
 
 
-def write_imatrix(path, sums: dict, count: int, datasets=(), chunk_count: int = 0, chunk_size: int = 0) -> None:
-    """Write llama-imatrix's GGUF file, atomically: sums {weight name: (n_cols,) f32 sum of
-    squared inputs} as W.in_sum2 and `count` (the tokens summed) as W.counts (1,), in name order
-    (ggml's (n_cols, 1) and (1, 1) without their trailing 1, as gguf stores them), with
-    general.type "imatrix" and its three keys."""
+def write_imatrix(path, sums: dict, counts: dict, datasets=(), chunk_count: int = 0, chunk_size: int = 0) -> None:
+    """Write llama-imatrix's GGUF file, atomically: sums {weight name: f32 sums of squared
+    inputs, (n_cols,) for a matrix, (n_experts, n_cols) for experts} as W.in_sum2 and counts
+    {weight name: (n_mat,) rows summed} as W.counts, in name order (ggml's (n_cols, n_mat)
+    and (1, n_mat) with a trailing 1 dropped, as gguf stores them), with general.type
+    "imatrix" and its three keys."""
     kv = [("general.type", "imatrix"), (KV_DATASETS, [str(d) for d in datasets], VT.ARRAY, VT.STRING),
           (KV_CHUNK_COUNT, int(chunk_count), VT.UINT32), (KV_CHUNK_SIZE, int(chunk_size), VT.UINT32)]
     tensors = []
     for name in sorted(sums):
-        tensors.append((name + SUMS, np.asarray(sums[name], np.float32).reshape(-1)))
-        tensors.append((name + COUNTS, np.full((1,), count, np.float32)))
+        n = np.asarray(counts[name], np.float32).reshape(-1)
+        v = np.asarray(sums[name], np.float32)
+        if v.size % n.size:
+            raise ValueError(f"write_imatrix: {name}: {v.size} sums for {n.size} counts")
+        tensors.append((name + SUMS, v.reshape(n.size, -1) if n.size > 1 else v.reshape(-1)))
+        tensors.append((name + COUNTS, n.reshape(-1, 1) if n.size > 1 else n))
     write_gguf(path, kv, tensors)

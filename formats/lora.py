@@ -5,7 +5,9 @@ An adapter GGUF has general.type "adapter", adapter.type "lora", adapter.lora.al
 shape (n_out, n_in)) two tensors: `<W name>.lora_a` of numpy shape (r, n_in) and
 `<W name>.lora_b` of shape (n_out, r) (ggml ne [n_in, r] and [r, n_out]). llama.cpp
 adds scale * alpha / r * B @ (A @ x) to W @ x, so the merged weight is
-W + scale * alpha / r * B @ A.
+W + scale * alpha / r * B @ A. Stacked experts W (E, n_out, n_in) (ffn_*_exps) have a pair
+per expert, stacked: A (E, r, n_in), B (E, n_out, r) (ne [n_in, r, E] and [r, n_out, E]), as
+llama.cpp's build_lora_mm_id applies them; expert e's merged weight W[e] + s * B[e] @ A[e].
 """
 from __future__ import annotations
 
@@ -21,7 +23,8 @@ from ggtrain.formats.model_file import rewrite_model
 
 
 def read_lora(path) -> tuple:
-    """(alpha, architecture, {weight name: (A (r, n_in), B (n_out, r))}) of an adapter file:
+    """(alpha, architecture, {weight name: (A (r, n_in), B (n_out, r)), or stacked experts'
+    (A (E, r, n_in), B (E, n_out, r))}) of an adapter file:
     f32 arrays, or f16 ones where the file stores F16 (as llama.cpp's converter writes PEFT's
     adapters by default): llama.cpp multiplies those in f16, and so do llama.cpp's numbers
     here (llama numerics); everything else takes their exact values as f32."""
@@ -40,8 +43,9 @@ def read_lora(path) -> tuple:
             if base + ".lora_b" not in f.tensors:
                 raise FormatError(f"{path}: {name} has no matching {base}.lora_b")
             a, b = (_factor(f, n) for n in (name, base + ".lora_b"))
-            if a.ndim != 2 or b.ndim != 2 or a.shape[0] != b.shape[1]:
-                raise FormatError(f"{path}: {base}: lora_a {a.shape} and lora_b {b.shape} do not share a rank")
+            if a.ndim != b.ndim or a.ndim not in (2, 3) or a.shape[:-2] != b.shape[:-2] or a.shape[-2] != b.shape[-1]:
+                raise FormatError(f"{path}: {base}: lora_a {a.shape} and lora_b {b.shape} do not share a rank"
+                                  f"{' and experts' if a.ndim == 3 else ''}")
             pairs[base] = (a, b)
         elif not name.endswith(".lora_b"):
             raise FormatError(f"{path}: unexpected tensor {name!r} in a LoRA adapter")
@@ -57,7 +61,8 @@ def _factor(f, name: str) -> np.ndarray:
 
 
 def write_lora(path, arch: str, alpha: float, pairs: dict, progress=None, tensor_type: str = "F32") -> None:
-    """Write an adapter atomically: pairs {weight name: (A (r, n_in), B (n_out, r))}, each
+    """Write an adapter atomically: pairs {weight name: (A (r, n_in), B (n_out, r)), or a
+    stacked experts' (A (E, r, n_in), B (E, n_out, r))}, each
     factor in tensor_type (F32, or F16 as llama.cpp's converter writes PEFT's by default)."""
     if tensor_type not in ("F32", "F16"):
         raise ValueError(f"write_lora: tensor_type {tensor_type!r} is not F32 or F16")
@@ -91,10 +96,10 @@ def fit_pairs(src, pairs: dict, alpha: float, shapes: dict, scale: float = 1.0) 
         shape = shapes.get(name)
         if shape is None:
             raise FormatError(f"{src}: adapter targets {name!r}, which the model does not have")
-        if (b.shape[0], a.shape[1]) != tuple(shape):
-            raise FormatError(f"{src}: {name}: adapter gives {(b.shape[0], a.shape[1])}, the weight is "
+        if (*b.shape[:-1], a.shape[-1]) != tuple(shape):
+            raise FormatError(f"{src}: {name}: adapter gives {(*b.shape[:-1], a.shape[-1])}, the weight is "
                               f"{tuple(shape)}")
-        out[name] = (a, b, adapter_scale(scale, alpha, a.shape[0]))
+        out[name] = (a, b, adapter_scale(scale, alpha, a.shape[-2]))
     return out
 
 
@@ -106,14 +111,31 @@ def adapter_scale(scale: float, alpha: float, r: int) -> float:
     return float(np.float32(np.float32(scale) * np.float32(alpha)) / np.float32(r))
 
 
-def lora_delta(a: np.ndarray, b: np.ndarray, s: float) -> np.ndarray:
-    """The change an adapter makes to its weight: s * B @ A (n_out, n_in), float64."""
-    return s * (b.astype(np.float64) @ a.astype(np.float64))
+def lora_delta(a: np.ndarray, b: np.ndarray, s: float, expert_scale: np.ndarray | None = None) -> np.ndarray:
+    """The change an adapter makes to its weight: s * B @ A (n_out, n_in), float64; stacked
+    experts' per expert (E, n_out, n_in), divided by expert_scale (E,) where the experts'
+    products are multiplied by one (Gemma 4's ffn_down_exps.scale: llama.cpp adds the
+    adapter's update after that product, so the merged weight takes it divided)."""
+    d = s * (b.astype(np.float64) @ a.astype(np.float64))
+    if expert_scale is None:
+        return d
+    e = np.asarray(expert_scale, np.float64).reshape(-1)
+    if not np.all(e != 0):
+        raise FormatError("an expert's scale is 0: its adapter update cannot be merged into its weight")
+    return d / e[:, None, None]
 
 
-def merged_weight(w: np.ndarray, a: np.ndarray, b: np.ndarray, s: float) -> np.ndarray:
-    """W + s * B @ A, computed in float64 and rounded to f32 once."""
-    return (w.astype(np.float64) + lora_delta(a, b, s)).astype(np.float32)
+def expert_scale_name(name: str, shapes: dict) -> str | None:
+    """The per-expert scale tensor (E,) multiplying the stacked experts `name`'s products
+    ("<name without .weight>.scale") where the model (shapes: {tensor name: shape}) has one."""
+    scale = name[:-len("weight")] + "scale"
+    return scale if name.endswith("_exps.weight") and scale in shapes else None
+
+
+def merged_weight(w: np.ndarray, a: np.ndarray, b: np.ndarray, s: float,
+                  expert_scale: np.ndarray | None = None) -> np.ndarray:
+    """W + s * B @ A (lora_delta), computed in float64 and rounded to f32 once."""
+    return (w.astype(np.float64) + lora_delta(a, b, s, expert_scale)).astype(np.float32)
 
 
 # below this share of the adapter's change kept, a merge warns (merge_warning)
@@ -168,7 +190,8 @@ def write_merged(path, base, pairs: dict, alpha: float, scale: float = 1.0, out_
 
     def merged(name, a, b, s):
         w = f.tensor_f32(name)
-        delta = lora_delta(a, b, s)
+        scale = expert_scale_name(name, layout.shapes)
+        delta = lora_delta(a, b, s, None if scale is None else f.tensor_f32(scale))
         pending[name] = (w, delta)
         return (w.astype(np.float64) + delta).astype(np.float32)
 
@@ -189,5 +212,6 @@ def merge_lora(weights: dict, path, scale: float = 1.0, arch: str = "llama") -> 
     adapters = lora_adapters(path, {n: w.shape for n, w in weights.items()}, scale, arch)
     out = dict(weights)
     for name, (a, b, s) in adapters.items():
-        out[name] = merged_weight(weights[name], a, b, s)
+        scale = expert_scale_name(name, weights)
+        out[name] = merged_weight(weights[name], a, b, s, None if scale is None else weights[scale])
     return out

@@ -114,11 +114,14 @@ def imatrix_with_llama_cpp(llama, model, text: str, ctx: int, chunks: int, kv_f3
     """llama-imatrix's sums computed by llama-cpp-python's own library (the build whose numbers
     --numerics llama follows): its collector as tools/imatrix/imatrix.cpp writes it, an eval
     callback (cb_eval) that takes the f32 input of every MUL_MAT of a blk.* weight with at least
-    16 rows and adds x[j] * x[j] row after row into f32 sums, counting the rows; the text
+    16 rows and adds x[j] * x[j] row after row into f32 sums, counting the rows, and of every
+    MUL_MAT_ID (the stacked experts) adds each routed row into its expert's sums (n_expert, n)
+    slot after slot, token after token within a slot, counting each expert's rows; the text
     tokenized by llama.cpp (BOS where the vocabulary asks, no special tokens), `chunks` chunks of
     ctx tokens each starting with BOS where it asks, each decoded from an empty memory with every
     position's logits asked for, without flash attention, the KV cache F32 (kv_f32) or F16.
-    Returns ({weight name: (n,) f32 sums}, {weight name: rows counted})."""
+    Returns ({weight name: (n,) or (n_expert, n) f32 sums}, {weight name: rows counted, or
+    (n_expert,) per expert})."""
     import ctypes
     import os
 
@@ -139,9 +142,31 @@ def imatrix_with_llama_cpp(llama, model, text: str, ctx: int, chunks: int, kv_f3
         name = t.name.decode()
         return name.split("#")[1] if "#" in name else name
 
+    def rows_of(x, i1, i2, i3=0):
+        at = x.data + i1 * x.nb[1] + i2 * x.nb[2] + i3 * x.nb[3]
+        return np.ctypeslib.as_array((ctypes.c_float * x.ne[0]).from_address(at))
+
+    def collect_experts(t, ask):
+        w, x, ids = t.src[0].contents, t.src[1].contents, t.src[2].contents
+        if ask:
+            return True
+        name, n_as = weight_name(w), w.ne[2]
+        assert x.type == 0 and ids.ne[1] == x.ne[2], name
+        acc = sums.setdefault(name, np.zeros((n_as, x.ne[0]), np.float32))
+        n = counts.setdefault(name, np.zeros(n_as, np.int64))
+        for slot in range(ids.ne[0]):
+            for token in range(ids.ne[1]):
+                ex = ctypes.c_int32.from_address(ids.data + token * ids.nb[1] + slot * ids.nb[0]).value
+                row = rows_of(x, slot % x.ne[1], token)
+                acc[ex] += row * row
+                n[ex] += 1
+        return True
+
     @llama.ggml_backend_sched_eval_callback
     def collect(ptr, ask, _):
         t = ctypes.cast(ptr, ctypes.POINTER(Tensor)).contents
+        if base.ggml_op_name(t.op) == b"MUL_MAT_ID":
+            return collect_experts(t, ask)
         if base.ggml_op_name(t.op) != b"MUL_MAT":
             return not ask
         w, x = t.src[0].contents, t.src[1].contents
@@ -152,8 +177,7 @@ def imatrix_with_llama_cpp(llama, model, text: str, ctx: int, chunks: int, kv_f3
         for i3 in range(x.ne[3]):
             for i2 in range(x.ne[2]):
                 for r in range(x.ne[1]):
-                    at = x.data + r * x.nb[1] + i2 * x.nb[2] + i3 * x.nb[3]
-                    row = np.ctypeslib.as_array((ctypes.c_float * x.ne[0]).from_address(at))
+                    row = rows_of(x, r, i2, i3)
                     acc += row * row
         counts[name] = counts.get(name, 0) + x.ne[1] * x.ne[2] * x.ne[3]
         return True

@@ -161,6 +161,26 @@ class _Tapped(np.ndarray):
         return np.asarray(x) @ np.asarray(self)
 
 
+class _TappedExperts(np.ndarray):
+    """Stacked expert matrices (E, n_out, n_in) whose expert e's products W[e] @ x append x to
+    the list inputs[e] (taps)."""
+
+    def __array_finalize__(self, obj):
+        self.inputs = getattr(obj, "inputs", None)
+
+    def __getitem__(self, e):
+        return _Expert(np.asarray(self)[e], self.inputs[int(e)])
+
+
+class _Expert:
+    def __init__(self, w, inputs):
+        self.w, self.inputs = w, inputs
+
+    def __matmul__(self, x):
+        self.inputs.append(np.asarray(x))
+        return self.w @ x
+
+
 def deltanet(a, p, q_, cfg):
     """Qwen3.5's gated DeltaNet of normed a (B, T, C) in float64: causal conv of q | k | v then
     silu, L2 norms (eps inside the root), the delta rule (tests/refs.py), the gated norm."""
@@ -187,13 +207,20 @@ def deltanet(a, p, q_, cfg):
 
 def forward(cfg, p, tokens, pos, gelu=gelu_tanh, n_ctx=None, taps=None):
     """Logits (B, T, V). taps: a dict that gets {weight name: [the input of each of its
-    products]} for the block matrices (blk.*, 2-D, not a convolution's kernel)."""
+    products]} for the block matrices (blk.*, 2-D, not a convolution's kernel), and for the
+    stacked experts (*_exps.weight) {weight name: [per expert, [the input of each of its
+    products (one token's row)]]}."""
     p = {k: np.asarray(v, np.float64) for k, v in p.items()}
     if taps is not None:
         for k, v in p.items():
-            if k.startswith("blk.") and v.ndim == 2 and not k.endswith(("conv.weight", "conv1d.weight")):
+            # (qwen35moe's shared-expert gate is a vector, which llama.cpp multiplies as a one-row matrix)
+            if k.startswith("blk.") and (v.ndim == 2 and not k.endswith(("conv.weight", "conv1d.weight"))
+                                         or k.endswith("ffn_gate_inp_shexp.weight")):
                 p[k] = v.view(_Tapped)
                 p[k].inputs = taps.setdefault(k, [])
+            elif k.startswith("blk.") and k.endswith("_exps.weight"):
+                p[k] = v.view(_TappedExperts)
+                p[k].inputs = taps.setdefault(k, [[] for _ in range(v.shape[0])])
     b, t = tokens.shape
     facts = ORACLE[getattr(cfg, "arch", "llama")]
     h = cfg.heads

@@ -460,3 +460,76 @@ def test_full_finetune_trains_qwen2_biases_and_llama_cpp_runs_the_model(llama, t
     _, converted, _ = load_model(again)
     for name in trained:
         np.testing.assert_array_equal(converted[name], trained[name])
+
+
+@pytest.mark.parametrize("case", ["qwen3moe", "gemma4-moe"])
+def test_expert_lora_and_merged_model_equal_llama_cpp(llama, case, tmp_path):
+    """finetune --lora-targets naming the routed experts (and the router, which picks them;
+    gemma4's attn_q, its router not being a target):
+    the adapter holds per-expert factors stacked (E, r, n_in) and (E, n_out, r) and moves them
+    (B no longer zero); llama.cpp applies it through build_lora_mm_id with `ggtrain eval
+    --lora`'s NLL, and the merged models (finetune --merged-out, convert-checkpoint --base
+    --adapter) give it too, in llama.cpp and here; in llama.cpp's numbers (--numerics llama) the
+    adapter gives its logits bit for bit. gemma4: the fused gate | up experts and the down
+    scale beside the adapter (a merge divides the update by it)."""
+    tok = ByteTokenizer()
+    cfg = ModelConfig(vocab=tok.n_vocab, **{**BASE, **CASES[case]})
+    weights = family_params(cfg, seed=3, std=0.3)
+    path = tmp_path / "m.gguf"
+    write_with_gguf_py(path, cfg, weights, tok)
+    data = tmp_path / "t.txt"
+    data.write_text(TEXT * 8)
+    adapter, merged, converted = tmp_path / "a.gguf", tmp_path / "merged.gguf", tmp_path / "converted.gguf"
+    targets = ("ffn_gate_inp" if "ffn_gate_inp" in cfg.family.lora_targets else "attn_q",) + cfg.family.expert_targets
+    res = run_cli("finetune", "--model", path, "--data", data, "--out", adapter, "--merged-out", merged,
+                  "--lora-targets", ",".join(targets), "--lora-rank", 4, "--steps", 4, "--ctx", 32, "--batch", 2,
+                  "--lr", 3e-2, "--warmup", 0, "--val-split", 0, "--threads", 2, "--quiet")
+    assert res.returncode == 0, res.stderr
+    f = read_gguf(adapter)
+    e, n_in = cfg.experts, cfg.dim
+    for t in cfg.family.expert_targets:
+        a, b = f.tensor_f32(f"blk.1.{t}.weight.lora_a"), f.tensor_f32(f"blk.1.{t}.weight.lora_b")
+        n_out = weights[f"blk.1.{t}.weight"].shape[1]
+        assert a.shape == (e, 4, weights[f"blk.1.{t}.weight"].shape[2]) and b.shape == (e, n_out, 4), t
+        assert np.abs(b).max() > 0, t
+    assert f.tensor_f32(f"blk.0.{targets[1]}.weight.lora_a").shape[-1] == n_in
+    res = run_cli("convert-checkpoint", "--base", path, "--adapter", adapter, converted)
+    assert res.returncode == 0, res.stderr
+    ids = tok.encode(TEXT, add_bos=tok.add_bos)
+    nll_atol, _ = _atol(cfg)
+    base_nll = _their_nll(open_llm(llama, path), ids)[1]
+    lora_logits, lora_nll = _their_nll(open_llm(llama, path, lora=adapter), ids)
+    assert abs(lora_nll - base_nll) > 0.01                  # the adapter changes the model
+    probe = tmp_path / "probe.txt"
+    probe.write_text(TEXT)
+    assert _eval_cli(path, probe, "--lora", adapter)["nll"] == pytest.approx(lora_nll, abs=nll_atol)
+    # in llama.cpp's numbers: its logits with the adapter bit for bit (mul_mat_id of A, then of B)
+    adapters = lora_adapters(adapter, {n: w.shape for n, w in weights.items()}, 1.0, cfg.arch)
+    runner = Runner(cfg, weights, CpuBackend(2), length=len(ids) - 1, adapters=adapters, numerics=LLAMA, n_ctx=256)
+    np.testing.assert_array_equal(runner.logits(np.asarray(ids[:-1], np.int32)[None])[0],
+                                  lora_logits.astype(np.float32))
+    for m in (merged, converted):
+        assert _their_nll(open_llm(llama, m), ids)[1] == pytest.approx(lora_nll, abs=nll_atol)
+        mcfg, mweights, _ = load_model(m)
+        ours = Runner(ModelConfig(**mcfg), mweights, CpuBackend(2), length=len(ids) - 1)
+        assert _nll(ours.logits(np.asarray(ids[:-1], np.int32)[None])[0].astype(np.float64), ids) == \
+            pytest.approx(lora_nll, abs=nll_atol)
+
+
+def test_expert_adapter_of_another_shape_is_refused(tmp_path):
+    """An expert adapter whose stacked factors do not fit: another expert count than the
+    model's, or A and B of other experts or ranks, is a FormatError naming the tensor."""
+    from ggtrain.errors import FormatError
+    from ggtrain.formats.lora import write_lora
+    name, shape = "blk.0.ffn_up_exps.weight", (8, 32, 64)
+    z = np.zeros
+    cases = [((z((7, 2, 64)), z((7, 32, 2))), f"{name}: adapter gives (7, 32, 64), the weight is (8, 32, 64)"),
+             ((z((8, 2, 64)), z((7, 32, 2))), f"{name}: lora_a (8, 2, 64) and lora_b (7, 32, 2) do not share a rank "
+                                              f"and experts"),
+             ((z((8, 2, 64)), z((8, 32, 3))), "do not share a rank"),
+             ((z((2, 64)), z((32, 2))), f"{name}: adapter gives (32, 64), the weight is (8, 32, 64)")]
+    for i, (pair, message) in enumerate(cases):
+        path = tmp_path / f"a{i}.gguf"
+        write_lora(path, "qwen3moe", 8.0, {name: pair})
+        with pytest.raises(FormatError, match=message.replace("(", r"\(").replace(")", r"\)")):
+            lora_adapters(path, {name: shape}, 1.0, "qwen3moe")

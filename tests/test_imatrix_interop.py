@@ -254,3 +254,77 @@ def test_convert_with_our_imatrix_is_llama_quantizes(llama_tools, imatrix_files,
         differ += int(np.count_nonzero(x != y))
         total += y.size
     assert 0 <= differ < 0.005 * total, (differ, total)
+
+
+# ---- routed experts (MUL_MAT_ID): per expert sums and counts ------------------------------------
+
+# a tiny qwen3moe whose matrices are K-quant wide (256 columns): 8 experts, 2 a token
+MOE = dict(arch="qwen3moe", dim=256, layers=2, heads=4, kv_heads=2, head_dim=64, ff=256, ctx=64, experts=8,
+           experts_used=2, expert_ff=256)
+EXPERT_TENSORS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+
+
+@pytest.fixture(scope="module")
+def moe_model(tmp_path_factory):
+    from ggtrain.core.models.config import ModelConfig, init_params
+    from ggtrain.formats.model_file import save_model
+    from ggtrain.formats.tokenizer import load_tokenizer
+    tok = load_tokenizer("byte", "First Citizen: Before we proceed any further, hear me speak.")
+    config = dict(vocab=tok.n_vocab, **MOE)
+    path = tmp_path_factory.mktemp("moe") / "qwen3moe.gguf"
+    save_model(path, config, init_params(ModelConfig(**config), seed=1, std=0.05), tok, out_type="f32")
+    return path
+
+
+@pytest.fixture(scope="module")
+def moe_imatrix(moe_model, imatrix_files):
+    """`ggtrain imatrix --numerics llama --cache-type f32` of the qwen3moe model, 4 chunks of 64 tokens."""
+    _, text, _ = imatrix_files
+    return _ours(moe_model, text, moe_model.with_name("im-ours.gguf"), 64, "--numerics", "llama", "--cache-type", "f32")
+
+
+def test_expert_imatrix_in_llama_numbers_is_llama_cpps_bit_for_bit(llama, moe_model, moe_imatrix, imatrix_files):
+    """qwen3moe's stacked experts: llama-imatrix's collector of MUL_MAT_ID on llama-cpp-python's
+    library (each routed row into its expert's sums, per expert counts) gives our --numerics
+    llama sums and counts bit for bit, in_sum2 (n_expert, n_cols) and counts (n_expert, 1) per
+    expert tensor, every expert reached; the dense matrices (the router among them) as before."""
+    _, text, _ = imatrix_files
+    theirs, counts = imatrix_with_llama_cpp(llama, moe_model, text.read_text(), 64, 4, kv_f32=True)
+    sums, _, layout = _entries(moe_imatrix)
+    shapes = {name: shape for name, _, shape in layout}
+    experts = [f"blk.{i}.{t}.weight" for i in range(MOE["layers"]) for t in EXPERT_TENSORS]
+    assert set(experts) <= set(theirs) and sorted(theirs) == sorted(n[:-len(".counts")] for n in shapes
+                                                                        if n.endswith(".counts"))
+    for name, s in theirs.items():
+        np.testing.assert_array_equal(sums[name + ".in_sum2"].astype(np.float32), s.reshape(-1), err_msg=name)
+        np.testing.assert_array_equal(sums[name + ".counts"], np.reshape(counts[name], -1), err_msg=name)
+    for name in experts:
+        assert shapes[name + ".in_sum2"] == [256, 8] and shapes[name + ".counts"] == [1, 8], name
+        n = counts[name]
+        assert n.sum() == 4 * 64 * 2 and (n > 0).all(), (name, n)
+    assert counts["blk.0.ffn_gate_inp.weight"] == 4 * 64
+
+
+def test_expert_imatrix_is_llama_imatrixs(llama_tools, imatrix_files, moe_model, moe_imatrix, tmp_path):
+    """ggtrain imatrix of the qwen3moe model: llama-imatrix's own file (without flash attention,
+    F32 KV cache): the same tensors, types and shapes ((n_expert, n_cols) sums and (n_expert, 1)
+    counts of the experts), the same keys, every count (per expert) equal, every sum within
+    IMATRIX_RTOL of the largest of its tensor (its AVX2 build's activations are f32 roundings
+    apart, and an expert reached by a few rows has columns near zero: 1.4% apart there, 7e-7
+    of the largest at most, measured); and convert-checkpoint --out-type q4_k_m --imatrix OURS writes llama-quantize
+    --imatrix OURS's file, every byte (each expert's slice weighted by its own entry)."""
+    _, text, _ = imatrix_files
+    theirs = _their_imatrix(llama_tools, moe_model, text, tmp_path / "theirs.gguf", 64, "-fa", "off", "-ctk", "f32",
+                            "-ctv", "f32")
+    ours = moe_imatrix
+    (a, a_keys, a_layout), (b, b_keys, b_layout) = _entries(ours), _entries(theirs)
+    assert a_layout == b_layout and a_keys == b_keys
+    assert ("blk.1.ffn_down_exps.weight.in_sum2", "F32", [256, 8]) in b_layout
+    for name in b:
+        if name.endswith(".counts"):
+            np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+        else:
+            np.testing.assert_allclose(a[name], b[name], rtol=0, atol=IMATRIX_RTOL * b[name].max(), err_msg=name)
+    im = read_imatrix(ours)
+    assert im.values["blk.0.ffn_up_exps.weight"].shape == (8 * 256,)
+    _same_as_llama_quantize(llama_tools, moe_model, ours, "q4_k_m", tmp_path)

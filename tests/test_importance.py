@@ -26,21 +26,29 @@ FAMILIES = [pytest.param(kw, id=name) for name, kw in TINY_CASES.items()]
 def test_importance_sums_are_the_numpy_twins(kw):
     """Per block matrix, the sums of its input's squared columns over 3 windows (each from an
     empty context) are the float64 twin's, to f32 rounding; the q, k and v of one input alike;
-    the count is the tokens; no entry for the embedding or the output matrix."""
+    the count is the tokens; no entry for the embedding or the output matrix. Stacked experts:
+    per expert the sums over the rows routed to it and their count (some experts none)."""
     cfg = ModelConfig(**{**TINY, **kw})
     t = cfg.ctx
     assert t >= MIN_ROWS
     init = family_params(cfg, seed=3, std=0.1)
     rng = np.random.default_rng(4)
     windows = [rng.integers(0, cfg.vocab, t).astype(np.int32) for _ in range(3)]
-    sums, count = importance_sums(cfg, init, CpuBackend(2), windows)
+    sums, counts = importance_sums(cfg, init, CpuBackend(2), windows)
     taps = {}
     for w in windows:
         np_decoder.forward(cfg, init, w[None], np.arange(t), taps=taps)
-    assert count == 3 * t
     assert sorted(sums) == sorted(taps)
     assert not any(n.startswith(("token_embd", "output")) for n in sums)
     for name, inputs in taps.items():
+        if name.endswith("_exps.weight"):       # [per expert, [one token's row]]
+            assert sums[name].shape == (cfg.experts, init[name].shape[-1]) and sums[name].dtype == np.float32
+            np.testing.assert_array_equal(counts[name], [len(rows) for rows in inputs], err_msg=name)
+            assert counts[name].sum() == 3 * t * cfg.experts_used
+            want = np.array([sum(r ** 2 for r in rows) if rows else np.zeros(sums[name].shape[1]) for rows in inputs])
+            np.testing.assert_allclose(sums[name], want, rtol=2e-5, atol=1e-7, err_msg=name)
+            continue
+        np.testing.assert_array_equal(counts[name], [3 * t], err_msg=name)
         assert len(inputs) == 3, name
         want = sum((x.reshape(-1, x.shape[-1]) ** 2).sum(0) for x in inputs)
         assert sums[name].dtype == np.float32
@@ -97,7 +105,9 @@ def test_imatrix_file_reads_back(tmp_path, model):
     ids = tok.encode(text.read_text(), add_bos=True)
     windows = [np.concatenate([[tok.bos_id], ids[i * 32 + 1:(i + 1) * 32]]).astype(np.int32) for i in range(2)]
     assert ids[0] == tok.bos_id and ids[32] != tok.bos_id
-    sums, count = importance_sums(ModelConfig(**config), weights, be, windows)
+    sums, counts = importance_sums(ModelConfig(**config), weights, be, windows)
+    count = 64
+    assert all(list(c) == [count] for c in counts.values())
     im = read_imatrix(out)
     assert sorted(im.values) == sorted(sums) == weights_in(model)
     for t in reader.tensors:

@@ -25,46 +25,59 @@ CFG = ModelConfig(vocab=11, dim=16, layers=2, heads=4, kv_heads=2, ff=24, ctx=8)
 LORA = LoraConfig(rank=2, alpha=3.0)
 
 
-def _factors(weights, seed, cfg=CFG):
-    """Random non-zero factors (so that both A's and B's gradients are non-zero)."""
+def _factors(weights, seed, cfg=CFG, lora=LORA):
+    """Random non-zero factors (so that both A's and B's gradients are non-zero); stacked
+    experts' (E, r, n_in) and (E, n_out, r)."""
     rng = np.random.default_rng(seed)
     out = {}
-    for w in LORA.weights(cfg):
-        n_out, n_in = weights[w].shape
+    for w in lora.weights(cfg):
+        *lead, n_out, n_in = weights[w].shape
         a, b = factor_names(w)
-        out[a] = rng.normal(0, 0.5, (LORA.rank, n_in)).astype(np.float32)
-        out[b] = rng.normal(0, 0.5, (n_out, LORA.rank)).astype(np.float32)
+        out[a] = rng.normal(0, 0.5, (*lead, lora.rank, n_in)).astype(np.float32)
+        out[b] = rng.normal(0, 0.5, (*lead, n_out, lora.rank)).astype(np.float32)
     return out
 
 
-def _merged(weights, factors, cfg=CFG):
-    """float64 weights with W + (alpha / r) B A: what the adapters compute, independently."""
+def _merged(weights, factors, cfg=CFG, lora=LORA):
+    """float64 weights with W + (alpha / r) B A (per expert for stacked experts): what the
+    adapters compute, independently."""
     out = {k: v.astype(np.float64) for k, v in weights.items()}
-    for w in LORA.weights(cfg):
+    for w in lora.weights(cfg):
         a, b = factor_names(w)
-        out[w] = out[w] + LORA.scale * factors[b].astype(np.float64) @ factors[a].astype(np.float64)
+        out[w] = out[w] + lora.scale * factors[b].astype(np.float64) @ factors[a].astype(np.float64)
     return out
 
 
-@pytest.mark.parametrize("arch", ["llama", "phi3"])    # phi3: the fused qkv and gate|up weights
+def _expert_case(name):
+    from tests.family_cases import TINY, TINY_CASES
+    cfg = ModelConfig(**{**TINY, **TINY_CASES[name]})
+    return cfg, LoraConfig(rank=2, alpha=3.0, targets=("attn_q",) + cfg.family.expert_targets)
+
+
+@pytest.mark.parametrize("arch", ["llama", "phi3", "qwen3moe", "gemma4-moe", "qwen35moe", "lfm2moe"])
 def test_every_target_gets_the_finite_difference_gradient(arch):
-    cfg = dataclasses.replace(CFG, arch=arch)
+    """Every target's A and B gradients against float64 finite differences of the numpy twin
+    with the merged weights; phi3: the fused qkv and gate|up weights; qwen3moe, gemma4's MoE,
+    qwen35moe and lfm2moe: the stacked experts' per-expert factors (--lora-targets naming
+    them), gemma4's ffn_gate_up_exps and its down scale, lfm2moe's sigmoid routing included."""
+    cfg, lora = _expert_case(arch) if arch not in ("llama", "phi3") else (dataclasses.replace(CFG, arch=arch),
+                                                                               LORA)
     weights = init_params(cfg, seed=1, std=0.3)
-    factors = _factors(weights, 2, cfg)
+    factors = _factors(weights, 2, cfg, lora)
     rng = np.random.default_rng(3)
     tokens = rng.integers(0, cfg.vocab, (1, 6))
     upstream = rng.normal(size=(1, 6, cfg.vocab))
 
     def loss64(fac):
-        return float((np_llama.forward(cfg, _merged(weights, fac, cfg), tokens, np.arange(6)) * upstream).sum())
+        return float((np_llama.forward(cfg, _merged(weights, fac, cfg, lora), tokens, np.arange(6)) * upstream).sum())
 
     g = Graph()
     base = {k: g.param(v.shape, v, name=k, trainable=False) for k, v in weights.items()}
     fac = {k: g.param(v.shape, v, name=k) for k, v in factors.items()}
-    lora = {w: Adapter(fac[factor_names(w)[0]], fac[factor_names(w)[1]], LORA.scale) for w in LORA.weights(cfg)}
+    adapters = {w: Adapter(fac[factor_names(w)[0]], fac[factor_names(w)[1]], lora.scale) for w in lora.weights(cfg)}
     tok = g.const(tokens.astype(np.int32), dtype="i32")
     pos = g.const(np.arange(6, dtype=np.int32), dtype="i32")
-    logits = forward(Net(cfg, base, lora), Inputs(tok, pos))
+    logits = forward(Net(cfg, base, adapters), Inputs(tok, pos))
     loss = ops.sum(ops.mul(logits, g.const(upstream)))
     grads = backward(loss, list(fac.values()), checkpointing=False)
     rt = Runtime(g, CpuBackend(2))
@@ -86,7 +99,7 @@ def test_every_target_gets_the_finite_difference_gradient(arch):
             got = analytic[k].reshape(-1)[i]
             assert got == pytest.approx(numeric, rel=2e-3, abs=2e-3), (k, i)
             seen.add(k.split(".")[2])
-    assert seen == set(cfg.family.lora_targets)          # attn_k and attn_v included
+    assert seen == set(lora.targets or cfg.family.lora_targets)          # attn_k and attn_v included
 
 
 def _run(weights_frozen, steps=30, lora=LORA, cfg=CFG):

@@ -326,3 +326,105 @@ def test_eight_expert_mixtures_are_llama_cpps_quantizer(llama, tmp_path, out_typ
     quantize_with_llama_cpp(llama, src, ref, MIXTURES[out_type].file_type)
     rewrite_model(ours, src, out_type=out_type)
     same_model_files(ours, ref)
+
+
+def _balance64(z, ids, k):
+    """The load-balancing loss in float64: E * sum_e f_e P_e, f_e the share of the routed
+    slots ids (N, k) that go to e, P_e the mean of softmax(z (N, E))[:, e]."""
+    n, e = z.shape
+    p = np.exp(z - z.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    f = np.bincount(ids.reshape(-1), minlength=e) / (n * k)
+    return e * float((f * p.mean(0)).sum())
+
+
+def test_load_balance_loss_and_its_gradient_are_the_float64_ones():
+    """ffns.load_balance_loss of router logits (12 tokens, 8 experts, 2 a token): the float64
+    loss, its gradient to the logits the float64 finite differences (the routing held, as it
+    is piecewise constant); the routing is moe_topk's."""
+    from ggtrain.core.models.ffns import load_balance_loss
+    rng = np.random.default_rng(5)
+    z = rng.normal(0, 1.5, (12, 8)).astype(np.float32)
+    g = Graph()
+    logits = g.param(z.shape, z, name="logits")
+    ids = ops.moe_topk(logits, 2)
+    loss = load_balance_loss(logits, ids)
+    grad = backward(loss, [logits], checkpointing=False)[logits]
+    got, got_ids, got_grad = _run(g, [loss, ids, grad])
+    want_ids = np.argsort(-z, axis=-1, kind="stable")[:, :2]
+    np.testing.assert_array_equal(got_ids, want_ids)
+    assert float(got) == pytest.approx(_balance64(z.astype(np.float64), want_ids, 2), rel=1e-6)
+    assert float(got) > 1.0                 # this routing is not balanced
+    h, fd = 1e-6, np.zeros_like(z, np.float64)
+    for i in np.ndindex(z.shape):
+        plus, minus = z.astype(np.float64), z.astype(np.float64)
+        plus[i] += h
+        minus[i] -= h
+        fd[i] = (_balance64(plus, want_ids, 2) - _balance64(minus, want_ids, 2)) / (2 * h)
+    np.testing.assert_allclose(got_grad, fd, rtol=1e-4, atol=1e-6)
+
+
+def _router_balance64(cfg, weights, window):
+    """(NLL, mean over the routed layers of their balance loss) of one window batch (B, T+1)
+    in float64: the numpy twin's router inputs (taps) times ffn_gate_inp, top-k as moe_topk."""
+    from tests import np_decoder
+    taps = {}
+    x, y = window[:, :-1], window[:, 1:]
+    logits = np_decoder.forward(cfg, weights, x, np.arange(x.shape[1]), taps=taps)
+    nll = float(np_decoder.loss(logits, y))
+    terms = []
+    for i in range(cfg.layers):
+        name = f"blk.{i}.ffn_gate_inp.weight"
+        z = taps[name][0].reshape(-1, cfg.dim) @ np.asarray(weights[name], np.float64).T
+        terms.append(_balance64(z, np.argsort(-z, axis=-1, kind="stable")[:, :cfg.experts_used], cfg.experts_used))
+    return nll, float(np.mean(terms))
+
+
+def test_moe_aux_loss_trains_the_routers_on_the_float64_balance_loss():
+    """TextRun with moe_aux_loss c on a tiny qwen3moe (gradient checkpointing on): the training
+    loss is the float64 NLL plus c times the mean of the layers' balance losses, the validation
+    loss the NLL alone; one SGD update moves the routers by c times the balance loss's float64
+    finite-difference gradient more than the run without it (the first layer's router feeding
+    the second layer's balance too)."""
+    from ggtrain.core.train import TextConfig, TextRun
+    from tests.family_cases import TINY, TINY_CASES
+    cfg = ModelConfig(**{**TINY, **TINY_CASES["qwen3moe"]})
+    weights = family_params(cfg, seed=2, std=0.3)
+    window = np.random.default_rng(6).integers(0, cfg.vocab, (2, cfg.ctx + 1)).astype(np.int32)
+    c = 0.5
+
+    def step(aux):
+        tc = TextConfig(steps=1, batch=2, lr=1.0, lr_min=1.0, warmup=0, weight_decay=0.0, grad_clip=0.0,
+                        optimizer="sgd", moe_aux_loss=aux)
+        run = TextRun(cfg, weights, tc, CpuBackend(2))
+        val = run.evaluate([window])
+
+        class Source:
+            epoch = 0.0
+
+            def next(self):
+                return window
+
+        seen = []
+        run.fit(Source(), [], on_step=lambda info: seen.append(info["loss"]))
+        return run, val, seen[0]
+
+    nll, balance = _router_balance64(cfg, weights, window)
+    run, val, loss = step(c)
+    plain, plain_val, plain_loss = step(0.0)
+    assert val == pytest.approx(nll, abs=1e-5) and plain_val == pytest.approx(nll, abs=1e-5)
+    assert plain_loss == pytest.approx(nll, abs=1e-5)
+    assert loss == pytest.approx(nll + c * balance, abs=1e-5) and balance > 1.0
+    trained, untrained = run.param_values(), plain.param_values()
+    pick = [(0, 1, 3), (0, 6, 17), (1, 2, 5), (1, 7, 30)]
+    h = 1e-6
+    for layer, e, j in pick:
+        name = f"blk.{layer}.ffn_gate_inp.weight"
+        plus, minus = dict(weights), dict(weights)
+        for d, sign in ((plus, 1), (minus, -1)):
+            w = np.asarray(weights[name], np.float64).copy()
+            w[e, j] += sign * h
+            d[name] = w
+        fd = (_router_balance64(cfg, plus, window)[1] - _router_balance64(cfg, minus, window)[1]) / (2 * h)
+        moved = (untrained[name][e, j] - trained[name][e, j]) / c          # lr 1: the extra step is c * gradient
+        assert moved == pytest.approx(fd, rel=2e-3, abs=2e-5), (name, e, j)

@@ -146,3 +146,25 @@ def test_data_that_is_not_utf8_plain_text_is_one_line_and_trains_nothing(tmp_pat
         r = _cli("train", "--data", data, "--out", out, "--steps", 3, "--tokenizer", tokenizer, *TINY)
         assert r.returncode == 1 and r.stderr == f"error: {message}\n", r.stderr
         assert not out.exists()
+
+
+def test_moe_aux_loss_trains_qwen3moe_and_is_refused_without_experts(tmp_path, text):
+    """train --arch qwen3moe --moe-aux-loss 0.01 writes a model whose configuration says nothing
+    of it (a training objective), resuming keeps it; on a model without experts, or negative,
+    it is refused in one line and nothing is written."""
+    out, ck, log = tmp_path / "m.gguf", tmp_path / "ck", tmp_path / "log.jsonl"
+    r = _cli("train", "--arch", "qwen3moe", "--data", text, "--out", out, "--steps", 2, "--moe-aux-loss", 0.01,
+             "--checkpoint-dir", ck, "--log", log, *TINY)
+    assert r.returncode == 0, r.stderr
+    config, _, _ = load_model(out)
+    assert config["arch"] == "qwen3moe" and config["experts"] == 8
+    from ggtrain.formats.checkpoint import load_checkpoint
+    saved = sorted(ck.glob("*.gguf"))
+    assert saved and load_checkpoint(saved[-1]).train_config["moe_aux_loss"] == 0.01
+    for args, message in ((("--arch", "llama", "--moe-aux-loss", 0.01), "--moe-aux-loss: a llama model has no routed "
+                                                                       "experts to balance"),
+                          (("--arch", "qwen3moe", "--moe-aux-loss", -1), "--moe-aux-loss must be >= 0, got -1.0")):
+        bad = tmp_path / "bad.gguf"
+        r = _cli("train", "--data", text, "--out", bad, "--steps", 2, *args, *TINY)
+        assert r.returncode == 1 and r.stderr == f"error: {message}\n", r.stderr
+        assert not bad.exists()

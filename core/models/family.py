@@ -284,6 +284,14 @@ class Family:
         """(mixer, ffn) of block `layer` of a model of this family (config cfg)."""
         return self.layers(cfg, layer) if self.layers is not None else (self.mixer, self.ffn)
 
+    @property
+    def expert_targets(self) -> tuple:
+        """The routed experts' stacked weights (*_exps) an adapter may target besides
+        lora_targets, only where named (--lora-targets): per expert A and B stacked (E, r,
+        n_in), (E, n_out, r), applied over each expert's routed tokens (llama.cpp's
+        build_lora_mm_id)."""
+        return tuple(n[:-len(".weight")] for n in self.block if n.endswith("_exps.weight"))
+
     def block_of(self, cfg, layer: int) -> tuple:
         """The tensor names (BLOCK_SHAPES keys) of block `layer`, in the block's order: all but
         those of the kinds (mixers, FFNs) the layer does not build."""

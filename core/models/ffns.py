@@ -10,7 +10,7 @@ import math
 
 from ggtrain.core import ops
 from ggtrain.core.models.family import SELECTION_BIAS
-from ggtrain.core.models.net import Net, linear, norm
+from ggtrain.core.models.net import Net, linear, norm, tap
 
 
 def glu(net: Net, x, layer: int, resid=None):
@@ -55,37 +55,75 @@ def experts(net: Net, x, layer: int, logits):
     expert's bias where the block has them (gpt-oss) (ops.moe_matmul on the stacked ffn_gate/up/down_exps,
     or gate | up rows of one ffn_gate_up_exps),
     times its ffn_down_exps.scale where the block has one (Gemma 4), times its weight, the k
-    summed in slot order (as llama.cpp adds its views)."""
+    summed in slot order (as llama.cpp adds its views). Each product with its LoRA update where
+    net.lora has one (expert_product)."""
     cfg = net.cfg
     p = f"blk.{layer}."
     b, t, c = x.shape
     k = cfg.experts_used
     numerics = net.numerics
     ids = ops.reshape(ops.moe_topk(logits, k, cfg.gating, net.params.get(p + SELECTION_BIAS)), (b * t, k))
+    if net.aux is not None:
+        net.aux.append(load_balance_loss(ops.reshape(logits, (b * t, logits.shape[-1])), ids))
     weights = ops.moe_weights(logits, ops.reshape(ids, (b, t, k)), cfg.family.moe_norm, numerics, cfg.gating)
     weights = ops.reshape(weights, (b * t, k, 1))
     xs = ops.reshape(x, (b * t, 1, c))
-    fused = net.params.get(p + "ffn_gate_up_exps.weight")
-    if fused is not None:     # gate | up rows of each expert (gemma4), one product, read as views
-        gu = ops.moe_matmul(xs, fused, ids, numerics)                                        # (N, k, 2F)
+    if p + "ffn_gate_up_exps.weight" in net.params:     # gate | up rows of each expert (gemma4), one product
+        gu = expert_product(net, xs, p + "ffn_gate_up_exps.weight", ids)                  # (N, k, 2F)
         f = gu.shape[-1] // 2
         gate, up = (ops.view(gu, (b * t, k, f), (k * 2 * f, 2 * f, 1), j * f) for j in (0, 1))
     else:
-        gate = _bias(net, ops.moe_matmul(xs, net.params[p + "ffn_gate_exps.weight"], ids, numerics),  # (N, k, F)
+        gate = _bias(net, expert_product(net, xs, p + "ffn_gate_exps.weight", ids),           # (N, k, F)
                      p + "ffn_gate_exps.bias", ids)
-        up = _bias(net, ops.moe_matmul(xs, net.params[p + "ffn_up_exps.weight"], ids, numerics),
-                   p + "ffn_up_exps.bias", ids)
-    down = _bias(net, ops.moe_matmul(_act(net, gate, up), net.params[p + "ffn_down_exps.weight"], ids, numerics),
-                 p + "ffn_down_exps.bias", ids)                                                # (N, k, C)
-    scale = net.params.get(p + "ffn_down_exps.scale")
-    if scale is not None:       # each expert's output times its scalar
-        down = ops.mul(down, ops.reshape(ops.get_rows(ops.reshape(scale, (cfg.experts, 1)), ids), (b * t, k, 1)))
+        up = _bias(net, expert_product(net, xs, p + "ffn_up_exps.weight", ids), p + "ffn_up_exps.bias", ids)
+    down = _bias(net, expert_product(net, _act(net, gate, up), p + "ffn_down_exps.weight", ids,
+                                     p + "ffn_down_exps.scale"), p + "ffn_down_exps.bias", ids)   # (N, k, C)
     down = ops.mul(down, weights)
     out = None
     for s in range(k):
         part = ops.view(down, (b * t, c), (k * c, 1), s * c)
         out = part if out is None else ops.add(out, part)
     return ops.reshape(out if k > 1 else ops.cont(out), (b, t, c))
+
+
+def load_balance_loss(logits, ids):
+    """The Switch Transformer's load-balancing loss of one routed layer: E * sum_e f_e P_e,
+    f_e the share of the N * k routed slots that go to expert e (ids (N, k), no gradient),
+    P_e the mean over the N tokens of softmax(logits (N, E))[e] (every expert's probability,
+    before the top-k). 1 when the routing is uniform, E / k at worst (every token's k
+    experts the same k, with all their probability); its gradient pushes the router's
+    probability away from the experts that take more than their share. Computed as
+    E / (N^2 k) * sum over the slots of S[ids] with S_e = sum_n softmax(logits)[n, e]."""
+    n, e = logits.shape
+    k = ids.shape[1]
+    p = ops.softmax(logits)                                                          # (N, E)
+    s = ops.sum_rows(ops.cont(ops.transpose(p, 0, 1)))                               # (E, 1)
+    return ops.scale(ops.sum(ops.get_rows(s, ids)), e / (n * n * k))
+
+
+def expert_product(net: Net, x, name: str, ids, scale: str | None = None):
+    """The stacked experts `name`'s product with x (N, 1 or k, n_in) routed by ids (N, k):
+    ops.moe_matmul (N, k, n_out), times each expert's scalar where the block has the tensor
+    `scale` (Gemma 4's ffn_down_exps.scale), plus its LoRA update where net.lora has one:
+    lora.Adapter a (E, r, n_in), b (E, n_out, r), expert e's s * B[e] (A[e] x) over its routed
+    rows (two moe_matmul products), added after the scalar, as llama.cpp's build_lora_mm_id
+    does; its dropout drops the adapter's input out in training. In llama numbers the scale
+    goes on B (A x), as llama.cpp's graph applies it; else on A x (r columns)."""
+    tap(net, name, x, ids)
+    y = ops.moe_matmul(x, net.params[name], ids, net.numerics)
+    s = net.params.get(scale) if scale is not None else None
+    if s is not None:
+        e = s.shape[0]
+        y = ops.mul(y, ops.reshape(ops.get_rows(ops.reshape(s, (e, 1)), ids), (ids.shape[0], ids.shape[1], 1)))
+    ad = net.lora.get(name)
+    if ad is None:
+        return y
+    if net.llama:
+        d = ops.scale(ops.moe_matmul(ops.moe_matmul(x, ad.a, ids, net.numerics), ad.b, ids, net.numerics), ad.scale)
+    else:
+        xa = ops.dropout(x, *ad.dropout) if ad.dropout is not None else x
+        d = ops.moe_matmul(ops.scale(ops.moe_matmul(xa, ad.a, ids), ad.scale), ad.b, ids)
+    return ops.add(y, d)
 
 
 def moe_shared(net: Net, x, layer: int, resid=None):

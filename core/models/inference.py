@@ -24,8 +24,8 @@ from ggtrain.errors import ConfigError
 
 def lora_fused(backend, w) -> bool:
     """Whether `backend` sums an adapter's product onto the frozen weight w's in one op
-    (ops.matmul_lora's kernel for w's type)."""
-    return backend.supports(ops.OPS["matmul_lora"].kernel_name_for(w))
+    (ops.matmul_lora's kernel for w's type; never for stacked experts)."""
+    return w.ndim == 2 and backend.supports(ops.OPS["matmul_lora"].kernel_name_for(w))
 
 
 def llama_numerics_available(backend) -> bool:

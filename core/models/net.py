@@ -18,9 +18,12 @@ class Net:
     (weights f32, or frozen in their stored types); lora: {weight name: lora.Adapter} added to
     those weights (see `linear`); numerics: core/numerics.py (EXACT, or LLAMA: llama.cpp's CPU
     numbers, inference only); kv_f16 (LLAMA only): attention rounds as llama.cpp's F16 KV cache
-    (its default) does. taps: where given, `linear` records there {weight name: the tensor it
-    multiplies} for every weight of the blocks ("blk.*"), the activations whose squares
-    llama-imatrix sums (core/models/importance.py)."""
+    (its default) does. taps: where given, the products record there {weight name: (the
+    tensor it multiplies, None or the expert ids that route its rows)} for every weight of the
+    blocks ("blk.*"; `tap`), the activations whose squares llama-imatrix sums
+    (core/models/importance.py). aux: where given, the routed-expert layers append there
+    their load-balancing loss (ffns.load_balance_loss), a scalar each, for training.
+    """
 
     cfg: ModelConfig
     params: dict
@@ -28,6 +31,7 @@ class Net:
     numerics: str = EXACT
     kv_f16: bool = False
     taps: dict | None = None
+    aux: list | None = None
 
     def __post_init__(self):
         check_numerics(self.numerics)
@@ -95,8 +99,7 @@ def linear(net: Net, x, name: str):
     or f16 one (and the adapter's factors) takes its float order (ops.matmul_ggml), and the
     adapter's scale goes on B (A x), as llama.cpp's graph applies it. (bf16 weights multiply
     exactly: llama.cpp's bf16 products are not emulated.)"""
-    if net.taps is not None and name.startswith("blk."):
-        net.taps[name] = x
+    tap(net, name, x)
     w = net.params[name]
     if w.ndim == 1:     # one output (ggml's mul_mat of an {n_embd} weight: qwen35moe's shared-expert gate)
         w = ops.reshape(w, (1, w.shape[0]))
@@ -120,6 +123,14 @@ def linear(net: Net, x, name: str):
     if ad.fused:      # the adapter's product summed onto the frozen one's
         return _bias(net, ops.matmul_lora(x, w, h, ad.b), name)
     return _bias(net, ops.add(y, ops.linear(h, ad.b)), name)
+
+
+def tap(net: Net, name: str, x, ids=None) -> None:
+    """Record in net.taps (where it has them) the input x of block weight `name`'s product: a
+    matrix's (..., n_in) with ids None, or the experts' (N, 1 or k, n_in) of ops.moe_matmul
+    with its ids (N, k)."""
+    if net.taps is not None and name.startswith("blk."):
+        net.taps[name] = (x, ids)
 
 
 def _bias(net: Net, y, name: str):

@@ -22,7 +22,9 @@ expert_used_count of expert_count GeGLU experts of pre_ffw_norm_2(x), routed by 
 k weights renormalised) over ffn_gate_inp's logits of x RMS-normed, times 1/sqrt(n_embd) and
 ffn_gate_inp.scale (the experts' gate and up one stacked matrix, ffn_gate_up_exps, as the
 converter writes them), each expert's output times its ffn_down_exps.scale, normed by
-post_ffw_norm_2. LoRA targets the attention and the dense FFN; the experts stay frozen.
+post_ffw_norm_2. LoRA targets the attention and the dense FFN; the experts (ffn_gate_up_exps,
+ffn_down_exps) only where --lora-targets names them (the update added after the down scale,
+as llama.cpp's build_lora_mm_id adds it; a merge divides it by the scale).
 """
 from ggtrain.core.models.family import LLAMA_TARGETS, Family, Key
 

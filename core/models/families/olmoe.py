@@ -8,8 +8,8 @@ fixes norm_w = false for the family: not renormalised), each expert's SwiGLU FFN
 feed_forward_length wide (ffn_gate_exps, ffn_up_exps, ffn_down_exps). llama.cpp makes both
 norms n_embd wide, so it runs OLMoE only with as many KV heads as heads (OLMoE's 16 and 16),
 and it needs output.weight (never tied to the embedding): ggtrain requires both. LoRA targets
-the attention's projections and the router; the experts' stacked 3-D matrices are not targets
-(see qwen3moe). A model built from scratch has 8 experts, 2 a token.
+the attention's projections and the router; the experts' stacked 3-D matrices only where
+named (see qwen3moe). A model built from scratch has 8 experts, 2 a token.
 """
 from ggtrain.core.models.families.qwen3moe import EXPERT_KEYS
 from ggtrain.core.models.family import Family

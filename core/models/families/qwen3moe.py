@@ -6,10 +6,11 @@ scores expert_count experts, each token takes the expert_used_count best by soft
 probabilities renormalised to sum to 1 (llama.cpp's graph fixes norm_w = true for the family),
 and the sum of those experts' SwiGLU FFNs (ffn_gate_exps, ffn_up_exps, ffn_down_exps: the
 experts' matrices stacked, expert_feed_forward_length wide) so weighted. LoRA targets the
-attention's projections and the router (llama.cpp adapts both through build_lora_mm); the
-experts' stacked 3-D matrices are not targets (llama.cpp could apply 3-D adapters through
-build_lora_mm_id; ggtrain trains none), so a LoRA fine-tune keeps the experts frozen (in any
-stored type) and trains the attention and the routing. A model built from scratch (`train
+attention's projections and the router (llama.cpp adapts both through build_lora_mm) by
+default; the experts' stacked 3-D matrices are targets only where --lora-targets names them
+(ffn_gate_exps, ffn_up_exps, ffn_down_exps: per-expert factors stacked, which llama.cpp
+applies through build_lora_mm_id; Family.expert_targets), else they stay frozen (in any
+stored type). A model built from scratch (`train
 --arch qwen3moe`) has 8 experts, 2 a token, each ff / 2 wide.
 """
 from ggtrain.core.models.family import Family, Key
