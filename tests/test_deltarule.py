@@ -81,11 +81,16 @@ def test_chunked_gives_the_same_bits_on_any_thread_count():
 
 
 def test_the_rule_picks_chunked_for_long_windows_of_wide_heads():
-    g = Graph()
-    wide = [g.input((1, n, 2, 64)) for n in (64, 64)] + [g.input((1, 64, 2, 64))] + [g.input((1, 64, 2))] * 2
-    short = [g.input((1, 63, 2, 64))] * 2 + [g.input((1, 63, 2, 64))] + [g.input((1, 63, 2))] * 2
-    narrow = [g.input((1, 64, 1, 8))] * 2 + [g.input((1, 64, 1, 8))] + [g.input((1, 64, 1))] * 2
-    assert ops.delta_rule(*wide).params["chunked"] is True
-    assert ops.delta_rule(*short).params["chunked"] is False
-    assert ops.delta_rule(*narrow).params["chunked"] is False
-    assert ops.delta_rule(*narrow, chunked=True).params["chunked"] is True
+    from ggtrain.core.ops.recurrent import CHUNKED_MIN_STATE, CHUNKED_MIN_T
+
+    def node(t, hk, hv, dk, dv, **kw):
+        g = Graph()
+        qk = [g.input((1, t, hk, dk)) for _ in range(2)]
+        return ops.delta_rule(*qk, g.input((1, t, hv, dv)), g.input((1, t, hv)), g.input((1, t, hv)), **kw)
+
+    d = int(np.sqrt(CHUNKED_MIN_STATE))
+    assert node(CHUNKED_MIN_T, 2, 4, d, d).params["chunked"] is True
+    assert node(CHUNKED_MIN_T - 1, 2, 4, d, d).params["chunked"] is False
+    assert node(CHUNKED_MIN_T, 2, 4, d, d // 2).params["chunked"] is False
+    assert node(CHUNKED_MIN_T, 2, 4, 8, 8, chunked=True).params["chunked"] is True
+    assert node(CHUNKED_MIN_T, 2, 4, d, d, chunked=False).params["chunked"] is False

@@ -19,9 +19,11 @@ def delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, seg: Te
 
     chunked: the CPU kernels' form, forward and backward. False: row by row (the recurrence
     itself); True: in chunks of 64 rows, matrix products within a chunk and the state carried
-    across (native/cpu/deltachunk.c; equal in real arithmetic, ~1e-6 apart in f32). None (the
-    rule): chunked where T >= CHUNKED_MIN_T and Dk * Dv >= CHUNKED_MIN_STATE, where
-    bench/bench_deltarule.py measured it faster. The CUDA kernels run row by row either way.
+    across (native/cpu/deltachunk.c; equal in real arithmetic, ~1e-6 apart in f32). None, the
+    rule: chunked where T >= CHUNKED_MIN_T and Dk * Dv >= CHUNKED_MIN_STATE (heads of 64 x 64
+    and up), where bench/bench_deltarule.py measured it faster (Qwen3.5-0.8B's 16 heads of
+    128, T = 512 .. 2048: ~3-4x forward + backward on 2 cores); narrow heads stay row by row.
+    The CUDA kernels run row by row either way (no chunked CUDA kernel yet).
     """
     if chunked is None:
         chunked = q.shape[1] >= CHUNKED_MIN_T and q.shape[3] * v.shape[3] >= CHUNKED_MIN_STATE
@@ -29,7 +31,7 @@ def delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, seg: Te
                  chunked=bool(chunked))
 
 
-CHUNKED_MIN_T = 64            # delta_rule's rule (see there)
+CHUNKED_MIN_T = 32            # delta_rule's rule (see there)
 CHUNKED_MIN_STATE = 64 * 64
 
 

@@ -14,6 +14,7 @@
 #include <math.h>
 
 #include "internal.h"
+#include "../deltarule.h"
 
 #define Q_AT(p, b, t, h, H, D) ((p) + (((b) * T + (t)) * (H) + (h)) * (D))
 
@@ -65,10 +66,24 @@ static void transpose(float *dst, int64_t ldd, const float *src, int64_t lds, in
         for (int64_t j = 0; j < cols; j++) dst[j * ldd + i] = src[i * lds + j];
 }
 
-static float dot(const float *x, const float *y, int64_t n) {
-    float s = 0.0f;
-    for (int64_t i = 0; i < n; i++) s += x[i] * y[i];
-    return s;
+/* the row operations, on rows that never overlap (restrict: the compiler's vectors) */
+static float dot(const float *x, const float *y, int64_t n) { return gt_dr_dot(x, 1.0f, y, n); }
+
+static void axpy(float *restrict y, float a, const float *restrict x, int64_t n) {
+    for (int64_t i = 0; i < n; i++) y[i] += a * x[i];
+}
+
+static void scale_to(float *restrict y, float a, const float *restrict x, int64_t n) {
+    for (int64_t i = 0; i < n; i++) y[i] = a * x[i];
+}
+
+static void scale_by(float *restrict y, float a, int64_t n) {
+    for (int64_t i = 0; i < n; i++) y[i] *= a;
+}
+
+/* y = x .* z (rows of L x L products) */
+static void mul_to(float *restrict y, const float *restrict x, const float *restrict z, int64_t n) {
+    for (int64_t i = 0; i < n; i++) y[i] = x[i] * z[i];
 }
 
 /* The chunk's gates, masks and products, delta solved; with S0 (the entering state, Dk x Dv;
@@ -93,8 +108,10 @@ static int prep(chunk_ws *s, const chunk_in *in, const float *S0, int qk) {
     transpose(s->Kt, C, in->k, in->ldk, L, Dk);
     gt_gemm_small_(s->KK, C, in->k, in->ldk, 1, s->Kt, C, L, L, Dk, 0);
     if (qk) gt_gemm_small_(s->QK, C, in->q, in->ldk, 1, s->Kt, C, L, L, Dk, 0);
-    for (int64_t t = 0; t < L; t++)
-        for (int64_t j = 0; j < L; j++) s->E[t * C + j] = j < t ? s->KK[t * C + j] * s->Dm[t * C + j] : 0.0f;
+    for (int64_t t = 0; t < L; t++) {
+        mul_to(s->E + t * C, s->KK + t * C, s->Dm + t * C, t);
+        memset(s->E + t * C + t, 0, (size_t)(L - t) * sizeof(float));
+    }
     if (has0) {
         gt_gemm_small_(s->KS, Dv, in->k, in->ldk, 1, S0, Dv, L, Dv, Dk, 0);
         if (qk) gt_gemm_small_(s->QS, Dv, in->q, in->ldk, 1, S0, Dv, L, Dv, Dk, 0);
@@ -103,12 +120,10 @@ static int prep(chunk_ws *s, const chunk_in *in, const float *S0, int qk) {
     for (int64_t t = 0; t < L; t++) {
         const float *vr = in->v + t * in->ldv;
         float *u = s->U + t * Dv, *d = s->D + t * Dv;
-        for (int64_t j = 0; j < Dv; j++) u[j] = has0 ? vr[j] - s->gam[t] * s->KS[t * Dv + j] : vr[j];
-        for (int64_t j = 0; j < Dv; j++) d[j] = s->beta[t] * u[j];
-        for (int64_t r = s->st[t]; r < t; r++) {
-            const float a = s->beta[t] * s->E[t * C + r], *dr = s->D + r * Dv;
-            for (int64_t j = 0; j < Dv; j++) d[j] -= a * dr[j];
-        }
+        memcpy(u, vr, (size_t)Dv * sizeof(float));
+        if (has0) axpy(u, -s->gam[t], s->KS + t * Dv, Dv);
+        scale_to(d, s->beta[t], u, Dv);
+        for (int64_t r = s->st[t]; r < t; r++) axpy(d, -(s->beta[t] * s->E[t * C + r]), s->D + r * Dv, Dv);
     }
     return has0;
 }
@@ -118,7 +133,7 @@ static void carry(chunk_ws *s, const chunk_in *in, float *S, int has0) {
     const int64_t L = in->L, Dk = in->Dk, Dv = in->Dv;
     for (int64_t i = 0; i < Dk * Dv; i++) S[i] = has0 ? S[i] * s->gam[L - 1] : 0.0f;
     for (int64_t t = 0; t < L; t++)
-        for (int64_t j = 0; j < Dv; j++) s->tmp[t * Dv + j] = s->w[t] * s->D[t * Dv + j];
+        scale_to(s->tmp + t * Dv, s->w[t], s->D + t * Dv, Dv);
     gt_gemm_small_(S, Dv, in->k, 1, in->ldk, s->tmp, Dv, Dk, Dv, L, 1);
 }
 
@@ -152,7 +167,7 @@ void gt_dr_chunk_fwd_(float *dst, float *work, const float *q, const float *k, c
             if (has0) {
                 gt_gemm_small_(o, in.ldv, in.q, in.ldk, 1, S, Dv, L, Dv, Dk, 0);
                 for (int64_t t = 0; t < L; t++)
-                    for (int64_t j = 0; j < Dv; j++) o[t * in.ldv + j] *= scale * s.gam[t];
+                    scale_by(o + t * in.ldv, scale * s.gam[t], Dv);
             }
             for (int64_t t = 0; t < L; t++)
                 for (int64_t j = 0; j < L; j++) s.X[t * C + j] = scale * s.QK[t * C + j] * s.Dm[t * C + j];
@@ -178,14 +193,14 @@ static void chunk_bwd(chunk_ws *s, const chunk_in *in, const float *S0, float *d
     for (int64_t t = 0; t < L; t++) {
         float *dd = s->dD + t * Dv;
         const float dwt = dot(dd, s->D + t * Dv, Dv);
-        for (int64_t j = 0; j < Dv; j++) dd[j] *= s->w[t];
+        scale_by(dd, s->w[t], Dv);
         s->dG[L - 1] += dwt * s->w[t];
         s->dG[t] -= dwt * s->w[t];
     }
     transpose(s->dSt, Dk, dS, Dv, Dk, Dv);
     gt_gemm_small_(s->dK, Dk, s->D, Dv, 1, s->dSt, Dk, L, Dk, Dv, 0);
     for (int64_t t = 0; t < L; t++)
-        for (int64_t i = 0; i < Dk; i++) s->dK[t * Dk + i] *= s->w[t];
+        scale_by(s->dK + t * Dk, s->w[t], Dk);
     if (has0) {
         s->dG[L - 1] += s->gam[L - 1] * dot(dS, S0, Dk * Dv);
         for (int64_t i = 0; i < Dk * Dv; i++) dS[i] *= s->gam[L - 1];
@@ -195,20 +210,20 @@ static void chunk_bwd(chunk_ws *s, const chunk_in *in, const float *S0, float *d
     }
     /* o = scale (gam Q S0 + ((Q K^T) .* D) delta) */
     for (int64_t t = 0; t < L; t++)
-        for (int64_t j = 0; j < Dv; j++) s->dO[t * Dv + j] = scale * go[t * in->ldv + j];
+        scale_to(s->dO + t * Dv, scale, go + t * in->ldv, Dv);
     if (has0) {
         gt_gemm_small_(s->dQ, Dk, s->dO, Dv, 1, s->S0t, Dk, L, Dk, Dv, 0);
         for (int64_t t = 0; t < L; t++) {
             s->dG[t] += s->gam[t] * dot(s->dO + t * Dv, s->QS + t * Dv, Dv);
-            for (int64_t i = 0; i < Dk; i++) s->dQ[t * Dk + i] *= s->gam[t];
-            for (int64_t j = 0; j < Dv; j++) s->tmp[t * Dv + j] = s->gam[t] * s->dO[t * Dv + j];
+            scale_by(s->dQ + t * Dk, s->gam[t], Dk);
+            scale_to(s->tmp + t * Dv, s->gam[t], s->dO + t * Dv, Dv);
         }
         gt_gemm_small_(dS, Dv, in->q, 1, ldk, s->tmp, Dv, Dk, Dv, L, 1);
     } else {
         for (int64_t i = 0; i < L * Dk; i++) s->dQ[i] = 0.0f;
     }
     for (int64_t t = 0; t < L; t++)
-        for (int64_t j = 0; j < L; j++) s->X[t * C + j] = s->QK[t * C + j] * s->Dm[t * C + j];
+        mul_to(s->X + t * C, s->QK + t * C, s->Dm + t * C, L);
     gt_gemm_small_(s->dD, Dv, s->X, 1, C, s->dO, Dv, L, Dv, L, 1);
     transpose(s->Dt, C, s->D, Dv, L, Dv);
     gt_gemm_small_(s->X, C, s->dO, Dv, 1, s->Dt, C, L, L, Dv, 0);   /* dP */
@@ -226,8 +241,7 @@ static void chunk_bwd(chunk_ws *s, const chunk_in *in, const float *S0, float *d
         float *d = dR + t * Dv;
         for (int64_t r = t + 1; r < L; r++) {
             const float a = s->beta[r] * s->E[r * C + t], *dr = dR + r * Dv;
-            if (a != 0.0f)
-                for (int64_t j = 0; j < Dv; j++) d[j] -= a * dr[j];
+            if (a != 0.0f) axpy(d, -a, dr, Dv);
         }
     }
     gt_gemm_small_(s->X, C, dR, Dv, 1, s->Dt, C, L, L, Dv, 0);   /* -dA */
@@ -242,7 +256,7 @@ static void chunk_bwd(chunk_ws *s, const chunk_in *in, const float *S0, float *d
             s->X[a] = s->beta[t] * dA * s->Dm[a];   /* d(K K^T), lower part */
         }
         row[t * W + 2 * Hk * Dk + Hv * Dv + Hv + h] = db;
-        for (int64_t j = 0; j < Dv; j++) dv[t * W + j] = s->beta[t] * dR[t * Dv + j];
+        scale_to(dv + t * W, s->beta[t], dR + t * Dv, Dv);
     }
     gt_gemm_small_(s->dK, Dk, s->X, C, 1, in->k, ldk, L, Dk, L, 1);
     gt_gemm_small_(s->dK, Dk, s->X, 1, C, in->k, ldk, L, Dk, L, 1);
@@ -250,7 +264,7 @@ static void chunk_bwd(chunk_ws *s, const chunk_in *in, const float *S0, float *d
         for (int64_t t = 0; t < L; t++) {
             const float c = -s->gam[t] * s->beta[t];
             s->dG[t] += c * dot(dR + t * Dv, s->KS + t * Dv, Dv);
-            for (int64_t j = 0; j < Dv; j++) s->tmp[t * Dv + j] = c * dR[t * Dv + j];
+            scale_to(s->tmp + t * Dv, c, dR + t * Dv, Dv);
         }
         gt_gemm_small_(s->dK, Dk, s->tmp, Dv, 1, s->S0t, Dk, L, Dk, Dv, 1);
         gt_gemm_small_(dS, Dv, in->k, 1, ldk, s->tmp, Dv, Dk, Dv, L, 1);
@@ -267,10 +281,8 @@ static void chunk_bwd(chunk_ws *s, const chunk_in *in, const float *S0, float *d
         acc += s->dG[t];
         const int reset = (t == 0 && in->first) || (in->seg && (t > 0 || !in->first) && in->seg[t] != in->seg[t - 1]);
         row[t * W + 2 * Hk * Dk + Hv * Dv + h] = reset ? 0.0f : acc;
-        for (int64_t i = 0; i < Dk; i++) {
-            row[t * W + hk * Dk + i] += s->dQ[t * Dk + i];
-            row[t * W + Hk * Dk + hk * Dk + i] += s->dK[t * Dk + i];
-        }
+        axpy(row + t * W + hk * Dk, 1.0f, s->dQ + t * Dk, Dk);
+        axpy(row + t * W + Hk * Dk + hk * Dk, 1.0f, s->dK + t * Dk, Dk);
     }
 }
 
