@@ -22,7 +22,7 @@ def delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, seg: Te
     across (native/cpu/deltachunk.c; equal in real arithmetic, ~1e-6 apart in f32). None, the
     rule: chunked where T >= CHUNKED_MIN_T and Dk * Dv >= CHUNKED_MIN_STATE (heads of 64 x 64
     and up), where bench/bench_deltarule.py measured it faster (Qwen3.5-0.8B's 16 heads of
-    128, T = 512 .. 2048: ~3-4x forward + backward on 2 cores); narrow heads stay row by row.
+    128, T = 512 .. 2048: 3-5x forward + backward on 2 cores); narrow heads stay row by row.
     The CUDA kernels run row by row either way (no chunked CUDA kernel yet).
     """
     if chunked is None:
