@@ -709,4 +709,7 @@ GT_HD static inline int gt_dr_reset(const int32_t *seg, int64_t T, int64_t b, in
 /* delta_rule_bwd's checkpoint interval (rows between the states it keeps while recomputing). */
 #define GT_DR_CHUNK 32
 
+/* The rows of a chunk in delta_rule's chunked form (native/cpu/deltachunk.c). */
+#define GT_DR_BLOCK 64
+
 #endif

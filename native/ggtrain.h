@@ -520,8 +520,9 @@ int gt_moe_matmul_input_bwd_f32_mxfp4_sizes(const struct gt_node *node, int64_t 
  * Dv) [with the last state after o: (B, T*Hv*Dv + Hv*Dv*Dk)]. Per V head h (K head h % Hk),
  * S (Dk, Dv) from 0 (or s0; back to 0 where seg changes): S = e^g S; S += k (beta (v - S^T
  * k))^T; o = S^T q / sqrt(Dk) (deltarule.h). delta_rule_bwd: src0..4 as the forward's, src5 go
- * [, seg] -> dst (B, T, 2 Hk Dk + Hv Dv + 2 Hv): dq | dk | dv | dg | dbeta. All contiguous;
- * work: the _sizes functions. */
+ * [, seg] -> dst (B, T, 2 Hk Dk + Hv Dv + 2 Hv): dq | dk | dv | dg | dbeta. ip[2] = 1 (both,
+ * not with s0): the chunked form (cpu/deltachunk.c; the CUDA kernels run row by row either
+ * way). All contiguous; work: the _sizes functions. */
 int gt_delta_rule_fwd_f32(const struct gt_node *node, const gt_ctx *ctx);
 int gt_delta_rule_fwd_f32_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
 int gt_delta_rule_bwd_f32(const struct gt_node *node, const gt_ctx *ctx);

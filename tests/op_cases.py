@@ -445,6 +445,15 @@ case("delta_rule", [In((2, 8, 2, 3)), In((2, 8, 2, 3)), In((2, 8, 2, 3)), In((2,
      ops.delta_rule, refs.delta_rule, name="seg", **_DR)
 case("delta_rule", [In((1, 70, 1, 2)), In((1, 70, 1, 2)), In((1, 70, 1, 2)), In((1, 70, 1), -0.3, -0.01),
                     In((1, 70, 1), 0.1, 0.9)], ops.delta_rule, refs.delta_rule, name="long", **_DR)
+# the chunked form (chunks of GT_DR_BLOCK = 64 rows): two chunks, the second short; segments
+# starting inside the first chunk and at the second's first row; weak to strong decays
+_SEG67 = np.repeat(np.array([[0, 1, 2, 3]], np.int32), [20, 44, 1, 2], axis=1)
+case("delta_rule", [In((1, 67, 1, 2)), In((1, 67, 1, 2)), In((1, 67, 2, 3)), In((1, 67, 2), -5.0, -0.01),
+                    In((1, 67, 2), 0.1, 0.9)], lambda *a: ops.delta_rule(*a, chunked=True), refs.delta_rule,
+     name="chunked", **_DR)
+case("delta_rule", [In((1, 67, 1, 2)), In((1, 67, 1, 2)), In((1, 67, 2, 3)), In((1, 67, 2), -5.0, -0.01),
+                    In((1, 67, 2), 0.1, 0.9), In((1, 67), values=_SEG67, grad=False)],
+     lambda *a: ops.delta_rule(*a[:5], seg=a[5], chunked=True), refs.delta_rule, name="chunked-seg", **_DR)
 case("delta_rule", [In((2, 4, 1, 3)), In((2, 4, 1, 3)), In((2, 4, 2, 3)), In((2, 4, 2), -1.0, -0.05),
                     In((2, 4, 2), 0.1, 0.9), In((2, 2, 3, 3))],
      lambda q, k, v, g, b, s: ops.delta_rule_state(q, k, v, g, b, s)[0],

@@ -8,15 +8,31 @@ from ggtrain.core.tensor import Tensor
 from ggtrain.errors import DTypeError
 
 
-def delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, seg: Tensor | None = None) -> Tensor:
+def delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, seg: Tensor | None = None,
+               chunked: bool | None = None) -> Tensor:
     """The gated delta rule: per V head h (reading K head h % Hk), a state S (Dk, Dv) from 0,
     at each row S = e^g S; S = S + k (beta (v - S^T k))^T; o = S^T q / sqrt(Dk).
 
     q, k (B, T, Hk, Dk), v (B, T, Hv, Dv), g (the log decay) and beta (B, T, Hv), all f32;
     seg (B, T) i32 or None: with packed samples the state restarts from 0 where the segment
     changes. Returns o (B, T, Hv, Dv). Raises ShapeError / DTypeError for bad shapes or types.
+
+    chunked: the CPU kernels' form, forward and backward. False: row by row (the recurrence
+    itself); True: in chunks of 64 rows, matrix products within a chunk and the state carried
+    across (native/cpu/deltachunk.c; equal in real arithmetic, ~1e-6 apart in f32). None, the
+    rule: chunked where T >= CHUNKED_MIN_T and Dk * Dv >= CHUNKED_MIN_STATE (heads of 64 x 64
+    and up), where bench/bench_deltarule.py measured it faster (Qwen3.5-0.8B's 16 heads of
+    128, T = 512 .. 2048: 3-5x forward + backward on 2 cores); narrow heads stay row by row.
+    The CUDA kernels run row by row either way (no chunked CUDA kernel yet).
     """
-    return apply("delta_rule", [q, k, v, g, beta] + ([seg] if seg is not None else []), seg=seg is not None)
+    if chunked is None:
+        chunked = q.shape[1] >= CHUNKED_MIN_T and q.shape[3] * v.shape[3] >= CHUNKED_MIN_STATE
+    return apply("delta_rule", [q, k, v, g, beta] + ([seg] if seg is not None else []), seg=seg is not None,
+                 chunked=bool(chunked))
+
+
+CHUNKED_MIN_T = 32            # delta_rule's rule (see there)
+CHUNKED_MIN_STATE = 64 * 64
 
 
 def delta_rule_state(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, s0: Tensor) -> tuple:
@@ -69,7 +85,7 @@ def _delta_rule_bwd(y, go):
     _need(not y.params.get("state"), "delta_rule: no gradient through a carried state (generation only)")
     q, k, v, g, beta = y.srcs[:5]
     seg = list(y.srcs[5:])
-    packed = apply("delta_rule_bwd", [q, k, v, g, beta, go] + seg, seg=bool(seg))
+    packed = apply("delta_rule_bwd", [q, k, v, g, beta, go] + seg, seg=bool(seg), chunked=y.params.get("chunked", False))
     t, hk, dk = q.shape[1:]
     hv, dv = v.shape[2], v.shape[3]
     width = 2 * hk * dk + hv * dv + 2 * hv
@@ -83,7 +99,7 @@ def _delta_rule_bwd(y, go):
 
 
 def _lower(y):
-    return (int(bool(y.params.get("seg"))), int(bool(y.params.get("state")))), ()
+    return (int(bool(y.params.get("seg"))), int(bool(y.params.get("state"))), int(bool(y.params.get("chunked")))), ()
 
 
 register(OpDef("delta_rule", _infer("delta_rule"), "delta_rule_fwd", contiguous=(0, 1, 2, 3, 4, 5, 6),

@@ -9,11 +9,15 @@
 
 #define Q_AT(p, b, t, h, H, D) ((p) + (((b) * T + (t)) * (H) + (h)) * (D))
 
-/* Work: one state (Dv x Dk floats) per thread. */
+/* ip[2] = 1 picks the chunked form (deltachunk.c; not with s0). */
+static int chunked(const gt_node *node) { return node->ip[2] != 0 && node->ip[1] == 0; }
+
+/* Work: one state (Dv x Dk floats) per thread, or the chunked form's. */
 int gt_delta_rule_fwd_f32_sizes(const gt_node *node, int64_t *scratch, int64_t *work) {
     GT_TRY(gt_delta_rule_dims(node, "delta_rule"));
+    const int64_t Dk = node->src[0].shape[3], Dv = node->src[2].shape[3];
     *scratch = 0;
-    *work = node->src[0].shape[3] * node->src[2].shape[3] * (int64_t)sizeof(float);
+    *work = (chunked(node) ? gt_dr_chunk_fwd_floats_(Dk, Dv) : Dk * Dv) * (int64_t)sizeof(float);
     return GT_OK;
 }
 
@@ -34,6 +38,10 @@ int gt_delta_rule_fwd_f32(const gt_node *node, const gt_ctx *ctx) {
     const float scale = 1.0f / sqrtf((float)Dk);
     int64_t lo, hi;
     gt_split(B * Hv, ctx, &lo, &hi);
+    if (chunked(node)) {
+        gt_dr_chunk_fwd_(dst, m, q, k, v, g, beta, seg, lo, hi, T, Hk, Hv, Dk, Dv);
+        return GT_OK;
+    }
     for (int64_t r = lo; r < hi; r++) {
         const int64_t b = r / Hv, h = r % Hv, hk = h % Hk;
         if (s0) memcpy(m, (const float *)s0->data + (b * Hv + h) * Dv * Dk, (size_t)(Dv * Dk) * sizeof(float));
@@ -58,7 +66,8 @@ static int64_t bwd_floats(int64_t T, int64_t Dk, int64_t Dv) {
 int gt_delta_rule_bwd_f32_sizes(const gt_node *node, int64_t *scratch, int64_t *work) {
     GT_TRY(gt_delta_rule_dims(node, "delta_rule_bwd"));
     *scratch = 0;
-    *work = bwd_floats(node->src[0].shape[1], node->src[0].shape[3], node->src[2].shape[3]) * (int64_t)sizeof(float);
+    const int64_t T = node->src[0].shape[1], Dk = node->src[0].shape[3], Dv = node->src[2].shape[3];
+    *work = (chunked(node) ? gt_dr_chunk_bwd_floats_(T, Dk, Dv) : bwd_floats(T, Dk, Dv)) * (int64_t)sizeof(float);
     return GT_OK;
 }
 
@@ -81,6 +90,10 @@ int gt_delta_rule_bwd_f32(const gt_node *node, const gt_ctx *ctx) {
     const float scale = 1.0f / sqrtf((float)Dk);
     int64_t lo, hi;
     gt_split(B * Hk, ctx, &lo, &hi);
+    if (chunked(node)) {
+        gt_dr_chunk_bwd_(dst, ck, q, k, v, g, beta, go, seg, lo, hi, T, Hk, Hv, Dk, Dv);
+        return GT_OK;
+    }
     for (int64_t r = lo; r < hi; r++) {
         const int64_t b = r / Hk, hk = r % Hk;
         for (int64_t t = 0; t < T; t++) {

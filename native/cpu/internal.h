@@ -180,6 +180,18 @@ void gt_gemm_small_(float *c, int64_t ldc, const float *a, int64_t ars, int64_t 
                     int64_t ldb, int64_t M, int64_t N, int64_t K, int acc);
 
 
+/* deltachunk.c: delta_rule's chunked form (see there). Work: the _floats counts per thread.
+ * fwd: o of the V heads r in [lo, hi) (b = r / Hv) without a carried state; bwd: dq | dk | dv |
+ * dg | dbeta of the K heads r in [lo, hi) (b = r / Hk), as deltarule.c's kernels. */
+int64_t gt_dr_chunk_fwd_floats_(int64_t Dk, int64_t Dv);
+void gt_dr_chunk_fwd_(float *dst, float *work, const float *q, const float *k, const float *v, const float *g,
+                      const float *beta, const int32_t *seg, int64_t lo, int64_t hi, int64_t T, int64_t Hk,
+                      int64_t Hv, int64_t Dk, int64_t Dv);
+int64_t gt_dr_chunk_bwd_floats_(int64_t T, int64_t Dk, int64_t Dv);
+void gt_dr_chunk_bwd_(float *dst, float *work, const float *q, const float *k, const float *v, const float *g,
+                      const float *beta, const float *go, const int32_t *seg, int64_t lo, int64_t hi, int64_t T,
+                      int64_t Hk, int64_t Hv, int64_t Dk, int64_t Dv);
+
 /* quant_k.c: nb super-blocks of 256 values of x written to b as Q2_K .. Q6_K the way ggml's
  * reference quantizers write them (no importance matrix). */
 void gt_quant_q2_k_(uint8_t *b, const float *x, int64_t nb);
