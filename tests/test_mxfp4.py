@@ -96,7 +96,7 @@ def _mxfp4_model(tmp_path):
     weights = family_params(cfg, seed=3, std=0.3)
     types = {n: MXFP4 for n in weights if n.endswith("_exps.weight") or n in ("token_embd.weight", "output.weight")}
     path = tmp_path / "mxfp4.gguf"
-    write_with_gguf_py(path, cfg, weights, tok, types)
+    write_with_gguf_py(path, cfg, weights, tok, types=types)
     assert {n for n, t in read_gguf(path).tensors.items() if t.type == MXFP4} == set(types)
     return path, tok
 
