@@ -56,7 +56,8 @@ def _gguf_py_names(arch: str, layers: int) -> set:
     return names
 
 
-def write_with_gguf_py(path, cfg: ModelConfig, weights: dict, tok, *, f16: tuple = (), types: dict | None = None) -> None:
+def write_with_gguf_py(path, cfg: ModelConfig, weights: dict, tok, *, f16: tuple = (),
+                       types: dict | None = None) -> None:
     """A model file as llama.cpp's converters write it, through gguf-py's GGUFWriter: the
     tensors whose names end with one of f16 stored as F16; types: the tensors stored in another
     ggml type (name -> GGMLQuantizationType), by gguf-py's quantizer; the rest F32."""
