@@ -213,8 +213,9 @@ def forward(cfg, p, tokens, pos, gelu=gelu_tanh, n_ctx=None, taps=None):
     p = {k: np.asarray(v, np.float64) for k, v in p.items()}
     if taps is not None:
         for k, v in p.items():
-            # (qwen35moe's shared-expert gate is a vector, which llama.cpp multiplies as a one-row matrix)
-            if k.startswith("blk.") and (v.ndim == 2 and not k.endswith(("conv.weight", "conv1d.weight"))
+            # (qwen35moe's shared-expert gate is a vector, which llama.cpp multiplies as a one-row
+            # matrix; gpt-oss's expert biases, (E, F), are added, not multiplied)
+            if k.startswith("blk.") and (v.ndim == 2 and not k.endswith(("conv.weight", "conv1d.weight", ".bias"))
                                          or k.endswith("ffn_gate_inp_shexp.weight")):
                 p[k] = v.view(_Tapped)
                 p[k].inputs = taps.setdefault(k, [])
