@@ -85,21 +85,29 @@ def test_bad_gpt_oss_file_is_one_line_and_writes_nothing(tmp_path, drop, message
     check_finetune_refuses(tmp_path, path, message)
 
 
-def test_f16_experts_give_llama_cpps_nll(llama, tmp_path):
-    """The experts' stacked matrices stored as F16 (as a converter writes them unquantized):
-    `ggtrain eval --numerics llama` (llama.cpp's CPU products: the experts' inputs rounded to
-    F16 against F16 weights; an F32 KV cache as the oracle's) gives llama.cpp's NLL. (Exact
+@pytest.mark.parametrize("stored", ["F16", "MXFP4"])
+def test_stored_experts_give_llama_cpps_nll(llama, tmp_path, stored):
+    """The experts' stacked matrices stored as F16 (as a converter writes them unquantized) or
+    MXFP4 (as the released gpt-oss models hold them): `ggtrain eval --numerics llama`
+    (llama.cpp's CPU products: the experts' inputs rounded to F16 against F16 weights, or to
+    8 bits against MXFP4 ones; an F32 KV cache as the oracle's) gives llama.cpp's NLL. (Exact
     numbers sit ~1e-4 away: that rounding of llama.cpp's.)"""
     tok = ByteTokenizer()
     cfg = ModelConfig(vocab=tok.n_vocab, **{**BASE, **INTEROP_CASES["gpt-oss"]})
-    path = tmp_path / "f16.gguf"
-    write_with_gguf_py(path, cfg, family_params(cfg, seed=3, std=0.3), tok, f16=("_exps.weight",))
+    path = tmp_path / "experts.gguf"
+    kind = getattr(gguf.GGMLQuantizationType, stored)
+    weights = family_params(cfg, seed=3, std=0.3)
+    experts = {n for n in weights if n.endswith("_exps.weight")}
+    if stored == "F16":
+        write_with_gguf_py(path, cfg, weights, tok, f16=("_exps.weight",))
+    else:
+        write_with_gguf_py(path, cfg, weights, tok, types={n: kind for n in experts})
     r = gguf.GGUFReader(str(path))
-    assert {t.name for t in r.tensors if t.tensor_type == gguf.GGMLQuantizationType.F16} == \
+    assert {t.name for t in r.tensors if t.tensor_type == kind} == experts == \
         {f"blk.{i}.ffn_{m}_exps.weight" for i in range(cfg.layers) for m in ("gate", "up", "down")}
     data = tmp_path / "t.txt"
     data.write_text(TEXT)
     ids = tok.encode(TEXT, add_bos=tok.add_bos)
     theirs = _their_nll(open_llm(llama, path), ids)[1]
     ours = _eval_cli(path, data, "--numerics", "llama", "--cache-type", "f32")
-    assert ours["nll"] == pytest.approx(theirs, abs=2e-5)
+    assert ours["nll"] == pytest.approx(theirs, abs=2e-5), (ours["nll"], theirs)    # MXFP4: 2.2e-7 measured
