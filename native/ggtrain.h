@@ -453,14 +453,18 @@ int gt_moe_weights_bwd_f32_sizes(const struct gt_node *node, int64_t *scratch, i
  * gt_moe_matmul_check): moe_matmul_fwd_f32[_<w>]: src0 x (N, X, K) f32 (X = 1 or k), src1 the
  * expert weights w (E, M, K) f32 or stored in <w> (whole, contiguous), src2 ids (N, k) i32 ->
  * dst (N, k, M), y[n, s] = w[ids[n, s]] @ x[n, X == 1 ? 0 : s], each expert's product over
- * only the tokens routed to it (a stored w through the matmul's row-dot kernel, gt_qdot_rows_,
- * on the expert's slice). ip[0] = 1: llama.cpp's numbers (f32 and f16 w only).
+ * only the tokens routed to it: each expert's rows gathered into one block through the
+ * matmul's GEMM (gt_gemm_; a stored w with few rows through its row-dot kernel,
+ * gt_qdot_rows_). ip[0] = 1: llama.cpp's numbers (f32 and f16 w only: per-row dots).
  * moe_matmul_input_bwd_f32[_<w>]: src0 w, src1 ids, src2 g (N, k, M) -> dst dx (N, X, K).
  * moe_matmul_weight_bwd_f32: src0 x, src1 ids, src2 g -> dst dw (E, M, K) (f32 experts).
  * wdata: the _sizes functions. */
 int gt_moe_matmul_fwd_f32(const struct gt_node *node, const gt_ctx *ctx);
 int gt_moe_matmul_input_bwd_f32(const struct gt_node *node, const gt_ctx *ctx);
 int gt_moe_matmul_weight_bwd_f32(const struct gt_node *node, const gt_ctx *ctx);
+int gt_moe_matmul_fwd_f32_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
+int gt_moe_matmul_input_bwd_f32_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
+int gt_moe_matmul_weight_bwd_f32_sizes(const struct gt_node *node, int64_t *scratch, int64_t *work);
 int gt_moe_matmul_fwd_f32_f16(const struct gt_node *node, const gt_ctx *ctx);
 int gt_moe_matmul_fwd_f32_bf16(const struct gt_node *node, const gt_ctx *ctx);
 int gt_moe_matmul_fwd_f32_q4_0(const struct gt_node *node, const gt_ctx *ctx);

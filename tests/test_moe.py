@@ -74,6 +74,52 @@ def test_stored_experts_are_each_experts_own_matmul(wtype, threads):
     np.testing.assert_allclose(got_dx, want_dx, rtol=1e-4, atol=1e-3)
 
 
+@pytest.mark.parametrize("wtype", ["f32", "q8_0"])
+@pytest.mark.parametrize("X", [1, 2])
+def test_grouped_expert_products_are_matmuls_at_every_thread_count(wtype, X):
+    """Exact numerics gather each expert's routed rows into one GEMM (blocks of 256 rows: expert
+    0 gets 300): y is, expert by expert, the bits of ops.matmul of its rows by its slice (the
+    same GEMM chain); y, dx and dw (f32 experts) are the same bits at 1, 2 and 3 threads, and
+    dx and dw the float64 gradients."""
+    rng = np.random.default_rng(1)
+    n, k, e, m, kk = 300, 2, 5, 72, 96
+    ids = np.stack([np.zeros(n, np.int32), rng.integers(1, e - 1, n, dtype=np.int32)], 1)  # expert 4: none
+    x = rng.normal(size=(n, X, kk)).astype(np.float32)
+    w = rng.normal(size=(e, m, kk)).astype(np.float32)
+    raw, deq = (w, w) if wtype == "f32" else _stored(w, wtype)
+    gy = rng.normal(size=(n, k, m)).astype(np.float32)
+    runs = []
+    for threads in (1, 2, 3):
+        g = Graph()
+        xt = g.param(x.shape, x)
+        wt = g.param(w.shape, raw, trainable=wtype == "f32", dtype=wtype)
+        y = ops.moe_matmul(xt, wt, g.const(ids, dtype="i32"))
+        grads = backward(ops.sum(ops.mul(y, g.const(gy))), [xt] + ([wt] if wtype == "f32" else []),
+                         checkpointing=False)
+        runs.append(_run(g, [y] + list(grads.values()), threads))
+    for other in runs[1:]:
+        for a, b in zip(runs[0], other):
+            np.testing.assert_array_equal(a, b)
+    got = runs[0][0]
+    for ex in range(e - 1):
+        rows = [(i, s) for i in range(n) for s in range(k) if ids[i, s] == ex]
+        g2 = Graph()
+        xe = g2.const(np.stack([x[i, 0 if X == 1 else s] for i, s in rows]))
+        we = g2.param((m, kk), raw[ex] if wtype == "f32" else _stored(w[ex], wtype)[0], trainable=False, dtype=wtype)
+        want = _run(g2, [ops.matmul(xe, ops.transpose(we, 0, 1))], 2)[0]
+        np.testing.assert_array_equal(np.stack([got[i, s] for i, s in rows]), want)
+    want_dx = np.zeros((n, X, kk))
+    for s in range(k):
+        want_dx[:, 0 if X == 1 else s] += np.einsum("nm,nmk->nk", gy[:, s].astype(np.float64), deq[ids[:, s]])
+    np.testing.assert_allclose(runs[0][1], want_dx, rtol=1e-4, atol=1e-3)
+    if wtype == "f32":
+        want_dw = np.zeros((e, m, kk))
+        for s in range(k):
+            np.add.at(want_dw, ids[:, s], np.einsum("nm,nk->nmk", gy[:, s].astype(np.float64), x[:, 0 if X == 1 else s]))
+        np.testing.assert_allclose(runs[0][2], want_dw, rtol=1e-4, atol=1e-3)
+        assert not runs[0][2][e - 1].any()
+
+
 def test_llama_numbers_of_quantized_experts_are_refused_by_name():
     g = Graph()
     w = g.param((8, 32, 256), quantize(np.ones((256, 256), np.float32), "q4_k"), trainable=False, dtype="q4_k")

@@ -179,6 +179,19 @@ void gt_qdot8_rows_(float *y, int64_t ldy, const gt_act8 *x, int64_t ldx, int m,
 void gt_gemm_small_(float *c, int64_t ldc, const float *a, int64_t ars, int64_t acs, const float *b,
                     int64_t ldb, int64_t M, int64_t N, int64_t K, int acc);
 
+/* C[0:M, n0:n1] (row stride ldc) = (acc ? C : 0) + A[0:M, 0:K] @ B[0:K, n0:n1] through
+ * gt_matmul_fwd_f32's packed GEMM (the same fma chain per element, over k in order, so the
+ * bits do not depend on M, on n0 and n1, or on how a caller blocks its rows; acc continues
+ * each chain from C). A[m, k] at a[m*ars + k*acs], ars or acs 1. B f32 (btype GT_F32):
+ * B[k, n] at b[k*brs + n*bcs], brs or bcs 1; else a whole stored weight of type btype, with
+ * the strides its dequantized f32 copy would have: B = W^T (W (N, K): brs 1, bcs K) or
+ * B = W (W (K, N): brs N, bcs 1), K (resp. N) whole blocks. n0 a multiple of
+ * GT_GEMM_COL_UNIT. work: gt_gemm_work_bytes_(btype) bytes, any alignment. */
+#define GT_GEMM_COL_UNIT 64
+int64_t gt_gemm_work_bytes_(int32_t btype);
+void gt_gemm_(float *c, int64_t ldc, const float *a, int64_t ars, int64_t acs, const void *b, int32_t btype,
+              int64_t brs, int64_t bcs, int64_t M, int64_t N, int64_t K, int64_t n0, int64_t n1, int acc,
+              void *work);
 
 /* deltachunk.c: delta_rule's chunked form (see there). Work: the _floats counts per thread.
  * fwd: o of the V heads r in [lo, hi) (b = r / Hv) without a carried state; bwd: dq | dk | dv |

@@ -880,6 +880,41 @@ void gt_gemm_small_(float *c, int64_t ldc, const float *a, int64_t ars, int64_t 
     }
 }
 
+/* ---- blocks of rows for other kernels (moe.c's grouped expert products) -------------- */
+
+int64_t gt_gemm_work_bytes_(int32_t btype) {
+    return (A_FLOATS + B_FLOATS + (btype == GT_F32 ? 0 : WTMP_FLOATS)) * (int64_t)sizeof(float) + ALIGN;
+}
+
+/* See internal.h: gemm() over C[0:M, n0:n1], the packed kernels only (the skinny path would
+ * take all N columns at once; its chain, hence its bits, is the same). */
+void gt_gemm_(float *c, int64_t ldc, const float *a, int64_t ars, int64_t acs, const void *b, int32_t btype,
+              int64_t brs, int64_t bcs, int64_t M, int64_t N, int64_t K, int64_t n0, int64_t n1, int acc,
+              void *work) {
+    if (M <= 0 || n1 <= n0) return;
+    if (K <= 0) {
+        if (!acc)
+            for (int64_t i = 0; i < M; i++) memset(c + i * ldc + n0, 0, (size_t)(n1 - n0) * sizeof(float));
+        return;
+    }
+    float *ap = (float *)(((uintptr_t)work + ALIGN - 1) & ~(uintptr_t)(ALIGN - 1));
+    float *bp = ap + A_FLOATS;
+    operand A = {a, ars, acs}, B = {(const float *)b, brs, bcs};
+    wsource ws, *W = NULL;
+    if (btype != GT_F32) {
+        const gt_dtype_traits *t = gt_dtype_find_(btype);
+        ws.p = (const uint8_t *)b;
+        ws.trans = brs == 1;
+        ws.block = t->block;
+        ws.block_bytes = t->block_bytes;
+        ws.row_bytes = (ws.trans ? K : N) / t->block * t->block_bytes;
+        ws.deq = gt_dequantizer_(btype);
+        ws.tmp = bp + B_FLOATS;
+        W = &ws;
+    }
+    gemm(pick_impl(M, n1 - n0), 0, M, n0, n1, K, A, B, W, c, ldc, ap, bp, acc, NULL);
+}
+
 /* ---- the kernel ------------------------------------------------------------------ */
 
 /* Strides of t's last two dims, with the stride of a size-1 dim replaced by 1

@@ -1,7 +1,9 @@
 /* moe.c: mixture-of-experts routing (top-k of the router's logits, the gate weights and their
  * gradient) and the grouped expert product, ggml's mul_mat_id: each token's k experts' products
- * over only the tokens routed to each expert. Every output element belongs to one thread and
- * sums its terms in a fixed order, so every thread count gives the same bits. */
+ * over only the tokens routed to each expert (in exact numerics each expert's routed rows as one
+ * block through the matmul's GEMM; in llama.cpp's, one dot a routed row and output row). Every
+ * output element belongs to one thread and sums its terms in a fixed order, so every thread
+ * count gives the same bits. */
 #include "ggmlnum.h"
 #include "internal.h"
 #include "simd.h"
@@ -224,22 +226,177 @@ GT_CLONES static void dots_f16(float *y, const float *x, const uint8_t *w, int64
 _Static_assert(sizeof(gt_act8) <= 32 * sizeof(float), "gt_act8 outgrows the f32 rows it replaces");
 
 static int64_t fwd_work(int64_t K, int64_t M) {
-    return (GROUP * (K + M) + GT_QDOT_SCRATCH_FLOATS + K) * (int64_t)sizeof(float) + 2 * ALIGN;
+    return (GROUP * (K + M) + K) * (int64_t)sizeof(float) + 2 * ALIGN;
 }
 
 static float *aligned(void *p) { return (float *)(((uintptr_t)p + ALIGN - 1) & ~(uintptr_t)(ALIGN - 1)); }
 
+/* ---- grouped products: each expert's routed rows as one block through the matmul's GEMM ---- */
+
+/* Exact numerics (ip[0] = 0) and every gradient: each expert's routed rows are gathered, GB at
+ * a time, into one contiguous block and multiplied by the expert's slice of w through
+ * gt_gemm_ (the packed GEMM of gt_matmul_fwd_f32; a stored w dequantized while its panels are
+ * packed), the block's products then scattered back; a stored w an expert with at most GROUP
+ * rows takes instead the row-dot kernel (gt_qdot_rows_), as the matmul does for a few rows.
+ * Threads split the columns of the output (fwd: the M of y, input_bwd: the K of dx, in units of
+ * GT_GEMM_COL_UNIT) or its rows (weight_bwd: the E M rows of dw), so every thread works however
+ * few experts are hit; each element is one GEMM chain over k in order (weight_bwd: over the
+ * expert's tokens in order, blocks continuing it), and dx's sum over an X == 1 token's slots
+ * runs in expert order: the same bits at every thread count. The per-row dot products above
+ * stay for llama.cpp's numbers (ip[0] = 1), whose order they match. */
+#define GB 256
+
+/* per thread: the routed lists (N k i32 and E + 1 offsets), two blocks of GB rows of the wider
+ * of K and M, the GEMM's or the row-dot kernel's scratch */
+static int64_t grouped_work(int64_t N, int64_t K, int64_t E, int64_t M, int64_t k, int32_t wtype) {
+    const int64_t wide = K > M ? K : M, gw = gt_gemm_work_bytes_(wtype),
+                  qw = GT_QDOT_SCRATCH_FLOATS * (int64_t)sizeof(float);
+    return N * k * 4 + (E + 1) * 8 + 2 * GB * wide * (int64_t)sizeof(float) + (gw > qw ? gw : qw) + 4 * ALIGN;
+}
+
+typedef struct grouped {
+    int32_t *list;      /* the routed (n, s), as n * k + s, expert by expert, each in order */
+    int64_t *off;       /* expert e's in list[off[e] .. off[e + 1]) */
+    float *a, *c;       /* GB rows each */
+    void *work;
+} grouped;
+
+static grouped grouped_lists(const gt_ctx *ctx, const int32_t *ids, int64_t nk, int64_t E, int64_t wide) {
+    grouped g;
+    g.off = (int64_t *)aligned(ctx->wdata);
+    g.list = (int32_t *)(g.off + E + 1);
+    g.a = aligned(g.list + nk);
+    g.c = aligned(g.a + GB * wide);
+    g.work = g.c + GB * wide;
+    for (int64_t e = 0; e <= E; e++) g.off[e] = 0;
+    for (int64_t i = 0; i < nk; i++) g.off[ids[i] + 1]++;
+    for (int64_t e = 0; e < E; e++) g.off[e + 1] += g.off[e];
+    for (int64_t i = 0; i < nk; i++) g.list[g.off[ids[i]]++] = (int32_t)i;
+    for (int64_t e = E; e > 0; e--) g.off[e] = g.off[e - 1];
+    g.off[0] = 0;
+    return g;
+}
+
+/* [c0, c1): this thread's columns of n, in units of GT_GEMM_COL_UNIT, nearest to equal shares */
+static void split_cols(int64_t n, const gt_ctx *ctx, int64_t *c0, int64_t *c1) {
+    const int64_t u = GT_GEMM_COL_UNIT, units = (n + u - 1) / u;
+    *c0 = units * ctx->ith / ctx->nth * u;
+    *c1 = units * (ctx->ith + 1) / ctx->nth * u;
+    *c0 = *c0 < n ? *c0 : n;
+    *c1 = *c1 < n ? *c1 : n;
+}
+
+static int grouped_need(const gt_ctx *ctx, int64_t need, const char *op) {
+    if (!ctx->wdata || ctx->wsize < need)
+        return GT_FAIL(GT_ERR_INVALID, "%s: needs %lld bytes of per-thread scratch", op, (long long)need);
+    return GT_OK;
+}
+
+/* moe_matmul, exact numerics: y rows of expert e = its gathered x rows @ w[e]^T. */
+static int grouped_fwd(const gt_node *node, const gt_ctx *ctx, int32_t wtype, const int64_t *dm, int64_t rb) {
+    const int64_t N = dm[0], X = dm[1], K = dm[2], E = dm[3], M = dm[4], k = dm[5], wide = K > M ? K : M;
+    GT_TRY(grouped_need(ctx, grouped_work(N, K, E, M, k, wtype), "moe_matmul"));
+    const float *x = (const float *)node->src[0].data;
+    const uint8_t *w = (const uint8_t *)node->src[1].data;
+    const int32_t *ids = (const int32_t *)node->src[2].data;
+    float *y = (float *)node->dst.data;
+    int64_t c0, c1;
+    split_cols(M, ctx, &c0, &c1);
+    if (c0 >= c1) return GT_OK;
+    grouped g = grouped_lists(ctx, ids, N * k, E, wide);
+    for (int64_t e = 0; e < E; e++) {
+        const uint8_t *we = w + e * M * rb;
+        const int64_t ne = g.off[e + 1] - g.off[e];
+        for (int64_t b0 = 0; b0 < ne; b0 += GB) {
+            const int64_t nb = ne - b0 < GB ? ne - b0 : GB;
+            const int32_t *q = g.list + g.off[e] + b0;
+            for (int64_t r = 0; r < nb; r++) {
+                const int64_t n = q[r] / k, s = q[r] % k;
+                memcpy(g.a + r * K, x + (n * X + (X == 1 ? 0 : s)) * K, (size_t)K * sizeof(float));
+            }
+            if (wtype != GT_F32 && ne <= GROUP)
+                gt_qdot_rows_(g.c, M, g.a, K, (int)nb, we, rb, wtype, K, c0, c1, aligned(g.work));
+            else
+                gt_gemm_(g.c, M, g.a, K, 1, we, wtype, 1, K, nb, M, K, c0, c1, 0, g.work);
+            for (int64_t r = 0; r < nb; r++)
+                memcpy(y + (int64_t)q[r] * M + c0, g.c + r * M + c0, (size_t)(c1 - c0) * sizeof(float));
+        }
+    }
+    return GT_OK;
+}
+
+/* moe_matmul_input_bwd: dx rows += the gathered g rows of expert e @ w[e], expert by expert. */
+static int grouped_input_bwd(const gt_node *node, const gt_ctx *ctx, int32_t wtype, const int64_t *dm, int64_t rb) {
+    const int64_t N = dm[0], X = dm[1], K = dm[2], E = dm[3], M = dm[4], k = dm[5], wide = K > M ? K : M;
+    GT_TRY(grouped_need(ctx, grouped_work(N, K, E, M, k, wtype), "moe_matmul_input_bwd"));
+    const uint8_t *w = (const uint8_t *)node->src[0].data;
+    const int32_t *ids = (const int32_t *)node->src[1].data;
+    const float *gr = (const float *)node->src[2].data;
+    float *dx = (float *)node->dst.data;
+    int64_t c0, c1;
+    split_cols(K, ctx, &c0, &c1);
+    if (c0 >= c1) return GT_OK;
+    for (int64_t i = 0; i < N * X; i++) memset(dx + i * K + c0, 0, (size_t)(c1 - c0) * sizeof(float));
+    grouped g = grouped_lists(ctx, ids, N * k, E, wide);
+    for (int64_t e = 0; e < E; e++) {
+        const uint8_t *we = w + e * M * rb;
+        const int64_t ne = g.off[e + 1] - g.off[e];
+        for (int64_t b0 = 0; b0 < ne; b0 += GB) {
+            const int64_t nb = ne - b0 < GB ? ne - b0 : GB;
+            const int32_t *q = g.list + g.off[e] + b0;
+            for (int64_t r = 0; r < nb; r++) memcpy(g.a + r * M, gr + (int64_t)q[r] * M, (size_t)M * sizeof(float));
+            gt_gemm_(g.c, K, g.a, M, 1, we, wtype, K, 1, nb, K, M, c0, c1, 0, g.work);
+            for (int64_t r = 0; r < nb; r++) {
+                const int64_t n = q[r] / k, s = q[r] % k;
+                float *dr = dx + (n * X + (X == 1 ? 0 : s)) * K;
+                const float *cr = g.c + r * K;
+                for (int64_t c = c0; c < c1; c++) dr[c] += cr[c];
+            }
+        }
+    }
+    return GT_OK;
+}
+
+/* moe_matmul_weight_bwd: dw[e] rows = (expert e's gathered g rows)^T @ its gathered x rows. */
+static int grouped_weight_bwd(const gt_node *node, const gt_ctx *ctx, const int64_t *dm) {
+    const int64_t N = dm[0], X = dm[1], K = dm[2], E = dm[3], M = dm[4], k = dm[5], wide = K > M ? K : M;
+    GT_TRY(grouped_need(ctx, grouped_work(N, K, E, M, k, GT_F32), "moe_matmul_weight_bwd"));
+    const float *x = (const float *)node->src[0].data, *gr = (const float *)node->src[2].data;
+    const int32_t *ids = (const int32_t *)node->src[1].data;
+    float *dw = (float *)node->dst.data;
+    int64_t lo, hi;
+    gt_split(E * M, ctx, &lo, &hi);
+    if (lo >= hi) return GT_OK;
+    grouped g = grouped_lists(ctx, ids, N * k, E, wide);
+    for (int64_t e = lo / M; e < E && e * M < hi; e++) {
+        const int64_t r0 = e * M > lo ? 0 : lo - e * M, r1 = (e + 1) * M < hi ? M : hi - e * M;
+        const int64_t ne = g.off[e + 1] - g.off[e];
+        float *de = dw + (e * M + r0) * K;
+        if (ne == 0) memset(de, 0, (size_t)((r1 - r0) * K) * sizeof(float));
+        for (int64_t b0 = 0; b0 < ne; b0 += GB) {
+            const int64_t nb = ne - b0 < GB ? ne - b0 : GB;
+            const int32_t *q = g.list + g.off[e] + b0;
+            for (int64_t r = 0; r < nb; r++) {
+                const int64_t n = q[r] / k, s = q[r] % k;
+                memcpy(g.a + r * M, gr + (int64_t)q[r] * M, (size_t)M * sizeof(float));
+                memcpy(g.c + r * K, x + (n * X + (X == 1 ? 0 : s)) * K, (size_t)K * sizeof(float));
+            }
+            /* A = the g block transposed (rows r0..r1 of M), B = the x block (nb, K) */
+            gt_gemm_(de, K, g.a + r0, 1, M, g.c, GT_F32, K, 1, r1 - r0, K, nb, 0, K, b0 > 0, g.work);
+        }
+    }
+    return GT_OK;
+}
+
 /* y[n, s] = w[e] @ x[n, X == 1 ? 0 : s] for the tokens with ids[n, s] = e, expert by expert.
- * Threads split each expert's M output rows. An f32 w: each element one dot in ggml's
- * vec_dot_f32 order (gt_ggml_dot: 64 fma lanes, as its mul_mat_id runs f32 experts; llama's
- * numbers and exact f32 alike, ip[0] = 1 or 0); an f16
- * w in llama's numbers: x rounded to f16, gt_ggml_dot_f16; any other stored w: the routed rows
- * gathered GROUP at a time into the matmul's row-dot kernel (gt_qdot_rows_) over the expert's
- * slice of w, or in llama's numbers, for the 32-element types of GT_ACT8_TYPES, quantized to 8
- * bits as llama.cpp's mul_mat_id quantizes them (gt_act8_quantize_) into the 8-bit row-dot
- * kernel (gt_qdot8_rows_ over an expert's M rows: its vec_dot, or the repacked GEMV's chain,
- * which llama.cpp's mul_mat_id runs a routed row at a time). Another stored w (the K-quants) in
- * llama's numbers is GT_ERR_UNSUPPORTED. */
+ * Exact numerics (ip[0] = 0): grouped_fwd. llama.cpp's numbers (ip[0] = 1), one routed row at
+ * a time, threads splitting each expert's M output rows: an f32 w, each element one dot in
+ * ggml's vec_dot_f32 order (gt_ggml_dot: 64 fma lanes, as its mul_mat_id runs f32 experts);
+ * an f16 w, x rounded to f16, gt_ggml_dot_f16; the 32-element types of GT_ACT8_TYPES, the
+ * routed rows quantized to 8 bits as llama.cpp's mul_mat_id quantizes them (gt_act8_quantize_),
+ * GROUP at a time, into the 8-bit row-dot kernel (gt_qdot8_rows_ over an expert's M rows: its
+ * vec_dot, or the repacked GEMV's chain, which llama.cpp's mul_mat_id runs a routed row at a
+ * time). Another stored w (the K-quants) in llama's numbers is GT_ERR_UNSUPPORTED. */
 static int moe_matmul(const gt_node *node, const gt_ctx *ctx, int32_t wtype) {
     static const char *op = "moe_matmul";
     int64_t dm[6];
@@ -256,10 +413,11 @@ static int moe_matmul(const gt_node *node, const gt_ctx *ctx, int32_t wtype) {
                        gt_type_name(wtype));
     GT_TRY(check_ids(ids, N * k, E, op));
     const int64_t rb = wtype == GT_F32 ? K * (int64_t)sizeof(float) : row_bytes_of(wtype, K);
+    if (!llama) return grouped_fwd(node, ctx, wtype, dm, rb);
     if (wtype != GT_F32 && (!ctx->wdata || ctx->wsize < fwd_work(K, M)))
         return GT_FAIL(GT_ERR_INVALID, "%s: needs %lld bytes of per-thread scratch", op, (long long)fwd_work(K, M));
     float *xs = wtype != GT_F32 ? aligned(ctx->wdata) : NULL, *ys = xs ? xs + GROUP * K : NULL;
-    float *scratch = ys ? aligned(ys + GROUP * M) : NULL, *xr = scratch ? scratch + GT_QDOT_SCRATCH_FLOATS : NULL;
+    float *xr = ys ? aligned(ys + GROUP * M) : NULL;    /* an f16 expert's input row, rounded */
     int64_t m0, m1;
     gt_split(M, ctx, &m0, &m1);
     if (m0 >= m1) return GT_OK;
@@ -278,16 +436,13 @@ static int moe_matmul(const gt_node *node, const gt_ctx *ctx, int32_t wtype) {
                     dots_f32(yrow, xrow, we, rb, K, m0, m1);
                 } else if (act8) {          /* x's row in 8 bits, in the room of GROUP f32 rows */
                     gt_act8_quantize_((gt_act8 *)xs + r * (K / 32), xrow, K);
-                } else if (llama) {         /* f16 */
+                } else {                    /* f16 */
                     gt_round_f16_(xr, xrow, K);
                     dots_f16(yrow, xr, we, rb, K, m0, m1, xs);
-                } else {
-                    memcpy(xs + r * K, xrow, (size_t)K * sizeof(float));
                 }
             }
-            if (act8 || (wtype != GT_F32 && !llama)) {
-                if (act8) gt_qdot8_rows_(ys, M, (const gt_act8 *)xs, K / 32, nq, we, rb, wtype, K, M, m0, m1);
-                else gt_qdot_rows_(ys, M, xs, K, nq, we, rb, wtype, K, m0, m1, scratch);
+            if (act8) {
+                gt_qdot8_rows_(ys, M, (const gt_act8 *)xs, K / 32, nq, we, rb, wtype, K, M, m0, m1);
                 for (int r = 0; r < nq; r++) memcpy(y + q[r] * M + m0, ys + r * M + m0, (size_t)(m1 - m0) * sizeof(float));
             }
             nq = 0;
@@ -296,106 +451,76 @@ static int moe_matmul(const gt_node *node, const gt_ctx *ctx, int32_t wtype) {
     return GT_OK;
 }
 
-static int moe_matmul_sizes(const gt_node *node, int64_t *scratch, int64_t *work) {
-    const gt_tensor *x = &node->src[0], *w = &node->src[1];
+static int moe_matmul_sizes(const gt_node *node, int64_t *scratch, int64_t *work, int32_t wtype) {
+    const gt_tensor *x = &node->src[0], *w = &node->src[1], *ids = &node->src[2];
     *scratch = 0;
-    *work = x->ndim == 3 && w->ndim == 3 ? fwd_work(x->shape[2], w->shape[1]) : 0;
+    *work = 0;
+    if (x->ndim != 3 || w->ndim != 3 || ids->ndim != 2) return GT_OK;
+    const int64_t K = x->shape[2], M = w->shape[1], grouped = grouped_work(x->shape[0], K, w->shape[0], M,
+                                                                            ids->shape[1], wtype);
+    *work = fwd_work(K, M) > grouped ? fwd_work(K, M) : grouped;     /* llama's numbers or exact ones */
     return GT_OK;
 }
 
-/* dx[n, X == 1 ? 0 : s] = sum over s (X = 1), m of g[n, s, m] w[ids[n, s], m, :], in that
- * order; threads split the tokens. A stored w's rows are dequantized one at a time (wdata: K
- * floats). */
+/* dx[n, X == 1 ? 0 : s] = sum over s (X = 1) of g[n, s] @ w[ids[n, s]]: grouped_input_bwd
+ * (an X = 1 token's slots added in expert order). */
 static int moe_matmul_input_bwd(const gt_node *node, const gt_ctx *ctx, int32_t wtype) {
     static const char *op = "moe_matmul_input_bwd";
     int64_t dm[6];
     GT_TRY(gt_moe_matmul_check(node, 1, op, wtype, wtype == GT_F32 ? 1 : block_of(wtype), dm));
-    const int64_t N = dm[0], X = dm[1], K = dm[2], E = dm[3], M = dm[4], k = dm[5];
-    const uint8_t *w = (const uint8_t *)node->src[0].data;
-    const int32_t *ids = (const int32_t *)node->src[1].data;
-    const float *g = (const float *)node->src[2].data;
-    float *dx = (float *)node->dst.data;
-    const int64_t rb = wtype == GT_F32 ? K * (int64_t)sizeof(float) : row_bytes_of(wtype, K);
-    const gt_dequant_fn deq = wtype == GT_F32 ? NULL : gt_dequantizer_(wtype);
-    if (deq && (!ctx->wdata || ctx->wsize < K * (int64_t)sizeof(float)))
-        return GT_FAIL(GT_ERR_INVALID, "%s: needs %lld bytes of per-thread scratch", op, (long long)(K * 4));
-    float *buf = (float *)ctx->wdata;
-    int64_t lo, hi;
-    gt_split(N, ctx, &lo, &hi);
-    GT_TRY(check_ids(ids + lo * k, (hi - lo) * k, E, op));
-    for (int64_t n = lo; n < hi; n++) {
-        for (int64_t i = n * X * K; i < (n + 1) * X * K; i++) dx[i] = 0.0f;
-        for (int64_t s = 0; s < k; s++) {
-            float *dr = dx + (n * X + (X == 1 ? 0 : s)) * K;
-            const float *gr = g + (n * k + s) * M;
-            const uint8_t *we = w + (int64_t)ids[n * k + s] * M * rb;
-            for (int64_t m = 0; m < M; m++) {
-                const float *wm = (const float *)(we + m * rb);
-                if (deq) {
-                    deq(buf, we + m * rb, K / block_of(wtype));
-                    wm = buf;
-                }
-                const float gm = gr[m];
-                for (int64_t c = 0; c < K; c++) dr[c] += gm * wm[c];
-            }
-        }
-    }
-    return GT_OK;
+    GT_TRY(check_ids((const int32_t *)node->src[1].data, dm[0] * dm[5], dm[3], op));
+    const int64_t rb = wtype == GT_F32 ? dm[2] * (int64_t)sizeof(float) : row_bytes_of(wtype, dm[2]);
+    return grouped_input_bwd(node, ctx, wtype, dm, rb);
 }
 
-static int moe_matmul_input_bwd_sizes(const gt_node *node, int64_t *scratch, int64_t *work) {
-    const gt_tensor *d = &node->dst;
+static int moe_matmul_input_bwd_sizes(const gt_node *node, int64_t *scratch, int64_t *work, int32_t wtype) {
+    const gt_tensor *d = &node->dst, *w = &node->src[0], *ids = &node->src[1];
     *scratch = 0;
-    *work = (d->ndim == 3 ? d->shape[2] : 0) * (int64_t)sizeof(float);
+    *work = d->ndim == 3 && w->ndim == 3 && ids->ndim == 2
+                ? grouped_work(d->shape[0], d->shape[2], w->shape[0], w->shape[1], ids->shape[1], wtype)
+                : 0;
     return GT_OK;
 }
 
 /* dw[e, m] = sum over the (n, s) with ids[n, s] = e, in order, of g[n, s, m] x[n, X == 1 ? 0 :
- * s]; rows of experts no token chose are 0. Threads split the E M rows (the same terms in the
- * same order at every thread count). */
+ * s]; rows of experts no token chose are 0: grouped_weight_bwd (threads split the E M rows). */
 int gt_moe_matmul_weight_bwd_f32(const gt_node *node, const gt_ctx *ctx) {
     static const char *op = "moe_matmul_weight_bwd";
     int64_t dm[6];
     GT_TRY(gt_moe_matmul_check(node, 2, op, GT_F32, 1, dm));
-    const int64_t N = dm[0], X = dm[1], K = dm[2], E = dm[3], M = dm[4], k = dm[5];
-    const float *x = (const float *)node->src[0].data, *g = (const float *)node->src[2].data;
-    const int32_t *ids = (const int32_t *)node->src[1].data;
-    float *dw = (float *)node->dst.data;
-    GT_TRY(check_ids(ids, N * k, E, op));
-    int64_t lo, hi;
-    gt_split(E * M, ctx, &lo, &hi);
-    for (int64_t i = lo * K; i < hi * K; i++) dw[i] = 0.0f;
-    /* this thread's rows, expert by expert: one pass over the ids an expert */
-    for (int64_t e = lo / M; e < E && e * M < hi; e++) {
-        const int64_t r0 = e * M > lo ? e * M : lo, r1 = (e + 1) * M < hi ? (e + 1) * M : hi;
-        for (int64_t i = 0; i < N * k; i++) {
-            if (ids[i] != e) continue;
-            const int64_t n = i / k, s = i % k;
-            const float *xr = x + (n * X + (X == 1 ? 0 : s)) * K, *gi = g + i * M;
-            for (int64_t row = r0; row < r1; row++) {
-                float *dr = dw + row * K;
-                const float gm = gi[row - e * M];
-                for (int64_t c = 0; c < K; c++) dr[c] += gm * xr[c];
-            }
-        }
-    }
+    GT_TRY(check_ids((const int32_t *)node->src[1].data, dm[0] * dm[5], dm[3], op));
+    return grouped_weight_bwd(node, ctx, dm);
+}
+
+int gt_moe_matmul_weight_bwd_f32_sizes(const gt_node *node, int64_t *scratch, int64_t *work) {
+    const gt_tensor *x = &node->src[0], *d = &node->dst, *ids = &node->src[1];
+    *scratch = 0;
+    *work = x->ndim == 3 && d->ndim == 3 && ids->ndim == 2
+                ? grouped_work(x->shape[0], x->shape[2], d->shape[0], d->shape[1], ids->shape[1], GT_F32)
+                : 0;
     return GT_OK;
 }
 
 int gt_moe_matmul_fwd_f32(const gt_node *node, const gt_ctx *ctx) { return moe_matmul(node, ctx, GT_F32); }
+int gt_moe_matmul_fwd_f32_sizes(const gt_node *node, int64_t *scratch, int64_t *work) {
+    return moe_matmul_sizes(node, scratch, work, GT_F32);
+}
 int gt_moe_matmul_input_bwd_f32(const gt_node *node, const gt_ctx *ctx) {
     return moe_matmul_input_bwd(node, ctx, GT_F32);
+}
+int gt_moe_matmul_input_bwd_f32_sizes(const gt_node *node, int64_t *scratch, int64_t *work) {
+    return moe_matmul_input_bwd_sizes(node, scratch, work, GT_F32);
 }
 
 #define MOE_WEIGHT(w, ID)                                                                                  \
     int gt_moe_matmul_fwd_f32_##w(const gt_node *node, const gt_ctx *ctx) { return moe_matmul(node, ctx, ID); } \
     int gt_moe_matmul_fwd_f32_##w##_sizes(const gt_node *node, int64_t *scratch, int64_t *work) {           \
-        return moe_matmul_sizes(node, scratch, work);                                                     \
+        return moe_matmul_sizes(node, scratch, work, ID);                                                     \
     }                                                                                                      \
     int gt_moe_matmul_input_bwd_f32_##w(const gt_node *node, const gt_ctx *ctx) {                          \
         return moe_matmul_input_bwd(node, ctx, ID);                                                        \
     }                                                                                                      \
     int gt_moe_matmul_input_bwd_f32_##w##_sizes(const gt_node *node, int64_t *scratch, int64_t *work) {    \
-        return moe_matmul_input_bwd_sizes(node, scratch, work);                                            \
+        return moe_matmul_input_bwd_sizes(node, scratch, work, ID);                                            \
     }
 GT_WEIGHT_TYPES(MOE_WEIGHT)
