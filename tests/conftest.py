@@ -16,6 +16,14 @@ SHARED_DATA = pathlib.Path(__file__).resolve().parents[1].parent / "shared" / "d
 os.environ["GGTRAIN_TOKEN_CACHE"] = tempfile.mkdtemp(prefix="ggtrain-test-tokens-")
 atexit.register(shutil.rmtree, os.environ["GGTRAIN_TOKEN_CACHE"], True)
 
+# llama.cpp's CPU library runs its threads by OpenMP (libgomp), whose threads spin for a while
+# after each parallel region by default. In this process they then take the 2 cores from the
+# kernel core's pool and the next llama.cpp call (a one-token decode every few milliseconds):
+# a tiny family's 61 one-token decodes took 13 s, 0.06 s with passive waiting (measured on
+# 2 cores). Set before libgomp is loaded (the first import of llama_cpp); the numbers do not
+# change, only how idle threads wait.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 
 if os.environ.get("GGTRAIN_TEST_BACKEND") == "cuda":   # the kernel tests' direct runs go to the GPU too
     import functools

@@ -1,8 +1,11 @@
 """Helpers of the tests that ask real llama.cpp (llama-cpp-python, the interop extra) and run
 the `ggtrain` command."""
+import contextlib
+import io
 import itertools
 import subprocess
 import sys
+import traceback
 
 import numpy as np
 
@@ -10,6 +13,29 @@ import numpy as np
 def run_cli(*args):
     """`python -m ggtrain ARGS` in a subprocess (stdout and stderr captured as text)."""
     return subprocess.run([sys.executable, "-m", "ggtrain", *map(str, args)], capture_output=True, text=True)
+
+
+def run_here(*args):
+    """`ggtrain ARGS` as run_cli gives it (returncode, stdout, stderr), run by the console entry
+    point (ggtrain.cli.main.main: its parsing, error mapping and exit codes) in this process:
+    no interpreter start and imports per call (seconds each). For tests of what a command
+    computes; a test of the process itself (signals, stray output of the C side) uses run_cli.
+    An exception main() lets through (a bug) is its traceback on stderr and status 1, as the
+    interpreter ends a process with it."""
+    from ggtrain.cli.main import main
+    out, err = io.StringIO(), io.StringIO()
+    code = 0
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            main([str(a) for a in args])
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+            if exc.code is not None and not isinstance(exc.code, int):
+                err.write(f"{exc.code}\n")
+        except Exception:       # noqa: BLE001 (a bug's traceback, as the process would show it)
+            traceback.print_exc()
+            code = 1
+    return subprocess.CompletedProcess(["ggtrain", *map(str, args)], code, out.getvalue(), err.getvalue())
 
 
 def open_llm(llama, model, lora=None, scale=1.0, n_ctx=256, logits_all=True):

@@ -1,8 +1,6 @@
 """`ggtrain convert-checkpoint`: llama2.c import, output types against llama.cpp's own files,
 checkpoint -> model / adapter, model -> checkpoint -> training, and bad input."""
 import json
-import subprocess
-import sys
 
 import gguf
 import numpy as np
@@ -14,13 +12,15 @@ from ggtrain.formats.model_file import load_model
 from ggtrain.formats.lora import merge_lora, read_lora, write_lora
 from ggtrain.formats.mixture import OUT_TYPES
 from ggtrain.native.dtypes import nbytes
+from tests.interop import run_here
 
 TEXT = "Tom had a red kite. The kite flew high over the park and Tom laughed. " * 40
 FAST = ["--ctx", "64", "--batch", "2", "--lora-rank", "4", "--lr", "3e-3", "--quiet"]
 
 
 def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "ggtrain", *map(str, args)], capture_output=True, text=True)
+    """`ggtrain ARGS` by its entry point in this process (tests.interop.run_here)."""
+    return run_here(*args)
 
 
 def _tensors_equal(a, b) -> None:

@@ -14,7 +14,7 @@ from ggtrain.formats.mixture import MIXTURES
 from ggtrain.formats.model_file import load_model, rewrite_model
 from ggtrain.native.dtypes import DTYPES
 from tests.interop import (SMALL_MODELS, ggml_quantize, greedy, open_llm, quantize_with_llama_cpp,
-                           random_lora_pairs, run_cli, same_model_files)
+                           random_lora_pairs, run_here, same_model_files)
 
 PROMPT = "Once upon a time, there was a little"
 # where a quantized merged model's greedy run parts from llama.cpp's base + adapter, llama.cpp's
@@ -29,7 +29,7 @@ def _ids(model):
 
 def test_llama2c_import_runs_in_llama_cpp_as_stories260k(llama, shared_data, tmp_path):
     out = tmp_path / "s.gguf"
-    r = run_cli("convert-checkpoint", shared_data / "llama2c" / "stories260K.bin", out, "--from", "llama2c",
+    r = run_here("convert-checkpoint", shared_data / "llama2c" / "stories260K.bin", out, "--from", "llama2c",
              "--tokenizer", shared_data / "llama2c" / "tok512.bin")
     assert r.returncode == 0, r.stderr
     ref = shared_data / "gguf" / "stories260K.gguf"
@@ -48,18 +48,18 @@ def test_checkpoint_model_generates_in_llama_cpp_as_ggtrain_generate(llama, shar
     text = tmp_path / "t.txt"
     text.write_text((shared_data / "text" / "tinyshakespeare.txt").read_text()[:40000])
     ckdir, out = tmp_path / "ck", tmp_path / "m.gguf"
-    r = run_cli("train", "--data", text, "--out", tmp_path / "final.gguf", "--dim", "64", "--layers", "2", "--heads", "4",
+    r = run_here("train", "--data", text, "--out", tmp_path / "final.gguf", "--dim", "64", "--layers", "2", "--heads", "4",
              "--kv-heads", "2", "--ff", "128", "--ctx", "64", "--batch", "4", "--steps", "30", "--warmup", "3",
              "--lr", "5e-3", "--checkpoint-dir", ckdir, "--save-every", "20", "--quiet")
     assert r.returncode == 0, r.stderr
-    r = run_cli("convert-checkpoint", ckdir / "ckpt-000020.gguf", out)
+    r = run_here("convert-checkpoint", ckdir / "ckpt-000020.gguf", out)
     assert r.returncode == 0, r.stderr
     prompt = "KING RICHARD:\nWhat say you"
     _, _, tok = load_model(out)
     ids = tok.encode(prompt, add_bos=True).tolist()
     theirs = greedy(open_llm(llama, out), ids, 24)
     shown = list(itertools.takewhile(lambda t: t != tok.eos_id, theirs))
-    r = run_cli("generate", "--model", out, "--prompt", prompt, "-n", 24, "--temp", 0, "--numerics", "llama")
+    r = run_here("generate", "--model", out, "--prompt", prompt, "-n", 24, "--temp", 0, "--numerics", "llama")
     assert r.returncode == 0, r.stderr
     assert r.stdout == tok.decode(shown) + "\n"
 
@@ -71,7 +71,7 @@ def test_merged_model_runs_as_base_with_adapter(llama, shared_data, tmp_path, na
     pairs = random_lora_pairs(np.random.default_rng(3), weights, config["layers"], rank=4)
     adapter, merged = tmp_path / "a.gguf", tmp_path / "m.gguf"
     write_lora(adapter, "llama", 8.0, pairs)
-    r = run_cli("convert-checkpoint", base, merged, "--adapter", adapter, "--scale", 0.5)
+    r = run_here("convert-checkpoint", base, merged, "--adapter", adapter, "--scale", 0.5)
     assert r.returncode == 0, r.stderr
     assert {t.type for t in read_gguf(merged).tensors.values()} == {t.type for t in read_gguf(base).tensors.values()}
     _, ids = _ids(base)
@@ -95,7 +95,7 @@ def test_out_types_are_llama_cpps_quantizations(llama, shared_data, tmp_path, ou
     src = shared_data / "gguf" / "stories260K.gguf"
     ref, out = tmp_path / "ref.gguf", tmp_path / "ours.gguf"
     quantize_with_llama_cpp(llama, src, ref, MIXTURES[out_type].file_type)
-    r = run_cli("convert-checkpoint", src, out, "--out-type", out_type)
+    r = run_here("convert-checkpoint", src, out, "--out-type", out_type)
     assert r.returncode == 0, r.stderr
     same_model_files(out, ref)
 
@@ -153,7 +153,7 @@ def _smollm2_matches(llama, src, tmp_path, out_type):
     changes type; llama.cpp's greedy run on ours is the one on its own file."""
     ref, out = tmp_path / "ref.gguf", tmp_path / "ours.gguf"
     quantize_with_llama_cpp(llama, src, ref, MIXTURES[out_type].file_type, requantize=True)
-    r = run_cli("convert-checkpoint", src, out, "--out-type", out_type)
+    r = run_here("convert-checkpoint", src, out, "--out-type", out_type)
     assert r.returncode == 0, r.stderr
     same_model_files(out, ref)
     fs, fr = read_gguf(src), read_gguf(ref)
@@ -161,8 +161,9 @@ def _smollm2_matches(llama, src, tmp_path, out_type):
                       and fr.tensors[n].type != i.type})
     assert ("requantizes" in r.stdout) == bool(changed), r.stdout
     assert not changed or f"from {', '.join(changed)} (llama.cpp" in r.stdout, r.stdout
-    ids = open_llm(llama, ref).tokenize(b"The capital of France is", add_bos=False)
-    assert greedy(open_llm(llama, out), ids, 8) == greedy(open_llm(llama, ref), ids, 8)
+    theirs = open_llm(llama, ref)
+    ids = theirs.tokenize(b"The capital of France is", add_bos=False)
+    assert greedy(open_llm(llama, out), ids, 8) == greedy(theirs, ids, 8)
 
 
 @pytest.mark.parametrize("out_type", ["q4_k_m", "q2_k"])

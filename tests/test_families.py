@@ -26,7 +26,7 @@ from ggtrain.formats.model_file import load_model
 from ggtrain.formats.tokenizer import ByteTokenizer
 from ggtrain.core.numerics import LLAMA
 from tests import np_decoder
-from tests.interop import open_llm, run_cli
+from tests.interop import open_llm, run_cli, run_here
 from tests.family_cases import BASE, INTEROP_CASES, ORACLE, SCRATCH_KV_HEADS
 from tests.test_decoder import family_params
 
@@ -207,7 +207,7 @@ def _their_nll(llm, ids) -> tuple:
 
 
 def _eval_cli(model, data, *extra) -> dict:
-    res = run_cli("eval", "--model", model, "--data", data, "--json", "--threads", 2, *extra)
+    res = run_here("eval", "--model", model, "--data", data, "--json", "--threads", 2, *extra)
     assert res.returncode == 0, res.stderr
     return json.loads(res.stdout)
 
@@ -259,9 +259,9 @@ def test_family_lora_and_merged_model_equal_llama_cpp(llama, family_model, tmp_p
     data = tmp_path / "t.txt"
     data.write_text(TEXT * 8)
     adapter, merged = tmp_path / "a.gguf", tmp_path / "m.gguf"
-    res = run_cli("finetune", "--model", path, "--data", data, "--out", adapter, "--merged-out", merged,
-                  "--steps", 4, "--ctx", 32, "--batch", 2, "--lr", 3e-2, "--warmup", 0, "--val-split", 0,
-                  "--threads", 2, "--quiet")
+    res = run_here("finetune", "--model", path, "--data", data, "--out", adapter, "--merged-out", merged,
+                   "--steps", 4, "--ctx", 32, "--batch", 2, "--lr", 3e-2, "--warmup", 0, "--val-split", 0,
+                   "--threads", 2, "--quiet")
     assert res.returncode == 0, res.stderr
     ids = tok.encode(TEXT, add_bos=tok.add_bos)
     nll_atol, logits_atol = _atol(cfg)
@@ -389,7 +389,7 @@ def test_family_greedy_generation_equals_llama_cpp(llama, family_model):
     too (its text is random bytes, so the ids are compared through the decoder it drives)."""
     path, cfg, weights, tok = family_model
     prompt, n = "First Citizen:\n", 40          # past gemma3's window of 8
-    r = run_cli("generate", "--model", path, "--prompt", prompt, "-n", 8, "--temp", 0, "--threads", 2)
+    r = run_here("generate", "--model", path, "--prompt", prompt, "-n", 8, "--temp", 0, "--threads", 2)
     assert r.returncode == 0, r.stderr
     ids = tok.encode(prompt, add_bos=tok.add_bos).tolist()
     theirs = []     # (as generation runs: the prompt's last position alone through the last FFN and head)
@@ -418,9 +418,9 @@ def test_train_from_scratch_gives_a_model_llama_cpp_runs(llama, arch, tmp_path):
     data = tmp_path / "t.txt"
     data.write_text(TEXT * 20)
     out = tmp_path / "m.gguf"
-    r = run_cli("train", "--arch", arch, "--data", data, "--out", out, "--dim", 32, "--layers", 2, "--heads", 4,
-                "--kv-heads", SCRATCH_KV_HEADS.get(arch, 2), "--ff", 64, "--ctx", 256, "--batch", 2, "--steps", 3,
-                "--threads", 2, "--quiet", "--val-split", 0.1)
+    r = run_here("train", "--arch", arch, "--data", data, "--out", out, "--dim", 32, "--layers", 2, "--heads", 4,
+                 "--kv-heads", SCRATCH_KV_HEADS.get(arch, 2), "--ff", 64, "--ctx", 256, "--batch", 2, "--steps", 3,
+                 "--threads", 2, "--quiet", "--val-split", 0.1)
     assert r.returncode == 0, r.stderr
     cfg = validate_model(read_gguf(out)).config
     assert cfg.arch == arch
@@ -443,9 +443,9 @@ def test_full_finetune_trains_qwen2_biases_and_llama_cpp_runs_the_model(llama, t
     data = tmp_path / "t.txt"
     data.write_text(TEXT * 8)
     out, ck = tmp_path / "full.gguf", tmp_path / "ck"
-    r = run_cli("finetune", "--model", base, "--data", data, "--out", out, "--full", "--steps", 3, "--ctx", 32,
-                "--batch", 2, "--lr", 1e-3, "--warmup", 0, "--val-split", 0, "--threads", 2, "--quiet",
-                "--checkpoint-dir", ck, "--save-every", 3)
+    r = run_here("finetune", "--model", base, "--data", data, "--out", out, "--full", "--steps", 3, "--ctx", 32,
+                 "--batch", 2, "--lr", 1e-3, "--warmup", 0, "--val-split", 0, "--threads", 2, "--quiet",
+                 "--checkpoint-dir", ck, "--save-every", 3)
     assert r.returncode == 0, r.stderr
     mcfg, trained, _ = load_model(out)
     assert ModelConfig(**mcfg) == cfg
@@ -456,7 +456,7 @@ def test_full_finetune_trains_qwen2_biases_and_llama_cpp_runs_the_model(llama, t
     ids = tok.encode(TEXT, add_bos=tok.add_bos)
     assert _eval_cli(out, probe)["nll"] == pytest.approx(_their_nll(open_llm(llama, out), ids)[1], abs=NLL_ATOL)
     again = tmp_path / "again.gguf"
-    r = run_cli("convert-checkpoint", sorted(ck.glob("*.gguf"))[-1], again)
+    r = run_here("convert-checkpoint", sorted(ck.glob("*.gguf"))[-1], again)
     assert r.returncode == 0, r.stderr
     _, converted, _ = load_model(again)
     for name in trained:

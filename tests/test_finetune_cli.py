@@ -17,6 +17,7 @@ from ggtrain.core.models.inference import Runner
 from ggtrain.formats.gguf import quantize, read_gguf
 from ggtrain.formats.model_file import load_model
 from ggtrain.formats.lora import lora_adapters, merge_lora, read_lora
+from tests.interop import run_here
 
 FAST = ["--ctx", "64", "--batch", "2", "--lora-rank", "4", "--lr", "3e-3", "--quiet"]
 # a template for a vocabulary without chat tokens: each turn ends with the EOS text, which
@@ -27,8 +28,9 @@ TEMPLATE = ("{% for m in messages %}{{ m['role'] }}:\n{{ m['content'] }}{{ eos_t
             "{% if add_generation_prompt %}assistant:\n{% endif %}")
 
 
-def _cli(*args, **kw):
-    return subprocess.run([sys.executable, "-m", "ggtrain", *map(str, args)], capture_output=True, text=True, **kw)
+def _cli(*args):
+    """`ggtrain ARGS` by its entry point in this process (tests.interop.run_here)."""
+    return run_here(*args)
 
 
 @pytest.fixture

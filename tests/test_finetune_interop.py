@@ -15,7 +15,7 @@ from ggtrain.core.models.config import ModelConfig
 from ggtrain.core.models.inference import Runner
 from ggtrain.formats.model_file import load_model
 from ggtrain.formats.lora import lora_adapters
-from tests.interop import greedy, open_llm, run_cli
+from tests.interop import greedy, open_llm, run_here
 
 TEXT = "Tom had a red kite. The kite flew high over the park and Tom laughed. " * 40
 FAST = ["--ctx", "64", "--batch", "2", "--lora-rank", "4", "--lr", "3e-3", "--quiet"]
@@ -38,7 +38,7 @@ def test_adapter_and_merged_model_run_in_llama_cpp(llama, shared_data, tmp_path,
     text = tmp_path / "t.txt"
     text.write_text(TEXT)
     adapter, merged = tmp_path / "a.gguf", tmp_path / "m.gguf"
-    r = run_cli("finetune", "--model", base, "--data", text, "--out", adapter, "--merged-out", merged, "--steps", 25,
+    r = run_here("finetune", "--model", base, "--data", text, "--out", adapter, "--merged-out", merged, "--steps", 25,
              *FAST)
     assert r.returncode == 0, r.stderr
     config, weights, tok = load_model(base)
@@ -51,8 +51,8 @@ def test_adapter_and_merged_model_run_in_llama_cpp(llama, shared_data, tmp_path,
     # our greedy continuation with the adapter (the CLI) is llama.cpp's
     theirs = greedy(with_adapter, ids, 16)
     shown = list(itertools.takewhile(lambda t: t not in tok.eog_ids, theirs))
-    r = run_cli("generate", "--model", base, "--lora", adapter, "--prompt", "Tom had a red kite. The kite", "-n", 16,
-                "--numerics", "llama")
+    r = run_here("generate", "--model", base, "--lora", adapter, "--prompt", "Tom had a red kite. The kite", "-n", 16,
+                 "--numerics", "llama")
     assert r.returncode == 0, r.stderr
     assert r.stdout == tok.decode(shown) + "\n"
     # the merged model runs in llama.cpp as the base does with the adapter
@@ -65,7 +65,7 @@ def test_full_finetune_model_runs_in_llama_cpp(llama, shared_data, tmp_path):
     text = tmp_path / "t.txt"
     text.write_text(TEXT)
     out = tmp_path / "full.gguf"
-    r = run_cli("finetune", "--model", base, "--data", text, "--out", out, "--full", "--steps", 10, *FAST)
+    r = run_here("finetune", "--model", base, "--data", text, "--out", out, "--full", "--steps", 10, *FAST)
     assert r.returncode == 0, r.stderr
     config, weights, tok = load_model(out)
     ids = tok.encode("Tom had a red kite.", add_bos=True).tolist()
@@ -88,7 +88,7 @@ def test_smollm2_learns_the_vicuna_identity(llama, shared_data, tmp_path):
     data = tmp_path / "identity.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in keep))
     out = tmp_path / "vicuna.gguf"
-    r = run_cli("finetune", "--model", model, "--data", data, "--out", out, "--epochs", "1", "--ctx", "256",
+    r = run_here("finetune", "--model", model, "--data", data, "--out", out, "--epochs", "1", "--ctx", "256",
              "--batch", "1", "--lr", "1e-3", "--quiet")
     assert r.returncode == 0, r.stderr
     from ggtrain.formats.chat import chat_template

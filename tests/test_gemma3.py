@@ -21,7 +21,7 @@ from ggtrain.formats.gguf import read_gguf
 from ggtrain.formats.model import validate_model
 from ggtrain.core.numerics import LLAMA
 from tests.conftest import SHARED_DATA
-from tests.interop import greedy, open_llm, run_cli, their_nll
+from tests.interop import greedy, open_llm, run_here, their_nll
 from tests.real_models import gemma3_270m
 
 NLL_TOL_F32 = 1e-3      # both in f32 on the same weights; llama.cpp's f16 gelu table is ~3e-5
@@ -48,7 +48,7 @@ def _their_nll(llama, model, text) -> float:
 
 
 def _our_eval(model, data, *flags) -> dict:
-    r = run_cli("eval", "--model", model, "--data", data, "--ctx", 512, "--json", "--threads", 2, *flags)
+    r = run_here("eval", "--model", model, "--data", data, "--ctx", 512, "--json", "--threads", 2, *flags)
     assert r.returncode == 0, r.stderr
     return json.loads(r.stdout)
 
@@ -67,7 +67,7 @@ def test_gemma3_270m_nll_equals_llama_cpp(llama, gemma, tmp_path):
     assert _our_eval(gemma, data, "--numerics", "llama", "--cache-type", "f32")["nll"] == \
         pytest.approx(_their_nll(llama, gemma, short), abs=1e-4)
     f32 = tmp_path / "g32.gguf"
-    r = run_cli("convert-checkpoint", gemma, f32, "--out-type", "f32")
+    r = run_here("convert-checkpoint", gemma, f32, "--out-type", "f32")
     assert r.returncode == 0, r.stderr
     ours_f32 = _our_eval(f32, data)
     assert ours_f32["nll"] == pytest.approx(ours["nll"], abs=1e-5)      # dequantized in the GEMM or once
@@ -78,8 +78,8 @@ def test_gemma3_270m_greedy_equals_llama_cpp(llama, gemma):
     """generate --numerics llama (llama.cpp's numbers, its default F16 KV cache) continues a prompt
     with the greedy tokens of llama.cpp as a user runs it, every one of them."""
     prompt, n = "The capital of France is", 48
-    r = run_cli("generate", "--model", gemma, "--prompt", prompt, "-n", n, "--temp", 0, "--threads", 2,
-                "--numerics", "llama")
+    r = run_here("generate", "--model", gemma, "--prompt", prompt, "-n", n, "--temp", 0, "--threads", 2,
+                 "--numerics", "llama")
     assert r.returncode == 0, r.stderr
     llm = llama.Llama(model_path=str(gemma), n_ctx=256, n_threads=2, n_threads_batch=2, seed=0, verbose=False)
     theirs = greedy(llm, llm.tokenize(prompt.encode(), add_bos=True), n)

@@ -14,6 +14,7 @@ from ggtrain.core.sampling import Sampler
 from ggtrain.formats.model_file import load_model
 from ggtrain.core.numerics import EXACT, LLAMA
 from tests import np_decoder as np_llama
+from tests.interop import run_here
 
 # From ../shared/data/README.md: llama.cpp's greedy continuations of "Once upon a time".
 LLAMA_CPP = {
@@ -26,7 +27,8 @@ GOLDEN_FROM_BOS = [403, 407, 261, 378, 432, 383, 286, 261, 376, 298, 315, 421, 3
 
 
 def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "ggtrain", *args], capture_output=True, text=True)
+    """`ggtrain ARGS` by its entry point in this process (tests.interop.run_here)."""
+    return run_here(*args)
 
 
 @pytest.mark.parametrize("name", list(LLAMA_CPP))

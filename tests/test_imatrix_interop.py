@@ -14,7 +14,7 @@ from ggtrain.formats.imatrix import read_imatrix
 from ggtrain.formats.mixture import MIXTURES
 from ggtrain.formats.model_file import rewrite_model
 from tests.conftest import write_shakespeare
-from tests.interop import SMALL_MODELS, imatrix_with_llama_cpp, open_llm, quantize_with_llama_cpp, run_cli, \
+from tests.interop import SMALL_MODELS, imatrix_with_llama_cpp, open_llm, quantize_with_llama_cpp, run_here, \
     same_model_files
 from tests.test_imatrix import model_entries, write_imatrix_gguf
 
@@ -84,7 +84,7 @@ def _same_as_llama_quantize(tools, model, im, out_type, tmp_path):
     r = subprocess.run([str(c) for c in (tools["llama-quantize"], "--allow-requantize", "--imatrix", im, model, ref,
                                          TOOL_TYPES[out_type], 2)], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-2000:]
-    r = run_cli("convert-checkpoint", model, out, "--out-type", out_type, "--imatrix", im)
+    r = run_here("convert-checkpoint", model, out, "--out-type", out_type, "--imatrix", im)
     assert r.returncode == 0, r.stderr
     assert f"importance matrix {im}" in r.stdout, r.stdout
     same_model_files(out, ref)      # names the first tensor that differs
@@ -176,8 +176,8 @@ def _entries(path) -> tuple:
 
 
 def _ours(model, text, out, ctx, *extra):
-    r = run_cli("imatrix", "--model", model, "--data", text, "--out", out, "--ctx", ctx, "--chunks", 4, "--quiet",
-                *extra)
+    r = run_here("imatrix", "--model", model, "--data", text, "--out", out, "--ctx", ctx, "--chunks", 4, "--quiet",
+                 *extra)
     assert r.returncode == 0, r.stderr
     return out
 

@@ -10,13 +10,16 @@ import numpy as np
 import pytest
 
 from ggtrain.formats.model_file import load_model
+from tests.interop import run_here
 
 TINY = ["--dim", "32", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--ff", "64", "--ctx", "32",
         "--batch", "4", "--warmup", "5", "--lr", "3e-3", "--quiet"]
 
 
-def _cli(*args, **kw):
-    return subprocess.run([sys.executable, "-m", "ggtrain", *map(str, args)], capture_output=True, text=True, **kw)
+def _cli(*args):
+    """`ggtrain ARGS` by its entry point in this process (tests.interop.run_here); the Ctrl-C
+    test runs its own process."""
+    return run_here(*args)
 
 
 @pytest.fixture

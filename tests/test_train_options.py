@@ -9,13 +9,15 @@ import sys
 
 import gguf
 import pytest
+from tests.interop import run_here
 
 TINY = ["--dim", "32", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--ff", "64", "--ctx", "32",
         "--batch", "4", "--quiet"]
 
 
-def _cli(*args, **kw):
-    return subprocess.run([sys.executable, "-m", "ggtrain", *map(str, args)], capture_output=True, text=True, **kw)
+def _cli(*args):
+    """`ggtrain ARGS` by its entry point in this process (tests.interop.run_here)."""
+    return run_here(*args)
 
 
 def _lines(path):
