@@ -25,6 +25,7 @@ path's shared prefixes, fed once, show as speed).
 from __future__ import annotations
 
 import argparse
+import os
 import pathlib
 import sys
 import tempfile
@@ -34,6 +35,9 @@ import numpy as np
 
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+# llama.cpp's OpenMP threads spin while idle: on a machine doing other work (or running our side
+# between its calls) they cost it most of its speed, so they wait passively here, as in the tests
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 from peak import Peak  # noqa: E402
 SHARED = HERE.parents[1] / "shared" / "data"
 SMOLLM2 = SHARED / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
