@@ -14,9 +14,11 @@ rounding:
   tree mask; positions go on from the prefix's). The rows of a batch go through the decoder at
   once, and the log-likelihood of each continuation is the sum of its positions'
   log-probabilities (losses.sequence_nll with a selection matrix, the logits never held whole).
-  One plan serves every batch of a task. Where the model has recurrent layers (a state cannot
-  branch) or a sliding window shorter than a row (it counts rows), and for an item longer than a
-  row, each choice is a whole sample of its own instead.
+  One plan serves every batch of a task, its shape chosen for the task (_shape): the row length
+  (from the longest choice to the context) and rows a batch that compute the fewest positions,
+  pieces placed first fit, the rows spread evenly over the batches. Where the model has recurrent
+  layers (a state cannot branch), in rows longer than a sliding window (it counts rows), and for
+  an item longer than a row, each choice is a whole sample of its own instead.
 - score_item: one item through the KV-cached decoder: the tokens its choices share (the context,
   or Winogrande's sentence start) fed once, each choice continuing from there. llama.cpp's
   numerics take this way (their float order depends on a product's row count, so a choice must be
@@ -39,8 +41,8 @@ from ggtrain.errors import ConfigError
 # tokens a batch of packed choices holds (rows x row length): big enough for the products to run
 # at GEMM speed, small enough that a task's plan holds little memory
 BATCH_TOKENS = 4096
-# the shortest row a batch packs items into (fewer positions left over at a row's end than in short rows)
-ROW_MIN = 64
+# the rows still open while packing (first fit among them): more fill rows better, fewer pack faster
+OPEN_ROWS = 8
 
 
 @dataclass(frozen=True)
@@ -135,36 +137,81 @@ class _Batch:
     segments: int = 0
 
 
-def _item_size(choices: list, tree: bool, length: int) -> tuple:
-    """(the positions an item takes packed, its shared prefix's length: 0 when its choices are
-    packed whole, as without a tree mask or where the tree would not fit a row of `length`)."""
-    seqs, shared = _shared_prefix(choices) if tree else ([np.concatenate([c, t]) for c, t, _ in choices], 0)
-    whole = sum(len(s) - 1 for s in seqs)
-    size = whole - (len(seqs) - 1) * shared
-    return (size, shared) if shared and size <= length else (whole, 0)
+class _Item:
+    """An item as packing sees it: each choice's context + continuation ids (i32) and context
+    length; the positions its choices take whole, and as a tree (its shared prefix once, then
+    each choice's rest), with the prefix's length (0: no tree)."""
+
+    def __init__(self, choices: list, tree: bool):
+        if tree:
+            self.seqs, self.shared = _shared_prefix(choices)
+        else:
+            self.seqs, self.shared = [np.concatenate([c, t]).astype(np.int32) for c, t, _ in choices], 0
+        self.contexts = [len(c) for c, _, _ in choices]
+        self.whole = sum(len(s) - 1 for s in self.seqs)
+        self.tree = self.whole - (len(self.seqs) - 1) * self.shared
+
+    def as_tree(self, length: int, tree: bool) -> bool:
+        """Whether it is packed as its tree in rows of `length` (tree: trees are wanted)."""
+        return bool(tree and self.shared and self.tree <= length)
+
+    def pieces(self, length: int, tree: bool) -> list:
+        """The positions of each piece it is packed as in rows of `length`: the tree whole, or
+        each choice."""
+        return [self.tree] if self.as_tree(length, tree) else [len(s) - 1 for s in self.seqs]
 
 
-def _pack(encoded: list, length: int, n_rows: int, tree: bool = False) -> list:
-    """The choices of encoded items [(choices, gold)] packed into batches of n_rows rows of
-    `length` positions, in order. A choice takes its context and continuation but the last
-    token and predicts the continuation from its context's last position on. With tree, an
-    item's shared prefix (_item_size) is one segment, and each choice's rest a segment whose
-    parent is the prefix, all in one row; else (and for an item whose tree does not fit a row)
-    each choice is a segment of its own."""
-    batches, batch, row, at = [], None, n_rows, length
+def _place(sizes, length: int) -> tuple:
+    """([(row, start)] of each piece of `sizes` positions, rows taken): first fit into the last
+    OPEN_ROWS rows that still have room, else a new row."""
+    open_rows, where, n = [], [], 0
+    for s in sizes:
+        for k, (r, at) in enumerate(open_rows):
+            if at + s <= length:
+                where.append((r, at))
+                open_rows[k] = (r, at + s)
+                break
+        else:
+            where.append((n, 0))
+            open_rows.append((n, s))
+            n += 1
+            if len(open_rows) > OPEN_ROWS:
+                open_rows.pop(0)
+    return where, n
 
-    def room(n: int) -> tuple:
-        """(batch, row, start) of n free positions: this row's, or the next row's."""
-        nonlocal batch, row, at
-        if at + n > length:
-            row, at = row + 1, 0
-            if row >= n_rows:
-                batch = _Batch(*(np.zeros((n_rows, length), np.int32) for _ in range(2)),
-                               *(np.full((n_rows, length), -1, np.int32) for _ in range(2)), [], [], [])
-                batches.append(batch)
-                row = 0
-        start, at = at, at + n
-        return batch, row, start
+
+def _shape(items: list, n_ctx: int, tree: bool, window: int) -> tuple:
+    """(row length, rows a batch, tree) that compute the fewest positions for the task's items:
+    each row length from the longest choice (rounded up to 32) to the context or BATCH_TOKENS,
+    a batch at most BATCH_TOKENS positions (one row at least), the rows spread evenly over the
+    batches (no nearly empty last batch). With a window (local layers), trees only in rows no
+    longer than it (the window counts rows)."""
+    longest = max(len(s) - 1 for item in items for s in item.seqs)
+    first = min(-(-longest // 32) * 32, n_ctx)
+    best = None
+    for length in range(first, max(first, min(n_ctx, BATCH_TOKENS)) + 1, 32):
+        here = tree and (not window or length <= window)
+        _, rows = _place((s for item in items for s in item.pieces(length, here)), length)
+        batches = -(-rows // max(1, BATCH_TOKENS // length))
+        n_rows = -(-rows // batches)
+        cost = batches * n_rows * length
+        if best is None or cost < best[0]:
+            best = (cost, length, n_rows, here)
+    return best[1:]
+
+
+def _pack(items: list, length: int, n_rows: int, tree: bool = False) -> list:
+    """The choices of items (_Item) packed into batches of n_rows rows of `length` positions,
+    _place's rows in order. A choice takes its context and continuation but the last token and
+    predicts the continuation from its context's last position on. With tree, an item's shared
+    prefix is one segment, and each choice's rest a segment whose parent is the prefix, all one
+    piece of a row; else (and for an item whose tree does not fit a row) each choice is a piece
+    and a segment of its own. A batch's samples go item by item, in order."""
+    pieces = [item.pieces(length, tree) for item in items]
+    where, n = _place((s for p in pieces for s in p), length)
+    batches = [_Batch(*(np.zeros((n_rows, length), np.int32) for _ in range(2)),
+                      *(np.full((n_rows, length), -1, np.int32) for _ in range(2)), [], [], [])
+               for _ in range(-(-n // n_rows))]
 
     def segment(b: _Batch, r: int, start: int, ids, first_pos: int, parent: int | None) -> int:
         """Write ids at row r from start, positions from first_pos; the new segment's value."""
@@ -177,28 +224,30 @@ def _pack(encoded: list, length: int, n_rows: int, tree: bool = False) -> list:
         b.parent[r, start:start + n] = value if parent is None else parent
         return value
 
-    for i, (choices, _) in enumerate(encoded):
-        size, shared = _item_size(choices, tree, length)
-        seqs = [np.concatenate([c, t]).astype(np.int32) for c, t, _ in choices]
-        if shared:     # the prefix at [p0, p0 + shared), then each choice's rest
-            b, r, p0 = room(size)
-            prefix = segment(b, r, p0, seqs[0][:shared], 0, None)
-            at_rest = p0 + shared
-        for j, ((c, t, _), s) in enumerate(zip(choices, seqs)):
-            if shared:
-                n = len(s) - 1 - shared
+    places = iter(where)
+    for i, item in enumerate(items):
+        as_tree = item.as_tree(length, tree)
+        if as_tree:    # the prefix, then each choice's rest
+            row, p0 = next(places)
+            b, r = batches[row // n_rows], row % n_rows
+            prefix = segment(b, r, p0, item.seqs[0][:item.shared], 0, None)
+            at_rest = p0 + item.shared
+        for j, (s, c) in enumerate(zip(item.seqs, item.contexts)):
+            if as_tree:
+                n = len(s) - 1 - item.shared
                 if n:
-                    segment(b, r, at_rest, s[shared:-1], shared, prefix)
+                    segment(b, r, at_rest, s[item.shared:-1], item.shared, prefix)
                 # position p of the choice's sequence is at the prefix's p0 + p, or past it here
-                where = [p0 + p if p < shared else at_rest + p - shared for p in range(len(c) - 1, len(s) - 1)]
+                at = [p0 + p if p < item.shared else at_rest + p - item.shared for p in range(c - 1, len(s) - 1)]
                 at_rest += n
             else:
-                b, r, start = room(len(s) - 1)
+                row, start = next(places)
+                b, r = batches[row // n_rows], row % n_rows
                 segment(b, r, start, s[:-1], 0, None)
-                where = [start + p for p in range(len(c) - 1, len(s) - 1)]
-            b.samples.append((i, j, len(b.rows), len(t)))
-            b.rows.extend(r * length + w for w in where)
-            b.targets.extend(int(x) for x in t)
+                at = [start + p for p in range(c - 1, len(s) - 1)]
+            b.samples.append((i, j, len(b.rows), len(s) - c))
+            b.rows.extend(r * length + w for w in at)
+            b.targets.extend(int(x) for x in s[c:])
     return batches
 
 
@@ -215,21 +264,18 @@ def score_items(cfg: ModelConfig, weights: dict, backend, encoded: list, adapter
     picks phi3's rope factors); progress(items done) after each batch. Raises ConfigError
     (with the index of the item, as "item i: ...") when a choice does not fit."""
     n_ctx = min(n_ctx or cfg.ctx, cfg.ctx)
-    longest = 1
     for i, (choices, _) in enumerate(encoded):
         try:
             check_fits(choices, n_ctx)
         except ConfigError as exc:
             raise ConfigError(f"item {i}: {exc}") from None
-        longest = max([longest] + [len(c) + len(t) - 1 for c, t, _ in choices])
+    if not encoded:
+        return []
     tree = _tree_fits(cfg)
-    if tree:      # rows long enough for the trees that fit the context
-        sizes = [_item_size(choices, True, n_ctx)[0] for choices, _ in encoded]
-        longest = max([longest] + [n for n in sizes if n <= n_ctx])
-    length = min(n_ctx, max(ROW_MIN, -(-longest // 32) * 32))
-    tree = tree and (not any(cfg.local(i) for i in range(cfg.layers)) or cfg.window >= length)
-    n_rows = max(1, BATCH_TOKENS // length)
-    batches = _pack(encoded, length, n_rows, tree)
+    items = [_Item(choices, tree) for choices, _ in encoded]
+    window = cfg.window if any(cfg.local(i) for i in range(cfg.layers)) else 0
+    length, n_rows, tree = _shape(items, n_ctx, tree, window)
+    batches = _pack(items, length, n_rows, tree)
     if not batches:
         return []
     n_loss = max(len(b.rows) for b in batches)
@@ -250,8 +296,9 @@ def score_items(cfg: ModelConfig, weights: dict, backend, encoded: list, adapter
         rt.bind(t, buf)
     plan = rt.compile([nll])
     logliks = [[0.0] * len(choices) for choices, _ in encoded]
-    done = 0
-    for b in batches:
+    last = {i: k for k, b in enumerate(batches) for i, _, _, _ in b.samples}   # each item's last batch
+    ends = np.bincount(list(last.values()), minlength=len(batches))
+    for b, finished in zip(batches, ends):
         r = np.zeros(n_loss, np.int32)
         tgt = np.full(n_loss, -1, np.int32)
         r[:len(b.rows)], tgt[:len(b.targets)] = b.rows, b.targets
@@ -266,11 +313,7 @@ def score_items(cfg: ModelConfig, weights: dict, backend, encoded: list, adapter
         sums = plan.read(nll)
         for k, (i, j, _, _) in enumerate(b.samples):
             logliks[i][j] = -float(sums[k])
-        finished = b.samples[-1][0] + (b.samples[-1][1] == len(encoded[b.samples[-1][0]][0]) - 1)
-        if progress is not None and finished > done:
-            progress(finished - done)
-            done = finished
-    if progress is not None and done < len(encoded):
-        progress(len(encoded) - done)
+        if progress is not None and finished:
+            progress(int(finished))
     return [Scored(tuple(ll), tuple(len(t) for _, t, _ in choices), int(gold), tuple(n for _, _, n in choices))
             for ll, (choices, gold) in zip(logliks, encoded)]

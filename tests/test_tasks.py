@@ -195,16 +195,18 @@ def _random_items(rng, vocab: int, n: int) -> list:
     return items
 
 
-@pytest.mark.parametrize("case, tree", [("llama3", True), ("qwen3", True), ("gemma3", False), ("lfm2", False)])
-def test_tree_packed_scores_equal_item_by_item(monkeypatch, case, tree):
+@pytest.mark.parametrize("case, extra, tree", [("llama3", {}, True), ("qwen3", {}, True), ("gemma3", {}, False),
+                                               ("gemma3", {"window": 32}, True), ("lfm2", {}, False)])
+def test_tree_packed_scores_equal_item_by_item(monkeypatch, case, extra, tree):
     """score_items with the tree mask (each item's shared prefix once, its choices seeing it:
-    llama, qwen3) or, where the model has a window shorter than a row (gemma3's local layers)
-    or recurrent layers (lfm2), each choice whole, gives score_item's log-likelihoods; the
-    tree packs fewer positions than the choices whole."""
+    llama, qwen3, gemma3 in rows no longer than its window) or, where the model's window is
+    shorter than any row that fits (gemma3's local layers of 3) or it has recurrent layers
+    (lfm2), each choice whole, gives score_item's log-likelihoods; the tree packs fewer
+    positions than the choices whole."""
     from ggtrain.core import tasks
     from ggtrain.core.models.config import init_params
     from tests.family_cases import CASES, TINY
-    cfg = ModelConfig(**{**TINY, **CASES[case].tiny, "ctx": 64})
+    cfg = ModelConfig(**{**TINY, **CASES[case].tiny, "ctx": 64, **extra})
     weights = init_params(cfg, seed=3, std=0.3)
     items = _random_items(np.random.default_rng(7), cfg.vocab, 12)
     monkeypatch.setattr(tasks, "BATCH_TOKENS", 128)     # rows of 64, two a batch: items straddle batches
@@ -221,3 +223,27 @@ def test_tree_packed_scores_equal_item_by_item(monkeypatch, case, tree):
     for (choices, gold), got in zip(items, many):
         want = score_item(decoder, choices, gold)
         np.testing.assert_allclose(got.logliks, want.logliks, rtol=0, atol=2e-4)
+
+
+@pytest.mark.parametrize("n_items", [3, 24, 200])
+def test_packing_computes_few_positions_past_the_items(n_items):
+    """The rows' length and count are chosen for the task (_shape): the positions a task's
+    batches compute (batches x rows x length) stay within 15% (and a row) of those its items take,
+    for HellaSwag-like items (a 40-90 token context, four 15-30 token endings) of any count: no
+    half-empty rows of one item each, no nearly empty last batch. Every item's tokens are there."""
+    from ggtrain.core import tasks
+    rng = np.random.default_rng(n_items)
+    items = []
+    for _ in range(n_items):
+        ctx = np.concatenate([[1], rng.integers(2, 1000, int(rng.integers(40, 90)))]).astype(np.int32)
+        items.append(([(ctx, rng.integers(2, 1000, int(rng.integers(15, 30))).astype(np.int32), 1)
+                       for _ in range(4)], 0))
+    prepared = [tasks._Item(choices, True) for choices, _ in items]
+    length, n_rows, tree = tasks._shape(prepared, 512, True, 0)
+    batches = tasks._pack(prepared, length, n_rows, tree)
+    taken = sum(int((b.seg >= 0).sum()) for b in batches)
+    assert tree and taken == sum(p.tree for p in prepared)
+    assert len(batches) * n_rows * length <= 1.15 * taken + length, (length, n_rows, len(batches), taken)
+    assert n_rows * length <= tasks.BATCH_TOKENS
+    assert sorted((i, j) for b in batches for i, j, _, _ in b.samples) == [(i, j) for i in range(n_items)
+                                                                         for j in range(4)]
