@@ -374,39 +374,42 @@ def test_eight_expert_mixtures_are_llama_cpps_quantizer(llama, tmp_path, out_typ
     same_model_files(ours, ref)
 
 
-def _balance64(z, ids, k):
+def _balance64(z, ids, k, gating="softmax"):
     """The load-balancing loss in float64: E * sum_e f_e P_e, f_e the share of the routed
-    slots ids (N, k) that go to e, P_e the mean of softmax(z (N, E))[:, e]."""
+    slots ids (N, k) that go to e, P_e the mean of softmax(z (N, E))[:, e] (with sigmoid
+    gating: the sigmoids of z normalised over the experts)."""
     n, e = z.shape
-    p = np.exp(z - z.max(-1, keepdims=True))
+    p = np.exp(z - z.max(-1, keepdims=True)) if gating == "softmax" else 1 / (1 + np.exp(-z))
     p /= p.sum(-1, keepdims=True)
     f = np.bincount(ids.reshape(-1), minlength=e) / (n * k)
     return e * float((f * p.mean(0)).sum())
 
 
-def test_load_balance_loss_and_its_gradient_are_the_float64_ones():
-    """ffns.load_balance_loss of router logits (12 tokens, 8 experts, 2 a token): the float64
-    loss, its gradient to the logits the float64 finite differences (the routing held, as it
-    is piecewise constant); the routing is moe_topk's."""
+@pytest.mark.parametrize("gating", ["softmax", "sigmoid"])
+def test_load_balance_loss_and_its_gradient_are_the_float64_ones(gating):
+    """ffns.load_balance_loss of router logits (12 tokens, 8 experts, 2 a token), the router's
+    probabilities its softmax or its sigmoids normalised over the experts: the float64 loss, its
+    gradient to the logits the float64 finite differences (the routing held, as it is piecewise
+    constant); the routing is moe_topk's."""
     from ggtrain.core.models.ffns import load_balance_loss
     rng = np.random.default_rng(5)
     z = rng.normal(0, 1.5, (12, 8)).astype(np.float32)
     g = Graph()
     logits = g.param(z.shape, z, name="logits")
-    ids = ops.moe_topk(logits, 2)
-    loss = load_balance_loss(logits, ids)
+    ids = ops.moe_topk(logits, 2, gating)
+    loss = load_balance_loss(logits, ids, gating)
     grad = backward(loss, [logits], checkpointing=False)[logits]
     got, got_ids, got_grad = _run(g, [loss, ids, grad])
     want_ids = np.argsort(-z, axis=-1, kind="stable")[:, :2]
     np.testing.assert_array_equal(got_ids, want_ids)
-    assert float(got) == pytest.approx(_balance64(z.astype(np.float64), want_ids, 2), rel=1e-6)
+    assert float(got) == pytest.approx(_balance64(z.astype(np.float64), want_ids, 2, gating), rel=1e-6)
     assert float(got) > 1.0                 # this routing is not balanced
     h, fd = 1e-6, np.zeros_like(z, np.float64)
     for i in np.ndindex(z.shape):
         plus, minus = z.astype(np.float64), z.astype(np.float64)
         plus[i] += h
         minus[i] -= h
-        fd[i] = (_balance64(plus, want_ids, 2) - _balance64(minus, want_ids, 2)) / (2 * h)
+        fd[i] = (_balance64(plus, want_ids, 2, gating) - _balance64(minus, want_ids, 2, gating)) / (2 * h)
     np.testing.assert_allclose(got_grad, fd, rtol=1e-4, atol=1e-6)
 
 

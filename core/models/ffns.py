@@ -64,7 +64,7 @@ def experts(net: Net, x, layer: int, logits):
     numerics = net.numerics
     ids = ops.reshape(ops.moe_topk(logits, k, cfg.gating, net.params.get(p + SELECTION_BIAS)), (b * t, k))
     if net.aux is not None:
-        net.aux.append(load_balance_loss(ops.reshape(logits, (b * t, logits.shape[-1])), ids))
+        net.aux.append(load_balance_loss(ops.reshape(logits, (b * t, logits.shape[-1])), ids, cfg.gating))
     weights = ops.moe_weights(logits, ops.reshape(ids, (b, t, k)), cfg.family.moe_norm, numerics, cfg.gating)
     weights = ops.reshape(weights, (b * t, k, 1))
     xs = ops.reshape(x, (b * t, 1, c))
@@ -86,17 +86,23 @@ def experts(net: Net, x, layer: int, logits):
     return ops.reshape(out if k > 1 else ops.cont(out), (b, t, c))
 
 
-def load_balance_loss(logits, ids):
+def load_balance_loss(logits, ids, gating: str = "softmax"):
     """The Switch Transformer's load-balancing loss of one routed layer: E * sum_e f_e P_e,
     f_e the share of the N * k routed slots that go to expert e (ids (N, k), no gradient),
-    P_e the mean over the N tokens of softmax(logits (N, E))[e] (every expert's probability,
-    before the top-k). 1 when the routing is uniform, E / k at worst (every token's k
-    experts the same k, with all their probability); its gradient pushes the router's
-    probability away from the experts that take more than their share. Computed as
-    E / (N^2 k) * sum over the slots of S[ids] with S_e = sum_n softmax(logits)[n, e]."""
+    P_e the mean over the N tokens of the router's probability of e, before the top-k:
+    softmax(logits (N, E))[e], or with sigmoid gating (the router's own scores) the sigmoids
+    normalised to sum 1 over the experts (DeepSeek-V3's normalised affinities). 1 when the
+    routing is uniform, E / k at worst (every token's k experts the same k, with all their
+    probability); its gradient pushes the router's probability away from the experts that
+    take more than their share. Computed as E / (N^2 k) * sum over the slots of S[ids] with
+    S_e = sum_n P[n, e]."""
     n, e = logits.shape
     k = ids.shape[1]
-    p = ops.softmax(logits)                                                          # (N, E)
+    if gating == "sigmoid":
+        s = ops.sigmoid(logits)
+        p = ops.div(s, ops.sum_rows(s))                                               # (N, E)
+    else:
+        p = ops.softmax(logits)                                                        # (N, E)
     s = ops.sum_rows(ops.cont(ops.transpose(p, 0, 1)))                               # (E, 1)
     return ops.scale(ops.sum(ops.get_rows(s, ids)), e / (n * n * k))
 
