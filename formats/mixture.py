@@ -10,6 +10,8 @@ llama.cpp's rules (llama_tensor_get_type in src/llama-quant.cpp):
 - a matrix whose rows are not whole blocks of its type falls back to a type of 32-element
   blocks (Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0, Q2_K and Q3_K -> Q4_0), and to F16 where
   rows are not whole 32-element blocks either;
+- MXFP4_MOE (gpt-oss's release type) is its own rule: the stacked experts (3-D matrices) MXFP4,
+  every other matrix, the output projection included, Q8_0;
 - with an importance matrix (formats.imatrix) a few rules change (Q4_0 and Q5_0 give the first
   eighth of ffn_down Q4_1 and Q5_1), and some mixtures need one: Q2_K_S's Q2_K matrices
   (llama.cpp's tensor_requires_imatrix; never the output or token embedding).
@@ -63,13 +65,15 @@ class Rule:
 class Mixture:
     """One --out-type: llama.cpp's file type `file_type`, the ggml type `base` of its matrices
     and the rules that give some of them another type; needs_imatrix: the types whose matrices
-    llama.cpp quantizes only with an importance matrix in this mixture."""
+    llama.cpp quantizes only with an importance matrix in this mixture; dense: where set, base
+    is the stacked experts' type only, and every other matrix (the output's too) is dense."""
 
     name: str
     file_type: FT
     base: str
     rules: tuple = ()
     needs_imatrix: tuple = ()
+    dense: str = ""
 
     @property
     def quantized(self) -> bool:
@@ -105,6 +109,7 @@ MIXTURES = {m.name: m for m in (
     Mixture("q5_k_s", FT.MOSTLY_Q5_K_S, "q5_k"),
     Mixture("q5_k_m", FT.MOSTLY_Q5_K_M, "q5_k", _ATTN_V_FFN_DOWN_Q6_K),
     Mixture("q6_k", FT.MOSTLY_Q6_K, "q6_k"),
+    Mixture("mxfp4_moe", FT.MOSTLY_MXFP4_MOE, "mxfp4", dense="q8_0"),
 )}
 OUT_TYPES = tuple(MIXTURES)     # --out-type's choices, in the table's order
 
@@ -210,7 +215,9 @@ def tensor_types(mix: Mixture, tensors: dict, cfg, imatrix: bool = False) -> dic
             continue
         k = kind(name)
         ncols = int(shape[-1])
-        if k == "output" or (tied and k == "token_embd"):
+        if mix.dense:
+            t = t if len(shape) == 3 and shape[0] > 1 else mix.dense
+        elif k == "output" or (tied and k == "token_embd"):
             t = "q8_0" if ncols % dtype(t).block or t == "q8_0" else "q6_k"
         elif k == "attn_output" and experts8:     # llama.cpp's rule for 8-expert models (Mixtral)
             t = "q5_k" if mix.name in _EXPERTS8_ATTN_OUTPUT_Q5_K else t

@@ -354,11 +354,11 @@ def test_olmoe_without_its_output_matrix_is_refused(tmp_path):
     assert "olmoe needs output.weight" in r.stderr and str(path) in r.stderr
 
 
-@pytest.mark.parametrize("out_type", ["q4_k_m", "q2_k", "q3_k_s"])
+@pytest.mark.parametrize("out_type", ["q4_k_m", "q2_k", "q3_k_s", "mxfp4_moe"])
 def test_eight_expert_mixtures_are_llama_cpps_quantizer(llama, tmp_path, out_type):
     """A qwen3moe model of exactly 8 experts quantized as llama_model_quantize does, byte for
-    byte: its rules for 8-expert models (attn_v, attn_k Q8_0; attn_output Q5_K) and the
-    experts' ffn_down ranked by the layer in their names."""
+    byte: its rules for 8-expert models (attn_v, attn_k Q8_0; attn_output Q5_K), the experts'
+    ffn_down ranked by the layer in their names, and MXFP4_MOE's experts MXFP4, the rest Q8_0."""
     from ggtrain.core.models.config import init_params
     from ggtrain.formats.mixture import MIXTURES
     from ggtrain.formats.model_file import rewrite_model
