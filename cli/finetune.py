@@ -23,7 +23,7 @@ from ggtrain.cli.loop import TrainingCommand, check_length, check_resume_data, c
 from ggtrain.cli.main import app
 from ggtrain.cli.options import (BACKEND, CHECKPOINT_DIR, CHECKPOINTING, CONFIG, DATA, EARLY_STOP_PATIENCE,
                                  EVAL_EVERY, EVALUATION, GRAD_ACC, GRAD_CLIP, LOG, LORA, LR_MIN, MIN_DELTA, MODEL,
-                                 MOMENTUM, OBJECTIVE, ON_SAVE_ERROR, OPTIMIZER, QUIET, SAVE_EVERY, STEPS, THREADS,
+                                 MOE_AUX_LOSS, MOMENTUM, OBJECTIVE, ON_SAVE_ERROR, OPTIMIZER, QUIET, SAVE_EVERY, STEPS, THREADS,
                                  TOKEN_CACHE, Backend, OnSaveError, Optimizer, choice, flag, opt_batch, opt_epochs,
                                  opt_imatrix, opt_lr, opt_resume, opt_seed, opt_val_split, opt_warmup, opt_weight_decay,
                                  warmup_updates)
@@ -179,6 +179,7 @@ def finetune(
     optimizer: Optimizer = OPTIMIZER,
     momentum: float = MOMENTUM,
     grad_clip: float = GRAD_CLIP,
+    moe_aux_loss: float = MOE_AUX_LOSS,
     eval_every: int = EVAL_EVERY,
     eval_task: pathlib.Path = typer.Option(None, "--eval-task", rich_help_panel=EVALUATION, show_default=False,
                                            help="A multiple-choice task (as eval --task reads): its accuracy at "
@@ -217,6 +218,8 @@ def finetune(
         opts = DataOptions(data, rc["ctx"], rc["packing"], rc["drop_long"], rc["train_on_inputs"], rc["val_split"],
                            seed, chat_template, token_cache)
         pref = PreferenceConfig(**rc["preference"]) if rc.get("preference") else None
+    if moe_aux_loss and not full:   # before the base and the data are read
+        raise ConfigError("--moe-aux-loss is for --full: it balances routers trained whole, not LoRA adapters")
     base = _open_base(cmd, model, full)
     opts = dataclasses.replace(opts, ctx=opts.ctx or min(512, base.cfg.ctx))
     if not 2 <= opts.ctx <= base.cfg.ctx:
@@ -237,7 +240,7 @@ def finetune(
                                warmup=warmup_updates(warmup, n_steps), weight_decay=decay, grad_clip=clip,
                                checkpointing=checkpointing, eval_every=eval_every, seed=seed, world=world.size,
                                optimizer=optimizer, momentum=momentum, early_stop_patience=early_stop_patience,
-                               min_delta=min_delta)
+                               min_delta=min_delta, moe_aux_loss=moe_aux_loss)
         lora_cfg = None if full else LoraConfig(lora_rank, lora_alpha, _targets(lora_targets), lora_dropout)
     init, frozen = _start_params(cmd, base, lora_cfg, train_cfg.seed)
     loss_rows, counted = td.loss_rows(train_cfg.batch, cmd.backend.skips_uncounted_rows)

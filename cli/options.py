@@ -83,6 +83,10 @@ GRAD_ACC = typer.Option(1, "--grad-acc", rich_help_panel=OPTIMIZATION, help="Phy
 MOMENTUM = typer.Option(0.0, "--momentum", rich_help_panel=OPTIMIZATION, help="SGD's momentum.")
 GRAD_CLIP = typer.Option(None, "--grad-clip", rich_help_panel=OPTIMIZATION, show_default=False,
                          help="Clip the global gradient norm (0: off) (default: 1; 0 with lbfgs).")
+MOE_AUX_LOSS = typer.Option(0.0, "--moe-aux-loss", rich_help_panel=OPTIMIZATION, show_default=False,
+                            help="Routed-expert families: plus this times the routers' load-balancing loss (Switch "
+                                 "Transformer's E * sum f_e P_e, 1 when balanced; e.g. 0.01); routers trained whole "
+                                 "only (finetune: with --full) (default: off).")
 LR_MIN = typer.Option(None, "--lr-min", rich_help_panel=OPTIMIZATION, show_default=False,
                       help="Floor of the cosine schedule (default: --lr / 10).")
 WARMUP_HELP = "Linear warmup: a fraction of the run (< 1) or a number of updates"

@@ -10,8 +10,8 @@ from ggtrain.cli.common import file_errors, read_corpus
 from ggtrain.cli.loop import TrainingCommand, check_length, check_resume_data, continue_run, optimizer_settings, validation_words
 from ggtrain.cli.main import app
 from ggtrain.cli.options import (BACKEND, CHECKPOINT_DIR, CHECKPOINTING, CONFIG, DATA, EARLY_STOP_PATIENCE, EVAL_EVERY,
-                                 GRAD_ACC, GRAD_CLIP, LOG, LR_MIN, MIN_DELTA, MODEL, MOMENTUM, ON_SAVE_ERROR,
-                                 OPTIMIZATION, OPTIMIZER, QUIET, SAVE_EVERY, STEPS, THREADS, TOKEN_CACHE, Backend, OnSaveError,
+                                 GRAD_ACC, GRAD_CLIP, LOG, LR_MIN, MIN_DELTA, MODEL, MOE_AUX_LOSS, MOMENTUM,
+                                 ON_SAVE_ERROR, OPTIMIZER, QUIET, SAVE_EVERY, STEPS, THREADS, TOKEN_CACHE, Backend, OnSaveError,
                                  Optimizer, choice, opt_batch, opt_epochs, opt_lr, opt_resume, opt_seed,
                                  opt_val_split, opt_warmup, opt_weight_decay, warmup_updates)
 from ggtrain.core.data import TokenWindows, eval_windows, split_tokens
@@ -95,9 +95,7 @@ def train(
     optimizer: Optimizer = OPTIMIZER,
     momentum: float = MOMENTUM,
     grad_clip: float = GRAD_CLIP,
-    moe_aux_loss: float = typer.Option(0.0, "--moe-aux-loss", rich_help_panel=OPTIMIZATION,
-                                       help="Routed-expert families: plus this times the routers' load-balancing loss "
-                                            "(Switch Transformer's E * sum f_e P_e, 1 when balanced; e.g. 0.01)."),
+    moe_aux_loss: float = MOE_AUX_LOSS,
     eval_every: int = EVAL_EVERY,
     early_stop_patience: int = EARLY_STOP_PATIENCE,
     min_delta: float = MIN_DELTA,

@@ -436,8 +436,8 @@ class TextRun(Run):
             if not model.experts:
                 raise ConfigError(f"--moe-aux-loss: a {model.arch} model has no routed experts to balance")
             if lora is not None or preference is not None:
-                raise ConfigError("--moe-aux-loss balances a router trained whole on text (train), not under LoRA or "
-                                  "a preference objective")
+                raise ConfigError("--moe-aux-loss balances a router trained whole on text (train, finetune --full), "
+                                  "not under LoRA or a preference objective")
             net = dataclasses.replace(net, aux=[])
 
         def objective(net_, grad, train=True):

@@ -1,7 +1,8 @@
 /* deltarule.h: one step of the gated delta rule (Qwen3.5's gated DeltaNet layers, llama.cpp's
- * gated_delta_net) forward and backward, written once for the CPU kernels (native/cpu/
- * deltarule.c) and the CUDA kernels (native/cuda/deltarule.cu), so both compute the same terms
- * in the same order (not part of the C API; cffi never reads it).
+ * gated_delta_net) forward and backward, and the backward's zeroed dq, dk, written once for the
+ * CPU kernels (native/cpu/deltarule.c, deltachunk.c) and the CUDA kernels
+ * (native/cuda/deltarule.cu), so all compute the same terms in the same order (not part of the
+ * C API; cffi never reads it).
  *
  * Per head the state S is (Dk, Dv), stored as Dv rows of Dk floats: m[j * Dk + i] = S[i][j]
  * (llama.cpp's layout: row j is column j of S). One step with decay a = exp(g):
@@ -24,6 +25,18 @@ GT_HD static inline float gt_dr_dot(const float *x, float a, const float *y, int
     float t = 0.0f;
     for (; i < n; i++) t += (x[i] * a) * y[i];
     return (((s[0] + s[4]) + (s[1] + s[5])) + ((s[2] + s[6]) + (s[3] + s[7]))) + t;
+}
+
+/* The backward's start for one (sample b, K head hk): zero its dq and dk columns in b's T rows
+ * of dst (rows of W floats, dq | dk | dv | dg | dbeta, Hk K heads of Dk), which its V heads
+ * hk, hk + Hk, ... then add to. */
+GT_HD static inline void gt_dr_zero_dqk(float *dst, int64_t b, int64_t hk, int64_t T, int64_t Hk, int64_t Dk,
+                                        int64_t W) {
+    for (int64_t t = 0; t < T; t++) {
+        float *dq = dst + (b * T + t) * W + hk * Dk, *dk = dq + Hk * Dk;
+        for (int64_t i = 0; i < Dk; i++) dq[i] = 0.0f;
+        for (int64_t i = 0; i < Dk; i++) dk[i] = 0.0f;
+    }
 }
 
 /* The forward step: m holds S_prev (reset: ignored, taken as 0) and becomes S; o (may be

@@ -189,6 +189,29 @@ def test_full_finetune_writes_a_model(tmp_path, story, text):
     assert types["blk.0.ffn_down.weight"] == "F16"
 
 
+def test_full_finetune_takes_moe_aux_loss_and_lora_refuses_it(tmp_path):
+    """finetune --full --moe-aux-loss 0.01 of a tiny qwen3moe trains with it (its checkpoint's
+    training config holds 0.01); without --full (LoRA) the option is refused in one line before
+    the base is read, and nothing is written."""
+    text = tmp_path / "t.txt"
+    text.write_text("Tom had a red kite. The kite flew high over the park and Tom laughed. " * 20)
+    base, out, ck = tmp_path / "base.gguf", tmp_path / "full.gguf", tmp_path / "ck"
+    r = _cli("train", "--arch", "qwen3moe", "--data", text, "--out", base, "--steps", 1, "--dim", 32, "--layers", 1,
+             "--heads", 4, "--ff", 32, "--ctx", 16, "--batch", 2, "--quiet")
+    assert r.returncode == 0, r.stderr
+    tiny = ["--model", base, "--data", text, "--ctx", 16, "--batch", 2, "--steps", 2, "--quiet"]
+    r = _cli("finetune", *tiny, "--out", out, "--full", "--moe-aux-loss", 0.01, "--checkpoint-dir", ck)
+    assert r.returncode == 0, r.stderr
+    from ggtrain.formats.checkpoint import load_checkpoint
+    saved = sorted(ck.glob("*.gguf"))
+    assert out.exists() and saved and load_checkpoint(saved[-1]).train_config["moe_aux_loss"] == 0.01
+    lora = tmp_path / "lora.gguf"
+    r = _cli("finetune", *tiny, "--out", lora, "--moe-aux-loss", 0.01)
+    assert r.returncode == 1 and r.stderr == ("error: --moe-aux-loss is for --full: it balances routers trained "
+                                              "whole, not LoRA adapters\n"), r.stderr
+    assert not lora.exists()
+
+
 def test_bad_input(tmp_path, story, text, chat, shared_data):
     out = tmp_path / "a.gguf"
     data, tpl = chat

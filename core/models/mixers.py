@@ -140,13 +140,7 @@ def shortconv(net: Net, x, layer: int, inp: Inputs, opt: Options, keep: Callable
     bcx = linear(net, x, p + "shortconv.in_proj.weight")                                # (B, T, 3C)
     gate_b, gate_c, xs = (ops.view(bcx, (b, t, c), (3 * t * c, 3 * c, 1), j * c) for j in range(3))
     bx = ops.mul(gate_b, xs)                                                             # (B, T, C)
-    w = net.params[p + "shortconv.conv.weight"]                                         # (C, L)
-    if inp.cache is None:
-        conv = ops.causal_conv1d(bx, w, seg=inp.seg, numerics=net.numerics)
-    else:
-        if b != 1:
-            raise ConfigError(f"{net.cfg.arch}: a convolution state serves one sequence, got a batch of {b}")
-        conv = _conv_over_state(inp, layer, bx, w, net.numerics)
+    conv = _causal_conv(net, inp, layer, bx, net.params[p + "shortconv.conv.weight"], "convolution")
     return linear(net, ops.mul(gate_c, conv), p + "shortconv.out_proj.weight")
 
 
@@ -155,6 +149,18 @@ def _no_tree(net: Net, inp: Inputs, what: str):
     in several branches at once."""
     if inp.parent is not None:
         raise ConfigError(f"{net.cfg.arch}: a {what} layer takes packed samples, not a tree of them (Inputs.parent)")
+
+
+def _causal_conv(net: Net, inp: Inputs, layer: int, x, w, state: str):
+    """ops.causal_conv1d of x (B, T, C) with each channel's taps w (C, L): over the window
+    (packed samples by inp.seg), or with a cache over the layer's state then x (one sequence;
+    `state` names that state in the ConfigError for a batch). Returns (B, T, C)."""
+    if inp.cache is None:
+        return ops.causal_conv1d(x, w, seg=inp.seg, numerics=net.numerics)
+    b = x.shape[0]
+    if b != 1:
+        raise ConfigError(f"{net.cfg.arch}: a {state} state serves one sequence, got a batch of {b}")
+    return _conv_over_state(inp, layer, x, w, net.numerics)
 
 
 def _conv_over_state(inp: Inputs, layer: int, x, w, numerics: str):
@@ -194,14 +200,7 @@ def deltanet(net: Net, x, layer: int, inp: Inputs, opt: Options, keep: Callable 
     beta = ops.sigmoid(linear(net, x, p + "ssm_beta.weight"))                            # (B, T, Hv)
     alpha = ops.add(linear(net, x, p + "ssm_alpha.weight"), net.params[p + "ssm_dt.bias"])
     g = ops.mul(ops.softplus(alpha), net.params[p + "ssm_a"])                            # (B, T, Hv)
-    w = net.params[p + "ssm_conv1d.weight"]                                              # (ch, L)
-    if inp.cache is None:
-        conv = ops.causal_conv1d(qkv, w, seg=inp.seg, numerics=net.numerics)
-    else:
-        if b != 1:
-            raise ConfigError(f"{cfg.arch}: a recurrent state serves one sequence, got a batch of {b}")
-        conv = _conv_over_state(inp, layer, qkv, w, net.numerics)
-    conv = ops.silu(conv)
+    conv = ops.silu(_causal_conv(net, inp, layer, qkv, net.params[p + "ssm_conv1d.weight"], "recurrent"))
     rows = (t * ch, ch, d, 1)
     # L2 norms as llama.cpp writes them (the eps inside the root: sum of squares + eps)
     l2 = (lambda y: ops.scale(ops.rms_norm(ops.cont(y), cfg.norm_eps / d, numerics=net.numerics),

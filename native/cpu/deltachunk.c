@@ -296,11 +296,7 @@ void gt_dr_chunk_bwd_(float *dst, float *work, const float *q, const float *k, c
     float *ck = work + chunk_floats(Dk, Dv), *dS = ck + chunks * S;
     for (int64_t r = lo; r < hi; r++) {
         const int64_t b = r / Hk, hk = r % Hk;
-        for (int64_t t = 0; t < T; t++) {
-            float *row = dst + (b * T + t) * W;
-            memset(row + hk * Dk, 0, (size_t)Dk * sizeof(float));
-            memset(row + Hk * Dk + hk * Dk, 0, (size_t)Dk * sizeof(float));
-        }
+        gt_dr_zero_dqk(dst, b, hk, T, Hk, Dk, W);
         for (int64_t h = hk; h < Hv; h += Hk) {
             memset(ck, 0, (size_t)S * sizeof(float));
             for (int64_t c = 0; c + 1 < chunks; c++) {

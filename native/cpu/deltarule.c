@@ -96,11 +96,7 @@ int gt_delta_rule_bwd_f32(const gt_node *node, const gt_ctx *ctx) {
     }
     for (int64_t r = lo; r < hi; r++) {
         const int64_t b = r / Hk, hk = r % Hk;
-        for (int64_t t = 0; t < T; t++) {
-            float *row = dst + (b * T + t) * W;
-            memset(row + hk * Dk, 0, (size_t)Dk * sizeof(float));
-            memset(row + Hk * Dk + hk * Dk, 0, (size_t)Dk * sizeof(float));
-        }
+        gt_dr_zero_dqk(dst, b, hk, T, Hk, Dk, W);
         for (int64_t h = hk; h < Hv; h += Hk) {
             memset(st, 0, (size_t)S * sizeof(float));
             for (int64_t t = 0; t < T; t++) {

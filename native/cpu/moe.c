@@ -292,6 +292,19 @@ static int grouped_need(const gt_ctx *ctx, int64_t need, const char *op) {
     return GT_OK;
 }
 
+/* the row a routed slot i = n k + s reads of a source with X rows a token: row n X + s (X == 1:
+ * row n, the token's one row, shared by its k slots); y and its gradient g have a row a slot (X = k) */
+static int64_t routed_row(int64_t i, int64_t k, int64_t X) {
+    const int64_t n = i / k, s = i % k;
+    return n * X + (X == 1 ? 0 : s);
+}
+
+/* dst (nb, W) = the rows of src (rows of W floats, X a token) that the routed slots q[0..nb) read */
+static void gather_rows(float *dst, const float *src, const int32_t *q, int64_t nb, int64_t W, int64_t k,
+                        int64_t X) {
+    for (int64_t r = 0; r < nb; r++) memcpy(dst + r * W, src + routed_row(q[r], k, X) * W, (size_t)W * sizeof(float));
+}
+
 /* moe_matmul, exact numerics: y rows of expert e = its gathered x rows @ w[e]^T. */
 static int grouped_fwd(const gt_node *node, const gt_ctx *ctx, int32_t wtype, const int64_t *dm, int64_t rb) {
     const int64_t N = dm[0], X = dm[1], K = dm[2], E = dm[3], M = dm[4], k = dm[5], wide = K > M ? K : M;
@@ -310,10 +323,7 @@ static int grouped_fwd(const gt_node *node, const gt_ctx *ctx, int32_t wtype, co
         for (int64_t b0 = 0; b0 < ne; b0 += GB) {
             const int64_t nb = ne - b0 < GB ? ne - b0 : GB;
             const int32_t *q = g.list + g.off[e] + b0;
-            for (int64_t r = 0; r < nb; r++) {
-                const int64_t n = q[r] / k, s = q[r] % k;
-                memcpy(g.a + r * K, x + (n * X + (X == 1 ? 0 : s)) * K, (size_t)K * sizeof(float));
-            }
+            gather_rows(g.a, x, q, nb, K, k, X);
             if (wtype != GT_F32 && ne <= GROUP)
                 gt_qdot_rows_(g.c, M, g.a, K, (int)nb, we, rb, wtype, K, c0, c1, aligned(g.work));
             else
@@ -344,11 +354,10 @@ static int grouped_input_bwd(const gt_node *node, const gt_ctx *ctx, int32_t wty
         for (int64_t b0 = 0; b0 < ne; b0 += GB) {
             const int64_t nb = ne - b0 < GB ? ne - b0 : GB;
             const int32_t *q = g.list + g.off[e] + b0;
-            for (int64_t r = 0; r < nb; r++) memcpy(g.a + r * M, gr + (int64_t)q[r] * M, (size_t)M * sizeof(float));
+            gather_rows(g.a, gr, q, nb, M, k, k);
             gt_gemm_(g.c, K, g.a, M, 1, we, wtype, K, 1, nb, K, M, c0, c1, 0, g.work);
             for (int64_t r = 0; r < nb; r++) {
-                const int64_t n = q[r] / k, s = q[r] % k;
-                float *dr = dx + (n * X + (X == 1 ? 0 : s)) * K;
+                float *dr = dx + routed_row(q[r], k, X) * K;
                 const float *cr = g.c + r * K;
                 for (int64_t c = c0; c < c1; c++) dr[c] += cr[c];
             }
@@ -376,11 +385,8 @@ static int grouped_weight_bwd(const gt_node *node, const gt_ctx *ctx, const int6
         for (int64_t b0 = 0; b0 < ne; b0 += GB) {
             const int64_t nb = ne - b0 < GB ? ne - b0 : GB;
             const int32_t *q = g.list + g.off[e] + b0;
-            for (int64_t r = 0; r < nb; r++) {
-                const int64_t n = q[r] / k, s = q[r] % k;
-                memcpy(g.a + r * M, gr + (int64_t)q[r] * M, (size_t)M * sizeof(float));
-                memcpy(g.c + r * K, x + (n * X + (X == 1 ? 0 : s)) * K, (size_t)K * sizeof(float));
-            }
+            gather_rows(g.a, gr, q, nb, M, k, k);
+            gather_rows(g.c, x, q, nb, K, k, X);
             /* A = the g block transposed (rows r0..r1 of M), B = the x block (nb, K) */
             gt_gemm_(de, K, g.a + r0, 1, M, g.c, GT_F32, K, 1, r1 - r0, K, nb, 0, K, b0 > 0, g.work);
         }
@@ -429,8 +435,7 @@ static int moe_matmul(const gt_node *node, const gt_ctx *ctx, int32_t wtype) {
             if (i < N * k && ids[i] == e) q[nq++] = i;
             if (nq == 0 || (nq < GROUP && i < N * k)) continue;
             for (int r = 0; r < nq; r++) {
-                const int64_t n = q[r] / k, s = q[r] % k;
-                const float *xrow = x + (n * X + (X == 1 ? 0 : s)) * K;
+                const float *xrow = x + routed_row(q[r], k, X) * K;
                 float *yrow = y + q[r] * M;
                 if (wtype == GT_F32) {
                     dots_f32(yrow, xrow, we, rb, K, m0, m1);

@@ -38,11 +38,7 @@ __global__ void delta_rule_bwd(float *dst, float *work, const float *q, const fl
     GTC_FOR(r, B * Hk) {
         const int64_t b = r / Hk, hk = r % Hk;
         float *ck = work + r * (chunks + C + 2) * S, *st = ck + chunks * S, *ds = st + (C + 1) * S;
-        for (int64_t t = 0; t < T; t++)
-            for (int64_t i = 0; i < Dk; i++) {
-                dst[(b * T + t) * W + hk * Dk + i] = 0.0f;
-                dst[(b * T + t) * W + Hk * Dk + hk * Dk + i] = 0.0f;
-            }
+        gt_dr_zero_dqk(dst, b, hk, T, Hk, Dk, W);
         for (int64_t h = hk; h < Hv; h += Hk) {
             for (int64_t i = 0; i < S; i++) st[i] = 0.0f;
             for (int64_t t = 0; t < T; t++) {
