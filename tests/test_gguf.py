@@ -22,7 +22,8 @@ from ggtrain.core.models.config import ModelConfig
 from ggtrain.core.models.families import FAMILIES
 from ggtrain.formats import model as layouts
 from ggtrain.native import _check, ffi, lib
-from ggtrain.formats.gguf import GGUFWriter, StringArray, make_value, read_gguf, write_gguf
+from ggtrain.formats.gguf import GGUFWriter, read_gguf, write_gguf
+from ggtrain.formats.gguf_values import StringArray, make_value
 from ggtrain.formats.quants import DEQUANTIZABLE, dequantize, quantize, tensor_nbytes
 from tests import gguf_craft as craft
 from tests.conftest import SHARED_DATA
