@@ -24,7 +24,15 @@ import numpy as np
 from gguf.constants import GGUF_DEFAULT_ALIGNMENT, GGMLQuantizationType
 
 from ggtrain.errors import DTypeError, FormatError
-from ggtrain.formats.gguf_values import GGUF_MAGIC, MAX_DIMS, SCALARS, VT, GGUFValue, StringArray, TensorInfo
+from ggtrain.formats.gguf_values import (
+    GGUF_MAGIC,
+    MAX_DIMS,
+    SCALARS,
+    VT,
+    GGUFValue,
+    StringArray,
+    TensorInfo,
+)
 from ggtrain.formats.quants import dequantize
 from ggtrain.native import _check, ffi, lib
 from ggtrain.native.dtypes import dtype as _dtype
