@@ -22,7 +22,8 @@ from ggtrain.cli.common import file_errors
 from ggtrain.cli.main import app
 from ggtrain.core.models.families import FAMILIES
 from ggtrain.formats.checkpoint import checkpoint_summary, is_checkpoint
-from ggtrain.formats.gguf import GGUFValue, StringArray, read_gguf
+from ggtrain.formats.gguf import read_gguf
+from ggtrain.formats.gguf_values import GGUFValue, StringArray
 
 _HEAD = 6            # items shown of a long array
 

@@ -17,7 +17,8 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFValueType as VT
 
 from ggtrain.errors import FormatError
-from ggtrain.formats.gguf import GGUFFile, dequantize, read_gguf, write_gguf
+from ggtrain.formats.gguf import GGUFFile, read_gguf, write_gguf
+from ggtrain.formats.quants import dequantize
 from ggtrain.formats.model import CHECKPOINT_KEY, validate_model
 from ggtrain.formats.model_file import rewrite_model
 

@@ -13,7 +13,8 @@ from gguf.constants import GGML_QUANT_VERSION as QUANTIZATION_VERSION
 from ggtrain.core.backend import StoredTensor
 from ggtrain.core.models.config import ModelConfig
 from ggtrain.errors import FormatError
-from ggtrain.formats.gguf import GGUFFile, dequantize, quantize, read_gguf, write_gguf
+from ggtrain.formats.gguf import GGUFFile, read_gguf, write_gguf
+from ggtrain.formats.quants import dequantize, quantize
 from ggtrain.formats.imatrix import Imatrix
 from ggtrain.formats.mixture import llama_order, mixture, needs_imatrix, quantizable, tensor_types
 from ggtrain.formats.model import config_to_kv, tensor_shapes, validate_model

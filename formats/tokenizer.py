@@ -88,7 +88,8 @@ import re
 import numpy as np
 
 from ggtrain.errors import ConfigError, FormatError
-from ggtrain.formats.gguf import GGUFFile, StringArray, read_gguf
+from ggtrain.formats.gguf import GGUFFile, read_gguf
+from ggtrain.formats.gguf_values import StringArray
 from ggtrain.formats.pretokenizer import BPE_PRE
 # (callers import the kinds and their constants from here too)
 from ggtrain.formats.tokenizer_base import *  # noqa: F401,F403

@@ -107,7 +107,8 @@ def smollm2_blocks(tmp_path_factory):
     whose two most used types stay compared whole)."""
     if not SHARED_DATA.is_dir():
         pytest.skip(f"real data folder {SHARED_DATA} is absent (it lives in ../shared beside the repo)")
-    from ggtrain.formats.gguf import GGUFValueType, read_gguf, write_gguf
+    from gguf.constants import GGUFValueType
+    from ggtrain.formats.gguf import read_gguf, write_gguf
     src = read_gguf(SHARED_DATA / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf")
     key = f"{src.value('general.architecture')}.block_count"
     kv = [(k, SMOLLM2_BLOCKS, GGUFValueType.UINT32) if k == key else (k, v)

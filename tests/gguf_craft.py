@@ -1,4 +1,4 @@
-"""Hand-built GGUF bytes for the format tests, independent of formats/gguf.py.
+"""Hand-built GGUF bytes for the format tests, independent of our GGUF reader and writer.
 
 `build` assembles a file from pieces so a test can write exactly the damage it
 wants; `field_positions` walks a well-formed file and records where each count,

@@ -9,7 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from ggtrain.cli.main import _register, app
-from ggtrain.formats.gguf import GGUFWriter
+from ggtrain.formats.gguf_writer import GGUFWriter
 from tests import gguf_craft as craft
 
 REPO = Path(__file__).resolve().parents[1]

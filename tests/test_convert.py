@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from ggtrain.formats.checkpoint import load_checkpoint
-from ggtrain.formats.gguf import quantize, read_gguf, write_gguf
+from ggtrain.formats.gguf import read_gguf, write_gguf
+from ggtrain.formats.quants import quantize
 from ggtrain.formats.model_file import load_model
 from ggtrain.formats.lora import merge_lora, read_lora, write_lora
 from ggtrain.formats.mixture import OUT_TYPES

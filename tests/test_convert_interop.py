@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from ggtrain.errors import FormatError
-from ggtrain.formats.gguf import quantize, read_gguf
+from ggtrain.formats.gguf import read_gguf
+from ggtrain.formats.quants import quantize
 from ggtrain.formats.lora import write_lora
 from ggtrain.formats.mixture import MIXTURES
 from ggtrain.formats.model_file import load_model, rewrite_model

@@ -16,7 +16,8 @@ from ggtrain.errors import ConfigError, FormatError
 from ggtrain.formats.chat import ChatTemplate
 from ggtrain.formats.dataset import read_data
 from ggtrain.formats.files import _host, open_temporary, remove_stale_temporaries
-from ggtrain.formats.gguf import GGUFWriter, read_gguf
+from ggtrain.formats.gguf import read_gguf
+from ggtrain.formats.gguf_writer import GGUFWriter
 from ggtrain.formats.tokenizer import ByteTokenizer
 
 TINY = ["--dim", "32", "--layers", "1", "--heads", "2", "--ff", "64", "--ctx", "32", "--batch", "2", "--quiet"]

@@ -14,7 +14,8 @@ import pytest
 from ggtrain.core.backend_cpu import CpuBackend
 from ggtrain.core.models.config import ModelConfig
 from ggtrain.core.models.inference import Runner
-from ggtrain.formats.gguf import quantize, read_gguf
+from ggtrain.formats.gguf import read_gguf
+from ggtrain.formats.quants import quantize
 from ggtrain.formats.model_file import load_model
 from ggtrain.formats.lora import lora_adapters, merge_lora, read_lora
 from tests.interop import run_here

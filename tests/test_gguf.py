@@ -22,17 +22,10 @@ from ggtrain.core.models.config import ModelConfig
 from ggtrain.core.models.families import FAMILIES
 from ggtrain.formats import model as layouts
 from ggtrain.native import _check, ffi, lib
-from ggtrain.formats.gguf import (
-    DEQUANTIZABLE,
-    GGUFWriter,
-    StringArray,
-    dequantize,
-    make_value,
-    quantize,
-    read_gguf,
-    tensor_nbytes,
-    write_gguf,
-)
+from ggtrain.formats.gguf import read_gguf, write_gguf
+from ggtrain.formats.gguf_writer import GGUFWriter
+from ggtrain.formats.gguf_values import StringArray, make_value
+from ggtrain.formats.quants import DEQUANTIZABLE, dequantize, quantize, tensor_nbytes
 from tests import gguf_craft as craft
 from tests.conftest import SHARED_DATA
 
@@ -442,7 +435,7 @@ def test_writer_misuse_is_an_error_and_leaves_nothing(tmp_path, mistake):
 _KILLED_WRITER = """
 import sys, time
 import numpy as np
-from ggtrain.formats.gguf import GGUFWriter
+from ggtrain.formats.gguf_writer import GGUFWriter
 with GGUFWriter(sys.argv[1]) as w:
     for i in range(8):
         w.add_tensor_info(f"t{i}", (256, 1024), "F32")

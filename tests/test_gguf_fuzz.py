@@ -14,7 +14,9 @@ import pytest
 from gguf import GGMLQuantizationType as T, GGUFValueType as VT
 
 from ggtrain.errors import FormatError
-from ggtrain.formats.gguf import GGUFWriter, make_value, read_gguf
+from ggtrain.formats.gguf import read_gguf
+from ggtrain.formats.gguf_writer import GGUFWriter
+from ggtrain.formats.gguf_values import make_value
 from tests import gguf_craft as craft
 from tests.conftest import SHARED_DATA
 

@@ -18,7 +18,7 @@ from ggtrain.core.models.inference import Runner
 from ggtrain.core.models.lora import Adapter, LoraConfig, factor_names, init_lora
 from ggtrain.core.train import TextConfig, TextRun
 from ggtrain.errors import ConfigError
-from ggtrain.formats.gguf import dequantize, quantize
+from ggtrain.formats.quants import dequantize, quantize
 from tests import np_decoder as np_llama
 
 CFG = ModelConfig(vocab=11, dim=16, layers=2, heads=4, kv_heads=2, ff=24, ctx=8)

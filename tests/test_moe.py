@@ -12,7 +12,8 @@ from ggtrain.core.backend_cpu import CpuBackend
 from ggtrain.core.graph import Graph, Runtime
 from ggtrain.core.models.config import ModelConfig
 from ggtrain.errors import ConfigError, DTypeError
-from ggtrain.formats.gguf import dequantize, quantize, read_gguf
+from ggtrain.formats.gguf import read_gguf
+from ggtrain.formats.quants import dequantize, quantize
 from ggtrain.formats.model_file import load_model, save_model
 from ggtrain.formats.tokenizer import ByteTokenizer
 from tests import refs

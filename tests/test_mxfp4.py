@@ -10,7 +10,8 @@ from ggtrain.core import ops
 from ggtrain.core.backend_cpu import CpuBackend
 from ggtrain.core.graph import Graph, Runtime
 from ggtrain.core.models.config import ModelConfig
-from ggtrain.formats.gguf import dequantize, quantize, read_gguf
+from ggtrain.formats.gguf import read_gguf
+from ggtrain.formats.quants import dequantize, quantize
 from ggtrain.formats.tokenizer import ByteTokenizer
 from ggtrain.native.dtypes import dtype
 from tests import refs

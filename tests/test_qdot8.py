@@ -10,7 +10,7 @@ from ggtrain.core.backend_cpu import CpuBackend
 from ggtrain.core.backend_kernel import run_kernel
 from ggtrain.core.graph import Graph
 from ggtrain.errors import DTypeError, NativeError, ShapeError
-from ggtrain.formats.gguf import quantize
+from ggtrain.formats.quants import quantize
 from ggtrain.native import lib
 from tests import refs
 

@@ -31,7 +31,8 @@ from typer.testing import CliRunner
 
 from ggtrain.cli.main import _register, app
 from ggtrain.errors import FormatError
-from ggtrain.formats.gguf import make_value, read_gguf, write_gguf
+from ggtrain.formats.gguf import read_gguf, write_gguf
+from ggtrain.formats.gguf_values import make_value
 from ggtrain.formats.pretokenizer import BPE_PRE
 from ggtrain.formats.tokenizer import tokenizer_from_gguf
 from tests.conftest import SHARED_DATA
