@@ -20,7 +20,7 @@ import typer
 
 from ggtrain.cli.common import file_errors, imatrix_option, imatrix_words
 from ggtrain.cli.common import progress_bar
-from ggtrain.cli.loop import check_out
+from ggtrain.cli.loop import check_apart, check_out
 from ggtrain.cli.main import app
 from ggtrain.cli.options import choice, opt_imatrix
 from ggtrain.core.models import mnist
@@ -149,10 +149,8 @@ def convert_checkpoint(
     else:
         raise ConfigError("give IN and OUT (with --base, OUT alone merges --adapter into it)")
     check_out(out, "OUT")
-    for p, option in ((inp, "IN"), (base, "--base"), (adapter, "--adapter"), (tokenizer, "--tokenizer"),
-                      (imatrix and pathlib.Path(imatrix), "--imatrix")):
-        if p is not None and p.exists() and p.resolve() == out.resolve():
-            raise ConfigError(f"OUT {out} is also {option}: write to another file")
+    check_apart({"OUT": out}, {"IN": inp, "--base": base, "--adapter": adapter, "--tokenizer": tokenizer,
+                               "--imatrix": imatrix and pathlib.Path(imatrix)})
     im = imatrix_option(imatrix, out_type)
 
     if source == "llama2c":

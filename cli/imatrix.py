@@ -19,7 +19,7 @@ import pathlib
 import typer
 
 from ggtrain.cli.common import file_errors, make_backend, numerics_for, option_named, progress_bar
-from ggtrain.cli.loop import check_out
+from ggtrain.cli.loop import check_apart, check_out
 from ggtrain.cli.main import app
 from ggtrain.cli.options import (BACKEND, CACHE_TYPE, DATA, MODEL, QUIET, THREADS, Backend, CacheType,
                                  opt_numerics, opt_out)
@@ -68,6 +68,7 @@ def imatrix_cmd(
 ):
     """Compute a model's importance matrix on a text, as llama.cpp's llama-imatrix does."""
     check_out(out, "--out")
+    check_apart({"--out": out}, {"--model": model, "--data": data})
     if chunks == 0 or chunks < -1:
         raise ConfigError(f"--chunks {chunks}: must be -1 (every chunk) or >= 1")
     be = make_backend(backend, threads)

@@ -127,6 +127,34 @@ def check_out(out: pathlib.Path, option: str = "--out") -> None:
     remove_stale_temporaries(out.parent)
 
 
+def check_apart(outs: dict, ins: dict) -> None:
+    """No output is written over an input or over another output: ConfigError naming both
+    options. outs, ins: {option: path or None}; an input counts where its file exists."""
+    taken = {}
+    for option, path in ins.items():
+        if path is not None and pathlib.Path(path).exists():
+            taken.setdefault(pathlib.Path(path).resolve(), option)
+    for option, path in outs.items():
+        if path is None:
+            continue
+        where = pathlib.Path(path).resolve()
+        if where in taken:
+            raise ConfigError(f"{option} {path} is also {taken[where]}: write to another file")
+        taken[where] = option
+
+
+def command_paths(context: typer.Context, outs: dict) -> dict:
+    """{option: path} of every path option the command was given that is not one of outs (its
+    inputs: --model, --data, --config, --resume, ...)."""
+    paths = {}
+    for p in context.command.params:
+        value = context.params.get(p.name)
+        long = next((o for o in getattr(p, "opts", ()) if o.startswith("--")), p.name)
+        if isinstance(value, pathlib.PurePath) and long not in outs:
+            paths[long] = value
+    return paths
+
+
 def eval_line(ev: dict) -> str:
     """A text run's line on an evaluation."""
     acc = (f", preference accuracy {ev['val_rewards_accuracy']:.3f}, reward margin "
@@ -282,9 +310,11 @@ class TrainingCommand:
         self.outs = outs
         if self.lead:   # the one process that writes
             check_checkpoint_options(save_every, checkpoint_dir, on_save_error)
-            for option, path in {**outs, "--log": log}.items():
+            written = {**outs, "--log": log}
+            for option, path in written.items():
                 if path is not None:
                     check_out(path, option)
+            check_apart(written, command_paths(context, {**written, "--checkpoint-dir": None}))
         self.ckpt, self.start = open_resume(resume, command)
         self.log = None
 

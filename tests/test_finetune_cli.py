@@ -372,3 +372,36 @@ def test_a_missing_model_is_one_line_naming_the_option(tmp_path):
     r = _cli("finetune", "--model", tmp_path / "nope.gguf", "--data", data, "--out", tmp_path / "a.gguf", "--quiet")
     assert r.returncode == 1 and r.stderr == f"error: --model {tmp_path / 'nope.gguf'}: no such file\n", r.stderr
     assert not (tmp_path / "a.gguf").exists()
+
+
+@pytest.mark.parametrize("case", ["out over model", "merged over out", "train out over data", "log over config",
+                                  "imatrix out over model"])
+def test_an_output_never_overwrites_an_input_or_another_output(tmp_path, story, text, case):
+    """A command refuses, in one line naming both options and before any work, to write a file it
+    reads (the base model, the data, the --config run log) or that another of its outputs names;
+    the input is left as it was."""
+    base = tmp_path / "base.gguf"
+    base.write_bytes(story.read_bytes())
+    if case == "log over config":
+        run = tmp_path / "run.jsonl"
+        r = _cli("train", "--data", text, "--out", tmp_path / "m.gguf", "--steps", "1", "--dim", "32", "--layers",
+                 "1", "--heads", "2", "--ctx", "16", "--log", run, "--quiet")
+        assert r.returncode == 0, r.stderr
+    args, message, kept = {
+        "out over model": (["finetune", "--model", base, "--data", text, "--out", base, "--steps", "1"],
+                           f"--out {base} is also --model", base),
+        "merged over out": (["finetune", "--model", base, "--data", text, "--out", tmp_path / "a.gguf",
+                             "--merged-out", tmp_path / "a.gguf", "--steps", "1"],
+                            f"--merged-out {tmp_path / 'a.gguf'} is also --out", base),
+        "train out over data": (["train", "--data", text, "--out", text, "--steps", "1"],
+                                f"--out {text} is also --data", text),
+        "log over config": (["train", "--config", tmp_path / "run.jsonl"],
+                            f"--log {tmp_path / 'run.jsonl'} is also --config", tmp_path / "run.jsonl"),
+        "imatrix out over model": (["imatrix", "--model", base, "--data", text, "--out", base],
+                                   f"--out {base} is also --model", base),
+    }[case]
+    before = kept.read_bytes()
+    r = _cli(*args, "--quiet")
+    assert r.returncode == 1 and message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert kept.read_bytes() == before
+    assert not (tmp_path / "a.gguf").exists()

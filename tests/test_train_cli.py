@@ -125,8 +125,10 @@ def test_bad_input(tmp_path, text):
     other.write_text(text.read_text()[::-1])
     r = _cli("train", "--data", other, "--out", out, "--resume", ck / "ckpt-000002.gguf", *TINY)
     assert r.returncode == 1 and "is not the data this checkpoint was trained on" in r.stderr
-    r = _cli("train", "--data", text, "--out", out, "--resume", out, *TINY)
+    r = _cli("train", "--data", text, "--out", tmp_path / "m2.gguf", "--resume", out, *TINY)
     assert r.returncode == 1 and "not a ggtrain checkpoint" in r.stderr
+    r = _cli("train", "--data", text, "--out", out, "--resume", out, *TINY)
+    assert r.returncode == 1 and f"--out {out} is also --resume" in r.stderr
 
 
 @pytest.mark.parametrize("tokenizer", ["byte", "bpe:300"])
