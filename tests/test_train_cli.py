@@ -173,3 +173,12 @@ def test_moe_aux_loss_trains_qwen3moe_and_is_refused_without_experts(tmp_path, t
         r = _cli("train", "--data", text, "--out", bad, "--steps", 2, *args, *TINY)
         assert r.returncode == 1 and r.stderr == f"error: {message}\n", r.stderr
         assert not bad.exists()
+
+
+@pytest.mark.parametrize("command, option", [("train", "--batch"), ("train", "--grad-acc"), ("mnist train", "--batch")])
+def test_a_batch_of_zero_is_a_usage_error_not_a_traceback(tmp_path, command, option):
+    """--batch 0 divided by zero in the windows an epoch takes (a traceback); now a usage
+    error naming the option, exit 2, nothing written."""
+    r = _cli(*command.split(), "--out", tmp_path / "m.gguf", "--steps", "1", option, "0")
+    assert r.returncode == 2 and f"'{option}'" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "m.gguf").exists()
