@@ -22,11 +22,11 @@ from ggtrain.cli.finetune_data import DataOptions, training_data
 from ggtrain.cli.loop import TrainingCommand, check_length, check_resume_data, continue_run, optimizer_settings, validation_words
 from ggtrain.cli.main import app
 from ggtrain.cli.options import (BACKEND, CHECKPOINT_DIR, CHECKPOINTING, CONFIG, DATA, EARLY_STOP_PATIENCE,
-                                 EVAL_EVERY, EVALUATION, GRAD_ACC, GRAD_CLIP, LOG, LORA, LR_MIN, MIN_DELTA, MODEL,
-                                 MOE_AUX_LOSS, MOMENTUM, OBJECTIVE, ON_SAVE_ERROR, OPTIMIZER, QUIET, SAVE_EVERY, STEPS, THREADS,
-                                 TOKEN_CACHE, Backend, OnSaveError, Optimizer, choice, flag, opt_batch, opt_epochs,
-                                 opt_imatrix, opt_lr, opt_resume, opt_seed, opt_val_split, opt_warmup, opt_weight_decay,
-                                 warmup_updates)
+                                 EVAL_EVERY, EVALUATION, GRAD_ACC, GRAD_CLIP, HELLASWAG, LOG, LORA, LR_MIN, MIN_DELTA,
+                                 MODEL, MOE_AUX_LOSS, MOMENTUM, OBJECTIVE, ON_SAVE_ERROR, OPTIMIZER, QUIET, SAVE_EVERY,
+                                 STEPS, THREADS, TOKEN_CACHE, WINOGRANDE, Backend, OnSaveError, Optimizer, choice,
+                                 flag, opt_batch, opt_epochs, opt_imatrix, opt_lr, opt_resume, opt_seed, opt_val_split,
+                                 opt_warmup, opt_weight_decay, task_format, warmup_updates)
 from ggtrain.cli.tasks import run_task, task_words
 from ggtrain.core.backend import StoredTensor
 from ggtrain.core.distributed import Shard
@@ -184,6 +184,8 @@ def finetune(
     eval_task: pathlib.Path = typer.Option(None, "--eval-task", rich_help_panel=EVALUATION, show_default=False,
                                            help="A multiple-choice task (as eval --task reads): its accuracy at "
                                                 "every --eval-every and at the end."),
+    hellaswag: bool = HELLASWAG,
+    winogrande: bool = WINOGRANDE,
     early_stop_patience: int = EARLY_STOP_PATIENCE,
     min_delta: float = MIN_DELTA,
     val_split: float = opt_val_split(0.0, "0: small fine-tuning sets train on every sample"),
@@ -206,9 +208,10 @@ def finetune(
     out_type = _check_options(full, merged_out, out_type, steps, epochs)
     im = imatrix_option(imatrix, out_type)
     task_items = None
+    fmt = task_format(hellaswag, winogrande, eval_task, "--eval-task")
     if eval_task is not None:
         with file_errors(f"--eval-task {eval_task}"):
-            task_items = read_task(eval_task)
+            task_items = read_task(eval_task, fmt)
     ckpt, world = cmd.ckpt, cmd.world
     opts = DataOptions(data, ctx, packing, drop_long, train_on_inputs, val_split, seed, chat_template, token_cache)
     pref = PreferenceConfig(method, beta, orpo_lambda, rpo_alpha) if method != "sft" else None

@@ -18,7 +18,8 @@ import numpy as np
 import typer
 
 from ggtrain.cli.common import file_errors, make_backend, numerics_for, option_named, progress_bar
-from ggtrain.cli.options import BACKEND, CACHE_TYPE, SAMPLING, THREADS, Backend, CacheType, opt_numerics
+from ggtrain.cli.options import (BACKEND, CACHE_TYPE, HELLASWAG, SAMPLING, THREADS, WINOGRANDE, Backend, CacheType,
+                                 opt_numerics, task_format)
 from ggtrain.cli.tasks import run_task, task_words
 from ggtrain.cli.main import app
 from ggtrain.core.models.config import ModelConfig
@@ -163,8 +164,8 @@ def eval_cmd(
     task: pathlib.Path = typer.Option(None, "--task", help="A multiple-choice task: JSON lines of {\"context\", "
                                       "\"choices\", \"gold\"} (or llama-perplexity's files with --hellaswag / "
                                       "--winogrande); accuracy as lm-evaluation-harness scores it."),
-    hellaswag: bool = typer.Option(False, "--hellaswag", help="--task is llama.cpp's HellaSwag file (6 lines a task)."),
-    winogrande: bool = typer.Option(False, "--winogrande", help="--task is llama.cpp's Winogrande CSV."),
+    hellaswag: bool = HELLASWAG,
+    winogrande: bool = WINOGRANDE,
     limit: int = typer.Option(0, "--limit", help="Score only the first N task items (0: all)."),
     ctx: int = typer.Option(0, "--ctx", show_default=False, help="Window length (default: min(model context, 512)); for --task the "
                             "most tokens a choice may take (default: the model's context)."),
@@ -183,8 +184,7 @@ def eval_cmd(
     llama-perplexity's half windows), or its accuracy on a multiple-choice task."""
     if (data is None) == (task is None):
         raise ConfigError("give --data TEXT (perplexity) or --task FILE (multiple choice), one of them")
-    if (hellaswag or winogrande) and task is None or hellaswag and winogrande:
-        raise ConfigError("--hellaswag and --winogrande say what --task holds (one of them)")
+    fmt = task_format(hellaswag, winogrande, task, "--task")
     if limit < 0:
         raise ConfigError(f"--limit must be >= 0, got {limit}")
     be = make_backend(backend, threads)
@@ -192,7 +192,6 @@ def eval_cmd(
     f16 = cache_type == "f16"
     cfg, weights, tok, adapters = _open(model, lora, lora_scale, be)
     if task is not None:
-        fmt = "hellaswag" if hellaswag else "winogrande" if winogrande else "jsonl"
         with file_errors(f"--task {task}"):
             items = read_task(task, fmt)
         items = items[:limit] if limit else items

@@ -18,6 +18,7 @@ from ggtrain.cli.common import BACKENDS
 from ggtrain.cli.config import load_config
 from ggtrain.core.numerics import EXACT, LLAMA, NUMERICS
 from ggtrain.core.optim import OPTIMIZERS
+from ggtrain.errors import ConfigError
 
 # help panels, in the order a command's help shows them
 MODEL, DATA, LORA, OBJECTIVE = "Model and output", "Data", "LoRA", "Objective"
@@ -194,3 +195,18 @@ def path_help(path: pathlib.Path | None) -> str:
         return str(path.relative_to(pathlib.Path.cwd()))
     except ValueError:
         return str(path)
+
+
+# the task file's format, for eval --task and finetune --eval-task alike
+HELLASWAG = typer.Option(False, "--hellaswag", rich_help_panel=EVALUATION, help="The task file (--task, --eval-task) is llama-perplexity's "
+                         "HellaSwag file (6 lines an item).")
+WINOGRANDE = typer.Option(False, "--winogrande", rich_help_panel=EVALUATION, help="The task file (--task, --eval-task) is llama-perplexity's "
+                          "Winogrande CSV.")
+
+
+def task_format(hellaswag: bool, winogrande: bool, task, option: str) -> str:
+    """The format (formats.tasks.FORMATS) --hellaswag / --winogrande name for the task file of
+    `option`; ConfigError when both are given, or one without a task file."""
+    if (hellaswag or winogrande) and task is None or hellaswag and winogrande:
+        raise ConfigError(f"--hellaswag and --winogrande say what {option} holds (one of them)")
+    return "hellaswag" if hellaswag else "winogrande" if winogrande else "jsonl"

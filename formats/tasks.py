@@ -57,10 +57,27 @@ def read_task(path, fmt: str = "jsonl") -> list:
     except UnicodeDecodeError as e:
         line = raw.count(b"\n", 0, e.start) + 1
         raise FormatError(f"{path} line {line}: not UTF-8 (byte 0x{raw[e.start]:02x})") from None
+    if fmt == "jsonl" and text.strip() and text.lstrip()[0] not in "{[":
+        other = _looks_like(text)
+        if other:
+            raise FormatError(f"{path}: not JSON lines; it looks like llama-perplexity's {other[0]} file: "
+                              f"give {other[1]}")
     items = {"jsonl": _jsonl, "hellaswag": _hellaswag, "winogrande": _winogrande}[fmt](text, path)
     if not items:
         raise FormatError(f"{path}: no task items")
     return items
+
+
+def _looks_like(text: str) -> tuple | None:
+    """(name, option) of the other task format text has the layout of, or None: HellaSwag's
+    6 lines an item with the gold index second, Winogrande's 5 CSV fields with a "_" to fill."""
+    lines = text.rstrip("\n").split("\n")
+    if len(lines) % 6 == 0 and lines[1].strip() in ("0", "1", "2", "3"):
+        return ("HellaSwag", "--hellaswag")
+    fields = _csv_fields(lines[-1].rstrip("\r"))
+    if fields is not None and "_" in fields[1] and fields[4].strip() in ("1", "2"):
+        return ("Winogrande", "--winogrande")
+    return None
 
 
 def _jsonl(text: str, path: str) -> list:

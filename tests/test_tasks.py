@@ -247,3 +247,25 @@ def test_packing_computes_few_positions_past_the_items(n_items):
     assert n_rows * length <= tasks.BATCH_TOKENS
     assert sorted((i, j) for b in batches for i, j, _, _ in b.samples) == [(i, j) for i in range(n_items)
                                                                          for j in range(4)]
+
+
+@pytest.mark.parametrize("fmt, option", [("hellaswag", "--hellaswag"), ("winogrande", "--winogrande")])
+def test_a_task_file_of_another_format_names_its_option(files, shared_data, tmp_path, fmt, option):
+    """A HellaSwag or Winogrande file read as JSON lines (no --hellaswag / --winogrande) is one
+    line naming the option it needs, in eval --task and in finetune --eval-task; finetune reads
+    it given the option, as eval does."""
+    from tests.interop import run_here
+    model = shared_data / "gguf" / "stories260K.gguf"
+    with pytest.raises(FormatError, match=f"looks like llama-perplexity's .* file: give {option}"):
+        read_task(files[fmt])
+    r = run_here("eval", "--model", model, "--task", files[fmt], "--quiet")
+    assert r.returncode == 1 and f"give {option}" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    text = tmp_path / "t.txt"
+    text.write_text("Tom had a red kite. The kite flew high over the park. " * 30)
+    common = ("finetune", "--model", model, "--data", text, "--out", tmp_path / "a.gguf", "--steps", "1",
+              "--eval-task", files[fmt])
+    r = run_here(*common, "--quiet")
+    assert r.returncode == 1 and f"give {option}" in r.stderr, r.stderr
+    r = run_here(*common, option, "--quiet")
+    n = len(read_task(files[fmt], fmt))
+    assert r.returncode == 0 and "task accuracy" in r.stderr and f"({n} items)" in r.stderr, r.stderr
