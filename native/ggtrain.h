@@ -339,7 +339,10 @@ int gt_softmax_bwd_f32(const struct gt_node *node, const gt_ctx *ctx);
  * ending at its own (i - j < w; with pos, pos[i] - j < w: llama.cpp's sliding window);
  * fp[0] = scale. dst: contiguous f32 of B*T_q*H*D + B*H*T_q elements,
  * O (B, T_q, H, D) then LSE (B, H, T_q), each row's log(sum_j exp(scale q.k_j)) over
- * the keys it sees; a row seeing none has O = 0 and LSE = -inf.
+ * the keys it sees; a row seeing none has O = 0 and LSE = -inf. ip[2] = 1: llama.cpp's CPU
+ * numbers (inference; ip[3] scales q first, ip[4] as its F16 KV cache, ip[5] takes sinks (H,)
+ * f32, the input after the mask's, into each softmax's denominator as its soft_max does: LSE
+ * then over the keys and the sink); checks.h gt_attention_ggml_check. The CPU forward only.
  * attention_bwd: src0..2 q, k, v as above, src3 y (the forward's dst), src4 g: dO of
  * q's shape (unit stride along D), or contiguous of y's size (dO then dLSE), src5 the
  * mask input; ip, fp as above. dst: contiguous f32 [dq | dk | dv], each contiguous in

@@ -756,12 +756,14 @@ def ggml_matmul(x, w, f16=False):
     return np.array([[dot(x[i], w[j]) for j in range(n)] for i in range(m)], _F32).reshape(m, n)
 
 
-def ggml_attention(q, k, v, scale, pos, window=0, scale_q=False, kv_f16=False):
+def ggml_attention(q, k, v, scale, pos, window=0, scale_q=False, kv_f16=False, sinks=None):
     """llama.cpp's attention (no flash attention, F32 cache) of q (Tq, H, D) over cache rows
     k, v (Tk, Hkv, D), query i seeing rows j <= pos[i] (and pos[i] - j < window): S by ggml_dot,
     scaled (or q first); softmax by ggml_expf summed in double 16 slots at a time; P V by
     ggml_dot over the slots for one query, by tinyBLAS's 16 lanes and reduce16 for more. kv_f16
-    (its F16 KV cache): q, k, v and P rounded to f16, and S of several queries by tinyBLAS too."""
+    (its F16 KV cache): q, k, v and P rounded to f16, and S of several queries by tinyBLAS too.
+    sinks (H,): its soft_max's sink a head, max(max, sink) and libm's expf(sink - max) added to
+    the double sum."""
     q, k, v = (np.asarray(a, _F32) for a in (q, k, v))
     if kv_f16:
         k, v = _f16(k), _f16(v)
@@ -779,8 +781,11 @@ def ggml_attention(q, k, v, scale, pos, window=0, scale_q=False, kv_f16=False):
             for j in range(tk):
                 if j <= pos[i] and (window <= 0 or pos[i] - j < window):
                     w[j] = dot(k[j, g], qs) if scale_q else (dot(k[j, g], qs) * _F32(scale)).astype(_F32)
-            e = ggml_expf((w - w.max()).astype(_F32))
+            mx = w.max() if sinks is None else max(w.max(), _F32(sinks[hh]))
+            e = ggml_expf((w - mx).astype(_F32))
             total = sum(float(ggml_reduce16(e[c:c + 16])) for c in range(0, pad, 16))
+            if sinks is not None:
+                total += float(_libm().expf(float(_F32(sinks[hh]) - mx)))
             p = (e * _F32(1.0 / total)).astype(_F32)
             p = _f16(p) if kv_f16 else p
             vt = np.zeros((d, pad), _F32)
