@@ -118,6 +118,10 @@ int gt_geglu_f16_fwd_f32(const struct gt_node *node, const gt_ctx *ctx);
 /* swiglu_ggml: llama.cpp's CPU swiglu bit for bit (its vector exp, 16 columns of a row at a
  * time, libm's expf for the last C % 16); for inference with llama.cpp's numbers. */
 int gt_swiglu_ggml_fwd_f32(const struct gt_node *node, const gt_ctx *ctx);
+/* swiglu_oai_ggml: llama.cpp's CPU swiglu_oai bit for bit: x = min(src0, fp[1]), y = src1
+ * clamped to +-fp[1], x / (1 + expf(fp[0] (-x))) (y + 1) with libm's expf; for inference with
+ * llama.cpp's numbers. */
+int gt_swiglu_oai_ggml_fwd_f32(const struct gt_node *node, const gt_ctx *ctx);
 
 /* dropout: dst = src0 * keep / (1 - p), keep[i] = hash(seed, salt, i) >= p * 2^32
  * over the flat index i: src0 x f32 contiguous, src1 seed i32 of one element (the

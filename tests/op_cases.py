@@ -143,6 +143,9 @@ case("geglu_f16", [In((3, 40), -12, 12), In((3, 40))], ops.geglu_f16,
 # llama.cpp's swiglu (inference only; its bits: test_ggml_numbers): silu to its exp's error
 case("swiglu_ggml", [In((3, 40), -8, 8), In((3, 40))], ops.swiglu_ggml, lambda g, u: g * _sig(g) * u,
      rtol=1e-5, atol=1e-6, backward=False)
+# llama.cpp's swiglu_oai (inference only; its bits: test_ggml_numbers)
+case("swiglu_oai_ggml", [In((3, 33), -9, 9), In((3, 33), -9, 9)], ops.swiglu_oai_ggml, refs.swiglu_oai,
+     rtol=1e-5, atol=1e-6, backward=False)
 case("tanh", [In((4, 9), -3, 3)], ops.tanh, np.tanh)
 # its backward is injected, not y's derivative (test_decoder's chunked loss checks it)
 case("with_grad", [In(()), In((3, 4)), In((3, 4))], ops.with_grad, lambda y, x, gx: y, backward=False)

@@ -877,6 +877,17 @@ def swiglu_oai(g, u, alpha=1.702, limit=7.0):
     return x / (1.0 + np.exp(-alpha * x)) * (y + 1.0)
 
 
+def ggml_swiglu_oai(g, u, alpha=1.702, limit=7.0):
+    """llama.cpp's CPU swiglu_oai in f32: x = min(g, limit), y = clamp(u, -limit, limit),
+    x / (1 + expf(alpha * -x)) * (y + 1), libm's expf."""
+    g, u, a, lim = np.asarray(g, _F32), np.asarray(u, _F32), _F32(alpha), _F32(limit)
+    x, y = np.minimum(g, lim), np.clip(u, -lim, lim)
+    m = _libm()
+    with np.errstate(over="ignore"):    # (expf's inf past 88.7, as llama.cpp's)
+        e = np.vectorize(lambda t: m.expf(float(t)), otypes=[_F32])((a * -x).astype(_F32))
+    return (x / (_F32(1) + e) * (y + _F32(1))).astype(_F32)
+
+
 def swiglu_oai_grads(g, u, dy, alpha=1.702, limit=7.0):
     """(dg, du) of sum(swiglu_oai(g, u) * dy): zero through a clamped side."""
     g, u, dy = _f64(g), _f64(u), _f64(dy)

@@ -83,6 +83,21 @@ def test_swiglu_ggml_is_llama_cpp_swiglu_with_its_tail():
     np.testing.assert_array_equal(got, refs.ggml_swiglu(g, u))
 
 
+def test_swiglu_oai_ggml_is_llama_cpp_swiglu_oai():
+    """gpt-oss's clamped gate in llama.cpp's order (libm's expf, a division, then y + 1), across
+    both clamps and the exp's far ends; not the exact kernel's bits (its reciprocal and exp)."""
+    rng = np.random.default_rng(6)
+    g = (rng.standard_normal((3, 40)) * 6).astype(np.float32)
+    g[0, :4] = [-100.0, 100.0, 0.0, -0.0]
+    u = (rng.standard_normal((3, 40)) * 6).astype(np.float32)
+    got, exact = np.full_like(g, np.nan), np.full_like(g, np.nan)
+    run_kernel("swiglu_oai_ggml_fwd_f32", got, [g, u], fp=(1.702, 7.0), n_threads=2)
+    np.testing.assert_array_equal(got, refs.ggml_swiglu_oai(g, u))
+    run_kernel("swiglu_oai_fwd_f32", exact, [g, u], fp=(1.702, 7.0), n_threads=2)
+    assert (got != exact).any()
+    np.testing.assert_allclose(got, exact, rtol=1e-5, atol=1e-6)
+
+
 def _attention(q, k, v, scale, pos, window=0, scale_q=False, n_threads=2, kv_f16=False, sinks=None, lse=False):
     dst = np.full(q.size + q.shape[0] * q.shape[1], np.nan, np.float32)
     run_kernel("attention_fwd_f32", dst, [q[None], k[None], v[None], np.asarray(pos, np.int32)]
