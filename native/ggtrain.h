@@ -444,9 +444,11 @@ int gt_causal_conv1d_weight_bwd_f32(const struct gt_node *node, const gt_ctx *ct
  *   index first), by the logits (ip[1] = 0: softmax gating) or by sigmoid(logits) plus the
  *   bias (ip[1] = 1: sigmoid gating).
  * moe_weights_fwd_f32: src0 logits, src1 ids (..., k) i32 -> dst (..., k): softmax(logits)
- *   (ip[2] = 0) or sigmoid(logits) (ip[2] = 1) at ids, divided by their sum (clamped below at
- *   2^-14) where ip[0] = 1; ip[1] = 1: llama.cpp's CPU numbers (ggml_soft_max's exp and sums,
- *   ggml_sigmoid's). wdata: E floats.
+ *   (ip[2] = 0) or sigmoid(logits) (ip[2] = 1) at ids, or softmax(logits at ids) (ip[2] = 2,
+ *   llama.cpp's SOFTMAX_WEIGHT: softmax's renormalised over the chosen), divided by their sum
+ *   (clamped below at 2^-14) where ip[0] = 1; ip[1] = 1: llama.cpp's CPU numbers
+ *   (ggml_soft_max's exp and sums, over the E or with ip[2] = 2 the k chosen; ggml_sigmoid's).
+ *   wdata: E floats.
  * moe_weights_bwd_f32: src0 logits, src1 ids, src2 g (..., k) -> dst dlogits (..., E); ip[0]
  *   norm, ip[1] sigmoid gating.
  * An id outside [0, E) is GT_ERR_INVALID. All contiguous. */

@@ -628,6 +628,10 @@ for _norm in (True, False):
          lambda z, n=_norm: ops.moe_weights(z, ops.moe_topk(z, 3), n),
          lambda z, n=_norm: refs.moe_weights(z, refs.moe_topk(z, 3), n), name="topk-" + ("norm" if _norm else "raw"),
          ops_covered=("moe_topk",))
+# gpt-oss's: the softmax of the chosen (its gradient: softmax's renormalised)
+case("moe_weights", [In((5, 8), values=_ROUTER), In((5, 2), values=_IDS)],
+     lambda z, i: ops.moe_weights(z, i, False, gating="softmax_weight"),
+     lambda z, i: refs.moe_weights(z, i, False, "softmax_weight"), name="softmax-weight")
 case("moe_weights_bwd", [In((5, 8)), In((5, 2), values=_IDS), In((5, 2))],
      lambda z, i, g: ops.apply("moe_weights_bwd", [z, i, g], norm=True),
      lambda z, i, g: _moe_weights_grad(z, i, g, True), backward=False)

@@ -640,6 +640,29 @@ def ggml_expf(x):
         return np.where(np.abs(n) > 192, np.where(n <= 0, _F32(0), _F32(np.inf)), res).astype(_F32)
 
 
+def ggml_soft_max(x):
+    """llama.cpp's CPU soft_max of each row of x (no mask, scale 1): e = exp(x - max) by
+    ggml_expf 16 at a time, each 16's sum by ggml_reduce16 added in double, the rest by libm's
+    expf added one by one; the row times (float)(1 / sum)."""
+    x = np.asarray(x, _F32)
+    n = x.shape[-1]
+    out = np.empty_like(x)
+    m = _libm()
+    for r in np.ndindex(x.shape[:-1]):
+        row = x[r]
+        mx = row.max()
+        e = np.empty(n, _F32)
+        total, i = 0.0, 0
+        for i in range(0, n - n % 16, 16):
+            e[i:i + 16] = ggml_expf((row[i:i + 16] - mx).astype(_F32))
+            total += float(ggml_reduce16(e[i:i + 16]))
+        for i in range(n - n % 16, n):
+            e[i] = m.expf(float(row[i] - mx))
+            total += float(e[i])
+        out[r] = e * _F32(1.0 / total)
+    return out
+
+
 def ggml_reduce16(v):
     """_mm512_reduce_add_ps over the last axis (16): halves, then quarters, then pairs."""
     v = np.asarray(v, _F32)
@@ -827,9 +850,13 @@ def moe_topk(z, k, gating="softmax", bias=None):
 
 
 def moe_weights(z, ids, norm, gating="softmax"):
-    """softmax(z)[ids] (or sigmoid(z)[ids]) over the last dim, divided by its sum over the k
-    (clamped at 2^-14) when norm."""
+    """softmax(z)[ids] (or sigmoid(z)[ids]; softmax_weight: softmax(z[ids])) over the last dim,
+    divided by its sum over the k (clamped at 2^-14) when norm."""
     z = _f64(z)
+    if gating == "softmax_weight":
+        w = np.exp(np.take_along_axis(z, np.asarray(ids, np.int64), axis=-1))
+        w = w / w.sum(-1, keepdims=True)
+        return w / np.maximum(w.sum(-1, keepdims=True), 2.0 ** -14) if norm else w
     if gating == "sigmoid":
         p = 1 / (1 + np.exp(-z))
     else:

@@ -98,6 +98,29 @@ def test_swiglu_oai_ggml_is_llama_cpp_swiglu_oai():
     np.testing.assert_allclose(got, exact, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("k", [2, 17])
+def test_moe_weights_softmax_weight_is_llama_cpp_soft_max_of_the_chosen(k):
+    """gpt-oss's gating (llama.cpp's SOFTMAX_WEIGHT): ggml_soft_max of the k chosen logits in
+    slot order (k < 16 all by libm's expf; 17: one vector block and one by libm), not the
+    softmax over all E renormalised (qwen3moe's llama numbers), whose bits it is not; exactly it
+    is that one, bit for bit as before."""
+    rng = np.random.default_rng(7 + k)
+    z = (rng.standard_normal((6, 20)) * 3).astype(np.float32)
+    ids = np.argsort(-z, -1, kind="stable")[:, :k].astype(np.int32)
+
+    def weights(norm, llama, gating):
+        w = np.full(ids.shape, np.nan, np.float32)
+        run_kernel("moe_weights_fwd_f32", w, [z, ids], ip=(norm, llama, gating), n_threads=2)
+        return w
+    got = weights(0, 1, 2)
+    np.testing.assert_array_equal(got, refs.ggml_soft_max(np.take_along_axis(z, ids, -1)))
+    assert (got != weights(1, 1, 0)).any()
+    np.testing.assert_allclose(got, refs.moe_weights(z, ids, False, "softmax_weight"), rtol=1e-6)
+    np.testing.assert_array_equal(weights(0, 0, 2), weights(1, 0, 0))
+    with pytest.raises(NativeError, match="gating ip"):
+        weights(0, 0, 3)
+
+
 def _attention(q, k, v, scale, pos, window=0, scale_q=False, n_threads=2, kv_f16=False, sinks=None, lse=False):
     dst = np.full(q.size + q.shape[0] * q.shape[1], np.nan, np.float32)
     run_kernel("attention_fwd_f32", dst, [q[None], k[None], v[None], np.asarray(pos, np.int32)]
