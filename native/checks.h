@@ -440,15 +440,16 @@ static inline int gt_attention_qkv_check(const gt_node *node, const char *op, in
 
 /* attention's llama.cpp order: ip[2] 1 (with allowed: the CPU forward) computes as llama.cpp's
  * CPU build does, ip[3] 1 then scales q before the dots (else their results), ip[4] 1 rounds
- * as its F16 KV cache does; all 0 otherwise. */
+ * as its F16 KV cache does, ip[5] 1 takes a sink logit a head (the input after the mask's) into
+ * each softmax as its soft_max does; all 0 otherwise. */
 static inline int gt_attention_ggml_check(const gt_node *node, const char *op, int allowed) {
-    const int64_t g = node->ip[2], sq = node->ip[3], f16 = node->ip[4];
+    const int64_t g = node->ip[2], sq = node->ip[3], f16 = node->ip[4], sk = node->ip[5];
     if ((g != 0 && (g != 1 || !allowed)) || (sq != 0 && (sq != 1 || g != 1)) ||
-        (f16 != 0 && (f16 != 1 || g != 1)))
-        return GT_FAIL(GT_ERR_INVALID, "%s: expected ip[2] (llama.cpp's order%s), ip[3] (scale q) and ip[4] (an F16 "
-                       "cache), the last two with the first, 0%s, got %lld, %lld and %lld", op,
-                       allowed ? "" : ": the CPU forward's", allowed ? " or 1" : "", (long long)g, (long long)sq,
-                       (long long)f16);
+        (f16 != 0 && (f16 != 1 || g != 1)) || (sk != 0 && (sk != 1 || g != 1)))
+        return GT_FAIL(GT_ERR_INVALID, "%s: expected ip[2] (llama.cpp's order%s), ip[3] (scale q), ip[4] (an F16 "
+                       "cache) and ip[5] (sinks), the last three with the first, 0%s, got %lld, %lld, %lld and %lld",
+                       op, allowed ? "" : ": the CPU forward's", allowed ? " or 1" : "", (long long)g, (long long)sq,
+                       (long long)f16, (long long)sk);
     return GT_OK;
 }
 

@@ -118,6 +118,10 @@ int gt_geglu_f16_fwd_f32(const struct gt_node *node, const gt_ctx *ctx);
 /* swiglu_ggml: llama.cpp's CPU swiglu bit for bit (its vector exp, 16 columns of a row at a
  * time, libm's expf for the last C % 16); for inference with llama.cpp's numbers. */
 int gt_swiglu_ggml_fwd_f32(const struct gt_node *node, const gt_ctx *ctx);
+/* swiglu_oai_ggml: llama.cpp's CPU swiglu_oai bit for bit: x = min(src0, fp[1]), y = src1
+ * clamped to +-fp[1], x / (1 + expf(fp[0] (-x))) (y + 1) with libm's expf; for inference with
+ * llama.cpp's numbers. */
+int gt_swiglu_oai_ggml_fwd_f32(const struct gt_node *node, const gt_ctx *ctx);
 
 /* dropout: dst = src0 * keep / (1 - p), keep[i] = hash(seed, salt, i) >= p * 2^32
  * over the flat index i: src0 x f32 contiguous, src1 seed i32 of one element (the
@@ -339,7 +343,10 @@ int gt_softmax_bwd_f32(const struct gt_node *node, const gt_ctx *ctx);
  * ending at its own (i - j < w; with pos, pos[i] - j < w: llama.cpp's sliding window);
  * fp[0] = scale. dst: contiguous f32 of B*T_q*H*D + B*H*T_q elements,
  * O (B, T_q, H, D) then LSE (B, H, T_q), each row's log(sum_j exp(scale q.k_j)) over
- * the keys it sees; a row seeing none has O = 0 and LSE = -inf.
+ * the keys it sees; a row seeing none has O = 0 and LSE = -inf. ip[2] = 1: llama.cpp's CPU
+ * numbers (inference; ip[3] scales q first, ip[4] as its F16 KV cache, ip[5] takes sinks (H,)
+ * f32, the input after the mask's, into each softmax's denominator as its soft_max does: LSE
+ * then over the keys and the sink); checks.h gt_attention_ggml_check. The CPU forward only.
  * attention_bwd: src0..2 q, k, v as above, src3 y (the forward's dst), src4 g: dO of
  * q's shape (unit stride along D), or contiguous of y's size (dO then dLSE), src5 the
  * mask input; ip, fp as above. dst: contiguous f32 [dq | dk | dv], each contiguous in
@@ -437,9 +444,11 @@ int gt_causal_conv1d_weight_bwd_f32(const struct gt_node *node, const gt_ctx *ct
  *   index first), by the logits (ip[1] = 0: softmax gating) or by sigmoid(logits) plus the
  *   bias (ip[1] = 1: sigmoid gating).
  * moe_weights_fwd_f32: src0 logits, src1 ids (..., k) i32 -> dst (..., k): softmax(logits)
- *   (ip[2] = 0) or sigmoid(logits) (ip[2] = 1) at ids, divided by their sum (clamped below at
- *   2^-14) where ip[0] = 1; ip[1] = 1: llama.cpp's CPU numbers (ggml_soft_max's exp and sums,
- *   ggml_sigmoid's). wdata: E floats.
+ *   (ip[2] = 0) or sigmoid(logits) (ip[2] = 1) at ids, or softmax(logits at ids) (ip[2] = 2,
+ *   llama.cpp's SOFTMAX_WEIGHT: softmax's renormalised over the chosen), divided by their sum
+ *   (clamped below at 2^-14) where ip[0] = 1; ip[1] = 1: llama.cpp's CPU numbers
+ *   (ggml_soft_max's exp and sums, over the E or with ip[2] = 2 the k chosen; ggml_sigmoid's).
+ *   wdata: E floats.
  * moe_weights_bwd_f32: src0 logits, src1 ids, src2 g (..., k) -> dst dlogits (..., E); ip[0]
  *   norm, ip[1] sigmoid gating.
  * An id outside [0, E) is GT_ERR_INVALID. All contiguous. */

@@ -141,10 +141,10 @@ ORACLE = {
                    global_rope_freqs=True),
     "qwen3moe": dict(neox=True, moe_norm=True),
     "olmoe": dict(neox=True, qk_norm_full=True),
-    # (its sinks, clamped SwiGLU, gating and expert biases are exact f32 ops, not llama.cpp's
-    # float order: its logits ~6e-5 apart)
+    # (moe_norm: the reference's softmax renormalised over the chosen, llama.cpp's softmax of the k
+    # chosen logits)
     "gpt-oss": dict(neox=True, ffn_norm="post_attention_norm.weight", moe_norm=True, swiglu_oai=True,
-                    swa_rope_global=True, llama_bits=False),
+                    swa_rope_global=True),
     # (its delta rule, sigmoid and softplus are exact f32, not llama.cpp's float order)
     "qwen35": dict(neox=True, ffn_norm="post_attention_norm.weight", llama_bits=False),
     "qwen35moe": dict(neox=True, ffn_norm="post_attention_norm.weight", llama_bits=False, moe_norm=True),

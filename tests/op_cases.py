@@ -143,6 +143,9 @@ case("geglu_f16", [In((3, 40), -12, 12), In((3, 40))], ops.geglu_f16,
 # llama.cpp's swiglu (inference only; its bits: test_ggml_numbers): silu to its exp's error
 case("swiglu_ggml", [In((3, 40), -8, 8), In((3, 40))], ops.swiglu_ggml, lambda g, u: g * _sig(g) * u,
      rtol=1e-5, atol=1e-6, backward=False)
+# llama.cpp's swiglu_oai (inference only; its bits: test_ggml_numbers)
+case("swiglu_oai_ggml", [In((3, 33), -9, 9), In((3, 33), -9, 9)], ops.swiglu_oai_ggml, refs.swiglu_oai,
+     rtol=1e-5, atol=1e-6, backward=False)
 case("tanh", [In((4, 9), -3, 3)], ops.tanh, np.tanh)
 # its backward is injected, not y's derivative (test_decoder's chunked loss checks it)
 case("with_grad", [In(()), In((3, 4)), In((3, 4))], ops.with_grad, lambda y, x, gx: y, backward=False)
@@ -625,6 +628,10 @@ for _norm in (True, False):
          lambda z, n=_norm: ops.moe_weights(z, ops.moe_topk(z, 3), n),
          lambda z, n=_norm: refs.moe_weights(z, refs.moe_topk(z, 3), n), name="topk-" + ("norm" if _norm else "raw"),
          ops_covered=("moe_topk",))
+# gpt-oss's: the softmax of the chosen (its gradient: softmax's renormalised)
+case("moe_weights", [In((5, 8), values=_ROUTER), In((5, 2), values=_IDS)],
+     lambda z, i: ops.moe_weights(z, i, False, gating="softmax_weight"),
+     lambda z, i: refs.moe_weights(z, i, False, "softmax_weight"), name="softmax-weight")
 case("moe_weights_bwd", [In((5, 8)), In((5, 2), values=_IDS), In((5, 2))],
      lambda z, i, g: ops.apply("moe_weights_bwd", [z, i, g], norm=True),
      lambda z, i, g: _moe_weights_grad(z, i, g, True), backward=False)

@@ -640,6 +640,29 @@ def ggml_expf(x):
         return np.where(np.abs(n) > 192, np.where(n <= 0, _F32(0), _F32(np.inf)), res).astype(_F32)
 
 
+def ggml_soft_max(x):
+    """llama.cpp's CPU soft_max of each row of x (no mask, scale 1): e = exp(x - max) by
+    ggml_expf 16 at a time, each 16's sum by ggml_reduce16 added in double, the rest by libm's
+    expf added one by one; the row times (float)(1 / sum)."""
+    x = np.asarray(x, _F32)
+    n = x.shape[-1]
+    out = np.empty_like(x)
+    m = _libm()
+    for r in np.ndindex(x.shape[:-1]):
+        row = x[r]
+        mx = row.max()
+        e = np.empty(n, _F32)
+        total, i = 0.0, 0
+        for i in range(0, n - n % 16, 16):
+            e[i:i + 16] = ggml_expf((row[i:i + 16] - mx).astype(_F32))
+            total += float(ggml_reduce16(e[i:i + 16]))
+        for i in range(n - n % 16, n):
+            e[i] = m.expf(float(row[i] - mx))
+            total += float(e[i])
+        out[r] = e * _F32(1.0 / total)
+    return out
+
+
 def ggml_reduce16(v):
     """_mm512_reduce_add_ps over the last axis (16): halves, then quarters, then pairs."""
     v = np.asarray(v, _F32)
@@ -756,12 +779,14 @@ def ggml_matmul(x, w, f16=False):
     return np.array([[dot(x[i], w[j]) for j in range(n)] for i in range(m)], _F32).reshape(m, n)
 
 
-def ggml_attention(q, k, v, scale, pos, window=0, scale_q=False, kv_f16=False):
+def ggml_attention(q, k, v, scale, pos, window=0, scale_q=False, kv_f16=False, sinks=None):
     """llama.cpp's attention (no flash attention, F32 cache) of q (Tq, H, D) over cache rows
     k, v (Tk, Hkv, D), query i seeing rows j <= pos[i] (and pos[i] - j < window): S by ggml_dot,
     scaled (or q first); softmax by ggml_expf summed in double 16 slots at a time; P V by
     ggml_dot over the slots for one query, by tinyBLAS's 16 lanes and reduce16 for more. kv_f16
-    (its F16 KV cache): q, k, v and P rounded to f16, and S of several queries by tinyBLAS too."""
+    (its F16 KV cache): q, k, v and P rounded to f16, and S of several queries by tinyBLAS too.
+    sinks (H,): its soft_max's sink a head, max(max, sink) and libm's expf(sink - max) added to
+    the double sum."""
     q, k, v = (np.asarray(a, _F32) for a in (q, k, v))
     if kv_f16:
         k, v = _f16(k), _f16(v)
@@ -779,8 +804,11 @@ def ggml_attention(q, k, v, scale, pos, window=0, scale_q=False, kv_f16=False):
             for j in range(tk):
                 if j <= pos[i] and (window <= 0 or pos[i] - j < window):
                     w[j] = dot(k[j, g], qs) if scale_q else (dot(k[j, g], qs) * _F32(scale)).astype(_F32)
-            e = ggml_expf((w - w.max()).astype(_F32))
+            mx = w.max() if sinks is None else max(w.max(), _F32(sinks[hh]))
+            e = ggml_expf((w - mx).astype(_F32))
             total = sum(float(ggml_reduce16(e[c:c + 16])) for c in range(0, pad, 16))
+            if sinks is not None:
+                total += float(_libm().expf(float(_F32(sinks[hh]) - mx)))
             p = (e * _F32(1.0 / total)).astype(_F32)
             p = _f16(p) if kv_f16 else p
             vt = np.zeros((d, pad), _F32)
@@ -822,9 +850,13 @@ def moe_topk(z, k, gating="softmax", bias=None):
 
 
 def moe_weights(z, ids, norm, gating="softmax"):
-    """softmax(z)[ids] (or sigmoid(z)[ids]) over the last dim, divided by its sum over the k
-    (clamped at 2^-14) when norm."""
+    """softmax(z)[ids] (or sigmoid(z)[ids]; softmax_weight: softmax(z[ids])) over the last dim,
+    divided by its sum over the k (clamped at 2^-14) when norm."""
     z = _f64(z)
+    if gating == "softmax_weight":
+        w = np.exp(np.take_along_axis(z, np.asarray(ids, np.int64), axis=-1))
+        w = w / w.sum(-1, keepdims=True)
+        return w / np.maximum(w.sum(-1, keepdims=True), 2.0 ** -14) if norm else w
     if gating == "sigmoid":
         p = 1 / (1 + np.exp(-z))
     else:
@@ -870,6 +902,17 @@ def swiglu_oai(g, u, alpha=1.702, limit=7.0):
     """ggml's swiglu_oai: x = min(g, limit), y = clip(u, -limit, limit); x sigmoid(alpha x) (y + 1)."""
     x, y = np.minimum(_f64(g), limit), np.clip(_f64(u), -limit, limit)
     return x / (1.0 + np.exp(-alpha * x)) * (y + 1.0)
+
+
+def ggml_swiglu_oai(g, u, alpha=1.702, limit=7.0):
+    """llama.cpp's CPU swiglu_oai in f32: x = min(g, limit), y = clamp(u, -limit, limit),
+    x / (1 + expf(alpha * -x)) * (y + 1), libm's expf."""
+    g, u, a, lim = np.asarray(g, _F32), np.asarray(u, _F32), _F32(alpha), _F32(limit)
+    x, y = np.minimum(g, lim), np.clip(u, -lim, lim)
+    m = _libm()
+    with np.errstate(over="ignore"):    # (expf's inf past 88.7, as llama.cpp's)
+        e = np.vectorize(lambda t: m.expf(float(t)), otypes=[_F32])((a * -x).astype(_F32))
+    return (x / (_F32(1) + e) * (y + _F32(1))).astype(_F32)
 
 
 def swiglu_oai_grads(g, u, dy, alpha=1.702, limit=7.0):

@@ -83,11 +83,51 @@ def test_swiglu_ggml_is_llama_cpp_swiglu_with_its_tail():
     np.testing.assert_array_equal(got, refs.ggml_swiglu(g, u))
 
 
-def _attention(q, k, v, scale, pos, window=0, scale_q=False, n_threads=2, kv_f16=False):
+def test_swiglu_oai_ggml_is_llama_cpp_swiglu_oai():
+    """gpt-oss's clamped gate in llama.cpp's order (libm's expf, a division, then y + 1), across
+    both clamps and the exp's far ends; not the exact kernel's bits (its reciprocal and exp)."""
+    rng = np.random.default_rng(6)
+    g = (rng.standard_normal((3, 40)) * 6).astype(np.float32)
+    g[0, :4] = [-100.0, 100.0, 0.0, -0.0]
+    u = (rng.standard_normal((3, 40)) * 6).astype(np.float32)
+    got, exact = np.full_like(g, np.nan), np.full_like(g, np.nan)
+    run_kernel("swiglu_oai_ggml_fwd_f32", got, [g, u], fp=(1.702, 7.0), n_threads=2)
+    np.testing.assert_array_equal(got, refs.ggml_swiglu_oai(g, u))
+    run_kernel("swiglu_oai_fwd_f32", exact, [g, u], fp=(1.702, 7.0), n_threads=2)
+    assert (got != exact).any()
+    np.testing.assert_allclose(got, exact, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("k", [2, 17])
+def test_moe_weights_softmax_weight_is_llama_cpp_soft_max_of_the_chosen(k):
+    """gpt-oss's gating (llama.cpp's SOFTMAX_WEIGHT): ggml_soft_max of the k chosen logits in
+    slot order (k < 16 all by libm's expf; 17: one vector block and one by libm), not the
+    softmax over all E renormalised (qwen3moe's llama numbers), whose bits it is not; exactly it
+    is that one, bit for bit as before."""
+    rng = np.random.default_rng(7 + k)
+    z = (rng.standard_normal((6, 20)) * 3).astype(np.float32)
+    ids = np.argsort(-z, -1, kind="stable")[:, :k].astype(np.int32)
+
+    def weights(norm, llama, gating):
+        w = np.full(ids.shape, np.nan, np.float32)
+        run_kernel("moe_weights_fwd_f32", w, [z, ids], ip=(norm, llama, gating), n_threads=2)
+        return w
+    got = weights(0, 1, 2)
+    np.testing.assert_array_equal(got, refs.ggml_soft_max(np.take_along_axis(z, ids, -1)))
+    assert (got != weights(1, 1, 0)).any()
+    np.testing.assert_allclose(got, refs.moe_weights(z, ids, False, "softmax_weight"), rtol=1e-6)
+    np.testing.assert_array_equal(weights(0, 0, 2), weights(1, 0, 0))
+    with pytest.raises(NativeError, match="gating ip"):
+        weights(0, 0, 3)
+
+
+def _attention(q, k, v, scale, pos, window=0, scale_q=False, n_threads=2, kv_f16=False, sinks=None, lse=False):
     dst = np.full(q.size + q.shape[0] * q.shape[1], np.nan, np.float32)
-    run_kernel("attention_fwd_f32", dst, [q[None], k[None], v[None], np.asarray(pos, np.int32)],
-               ip=(2, window, 1, int(scale_q), int(kv_f16)), fp=(scale,), n_threads=n_threads)
-    return dst[:q.size].reshape(q.shape)
+    run_kernel("attention_fwd_f32", dst, [q[None], k[None], v[None], np.asarray(pos, np.int32)]
+               + ([np.asarray(sinks, np.float32)] if sinks is not None else []),
+               ip=(2, window, 1, int(scale_q), int(kv_f16), int(sinks is not None)), fp=(scale,), n_threads=n_threads)
+    o = dst[:q.size].reshape(q.shape)
+    return (o, dst[q.size:].reshape(q.shape[1], q.shape[0])) if lse else o
 
 
 @pytest.mark.parametrize("tq,tk,d,window,scale_q,big", [(1, 70, 64, 0, False, 1), (1, 40, 96, 0, True, 1),
@@ -130,6 +170,37 @@ def test_attention_as_llama_cpp_f16_kv_cache(tq, d):
     got = _attention(q, k, v, 0.125, pos, kv_f16=True)
     np.testing.assert_array_equal(got, refs.ggml_attention(q, k, v, 0.125, pos, kv_f16=True))
     assert (got != _attention(q, k, v, 0.125, pos)).any()
+
+
+@pytest.mark.parametrize("tq,window", [(1, 0), (5, 0), (4, 3)])
+def test_attention_takes_sinks_as_llama_cpp_soft_max(tq, window):
+    """gpt-oss's sinks inside the softmax, as llama.cpp's soft_max adds them: the max is
+    max(max, sink) (sinks above and below the scores), the double sum gains libm's expf(sink -
+    max); the exact weights' value (keys' share sigmoid(LSE - sink) of the sink-free softmax),
+    LSE then over the keys and the sink. A row that sees no key (its window past the cache)
+    has O = 0 and LSE the sink."""
+    rng = np.random.default_rng(21 + tq + window)
+    d, tk = 16, 40
+    q = (rng.standard_normal((tq, 4, d)) * 2).astype(np.float32)
+    k = (rng.standard_normal((tk, 2, d)) * 2).astype(np.float32)
+    v = rng.standard_normal((tk, 2, d)).astype(np.float32)
+    sinks = np.array([-3.0, 0.5, 2.5, 30.0], np.float32)     # the last above every score
+    pos = np.arange(tk - tq, tk, dtype=np.int32)
+    scale = 0.25
+    got, lse = _attention(q, k, v, scale, pos, window, sinks=sinks, lse=True)
+    np.testing.assert_array_equal(got, refs.ggml_attention(q, k, v, scale, pos, window, sinks=sinks))
+    np.testing.assert_array_equal(_attention(q, k, v, scale, pos, window, n_threads=3, sinks=sinks), got)
+    s = np.where(_seen(pos, tk, window)[:, None, :],
+                 np.einsum("ihd,jhd->ihj", q.astype(np.float64), np.repeat(k, 2, 1)) * scale, -np.inf)
+    s = np.concatenate([s, np.broadcast_to(sinks[None, :, None].astype(np.float64), (tq, 4, 1))], -1)
+    p = refs.softmax(s)
+    np.testing.assert_allclose(got, np.einsum("ihj,jhd->ihd", p[..., :tk], np.repeat(v, 2, 1)), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(lse, np.log(np.exp(s - s.max(-1, keepdims=True)).sum(-1)).T + s.max(-1).T,
+                               rtol=1e-5)
+    assert (got != _attention(q, k, v, scale, pos, window)).any()
+    none, lse = _attention(q[:1], k, v, scale, [-1], sinks=sinks, lse=True)     # (a position before the cache)
+    np.testing.assert_array_equal(none, 0.0)
+    np.testing.assert_array_equal(lse[:, 0], sinks)
 
 
 def _seen(pos, tk, window):

@@ -65,7 +65,7 @@ class ModelConfig:
     shexp_ff: the shared expert's hidden size (expert_shared_feed_forward_length; 0: ff, as
     llama.cpp reads a file without it). dense_lead: the first dense_lead layers have a dense FFN,
     the rest routed experts (leading_dense_block_count); expert_gating: the router's gating
-    function (expert_gating_func: family.EXPERT_GATINGS; 0: the family fixes softmax).
+    function (expert_gating_func: family.EXPERT_GATINGS; 0: the family fixes it, Family.gating).
     Qwen3.5's gated DeltaNet (ssm.*): ssm_conv the taps of its convolution, ssm_state the
     size of a K and V head, ssm_groups the K heads, ssm_heads the V heads (time_step_rank),
     ssm_inner = ssm_heads * ssm_state; attn_interval: every n-th layer attends (the rest are
@@ -314,7 +314,7 @@ class ModelConfig:
     @property
     def gating(self) -> str:
         """The router's gating function, by the moe ops' name (core/ops/moe.py GATINGS)."""
-        return EXPERT_GATINGS.get(self.expert_gating, "softmax")
+        return EXPERT_GATINGS.get(self.expert_gating, self.family.gating)
 
     @property
     def ssm_channels(self) -> int:

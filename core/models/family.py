@@ -223,7 +223,10 @@ class Family:
     output_norm: the final norm's tensor (LFM2 names it token_embd_norm). ffn_norm: the norm
     before the FFN (Qwen3.5 stores it as post_attention_norm).
     moe_norm: the "moe" FFN divides its k gate weights by their sum (llama.cpp's norm_w, which
-    each family's graph fixes: qwen3moe true, olmoe false).
+    each family's graph fixes: qwen3moe true, olmoe false). gating: the router's gating
+    function (the moe ops' GATINGS) where the file names none (expert_gating_func): softmax,
+    or gpt-oss's softmax_weight (the softmax of the k chosen logits, llama.cpp's SOFTMAX_WEIGHT,
+    which its graph fixes).
     may_tie: a file may leave out output.weight, the output then the token embedding (llama.cpp
     requires it of olmoe).
     scratch: (sizes) -> the ModelConfig fields a model built from scratch takes beyond the
@@ -261,6 +264,7 @@ class Family:
     v_norm: bool = False
     global_rope_freqs: bool = False
     moe_norm: bool = False
+    gating: str = "softmax"
     may_tie: bool = True
     ffn_norm: str = "ffn_norm.weight"
     yarn: bool = False

@@ -31,9 +31,10 @@ def glu(net: Net, x, layer: int, resid=None):
 
 def _act(net: Net, gate, up):
     """act(gate) * up, act the family's: silu (SwiGLU), gelu's tanh form (GeGLU; in llama.cpp's
-    numbers its f16-table gelu) or gpt-oss's clamped SwiGLU (ops.swiglu_oai)."""
+    numbers its f16-table gelu) or gpt-oss's clamped SwiGLU (ops.swiglu_oai; in llama.cpp's
+    numbers its float order, ops.swiglu_oai_ggml)."""
     if net.cfg.family.act == "swiglu_oai":
-        return ops.swiglu_oai(gate, up)
+        return ops.swiglu_oai_ggml(gate, up) if net.llama else ops.swiglu_oai(gate, up)
     if net.cfg.family.act != "gelu":
         return ops.swiglu_ggml(gate, up) if net.llama else ops.swiglu(gate, up)
     return ops.geglu_f16(gate, up) if net.llama else ops.geglu(gate, up)

@@ -102,6 +102,8 @@ def attention(net: Net, x, layer: int, inp: Inputs, opt: Options, keep: Callable
     sinks = net.params.get(p + "attn_sinks.weight") if fam.sinks else None
     # llama.cpp's numbers (no segment mask there: packed windows are training's)
     llama = dict(numerics=LLAMA, scale_q=fam.scale_q, kv_f16=net.kv_f16) if net.llama and inp.seg is None else {}
+    if llama and sinks is not None:     # the sinks inside the softmax, as llama.cpp's soft_max adds them
+        llama["sinks"], sinks = sinks, None
     if inp.cache is None:
         if source == layer:
             inp.kv[layer] = (k, v)

@@ -22,7 +22,8 @@ _MASK_INPUTS = {"none": 0, "causal": 0, "pos": 1, "seg": 1, "tree": 2}
 
 def attention(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool = False, pos: Tensor | None = None,
               seg: Tensor | None = None, with_lse: bool = False, window: int = 0, numerics: str = EXACT,
-              scale_q: bool = False, kv_f16: bool = False, parent: Tensor | None = None):
+              scale_q: bool = False, kv_f16: bool = False, parent: Tensor | None = None,
+              sinks: Tensor | None = None):
     """softmax(scale * q k^T + mask) v for each query head, fused (gt_attention_fwd_f32):
     no (Tq, Tk) tensor is made, here or in the backward.
 
@@ -42,7 +43,9 @@ def attention(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool = Fals
     exp, its double sums; key j being cache row j; native/cpu/attention.c says how), and with
     scale_q the scale multiplies q before the dots as some families' graphs do (gemma3, phi3),
     else the dots; with kv_f16 as its F16 KV cache (its default) rounds q, k, v and the weights:
-    inference only, CPU only, no gradient, no segment mask.
+    inference only, CPU only, no gradient, no segment mask. sinks (H,) f32 (llama numerics only):
+    a logit a head in each softmax's denominator adding no value, as llama.cpp's soft_max takes
+    gpt-oss's attn_sinks (LSE then over the keys and the sink; attention_sinks gives the exact ones).
     Raises ValueError for two masks, ShapeError / DTypeError for bad shapes or types.
     """
     if int(bool(causal)) + (pos is not None) + (seg is not None) > 1:
@@ -63,8 +66,11 @@ def attention(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool = Fals
     llama = check_numerics(numerics) == LLAMA
     if (llama and mask in ("seg", "tree")) or ((scale_q or kv_f16) and not llama):
         raise ValueError("attention: llama numerics take no segment mask; scale_q and kv_f16 need llama numerics")
-    y = apply("attention", qkv + extra, scale=float(scale), mask=mask, window=int(window), numerics=numerics,
-              scale_q=bool(scale_q), kv_f16=bool(kv_f16))
+    if sinks is not None and not llama:
+        raise ValueError("attention: sinks in the op need llama numerics (else attention_sinks)")
+    y = apply("attention", qkv + extra + ([sinks] if sinks is not None else []), scale=float(scale), mask=mask,
+              window=int(window), numerics=numerics, scale_q=bool(scale_q), kv_f16=bool(kv_f16),
+              sinks=sinks is not None)
     b, tq, h, _ = q.shape
     o = view(y, q.shape)
     return (o, view(y, (b, h, tq), offset=q.size)) if with_lse else o
@@ -75,8 +81,9 @@ def _infer_attention(name):
         q, k, v = srcs[:3]
         _f32(name, q, k, v)
         mask = params["mask"]
-        _need(mask in _MASKS and len(srcs) == (3 if name == "attention" else 5) + _MASK_INPUTS[mask], f"{name}: mask {mask!r} with {len(srcs)} inputs",
-              ValueError)
+        sinks = int(params.get("sinks", False))
+        _need(mask in _MASKS and len(srcs) == (3 if name == "attention" else 5) + _MASK_INPUTS[mask] + sinks,
+              f"{name}: mask {mask!r} with {len(srcs)} inputs", ValueError)
         _need(q.ndim == 4 and k.ndim == 4 and v.shape == k.shape and k.shape[0] == q.shape[0]
               and k.shape[3] == q.shape[3] and k.shape[2] >= 1 and q.shape[2] % k.shape[2] == 0,
               f"{name}: expected q (B, Tq, H, D), k and v (B, Tk, Hkv, D) with Hkv dividing H, got "
@@ -85,7 +92,10 @@ def _infer_attention(name):
             _need(x.strides[-1] == 1 or x.shape[-1] == 1, f"{name}: {x!r} needs unit stride along D")
         b, tq, h, d = q.shape
         tk = k.shape[1]
-        for m in srcs[len(srcs) - _MASK_INPUTS[mask]:]:
+        if sinks:
+            _f32(name, srcs[-1])
+            _need(srcs[-1].shape == (q.shape[2],), f"{name}: sinks {srcs[-1].shape} for {q.shape[2]} heads")
+        for m in srcs[len(srcs) - sinks - _MASK_INPUTS[mask]:len(srcs) - sinks]:
             if m.dtype != "i32":
                 raise DTypeError(f"{name}: {'positions' if mask == 'pos' else 'segments'} must be i32, got {m.dtype}")
             _need(mask != "pos" or m.shape == (tq,), f"{name}: positions {m.shape} do not match Tq of q {q.shape}")
@@ -120,7 +130,7 @@ def _attention_bwd(y, g):
 
 _attention_lower = lambda y: ((_MASKS[y.params["mask"]], y.params["window"],  # noqa: E731
                                _llama(y), int(y.params.get("scale_q", False)),
-                               int(y.params.get("kv_f16", False))),
+                               int(y.params.get("kv_f16", False)), int(y.params.get("sinks", False))),
                               (y.params["scale"],))
 register(OpDef("attention", _infer_attention("attention"), "attention_fwd", backward=_attention_bwd,
                lower=_attention_lower, contiguous=(3, 4), differentiable=(0, 1, 2)))

@@ -294,6 +294,17 @@ def swiglu_ggml(g: Tensor, u: Tensor) -> Tensor:
 
 register(OpDef("swiglu_ggml", _infer_same("swiglu_ggml"), "swiglu_ggml_fwd", contiguous=(0, 1), differentiable=(),
                numerics=LLAMA))
+
+
+def swiglu_oai_ggml(g: Tensor, u: Tensor, alpha: float = 1.702, limit: float = 7.0) -> Tensor:
+    """llama.cpp's CPU swiglu_oai bit for bit: x = min(g, limit), y = clip(u, -limit, limit),
+    x / (1 + expf(alpha * -x)) * (y + 1) with libm's expf (swiglu_oai's value, its own float
+    order). Inference only (numerics LLAMA: llama.cpp's numbers); no gradient."""
+    return apply("swiglu_oai_ggml", [g, u], alpha=float(alpha), limit=float(limit))
+
+
+register(OpDef("swiglu_oai_ggml", _infer_same("swiglu_oai_ggml"), "swiglu_oai_ggml_fwd", lower=_swiglu_oai_lower,
+               contiguous=(0, 1), differentiable=(), numerics=LLAMA))
 register(OpDef("with_grad", _infer_with_grad, "scale_fwd", lower=lambda y: ((), (1.0,)),   # a copy of y
                backward=_with_grad_bwd, differentiable=(1,)))
 register(OpDef("tanh", _infer_same("tanh"), "tanh_fwd",

@@ -15,9 +15,9 @@ from ggtrain.native.host import ACT8_TYPES
 # ---- routing ----------------------------------------------------------------------------------
 
 
-# the router's gating functions (llama.cpp's expert_gating_func: 1 softmax, 2 sigmoid), by the
-# flag the kernels take
-GATINGS = ("softmax", "sigmoid")
+# the router's gating functions (llama.cpp's expert_gating_func: 1 softmax, 2 sigmoid, 3
+# softmax_weight: the softmax of the k chosen logits, gpt-oss's), by the flag the kernels take
+GATINGS = ("softmax", "sigmoid", "softmax_weight")
 
 
 def _gating(op: str, gating: str) -> str:
@@ -28,13 +28,14 @@ def _gating(op: str, gating: str) -> str:
 def moe_topk(logits: Tensor, k: int, gating: str = "softmax", bias: Tensor | None = None) -> Tensor:
     """The ids of the k experts of largest score in logits (..., E) along the last dim, largest
     first (of equal ones the lower index first): (..., k) i32, llama.cpp's argsort_top_k of its
-    selection probabilities. The score: the logit (softmax gating, which keeps the order), or
+    selection probabilities. The score: the logit (softmax gatings, which keep the order), or
     sigmoid(logit) plus bias (E,) f32 where given (sigmoid gating: llama.cpp's exp_probs_b,
     which moves the selection, not the weights), in llama.cpp's f32. No gradient (the selection
     is piecewise constant)."""
     _gating("moe_topk", gating)
     _need(bias is None or gating == "sigmoid", "moe_topk: a selection bias with sigmoid gating only")
-    return apply("moe_topk", [logits] + ([bias] if bias is not None else []), k=int(k), gating=gating)
+    return apply("moe_topk", [logits] + ([bias] if bias is not None else []), k=int(k),
+                 gating="softmax" if gating == "softmax_weight" else gating)
 
 
 def _infer_topk(srcs, params):
@@ -53,11 +54,13 @@ register(OpDef("moe_topk", _infer_topk, "moe_topk_fwd", contiguous=(0, 1), diffe
 
 def moe_weights(logits: Tensor, ids: Tensor, norm: bool, numerics: str = EXACT, gating: str = "softmax") -> Tensor:
     """The gate weights of the selected experts: softmax(logits)[..., ids] (..., k), or
-    sigmoid(logits)[..., ids] (gating "sigmoid"), divided by their sum over the k (clamped below
-    at 2^-14, as llama.cpp does) when norm. logits (..., E) f32, ids (..., k) i32 (moe_topk's).
-    The gradient flows to the logits through the softmax or sigmoid and the renormalisation;
-    none to ids. numerics LLAMA: llama.cpp's CPU numbers (its soft_max's exp and sums, its
-    sigmoid; inference only)."""
+    sigmoid(logits)[..., ids] (gating "sigmoid"), or softmax(logits[..., ids]) over the k
+    (gating "softmax_weight", llama.cpp's SOFTMAX_WEIGHT: softmax's renormalised over the
+    chosen), divided by their sum over the k (clamped below at 2^-14, as llama.cpp does) when
+    norm. logits (..., E) f32, ids (..., k) i32 (moe_topk's). The gradient flows to the logits
+    through the softmax or sigmoid and the renormalisation; none to ids. numerics LLAMA:
+    llama.cpp's CPU numbers (its soft_max's exp and sums over the E logits or, softmax_weight,
+    the k chosen; its sigmoid; inference only)."""
     return apply("moe_weights", [logits, ids], norm=bool(norm), numerics=check_numerics(numerics),
                  gating=_gating("moe_weights", gating))
 
@@ -81,7 +84,9 @@ def _infer_weights(name):
 def _weights_bwd(y, g):
     _no_llama_gradient(y, "moe_weights")
     z, ids = y.srcs
-    return [apply("moe_weights_bwd", [z, ids, g], norm=y.params["norm"], gating=y.params["gating"]), None]
+    chosen = y.params["gating"] == "softmax_weight"   # (softmax's, renormalised)
+    return [apply("moe_weights_bwd", [z, ids, g], norm=y.params["norm"] or chosen,
+                  gating="softmax" if chosen else y.params["gating"]), None]
 
 
 register(OpDef("moe_weights", _infer_weights("moe_weights"), "moe_weights_fwd", contiguous=(0, 1),

@@ -760,7 +760,10 @@ static void fwd_unit(const att *A, rows R, fwd_work *w, int64_t b, int64_t h, in
  * llama.cpp adds to its cache (to 256 rows) changes nothing. Other builds (AVX2) order their
  * sums otherwise; this is the AVX-512 one on every CPU. With ip[4] its F16 KV cache (its
  * default): q, K, V and P rounded to f16 where they meet the cache, and S of 2 or more queries
- * by tinyBLAS's 16 lanes (its f16 operands are contiguous). */
+ * by tinyBLAS's 16 lanes (its f16 operands are contiguous). With ip[5] a sink logit a head
+ * (gpt-oss's attn_sinks, the input after the mask's) joins each softmax as its soft_max adds
+ * it: the max is max(max, sink), the double sum gains libm's expf(sink - max), adding no value;
+ * LSE is then the log of the whole denominator. */
 
 /* lanes (nl x D, lane-major) to out (D): 64 lanes as gt_ggml_dot folds them, then reduce16, every
  * d at once (the lanes are rewritten) */
@@ -789,17 +792,17 @@ static int64_t ggml_work_layout(const att *A, int kv16) {
     return ggml_row_bytes(A->D, A->Tk) + kv + ALIGN;
 }
 
-GT_CLONES static void ggml_row(const att *A, rows R, int scale_q, int kv16, char *work, int64_t b, int64_t h,
-                               int64_t r, float *o, float *lse) {
+GT_CLONES static void ggml_row(const att *A, rows R, int scale_q, int kv16, const float *sinks, char *work,
+                               int64_t b, int64_t h, int64_t r, float *o, float *lse) {
     const int64_t D = A->D, Tk = A->Tk;
     float *qs = (float *)work, *s = (float *)(work + align_up(D * (int64_t)sizeof(float)));
     float *e = (float *)((char *)s + align_up((Tk + 16) * (int64_t)sizeof(float)));
     float *acc = (float *)((char *)e + align_up((Tk + 16) * (int64_t)sizeof(float)));
     float *orow = o + ((b * A->Tq + r) * A->H + h) * D;
     const int64_t lo = R.lo[b * A->Tq + r], hi = R.hi[b * A->Tq + r];
-    if (hi < lo) {
+    if (hi < lo) {      /* (with a sink: its weight 1, the keys' 0) */
         memset(orow, 0, (size_t)D * sizeof(float));
-        lse[(b * A->H + h) * A->Tq + r] = -INFINITY;
+        lse[(b * A->H + h) * A->Tq + r] = sinks ? sinks[h] : -INFINITY;
         return;
     }
     const float *q = A->q + b * A->qs[0] + r * A->qs[1] + h * A->qs[2];
@@ -817,6 +820,7 @@ GT_CLONES static void ggml_row(const att *A, rows R, int scale_q, int kv16, char
         if (!scale_q) s[j] *= A->scale;
         mx = s[j] > mx ? s[j] : mx;
     }
+    if (sinks) mx = mx > sinks[h] ? mx : sinks[h];
     /* e = exp(s - max) over the row's slots, 0 in the 16-slot chunks' other slots */
     const int64_t c0 = lo / 16 * 16, c1 = (hi / 16 + 1) * 16;
     for (int64_t j = lo; j <= hi; j++) s[j] -= mx;
@@ -827,6 +831,7 @@ GT_CLONES static void ggml_row(const att *A, rows R, int scale_q, int kv16, char
     for (int64_t j = hi + 1; j < c1; j++) e[j] = 0.0f;
     double sum = 0.0;
     for (int64_t c = c0; c < c1; c += 16) sum += (double)gt_ggml_reduce16(e + c);
+    if (sinks) sum += (double)expf(sinks[h] - mx);
     const float inv = (float)(1.0 / sum);
     /* P V: one query (llama.cpp's ggml_vec_dot_f32) in 64 lanes, more (its tinyBLAS, which
      * serves a contiguous right operand of 2 or more rows) in 16, each lane an fma chain
@@ -872,6 +877,20 @@ int gt_attention_fwd_f32(const gt_node *node, const gt_ctx *ctx) {
     GT_TRY(gt_attention_ggml_check(node, op, 1));
     if (node->ip[2] && A.mode >= MASK_SEG)
         return GT_FAIL(GT_ERR_INVALID, "%s: llama.cpp's order (ip[2]) takes no segment mask", op);
+    const float *sinks = NULL;      /* ip[5]: (H,) f32 after the mask's input */
+    if (node->ip[5]) {
+        const int is = 3 + (A.mode == MASK_POS);
+        GT_TRY(gt_check_n_src(node, is + 1, op));
+        const gt_tensor *sk = &node->src[is];
+        GT_CHECK_F32(sk, op, "sinks");
+        GT_TRY(gt_check_contig(sk, op, "sinks"));
+        if (sk->ndim != 1 || sk->shape[0] != A.H) {
+            char a[128];
+            return GT_FAIL(GT_ERR_SHAPE, "%s: expected sinks (%lld,) (one a head), got %s", op, (long long)A.H,
+                           gt_shape_str(sk, a, sizeof a));
+        }
+        sinks = sk->data;
+    }
     GT_TRY(check_scratch(node, op, scratch_layout(&A, 0, NULL, NULL)));
     GT_TRY(check_work(ctx, op,
                       node->ip[2] ? ggml_work_layout(&A, (int)node->ip[4]) : fwd_work_layout(&A, NULL, NULL)));
@@ -922,7 +941,7 @@ int gt_attention_fwd_f32(const gt_node *node, const gt_ctx *ctx) {
         for (;;) {
             const int64_t u = atomic_fetch_add_explicit(S.next, 1, memory_order_relaxed);
             if (u >= units) break;
-            ggml_row(&R16, S.R, (int)node->ip[3], kv16, work, u / (A.H * A.Tq), u / A.Tq % A.H, u % A.Tq, o, lse);
+            ggml_row(&R16, S.R, (int)node->ip[3], kv16, sinks, work, u / (A.H * A.Tq), u / A.Tq % A.H, u % A.Tq, o, lse);
         }
         return GT_OK;
     }

@@ -417,6 +417,24 @@ int gt_swiglu_ggml_fwd_f32(const gt_node *node, const gt_ctx *ctx) {
     return GT_OK;
 }
 
+/* llama.cpp's CPU swiglu_oai (ggml_compute_forward_swiglu_oai_f32): x = min(g, limit), y =
+ * clamp(u, -limit, limit), x / (1 + expf(alpha * -x)) * (y + 1) with libm's expf, element by
+ * element; fp[0] = alpha, fp[1] = limit. Inference with llama.cpp's numbers. */
+int gt_swiglu_oai_ggml_fwd_f32(const gt_node *node, const gt_ctx *ctx) {
+    GT_TRY(glu_check(node, 2, "swiglu_oai_ggml"));
+    const float alpha = node->fp[0], limit = node->fp[1];
+    const float *g = node->src[0].data, *u = node->src[1].data;
+    float *d = node->dst.data;
+    int64_t lo, hi;
+    gt_split(gt_numel(&node->dst), ctx, &lo, &hi);
+    for (int64_t i = lo; i < hi; i++) {
+        const float x = limit < g[i] ? limit : g[i];
+        const float y = u[i] < -limit ? -limit : limit < u[i] ? limit : u[i];
+        d[i] = x / (1.0f + expf(alpha * (-x))) * (y + 1.0f);
+    }
+    return GT_OK;
+}
+
 /* ---- dropout ----------------------------------------------------------------- */
 
 /* d[k] = x[k] * s where hash(index i0 + k) >= thr, else 0. h1 is the hash state

@@ -102,9 +102,11 @@ static int check_ids(const int32_t *ids, int64_t n, int64_t E, const char *op) {
 }
 
 /* w[r, s] = p(z[r])[ids[r, s]], divided by their sum over s (clamped below at MOE_MIN_SUM)
- * where ip[0] = 1; p softmax (ip[2] = 0) or sigmoid (ip[2] = 1). ip[1] = 1: llama.cpp's
- * numbers (softmax_row, sigmoid_row; the sum of the k in double, rounded to float). wdata: E
- * floats. */
+ * where ip[0] = 1; p softmax (ip[2] = 0) or sigmoid (ip[2] = 1); ip[2] = 2: the softmax of the
+ * k chosen logits (llama.cpp's SOFTMAX_WEIGHT; exactly, softmax's over E divided by the chosen's
+ * sum, as with ip[0]). ip[1] = 1: llama.cpp's numbers (softmax_row over E or, ip[2] = 2, over
+ * the k chosen logits in slot order; sigmoid_row; the sum of the k in double, rounded to
+ * float). wdata: E floats. */
 int gt_moe_weights_fwd_f32(const gt_node *node, const gt_ctx *ctx) {
     static const char *op = "moe_weights";
     int64_t rows, E, k;
@@ -114,16 +116,24 @@ int gt_moe_weights_fwd_f32(const gt_node *node, const gt_ctx *ctx) {
     const float *z = (const float *)node->src[0].data;
     const int32_t *ids = (const int32_t *)node->src[1].data;
     float *w = (float *)node->dst.data, *p = (float *)ctx->wdata;
-    const int norm = node->ip[0] != 0, llama = node->ip[1] != 0, sigmoid = node->ip[2] != 0;
+    if (node->ip[2] < 0 || node->ip[2] > 2)
+        return GT_FAIL(GT_ERR_INVALID, "%s: expected gating ip[2] 0 (softmax), 1 (sigmoid) or 2 (softmax of the "
+                       "chosen), got %lld", op, (long long)node->ip[2]);
+    const int llama = node->ip[1] != 0, sigmoid = node->ip[2] == 1, chosen = node->ip[2] == 2;
+    const int norm = node->ip[0] != 0 || (chosen && !llama);
     int64_t lo, hi;
     gt_split(rows, ctx, &lo, &hi);
     GT_TRY(check_ids(ids + lo * k, (hi - lo) * k, E, op));
     for (int64_t r = lo; r < hi; r++) {
-        if (sigmoid)
+        float *wr = w + r * k;
+        if (chosen && llama) {      /* ggml_soft_max of the k chosen logits, then as the others */
+            for (int64_t s = 0; s < k; s++) p[s] = z[r * E + ids[r * k + s]];
+            softmax_row(wr, p, k, 1);
+            for (int64_t s = 0; s < k; s++) p[ids[r * k + s]] = wr[s];
+        } else if (sigmoid)
             sigmoid_row(p, z + r * E, E, llama);
         else
             softmax_row(p, z + r * E, E, llama);
-        float *wr = w + r * k;
         double sum = 0.0;
         for (int64_t s = 0; s < k; s++) {
             wr[s] = p[ids[r * k + s]];

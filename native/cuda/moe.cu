@@ -108,6 +108,9 @@ static int route_launch(const gt_node *node, int kind, const char *op) {
     GTC_TRY(gt_moe_route_check(node, kind, op, &rows, &E, &k));
     if (kind == 1 && node->ip[1])
         return GTC_FAIL(GT_ERR_INVALID, "%s: llama.cpp's CPU numbers (ip[1] = 1) are the CPU kernel's", op);
+    if (kind == 1 && (node->ip[2] < 0 || node->ip[2] > 2))   /* 2: the chosen's softmax, softmax's renormalised */
+        return GTC_FAIL(GT_ERR_INVALID, "%s: expected gating ip[2] 0 (softmax), 1 (sigmoid) or 2 (softmax of the "
+                        "chosen), got %lld", op, (long long)node->ip[2]);
     if (rows == 0) return GT_OK;
     const float *z = (const float *)node->src[0].data;
     const int32_t *ids = kind ? (const int32_t *)node->src[1].data : nullptr;
@@ -118,7 +121,7 @@ static int route_launch(const gt_node *node, int kind, const char *op) {
                                                         rows, E, k, node->ip[1] != 0);
     else if (kind == 1)
         moe_weights<<<nb, GTC_THREADS, 0, gtc_stream_()>>>((float *)node->dst.data, z, ids, rows, E, k,
-                                                           node->ip[0] != 0, node->ip[2] != 0);
+                                                           node->ip[0] != 0 || node->ip[2] == 2, node->ip[2] == 1);
     else
         moe_weights_bwd<<<nb, GTC_THREADS, 0, gtc_stream_()>>>((float *)node->dst.data, z, ids,
                                                                (const float *)node->src[2].data, rows, E, k,

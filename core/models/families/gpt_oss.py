@@ -11,8 +11,8 @@ rotating as the global ones (the same base and scaling, as llama.cpp sets them).
 attn_norm before the attention and post_attention_norm before the FFN (no ffn_norm), and
 output.weight is required. Every block's FFN is routed experts: the router's logits plus its
 bias pick each token's expert_used_count best, weighted by the softmax of those k logits
-(llama.cpp's SOFTMAX_WEIGHT gating: the softmax probabilities renormalised over the chosen,
-moe_norm), each expert's gate and up products plus its bias rows, gpt-oss's clamped SwiGLU
+(llama.cpp's SOFTMAX_WEIGHT gating, gating="softmax_weight": the softmax probabilities
+renormalised over the chosen; no norm_w), each expert's gate and up products plus its bias rows, gpt-oss's clamped SwiGLU
 (ops.swiglu_oai: alpha 1.702, limit 7), down plus its bias. LoRA targets the attention's
 projections and the router (the experts' stacked matrices are not targets, as qwen3moe). A
 model built from scratch has 8 experts, 2 a token, and gpt-oss's window of 128 (llama.cpp
@@ -26,7 +26,7 @@ _BLOCK = ("attn_norm.weight", "attn_q.weight", "attn_q.bias", "attn_k.weight", "
           "ffn_gate_inp.weight", "ffn_gate_inp.bias", "ffn_gate_exps.weight", "ffn_gate_exps.bias",
           "ffn_up_exps.weight", "ffn_up_exps.bias", "ffn_down_exps.weight", "ffn_down_exps.bias")
 
-FAMILY = Family(arch="gpt-oss", rope_mode="neox", block=_BLOCK, ffn="moe", moe_norm=True, may_tie=False,
+FAMILY = Family(arch="gpt-oss", rope_mode="neox", block=_BLOCK, ffn="moe", gating="softmax_weight", may_tie=False,
                 act="swiglu_oai", ffn_norm="post_attention_norm.weight", yarn=True, swa_rope_global=True,
                 keys=EXPERT_KEYS + (Key("window", "attention.sliding_window", unset=128, required=True),
                                     Key("window_pattern", "attention.sliding_window_pattern", unset=2),
