@@ -151,7 +151,7 @@ def finetune(
     packing: bool = flag(True, "--packing/--no-packing", panel=DATA,
                          help="Several samples a window, each seeing only itself."),
     drop_long: bool = flag(False, "--drop-long", panel=DATA, help="Drop samples longer than --ctx (not cut)."),
-    ctx: int = typer.Option(0, "--ctx", rich_help_panel=DATA, show_default=False,
+    ctx: int | None = typer.Option(None, "--ctx", min=1, rich_help_panel=DATA, show_default=False,
                             help="Tokens a window (default: 512, or the model's context when shorter)."),
     token_cache: str = TOKEN_CACHE,
     full: bool = flag(False, "--full", panel=LORA, help="Train every weight instead (--out is then a model)."),

@@ -171,6 +171,7 @@ def test_a_choice_longer_than_ctx_names_its_item(files, shared_data):
     (["--task", "missing.jsonl"], "--task missing.jsonl: no such file"),
     (["--data", "x.txt", "--hellaswag"], "--hellaswag and --winogrande say what --task holds"),
     (["--task", "TASK", "--ctx", "4"], "line 1: a choice takes"),
+    (["--task", "TASK", "--half-window"], "--half-window scores --data (a text), not --task"),
 ])
 def test_bad_eval_task_options_are_one_line(files, shared_data, args, message):
     args = [str(files["jsonl"]) if a == "TASK" else a for a in args]
@@ -269,3 +270,17 @@ def test_a_task_file_of_another_format_names_its_option(files, shared_data, tmp_
     r = run_here(*common, option, "--quiet")
     n = len(read_task(files[fmt], fmt))
     assert r.returncode == 0 and "task accuracy" in r.stderr and f"({n} items)" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("command", ["eval --data TEXT", "eval --task TASK", "generate --prompt hi",
+                                     "finetune --data TEXT --out OUT"])
+def test_a_context_of_zero_is_a_usage_error(files, shared_data, tmp_path, command):
+    """--ctx 0 was taken as "the default" without a word (no help said so): now a usage error
+    naming --ctx, exit 2, as any --ctx below 1; leaving --ctx out keeps the default."""
+    from tests.interop import run_here
+    text = tmp_path / "t.txt"
+    text.write_text("Tom had a red kite. " * 20)
+    args = [{"TEXT": text, "TASK": files["jsonl"], "OUT": tmp_path / "a.gguf"}.get(a, a) for a in command.split()]
+    r = run_here(*args, "--model", shared_data / "gguf" / "stories260K.gguf", "--ctx", "0")
+    assert r.returncode == 2 and "'--ctx'" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert not (tmp_path / "a.gguf").exists()
