@@ -52,5 +52,9 @@ def task_words(result: dict, prefix: str = "") -> str:
     """'accuracy 0.6250 ± 0.0234, normalised 0.6500 ± 0.0230 (400 items)' of summarize()'s
     keys (with a prefix: "task_acc", ...)."""
     r = {k[len(prefix):]: v for k, v in result.items() if k.startswith(prefix)}
-    return (f"accuracy {r['acc']:.4f} ± {r['acc_stderr']:.4f}, normalised {r['acc_norm']:.4f} "
-            f"± {r['acc_norm_stderr']:.4f} ({r['items']} items)")
+
+    def value(key: str) -> str:    # no standard error of one item
+        return f"{r[key]:.4f}" + (f" ± {r[key + '_stderr']:.4f}" if r[key + "_stderr"] is not None else "")
+
+    item = "item" if r["items"] == 1 else "items"
+    return f"accuracy {value('acc')}, normalised {value('acc_norm')} ({r['items']} {item})"

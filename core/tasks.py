@@ -102,13 +102,15 @@ def score_item(decoder, choices: list, gold: int) -> Scored:
 
 
 def summarize(scored: list) -> dict:
-    """{"items", "acc", "acc_stderr", "acc_norm", "acc_norm_stderr"} of scored items."""
+    """{"items", "acc", "acc_stderr", "acc_norm", "acc_norm_stderr"} of scored items; None where
+    a value is undefined (an accuracy of no items, a standard error of fewer than 2), so the dict
+    is valid JSON."""
     n = len(scored)
     out = {"items": n}
     for key, values in (("acc", [s.correct for s in scored]), ("acc_norm", [s.correct_norm for s in scored])):
         v = np.asarray(values, np.float64)
-        out[key] = float(v.mean()) if n else float("nan")
-        out[f"{key}_stderr"] = float(v.std(ddof=1) / math.sqrt(n)) if n > 1 else float("nan")
+        out[key] = float(v.mean()) if n else None
+        out[f"{key}_stderr"] = float(v.std(ddof=1) / math.sqrt(n)) if n > 1 else None
     return out
 
 

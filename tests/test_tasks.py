@@ -284,3 +284,16 @@ def test_a_context_of_zero_is_a_usage_error(files, shared_data, tmp_path, comman
     r = run_here(*args, "--model", shared_data / "gguf" / "stories260K.gguf", "--ctx", "0")
     assert r.returncode == 2 and "'--ctx'" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert not (tmp_path / "a.gguf").exists()
+
+
+def test_one_item_has_no_standard_error_and_valid_json(files, shared_data):
+    """One item's standard error is undefined: None in the summary (eval --json prints null, not
+    NaN, which JSON parsers refuse), left out of the text line."""
+    from tests.interop import run_here
+    model = shared_data / "gguf" / "stories260K.gguf"
+    r = run_here("eval", "--model", model, "--task", files["jsonl"], "--limit", "1", "--json", "--quiet")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout, parse_constant=lambda c: pytest.fail(f"not JSON: {c}"))
+    assert out["items"] == 1 and out["acc_stderr"] is None and out["acc_norm_stderr"] is None
+    r = run_here("eval", "--model", model, "--task", files["jsonl"], "--limit", "1", "--quiet")
+    assert r.returncode == 0 and "±" not in r.stdout and "(1 item)" in r.stdout, r.stdout
