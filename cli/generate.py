@@ -82,7 +82,7 @@ def generate_cmd(
                                          help="Penalize the last 64 tokens' ids (1: off; llama.cpp's rule)."),
     seed: int = typer.Option(None, "--seed", rich_help_panel=SAMPLING, show_default=False,
                              help="Seed of the sampler (default: a random one, printed with --timings)."),
-    ctx: int | None = typer.Option(None, "--ctx", min=1, show_default=False, help="Positions of the KV cache (default: prompt + n, or "
+    ctx: int = typer.Option(0, "--ctx", show_default=False, help="Positions of the KV cache (default, or 0: prompt + n, or "
                             f"min({UNTIL_EOG_CTX}, the model's context) with -n -1)."),
     threads: int = THREADS,
     backend: Backend = BACKEND,
@@ -98,6 +98,8 @@ def generate_cmd(
         raise ConfigError(f"-n must be >= 0, or -1 for 'until end of generation', got {n}")
     if top_k < 0:
         raise ConfigError(f"--top-k must be >= 0, got {top_k}")
+    if ctx < 0:
+        raise ConfigError(f"--ctx must be >= 1 (0: the default), got {ctx}")
     seed = secrets.randbits(31) if seed is None else seed     # (llama.cpp's default is random too)
     sampler = Sampler(temp=temp, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty,
                       seed=seed)
@@ -117,7 +119,7 @@ def generate_cmd(
     if not ids:
         raise ConfigError("--prompt gives no tokens (and the model adds no BOS): nothing to continue")
     n_ctx = ctx or (min(cfg.ctx, len(ids) + n) if n >= 0 else min(cfg.ctx, UNTIL_EOG_CTX))
-    if ctx is not None and ctx > cfg.ctx:
+    if ctx > cfg.ctx:
         raise ConfigError(f"--ctx {ctx} exceeds the model's context of {cfg.ctx}")
     if len(ids) >= n_ctx and n != 0:
         raise ConfigError(f"--prompt has {len(ids)} tokens; the context is {n_ctx} "
@@ -165,7 +167,7 @@ def eval_cmd(
     hellaswag: bool = HELLASWAG,
     winogrande: bool = WINOGRANDE,
     limit: int = typer.Option(0, "--limit", help="Score only the first N task items (0: all)."),
-    ctx: int | None = typer.Option(None, "--ctx", min=1, show_default=False, help="Window length (default: min(model context, 512)); for --task the "
+    ctx: int = typer.Option(0, "--ctx", show_default=False, help="Window length (default, or 0: min(model context, 512)); for --task the "
                             "most tokens a choice may take (default: the model's context)."),
     half_window: bool = typer.Option(False, "--half-window", help="Score --data as llama-perplexity does: "
                                      "--ctx chunks, each begun with BOS, the second half of each scored."),
@@ -195,7 +197,7 @@ def eval_cmd(
         with file_errors(f"--task {task}"):
             items = read_task(task, fmt)
         items = items[:limit] if limit else items
-        if ctx is not None and ctx > cfg.ctx:
+        if not 0 <= ctx <= cfg.ctx:
             raise ConfigError(f"--ctx {ctx}: must be in 1..{cfg.ctx} (the model's context)")
         result = run_task(items, tok, cfg, weights, be, adapters, n_ctx=ctx, numerics=numerics, kv_f16=f16,
                           quiet=quiet)

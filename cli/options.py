@@ -90,7 +90,8 @@ MOE_AUX_LOSS = typer.Option(0.0, "--moe-aux-loss", rich_help_panel=OPTIMIZATION,
                                  "only (finetune: with --full) (default: off).")
 LR_MIN = typer.Option(None, "--lr-min", rich_help_panel=OPTIMIZATION, show_default=False,
                       help="Floor of the cosine schedule (default: --lr / 10).")
-WARMUP_HELP = "Linear warmup: a fraction of the run (< 1) or a number of updates"
+WARMUP_HELP = ("Linear warmup: a fraction of the run (< 1) or a number of updates, then cosine decay (a "
+               "warmup as long as the run leaves none)")
 CHECKPOINTING = flag(True, "--checkpointing/--no-checkpointing", panel=CHECKPOINTS,
                      help="Gradient checkpointing: recompute each block's norms and FFN in backward (less memory, "
                           "10-15% more time).")

@@ -272,20 +272,6 @@ def test_a_task_file_of_another_format_names_its_option(files, shared_data, tmp_
     assert r.returncode == 0 and "task accuracy" in r.stderr and f"({n} items)" in r.stderr, r.stderr
 
 
-@pytest.mark.parametrize("command", ["eval --data TEXT", "eval --task TASK", "generate --prompt hi",
-                                     "finetune --data TEXT --out OUT"])
-def test_a_context_of_zero_is_a_usage_error(files, shared_data, tmp_path, command):
-    """--ctx 0 was taken as "the default" without a word (no help said so): now a usage error
-    naming --ctx, exit 2, as any --ctx below 1; leaving --ctx out keeps the default."""
-    from tests.interop import run_here
-    text = tmp_path / "t.txt"
-    text.write_text("Tom had a red kite. " * 20)
-    args = [{"TEXT": text, "TASK": files["jsonl"], "OUT": tmp_path / "a.gguf"}.get(a, a) for a in command.split()]
-    r = run_here(*args, "--model", shared_data / "gguf" / "stories260K.gguf", "--ctx", "0")
-    assert r.returncode == 2 and "'--ctx'" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
-    assert not (tmp_path / "a.gguf").exists()
-
-
 def test_one_item_has_no_standard_error_and_valid_json(files, shared_data):
     """One item's standard error is undefined: None in the summary (eval --json prints null, not
     NaN, which JSON parsers refuse), left out of the text line."""
