@@ -267,14 +267,6 @@ def _map(path: str, n: int) -> np.ndarray:
 
 
 def _fork_pool(workers: int):
-    """A pool of forked workers; `tokenizers` keeps to one thread in them, without a warning
-    about its thread pool, when the variable is set as they start."""
-    saved = os.environ.get("TOKENIZERS_PARALLELISM")
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    try:
-        return multiprocessing.get_context("fork").Pool(workers)
-    finally:
-        if saved is None:
-            del os.environ["TOKENIZERS_PARALLELISM"]
-        else:
-            os.environ["TOKENIZERS_PARALLELISM"] = saved
+    """A pool of forked workers (`tokenizers` never runs threads in a ggtrain process, which would
+    make the fork unsafe: formats/tokenizer_bpe.py)."""
+    return multiprocessing.get_context("fork").Pool(workers)

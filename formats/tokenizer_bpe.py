@@ -4,6 +4,7 @@ of `--tokenizer bpe:N`."""
 from __future__ import annotations
 
 import json
+import os
 import re
 from typing import Iterable, Sequence
 
@@ -14,6 +15,13 @@ from ggtrain.errors import ConfigError, FormatError
 from ggtrain.formats.pretokenizer import BPE_PRE, BpePre
 from ggtrain.formats.tokenizer_base import (BOS_TEXT, CONTROL, EOS_TEXT, K, MIN_BPE_VOCAB,
                                             NORMAL, Tokenizer, VT, VocabInfo, _check_str, _utf8, token_pieces)
+
+# `tokenizers` runs its own threads (encode_batch, BpeTrainer) unless told not to. ggtrain encodes
+# large texts in forked worker processes (formats/corpus.py, sample_cache.py), and a fork of a
+# process those threads have run in can hang in the child on a lock one of them held (seen: a
+# worker stuck in encode_batch_fast after a BPE vocabulary was trained in the parent). So they
+# never start in a ggtrain process: its parallelism is its own workers'.
+os.environ["TOKENIZERS_PARALLELISM"] = "false"
 
 
 def _bytes_to_unicode() -> dict[int, str]:

@@ -4,6 +4,7 @@ import csv
 import hashlib
 import json
 import os
+import pathlib
 import re
 import subprocess
 import sys
@@ -576,3 +577,32 @@ def test_packed_rows_are_kept_and_mapped_back_as_packed(tmp_path, pairs):
     got, _, fp, cached = sample_cache.packed_rows(cache, "k", "spec", make)
     assert not cached and fp == want_fp
     assert sample_cache.packed_rows(cache, "k", "other spec", make)[3] is False
+
+
+_AFTER_BPE = r"""
+import os, sys
+import numpy as np
+from ggtrain.formats import corpus
+from ggtrain.formats.tokenizer import load_tokenizer
+text = open(sys.argv[1], encoding="utf-8").read()
+tok = load_tokenizer("bpe:400", text)        # tokenizers' trainer, in this process
+tok.encode(text[:200000])                   # and its batch encoder
+corpus.BLOCK = 1 << 16                      # many pieces, so the forked workers take several each
+got = corpus.corpus_tokens(sys.argv[1], tok, cache_dir=None, workers=2)
+assert np.array_equal(np.asarray(got.ids), tok.encode(text)), "ids differ"
+print(os.environ["TOKENIZERS_PARALLELISM"])
+"""
+
+
+def test_workers_forked_after_a_bpe_vocabulary_was_trained_finish(tmp_path):
+    """A BPE vocabulary trained and used in a process (`tokenizers`' trainer and batch encoder),
+    then its text encoded by forked workers: they finish with the serial ids. (A worker once hung
+    in encode_batch_fast on a lock of `tokenizers`' threads, which now never start in a ggtrain
+    process: TOKENIZERS_PARALLELISM is false, whatever the environment said.)"""
+    text = tmp_path / "t.txt"
+    text.write_text((pathlib.Path(__file__).resolve().parents[1] / "cli" / "data" / "tinyshakespeare.txt").read_text(encoding="utf-8")[:400000],
+                    encoding="utf-8")
+    r = subprocess.run([sys.executable, "-c", _AFTER_BPE, str(text)], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "TOKENIZERS_PARALLELISM": "true"})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "false" and "huggingface/tokenizers" not in r.stderr, (r.stdout, r.stderr)
