@@ -90,7 +90,7 @@ def generate_cmd(
     cache_type: CacheType = CACHE_TYPE,
     exact: bool = OLD_EXACT,
     timings: bool = typer.Option(False, "--timings", help='Print {"load_s", "prompt_tokens", "prompt_s", '
-                                 '"tokens", "tokens_per_s"} as JSON on stderr at the end.'),
+                                 '"tokens", "tokens_per_s", "seed"} as JSON on stderr at the end.'),
 ):
     """Continue a prompt with a GGUF model (KV-cached); prints only the continuation, as it comes."""
     t_start = time.perf_counter()
@@ -98,6 +98,11 @@ def generate_cmd(
         raise ConfigError(f"-n must be >= 0, or -1 for 'until end of generation', got {n}")
     if top_k < 0:
         raise ConfigError(f"--top-k must be >= 0, got {top_k}")
+    for option, value in (("--top-p", top_p), ("--min-p", min_p)):
+        if not 0.0 <= value <= 1.0:
+            raise ConfigError(f"{option} is a probability (0..1), got {value}")
+    if temp < 0 or repeat_penalty <= 0:
+        raise ConfigError(f"--temp must be >= 0 and --repeat-penalty > 0, got {temp}, {repeat_penalty}")
     if ctx < 0:
         raise ConfigError(f"--ctx must be >= 1 (0: the default), got {ctx}")
     seed = secrets.randbits(31) if seed is None else seed     # (llama.cpp's default is random too)

@@ -301,6 +301,8 @@ def open_shards(path) -> list:
     for file in data_files(path):
         fmt = data_format(file)
         if fmt not in RECORD_FORMATS:
+            if fmt == "text" and first_byte(file) is None:   # not text either: nothing at all
+                raise FormatError(f"{file}: the file is empty")
             raise FormatError(f"{file}: {format_words(fmt)}, not records")
         if fmt == "parquet":
             meta = _parquet(file).metadata

@@ -405,3 +405,14 @@ def test_an_output_never_overwrites_an_input_or_another_output(tmp_path, story, 
     assert r.returncode == 1 and message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert kept.read_bytes() == before
     assert not (tmp_path / "a.gguf").exists()
+
+
+@pytest.mark.parametrize("content", ["", "\n  \n"])
+def test_an_empty_data_file_says_so(tmp_path, story, content):
+    """finetune takes text, so an empty (or blank) --data file is 'the file is empty', not
+    'text, not records' (a new user's review)."""
+    data = tmp_path / "empty.txt"
+    data.write_text(content)
+    r = _cli("finetune", "--model", story, "--data", data, "--out", tmp_path / "a.gguf", "--steps", "1")
+    assert r.returncode == 1 and "empty.txt: the file is empty" in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "a.gguf").exists()

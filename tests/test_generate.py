@@ -229,3 +229,13 @@ def test_eval_numerics_llama_is_the_runner_in_llama_numbers(shared_data, tmp_pat
     assert got[("--numerics", "llama")] == pytest.approx(want[LLAMA], abs=1e-6)
     assert got[("--int8",)] == got[("--numerics", "llama")]
     assert 1e-5 < abs(want[LLAMA] - want[EXACT]) < 0.05
+
+
+@pytest.mark.parametrize("args, message", [(["--top-p", "2"], "--top-p is a probability (0..1), got 2.0"),
+                                           (["--min-p", "-0.5"], "--min-p is a probability (0..1), got -0.5"),
+                                           (["--temp", "-1"], "--temp must be >= 0"),
+                                           (["--repeat-penalty", "0"], "--repeat-penalty > 0")])
+def test_sampling_options_out_of_range_are_one_line(shared_data, args, message):
+    """A sampling value outside its range (--top-p 2 was taken without a word) is one line naming it."""
+    r = _cli("generate", "--model", str(shared_data / "gguf" / "stories260K.gguf"), "--prompt", "hi", "-n", "2", *args)
+    assert r.returncode == 1 and message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
