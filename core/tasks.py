@@ -15,7 +15,7 @@ rounding:
   once, and the log-likelihood of each continuation is the sum of its positions'
   log-probabilities (losses.sequence_nll with a selection matrix, the logits never held whole).
   One plan serves every batch of a task, its shape chosen for the task (_shape): the row length
-  (from the longest choice to the context) and rows a batch that compute the fewest positions,
+  (from the longest choice to the model's context) and rows a batch that compute the fewest positions,
   pieces placed first fit, the rows spread evenly over the batches. Where the model has recurrent
   layers (a state cannot branch), in rows longer than a sliding window (it counts rows), and for
   an item longer than a row, each choice is a whole sample of its own instead.
@@ -182,16 +182,18 @@ def _place(sizes, length: int) -> tuple:
     return where, n
 
 
-def _shape(items: list, n_ctx: int, tree: bool, window: int) -> tuple:
+def _shape(items: list, limit: int, tree: bool, window: int) -> tuple:
     """(row length, rows a batch, tree) that compute the fewest positions for the task's items:
-    each row length from the longest choice (rounded up to 32) to the context or BATCH_TOKENS,
-    a batch at most BATCH_TOKENS positions (one row at least), the rows spread evenly over the
-    batches (no nearly empty last batch). With a window (local layers), trees only in rows no
-    longer than it (the window counts rows)."""
+    each row length from the longest choice (rounded up to 32) to `limit` (the model's context)
+    or BATCH_TOKENS, a batch at most BATCH_TOKENS positions (one row at least), the rows spread
+    evenly over the batches (no nearly empty last batch). A row is longer than a choice may be
+    (n_ctx) where that packs better: positions count within a segment, and attention skips the
+    blocks of other segments. With a window (local layers), trees only in rows no longer than it
+    (the window counts rows)."""
     longest = max(len(s) - 1 for item in items for s in item.seqs)
-    first = min(-(-longest // 32) * 32, n_ctx)
+    first = min(-(-longest // 32) * 32, limit)
     best = None
-    for length in range(first, max(first, min(n_ctx, BATCH_TOKENS)) + 1, 32):
+    for length in range(first, max(first, min(limit, BATCH_TOKENS)) + 1, 32):
         here = tree and (not window or length <= window)
         _, rows = _place((s for item in items for s in item.pieces(length, here)), length)
         batches = -(-rows // max(1, BATCH_TOKENS // length))
@@ -276,7 +278,7 @@ def score_items(cfg: ModelConfig, weights: dict, backend, encoded: list, adapter
     tree = _tree_fits(cfg)
     items = [_Item(choices, tree) for choices, _ in encoded]
     window = cfg.window if any(cfg.local(i) for i in range(cfg.layers)) else 0
-    length, n_rows, tree = _shape(items, n_ctx, tree, window)
+    length, n_rows, tree = _shape(items, cfg.ctx, tree, window)
     batches = _pack(items, length, n_rows, tree)
     if not batches:
         return []

@@ -226,6 +226,27 @@ def test_tree_packed_scores_equal_item_by_item(monkeypatch, case, extra, tree):
         np.testing.assert_allclose(got.logliks, want.logliks, rtol=0, atol=2e-4)
 
 
+def test_rows_may_be_longer_than_a_choice_may(monkeypatch):
+    """--ctx bounds a choice, not a row: with n_ctx 64 on a model of context 256, rows longer than
+    64 pack several items (positions count within a segment), and the scores are still those of
+    the decoder whose context is 64."""
+    from ggtrain.core import tasks
+    from ggtrain.core.models.config import init_params
+    from tests.family_cases import CASES, TINY
+    cfg = ModelConfig(**{**TINY, **CASES["llama3"].tiny, "ctx": 256})
+    weights = init_params(cfg, seed=3, std=0.3)
+    items = _random_items(np.random.default_rng(5), cfg.vocab, 12)
+    monkeypatch.setattr(tasks, "BATCH_TOKENS", 256)
+    shapes = []
+    real_shape = tasks._shape
+    monkeypatch.setattr(tasks, "_shape", lambda *a: shapes.append(real_shape(*a)) or shapes[-1])
+    many = tasks.score_items(cfg, weights, CpuBackend(2), items, n_ctx=64)
+    assert shapes[0][0] > 64, shapes
+    decoder = Decoder(cfg, weights, CpuBackend(2), n_ctx=64)
+    for (choices, gold), got in zip(items, many):
+        np.testing.assert_allclose(got.logliks, score_item(decoder, choices, gold).logliks, rtol=0, atol=2e-4)
+
+
 @pytest.mark.parametrize("n_items", [3, 24, 200])
 def test_packing_computes_few_positions_past_the_items(n_items):
     """The rows' length and count are chosen for the task (_shape): the positions a task's
