@@ -43,6 +43,7 @@ from ggtrain.formats.mixture import OUT_TYPES
 from ggtrain.formats.model_file import carried_kv, check_write_type, open_model, save_model
 from ggtrain.formats.tasks import read_task
 from ggtrain.native.dtypes import dtype, nbytes
+from ggtrain.words import count
 
 # Defaults that learn ../shared/data/chat/dummy_conversation.json (the Vicuna identity, 41k
 # tokens) in one epoch on SmolLM2-135M: 84 updates of one packed 512-token window at 5e-4
@@ -261,7 +262,8 @@ def finetune(
     procs = f" on each of {world.size} processes" if world.size > 1 else ""
     cmd.summary(f"finetune: {'all' if full else 'LoRA'} {sum(v.size for v in init.values()):,} trained parameters "
                 f"({'' if full else f'rank {lora_cfg.rank}, alpha {lora_cfg.alpha:g}, '}{base.cfg.layers} blocks); "
-                f"{td.summary}; {train_cfg.steps:,} updates of {train_cfg.batch} x {train_cfg.grad_acc} windows{procs}",
+                f"{td.summary}; {count(train_cfg.steps, 'update')} of {train_cfg.batch} x {train_cfg.grad_acc} "
+                f"window{'' if train_cfg.batch * train_cfg.grad_acc == 1 else 's'}{procs}",
                 run)
     kind_name = "finetune-full" if full else "finetune-lora"
     run_json = {"ctx": opts.ctx, "packing": opts.packing, "drop_long": opts.drop_long,

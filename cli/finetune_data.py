@@ -20,6 +20,7 @@ from ggtrain.formats.sample_cache import packed_rows
 from ggtrain.formats.dataset import is_plain_text, record_template
 from ggtrain.formats.gguf import GGUFFile
 from ggtrain.formats.tokenizer import Tokenizer
+from ggtrain.words import count
 
 
 @dataclass(frozen=True)
@@ -128,7 +129,7 @@ def _plain(opts: DataOptions, tok: Tokenizer, global_batch: int, quiet: bool, wo
 
 def _enough(opts: DataOptions, packed, global_batch: int) -> None:
     if packed.rows < global_batch:
-        raise ConfigError(f"--data {opts.path}: {packed.rows} windows of {opts.ctx} tokens, fewer than one batch of "
+        raise ConfigError(f"--data {opts.path}: {count(packed.rows, 'window')} of {opts.ctx} tokens, fewer than one batch of "
                           f"{global_batch}; use a smaller --batch or --ctx")
 
 
@@ -142,9 +143,9 @@ def _records(opts: DataOptions, records, packed_part, global_batch: int) -> Trai
     val = (eval_batches(packed_part("val", lambda allocate: pack(
         val_s, opts.ctx, packing=opts.packing, drop_long=opts.drop_long, allocate=allocate))[0], global_batch)
         if len(val_s) else [])
-    summary = (f"{stats.samples:,} samples, {stats.trained:,} trained of {stats.tokens:,} tokens "
+    summary = (f"{count(stats.samples, 'sample')}, {stats.trained:,} trained of {count(stats.tokens, 'token')} "
                f"({stats.truncated} cut, {stats.dropped} dropped at --ctx {opts.ctx}, {stats.empty} with "
-               f"nothing to train) in {stats.rows:,} windows{'' if opts.packing else ' (no packing)'}")
+               f"nothing to train) in {count(stats.rows, 'window')}{'' if opts.packing else ' (no packing)'}")
     return TrainingData(batches, val, batches.batches_per_epoch, fingerprint, summary, packed=packed)
 
 
@@ -163,8 +164,8 @@ def _pairs(opts: DataOptions, records, packed_part, global_batch: int, world: Wo
     pairs = pair_slots(packed.pair, global_batch // world.size)
     if val_packed is not None:
         pairs = max(pairs, pair_slots(val_packed.pair, global_batch // world.size))
-    summary = (f"{stats.packed:,} preference pairs ({stats.truncated} cut, {stats.dropped} dropped at --ctx "
-               f"{opts.ctx}), {stats.trained:,} trained of {stats.tokens:,} tokens in {stats.rows:,} windows; {method}")
+    summary = (f"{count(stats.packed, 'preference pair')} ({stats.truncated} cut, {stats.dropped} dropped at --ctx "
+               f"{opts.ctx}), {stats.trained:,} trained of {count(stats.tokens, 'token')} in {count(stats.rows, 'window')}; {method}")
     return TrainingData(batches, eval_batches(val_packed, global_batch) if val_packed is not None else [],
                         batches.batches_per_epoch, fingerprint, summary, packed=packed, val_packed=val_packed,
                         pairs=pairs, n_pairs=len(every))

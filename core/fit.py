@@ -22,6 +22,7 @@ import numpy as np
 from ggtrain.core.distributed import World
 from ggtrain.core.step import TrainStep, search_fields
 from ggtrain.errors import ConfigError, NumericError
+from ggtrain.words import count
 
 
 def check_early_stop(patience: int, min_delta: float) -> None:
@@ -79,7 +80,7 @@ def stop_message(reason: str, stopping: EarlyStopping, done: int) -> str:
         return f"interrupted at {at}"
     kept = (f"; kept the best model ({stopping.unit} {stopping.best_step}, validation loss {stopping.best:.4f})"
             if stopping.patience and stopping.best_step else "")
-    return f"ran all {done:,} {stopping.unit}s{kept}"
+    return f"ran all {count(done, stopping.unit)}{kept}"
 
 
 class Run(ABC):

@@ -30,6 +30,7 @@ from ggtrain.core.preference import PairLoss, PreferenceConfig
 from ggtrain.core.step import TrainStep
 from ggtrain.core.tensor import Tensor
 from ggtrain.errors import ConfigError
+from ggtrain.words import count
 
 
 # ---- classifier training (MNIST) ---------------------------------------------------------
@@ -264,7 +265,7 @@ class ClassifierRun(Run):
     def why_stopped(self) -> str:
         """As Run's; a run of --steps that ran them all says so in updates (its epochs may be 0)."""
         if self.stop_reason == "finished" and self.config.steps:
-            return f"ran all {self.updates:,} updates"
+            return f"ran all {count(self.updates, 'update')}"
         return super().why_stopped()
 
 
