@@ -163,6 +163,12 @@ def main() -> None:
     weights_n = sum(int(np.prod(s)) for n, s in shapes.items() if n.startswith("blk.") and len(s) >= 2)
     weights_n += int(np.prod(shapes[head_name(cfg)]))
     flops = 2.0 * weights_n * tokens
+    # the items' own work: each item's tree (shared prefix once, then each choice's rest) through
+    # the blocks, each continuation token through the head: what no way of scoring can skip
+    from ggtrain.core.tasks import _Item
+    head_n = int(np.prod(shapes[head_name(cfg)]))
+    own = sum(2.0 * (weights_n - head_n) * _Item(choices, True).tree + 2.0 * head_n * sum(len(t) for _, t, _ in choices)
+              for choices, _ in encoded)
     peak = Peak(args.threads)
     print(f"{args.model.name}, {len(items)} items, {tokens} choice tokens, {args.threads} threads, "
           f"{args.rounds} rounds alternated")
@@ -191,6 +197,11 @@ def main() -> None:
     print(f"  batched / item by item: {rate['batched'] / rate['item by item']:.2f}x; "
           f"batched / llama.cpp: {rate['batched'] / rate['llama.cpp']:.2f}x (filing day: item by item at 2x "
           f"llama.cpp, so {rate['batched'] / rate['llama.cpp'] / 2:.2f}x that day's items/s)")
+    fastest = peak.gflops * 1e9 / own * len(items)
+    print(f"  the items' own work (prefixes once, the head on continuation tokens): {own / 1e9:.1f} GFLOP; at the "
+          f"peak, {fastest:.2f} items/s at most; batched computes it at {peak.percent(own / best['batched'] / 1e9):.0f}% "
+          f"of peak" + (f", the filing day at {peak.percent(own / best['filing day'] / 1e9):.0f}% (3x it needs "
+                        f"{3 * peak.percent(own / best['filing day'] / 1e9):.0f}%)" if args.filing_day else ""))
     if args.filing_day:
         d_filed = max(abs(a - b) for s, o in zip(batched, filed) for a, b in zip(s.logliks, o))
         print(f"  batched / filing day: {rate['batched'] / rate['filing day']:.2f}x (measured; target >= 3x); "

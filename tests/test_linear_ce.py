@@ -101,6 +101,30 @@ def test_same_bits_for_any_thread_count_and_plain_c_within_rounding():
         _close(got, want, Wd, t)
 
 
+def test_avx512_exps_keep_the_bits():
+    """The exps of each vocabulary block take gt_expf16_ with AVX-512, gt_expf_ below it: the same
+    losses and gradients bit for bit at SIMD levels 1 and 2, from logits spanning the exp's range
+    (rows scaled so most exps underflow) and blocks whose length is not a multiple of 16."""
+    if not lib.gt_cpu_features() & 2:
+        pytest.skip("this CPU lacks AVX-512 (no second path to compare)")
+    rng = np.random.default_rng(4)
+    n, c, v = 40, 64, 601
+    x = rng.standard_normal((n, c)).astype(np.float32)
+    x[:10] *= 30.0
+    raw, _ = _stored(rng.standard_normal((v, c)).astype(np.float32), "q8_0")
+    t = rng.integers(-1, v, n).astype(np.int32)
+    got = {}
+    for level in (1, 2):
+        lib.gt_set_simd_level(level)
+        try:
+            got[level] = [_kernel(x, raw, t, "q8_0", scale=0.7, grad=grad, n_threads=2) for grad in (True, False)]
+        finally:
+            lib.gt_set_simd_level(2)
+    for a, b in zip(got[1], got[2]):
+        np.testing.assert_array_equal(a, b)
+    assert np.isfinite(got[2][0]).all() and (got[2][0][n * c:][t >= 0] > 0).all()
+
+
 @pytest.mark.parametrize("wtype", ["q8_0", "q4_k"])
 def test_many_vocabulary_blocks_on_the_test_backend(wtype, backend):
     """Enough rows times vocabulary that every backend takes W in more than one block (the

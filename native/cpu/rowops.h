@@ -63,8 +63,9 @@ GT_CLONES __attribute__((unused)) static float scaled_max_row(const float *x, fl
     return m;
 }
 
-/* d[j] = exp(d[j] - m) in place; returns sum of d in the order softmax.c's exp_row sums */
-GT_CLONES __attribute__((unused)) static float exp_row_inplace(float *d, float m, int64_t n) {
+/* d[j] = exp(d[j] - m) in place; returns sum of d in the order softmax.c's exp_row sums
+ * (exp_row_inplace below: with AVX-512 through gt_expf16_, the same bits) */
+GT_CLONES __attribute__((unused)) static float exp_row_inplace_c(float *d, float m, int64_t n) {
     float acc[GT_LANES] = {0};
     int64_t i = 0;
     for (; i + GT_LANES <= n; i += GT_LANES)
@@ -81,6 +82,38 @@ GT_CLONES __attribute__((unused)) static float exp_row_inplace(float *d, float m
         sum += e;
     }
     return sum;
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+/* exp_row_inplace_c with gt_expf16_ (simd.h: the same bits in fewer instructions): the same
+ * lane sums, added in lane order, then the tail. Measured: the exps of the vocabulary's logits
+ * were 15% of linear_cross_entropy's time in evaluation (SmolLM2, 49,152 entries). */
+__attribute__((target("avx512f"), unused)) static float exp_row_inplace_512(float *d, float m, int64_t n) {
+    __m512 acc = _mm512_setzero_ps();
+    const __m512 mv = _mm512_set1_ps(m);
+    int64_t i = 0;
+    for (; i + GT_LANES <= n; i += GT_LANES) {
+        const __m512 e = gt_expf16_(_mm512_sub_ps(_mm512_loadu_ps(d + i), mv));
+        _mm512_storeu_ps(d + i, e);
+        acc = _mm512_add_ps(acc, e);
+    }
+    float lanes[GT_LANES], sum = 0.0f;
+    _mm512_storeu_ps(lanes, acc);
+    for (int k = 0; k < GT_LANES; k++) sum += lanes[k];
+    for (; i < n; i++) {
+        const float e = gt_expf_(d[i] - m);
+        d[i] = e;
+        sum += e;
+    }
+    return sum;
+}
+#endif
+
+__attribute__((unused)) static inline float exp_row_inplace(float *d, float m, int64_t n) {
+#if defined(__x86_64__) && defined(__GNUC__)
+    if (gt_simd_level_() >= 2) return exp_row_inplace_512(d, m, n);
+#endif
+    return exp_row_inplace_c(d, m, n);
 }
 
 #endif
