@@ -16,7 +16,7 @@ import traceback
 
 import typer
 from typer import rich_utils
-from typer._click.exceptions import ClickException, NoArgsIsHelpError
+from typer._click.exceptions import BadParameter, ClickException, NoArgsIsHelpError
 from typer.exceptions import Abort
 
 from ggtrain import __version__
@@ -102,6 +102,42 @@ def _say(line: str) -> None:
     sys.stderr.flush()
 
 
+# how Typer's parsing words a value that is not of the option's type -> ours (the value goes first)
+_TYPE_WORDS = {"Input should be a valid number, unable to parse string as a number": "not a number",
+               "Input should be a valid integer, unable to parse string as an integer": "not a whole number",
+               "Input should be a valid integer, got a number with a fractional part": "not a whole number"}
+
+
+def _given(param, args: list):
+    """The value the command line gave the option `param` (its last occurrence), or None."""
+    value = None
+    for i, arg in enumerate(args):
+        for name in getattr(param, "opts", []) + getattr(param, "secondary_opts", []):
+            if arg == name and i + 1 < len(args):
+                value = args[i + 1]
+            elif arg.startswith(name + "="):
+                value = arg[len(name) + 1:]
+    return value
+
+
+def usage_line(exc: ClickException, args: list) -> str:
+    """A usage error's one line: Click's, with the value a bad option was given in it (Typer's
+    type errors leave it out: "--lr abc" said "Input should be a valid number") and without the
+    "Value error, " Typer puts before a choice's list."""
+    message = exc.format_message()
+    if type(exc) is not BadParameter or exc.param is None or getattr(exc.param, "is_flag", False):
+        return message
+    words = exc.message.removeprefix("Value error, ")
+    value = _given(exc.param, args)
+    if value is not None and words in _TYPE_WORDS:
+        words = f"{value!r} is {_TYPE_WORDS[words]}"
+    elif value is not None and words.startswith("Input should be "):    # a bound: "... greater than ..."
+        words = f"{value!r} should be {words.removeprefix('Input should be ')}"
+    elif value is not None and repr(value) not in words:
+        words = f"{value!r}: {words}"
+    return message.replace(exc.message, words)
+
+
 def _run(args: list) -> None:
     """The app on args; a usage error (a bad option or value) is one line too, with Click's
     status 2 (rather than its box drawn over a dozen lines)."""
@@ -111,7 +147,7 @@ def _run(args: list) -> None:
         if isinstance(exc, NoArgsIsHelpError):     # `ggtrain` alone: the help, as Typer shows it
             rich_utils.rich_format_error(exc)
         else:
-            _say(f"error: {exc.format_message()}")
+            _say(f"error: {usage_line(exc, args)}")
         sys.exit(exc.exit_code)
     except Abort:
         sys.exit(1)

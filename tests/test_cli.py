@@ -80,3 +80,22 @@ def test_backend_cuda_says_why_it_cannot_run(tmp_path):
         r = subprocess.run([sys.executable, "-m", "ggtrain", "train", "--out", "x.gguf", "--backend", backend],
                            capture_output=True, text=True)
         assert r.returncode == 1 and r.stderr == f"error: --backend {backend}: not available: {reason}\n", r.stderr
+
+
+@pytest.mark.parametrize("args, line", [
+    (["train", "--lr", "abc"], "Invalid value for '--lr': 'abc' is not a number"),
+    (["train", "--lr=abc"], "Invalid value for '--lr': 'abc' is not a number"),
+    (["train", "--steps", "1.5"], "Invalid value for '--steps': '1.5' is not a whole number"),
+    (["train", "--batch", "0"], "Invalid value for '--batch': '0' should be greater than or equal to 1"),
+    (["finetune", "--method", "ppo"], "Invalid value for '--method': 'ppo' is not one of 'sft', 'dpo', 'orpo'."),
+])
+def test_a_bad_value_is_one_line_that_shows_it(capsys, args, line):
+    """A value the option's type or bounds refuse is a usage error (status 2) whose one line
+    echoes the value given, in plain words (Typer's said "Input should be a valid number" without
+    the value, and "Value error, " before a choice's list)."""
+    from ggtrain.cli import main
+    main._register()
+    with pytest.raises(SystemExit) as exit_:
+        main._run(args)
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err == f"error: {line}\n"
