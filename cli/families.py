@@ -53,7 +53,7 @@ def _block(family) -> str:
     out.append("NEOX rope" if family.rope_mode == "neox" else "rope")
     out += [words(family) if callable(words) else words for has, words in _FEATURES if has(family)]
     act = {"silu": "SwiGLU", "gelu": "GeGLU", "swiglu_oai": "clamped SwiGLU (biased)"}[family.act] + (" (fused gate-up)" if family.fused_gate_up else "")
-    norm = "renormalised" if family.moe_norm or family.gating == "softmax_weight" else "not renormalised"
+    norm = "renormalized" if family.moe_norm or family.gating == "softmax_weight" else "not renormalized"
     router = "a softmax router"
     if "expert_gating" in family.all_keys:     # the file names the gating (lfm2moe)
         router = "expert_gating_func's sigmoid or softmax scores" + (

@@ -162,7 +162,10 @@ def finetune(
                                      help=f"Weights to adapt, comma-separated, or all (the family's defaults; of "
                                           f"{', '.join(TARGETS)}: the *_exps experts only when named). "
                                           "Also --lora-modules."),
-    lora_dropout: float = typer.Option(0.0, "--lora-dropout", rich_help_panel=LORA, help="Dropout of their input."),
+    lora_dropout: float = typer.Option(0.0, "--lora-dropout", rich_help_panel=LORA,
+                                       help="Dropout on each adapter's input while training: in x A^T B^T "
+                                            "only (the frozen product sees all of x), this fraction of x "
+                                            "zeroed, the rest scaled by 1 / (1 - it); [0, 1), 0: none."),
     method: Method = METHOD,
     beta: float = typer.Option(0.1, "--beta", rich_help_panel=OBJECTIVE, help="DPO's beta."),
     orpo_lambda: float = typer.Option(0.1, "--orpo-lambda", rich_help_panel=OBJECTIVE,
@@ -171,7 +174,9 @@ def finetune(
                                     help="DPO: plus this times the chosen answers' SFT loss (RPO)."),
     steps: int = STEPS,
     epochs: float = opt_epochs("1"),
-    batch: int = opt_batch(1, "Windows of --ctx tokens (one 512-token window: small data learns in a few updates)"),
+    batch: int = opt_batch(1, "Windows of --ctx tokens a micro-batch; an update is --batch x --grad-acc of "
+                              "them (on each process under mpiexec). One by default: small data learns in a few "
+                              "updates."),
     grad_acc: int = GRAD_ACC,
     lr: float = opt_lr(f"{LR_LORA:g}; {LR_FULL:g} with --full"),
     lr_min: float = LR_MIN,
@@ -195,7 +200,7 @@ def finetune(
     save_every: int = SAVE_EVERY,
     on_save_error: OnSaveError = ON_SAVE_ERROR,
     resume: pathlib.Path = opt_resume("same --model and --data"),
-    seed: int = opt_seed("the adapters' initialisation and the data order"),
+    seed: int = opt_seed("the adapters' initialization and the data order"),
     threads: int = THREADS,
     backend: Backend = BACKEND,
     log: pathlib.Path = LOG,

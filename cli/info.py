@@ -1,6 +1,6 @@
 """`ggtrain info FILE [--json]` (layer 6): what a GGUF file holds.
 
-Text: version, key/value pairs (long arrays summarised: item type, length, first
+Text: version, key/value pairs (long arrays summarized: item type, length, first
 items), tensors (name, type, shape in numpy order, bytes) and totals.
 --json: one object {"version", "alignment", "data_offset", "kv", "tensors",
 "n_tensors", "tensor_bytes"}; "kv" maps each key to its value, except arrays
@@ -80,7 +80,7 @@ def info(
     file: Path = typer.Argument(..., help="A GGUF file.", show_default=False),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of text."),
     max_items: int = typer.Option(64, "--max-items", min=0,
-                                  help="With --json, arrays longer than this are summarised (0: never)."),
+                                  help="With --json, arrays longer than this are summarized (0: never)."),
 ):
     """Show what a GGUF file holds: version, key/value pairs, tensors, data size."""
     with file_errors(str(file), "GGUF file"):

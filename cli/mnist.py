@@ -45,9 +45,11 @@ def train(
     limit: int = typer.Option(0, "--limit", rich_help_panel=DATA, help="Only the first N training images (0: all)."),
     steps: int = STEPS,
     epochs: float = opt_epochs("30; with --resume, the run's new total"),
-    batch: int = opt_batch(1000, "Images (a logical batch: one update; more than the training split: all of it)"),
+    batch: int = opt_batch(1000, "Images an update takes (each process's under mpiexec); more than the "
+                                 "training split: all of it. Run --physical-batch at a time."),
     physical_batch: int = typer.Option(500, "--physical-batch", rich_help_panel=OPTIMIZATION,
-                                       help="Images a native run; gradients add up over --batch / this."),
+                                       help="Images one native run takes; an update adds up the gradients of "
+                                            "--batch / this runs."),
     lr: float = opt_lr("1e-3"),
     optimizer: Optimizer = OPTIMIZER,
     momentum: float = MOMENTUM,
@@ -58,7 +60,7 @@ def train(
     save_every: int = SAVE_EVERY,
     on_save_error: OnSaveError = ON_SAVE_ERROR,
     resume: pathlib.Path = opt_resume("same --data and --limit; the run's other settings are the checkpoint's"),
-    seed: int = opt_seed("the initialisation, the split and the order"),
+    seed: int = opt_seed("the initialization, the split and the order"),
     threads: int = THREADS,
     backend: Backend = BACKEND,
     log: pathlib.Path = LOG,

@@ -80,7 +80,8 @@ Backend, BACKEND = choice("cpu", "--backend", values=tuple(BACKENDS), panel=RUNT
                                "faster, ~1e-3 relative error) or cuda-bf16 (bf16 products, ~1e-2).")
 STEPS = typer.Option(None, "--steps", rich_help_panel=OPTIMIZATION, show_default=False,
                      help="Optimizer updates (instead of --epochs).")
-GRAD_ACC = typer.Option(1, "--grad-acc", min=1, rich_help_panel=OPTIMIZATION, help="Physical batches per update.")
+GRAD_ACC = typer.Option(1, "--grad-acc", min=1, rich_help_panel=OPTIMIZATION,
+                        help="Micro-batches (of --batch windows) per update: their gradients add up.")
 MOMENTUM = typer.Option(0.0, "--momentum", rich_help_panel=OPTIMIZATION, help="SGD's momentum.")
 GRAD_CLIP = typer.Option(None, "--grad-clip", rich_help_panel=OPTIMIZATION, show_default=False,
                          help="Clip the global gradient norm (0: off) (default: 1; 0 with lbfgs).")
@@ -140,8 +141,9 @@ def opt_epochs(words: str):
 
 
 def opt_batch(default: int, words: str):
-    return typer.Option(default, "--batch", min=1, rich_help_panel=OPTIMIZATION, help=f"{words} per physical batch "
-                        "(of each process under mpiexec).")
+    """--batch, its help the command's own sentence (what a batch holds differs: windows a
+    micro-batch for train and finetune, images an update for mnist)."""
+    return typer.Option(default, "--batch", min=1, rich_help_panel=OPTIMIZATION, help=words)
 
 
 def opt_lr(words: str):

@@ -1,7 +1,7 @@
 """Multiple-choice task scoring for `eval --task` and `finetune --eval-task` (layer 6): the
 task's items tokenized as lm-evaluation-harness does, scored with a progress bar (many choices
 in one batch in exact numbers; item by item through the KV-cached decoder in llama.cpp's),
-summarised with standard errors."""
+summarized with standard errors."""
 from __future__ import annotations
 
 import re
@@ -49,7 +49,7 @@ def run_task(items: list, tokenizer, cfg, weights: dict, backend, adapters: dict
 
 
 def task_words(result: dict, prefix: str = "") -> str:
-    """'accuracy 0.6250 ± 0.0234, normalised 0.6500 ± 0.0230 (400 items)' of summarize()'s
+    """'accuracy 0.6250 ± 0.0234, normalized 0.6500 ± 0.0230 (400 items)' of summarize()'s
     keys (with a prefix: "task_acc", ...)."""
     r = {k[len(prefix):]: v for k, v in result.items() if k.startswith(prefix)}
 
@@ -57,4 +57,4 @@ def task_words(result: dict, prefix: str = "") -> str:
         return f"{r[key]:.4f}" + (f" ± {r[key + '_stderr']:.4f}" if r[key + "_stderr"] is not None else "")
 
     item = "item" if r["items"] == 1 else "items"
-    return f"accuracy {value('acc')}, normalised {value('acc_norm')} ({r['items']} {item})"
+    return f"accuracy {value('acc')}, normalized {value('acc_norm')} ({r['items']} {item})"

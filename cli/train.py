@@ -86,7 +86,8 @@ def train(
     token_cache: str = TOKEN_CACHE,
     steps: int = STEPS,
     epochs: float = opt_epochs("1000 updates"),
-    batch: int = opt_batch(8, "Windows of --ctx tokens"),
+    batch: int = opt_batch(8, "Windows of --ctx tokens a micro-batch; an update is --batch x --grad-acc of them "
+                              "(on each process under mpiexec)."),
     grad_acc: int = GRAD_ACC,
     lr: float = opt_lr("1e-3"),
     lr_min: float = LR_MIN,
@@ -105,7 +106,7 @@ def train(
     save_every: int = SAVE_EVERY,
     on_save_error: OnSaveError = ON_SAVE_ERROR,
     resume: pathlib.Path = opt_resume("same --data"),
-    seed: int = opt_seed("the initialisation and the window order"),
+    seed: int = opt_seed("the initialization and the window order"),
     threads: int = THREADS,
     backend: Backend = BACKEND,
     log: pathlib.Path = LOG,
