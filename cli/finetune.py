@@ -229,6 +229,9 @@ def finetune(
         pref = PreferenceConfig(**rc["preference"]) if rc.get("preference") else None
     if moe_aux_loss and not full:   # before the base and the data are read
         raise ConfigError("--moe-aux-loss is for --full: it balances routers trained whole, not LoRA adapters")
+    if moe_aux_loss and pref is not None:
+        raise ConfigError(f"--moe-aux-loss is for --method sft: it balances routers trained on text, not under "
+                          f"{pref.method}'s preference objective")
     base = _open_base(cmd, model, full)
     opts = dataclasses.replace(opts, ctx=opts.ctx or min(512, base.cfg.ctx))
     if not 2 <= opts.ctx <= base.cfg.ctx:

@@ -193,7 +193,8 @@ def test_full_finetune_writes_a_model(tmp_path, story, text):
 def test_full_finetune_takes_moe_aux_loss_and_lora_refuses_it(tmp_path):
     """finetune --full --moe-aux-loss 0.01 of a tiny qwen3moe trains with it (its checkpoint's
     training config holds 0.01); without --full (LoRA) the option is refused in one line before
-    the base is read, and nothing is written."""
+    the base is read, and nothing is written; with a preference objective too (--method dpo), before the
+    data is read."""
     text = tmp_path / "t.txt"
     text.write_text("Tom had a red kite. The kite flew high over the park and Tom laughed. " * 20)
     base, out, ck = tmp_path / "base.gguf", tmp_path / "full.gguf", tmp_path / "ck"
@@ -211,6 +212,13 @@ def test_full_finetune_takes_moe_aux_loss_and_lora_refuses_it(tmp_path):
     assert r.returncode == 1 and r.stderr == ("error: --moe-aux-loss is for --full: it balances routers trained "
                                               "whole, not LoRA adapters\n"), r.stderr
     assert not lora.exists()
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text('{"prompt": "Q ", "chosen": "a", "rejected": "b"}\n' * 8)
+    r = _cli("finetune", "--model", base, "--data", pairs, "--out", out.with_name("dpo.gguf"), "--full",
+             "--method", "dpo", "--moe-aux-loss", 0.01)
+    assert r.returncode == 1 and r.stderr == ("error: --moe-aux-loss is for --method sft: it balances routers trained "
+                                              "on text, not under dpo's preference objective\n"), r.stderr
+    assert not out.with_name("dpo.gguf").exists()
 
 
 def test_bad_input(tmp_path, story, text, chat, shared_data):
