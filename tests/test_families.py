@@ -9,6 +9,7 @@ adapter `ggtrain finetune` trains, and its merged model, give in llama.cpp what 
 ggtrain.
 """
 import json
+import re
 
 import gguf
 import numpy as np
@@ -534,3 +535,15 @@ def test_expert_adapter_of_another_shape_is_refused(tmp_path):
         write_lora(path, "qwen3moe", 8.0, {name: pair})
         with pytest.raises(FormatError, match=message.replace("(", r"\(").replace(")", r"\)")):
             lora_adapters(path, {name: shape}, 1.0, "qwen3moe")
+
+
+@pytest.mark.parametrize("change, words", [({"act": "relu"}, "act 'relu'"), ({"rope_mode": "yarn"}, "rope_mode 'yarn'"),
+                                           ({"gating": "sparsemax"}, "gating 'sparsemax' (one of softmax, sigmoid"),
+                                           ({"block": ("attn_foo.weight",)}, "no shape for block tensor 'attn_foo.weight'")])
+def test_a_family_with_a_value_the_decoder_lacks_is_refused_where_declared(change, words):
+    """A family is data: one naming an activation, rope mode, gating or block tensor the decoder
+    has no code for fails when it is declared, naming the field, not when a model runs."""
+    import dataclasses
+    from ggtrain.core.models.families import FAMILIES
+    with pytest.raises(ValueError, match=re.escape(f"family llama: {words}")):
+        dataclasses.replace(FAMILIES["llama"], **change)

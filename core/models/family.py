@@ -15,6 +15,9 @@ from typing import Callable
 
 import numpy as np
 
+from ggtrain.core.ops.moe import GATINGS
+
+
 @dataclass(frozen=True)
 class Key:
     """One "{arch}." key: the ModelConfig field it sets, the GGUF type llama.cpp reads it as
@@ -278,8 +281,12 @@ class Family:
         bad = [t for t in self.lora_targets if t + ".weight" not in stored]
         if bad:
             raise ValueError(f"family {self.arch}: LoRA target {bad[0]!r} is not a block weight")
-        if self.act not in ACTIVATIONS or self.rope_mode not in ("norm", "neox"):
-            raise ValueError(f"family {self.arch}: act {self.act!r}, rope_mode {self.rope_mode!r}")
+        if self.act not in ACTIVATIONS:
+            raise ValueError(f"family {self.arch}: act {self.act!r} (one of {', '.join(ACTIVATIONS)})")
+        if self.rope_mode not in ("norm", "neox"):
+            raise ValueError(f"family {self.arch}: rope_mode {self.rope_mode!r} (norm or neox)")
+        if self.gating not in GATINGS:
+            raise ValueError(f"family {self.arch}: gating {self.gating!r} (one of {', '.join(GATINGS)})")
         own = [n for names in self.kind_tensors.values() for n in names if n not in self.block]
         if own:
             raise ValueError(f"family {self.arch}: mixer tensor {own[0]!r} is not in its block")
