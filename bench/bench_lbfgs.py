@@ -72,7 +72,7 @@ def run_torch(threads, iterations, data_file):
 def run_ours(threads, iterations, x, y, init):
     from ggtrain.core.backend_cpu import CpuBackend
     from ggtrain.core.models import mnist as model
-    from ggtrain.core.train import ClassifierConfig, ClassifierRun
+    from ggtrain.core.train_classifier import ClassifierConfig, ClassifierRun
 
     physical = 1000 if len(y) % 1000 == 0 else len(y)
     cfg = ClassifierConfig(epochs=1, batch=len(y), physical_batch=physical, val_split=0.0, optimizer="lbfgs",

@@ -91,7 +91,7 @@ class OursSide:
     def __init__(self, arch, threads, x, y, backend=None):
         from ggtrain.core.backend_cpu import CpuBackend
         from ggtrain.core.models import mnist as model
-        from ggtrain.core.train import ClassifierConfig, ClassifierRun
+        from ggtrain.core.train_classifier import ClassifierConfig, ClassifierRun
 
         cfg = ClassifierConfig(epochs=1, val_split=0.0)
         self.run = ClassifierRun(lambda p, t: model.forward(arch, p, t), model.init_params(arch, 0), (28, 28), cfg,

@@ -56,7 +56,7 @@ elif arch in ("smollm2", "gemma"):
     per_epoch, unit = None, "update"
 else:
     from ggtrain.core.models import mnist as model
-    from ggtrain.core.train import ClassifierConfig, ClassifierRun
+    from ggtrain.core.train_classifier import ClassifierConfig, ClassifierRun
     run = ClassifierRun(lambda p, t: model.forward(arch, p, t), model.init_params(arch, 0), (28, 28),
                         ClassifierConfig(epochs=1), be)
     x = np.random.rand(500, 28, 28).astype(np.float32)

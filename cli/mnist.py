@@ -16,7 +16,7 @@ from ggtrain.cli.options import (BACKEND, CHECKPOINT_DIR, CONFIG, DATA, EARLY_ST
                                  opt_seed, opt_val_split)
 from ggtrain.core.data import fingerprint_arrays
 from ggtrain.core.models import mnist as model
-from ggtrain.core.train import ClassifierConfig, ClassifierRun, classifier_data, split_train_val
+from ggtrain.core.train_classifier import ClassifierConfig, ClassifierRun, classifier_data, split_train_val
 from ggtrain.errors import ConfigError
 from ggtrain.formats.checkpoint import Checkpoint, save_checkpoint
 from ggtrain.formats.idx import load_mnist

@@ -1,6 +1,6 @@
-"""Training runs and their one loop (layer 4): the Run base every run is (TextRun, ClassifierRun
-in core/train.py), and updates of a run until its last, with evaluations, early stopping and
-stop requests, reporting through callbacks.
+"""Training runs and their one loop (layer 4): the Run base every run is (TextRun in
+core/train.py, ClassifierRun in core/train_classifier.py), and updates of a run until its last,
+with evaluations, early stopping and stop requests, reporting through callbacks.
 
 `fit_updates` is the loop of every run (`TextRun.fit`: train and finetune; `ClassifierRun.fit`:
 mnist). The run gives its data and its own fields of each update's report through two

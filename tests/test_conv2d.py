@@ -150,7 +150,7 @@ def test_plans_count_convolution_flops():
     """An update's FLOPs (bench figures, % of peak) include conv2d's three kernels: for the
     MNIST CNN, conv1 forward and weight gradient (x needs none), conv2 all three, the dense
     layer's three products."""
-    from ggtrain.core.train import ClassifierConfig, ClassifierRun
+    from ggtrain.core.train_classifier import ClassifierConfig, ClassifierRun
 
     run = ClassifierRun(lambda p, t: mnist.forward("cnn", p, t), mnist.init_params("cnn", 0), (28, 28),
                         ClassifierConfig(batch=4, physical_batch=2, epochs=1), CpuBackend(1))

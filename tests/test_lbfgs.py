@@ -126,7 +126,7 @@ def test_history_pairs_hold_steps_and_gradient_changes():
 def _mnist_run(optimizer="lbfgs", epochs=6, n=1200, threads=2, reuse=True, lr=1.0):
     from ggtrain.cli.mnist import BUNDLED   # the bundled 5000-image subset: always there
     from ggtrain.core.models import mnist as model
-    from ggtrain.core.train import ClassifierConfig, ClassifierRun, classifier_data
+    from ggtrain.core.train_classifier import ClassifierConfig, ClassifierRun, classifier_data
     from ggtrain.formats.idx import load_mnist
     x, y = load_mnist(BUNDLED, "train")
     cfg = ClassifierConfig(epochs=epochs, batch=n // 2, physical_batch=n // 4, lr=lr, val_split=0.5,

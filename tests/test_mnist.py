@@ -10,7 +10,7 @@ import pytest
 
 from ggtrain.core.backend_cpu import CpuBackend
 from ggtrain.core.models import mnist as model
-from ggtrain.core.train import ClassifierConfig, ClassifierRun, classifier_data
+from ggtrain.core.train_classifier import ClassifierConfig, ClassifierRun, classifier_data
 from ggtrain.errors import FormatError
 from ggtrain.formats.idx import load_mnist, read_idx
 from ggtrain.formats.mnist import load_mnist_model, save_mnist_model
@@ -92,7 +92,7 @@ def test_short_run_beats_chance_and_eval_matches(mnist, arch, n, epochs, want):
     ev = run.evaluate(xt[:2000], yt[:2000])
     assert ev["accuracy"] > want and ev["n"] == 2000
     # evaluate reproduces the validation accuracy the run reported
-    from ggtrain.core.train import split_train_val
+    from ggtrain.core.train_classifier import split_train_val
     _, val = split_train_val(n, 0.1, 0)
     assert run.evaluate(x[:n][val], y[:n][val])["accuracy"] == history[-1]["val_accuracy"]
 
