@@ -17,10 +17,12 @@ from ggtrain.formats.tokenizer_base import (BOS_TEXT, CONTROL, EOS_TEXT, K, MIN_
                                             NORMAL, Tokenizer, VT, VocabInfo, _check_str, _utf8, token_pieces)
 
 # `tokenizers` runs its own threads (encode_batch, BpeTrainer) unless told not to. ggtrain encodes
-# large texts in forked worker processes (formats/corpus.py, sample_cache.py), and a fork of a
-# process those threads have run in can hang in the child on a lock one of them held (seen: a
-# worker stuck in encode_batch_fast after a BPE vocabulary was trained in the parent). So they
-# never start in a ggtrain process: its parallelism is its own workers'.
+# large texts in forked worker processes (formats/corpus.py, sample_cache.py), and forking a
+# process those threads have run in is unsafe (tokenizers warns of it), so they never start in a
+# ggtrain process: its parallelism is its own workers'. (The worker once seen hung inside
+# encode_batch_fast was not this: Python's collector, run there, freed a CPU backend's thread pool
+# copied from the parent, whose threads are not in the child; native/cpu/pool.c now frees such
+# a copy without waiting for them.)
 os.environ["TOKENIZERS_PARALLELISM"] = "false"
 
 

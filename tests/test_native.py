@@ -122,3 +122,45 @@ def test_a_bigger_pool_keeps_old_plans_working():
     backend.run(old)
     assert out1.sum() == 128
     assert not buf_calls
+
+
+def _forked_child(backend, plan, out):
+    """In a forked process: run the parent's plan (its pool's threads are not here), then free
+    the parent's backend and plan as Python's collector does."""
+    import gc
+    try:
+        backend.run(plan)
+        out.put("ran")
+    except NativeError as exc:
+        out.put(str(exc))
+    del backend, plan
+    gc.collect()
+    out.put("freed")
+
+
+def test_a_forked_process_frees_the_parents_pool_and_will_not_run_it():
+    """A fork copies a backend's thread pool but none of its threads. In the child, running a plan
+    on it is a NativeError saying so (it would wait forever for the absent threads), and freeing
+    it returns (it joined threads that are not there, and destroyed a condition variable the
+    parent's waiting threads were on: a forked corpus worker hung there when its collector freed
+    a backend the parent had made)."""
+    import multiprocessing
+    import time
+    backend = CpuBackend(2)
+    buf = CpuBuffer(2 * 4 * 37)
+    calls = [KernelCall("add_fwd_f32", _ref(buf, 4 * 37, (37,)), (_ref(buf, 4 * 37, (37,)), _ref(buf, 0, (37,))))]
+    plan = backend.compile(calls)
+    backend.run(plan)
+    time.sleep(0.3)                # the pool's worker now waits on its condition variable
+    ctx = multiprocessing.get_context("fork")
+    out = ctx.SimpleQueue()
+    child = ctx.Process(target=_forked_child, args=(backend, plan, out))
+    child.start()
+    child.join(30)
+    if child.is_alive():
+        child.kill()
+        pytest.fail("the forked process hung freeing (or running) its parent's thread pool")
+    said = [out.get(), out.get()]
+    assert "made by process" in said[0] and "before a fork" in said[0], said
+    assert said[1] == "freed" and child.exitcode == 0
+    backend.run(plan)              # the parent's pool is untouched

@@ -10,6 +10,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "internal.h"
 
@@ -77,7 +78,13 @@ typedef struct worker {
     int ith;
 } worker;
 
+/* A pool belongs to the process that made it (owner): a fork copies the pool's memory but not
+ * its threads, so in a forked child there is nothing to hand a job to, and its mutex and
+ * condition variable may hold the parent's waiters (pthread_cond_destroy then waits forever: a
+ * corpus worker hung so when Python's collector freed a backend the parent had made). In another
+ * process gt_pool_free only frees the memory, and gt_plan_compute on more than one thread fails. */
 struct gt_pool {
+    pid_t owner;
     int n_threads;
     pthread_t *threads;
     worker *workers;
@@ -203,6 +210,7 @@ int gt_pool_new(gt_pool **out, int32_t n_threads) {
         return GT_FAIL(GT_ERR_INVALID, "gt_pool_new: n_threads %d not in 1..1024", n_threads);
     gt_pool *pool = calloc(1, sizeof *pool);
     if (!pool) return GT_FAIL(GT_ERR_NOMEM, "gt_pool_new: out of memory");
+    pool->owner = getpid();
     pool->n_threads = n_threads;
     pthread_mutex_init(&pool->mu, NULL);
     pthread_cond_init(&pool->cv, NULL);
@@ -227,6 +235,12 @@ int gt_pool_new(gt_pool **out, int32_t n_threads) {
 
 void gt_pool_free(gt_pool *pool) {
     if (!pool) return;
+    if (pool->owner != getpid()) {    /* a forked copy: no threads to stop, sync objects untouched */
+        free(pool->threads);
+        free(pool->workers);
+        free(pool);
+        return;
+    }
     if (pool->threads && pool->workers) {
         pthread_mutex_lock(&pool->mu);
         pool->stop = 1;
@@ -276,6 +290,10 @@ int gt_plan_compute(gt_plan *plan, int32_t n_threads) {
     if (n_threads < 1 || n_threads > pool->n_threads)
         return GT_FAIL(GT_ERR_INVALID, "gt_plan_compute: n_threads %d not in 1..%d (pool size)",
                        n_threads, pool->n_threads);
+    if (n_threads > 1 && pool->owner != getpid())
+        return GT_FAIL(GT_ERR_INVALID, "gt_plan_compute: the thread pool was made by process %d, before "
+                       "a fork: this process (%d) has none of its threads; make a backend here",
+                       (int)pool->owner, (int)getpid());
     atomic_store(&pool->failed, 0);
     pool->fail_node = -1;
     plan->failed_node = -1;
