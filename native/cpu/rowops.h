@@ -65,6 +65,19 @@ GT_CLONES __attribute__((unused)) static float scaled_max_row(const float *x, fl
 
 /* d[j] = exp(d[j] - m) in place; returns sum of d in the order softmax.c's exp_row sums
  * (exp_row_inplace below: with AVX-512 through gt_expf16_, the same bits) */
+static inline __attribute__((always_inline, unused)) float exp_row_finish(const float *lanes, float *d, float m,
+                                                                         int64_t i, int64_t n) {
+    /* both ways' end: the GT_LANES lane sums added in lane order, then the tail d[i:n] */
+    float sum = 0.0f;
+    for (int k = 0; k < GT_LANES; k++) sum += lanes[k];
+    for (; i < n; i++) {
+        const float e = gt_expf_(d[i] - m);
+        d[i] = e;
+        sum += e;
+    }
+    return sum;
+}
+
 GT_CLONES __attribute__((unused)) static float exp_row_inplace_c(float *d, float m, int64_t n) {
     float acc[GT_LANES] = {0};
     int64_t i = 0;
@@ -74,14 +87,7 @@ GT_CLONES __attribute__((unused)) static float exp_row_inplace_c(float *d, float
             d[i + k] = e;
             acc[k] += e;
         }
-    float sum = 0.0f;
-    for (int k = 0; k < GT_LANES; k++) sum += acc[k];
-    for (; i < n; i++) {
-        const float e = gt_expf_(d[i] - m);
-        d[i] = e;
-        sum += e;
-    }
-    return sum;
+    return exp_row_finish(acc, d, m, i, n);
 }
 
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -97,15 +103,9 @@ __attribute__((target("avx512f"), unused)) static float exp_row_inplace_512(floa
         _mm512_storeu_ps(d + i, e);
         acc = _mm512_add_ps(acc, e);
     }
-    float lanes[GT_LANES], sum = 0.0f;
+    float lanes[GT_LANES];
     _mm512_storeu_ps(lanes, acc);
-    for (int k = 0; k < GT_LANES; k++) sum += lanes[k];
-    for (; i < n; i++) {
-        const float e = gt_expf_(d[i] - m);
-        d[i] = e;
-        sum += e;
-    }
-    return sum;
+    return exp_row_finish(lanes, d, m, i, n);
 }
 #endif
 
